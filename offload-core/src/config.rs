@@ -1,0 +1,804 @@
+//! Configuration (CONTRACT §2): the offload flags, the compact
+//! `diffusion_offload_config`, the [`ParallelConfig`], strategy selection by
+//! priority, and the DLO gather-group derivation.
+//!
+//! Parsing goes through serde with unknown keys denied; every semantic
+//! rejection is a [`ConfigError`] naming the key, the value and what is
+//! allowed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// The one strategy a configuration selects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OffloadStrategy {
+    /// No offloading.
+    None,
+    /// Whole components swap between host and device (CONTRACT §6).
+    ModelLevel,
+    /// Blocks stream through a ring of device slots (CONTRACT §7).
+    Layerwise,
+    /// Blocks stream as 1/G shards gathered across ranks (CONTRACT §8).
+    DistributedLayerwise,
+}
+
+impl OffloadStrategy {
+    /// The hook name the strategy's backend registers under.
+    pub const fn hook_name(self) -> &'static str {
+        match self {
+            OffloadStrategy::None => "none",
+            OffloadStrategy::ModelLevel => "model_level_offload",
+            OffloadStrategy::Layerwise => "layerwise_offload",
+            OffloadStrategy::DistributedLayerwise => "distributed_layerwise_offload",
+        }
+    }
+}
+
+impl fmt::Display for OffloadStrategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OffloadStrategy::None => "none",
+            OffloadStrategy::ModelLevel => "model-level",
+            OffloadStrategy::Layerwise => "layerwise",
+            OffloadStrategy::DistributedLayerwise => "distributed-layerwise",
+        })
+    }
+}
+
+/// A component name of the compact configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComponentName {
+    /// The denoising transformer(s).
+    Dit,
+    /// The text (and image) encoders.
+    TextEncoder,
+    /// The VAE.
+    Vae,
+}
+
+impl ComponentName {
+    /// Every name, in the order the docs list them.
+    pub const ALL: [ComponentName; 3] = [
+        ComponentName::Dit,
+        ComponentName::TextEncoder,
+        ComponentName::Vae,
+    ];
+
+    /// The key as written in configuration.
+    pub const fn key(self) -> &'static str {
+        match self {
+            ComponentName::Dit => "dit",
+            ComponentName::TextEncoder => "text_encoder",
+            ComponentName::Vae => "vae",
+        }
+    }
+}
+
+impl fmt::Display for ComponentName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.key())
+    }
+}
+
+/// `diffusion_offload_config.mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompactMode {
+    /// Model-level offload.
+    Module,
+    /// Layerwise (or distributed layerwise) offload.
+    Layer,
+}
+
+/// `layer_options.<component>.weight_transfer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WeightTransfer {
+    /// Each rank holds 1/G of every block and the group all-gathers it.
+    Allgather,
+    /// Each rank holds whole blocks and copies them itself.
+    RankLocal,
+}
+
+impl fmt::Display for WeightTransfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WeightTransfer::Allgather => "allgather",
+            WeightTransfer::RankLocal => "rank-local",
+        })
+    }
+}
+
+/// `layer_options.<component>`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerOptions {
+    /// How the component's blocks reach the device; unset means rank-local.
+    #[serde(default)]
+    pub weight_transfer: Option<WeightTransfer>,
+    /// Leading blocks kept on the device (dit only, rank-local only).
+    #[serde(default)]
+    pub resident_layers: u32,
+}
+
+/// The compact form, `diffusion_offload_config`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompactConfig {
+    /// `module` or `layer`.
+    pub mode: CompactMode,
+    /// The components to offload; non-empty, no duplicates.
+    pub components: Vec<ComponentName>,
+    /// Per-component layer options (mode `layer` only).
+    #[serde(default)]
+    pub layer_options: BTreeMap<ComponentName, LayerOptions>,
+    /// Pin host masters (default true).
+    #[serde(default)]
+    pub pin_memory: Option<bool>,
+}
+
+/// The parallel facts of this process. The caller never passes an offload
+/// group size: it is derived from these (see [`gather_group`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Data-parallel size.
+    pub data_parallel_size: u32,
+    /// Sequence-parallel size.
+    pub sequence_parallel_size: u32,
+    /// Tensor-parallel size.
+    pub tensor_parallel_size: u32,
+    /// Whether HSDP shards the DiT parameters.
+    pub use_hsdp: bool,
+    /// HSDP shard group size.
+    pub hsdp_shard_size: u32,
+    /// HSDP replicate group size.
+    pub hsdp_replicate_size: u32,
+    /// This process's global rank.
+    pub rank: u32,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            data_parallel_size: 1,
+            sequence_parallel_size: 1,
+            tensor_parallel_size: 1,
+            use_hsdp: false,
+            hsdp_shard_size: 1,
+            hsdp_replicate_size: 1,
+            rank: 0,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// A single process: every size 1.
+    pub fn single() -> Self {
+        Self::default()
+    }
+
+    /// A config of the given dp, sp and tp sizes, rank 0, no HSDP.
+    pub fn sizes(dp: u32, sp: u32, tp: u32) -> Self {
+        Self {
+            data_parallel_size: dp,
+            sequence_parallel_size: sp,
+            tensor_parallel_size: tp,
+            ..Self::default()
+        }
+    }
+
+    /// dp × sp × tp.
+    pub fn world_size(&self) -> u64 {
+        u64::from(self.data_parallel_size)
+            * u64::from(self.sequence_parallel_size)
+            * u64::from(self.tensor_parallel_size)
+    }
+
+    /// Checks sizes ≥ 1, the rank against the world size, and the HSDP
+    /// sizes against it.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, value) in [
+            ("parallel.data_parallel_size", self.data_parallel_size),
+            ("parallel.sequence_parallel_size", self.sequence_parallel_size),
+            ("parallel.tensor_parallel_size", self.tensor_parallel_size),
+            ("parallel.hsdp_shard_size", self.hsdp_shard_size),
+            ("parallel.hsdp_replicate_size", self.hsdp_replicate_size),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid {
+                    key: key.to_owned(),
+                    value: "0".to_owned(),
+                    allowed: "an integer ≥ 1".to_owned(),
+                });
+            }
+        }
+        let world = self.world_size();
+        if u64::from(self.rank) >= world {
+            return Err(ConfigError::Invalid {
+                key: "parallel.rank".to_owned(),
+                value: self.rank.to_string(),
+                allowed: format!("0 ≤ rank < dp × sp × tp = {world}"),
+            });
+        }
+        if self.use_hsdp {
+            let hsdp = u64::from(self.hsdp_shard_size) * u64::from(self.hsdp_replicate_size);
+            if world % hsdp != 0 {
+                return Err(ConfigError::Invalid {
+                    key: "parallel.hsdp_shard_size × parallel.hsdp_replicate_size".to_owned(),
+                    value: hsdp.to_string(),
+                    allowed: format!("a divisor of the world size {world}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The process group DLO gathers weights over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatherAxis {
+    /// No gathering: G = 1.
+    None,
+    /// The data-parallel group (with HSDP: shard × replicate).
+    DataParallel,
+    /// The sequence-parallel group.
+    SequenceParallel,
+}
+
+/// The DLO gather group: which axis and its size G.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GatherGroup {
+    /// The axis.
+    pub axis: GatherAxis,
+    /// Its size G (1 for none).
+    pub size: u32,
+}
+
+impl GatherGroup {
+    /// G = 1.
+    pub const NONE: GatherGroup = GatherGroup {
+        axis: GatherAxis::None,
+        size: 1,
+    };
+}
+
+/// The DLO gather group (CONTRACT §2): the data-parallel group if dp > 1
+/// (with HSDP: shard × replicate), else the sequence-parallel group if
+/// sp > 1, else none. Tensor parallelism never gathers weights; without
+/// all-gather there is no group.
+pub fn gather_group(parallel: &ParallelConfig, use_allgather: bool) -> GatherGroup {
+    if !use_allgather {
+        GatherGroup::NONE
+    } else if parallel.data_parallel_size > 1 {
+        let size = if parallel.use_hsdp {
+            parallel.hsdp_shard_size * parallel.hsdp_replicate_size
+        } else {
+            parallel.data_parallel_size
+        };
+        GatherGroup {
+            axis: GatherAxis::DataParallel,
+            size,
+        }
+    } else if parallel.sequence_parallel_size > 1 {
+        GatherGroup {
+            axis: GatherAxis::SequenceParallel,
+            size: parallel.sequence_parallel_size,
+        }
+    } else {
+        GatherGroup::NONE
+    }
+}
+
+/// The whole configuration of offloading: the flags at top level, the
+/// optional compact form, and the parallel facts. Unknown keys are errors.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadConfig {
+    /// Model-level offload.
+    #[serde(default)]
+    pub enable_cpu_offload: bool,
+    /// Layerwise offload.
+    #[serde(default)]
+    pub enable_layerwise_offload: bool,
+    /// Distributed layerwise offload.
+    #[serde(default)]
+    pub enable_distributed_layerwise_offload: bool,
+    /// Pin host masters; default true.
+    #[serde(default)]
+    pub pin_cpu_memory: Option<bool>,
+    /// DLO: gather shards (true, default) or copy whole blocks per rank.
+    #[serde(default)]
+    pub dlo_use_allgather: Option<bool>,
+    /// DLO: leading DiT blocks kept on the device; default 0.
+    #[serde(default)]
+    pub dlo_resident_layers: Option<u32>,
+    /// The compact form.
+    #[serde(default)]
+    pub diffusion_offload_config: Option<CompactConfig>,
+    /// The parallel facts; default a single process.
+    #[serde(default)]
+    pub parallel: ParallelConfig,
+}
+
+impl OffloadConfig {
+    /// Parses a JSON object.
+    pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| parse_error("JSON", e))
+    }
+
+    /// Parses a TOML document.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let de = toml::Deserializer::parse(text).map_err(|e| ConfigError::Parse {
+            format: "TOML",
+            key: String::new(),
+            message: e.message().to_owned(),
+        })?;
+        serde_path_to_error::deserialize(de).map_err(|e| parse_error("TOML", e))
+    }
+
+    /// Reads a `.json` or `.toml` file.
+    pub fn from_path(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => Self::from_json_str(&text),
+            Some("toml") => Self::from_toml_str(&text),
+            other => Err(ConfigError::Invalid {
+                key: "config file extension".to_owned(),
+                value: other.unwrap_or("").to_owned(),
+                allowed: "`json` or `toml`".to_owned(),
+            }),
+        }
+    }
+
+    /// Selects the strategy; see [`select`].
+    pub fn select(&self) -> Result<Selection, ConfigError> {
+        select(self)
+    }
+}
+
+fn parse_error<E: fmt::Display>(
+    format: &'static str,
+    e: serde_path_to_error::Error<E>,
+) -> ConfigError {
+    let key = e.path().to_string();
+    ConfigError::Parse {
+        format,
+        key: if key == "." { String::new() } else { key },
+        message: e.inner().to_string(),
+    }
+}
+
+/// Every rejection of the configuration. Each names the key, the value and
+/// what is allowed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The text is not valid JSON/TOML for the schema: wrong type, unknown
+    /// key, unknown choice. `message` comes from serde and names the allowed
+    /// keys or choices.
+    #[error("{format} configuration, at `{key}`: {message}")]
+    Parse {
+        /// `JSON` or `TOML`.
+        format: &'static str,
+        /// Dotted path of the offending key (empty at top level).
+        key: String,
+        /// What was wrong and what is allowed.
+        message: String,
+    },
+    /// The file could not be read.
+    #[error("cannot read configuration file `{path}`: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        message: String,
+    },
+    /// A value outside what is allowed.
+    #[error("`{key}` = {value} is not allowed; allowed: {allowed}")]
+    Invalid {
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
+    /// Two keys that may not be set together.
+    #[error("`{key}` = {value} conflicts with `{other_key}` = {other_value}: {allowed}")]
+    Conflict {
+        /// The first key.
+        key: String,
+        /// Its value.
+        value: String,
+        /// The conflicting key.
+        other_key: String,
+        /// Its value.
+        other_value: String,
+        /// What is allowed instead.
+        allowed: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, value: impl fmt::Display, allowed: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+fn conflict(
+    (key, value): (impl Into<String>, impl fmt::Display),
+    (other_key, other_value): (impl Into<String>, impl fmt::Display),
+    allowed: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Conflict {
+        key: key.into(),
+        value: value.to_string(),
+        other_key: other_key.into(),
+        other_value: other_value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+/// How one component's blocks stream under a layer mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerSettings {
+    /// Gathered or rank-local.
+    pub weight_transfer: WeightTransfer,
+    /// Leading blocks kept resident (dit only).
+    pub resident_layers: u32,
+}
+
+/// Which form of the configuration chose the strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SelectionSource {
+    /// Nothing enabled.
+    Default,
+    /// The `enable_*` flags.
+    Flags,
+    /// `diffusion_offload_config`.
+    Compact,
+}
+
+/// A lower-priority flag that selection turned off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisabledFlag {
+    /// The flag's key.
+    pub flag: &'static str,
+    /// The strategy that won.
+    pub by: OffloadStrategy,
+}
+
+/// The outcome of [`select`]: one strategy and everything it needs from the
+/// configuration.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Selection {
+    /// The strategy.
+    pub strategy: OffloadStrategy,
+    /// Which form chose it.
+    pub source: SelectionSource,
+    /// The components it offloads.
+    pub components: BTreeSet<ComponentName>,
+    /// Whether the user named the components (the compact form); then a
+    /// component that cannot be offloaded is an error instead of a warning.
+    pub components_explicit: bool,
+    /// Pin host masters.
+    pub pin_memory: bool,
+    /// Per-component streaming settings (layer strategies only).
+    pub layer: BTreeMap<ComponentName, LayerSettings>,
+    /// The gather group (G = 1 unless some component all-gathers).
+    pub gather_group: GatherGroup,
+    /// Flags turned off by priority; each was logged at `info`.
+    pub disabled_flags: Vec<DisabledFlag>,
+}
+
+impl Selection {
+    /// Whether any component all-gathers.
+    pub fn uses_allgather(&self) -> bool {
+        self.layer
+            .values()
+            .any(|l| l.weight_transfer == WeightTransfer::Allgather)
+    }
+
+    /// Leading resident layers for the DiT (0 unless set).
+    pub fn dit_resident_layers(&self) -> u32 {
+        self.layer
+            .get(&ComponentName::Dit)
+            .map_or(0, |l| l.resident_layers)
+    }
+}
+
+const FLAG_PRIORITY: [(&str, OffloadStrategy); 3] = [
+    (
+        "enable_distributed_layerwise_offload",
+        OffloadStrategy::DistributedLayerwise,
+    ),
+    ("enable_layerwise_offload", OffloadStrategy::Layerwise),
+    ("enable_cpu_offload", OffloadStrategy::ModelLevel),
+];
+
+fn flag_value(config: &OffloadConfig, flag: &str) -> bool {
+    match flag {
+        "enable_distributed_layerwise_offload" => config.enable_distributed_layerwise_offload,
+        "enable_layerwise_offload" => config.enable_layerwise_offload,
+        _ => config.enable_cpu_offload,
+    }
+}
+
+/// Selects exactly one strategy from the configuration (CONTRACT §2).
+///
+/// Priority is DLO > Layerwise > ModelLevel > None; every lower-priority
+/// flag that was set and lost is logged at `info` and listed in
+/// [`Selection::disabled_flags`]. Every rejection of §2 is an `Err`.
+pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
+    config.parallel.validate()?;
+    let set_flags: Vec<(&'static str, OffloadStrategy)> = FLAG_PRIORITY
+        .iter()
+        .copied()
+        .filter(|(flag, _)| flag_value(config, flag))
+        .collect();
+
+    let mut selection = match &config.diffusion_offload_config {
+        Some(compact) => select_compact(config, compact, &set_flags)?,
+        None => select_flags(config, &set_flags)?,
+    };
+
+    if selection.strategy == OffloadStrategy::DistributedLayerwise {
+        if selection.uses_allgather() && config.parallel.use_hsdp {
+            let key = match selection.source {
+                SelectionSource::Compact => "diffusion_offload_config.layer_options.*.weight_transfer",
+                _ => "dlo_use_allgather",
+            };
+            return Err(conflict(
+                (key, "allgather"),
+                ("parallel.use_hsdp", true),
+                "HSDP already shards the DiT parameters: use rank-local weight transfer with HSDP",
+            ));
+        }
+        selection.gather_group = gather_group(&config.parallel, selection.uses_allgather());
+    }
+
+    for disabled in &selection.disabled_flags {
+        tracing::info!(
+            flag = disabled.flag,
+            selected = %disabled.by,
+            "offload flag `{}` disabled: `{}` offload has priority",
+            disabled.flag,
+            disabled.by
+        );
+    }
+    Ok(selection)
+}
+
+fn base_selection(strategy: OffloadStrategy, source: SelectionSource) -> Selection {
+    Selection {
+        strategy,
+        source,
+        components: BTreeSet::new(),
+        components_explicit: false,
+        pin_memory: true,
+        layer: BTreeMap::new(),
+        gather_group: GatherGroup::NONE,
+        disabled_flags: Vec::new(),
+    }
+}
+
+fn select_flags(
+    config: &OffloadConfig,
+    set_flags: &[(&'static str, OffloadStrategy)],
+) -> Result<Selection, ConfigError> {
+    let Some(&(_, strategy)) = set_flags.first() else {
+        return Ok(base_selection(OffloadStrategy::None, SelectionSource::Default));
+    };
+    let mut selection = base_selection(strategy, SelectionSource::Flags);
+    selection.pin_memory = config.pin_cpu_memory.unwrap_or(true);
+    selection.disabled_flags = set_flags[1..]
+        .iter()
+        .map(|(flag, _)| DisabledFlag {
+            flag,
+            by: strategy,
+        })
+        .collect();
+    match strategy {
+        OffloadStrategy::ModelLevel => {
+            selection.components = [ComponentName::Dit, ComponentName::TextEncoder].into();
+        }
+        OffloadStrategy::Layerwise => {
+            selection.components = [ComponentName::Dit].into();
+            selection.layer.insert(
+                ComponentName::Dit,
+                LayerSettings {
+                    weight_transfer: WeightTransfer::RankLocal,
+                    resident_layers: 0,
+                },
+            );
+        }
+        OffloadStrategy::DistributedLayerwise => {
+            let allgather = config.dlo_use_allgather.unwrap_or(true);
+            let resident_layers = config.dlo_resident_layers.unwrap_or(0);
+            if allgather && resident_layers > 0 {
+                return Err(conflict(
+                    ("dlo_resident_layers", resident_layers),
+                    ("dlo_use_allgather", allgather),
+                    "resident leading layers are rank-local only: set dlo_use_allgather = false, or dlo_resident_layers = 0",
+                ));
+            }
+            selection.components = [ComponentName::Dit].into();
+            selection.layer.insert(
+                ComponentName::Dit,
+                LayerSettings {
+                    weight_transfer: if allgather {
+                        WeightTransfer::Allgather
+                    } else {
+                        WeightTransfer::RankLocal
+                    },
+                    resident_layers,
+                },
+            );
+        }
+        OffloadStrategy::None => unreachable!("flags select a strategy"),
+    }
+    if strategy != OffloadStrategy::DistributedLayerwise {
+        for (key, set) in [
+            ("dlo_use_allgather", config.dlo_use_allgather.is_some()),
+            ("dlo_resident_layers", config.dlo_resident_layers.is_some()),
+        ] {
+            if set {
+                return Err(conflict(
+                    (key, "set"),
+                    ("selected strategy", strategy),
+                    "dlo_* keys tune distributed layerwise offload only: remove them or set enable_distributed_layerwise_offload",
+                ));
+            }
+        }
+    }
+    Ok(selection)
+}
+
+fn select_compact(
+    config: &OffloadConfig,
+    compact: &CompactConfig,
+    set_flags: &[(&'static str, OffloadStrategy)],
+) -> Result<Selection, ConfigError> {
+    const ALLOWED_COMPONENTS: &str = "a non-empty list of distinct `dit`, `text_encoder`, `vae`";
+    if compact.components.is_empty() {
+        return Err(invalid(
+            "diffusion_offload_config.components",
+            "[]",
+            ALLOWED_COMPONENTS,
+        ));
+    }
+    let mut components = BTreeSet::new();
+    for c in &compact.components {
+        if !components.insert(*c) {
+            return Err(invalid(
+                "diffusion_offload_config.components",
+                format!("{c} listed twice"),
+                ALLOWED_COMPONENTS,
+            ));
+        }
+    }
+
+    let mut layer = BTreeMap::new();
+    for (component, options) in &compact.layer_options {
+        let key = format!("diffusion_offload_config.layer_options.{component}");
+        if compact.mode == CompactMode::Module {
+            return Err(conflict(
+                (key, "set"),
+                ("diffusion_offload_config.mode", "module"),
+                "layer_options apply to mode = \"layer\" only",
+            ));
+        }
+        if !components.contains(component) {
+            return Err(invalid(
+                key,
+                "options for a component not in `components`",
+                format!(
+                    "options only for the selected components: {}",
+                    names(&components)
+                ),
+            ));
+        }
+        if options.resident_layers > 0 && *component != ComponentName::Dit {
+            return Err(invalid(
+                format!("{key}.resident_layers"),
+                options.resident_layers,
+                "0: resident leading layers apply to `dit` only",
+            ));
+        }
+        let transfer = options.weight_transfer.unwrap_or(WeightTransfer::RankLocal);
+        if options.resident_layers > 0 && transfer == WeightTransfer::Allgather {
+            return Err(conflict(
+                (format!("{key}.resident_layers"), options.resident_layers),
+                (format!("{key}.weight_transfer"), "allgather"),
+                "resident leading layers are rank-local only: use weight_transfer = \"rank-local\" or resident_layers = 0",
+            ));
+        }
+        layer.insert(
+            *component,
+            LayerSettings {
+                weight_transfer: transfer,
+                resident_layers: options.resident_layers,
+            },
+        );
+    }
+
+    let strategy = match compact.mode {
+        CompactMode::Module => OffloadStrategy::ModelLevel,
+        CompactMode::Layer => {
+            for c in &components {
+                layer.entry(*c).or_insert(LayerSettings {
+                    weight_transfer: WeightTransfer::RankLocal,
+                    resident_layers: 0,
+                });
+            }
+            let distributed = layer.values().any(|l| {
+                l.weight_transfer == WeightTransfer::Allgather || l.resident_layers > 0
+            });
+            if distributed {
+                OffloadStrategy::DistributedLayerwise
+            } else {
+                OffloadStrategy::Layerwise
+            }
+        }
+    };
+
+    if let Some((flag, flag_strategy)) = set_flags.iter().find(|(_, s)| *s != strategy) {
+        return Err(conflict(
+            (*flag, format!("true (selects {flag_strategy})")),
+            (
+                "diffusion_offload_config",
+                format!("mode = {:?} (selects {strategy})", compact.mode),
+            ),
+            "use one form, or set only the flag of the strategy the compact config selects",
+        ));
+    }
+    for (key, set) in [
+        ("dlo_use_allgather", config.dlo_use_allgather.is_some()),
+        ("dlo_resident_layers", config.dlo_resident_layers.is_some()),
+    ] {
+        if set {
+            return Err(conflict(
+                (key, "set"),
+                ("diffusion_offload_config", "set"),
+                "with the compact form, tune DLO in diffusion_offload_config.layer_options",
+            ));
+        }
+    }
+    if let (Some(flag), Some(compact_pin)) = (config.pin_cpu_memory, compact.pin_memory)
+        && flag != compact_pin
+    {
+        return Err(conflict(
+            ("pin_cpu_memory", flag),
+            ("diffusion_offload_config.pin_memory", compact_pin),
+            "the same value, or only one of the two",
+        ));
+    }
+
+    let mut selection = base_selection(strategy, SelectionSource::Compact);
+    selection.components = components;
+    selection.components_explicit = true;
+    selection.pin_memory = compact.pin_memory.or(config.pin_cpu_memory).unwrap_or(true);
+    selection.layer = layer;
+    Ok(selection)
+}
+
+fn names(components: &BTreeSet<ComponentName>) -> String {
+    components
+        .iter()
+        .map(|c| format!("`{c}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,290 @@
+//! The device trait family, in the wgpu-hal manner: [`Api`] holds only
+//! associated types; behaviour lives on [`Device`] (memory, streams,
+//! events, copies) and [`Collective`] (weight gathering across ranks).
+//!
+//! Backends translate and report only what the caller could not foresee
+//! ([`DeviceErrorKind::OutOfMemory`], [`DeviceErrorKind::DeviceLost`], a
+//! failed transfer). Everything a caller can check (sizes, ranges, the order
+//! of operations) is core's job: the `unsafe` methods below state what the
+//! caller must have checked, and core's safe types (slots and staging
+//! buffers that own the events ordering them) uphold it.
+//!
+//! # Life cycles
+//!
+//! * **Stream**: created by [`Device::create_stream`]; operations enqueued
+//!   on it run in order; dropping it is legal at any time (work already
+//!   enqueued still completes).
+//! * **Event**: created unrecorded by [`Device::create_event`]; each
+//!   [`Device::record_event`] captures the work enqueued on a stream so far,
+//!   replacing the previous capture. Waiting on or querying an event that was
+//!   never recorded is legal and completes at once. Dropping is legal at any
+//!   time.
+//! * **Device buffer**: exactly `bytes` long from [`Device::alloc_device`];
+//!   valid until [`Device::free_device`], which is ordered after the given
+//!   events on the device (the host does not wait). Contents are undefined
+//!   until written.
+//! * **Pinned host buffer**: exactly `bytes` long from
+//!   [`Device::alloc_pinned`]; the host may read and write it while no copy
+//!   that uses it is pending; freed by [`Device::free_pinned`].
+//! * **Registration**: [`Device::register_host`] takes ownership of memory
+//!   the caller already filled (a `Vec`, a memory-mapped checkpoint) and
+//!   makes it a copy source in place, without a second copy;
+//!   [`Device::unregister_host`] gives the memory back. A failed
+//!   registration gives it back too, so nothing loaded is lost.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+/// The associated types of one backend. No behaviour lives here.
+pub trait Api: Sized + Send + Sync + 'static {
+    /// The device: memory, streams, events and copies.
+    type Device: Device<Self>;
+    /// An in-order queue of device work.
+    type Stream: fmt::Debug + Send + Sync;
+    /// A marker in a stream that other streams and the host can wait for.
+    type Event: fmt::Debug + Send + Sync;
+    /// Device memory of an exact size.
+    type DeviceBuffer: DeviceBuffer;
+    /// Pinned host memory of an exact size.
+    type HostBuffer: HostBuffer;
+    /// Caller memory registered in place as a copy source.
+    type Registration: Registration;
+    /// What the backend reports.
+    type Error: DeviceError;
+}
+
+/// Kinds of error a backend may report: only what the caller could not
+/// foresee.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceErrorKind {
+    /// Device or pinned memory is exhausted.
+    OutOfMemory,
+    /// The device is gone (Xid, reset, lost context).
+    DeviceLost,
+    /// A transfer or collective failed.
+    TransferFailed,
+    /// Anything else the driver reported.
+    Other,
+}
+
+/// A backend error: it names the operation and says which kind it is.
+pub trait DeviceError: StdError + Send + Sync + 'static {
+    /// The kind.
+    fn kind(&self) -> DeviceErrorKind;
+}
+
+/// Device memory of an exact size.
+pub trait DeviceBuffer: fmt::Debug + Send + Sync {
+    /// Its size in bytes, exactly as requested.
+    fn len_bytes(&self) -> u64;
+}
+
+/// Pinned host memory of an exact size.
+pub trait HostBuffer: fmt::Debug + Send + Sync {
+    /// Its bytes. Legal while no copy writing it is pending.
+    fn as_slice(&self) -> &[u8];
+    /// Its bytes, mutably. Legal while no copy using it is pending.
+    fn as_mut_slice(&mut self) -> &mut [u8];
+}
+
+/// Memory the caller owns and hands to [`Device::register_host`].
+pub trait HostRegion: Send + Sync + 'static {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+}
+
+impl HostRegion for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl HostRegion for Box<[u8]> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// Caller memory registered in place.
+pub trait Registration: fmt::Debug + Send + Sync {
+    /// The registered bytes.
+    fn bytes(&self) -> &[u8];
+}
+
+/// Free and total device memory, from the device's own accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Free bytes.
+    pub free_bytes: u64,
+    /// Total bytes.
+    pub total_bytes: u64,
+}
+
+/// A host-side copy source.
+#[derive(Debug)]
+pub enum HostSource<'a, A: Api> {
+    /// A pinned allocation.
+    Pinned(&'a A::HostBuffer),
+    /// Memory registered in place.
+    Registered(&'a A::Registration),
+}
+
+/// A failed registration: the error and the memory, given back.
+pub struct RegisterError<A: Api> {
+    /// What the backend reported.
+    pub error: A::Error,
+    /// The memory, unchanged.
+    pub region: Box<dyn HostRegion>,
+}
+
+impl<A: Api> fmt::Debug for RegisterError<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegisterError")
+            .field("error", &self.error)
+            .field("region_bytes", &self.region.bytes().len())
+            .finish()
+    }
+}
+
+/// Memory, streams, events and copies of one device.
+///
+/// Every method may be called from any thread. Methods that are `unsafe`
+/// enqueue work that outlives the call; their `# Safety` lists say what the
+/// caller must guarantee until that work completes.
+pub trait Device<A: Api>: Send + Sync {
+    /// Allocates exactly `bytes` of device memory (stream-ordered where the
+    /// backend supports it). Fails with `OutOfMemory` beyond capacity.
+    fn alloc_device(&self, bytes: u64) -> Result<A::DeviceBuffer, A::Error>;
+
+    /// Frees `buffer` once every event in `after` has completed, without
+    /// blocking the host.
+    ///
+    /// # Safety
+    ///
+    /// Every device operation that reads or writes `buffer` must have been
+    /// enqueued before one of the events in `after` was recorded on its
+    /// stream; no operation on `buffer` may be enqueued afterwards.
+    unsafe fn free_device(&self, buffer: A::DeviceBuffer, after: &[&A::Event]) -> Result<(), A::Error>;
+
+    /// Allocates exactly `bytes` of pinned host memory (plain, readable by
+    /// the CPU).
+    fn alloc_pinned(&self, bytes: u64) -> Result<A::HostBuffer, A::Error>;
+
+    /// Frees a pinned buffer.
+    ///
+    /// # Safety
+    ///
+    /// Every copy that reads or writes `buffer` must have completed (its
+    /// event has been synchronised or queried done).
+    unsafe fn free_pinned(&self, buffer: A::HostBuffer) -> Result<(), A::Error>;
+
+    /// Registers caller memory in place as a copy source. On failure the
+    /// memory comes back in the error.
+    fn register_host(&self, region: Box<dyn HostRegion>) -> Result<A::Registration, RegisterError<A>>;
+
+    /// Unregisters memory and gives it back.
+    ///
+    /// # Safety
+    ///
+    /// Every copy that reads `registration` must have completed.
+    unsafe fn unregister_host(&self, registration: A::Registration) -> Result<Box<dyn HostRegion>, A::Error>;
+
+    /// Free and total device memory.
+    fn memory_info(&self) -> Result<MemoryInfo, A::Error>;
+
+    /// Creates a non-blocking stream.
+    fn create_stream(&self) -> Result<A::Stream, A::Error>;
+
+    /// Creates an unrecorded event.
+    fn create_event(&self) -> Result<A::Event, A::Error>;
+
+    /// Captures in `event` the work enqueued on `stream` so far.
+    fn record_event(&self, event: &A::Event, stream: &A::Stream) -> Result<(), A::Error>;
+
+    /// Makes later work on `stream` wait for `event`'s capture, on the
+    /// device (the host does not wait).
+    fn stream_wait_event(&self, stream: &A::Stream, event: &A::Event) -> Result<(), A::Error>;
+
+    /// Whether `event`'s capture has completed.
+    fn event_done(&self, event: &A::Event) -> Result<bool, A::Error>;
+
+    /// Blocks the host until `event`'s capture has completed.
+    fn synchronize_event(&self, event: &A::Event) -> Result<(), A::Error>;
+
+    /// Blocks the host until all work on `stream` has completed.
+    fn synchronize_stream(&self, stream: &A::Stream) -> Result<(), A::Error>;
+
+    /// Enqueues on `stream` a copy of `bytes` bytes from `src` at
+    /// `src_offset` to `dst` at `dst_offset`.
+    ///
+    /// # Safety
+    ///
+    /// * both ranges lie within their buffers;
+    /// * `src` is not written, freed or unregistered, and `dst`'s range is
+    ///   not read, written or freed by other work, until an event recorded
+    ///   on `stream` after this call has completed (or other work waits for
+    ///   it on the device).
+    unsafe fn copy_h2d(
+        &self,
+        stream: &A::Stream,
+        src: HostSource<'_, A>,
+        src_offset: u64,
+        dst: &A::DeviceBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<(), A::Error>;
+
+    /// Enqueues on `stream` a copy of `bytes` bytes from `src` at
+    /// `src_offset` to `dst` at `dst_offset`.
+    ///
+    /// # Safety
+    ///
+    /// * both ranges lie within their buffers;
+    /// * `src`'s range is not written or freed, and `dst` is not read,
+    ///   written or freed by the host, until an event recorded on `stream`
+    ///   after this call has completed.
+    unsafe fn copy_d2h(
+        &self,
+        stream: &A::Stream,
+        src: &A::DeviceBuffer,
+        src_offset: u64,
+        dst: &A::HostBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<(), A::Error>;
+}
+
+/// A group of ranks that gather weights (CONTRACT §8).
+///
+/// Life cycle: created by the distributed backend's bootstrap with every
+/// rank of the group; every rank must issue the same collectives in the same
+/// order; never used from a path only some ranks take (failure cleanup
+/// included).
+pub trait Collective<A: Api>: Send + Sync {
+    /// This rank within the group, `0..size`.
+    fn rank(&self) -> u32;
+
+    /// The group size G.
+    fn size(&self) -> u32;
+
+    /// Enqueues on `stream` an all-gather: every rank contributes
+    /// `shard_bytes` bytes of `shard` at `shard_offset`; rank r's
+    /// contribution lands in `dst` at `dst_offset + r × shard_bytes`, so
+    /// `size × shard_bytes` bytes of `dst` are written.
+    ///
+    /// # Safety
+    ///
+    /// * both ranges lie within their buffers;
+    /// * the same rules as [`Device::copy_h2d`] hold for `shard` (read) and
+    ///   `dst`'s range (written) until an event recorded on `stream` after
+    ///   this call has completed.
+    unsafe fn all_gather(
+        &self,
+        stream: &A::Stream,
+        shard: &A::DeviceBuffer,
+        shard_offset: u64,
+        shard_bytes: u64,
+        dst: &A::DeviceBuffer,
+        dst_offset: u64,
+    ) -> Result<(), A::Error>;
+}

@@ -1,0 +1,212 @@
+//! Component discovery (CONTRACT §5): the pipeline's explicit declaration
+//! of dotted paths, else the legacy fallback scan of well-known names.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{ModuleId, Pipeline};
+use crate::plan::{PlanError, PlanWarning};
+use crate::sync::StaticMutex;
+
+/// What a pipeline declares about its components
+/// (`SupportsComponentDiscovery`): dotted paths per role.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ComponentDeclaration {
+    /// Denoising transformers (`_dit_modules`).
+    pub dit: Vec<String>,
+    /// Encoders (`_encoder_modules`).
+    pub encoder: Vec<String>,
+    /// VAEs (`_vae_modules`).
+    pub vae: Vec<String>,
+    /// Small modules that never move (`_resident_modules`).
+    pub resident: Vec<String>,
+}
+
+/// The role of a component in a diffusion pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// A denoising transformer.
+    Dit,
+    /// A text or image encoder.
+    Encoder,
+    /// A VAE.
+    Vae,
+    /// A module that stays on the device.
+    Resident,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Dit => "dit",
+            Role::Encoder => "encoder",
+            Role::Vae => "vae",
+            Role::Resident => "resident",
+        })
+    }
+}
+
+/// Where the components came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoverySource {
+    /// The pipeline's [`ComponentDeclaration`].
+    Declared,
+    /// The legacy scan of well-known names.
+    LegacyScan,
+}
+
+/// One discovered component.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiscoveredComponent {
+    /// Its role.
+    pub role: Role,
+    /// Its dotted path.
+    pub path: String,
+    /// Its module.
+    pub module: ModuleId,
+}
+
+/// The discovered components, in declaration (or scan) order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Discovery {
+    /// Where they came from.
+    pub source: DiscoverySource,
+    /// The components.
+    pub components: Vec<DiscoveredComponent>,
+    /// Warnings (missing declared paths, the legacy scan).
+    pub warnings: Vec<PlanWarning>,
+}
+
+impl Discovery {
+    /// The components of one role.
+    pub fn of_role(&self, role: Role) -> impl Iterator<Item = &DiscoveredComponent> {
+        self.components.iter().filter(move |c| c.role == role)
+    }
+}
+
+/// Legacy scan: well-known DiT attribute names, in priority order.
+pub const LEGACY_DIT_NAMES: [&str; 7] = [
+    "transformer",
+    "transformer_2",
+    "dit",
+    "sr_dit",
+    "language_model",
+    "transformer_blocks",
+    "model",
+];
+/// Legacy scan: well-known encoder attribute names.
+pub const LEGACY_ENCODER_NAMES: [&str; 5] = [
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "image_encoder",
+    "mllm",
+];
+/// Legacy scan: well-known VAE attribute names.
+pub const LEGACY_VAE_NAMES: [&str; 2] = ["vae", "audio_vae"];
+
+/// Discovers the pipeline's components. Pure: it reads the description
+/// only; warnings are returned, not logged.
+pub fn discover(pipeline: &Pipeline) -> Result<Discovery, PlanError> {
+    match pipeline.declaration() {
+        Some(decl) => discover_declared(pipeline, decl),
+        None => Ok(legacy_scan(pipeline)),
+    }
+}
+
+fn discover_declared(
+    pipeline: &Pipeline,
+    decl: &ComponentDeclaration,
+) -> Result<Discovery, PlanError> {
+    let mut components = Vec::new();
+    let mut warnings = Vec::new();
+    let mut claimed: BTreeMap<ModuleId, Role> = BTreeMap::new();
+    for (role, paths) in [
+        (Role::Dit, &decl.dit),
+        (Role::Encoder, &decl.encoder),
+        (Role::Vae, &decl.vae),
+        (Role::Resident, &decl.resident),
+    ] {
+        for path in paths {
+            let Some(module) = pipeline.module_id(path).filter(|_| !path.is_empty()) else {
+                warnings.push(PlanWarning::MissingDeclaredPath {
+                    role,
+                    path: path.clone(),
+                });
+                continue;
+            };
+            match claimed.get(&module) {
+                Some(first) if *first == role => continue,
+                Some(first) => {
+                    return Err(PlanError::ComponentRoleConflict {
+                        path: path.clone(),
+                        first: *first,
+                        second: role,
+                    });
+                }
+                None => {}
+            }
+            claimed.insert(module, role);
+            components.push(DiscoveredComponent {
+                role,
+                path: path.clone(),
+                module,
+            });
+        }
+    }
+    Ok(Discovery {
+        source: DiscoverySource::Declared,
+        components,
+        warnings,
+    })
+}
+
+fn legacy_scan(pipeline: &Pipeline) -> Discovery {
+    let mut components = Vec::new();
+    for (role, names) in [
+        (Role::Dit, &LEGACY_DIT_NAMES[..]),
+        (Role::Encoder, &LEGACY_ENCODER_NAMES[..]),
+        (Role::Vae, &LEGACY_VAE_NAMES[..]),
+    ] {
+        for name in names {
+            if let Some(module) = pipeline.child(pipeline.root(), name) {
+                components.push(DiscoveredComponent {
+                    role,
+                    path: (*name).to_owned(),
+                    module,
+                });
+            }
+        }
+    }
+    Discovery {
+        source: DiscoverySource::LegacyScan,
+        components,
+        warnings: vec![PlanWarning::LegacyScan {
+            pipeline_type: pipeline.type_name().to_owned(),
+        }],
+    }
+}
+
+static LEGACY_WARNED: StaticMutex<BTreeSet<String>> = StaticMutex::new(BTreeSet::new());
+
+/// Logs `warnings` at `warn` level. The legacy-scan warning is logged once
+/// per pipeline type per process; returns the warnings actually logged.
+pub fn log_warnings(warnings: &[PlanWarning]) -> Vec<&PlanWarning> {
+    let mut logged = Vec::new();
+    for w in warnings {
+        if let PlanWarning::LegacyScan { pipeline_type } = w {
+            let mut warned = LEGACY_WARNED.lock().unwrap_or_else(|e| e.into_inner());
+            if !warned.insert(pipeline_type.clone()) {
+                continue;
+            }
+        }
+        tracing::warn!("{w}");
+        logged.push(w);
+    }
+    logged
+}

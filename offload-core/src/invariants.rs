@@ -1,0 +1,419 @@
+//! The invariants of CONTRACT §10 as named predicates. Each has exactly one
+//! checker here; the simulator, the property tests, the GPU suite and
+//! `cargo xtask ci` feed them observations and report the [`Violation`]s.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::Serialize;
+
+/// The invariants of CONTRACT §10.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum Invariant {
+    /// INV-1: at most one strategy owns offload hooks; one owner per tensor.
+    SingleOwner,
+    /// INV-2: one authoritative host representation per offloaded storage.
+    OneHostMaster,
+    /// INV-3: no free or overwrite before every reader completed; no read
+    /// before the fill completed.
+    NoEarlyFree,
+    /// INV-4: buffers keep values, identity, dtype, strides and aliasing.
+    BuffersStayCorrect,
+    /// INV-5: a failed `enable` leaves the pipeline as it was.
+    FailBeforeMutate,
+    /// INV-6: strategies reach the device only through the device trait.
+    PlatformAbstraction,
+    /// INV-7: device weight memory ≤ resident + slots; host = one copy (1/G).
+    BoundedMemory,
+    /// INV-8: offloaded output bit-identical to resident output.
+    Equivalence,
+}
+
+impl Invariant {
+    /// Every invariant.
+    pub const ALL: [Invariant; 8] = [
+        Invariant::SingleOwner,
+        Invariant::OneHostMaster,
+        Invariant::NoEarlyFree,
+        Invariant::BuffersStayCorrect,
+        Invariant::FailBeforeMutate,
+        Invariant::PlatformAbstraction,
+        Invariant::BoundedMemory,
+        Invariant::Equivalence,
+    ];
+
+    /// `INV-n`.
+    pub const fn id(self) -> &'static str {
+        match self {
+            Invariant::SingleOwner => "INV-1",
+            Invariant::OneHostMaster => "INV-2",
+            Invariant::NoEarlyFree => "INV-3",
+            Invariant::BuffersStayCorrect => "INV-4",
+            Invariant::FailBeforeMutate => "INV-5",
+            Invariant::PlatformAbstraction => "INV-6",
+            Invariant::BoundedMemory => "INV-7",
+            Invariant::Equivalence => "INV-8",
+        }
+    }
+}
+
+impl fmt::Display for Invariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {:?}", self.id(), self)
+    }
+}
+
+/// One broken invariant, with what was observed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, thiserror::Error)]
+#[error("{invariant} violated: {detail}")]
+pub struct Violation {
+    /// Which invariant.
+    pub invariant: Invariant,
+    /// What was observed.
+    pub detail: String,
+}
+
+fn violation(invariant: Invariant, detail: impl Into<String>) -> Violation {
+    Violation {
+        invariant,
+        detail: detail.into(),
+    }
+}
+
+/// A hook as seen on the pipeline: module path, hook name, owner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HookClaim<'a> {
+    /// Module path.
+    pub module: &'a str,
+    /// Hook name.
+    pub hook: &'a str,
+    /// Owner name.
+    pub owner: &'a str,
+}
+
+/// INV-1: the hooks named like offload strategies (`offload_hook_names`)
+/// belong to at most one owner across the pipeline, and each managed key
+/// has one owner.
+pub fn single_owner<'a>(
+    hooks: impl IntoIterator<Item = HookClaim<'a>>,
+    offload_hook_names: &[&str],
+    managed: impl IntoIterator<Item = (String, &'a str)>,
+) -> Result<(), Violation> {
+    let owners: BTreeSet<&str> = hooks
+        .into_iter()
+        .filter(|h| offload_hook_names.contains(&h.hook))
+        .map(|h| h.owner)
+        .collect();
+    if owners.len() > 1 {
+        return Err(violation(
+            Invariant::SingleOwner,
+            format!("offload hooks owned by {} owners: {owners:?}", owners.len()),
+        ));
+    }
+    let mut by_key: BTreeMap<String, BTreeSet<&str>> = BTreeMap::new();
+    for (key, owner) in managed {
+        by_key.entry(key).or_default().insert(owner);
+    }
+    match by_key.iter().find(|(_, o)| o.len() > 1) {
+        Some((key, o)) => Err(violation(
+            Invariant::SingleOwner,
+            format!("`{key}` is managed by {o:?}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// INV-2: every offloaded key has exactly one host master among `masters`
+/// (a key may appear in `masters` once).
+pub fn one_host_master<K: Ord + fmt::Debug>(
+    offloaded: impl IntoIterator<Item = K>,
+    masters: impl IntoIterator<Item = K>,
+) -> Result<(), Violation> {
+    let mut count: BTreeMap<K, usize> = BTreeMap::new();
+    for m in masters {
+        *count.entry(m).or_default() += 1;
+    }
+    for k in offloaded {
+        match count.get(&k).copied().unwrap_or(0) {
+            1 => {}
+            n => {
+                return Err(violation(
+                    Invariant::OneHostMaster,
+                    format!("{k:?} has {n} host masters"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How an operation uses a buffer, for INV-3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Access {
+    /// Reads it (compute, or a copy out of it).
+    Read,
+    /// Fills or overwrites it.
+    Write,
+    /// Frees it.
+    Free,
+}
+
+/// One access of a buffer, in issue order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BufferOp {
+    /// Operation id (its index in the happens-before oracle).
+    pub op: usize,
+    /// The buffer, by name.
+    pub buffer: String,
+    /// The stream or host thread that issued it.
+    pub stream: String,
+    /// What it does.
+    pub access: Access,
+    /// A description, for the report.
+    pub what: String,
+}
+
+/// INV-3 over a log of accesses and a happens-before oracle
+/// (`hb(a, b)`: operation `a` completes before `b` starts).
+///
+/// A read must come after the write that filled the buffer; a write or free
+/// must come after every read and write since the buffer was last
+/// (over)written; nothing may touch a freed buffer.
+pub fn no_early_free(
+    ops: &[BufferOp],
+    hb: impl Fn(usize, usize) -> bool,
+) -> Result<(), Violation> {
+    #[derive(Default)]
+    struct State<'a> {
+        last_write: Option<&'a BufferOp>,
+        reads: Vec<&'a BufferOp>,
+        freed: Option<&'a BufferOp>,
+    }
+    let mut buffers: BTreeMap<&str, State<'_>> = BTreeMap::new();
+    let fail = |now: &BufferOp, before: &BufferOp, rule: &str| {
+        violation(
+            Invariant::NoEarlyFree,
+            format!(
+                "{rule}: `{}` ({:?} on {}) is not ordered after `{}` ({:?} on {}) of buffer `{}`",
+                now.what, now.access, now.stream, before.what, before.access, before.stream, now.buffer
+            ),
+        )
+    };
+    for op in ops {
+        let st = buffers.entry(op.buffer.as_str()).or_default();
+        if let Some(freed) = st.freed {
+            return Err(fail(op, freed, "use after free"));
+        }
+        match op.access {
+            Access::Read => {
+                if let Some(w) = st.last_write
+                    && !hb(w.op, op.op)
+                {
+                    return Err(fail(op, w, "read before the fill completed"));
+                }
+                st.reads.push(op);
+            }
+            Access::Write | Access::Free => {
+                if let Some(r) = st.reads.iter().find(|r| !hb(r.op, op.op)) {
+                    return Err(fail(op, r, "overwrite or free while a read may be in flight"));
+                }
+                if let Some(w) = st.last_write
+                    && !hb(w.op, op.op)
+                {
+                    return Err(fail(op, w, "overwrite or free while a write may be in flight"));
+                }
+                st.reads.clear();
+                if op.access == Access::Write {
+                    st.last_write = Some(op);
+                } else {
+                    st.freed = Some(op);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What INV-4 compares of one tensor before and after movement.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct TensorFacts {
+    /// Path.
+    pub path: String,
+    /// dtype, as text.
+    pub dtype: String,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Strides.
+    pub strides: Vec<u64>,
+    /// Storage offset.
+    pub storage_offset: u64,
+    /// Alias class: tensors sharing a storage share this number.
+    pub alias_class: u32,
+    /// Checksum of the values.
+    pub checksum: u64,
+}
+
+/// INV-4: every tensor keeps its facts (values, dtype, shape, strides,
+/// offset, aliasing).
+pub fn buffers_stay_correct(before: &[TensorFacts], after: &[TensorFacts]) -> Result<(), Violation> {
+    if before.len() != after.len() {
+        return Err(violation(
+            Invariant::BuffersStayCorrect,
+            format!("{} tensors before, {} after", before.len(), after.len()),
+        ));
+    }
+    for (b, a) in before.iter().zip(after) {
+        if b != a {
+            return Err(violation(
+                Invariant::BuffersStayCorrect,
+                format!("`{}` changed: before {b:?}, after {a:?}", b.path),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// INV-5: the observable state of the pipeline (its description, hooks and
+/// placement, as a snapshot the caller takes) is the same after a failed
+/// `enable` as before it.
+pub fn fail_before_mutate<S: PartialEq + fmt::Debug>(before: &S, after: &S) -> Result<(), Violation> {
+    if before == after {
+        Ok(())
+    } else {
+        Err(violation(
+            Invariant::FailBeforeMutate,
+            format!("a failed enable changed the pipeline: before {before:?}, after {after:?}"),
+        ))
+    }
+}
+
+/// Crate names that only backends may depend on (INV-6).
+pub const DEVICE_LIBRARIES: [&str; 4] = ["cudarc", "nccl", "cuda-sys", "nccl-sys"];
+
+/// INV-6: `crate_name`'s dependency closure names no device library.
+pub fn platform_abstraction<'a>(
+    crate_name: &str,
+    dependency_closure: impl IntoIterator<Item = &'a str>,
+) -> Result<(), Violation> {
+    let forbidden: Vec<&str> = dependency_closure
+        .into_iter()
+        .filter(|d| {
+            DEVICE_LIBRARIES
+                .iter()
+                .any(|lib| d == lib || d.starts_with(&format!("{lib}-")) || d.contains("nccl"))
+        })
+        .collect();
+    if forbidden.is_empty() {
+        Ok(())
+    } else {
+        Err(violation(
+            Invariant::PlatformAbstraction,
+            format!("`{crate_name}` depends on device libraries {forbidden:?}"),
+        ))
+    }
+}
+
+/// What INV-7 bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MemoryObservation {
+    /// Peak device bytes held for weights.
+    pub peak_device_weight_bytes: u64,
+    /// Bytes that stay resident by design.
+    pub resident_bytes: u64,
+    /// Bytes of the slot ring(s).
+    pub slot_bytes: u64,
+    /// Host bytes held for weights (pinned, registered, shards).
+    pub host_weight_bytes: u64,
+    /// Bytes of the offloaded weights (one copy).
+    pub offloaded_weight_bytes: u64,
+    /// Gather group size G (1 without DLO).
+    pub group_size: u32,
+    /// Declared host staging bytes.
+    pub staging_bytes: u64,
+}
+
+/// INV-7: device weight memory ≤ resident + slots, and host weight memory
+/// ≤ one copy of the offloaded weights (1/G under DLO, rounded up per
+/// shard) + declared staging.
+pub fn bounded_memory(m: &MemoryObservation, padding_bytes: u64) -> Result<(), Violation> {
+    let device_bound = m.resident_bytes + m.slot_bytes;
+    if m.peak_device_weight_bytes > device_bound {
+        return Err(violation(
+            Invariant::BoundedMemory,
+            format!(
+                "peak device weight bytes {} > resident {} + slots {}",
+                m.peak_device_weight_bytes, m.resident_bytes, m.slot_bytes
+            ),
+        ));
+    }
+    let g = u64::from(m.group_size.max(1));
+    let host_bound = m.offloaded_weight_bytes.div_ceil(g) + padding_bytes + m.staging_bytes;
+    if m.host_weight_bytes > host_bound {
+        return Err(violation(
+            Invariant::BoundedMemory,
+            format!(
+                "host weight bytes {} > one copy {} / G {} + padding {} + staging {}",
+                m.host_weight_bytes, m.offloaded_weight_bytes, g, padding_bytes, m.staging_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// INV-8: the offloaded output equals the resident output bit for bit.
+pub fn equivalence(resident: &[u8], offloaded: &[u8]) -> Result<(), Violation> {
+    if resident.len() != offloaded.len() {
+        return Err(violation(
+            Invariant::Equivalence,
+            format!("output of {} bytes vs {} resident", offloaded.len(), resident.len()),
+        ));
+    }
+    match resident.iter().zip(offloaded).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(violation(
+            Invariant::Equivalence,
+            format!(
+                "outputs differ first at byte {i}: resident {:#04x}, offloaded {:#04x}",
+                resident[i], offloaded[i]
+            ),
+        )),
+    }
+}
+
+/// A vector clock, the happens-before oracle the simulator feeds
+/// [`no_early_free`] with: one component per stream (or host thread).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct VectorClock(Vec<u64>);
+
+impl VectorClock {
+    /// A clock over `n` streams, all zero.
+    pub fn new(n: usize) -> Self {
+        Self(vec![0; n])
+    }
+
+    /// Advances component `i` (a new operation on stream `i`).
+    pub fn tick(&mut self, i: usize) {
+        if self.0.len() <= i {
+            self.0.resize(i + 1, 0);
+        }
+        self.0[i] += 1;
+    }
+
+    /// Component-wise maximum with `other` (a wait).
+    pub fn join(&mut self, other: &VectorClock) {
+        if self.0.len() < other.0.len() {
+            self.0.resize(other.0.len(), 0);
+        }
+        for (a, b) in self.0.iter_mut().zip(&other.0) {
+            *a = (*a).max(*b);
+        }
+    }
+
+    /// Whether `self` happened before or at `other` (every component ≤).
+    pub fn le(&self, other: &VectorClock) -> bool {
+        self.0
+            .iter()
+            .enumerate()
+            .all(|(i, a)| *a <= other.0.get(i).copied().unwrap_or(0))
+    }
+}

@@ -1,0 +1,29 @@
+//! `offload-core`: the hardware-neutral core of offload.
+//!
+//! It owns everything that does not depend on a particular device: the
+//! device trait family ([`device`]), the model description ([`model`]),
+//! configuration and strategy selection ([`config`]), component discovery
+//! ([`discovery`]), the offload plan and its pure resolver ([`plan`]), the
+//! backend lifecycle and factory ([`lifecycle`]), residency as a type
+//! ([`residency`]) and the invariants of CONTRACT §10 ([`invariants`]).
+//!
+//! It never names a device library: backends (`offload-sim`,
+//! `offload-cuda`, `offload-dist`) implement [`device::Api`] and stay thin.
+
+pub mod config;
+pub mod device;
+pub mod discovery;
+pub mod invariants;
+pub mod lifecycle;
+pub mod model;
+pub mod plan;
+pub mod residency;
+mod sync;
+
+pub use config::{
+    ComponentName, ConfigError, OffloadConfig, OffloadStrategy, ParallelConfig, Selection,
+};
+pub use discovery::ComponentDeclaration;
+pub use lifecycle::{OffloadBackend, OffloadError, Platform, get_offload_backend};
+pub use model::{DType, Pipeline, PipelineBuilder};
+pub use plan::{OffloadPlan, PlanError, ResolvedPlan, resolve};

@@ -1,0 +1,268 @@
+//! The backend lifecycle (CONTRACT §3): the [`OffloadBackend`] trait, the
+//! [`Lifecycle`] state machine every backend embeds, the [`Platform`] a
+//! runtime provides, and the factory [`get_offload_backend`].
+
+use std::fmt;
+
+use crate::config::{ConfigError, OffloadConfig, OffloadStrategy, ParallelConfig, Selection};
+use crate::model::Pipeline;
+use crate::plan::PlanError;
+
+/// Where a backend is in its life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LifecycleState {
+    /// Built, or disabled: no hooks, no resources.
+    Disabled,
+    /// Hooks installed, resources held.
+    Enabled,
+    /// A multi-rank failure left it unusable; build a new backend.
+    Poisoned {
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// Errors of the lifecycle and of backends.
+#[derive(Debug, thiserror::Error)]
+pub enum OffloadError {
+    /// The configuration was rejected.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Plan resolution failed; nothing was mutated.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The backend is poisoned.
+    #[error("the {strategy} backend is poisoned ({reason}); build a new backend")]
+    Poisoned {
+        /// The backend's strategy.
+        strategy: OffloadStrategy,
+        /// Why.
+        reason: String,
+    },
+    /// The platform could not resolve a device.
+    #[error("platform `{platform}` cannot resolve a device: {reason}")]
+    Device {
+        /// The platform.
+        platform: String,
+        /// Why.
+        reason: String,
+    },
+    /// A device operation failed.
+    #[error("{operation} failed: {source}")]
+    DeviceOp {
+        /// The operation (e.g. `alloc_device(1048576 bytes)`).
+        operation: String,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The platform built a backend of another strategy than selected.
+    #[error("platform `{platform}` built a {built} backend, but the configuration selects {expected}")]
+    WrongBackend {
+        /// The platform.
+        platform: String,
+        /// The selected strategy.
+        expected: OffloadStrategy,
+        /// What it built.
+        built: OffloadStrategy,
+    },
+    /// A hook could not be installed or removed.
+    #[error(transparent)]
+    Hook(#[from] offload_hooks::HookError),
+}
+
+/// What [`Lifecycle::begin_enable`] tells the backend to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnableStep {
+    /// Go ahead and enable.
+    Proceed,
+    /// Already enabled: a warning was logged; do nothing.
+    AlreadyEnabled,
+}
+
+/// What [`Lifecycle::begin_disable`] tells the backend to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DisableStep {
+    /// Go ahead and release hooks and resources.
+    Proceed,
+    /// Nothing is enabled: do nothing (disable is idempotent).
+    NothingToDo,
+}
+
+/// The lifecycle state machine every backend embeds, so the rules of §3
+/// live in one place: a second `enable` warns and does nothing, `disable`
+/// is idempotent, a poisoned backend refuses `enable`.
+#[derive(Clone, Debug)]
+pub struct Lifecycle {
+    strategy: OffloadStrategy,
+    state: LifecycleState,
+}
+
+impl Lifecycle {
+    /// A disabled lifecycle for a backend of `strategy`.
+    pub fn new(strategy: OffloadStrategy) -> Self {
+        Self {
+            strategy,
+            state: LifecycleState::Disabled,
+        }
+    }
+
+    /// The state.
+    pub fn state(&self) -> &LifecycleState {
+        &self.state
+    }
+
+    /// Whether enabled.
+    pub fn is_enabled(&self) -> bool {
+        self.state == LifecycleState::Enabled
+    }
+
+    /// Call first in `enable`.
+    pub fn begin_enable(&self) -> Result<EnableStep, OffloadError> {
+        match &self.state {
+            LifecycleState::Disabled => Ok(EnableStep::Proceed),
+            LifecycleState::Enabled => {
+                tracing::warn!(strategy = %self.strategy, "offload already enabled: enable ignored");
+                Ok(EnableStep::AlreadyEnabled)
+            }
+            LifecycleState::Poisoned { reason } => Err(OffloadError::Poisoned {
+                strategy: self.strategy,
+                reason: reason.clone(),
+            }),
+        }
+    }
+
+    /// Call when `enable` has finished successfully.
+    pub fn finish_enable(&mut self) {
+        if self.state == LifecycleState::Disabled {
+            self.state = LifecycleState::Enabled;
+        }
+    }
+
+    /// Call first in `disable`.
+    pub fn begin_disable(&self) -> DisableStep {
+        match self.state {
+            LifecycleState::Enabled => DisableStep::Proceed,
+            _ => DisableStep::NothingToDo,
+        }
+    }
+
+    /// Call when `disable` has released everything (even if a step failed:
+    /// every step runs, and the first error is returned).
+    pub fn finish_disable(&mut self) {
+        if self.state == LifecycleState::Enabled {
+            self.state = LifecycleState::Disabled;
+        }
+    }
+
+    /// Marks the backend poisoned (a multi-rank failure cleaned up locally).
+    pub fn poison(&mut self, reason: impl Into<String>) {
+        self.state = LifecycleState::Poisoned {
+            reason: reason.into(),
+        };
+    }
+}
+
+/// One offload backend (CONTRACT §3). Exactly one is installed per pipeline.
+pub trait OffloadBackend: Send {
+    /// The strategy it implements.
+    fn strategy(&self) -> OffloadStrategy;
+
+    /// Resolves the plan (pure), establishes initial residency and installs
+    /// hooks. A second call warns and does nothing. On failure every hook it
+    /// installed is removed and the pipeline's tensors are back on their
+    /// prior host storage (or the backend is poisoned, for gathering
+    /// backends).
+    fn enable(&mut self, pipeline: &mut Pipeline) -> Result<(), OffloadError>;
+
+    /// Removes the hooks and resources this backend owns, and only those.
+    /// Idempotent. Does not restore the original placement.
+    fn disable(&mut self, pipeline: &mut Pipeline) -> Result<(), OffloadError>;
+
+    /// Whether enabled.
+    fn is_enabled(&self) -> bool;
+
+    /// The lifecycle state.
+    fn state(&self) -> LifecycleState;
+}
+
+/// The device a backend runs on, as the platform names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSpec {
+    /// Platform-specific ordinal (e.g. the CUDA device index).
+    pub ordinal: u32,
+    /// Human-readable name.
+    pub name: String,
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (#{})", self.name, self.ordinal)
+    }
+}
+
+/// Everything a platform needs to build one backend.
+#[derive(Clone, Debug)]
+pub struct BackendRequest {
+    /// The selection.
+    pub selection: Selection,
+    /// The configuration it came from.
+    pub config: OffloadConfig,
+    /// The resolved device.
+    pub device: DeviceSpec,
+}
+
+/// What the runtime provides to the factory: the platform-support check,
+/// device resolution, and construction of the concrete backends.
+pub trait Platform {
+    /// The platform's name, for messages.
+    fn name(&self) -> &str;
+
+    /// Whether this platform can offload at all.
+    fn supports_offload(&self) -> bool;
+
+    /// The device this process offloads to.
+    fn resolve_device(&self, parallel: &ParallelConfig) -> Result<DeviceSpec, OffloadError>;
+
+    /// Builds the backend for `request.selection.strategy` (never `None`).
+    fn create_backend(&self, request: BackendRequest) -> Result<Box<dyn OffloadBackend>, OffloadError>;
+}
+
+/// Builds exactly one backend for the configuration, or `None` when
+/// offloading is off or the platform does not support it (with a warning).
+/// A rejected configuration is an `Err`. Nothing is installed here: the
+/// pipeline is untouched until the backend's `enable`.
+pub fn get_offload_backend(
+    config: &OffloadConfig,
+    platform: &dyn Platform,
+) -> Result<Option<Box<dyn OffloadBackend>>, OffloadError> {
+    let selection = config.select()?;
+    if selection.strategy == OffloadStrategy::None {
+        return Ok(None);
+    }
+    if !platform.supports_offload() {
+        tracing::warn!(
+            platform = platform.name(),
+            strategy = %selection.strategy,
+            "platform `{}` does not support offload: {} offload stays off",
+            platform.name(),
+            selection.strategy
+        );
+        return Ok(None);
+    }
+    let device = platform.resolve_device(&config.parallel)?;
+    let strategy = selection.strategy;
+    let backend = platform.create_backend(BackendRequest {
+        selection,
+        config: config.clone(),
+        device,
+    })?;
+    if backend.strategy() != strategy {
+        return Err(OffloadError::WrongBackend {
+            platform: platform.name().to_owned(),
+            expected: strategy,
+            built: backend.strategy(),
+        });
+    }
+    Ok(Some(backend))
+}
