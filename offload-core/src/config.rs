@@ -134,9 +134,11 @@ pub struct CompactConfig {
     pub mode: CompactMode,
     /// The components to offload; non-empty, no duplicates.
     pub components: Vec<ComponentName>,
-    /// Per-component layer options (mode `layer` only).
+    /// Per-component layer options (mode `layer` only), keyed by component
+    /// name (`dit`, `text_encoder`, `vae`). Keys are text so that an error
+    /// inside an entry names the entry.
     #[serde(default)]
-    pub layer_options: BTreeMap<ComponentName, LayerOptions>,
+    pub layer_options: BTreeMap<String, LayerOptions>,
     /// Pin host masters (default true).
     #[serde(default)]
     pub pin_memory: Option<bool>,
@@ -205,7 +207,10 @@ impl ParallelConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         for (key, value) in [
             ("parallel.data_parallel_size", self.data_parallel_size),
-            ("parallel.sequence_parallel_size", self.sequence_parallel_size),
+            (
+                "parallel.sequence_parallel_size",
+                self.sequence_parallel_size,
+            ),
             ("parallel.tensor_parallel_size", self.tensor_parallel_size),
             ("parallel.hsdp_shard_size", self.hsdp_shard_size),
             ("parallel.hsdp_replicate_size", self.hsdp_replicate_size),
@@ -228,7 +233,7 @@ impl ParallelConfig {
         }
         if self.use_hsdp {
             let hsdp = u64::from(self.hsdp_shard_size) * u64::from(self.hsdp_replicate_size);
-            if world % hsdp != 0 {
+            if !world.is_multiple_of(hsdp) {
                 return Err(ConfigError::Invalid {
                     key: "parallel.hsdp_shard_size × parallel.hsdp_replicate_size".to_owned(),
                     value: hsdp.to_string(),
@@ -429,7 +434,11 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(key: impl Into<String>, value: impl fmt::Display, allowed: impl Into<String>) -> ConfigError {
+fn invalid(
+    key: impl Into<String>,
+    value: impl fmt::Display,
+    allowed: impl Into<String>,
+) -> ConfigError {
     ConfigError::Invalid {
         key: key.into(),
         value: value.to_string(),
@@ -558,7 +567,9 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
     if selection.strategy == OffloadStrategy::DistributedLayerwise {
         if selection.uses_allgather() && config.parallel.use_hsdp {
             let key = match selection.source {
-                SelectionSource::Compact => "diffusion_offload_config.layer_options.*.weight_transfer",
+                SelectionSource::Compact => {
+                    "diffusion_offload_config.layer_options.*.weight_transfer"
+                }
                 _ => "dlo_use_allgather",
             };
             return Err(conflict(
@@ -600,16 +611,16 @@ fn select_flags(
     set_flags: &[(&'static str, OffloadStrategy)],
 ) -> Result<Selection, ConfigError> {
     let Some(&(_, strategy)) = set_flags.first() else {
-        return Ok(base_selection(OffloadStrategy::None, SelectionSource::Default));
+        return Ok(base_selection(
+            OffloadStrategy::None,
+            SelectionSource::Default,
+        ));
     };
     let mut selection = base_selection(strategy, SelectionSource::Flags);
     selection.pin_memory = config.pin_cpu_memory.unwrap_or(true);
     selection.disabled_flags = set_flags[1..]
         .iter()
-        .map(|(flag, _)| DisabledFlag {
-            flag,
-            by: strategy,
-        })
+        .map(|(flag, _)| DisabledFlag { flag, by: strategy })
         .collect();
     match strategy {
         OffloadStrategy::ModelLevel => {
@@ -692,8 +703,15 @@ fn select_compact(
     }
 
     let mut layer = BTreeMap::new();
-    for (component, options) in &compact.layer_options {
-        let key = format!("diffusion_offload_config.layer_options.{component}");
+    for (name, options) in &compact.layer_options {
+        let key = format!("diffusion_offload_config.layer_options.{name}");
+        let Some(component) = ComponentName::ALL.iter().find(|c| c.key() == name) else {
+            return Err(invalid(
+                key,
+                format!("unknown component `{name}`"),
+                "one of `dit`, `text_encoder`, `vae`",
+            ));
+        };
         if compact.mode == CompactMode::Module {
             return Err(conflict(
                 (key, "set"),
@@ -744,9 +762,9 @@ fn select_compact(
                     resident_layers: 0,
                 });
             }
-            let distributed = layer.values().any(|l| {
-                l.weight_transfer == WeightTransfer::Allgather || l.resident_layers > 0
-            });
+            let distributed = layer
+                .values()
+                .any(|l| l.weight_transfer == WeightTransfer::Allgather || l.resident_layers > 0);
             if distributed {
                 OffloadStrategy::DistributedLayerwise
             } else {

@@ -164,7 +164,11 @@ pub trait Device<A: Api>: Send + Sync {
     /// Every device operation that reads or writes `buffer` must have been
     /// enqueued before one of the events in `after` was recorded on its
     /// stream; no operation on `buffer` may be enqueued afterwards.
-    unsafe fn free_device(&self, buffer: A::DeviceBuffer, after: &[&A::Event]) -> Result<(), A::Error>;
+    unsafe fn free_device(
+        &self,
+        buffer: A::DeviceBuffer,
+        after: &[&A::Event],
+    ) -> Result<(), A::Error>;
 
     /// Allocates exactly `bytes` of pinned host memory (plain, readable by
     /// the CPU).
@@ -180,14 +184,20 @@ pub trait Device<A: Api>: Send + Sync {
 
     /// Registers caller memory in place as a copy source. On failure the
     /// memory comes back in the error.
-    fn register_host(&self, region: Box<dyn HostRegion>) -> Result<A::Registration, RegisterError<A>>;
+    fn register_host(
+        &self,
+        region: Box<dyn HostRegion>,
+    ) -> Result<A::Registration, RegisterError<A>>;
 
     /// Unregisters memory and gives it back.
     ///
     /// # Safety
     ///
     /// Every copy that reads `registration` must have completed.
-    unsafe fn unregister_host(&self, registration: A::Registration) -> Result<Box<dyn HostRegion>, A::Error>;
+    unsafe fn unregister_host(
+        &self,
+        registration: A::Registration,
+    ) -> Result<Box<dyn HostRegion>, A::Error>;
 
     /// Free and total device memory.
     fn memory_info(&self) -> Result<MemoryInfo, A::Error>;

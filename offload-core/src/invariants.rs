@@ -179,10 +179,7 @@ pub struct BufferOp {
 /// A read must come after the write that filled the buffer; a write or free
 /// must come after every read and write since the buffer was last
 /// (over)written; nothing may touch a freed buffer.
-pub fn no_early_free(
-    ops: &[BufferOp],
-    hb: impl Fn(usize, usize) -> bool,
-) -> Result<(), Violation> {
+pub fn no_early_free(ops: &[BufferOp], hb: impl Fn(usize, usize) -> bool) -> Result<(), Violation> {
     #[derive(Default)]
     struct State<'a> {
         last_write: Option<&'a BufferOp>,
@@ -195,7 +192,13 @@ pub fn no_early_free(
             Invariant::NoEarlyFree,
             format!(
                 "{rule}: `{}` ({:?} on {}) is not ordered after `{}` ({:?} on {}) of buffer `{}`",
-                now.what, now.access, now.stream, before.what, before.access, before.stream, now.buffer
+                now.what,
+                now.access,
+                now.stream,
+                before.what,
+                before.access,
+                before.stream,
+                now.buffer
             ),
         )
     };
@@ -215,12 +218,20 @@ pub fn no_early_free(
             }
             Access::Write | Access::Free => {
                 if let Some(r) = st.reads.iter().find(|r| !hb(r.op, op.op)) {
-                    return Err(fail(op, r, "overwrite or free while a read may be in flight"));
+                    return Err(fail(
+                        op,
+                        r,
+                        "overwrite or free while a read may be in flight",
+                    ));
                 }
                 if let Some(w) = st.last_write
                     && !hb(w.op, op.op)
                 {
-                    return Err(fail(op, w, "overwrite or free while a write may be in flight"));
+                    return Err(fail(
+                        op,
+                        w,
+                        "overwrite or free while a write may be in flight",
+                    ));
                 }
                 st.reads.clear();
                 if op.access == Access::Write {
@@ -255,7 +266,10 @@ pub struct TensorFacts {
 
 /// INV-4: every tensor keeps its facts (values, dtype, shape, strides,
 /// offset, aliasing).
-pub fn buffers_stay_correct(before: &[TensorFacts], after: &[TensorFacts]) -> Result<(), Violation> {
+pub fn buffers_stay_correct(
+    before: &[TensorFacts],
+    after: &[TensorFacts],
+) -> Result<(), Violation> {
     if before.len() != after.len() {
         return Err(violation(
             Invariant::BuffersStayCorrect,
@@ -276,7 +290,10 @@ pub fn buffers_stay_correct(before: &[TensorFacts], after: &[TensorFacts]) -> Re
 /// INV-5: the observable state of the pipeline (its description, hooks and
 /// placement, as a snapshot the caller takes) is the same after a failed
 /// `enable` as before it.
-pub fn fail_before_mutate<S: PartialEq + fmt::Debug>(before: &S, after: &S) -> Result<(), Violation> {
+pub fn fail_before_mutate<S: PartialEq + fmt::Debug>(
+    before: &S,
+    after: &S,
+) -> Result<(), Violation> {
     if before == after {
         Ok(())
     } else {
@@ -365,7 +382,11 @@ pub fn equivalence(resident: &[u8], offloaded: &[u8]) -> Result<(), Violation> {
     if resident.len() != offloaded.len() {
         return Err(violation(
             Invariant::Equivalence,
-            format!("output of {} bytes vs {} resident", offloaded.len(), resident.len()),
+            format!(
+                "output of {} bytes vs {} resident",
+                offloaded.len(),
+                resident.len()
+            ),
         ));
     }
     match resident.iter().zip(offloaded).position(|(a, b)| a != b) {

@@ -57,7 +57,9 @@ pub enum OffloadError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The platform built a backend of another strategy than selected.
-    #[error("platform `{platform}` built a {built} backend, but the configuration selects {expected}")]
+    #[error(
+        "platform `{platform}` built a {built} backend, but the configuration selects {expected}"
+    )]
     WrongBackend {
         /// The platform.
         platform: String,
@@ -225,7 +227,10 @@ pub trait Platform {
     fn resolve_device(&self, parallel: &ParallelConfig) -> Result<DeviceSpec, OffloadError>;
 
     /// Builds the backend for `request.selection.strategy` (never `None`).
-    fn create_backend(&self, request: BackendRequest) -> Result<Box<dyn OffloadBackend>, OffloadError>;
+    fn create_backend(
+        &self,
+        request: BackendRequest,
+    ) -> Result<Box<dyn OffloadBackend>, OffloadError>;
 }
 
 /// Builds exactly one backend for the configuration, or `None` when

@@ -179,15 +179,6 @@ pub enum ModuleKind {
     List,
 }
 
-/// How a module declares the containers of its repeated blocks.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum BlockContainers {
-    /// The declared ordered container list (`_layerwise_offload_blocks_attrs`).
-    List(Vec<String>),
-    /// The deprecated single container (`_layerwise_offload_blocks_attr`).
-    DeprecatedSingle(String),
-}
-
 /// One node of the pipeline tree.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Module {
@@ -203,9 +194,13 @@ pub struct Module {
     pub children: Vec<ModuleId>,
     /// Tensors held directly by this module.
     pub tensors: Vec<TensorId>,
-    /// Block containers this module declares, if it is a DiT (or any stack
-    /// owner).
-    pub block_containers: Option<BlockContainers>,
+    /// The ordered block containers this module declares
+    /// (`_layerwise_offload_blocks_attrs`), relative paths.
+    pub block_containers: Option<Vec<String>>,
+    /// The deprecated single block container
+    /// (`_layerwise_offload_blocks_attr`); used only when no list is
+    /// declared, with a warning.
+    pub deprecated_block_container: Option<String>,
 }
 
 /// A diffusion pipeline described as data.
@@ -361,7 +356,9 @@ pub(crate) fn join(parent: &str, name: &str) -> String {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ModelError {
     /// A name or path segment is empty or holds a character not allowed.
-    #[error("invalid name `{name}` at `{at}`: a path segment must be non-empty and hold only letters, digits and `_`")]
+    #[error(
+        "invalid name `{name}` at `{at}`: a path segment must be non-empty and hold only letters, digits and `_`"
+    )]
     InvalidName {
         /// The name given.
         name: String,
@@ -482,6 +479,7 @@ impl PipelineBuilder {
             children: Vec::new(),
             tensors: Vec::new(),
             block_containers: None,
+            deprecated_block_container: None,
         };
         let mut by_path = BTreeMap::new();
         by_path.insert(String::new(), ModuleId(0));
@@ -570,7 +568,8 @@ impl PipelineBuilder {
                 name: name.to_owned(),
             });
         } else if self.tensor_at(parent, name).is_some() {
-            self.errors.push(ModelError::Duplicate { path: path.clone() });
+            self.errors
+                .push(ModelError::Duplicate { path: path.clone() });
         }
         let id = ModuleId(self.p.modules.len() as u32);
         self.p.modules.push(Module {
@@ -581,6 +580,7 @@ impl PipelineBuilder {
             children: Vec::new(),
             tensors: Vec::new(),
             block_containers: None,
+            deprecated_block_container: None,
         });
         self.p.modules[parent.index()].children.push(id);
         self.p.by_path.insert(path, id);
@@ -701,7 +701,13 @@ impl ModuleBuilder<'_> {
     }
 
     /// Adds a contiguous buffer; a dotted `name` creates submodules.
-    pub fn buffer(&mut self, name: &str, dtype: DType, shape: &[u64], persistent: bool) -> &mut Self {
+    pub fn buffer(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        persistent: bool,
+    ) -> &mut Self {
         self.tensor(name, TensorSpec::buffer(dtype, shape, persistent))
     }
 
@@ -749,8 +755,16 @@ impl ModuleBuilder<'_> {
     ) -> &mut Self {
         let list = self.b.ensure_path(self.id, name, ModuleKind::List);
         for i in 0..len {
-            let child = self.b.ensure_child(list, &i.to_string(), ModuleKind::Module);
-            build(i, &mut ModuleBuilder { b: self.b, id: child });
+            let child = self
+                .b
+                .ensure_child(list, &i.to_string(), ModuleKind::Module);
+            build(
+                i,
+                &mut ModuleBuilder {
+                    b: self.b,
+                    id: child,
+                },
+            );
         }
         self
     }
@@ -758,17 +772,15 @@ impl ModuleBuilder<'_> {
     /// Declares this module's ordered block containers
     /// (`_layerwise_offload_blocks_attrs`).
     pub fn block_containers(&mut self, names: &[&str]) -> &mut Self {
-        self.b.p.modules[self.id.index()].block_containers = Some(BlockContainers::List(
-            names.iter().map(|s| (*s).to_owned()).collect(),
-        ));
+        self.b.p.modules[self.id.index()].block_containers =
+            Some(names.iter().map(|s| (*s).to_owned()).collect());
         self
     }
 
     /// Declares a single block container the deprecated way
     /// (`_layerwise_offload_blocks_attr`).
     pub fn deprecated_block_container(&mut self, name: &str) -> &mut Self {
-        self.b.p.modules[self.id.index()].block_containers =
-            Some(BlockContainers::DeprecatedSingle(name.to_owned()));
+        self.b.p.modules[self.id.index()].deprecated_block_container = Some(name.to_owned());
         self
     }
 }

@@ -30,7 +30,7 @@ use crate::config::{
     ComponentName, ConfigError, OffloadConfig, OffloadStrategy, Selection, WeightTransfer,
 };
 use crate::discovery::{DiscoveredComponent, Discovery, DiscoverySource, Role, discover};
-use crate::model::{BlockContainers, ModuleId, ModuleKind, Pipeline, StorageId, join};
+use crate::model::{ModuleId, ModuleKind, Pipeline, StorageId, join};
 
 /// The plan schema version this library reads and writes.
 pub const PLAN_SCHEMA_VERSION: u32 = 1;
@@ -161,7 +161,10 @@ impl fmt::Display for PlanWarning {
                 "pipeline `{pipeline_type}` declares no components: found them by the legacy scan of well-known names; declare them explicitly"
             ),
             PlanWarning::MissingDeclaredPath { role, path } => {
-                write!(f, "declared {role} component `{path}` does not exist; skipped")
+                write!(
+                    f,
+                    "declared {role} component `{path}` does not exist; skipped"
+                )
             }
             PlanWarning::DeprecatedBlockContainer { owner, container } => write!(
                 f,
@@ -171,12 +174,17 @@ impl fmt::Display for PlanWarning {
                 f,
                 "`{owner}` has {blocks} block(s); layerwise offload needs at least 2, so it stays resident"
             ),
-            PlanWarning::NoDit => f.write_str("model-level offload found no DiT: nothing to offload"),
+            PlanWarning::NoDit => {
+                f.write_str("model-level offload found no DiT: nothing to offload")
+            }
             PlanWarning::NoEncoder => f.write_str(
                 "model-level offload found no encoder: DiTs stay on the device and nothing moves",
             ),
             PlanWarning::SelfManaged { path } => {
-                write!(f, "`{path}` manages its own residency; offload leaves it alone")
+                write!(
+                    f,
+                    "`{path}` manages its own residency; offload leaves it alone"
+                )
             }
         }
     }
@@ -224,7 +232,9 @@ pub enum PlanError {
         second: Role,
     },
     /// An explicitly selected component is not in the pipeline.
-    #[error("component `{component}` is selected but the pipeline has no {role} module (found: {found:?})")]
+    #[error(
+        "component `{component}` is selected but the pipeline has no {role} module (found: {found:?})"
+    )]
     ComponentNotFound {
         /// The configuration name.
         component: ComponentName,
@@ -234,7 +244,9 @@ pub enum PlanError {
         found: Vec<String>,
     },
     /// A declared block container does not exist.
-    #[error("`{owner}` declares block container `{container}` (from {declared_by}), which does not exist")]
+    #[error(
+        "`{owner}` declares block container `{container}` (from {declared_by}), which does not exist"
+    )]
     MissingContainer {
         /// The stack owner.
         owner: String,
@@ -250,7 +262,9 @@ pub enum PlanError {
         path: String,
     },
     /// An explicitly selected component has fewer than two blocks.
-    #[error("`{owner}` has {blocks} block(s) but its component was selected explicitly for layerwise offload, which needs at least 2")]
+    #[error(
+        "`{owner}` has {blocks} block(s) but its component was selected explicitly for layerwise offload, which needs at least 2"
+    )]
     TooFewBlocks {
         /// The stack owner.
         owner: String,
@@ -258,7 +272,9 @@ pub enum PlanError {
         blocks: usize,
     },
     /// Two stacks claim one block (or one block lies inside another).
-    #[error("block `{block}` is claimed by `{first}` and by `{second}`; a block belongs to one stack")]
+    #[error(
+        "block `{block}` is claimed by `{first}` and by `{second}`; a block belongs to one stack"
+    )]
     BlockClaimedTwice {
         /// The block.
         block: String,
@@ -268,7 +284,9 @@ pub enum PlanError {
         second: String,
     },
     /// A storage is shared by a streamed block and something outside it.
-    #[error("tensors `{first}` and `{second}` share one storage across a block boundary; tied weights must live within one block or outside all blocks")]
+    #[error(
+        "tensors `{first}` and `{second}` share one storage across a block boundary; tied weights must live within one block or outside all blocks"
+    )]
     StorageSharedAcrossBlocks {
         /// A tensor inside a block.
         first: String,
@@ -276,7 +294,9 @@ pub enum PlanError {
         second: String,
     },
     /// Resident leading layers on a DiT the plan does not allow.
-    #[error("`resident_layers` = {resident_layers} for `{dit}`, but the offload plan does not list it in `resident_leading_blocks` (allowed: {allowed:?})")]
+    #[error(
+        "`resident_layers` = {resident_layers} for `{dit}`, but the offload plan does not list it in `resident_leading_blocks` (allowed: {allowed:?})"
+    )]
     ResidentLayersNotAllowed {
         /// The DiT.
         dit: String,
@@ -287,7 +307,9 @@ pub enum PlanError {
     },
     /// Resident leading layers that leave one streaming block or exceed the
     /// stack.
-    #[error("`resident_layers` = {resident_layers} for `{dit}` with {blocks} blocks; allowed: 0 ≤ n ≤ {blocks}, n ≠ {one_left} (one streaming block cannot form a ring)")]
+    #[error(
+        "`resident_layers` = {resident_layers} for `{dit}` with {blocks} blocks; allowed: 0 ≤ n ≤ {blocks}, n ≠ {one_left} (one streaming block cannot form a ring)"
+    )]
     ResidentLayersCount {
         /// The DiT.
         dit: String,
@@ -300,7 +322,9 @@ pub enum PlanError {
     },
     /// An encoder would be gathered but is not declared identical on all
     /// ranks.
-    #[error("encoder `{path}` would be all-gathered across {group_size} ranks, but the offload plan does not list it in `replicated_encoders`; use weight_transfer = \"rank-local\" for text_encoder or declare it")]
+    #[error(
+        "encoder `{path}` would be all-gathered across {group_size} ranks, but the offload plan does not list it in `replicated_encoders`; use weight_transfer = \"rank-local\" for text_encoder or declare it"
+    )]
     EncoderNotReplicated {
         /// The encoder.
         path: String,
@@ -533,12 +557,15 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
             for component in components.iter_mut().filter(|c| c.offloaded) {
                 let name = component_of(component.role).expect("offloaded components have a name");
-                let settings = selection.layer.get(&name).copied().unwrap_or(
-                    crate::config::LayerSettings {
-                        weight_transfer: WeightTransfer::RankLocal,
-                        resident_layers: 0,
-                    },
-                );
+                let settings =
+                    selection
+                        .layer
+                        .get(&name)
+                        .copied()
+                        .unwrap_or(crate::config::LayerSettings {
+                            weight_transfer: WeightTransfer::RankLocal,
+                            resident_layers: 0,
+                        });
                 let owner_stacks = resolve_stacks(pipeline, component, plan, &mut warnings)?;
                 if owner_stacks.is_empty() {
                     if selection.components_explicit {
@@ -594,7 +621,10 @@ fn check_plan_paths(pipeline: &Pipeline, plan: &OffloadPlan) -> Result<(), PlanE
             "resident_leading_blocks",
             plan.resident_leading_blocks.iter().collect(),
         ),
-        ("replicated_encoders", plan.replicated_encoders.iter().collect()),
+        (
+            "replicated_encoders",
+            plan.replicated_encoders.iter().collect(),
+        ),
     ];
     for (key, paths) in lists {
         for path in paths {
@@ -618,12 +648,11 @@ fn topology(
     if let Some(containers) = plan.and_then(|p| p.block_containers.get(&owner.path)) {
         return Some((TopologySource::Plan, containers.clone()));
     }
-    match &pipeline.module(owner.module).block_containers {
-        Some(BlockContainers::List(list)) => Some((TopologySource::Declared, list.clone())),
-        Some(BlockContainers::DeprecatedSingle(one)) => {
-            Some((TopologySource::DeprecatedSingle, vec![one.clone()]))
-        }
-        None => None,
+    let module = pipeline.module(owner.module);
+    match (&module.block_containers, &module.deprecated_block_container) {
+        (Some(list), _) => Some((TopologySource::Declared, list.clone())),
+        (None, Some(one)) => Some((TopologySource::DeprecatedSingle, vec![one.clone()])),
+        (None, None) => None,
     }
 }
 
@@ -812,7 +841,11 @@ fn check_block_claims(pipeline: &Pipeline, stacks: &[BlockStack]) -> Result<(), 
                 first_user.insert(tensor.storage, (here, t));
             }
             Some((there, other)) if *there != here => {
-                let (inside, outside) = if here.is_some() { (t, *other) } else { (*other, t) };
+                let (inside, outside) = if here.is_some() {
+                    (t, *other)
+                } else {
+                    (*other, t)
+                };
                 return Err(PlanError::StorageSharedAcrossBlocks {
                     first: pipeline.tensor_path(inside),
                     second: pipeline.tensor_path(outside),

@@ -50,7 +50,9 @@ pub enum Transition {
 
 /// A transition not allowed from the current state.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("illegal residency transition {transition:?} from {from:?} for `{key}`; allowed from {from:?}: {allowed:?}")]
+#[error(
+    "illegal residency transition {transition:?} from {from:?} for `{key}`; allowed from {from:?}: {allowed:?}"
+)]
 pub struct IllegalTransition {
     /// What was being moved.
     pub key: String,
@@ -146,7 +148,8 @@ impl<K: Ord + Clone + fmt::Display> ResidencyTable<K> {
             }),
             Some(_) => Ok(()),
             None => {
-                self.entries.insert(key, (owner.clone(), Residency::HostOnly));
+                self.entries
+                    .insert(key, (owner.clone(), Residency::HostOnly));
                 Ok(())
             }
         }

@@ -1,1 +1,97 @@
-//! placeholder
+//! Helpers shared by the integration tests: small pipelines built the way a
+//! runtime author builds theirs, and a log capture for warnings and info
+//! lines.
+
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use offload_core::model::{DType, ModuleBuilder, Pipeline, PipelineBuilder};
+
+/// Adds a module list `container` of `n` transformer-like blocks of width
+/// `hidden` to `m`.
+pub fn blocks(m: &mut ModuleBuilder<'_>, container: &str, n: usize, hidden: u64) {
+    m.list(container, n, |_, b| {
+        b.parameter("attn.to_qkv.weight", DType::Bf16, &[3 * hidden, hidden])
+            .parameter("attn.to_out.weight", DType::Bf16, &[hidden, hidden])
+            .parameter("ff.up.weight", DType::Bf16, &[4 * hidden, hidden])
+            .parameter("ff.down.weight", DType::Bf16, &[hidden, 4 * hidden])
+            .parameter("norm.weight", DType::F32, &[hidden]);
+    });
+}
+
+/// A DiT at `path` with the given `(container, blocks)` lists, declared as
+/// its block containers, plus non-block embeddings.
+pub fn dit(b: &mut PipelineBuilder, path: &str, containers: &[(&str, usize)]) {
+    let mut m = b.module(path);
+    m.parameter("x_embedder.weight", DType::Bf16, &[64, 16])
+        .buffer("rope.freqs", DType::F32, &[32], false);
+    for (name, n) in containers {
+        blocks(&mut m, name, *n, 16);
+    }
+    let names: Vec<&str> = containers.iter().map(|(n, _)| *n).collect();
+    m.block_containers(&names);
+}
+
+/// An encoder at `path` with `n` blocks in `layers` (declared).
+pub fn encoder(b: &mut PipelineBuilder, path: &str, n: usize) {
+    let mut m = b.module(path);
+    m.parameter("embed.weight", DType::Bf16, &[100, 16]);
+    blocks(&mut m, "layers", n, 16);
+    m.block_containers(&["layers"]);
+}
+
+/// A VAE at `path` without blocks.
+pub fn vae(b: &mut PipelineBuilder, path: &str) {
+    b.module(path)
+        .parameter("decoder.conv.weight", DType::F16, &[8, 8, 3, 3]);
+}
+
+/// A Flux-shaped pipeline (double then single blocks), declared explicitly.
+pub fn flux_like(double: usize, single: usize) -> Pipeline {
+    let mut b = PipelineBuilder::new("FluxLike");
+    dit(
+        &mut b,
+        "transformer",
+        &[
+            ("transformer_blocks", double),
+            ("single_transformer_blocks", single),
+        ],
+    );
+    encoder(&mut b, "text_encoder", 4);
+    vae(&mut b, "vae");
+    b.declare_components(offload_core::ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: vec!["text_encoder".into()],
+        vae: vec!["vae".into()],
+        resident: vec![],
+    });
+    b.build().expect("flux_like builds")
+}
+
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `f` with a subscriber that records every event at `info` and
+/// above; returns `f`'s result and the log text.
+pub fn capture_logs<T>(f: impl FnOnce() -> T) -> (T, String) {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::INFO)
+        .without_time()
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    (out, text)
+}

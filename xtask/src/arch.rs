@@ -1,0 +1,144 @@
+//! The architecture check: the dependency closure (every edge kind, as
+//! `cargo tree` counts them) of each hardware-neutral crate, taken from
+//! `cargo metadata`, is fed to core's INV-6 predicate.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow, bail};
+use offload_core::invariants::platform_abstraction;
+use serde_json::Value;
+
+/// Crates that must stay hardware-neutral.
+pub(crate) const NEUTRAL_CRATES: [&str; 2] = ["offload-core", "offload-hooks"];
+
+pub(crate) fn check_workspace() -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let out = Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .output()
+        .context("cannot run `cargo metadata`")?;
+    if !out.status.success() {
+        bail!(
+            "`cargo metadata` failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let metadata: Value = serde_json::from_slice(&out.stdout)?;
+    for krate in NEUTRAL_CRATES {
+        let closure = dependency_closure(&metadata, krate)?;
+        platform_abstraction(krate, closure.iter().map(String::as_str))?;
+        println!(
+            "xtask arch: `{krate}` ({} dependencies) names no device library",
+            closure.len()
+        );
+    }
+    Ok(())
+}
+
+/// Names of every package reachable from `krate` in the resolve graph.
+pub(crate) fn dependency_closure(metadata: &Value, krate: &str) -> Result<BTreeSet<String>> {
+    let packages = metadata["packages"]
+        .as_array()
+        .ok_or_else(|| anyhow!("cargo metadata has no packages"))?;
+    let name_of: BTreeMap<&str, &str> = packages
+        .iter()
+        .filter_map(|p| Some((p["id"].as_str()?, p["name"].as_str()?)))
+        .collect();
+    let root = name_of
+        .iter()
+        .find(|(_, n)| **n == krate)
+        .map(|(id, _)| *id)
+        .ok_or_else(|| anyhow!("package `{krate}` is not in the workspace"))?;
+    let nodes = metadata["resolve"]["nodes"]
+        .as_array()
+        .ok_or_else(|| anyhow!("cargo metadata has no resolve graph"))?;
+    let deps_of: BTreeMap<&str, Vec<&str>> = nodes
+        .iter()
+        .filter_map(|n| {
+            let deps = n["deps"]
+                .as_array()?
+                .iter()
+                .filter_map(|d| d["pkg"].as_str())
+                .collect();
+            Some((n["id"].as_str()?, deps))
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        for dep in deps_of.get(id).into_iter().flatten() {
+            if seen.insert(*dep) {
+                stack.push(dep);
+            }
+        }
+    }
+    Ok(seen
+        .into_iter()
+        .filter_map(|id| name_of.get(id).map(|n| (*n).to_owned()))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A metadata document: packages `(id, name)` and edges `(from, to)`.
+    fn metadata(packages: &[&str], edges: &[(&str, &str)]) -> Value {
+        json!({
+            "packages": packages.iter().map(|p| json!({"id": format!("{p}-id"), "name": p})).collect::<Vec<_>>(),
+            "resolve": {"nodes": packages.iter().map(|p| json!({
+                "id": format!("{p}-id"),
+                "deps": edges.iter().filter(|(f, _)| f == p).map(|(_, t)| json!({"pkg": format!("{t}-id")})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>()},
+        })
+    }
+
+    fn check(packages: &[&str], edges: &[(&str, &str)], expect_violation: bool) {
+        let m = metadata(packages, edges);
+        let closure = dependency_closure(&m, "offload-core").unwrap();
+        let result = platform_abstraction("offload-core", closure.iter().map(String::as_str));
+        assert_eq!(
+            result.is_err(),
+            expect_violation,
+            "{packages:?} {edges:?}: {result:?}"
+        );
+    }
+
+    #[test]
+    fn clean_closure_passes() {
+        check(
+            &["offload-core", "serde", "serde_derive"],
+            &[("offload-core", "serde"), ("serde", "serde_derive")],
+            false,
+        );
+    }
+
+    #[test]
+    fn planted_direct_cudarc_is_caught() {
+        check(
+            &["offload-core", "cudarc"],
+            &[("offload-core", "cudarc")],
+            true,
+        );
+    }
+
+    #[test]
+    fn planted_transitive_nccl_is_caught() {
+        check(
+            &["offload-core", "helper", "nccl-sys"],
+            &[("offload-core", "helper"), ("helper", "nccl-sys")],
+            true,
+        );
+    }
+
+    #[test]
+    fn backend_depending_on_cudarc_is_not_core() {
+        check(
+            &["offload-core", "offload-cuda", "cudarc"],
+            &[("offload-cuda", "offload-core"), ("offload-cuda", "cudarc")],
+            false,
+        );
+    }
+}
