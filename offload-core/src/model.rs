@@ -268,9 +268,12 @@ impl Pipeline {
         &self.storages[id.index()]
     }
 
-    /// Number of storages.
-    pub fn storage_count(&self) -> usize {
-        self.storages.len()
+    /// Every storage.
+    pub fn storages(&self) -> impl Iterator<Item = (StorageId, &Storage)> {
+        self.storages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (StorageId(i as u32), s))
     }
 
     /// The full dotted path of a tensor.

@@ -3,7 +3,7 @@
 
 use offload_core::config::WeightTransfer;
 use offload_core::discovery::{DiscoverySource, Role, discover, log_warnings};
-use offload_core::model::{DType, ModelError, PipelineBuilder, TensorSpec, StorageSpec};
+use offload_core::model::{DType, ModelError, PipelineBuilder, StorageSpec, TensorSpec};
 use offload_core::plan::{PlanWarning, TopologySource};
 use offload_core::{
     ComponentDeclaration, OffloadConfig, OffloadPlan, OffloadStrategy, Pipeline, PlanError,
@@ -34,7 +34,12 @@ fn ok(pipeline: &Pipeline, cfg: &str) -> ResolvedPlan {
 
 /// Resolves and expects an error matching `expect`, whose message holds
 /// every needle.
-fn check_err(pipeline: &Pipeline, cfg: &str, expect: impl Fn(&PlanError) -> bool, needles: &[&str]) {
+fn check_err(
+    pipeline: &Pipeline,
+    cfg: &str,
+    expect: impl Fn(&PlanError) -> bool,
+    needles: &[&str],
+) {
     let before = pipeline.clone();
     match resolve(pipeline, &config(cfg)) {
         Ok(plan) => panic!("{cfg}: expected an error, got {} stacks", plan.stacks.len()),
@@ -55,7 +60,11 @@ fn declared_discovery_skips_missing_and_removes_duplicates() {
     dit(&mut b, "transformer", &[("blocks", 3)]);
     vae(&mut b, "vae");
     b.declare_components(ComponentDeclaration {
-        dit: vec!["transformer".into(), "transformer".into(), "transformer_2".into()],
+        dit: vec![
+            "transformer".into(),
+            "transformer".into(),
+            "transformer_2".into(),
+        ],
         encoder: vec![],
         vae: vec!["vae".into()],
         resident: vec![],
@@ -63,11 +72,18 @@ fn declared_discovery_skips_missing_and_removes_duplicates() {
     let p = b.build().unwrap();
     let d = discover(&p).unwrap();
     assert_eq!(d.source, DiscoverySource::Declared);
-    let got: Vec<(Role, &str)> = d.components.iter().map(|c| (c.role, c.path.as_str())).collect();
+    let got: Vec<(Role, &str)> = d
+        .components
+        .iter()
+        .map(|c| (c.role, c.path.as_str()))
+        .collect();
     assert_eq!(got, [(Role::Dit, "transformer"), (Role::Vae, "vae")]);
     assert_eq!(
         d.warnings,
-        [PlanWarning::MissingDeclaredPath { role: Role::Dit, path: "transformer_2".into() }]
+        [PlanWarning::MissingDeclaredPath {
+            role: Role::Dit,
+            path: "transformer_2".into()
+        }]
     );
 }
 
@@ -79,7 +95,10 @@ fn dotted_declared_paths() {
     let p = b.build().unwrap();
     let plan = ok(&p, LAYERWISE);
     assert_eq!(plan.stacks.len(), 1);
-    assert_eq!(plan.stacks[0].blocks[3].path, "model.diffusion.transformer.blocks.3");
+    assert_eq!(
+        plan.stacks[0].blocks[3].path,
+        "model.diffusion.transformer.blocks.3"
+    );
 }
 
 #[test]
@@ -88,7 +107,12 @@ fn role_conflict_is_an_error() {
     dit(&mut b, "transformer", &[("blocks", 3)]);
     declare(&mut b, &["transformer"], &[], &["transformer"]);
     let p = b.build().unwrap();
-    check_err(&p, LAYERWISE, |e| matches!(e, PlanError::ComponentRoleConflict { .. }), &["transformer", "dit", "vae"]);
+    check_err(
+        &p,
+        LAYERWISE,
+        |e| matches!(e, PlanError::ComponentRoleConflict { .. }),
+        &["transformer", "dit", "vae"],
+    );
 }
 
 #[test]
@@ -99,13 +123,18 @@ fn legacy_scan_finds_well_known_names_and_warns_once_per_type() {
         dit(&mut b, "transformer_2", &[("blocks", 2)]);
         encoder(&mut b, "text_encoder_2", 2);
         vae(&mut b, "audio_vae");
-        b.module("scheduler_state").buffer("sigmas", DType::F32, &[10], false);
+        b.module("scheduler_state")
+            .buffer("sigmas", DType::F32, &[10], false);
         b.build().unwrap()
     };
     let p = build("LegacyPipelineA");
     let d = discover(&p).unwrap();
     assert_eq!(d.source, DiscoverySource::LegacyScan);
-    let got: Vec<(Role, &str)> = d.components.iter().map(|c| (c.role, c.path.as_str())).collect();
+    let got: Vec<(Role, &str)> = d
+        .components
+        .iter()
+        .map(|c| (c.role, c.path.as_str()))
+        .collect();
     assert_eq!(
         got,
         [
@@ -116,14 +145,22 @@ fn legacy_scan_finds_well_known_names_and_warns_once_per_type() {
         ]
     );
     let plan = ok(&p, LAYERWISE);
-    assert!(plan.warnings.contains(&PlanWarning::LegacyScan { pipeline_type: "LegacyPipelineA".into() }));
+    assert!(plan.warnings.contains(&PlanWarning::LegacyScan {
+        pipeline_type: "LegacyPipelineA".into()
+    }));
 
     // Logged once per pipeline type, however often it is resolved.
     let (first, logs) = capture_logs(|| log_warnings(&plan.warnings).len());
     assert_eq!(first, 1);
-    assert!(logs.contains("WARN") && logs.contains("legacy scan"), "{logs}");
+    assert!(
+        logs.contains("WARN") && logs.contains("legacy scan"),
+        "{logs}"
+    );
     let (again, logs) = capture_logs(|| log_warnings(&ok(&p, LAYERWISE).warnings).len());
-    assert_eq!(again, 0, "second resolution of the same type logs nothing: {logs}");
+    assert_eq!(
+        again, 0,
+        "second resolution of the same type logs nothing: {logs}"
+    );
     let other = build("LegacyPipelineB");
     assert_eq!(log_warnings(&ok(&other, LAYERWISE).warnings).len(), 1);
 }
@@ -140,11 +177,46 @@ fn topology_precedence() {
         deprecated_warning: bool,
     }
     let rows = [
-        Row { plan: Some(&["single"]), list: Some(&["double", "single"]), single: Some("double"), source: TopologySource::Plan, blocks: 5, deprecated_warning: false },
-        Row { plan: None, list: Some(&["double", "single"]), single: Some("double"), source: TopologySource::Declared, blocks: 8, deprecated_warning: false },
-        Row { plan: None, list: Some(&["single", "double"]), single: None, source: TopologySource::Declared, blocks: 8, deprecated_warning: false },
-        Row { plan: None, list: None, single: Some("double"), source: TopologySource::DeprecatedSingle, blocks: 3, deprecated_warning: true },
-        Row { plan: Some(&["double"]), list: None, single: None, source: TopologySource::Plan, blocks: 3, deprecated_warning: false },
+        Row {
+            plan: Some(&["single"]),
+            list: Some(&["double", "single"]),
+            single: Some("double"),
+            source: TopologySource::Plan,
+            blocks: 5,
+            deprecated_warning: false,
+        },
+        Row {
+            plan: None,
+            list: Some(&["double", "single"]),
+            single: Some("double"),
+            source: TopologySource::Declared,
+            blocks: 8,
+            deprecated_warning: false,
+        },
+        Row {
+            plan: None,
+            list: Some(&["single", "double"]),
+            single: None,
+            source: TopologySource::Declared,
+            blocks: 8,
+            deprecated_warning: false,
+        },
+        Row {
+            plan: None,
+            list: None,
+            single: Some("double"),
+            source: TopologySource::DeprecatedSingle,
+            blocks: 3,
+            deprecated_warning: true,
+        },
+        Row {
+            plan: Some(&["double"]),
+            list: None,
+            single: None,
+            source: TopologySource::Plan,
+            blocks: 3,
+            deprecated_warning: false,
+        },
     ];
     for (i, row) in rows.iter().enumerate() {
         let mut b = PipelineBuilder::new("Precedence");
@@ -162,7 +234,10 @@ fn topology_precedence() {
         declare(&mut b, &["transformer"], &[], &[]);
         if let Some(containers) = row.plan {
             let mut plan = OffloadPlan::default();
-            plan.block_containers.insert("transformer".into(), containers.iter().map(|s| (*s).to_owned()).collect());
+            plan.block_containers.insert(
+                "transformer".into(),
+                containers.iter().map(|s| (*s).to_owned()).collect(),
+            );
             b.offload_plan(plan);
         }
         let p = b.build().unwrap();
@@ -171,7 +246,10 @@ fn topology_precedence() {
         let stack = &plan.stacks[0];
         assert_eq!(stack.source, row.source, "row {i}");
         assert_eq!(stack.blocks.len(), row.blocks, "row {i}");
-        let warned = plan.warnings.iter().any(|w| matches!(w, PlanWarning::DeprecatedBlockContainer { .. }));
+        let warned = plan
+            .warnings
+            .iter()
+            .any(|w| matches!(w, PlanWarning::DeprecatedBlockContainer { .. }));
         assert_eq!(warned, row.deprecated_warning, "row {i}");
     }
 }
@@ -180,7 +258,11 @@ fn topology_precedence() {
 fn containers_concatenate_in_declaration_order() {
     let p = flux_like(2, 3);
     let plan = ok(&p, LAYERWISE);
-    let paths: Vec<&str> = plan.stacks[0].blocks.iter().map(|b| b.path.as_str()).collect();
+    let paths: Vec<&str> = plan.stacks[0]
+        .blocks
+        .iter()
+        .map(|b| b.path.as_str())
+        .collect();
     assert_eq!(
         paths,
         [
@@ -193,9 +275,16 @@ fn containers_concatenate_in_declaration_order() {
     );
     assert!(plan.stacks[0].blocks.iter().all(|b| b.bytes > 0));
     // Flag form offloads the DiT only; the encoder stays resident.
-    let enc = plan.components.iter().find(|c| c.role == Role::Encoder).unwrap();
+    let enc = plan
+        .components
+        .iter()
+        .find(|c| c.role == Role::Encoder)
+        .unwrap();
     assert!(!enc.offloaded);
-    assert_eq!(plan.streamed_bytes(), plan.stacks[0].blocks.iter().map(|b| b.bytes).sum::<u64>());
+    assert_eq!(
+        plan.streamed_bytes(),
+        plan.stacks[0].blocks.iter().map(|b| b.bytes).sum::<u64>()
+    );
 }
 
 #[test]
@@ -207,9 +296,17 @@ fn too_few_blocks_warns_unless_selected_explicitly() {
         let p = b.build().unwrap();
         let plan = ok(&p, LAYERWISE);
         assert!(plan.stacks.is_empty());
-        assert!(plan.warnings.contains(&PlanWarning::TooFewBlocks { owner: "transformer".into(), blocks: n }));
+        assert!(plan.warnings.contains(&PlanWarning::TooFewBlocks {
+            owner: "transformer".into(),
+            blocks: n
+        }));
         assert!(!plan.components[0].offloaded);
-        check_err(&p, LAYER_DIT, |e| matches!(e, PlanError::TooFewBlocks { blocks, .. } if *blocks == n), &["transformer", "at least 2"]);
+        check_err(
+            &p,
+            LAYER_DIT,
+            |e| matches!(e, PlanError::TooFewBlocks { blocks, .. } if *blocks == n),
+            &["transformer", "at least 2"],
+        );
     }
     // A DiT with no topology at all counts as zero blocks.
     let mut b = PipelineBuilder::new("NoTopology");
@@ -217,7 +314,12 @@ fn too_few_blocks_warns_unless_selected_explicitly() {
     declare(&mut b, &["transformer"], &[], &[]);
     let p = b.build().unwrap();
     assert!(ok(&p, LAYERWISE).stacks.is_empty());
-    check_err(&p, LAYER_DIT, |e| matches!(e, PlanError::TooFewBlocks { blocks: 0, .. }), &["transformer"]);
+    check_err(
+        &p,
+        LAYER_DIT,
+        |e| matches!(e, PlanError::TooFewBlocks { blocks: 0, .. }),
+        &["transformer"],
+    );
 }
 
 #[test]
@@ -245,11 +347,30 @@ fn several_dits_and_encoder_stacks() {
     dit(&mut b, "transformer", &[("blocks", 3)]);
     dit(&mut b, "transformer_2", &[("blocks", 5)]);
     encoder(&mut b, "text_encoder", 4);
-    declare(&mut b, &["transformer", "transformer_2"], &["text_encoder"], &[]);
+    declare(
+        &mut b,
+        &["transformer", "transformer_2"],
+        &["text_encoder"],
+        &[],
+    );
     let p = b.build().unwrap();
-    let plan = ok(&p, r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"]}}"#);
-    let stacks: Vec<(&str, usize)> = plan.stacks.iter().map(|s| (s.owner.as_str(), s.blocks.len())).collect();
-    assert_eq!(stacks, [("transformer", 3), ("transformer_2", 5), ("text_encoder", 4)]);
+    let plan = ok(
+        &p,
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"]}}"#,
+    );
+    let stacks: Vec<(&str, usize)> = plan
+        .stacks
+        .iter()
+        .map(|s| (s.owner.as_str(), s.blocks.len()))
+        .collect();
+    assert_eq!(
+        stacks,
+        [
+            ("transformer", 3),
+            ("transformer_2", 5),
+            ("text_encoder", 4)
+        ]
+    );
 }
 
 /// One pipeline and config per resolver error, each caught before anything
@@ -259,16 +380,28 @@ fn every_resolver_error() {
     // Declared container missing.
     let mut b = PipelineBuilder::new("E");
     dit(&mut b, "transformer", &[("blocks", 3)]);
-    b.module("transformer").block_containers(&["blocks", "nope"]);
+    b.module("transformer")
+        .block_containers(&["blocks", "nope"]);
     declare(&mut b, &["transformer"], &[], &[]);
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::MissingContainer { .. }), &["transformer", "nope", "declared container list"]);
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| matches!(e, PlanError::MissingContainer { .. }),
+        &["transformer", "nope", "declared container list"],
+    );
 
     // Container is not a module list.
     let mut b = PipelineBuilder::new("E");
-    b.module("transformer.blocks").parameter("w", DType::Bf16, &[2, 2]);
+    b.module("transformer.blocks")
+        .parameter("w", DType::Bf16, &[2, 2]);
     b.module("transformer").block_containers(&["blocks"]);
     declare(&mut b, &["transformer"], &[], &[]);
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::NotAModuleList { .. }), &["transformer.blocks", "module list"]);
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| matches!(e, PlanError::NotAModuleList { .. }),
+        &["transformer.blocks", "module list"],
+    );
 
     // Explicit component not in the pipeline.
     let p = flux_like(2, 2);
@@ -291,7 +424,12 @@ fn every_resolver_error() {
     }
     b.module("transformer.sub").block_containers(&["blocks"]);
     declare(&mut b, &["transformer", "transformer.sub"], &[], &[]);
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::BlockClaimedTwice { .. }), &["transformer.sub.blocks.0", "claimed"]);
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| matches!(e, PlanError::BlockClaimedTwice { .. }),
+        &["transformer.sub.blocks.0", "claimed"],
+    );
 
     // A block nested inside another block.
     let mut b = PipelineBuilder::new("E");
@@ -306,26 +444,44 @@ fn every_resolver_error() {
         inner.block_containers(&["inner"]);
     }
     declare(&mut b, &["transformer", "transformer.blocks.0"], &[], &[]);
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::BlockClaimedTwice { .. }), &["transformer.blocks.0.inner.0"]);
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| matches!(e, PlanError::BlockClaimedTwice { .. }),
+        &["transformer.blocks.0.inner.0"],
+    );
 
     // Tied weights across two blocks, and between a block and the rest.
     for tie_from in ["transformer.blocks.1.attn", "transformer"] {
         let mut b = PipelineBuilder::new("E");
         dit(&mut b, "transformer", &[("blocks", 3)]);
-        b.module(tie_from).tie("tied", "transformer.blocks.0.attn.to_out.weight");
+        b.module(tie_from)
+            .tie("tied", "transformer.blocks.0.attn.to_out.weight");
         declare(&mut b, &["transformer"], &[], &[]);
-        check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::StorageSharedAcrossBlocks { .. }), &["transformer.blocks.0.attn.to_out.weight", "tied"]);
+        check_err(
+            &b.build().unwrap(),
+            LAYERWISE,
+            |e| matches!(e, PlanError::StorageSharedAcrossBlocks { .. }),
+            &["transformer.blocks.0.attn.to_out.weight", "tied"],
+        );
     }
 
     // Resident layers: not allowed by the plan; counts that leave one block or exceed the stack.
     let dlo_resident = |n: u32| {
-        format!(r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"], "layer_options": {{"dit": {{"resident_layers": {n}}}}}}}}}"#)
+        format!(
+            r#"{{"diffusion_offload_config": {{"mode": "layer", "components": ["dit"], "layer_options": {{"dit": {{"resident_layers": {n}}}}}}}}}"#
+        )
     };
     let mut b = PipelineBuilder::new("E");
     dit(&mut b, "transformer", &[("blocks", 4)]);
     declare(&mut b, &["transformer"], &[], &[]);
     b.offload_plan(OffloadPlan::default());
-    check_err(&b.build().unwrap(), &dlo_resident(2), |e| matches!(e, PlanError::ResidentLayersNotAllowed { .. }), &["transformer", "resident_leading_blocks"]);
+    check_err(
+        &b.build().unwrap(),
+        &dlo_resident(2),
+        |e| matches!(e, PlanError::ResidentLayersNotAllowed { .. }),
+        &["transformer", "resident_leading_blocks"],
+    );
     let mut b = PipelineBuilder::new("E");
     dit(&mut b, "transformer", &[("blocks", 4)]);
     declare(&mut b, &["transformer"], &[], &[]);
@@ -349,33 +505,90 @@ fn every_resolver_error() {
     let gather_encoder = r#"{"parallel": {"data_parallel_size": 2},
         "diffusion_offload_config": {"mode": "layer", "components": ["dit", "text_encoder"],
         "layer_options": {"dit": {"weight_transfer": "allgather"}, "text_encoder": {"weight_transfer": "allgather"}}}}"#;
-    check_err(&p_with_encoder(None), gather_encoder, |e| matches!(e, PlanError::EncoderNotReplicated { group_size: 2, .. }), &["text_encoder", "replicated_encoders"]);
-    let plan = ok(&p_with_encoder(Some(vec!["text_encoder".into()])), gather_encoder);
-    assert!(plan.stacks.iter().all(|s| s.weight_transfer == WeightTransfer::Allgather));
+    check_err(
+        &p_with_encoder(None),
+        gather_encoder,
+        |e| matches!(e, PlanError::EncoderNotReplicated { group_size: 2, .. }),
+        &["text_encoder", "replicated_encoders"],
+    );
+    let plan = ok(
+        &p_with_encoder(Some(vec!["text_encoder".into()])),
+        gather_encoder,
+    );
+    assert!(
+        plan.stacks
+            .iter()
+            .all(|s| s.weight_transfer == WeightTransfer::Allgather)
+    );
     assert_eq!(plan.selection.gather_group.size, 2);
 
     // Plan paths must exist; the version must be known.
     let mut b = PipelineBuilder::new("E");
     dit(&mut b, "transformer", &[("blocks", 3)]);
     declare(&mut b, &["transformer"], &[], &[]);
-    b.offload_plan(OffloadPlan { self_managed: vec!["audio_vae".into()], ..OffloadPlan::default() });
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::PlanPathNotFound { key: "self_managed", .. }), &["audio_vae"]);
+    b.offload_plan(OffloadPlan {
+        self_managed: vec!["audio_vae".into()],
+        ..OffloadPlan::default()
+    });
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| {
+            matches!(
+                e,
+                PlanError::PlanPathNotFound {
+                    key: "self_managed",
+                    ..
+                }
+            )
+        },
+        &["audio_vae"],
+    );
     let mut b = PipelineBuilder::new("E");
     dit(&mut b, "transformer", &[("blocks", 3)]);
-    b.offload_plan(OffloadPlan { version: 2, ..OffloadPlan::default() });
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::UnsupportedVersion { version: 2, supported: 1 }), &["version 2"]);
+    b.offload_plan(OffloadPlan {
+        version: 2,
+        ..OffloadPlan::default()
+    });
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| {
+            matches!(
+                e,
+                PlanError::UnsupportedVersion {
+                    version: 2,
+                    supported: 1
+                }
+            )
+        },
+        &["version 2"],
+    );
 
     // Extra stack naming a missing submodule.
     let mut b = PipelineBuilder::new("E");
     dit(&mut b, "transformer", &[("blocks", 3)]);
     declare(&mut b, &["transformer"], &[], &[]);
     let mut plan = OffloadPlan::default();
-    plan.extra_stacks.insert("transformer".into(), vec!["x_embedder".into(), "proj_out".into()]);
+    plan.extra_stacks.insert(
+        "transformer".into(),
+        vec!["x_embedder".into(), "proj_out".into()],
+    );
     b.offload_plan(plan);
-    check_err(&b.build().unwrap(), LAYERWISE, |e| matches!(e, PlanError::MissingContainer { .. }), &["proj_out", "extra_stacks"]);
+    check_err(
+        &b.build().unwrap(),
+        LAYERWISE,
+        |e| matches!(e, PlanError::MissingContainer { .. }),
+        &["proj_out", "extra_stacks"],
+    );
 
     // Configuration errors surface through the resolver too.
-    check_err(&p, r#"{"enable_distributed_layerwise_offload": true, "dlo_resident_layers": 1}"#, |e| matches!(e, PlanError::Config(_)), &["dlo_resident_layers"]);
+    check_err(
+        &p,
+        r#"{"enable_distributed_layerwise_offload": true, "dlo_resident_layers": 1}"#,
+        |e| matches!(e, PlanError::Config(_)),
+        &["dlo_resident_layers"],
+    );
 }
 
 fn p_with_encoder(replicated: Option<Vec<String>>) -> Pipeline {
@@ -384,7 +597,10 @@ fn p_with_encoder(replicated: Option<Vec<String>>) -> Pipeline {
     encoder(&mut b, "text_encoder", 3);
     declare(&mut b, &["transformer"], &["text_encoder"], &[]);
     if let Some(r) = replicated {
-        b.offload_plan(OffloadPlan { replicated_encoders: r, ..OffloadPlan::default() });
+        b.offload_plan(OffloadPlan {
+            replicated_encoders: r,
+            ..OffloadPlan::default()
+        });
     }
     b.build().unwrap()
 }
@@ -395,25 +611,37 @@ fn self_managed_components_are_left_alone() {
     dit(&mut b, "transformer", &[("blocks", 3)]);
     dit(&mut b, "transformer_2", &[("blocks", 3)]);
     declare(&mut b, &["transformer", "transformer_2"], &[], &[]);
-    b.offload_plan(OffloadPlan { self_managed: vec!["transformer_2".into()], ..OffloadPlan::default() });
+    b.offload_plan(OffloadPlan {
+        self_managed: vec!["transformer_2".into()],
+        ..OffloadPlan::default()
+    });
     let plan = ok(&b.build().unwrap(), LAYERWISE);
     assert_eq!(plan.stacks.len(), 1);
     assert_eq!(plan.stacks[0].owner, "transformer");
-    assert!(plan.warnings.contains(&PlanWarning::SelfManaged { path: "transformer_2".into() }));
+    assert!(plan.warnings.contains(&PlanWarning::SelfManaged {
+        path: "transformer_2".into()
+    }));
 }
 
 #[test]
 fn extra_stacks_form_their_own_ring() {
     let mut b = PipelineBuilder::new("Extra");
     dit(&mut b, "transformer", &[("blocks", 3)]);
-    b.module("transformer.proj_out").parameter("weight", DType::Bf16, &[64, 64]);
+    b.module("transformer.proj_out")
+        .parameter("weight", DType::Bf16, &[64, 64]);
     declare(&mut b, &["transformer"], &[], &[]);
     let mut plan = OffloadPlan::default();
-    plan.extra_stacks.insert("transformer".into(), vec!["x_embedder".into(), "proj_out".into()]);
+    plan.extra_stacks.insert(
+        "transformer".into(),
+        vec!["x_embedder".into(), "proj_out".into()],
+    );
     b.offload_plan(plan);
     let plan = ok(&b.build().unwrap(), LAYERWISE);
     let sources: Vec<TopologySource> = plan.stacks.iter().map(|s| s.source).collect();
-    assert_eq!(sources, [TopologySource::Declared, TopologySource::ExtraStack]);
+    assert_eq!(
+        sources,
+        [TopologySource::Declared, TopologySource::ExtraStack]
+    );
     assert_eq!(plan.largest_block_bytes(), 64 * 64 * 2);
 }
 
@@ -437,8 +665,14 @@ fn plan_schema_round_trips_and_rejects() {
     let rows: &[(&str, &[&str])] = &[
         (r#"{"version": 3}"#, &["version 3", "supported: 1"]),
         (r#"{"block_containers": {}}"#, &["missing field `version`"]),
-        (r#"{"version": 1, "blocks": {}}"#, &["unknown field `blocks`", "block_containers"]),
-        (r#"{"version": 1, "self_managed": "vae"}"#, &["self_managed", "invalid type"]),
+        (
+            r#"{"version": 1, "blocks": {}}"#,
+            &["unknown field `blocks`", "block_containers"],
+        ),
+        (
+            r#"{"version": 1, "self_managed": "vae"}"#,
+            &["self_managed", "invalid type"],
+        ),
     ];
     for (text, needles) in rows {
         let msg = OffloadPlan::from_json_str(text).unwrap_err().to_string();
@@ -452,13 +686,72 @@ fn plan_schema_round_trips_and_rejects() {
 fn builder_rejects_bad_descriptions() {
     type Build = fn(&mut PipelineBuilder);
     let rows: &[(Build, fn(&ModelError) -> bool)] = &[
-        (|b| { b.module("t").parameter("w", DType::Bf16, &[2]).parameter("w", DType::Bf16, &[2]); }, |e| matches!(e, ModelError::Duplicate { .. })),
-        (|b| { b.module("t").parameter("bad-name", DType::Bf16, &[2]); }, |e| matches!(e, ModelError::InvalidName { .. })),
-        (|b| { b.module("t..x"); }, |e| matches!(e, ModelError::InvalidName { .. })),
-        (|b| { b.module("t").tensor("w", TensorSpec { strides: Some(vec![1]), ..TensorSpec::parameter(DType::F32, &[2, 2]) }); }, |e| matches!(e, ModelError::StrideRank { .. })),
-        (|b| { b.module("t").tensor("w", TensorSpec { storage: StorageSpec::Bytes(4), ..TensorSpec::parameter(DType::F32, &[2, 2]) }); }, |e| matches!(e, ModelError::OutOfStorage { needs_end_bytes: 16, storage_bytes: 4, .. })),
-        (|b| { b.module("t").tie("w", "t.missing"); }, |e| matches!(e, ModelError::AliasTarget { .. })),
-        (|b| { b.module("t").list("blocks", 2, |_, _| {}); b.module("t.blocks.x"); }, |e| matches!(e, ModelError::ListChild { .. })),
+        (
+            |b| {
+                b.module("t")
+                    .parameter("w", DType::Bf16, &[2])
+                    .parameter("w", DType::Bf16, &[2]);
+            },
+            |e| matches!(e, ModelError::Duplicate { .. }),
+        ),
+        (
+            |b| {
+                b.module("t").parameter("bad-name", DType::Bf16, &[2]);
+            },
+            |e| matches!(e, ModelError::InvalidName { .. }),
+        ),
+        (
+            |b| {
+                b.module("t..x");
+            },
+            |e| matches!(e, ModelError::InvalidName { .. }),
+        ),
+        (
+            |b| {
+                b.module("t").tensor(
+                    "w",
+                    TensorSpec {
+                        strides: Some(vec![1]),
+                        ..TensorSpec::parameter(DType::F32, &[2, 2])
+                    },
+                );
+            },
+            |e| matches!(e, ModelError::StrideRank { .. }),
+        ),
+        (
+            |b| {
+                b.module("t").tensor(
+                    "w",
+                    TensorSpec {
+                        storage: StorageSpec::Bytes(4),
+                        ..TensorSpec::parameter(DType::F32, &[2, 2])
+                    },
+                );
+            },
+            |e| {
+                matches!(
+                    e,
+                    ModelError::OutOfStorage {
+                        needs_end_bytes: 16,
+                        storage_bytes: 4,
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            |b| {
+                b.module("t").tie("w", "t.missing");
+            },
+            |e| matches!(e, ModelError::AliasTarget { .. }),
+        ),
+        (
+            |b| {
+                b.module("t").list("blocks", 2, |_, _| {});
+                b.module("t.blocks.x");
+            },
+            |e| matches!(e, ModelError::ListChild { .. }),
+        ),
     ];
     for (i, (build, expect)) in rows.iter().enumerate() {
         let mut b = PipelineBuilder::new("Bad");
@@ -472,13 +765,22 @@ fn builder_rejects_bad_descriptions() {
 fn model_description_keeps_views_and_aliases() {
     let mut b = PipelineBuilder::new("Views");
     b.module("t")
-        .tensor("packed", TensorSpec { storage: StorageSpec::Bytes(64), ..TensorSpec::parameter(DType::F32, &[4]) })
-        .tensor("view", TensorSpec {
-            strides: Some(vec![1, 4]),
-            storage_offset: 1,
-            storage: StorageSpec::SharedWith("t.packed".into()),
-            ..TensorSpec::parameter(DType::F32, &[3, 3])
-        })
+        .tensor(
+            "packed",
+            TensorSpec {
+                storage: StorageSpec::Bytes(64),
+                ..TensorSpec::parameter(DType::F32, &[4])
+            },
+        )
+        .tensor(
+            "view",
+            TensorSpec {
+                strides: Some(vec![1, 4]),
+                storage_offset: 1,
+                storage: StorageSpec::SharedWith("t.packed".into()),
+                ..TensorSpec::parameter(DType::F32, &[3, 3])
+            },
+        )
         .tie("tied", "t.packed")
         .buffer("rope", DType::F32, &[8], false)
         .parameter("scale", DType::F8E4M3, &[16])
