@@ -91,7 +91,7 @@ fn op(op: usize, buffer: &str, stream: &str, access: Access, what: &str) -> Buff
 /// Streams 0 = copy, 1 = compute. Builds vector clocks for a script of
 /// (stream, waits-for-op) steps and returns the happens-before oracle.
 fn clocks(script: &[(usize, Option<usize>)]) -> impl Fn(usize, usize) -> bool {
-    let mut stream_clock = vec![VectorClock::new(2), VectorClock::new(2)];
+    let mut stream_clock = [VectorClock::new(2), VectorClock::new(2)];
     let mut op_clock: Vec<VectorClock> = Vec::new();
     for (stream, wait) in script {
         if let Some(w) = wait {
