@@ -27,10 +27,10 @@ pub enum LifecycleState {
 pub enum OffloadError {
     /// The configuration was rejected.
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(Box<ConfigError>),
     /// Plan resolution failed; nothing was mutated.
     #[error(transparent)]
-    Plan(#[from] PlanError),
+    Plan(Box<PlanError>),
     /// The backend is poisoned.
     #[error("the {strategy} backend is poisoned ({reason}); build a new backend")]
     Poisoned {
@@ -71,6 +71,18 @@ pub enum OffloadError {
     /// A hook could not be installed or removed.
     #[error(transparent)]
     Hook(#[from] offload_hooks::HookError),
+}
+
+impl From<ConfigError> for OffloadError {
+    fn from(e: ConfigError) -> Self {
+        OffloadError::Config(Box::new(e))
+    }
+}
+
+impl From<PlanError> for OffloadError {
+    fn from(e: PlanError) -> Self {
+        OffloadError::Plan(Box::new(e))
+    }
 }
 
 /// What [`Lifecycle::begin_enable`] tells the backend to do.
