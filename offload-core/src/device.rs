@@ -79,12 +79,34 @@ pub trait DeviceBuffer: fmt::Debug + Send + Sync {
     fn len_bytes(&self) -> u64;
 }
 
+/// Bytes to load into host memory, addressed by position: a slice, a
+/// checkpoint reader, a generator. Loading calls it for the positions the
+/// destination needs, straight into the destination (no staging copy).
+pub trait ByteSource {
+    /// Fills `dst` with the bytes at `position..position + dst.len()`.
+    fn read_at(&self, position: u64, dst: &mut [u8]);
+}
+
+impl ByteSource for [u8] {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        let start = position as usize;
+        dst.copy_from_slice(&self[start..start + dst.len()]);
+    }
+}
+
 /// Pinned host memory of an exact size.
+///
+/// The host reads and writes it only through these methods, so a backend
+/// can check (the simulator does) that no copy using it is still pending.
 pub trait HostBuffer: fmt::Debug + Send + Sync {
-    /// Its bytes. Legal while no copy writing it is pending.
-    fn as_slice(&self) -> &[u8];
-    /// Its bytes, mutably. Legal while no copy using it is pending.
-    fn as_mut_slice(&mut self) -> &mut [u8];
+    /// Its size in bytes, exactly as requested.
+    fn len_bytes(&self) -> u64;
+    /// Writes `len` bytes from `src` (positions `0..len`) at `offset`.
+    /// Legal while no copy using this buffer is pending.
+    fn write_from(&mut self, offset: u64, len: u64, src: &dyn ByteSource);
+    /// Reads bytes at `offset` into `dst`. Legal while no copy writing this
+    /// buffer is pending.
+    fn read_into(&self, offset: u64, dst: &mut [u8]);
 }
 
 /// Memory the caller owns and hands to [`Device::register_host`].
@@ -107,8 +129,8 @@ impl HostRegion for Box<[u8]> {
 
 /// Caller memory registered in place.
 pub trait Registration: fmt::Debug + Send + Sync {
-    /// The registered bytes.
-    fn bytes(&self) -> &[u8];
+    /// Its size in bytes.
+    fn len_bytes(&self) -> u64;
 }
 
 /// Free and total device memory, from the device's own accounting.
@@ -258,7 +280,7 @@ pub trait Device<A: Api>: Send + Sync {
         stream: &A::Stream,
         src: &A::DeviceBuffer,
         src_offset: u64,
-        dst: &A::HostBuffer,
+        dst: &mut A::HostBuffer,
         dst_offset: u64,
         bytes: u64,
     ) -> Result<(), A::Error>;

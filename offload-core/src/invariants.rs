@@ -154,17 +154,19 @@ pub enum Access {
     Read,
     /// Fills or overwrites it.
     Write,
-    /// Frees it.
+    /// Frees it (the whole buffer).
     Free,
 }
 
-/// One access of a buffer, in issue order.
+/// One access of a buffer range, in issue order.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct BufferOp {
     /// Operation id (its index in the happens-before oracle).
     pub op: usize,
     /// The buffer, by name.
     pub buffer: String,
+    /// The byte range touched (ignored for `Free`).
+    pub range: std::ops::Range<u64>,
     /// The stream or host thread that issued it.
     pub stream: String,
     /// What it does.
@@ -173,76 +175,123 @@ pub struct BufferOp {
     pub what: String,
 }
 
-/// INV-3 over a log of accesses and a happens-before oracle
-/// (`hb(a, b)`: operation `a` completes before `b` starts).
+fn overlaps(a: &std::ops::Range<u64>, b: &std::ops::Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+fn covers(outer: &std::ops::Range<u64>, inner: &std::ops::Range<u64>) -> bool {
+    outer.start <= inner.start && inner.end <= outer.end
+}
+
+#[derive(Default, Debug)]
+struct BufferHistory {
+    /// Accesses a later conflicting access must be ordered after.
+    live: Vec<BufferOp>,
+    freed: Option<BufferOp>,
+}
+
+/// The INV-3 checker, fed one access at a time (the simulator feeds it as
+/// it enqueues work) with a happens-before oracle `hb(a, b)`: operation `a`
+/// completes before `b` starts.
 ///
-/// A read must come after the write that filled the buffer; a write or free
-/// must come after every read and write since the buffer was last
-/// (over)written; nothing may touch a freed buffer.
-pub fn no_early_free(ops: &[BufferOp], hb: impl Fn(usize, usize) -> bool) -> Result<(), Violation> {
-    #[derive(Default)]
-    struct State<'a> {
-        last_write: Option<&'a BufferOp>,
-        reads: Vec<&'a BufferOp>,
-        freed: Option<&'a BufferOp>,
+/// Rules: a read must be ordered after every overlapping write; a write
+/// must be ordered after every overlapping read and write; a free after
+/// every access; nothing may touch a freed buffer (use after free, double
+/// free). History is pruned so that it stays bounded: an access ordered
+/// after an earlier one of the same kind over a covered range replaces it
+/// (order is transitive).
+#[derive(Default, Debug)]
+pub struct BufferOrderChecker {
+    buffers: BTreeMap<String, BufferHistory>,
+}
+
+impl BufferOrderChecker {
+    /// An empty checker.
+    pub fn new() -> Self {
+        Self::default()
     }
-    let mut buffers: BTreeMap<&str, State<'_>> = BTreeMap::new();
-    let fail = |now: &BufferOp, before: &BufferOp, rule: &str| {
-        violation(
-            Invariant::NoEarlyFree,
-            format!(
-                "{rule}: `{}` ({:?} on {}) is not ordered after `{}` ({:?} on {}) of buffer `{}`",
-                now.what,
-                now.access,
-                now.stream,
-                before.what,
-                before.access,
-                before.stream,
-                now.buffer
-            ),
-        )
-    };
-    for op in ops {
-        let st = buffers.entry(op.buffer.as_str()).or_default();
-        if let Some(freed) = st.freed {
-            return Err(fail(op, freed, "use after free"));
+
+    /// Checks `op` against the history of its buffer and records it.
+    pub fn observe(
+        &mut self,
+        op: BufferOp,
+        hb: impl Fn(usize, usize) -> bool,
+    ) -> Result<(), Violation> {
+        let history = self.buffers.entry(op.buffer.clone()).or_default();
+        if let Some(freed) = &history.freed {
+            let rule = if op.access == Access::Free {
+                "double free"
+            } else {
+                "use after free"
+            };
+            return Err(order_violation(&op, freed, rule));
+        }
+        let conflicts = |earlier: &BufferOp| match op.access {
+            Access::Free => true,
+            Access::Read => earlier.access == Access::Write && overlaps(&earlier.range, &op.range),
+            Access::Write => overlaps(&earlier.range, &op.range),
+        };
+        if let Some(bad) = history
+            .live
+            .iter()
+            .find(|e| conflicts(e) && !hb(e.op, op.op))
+        {
+            let rule = match (op.access, bad.access) {
+                (Access::Read, _) => "read before the fill completed",
+                (_, Access::Read) => "overwrite or free while a read may be in flight",
+                _ => "overwrite or free while a write may be in flight",
+            };
+            return Err(order_violation(&op, bad, rule));
         }
         match op.access {
-            Access::Read => {
-                if let Some(w) = st.last_write
-                    && !hb(w.op, op.op)
-                {
-                    return Err(fail(op, w, "read before the fill completed"));
-                }
-                st.reads.push(op);
+            Access::Free => {
+                history.live.clear();
+                history.freed = Some(op);
             }
-            Access::Write | Access::Free => {
-                if let Some(r) = st.reads.iter().find(|r| !hb(r.op, op.op)) {
-                    return Err(fail(
-                        op,
-                        r,
-                        "overwrite or free while a read may be in flight",
-                    ));
-                }
-                if let Some(w) = st.last_write
-                    && !hb(w.op, op.op)
-                {
-                    return Err(fail(
-                        op,
-                        w,
-                        "overwrite or free while a write may be in flight",
-                    ));
-                }
-                st.reads.clear();
-                if op.access == Access::Write {
-                    st.last_write = Some(op);
-                } else {
-                    st.freed = Some(op);
-                }
+            Access::Write => {
+                history.live.retain(|e| !covers(&op.range, &e.range));
+                history.live.push(op);
+            }
+            Access::Read => {
+                history.live.retain(|e| {
+                    !(e.access == Access::Read && covers(&op.range, &e.range) && hb(e.op, op.op))
+                });
+                history.live.push(op);
             }
         }
+        Ok(())
     }
-    Ok(())
+
+    /// Forgets `buffer` (a new allocation reuses its name).
+    pub fn forget(&mut self, buffer: &str) {
+        self.buffers.remove(buffer);
+    }
+}
+
+fn order_violation(now: &BufferOp, before: &BufferOp, rule: &str) -> Violation {
+    violation(
+        Invariant::NoEarlyFree,
+        format!(
+            "{rule}: `{}` ({:?} of bytes {:?} on {}) is not ordered after `{}` ({:?} of bytes {:?} on {}) of buffer `{}`",
+            now.what,
+            now.access,
+            now.range,
+            now.stream,
+            before.what,
+            before.access,
+            before.range,
+            before.stream,
+            now.buffer
+        ),
+    )
+}
+
+/// INV-3 over a whole log: feeds [`BufferOrderChecker`] and returns the
+/// first violation.
+pub fn no_early_free(ops: &[BufferOp], hb: impl Fn(usize, usize) -> bool) -> Result<(), Violation> {
+    let mut checker = BufferOrderChecker::new();
+    ops.iter()
+        .try_for_each(|op| checker.observe(op.clone(), &hb))
 }
 
 /// What INV-4 compares of one tensor before and after movement.

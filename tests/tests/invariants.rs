@@ -82,6 +82,7 @@ fn op(op: usize, buffer: &str, stream: &str, access: Access, what: &str) -> Buff
     BufferOp {
         op,
         buffer: buffer.into(),
+        range: 0..64,
         stream: stream.into(),
         access,
         what: what.into(),
@@ -177,7 +178,32 @@ fn inv3_no_early_free() {
     caught(
         no_early_free(&double, all),
         Invariant::NoEarlyFree,
-        "use after free",
+        "double free",
+    );
+
+    // Disjoint ranges of one buffer do not conflict; overlapping ones do.
+    let unordered = |a: usize, b: usize| a == b;
+    let part = |o: usize, range: std::ops::Range<u64>, access| BufferOp {
+        range,
+        ..op(o, "resident", "copy", access, "part")
+    };
+    assert!(
+        no_early_free(
+            &[
+                part(0, 0..32, Access::Write),
+                part(1, 32..64, Access::Write)
+            ],
+            unordered
+        )
+        .is_ok()
+    );
+    caught(
+        no_early_free(
+            &[part(0, 0..32, Access::Write), part(1, 16..48, Access::Read)],
+            unordered,
+        ),
+        Invariant::NoEarlyFree,
+        "read before the fill completed",
     );
 }
 
