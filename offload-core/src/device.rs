@@ -224,6 +224,16 @@ pub trait Device<A: Api>: Send + Sync {
     /// Free and total device memory.
     fn memory_info(&self) -> Result<MemoryInfo, A::Error>;
 
+    /// Names a stream for traces and reports (no behaviour).
+    fn name_stream(&self, stream: &A::Stream, name: &str) {
+        let _ = (stream, name);
+    }
+
+    /// Names a device buffer for traces and reports (no behaviour).
+    fn name_buffer(&self, buffer: &A::DeviceBuffer, name: &str) {
+        let _ = (buffer, name);
+    }
+
     /// Creates a non-blocking stream.
     fn create_stream(&self) -> Result<A::Stream, A::Error>;
 

@@ -1,0 +1,61 @@
+//! Seeded fault injection and the seed that drives every random choice of a
+//! run. The seed is printed on failure and read back from `OFFLOAD_SIM_SEED`.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+/// The environment variable a failing run's seed is replayed from.
+pub const SEED_ENV: &str = "OFFLOAD_SIM_SEED";
+
+/// Which operations fail (1-based counts; `None` never).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FaultPlan {
+    /// The N-th allocation (device, pinned or registration) fails with
+    /// out-of-memory.
+    pub fail_alloc_at: Option<u64>,
+    /// The N-th copy fails.
+    pub fail_copy_at: Option<u64>,
+    /// The N-th collective fails.
+    pub fail_collective_at: Option<u64>,
+}
+
+impl FaultPlan {
+    /// No faults.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// At most one fault of each kind, chosen by `rng` within the given
+    /// horizons (about half of the plans inject nothing of a kind).
+    pub fn random(rng: &mut ChaCha8Rng, allocs: u64, copies: u64, collectives: u64) -> Self {
+        let mut pick = |horizon: u64| {
+            (horizon > 0 && rng.random_bool(0.5)).then(|| rng.random_range(1..=horizon))
+        };
+        Self {
+            fail_alloc_at: pick(allocs),
+            fail_copy_at: pick(copies),
+            fail_collective_at: pick(collectives),
+        }
+    }
+
+    /// Whether anything is injected.
+    pub fn any(&self) -> bool {
+        self.fail_alloc_at.is_some()
+            || self.fail_copy_at.is_some()
+            || self.fail_collective_at.is_some()
+    }
+}
+
+/// The seed of this run: `OFFLOAD_SIM_SEED` if set, else `default`.
+pub fn seed_from_env(default: u64) -> u64 {
+    std::env::var(SEED_ENV)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// The run's random number generator.
+pub fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
