@@ -5,7 +5,8 @@
 //! configuration and strategy selection ([`config`]), component discovery
 //! ([`discovery`]), the offload plan and its pure resolver ([`plan`]), the
 //! backend lifecycle and factory ([`lifecycle`]), residency as a type
-//! ([`residency`]) and the invariants of CONTRACT §10 ([`invariants`]).
+//! ([`residency`]), the invariants of CONTRACT §10 ([`invariants`]), and the
+//! strategies with the forward API, generic over the device ([`runtime`]).
 //!
 //! It never names a device library: backends (`offload-sim`,
 //! `offload-cuda`, `offload-dist`) implement [`device::Api`] and stay thin.
@@ -18,6 +19,7 @@ pub mod lifecycle;
 pub mod model;
 pub mod plan;
 pub mod residency;
+pub mod runtime;
 mod sync;
 
 pub use config::{

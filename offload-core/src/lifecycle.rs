@@ -5,8 +5,8 @@
 use std::fmt;
 
 use crate::config::{ConfigError, OffloadConfig, OffloadStrategy, ParallelConfig, Selection};
-use crate::model::Pipeline;
 use crate::plan::PlanError;
+use crate::runtime::Model;
 
 /// Where a backend is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,6 +71,28 @@ pub enum OffloadError {
     /// A hook could not be installed or removed.
     #[error(transparent)]
     Hook(#[from] offload_hooks::HookError),
+    /// Another strategy already owns offload hooks on this pipeline (INV-1).
+    #[error(transparent)]
+    Invariant(#[from] crate::invariants::Violation),
+    /// A residency transition was refused.
+    #[error(transparent)]
+    Residency(#[from] crate::residency::ResidencyError),
+    /// A forward scope was asked for something it cannot lend.
+    #[error("forward of `{module}`: {reason}")]
+    Forward {
+        /// The module path.
+        module: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The strategy is not implemented by this platform yet.
+    #[error("platform `{platform}` has no {strategy} backend")]
+    Unsupported {
+        /// The platform.
+        platform: String,
+        /// The strategy.
+        strategy: OffloadStrategy,
+    },
 }
 
 impl From<ConfigError> for OffloadError {
@@ -187,11 +209,12 @@ pub trait OffloadBackend: Send {
     /// installed is removed and the pipeline's tensors are back on their
     /// prior host storage (or the backend is poisoned, for gathering
     /// backends).
-    fn enable(&mut self, pipeline: &mut Pipeline) -> Result<(), OffloadError>;
+    fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError>;
 
     /// Removes the hooks and resources this backend owns, and only those.
-    /// Idempotent. Does not restore the original placement.
-    fn disable(&mut self, pipeline: &mut Pipeline) -> Result<(), OffloadError>;
+    /// Idempotent. Does not restore the original placement: afterwards every
+    /// tensor is back on its host source.
+    fn disable(&mut self, model: &mut Model) -> Result<(), OffloadError>;
 
     /// Whether enabled.
     fn is_enabled(&self) -> bool;
@@ -229,6 +252,10 @@ pub struct BackendRequest {
 /// What the runtime provides to the factory: the platform-support check,
 /// device resolution, and construction of the concrete backends.
 pub trait Platform {
+    /// The backends it builds (`dyn OffloadBackend`, or a richer trait such
+    /// as [`crate::runtime::Backend`]).
+    type Backend: OffloadBackend + ?Sized;
+
     /// The platform's name, for messages.
     fn name(&self) -> &str;
 
@@ -239,20 +266,17 @@ pub trait Platform {
     fn resolve_device(&self, parallel: &ParallelConfig) -> Result<DeviceSpec, OffloadError>;
 
     /// Builds the backend for `request.selection.strategy` (never `None`).
-    fn create_backend(
-        &self,
-        request: BackendRequest,
-    ) -> Result<Box<dyn OffloadBackend>, OffloadError>;
+    fn create_backend(&self, request: BackendRequest) -> Result<Box<Self::Backend>, OffloadError>;
 }
 
 /// Builds exactly one backend for the configuration, or `None` when
 /// offloading is off or the platform does not support it (with a warning).
 /// A rejected configuration is an `Err`. Nothing is installed here: the
 /// pipeline is untouched until the backend's `enable`.
-pub fn get_offload_backend(
+pub fn get_offload_backend<P: Platform + ?Sized>(
     config: &OffloadConfig,
-    platform: &dyn Platform,
-) -> Result<Option<Box<dyn OffloadBackend>>, OffloadError> {
+    platform: &P,
+) -> Result<Option<Box<P::Backend>>, OffloadError> {
     let selection = config.select()?;
     if selection.strategy == OffloadStrategy::None {
         return Ok(None);

@@ -95,6 +95,12 @@ id_type!(
     StorageId
 );
 
+impl fmt::Display for StorageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "storage#{}", self.0)
+    }
+}
+
 /// Parameter or buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TensorKind {

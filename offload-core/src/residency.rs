@@ -9,6 +9,7 @@
 //!     │ restore               │ issue_copy        │ release
 //!     │                       │                   ▼
 //!     └──────────────────── Released ◀────────────┘
+//!                    (InFlight ──discard──▶ Released: a prefetch never used)
 //! ```
 //!
 //! `HostOnly`: only the host master holds the bytes. `InFlight`: a copy to
@@ -46,6 +47,9 @@ pub enum Transition {
     Release,
     /// Back to host only (disable, or a failed enable rolled back).
     Restore,
+    /// A prefetched copy that compute never consumed: its slot is refilled
+    /// (the copy stream orders the refill after the copy).
+    Discard,
 }
 
 /// A transition not allowed from the current state.
@@ -69,7 +73,7 @@ impl Residency {
     pub fn allowed(self) -> &'static [Transition] {
         match self {
             Residency::HostOnly => &[Transition::IssueCopy, Transition::Restore],
-            Residency::InFlight => &[Transition::CopyDone],
+            Residency::InFlight => &[Transition::CopyDone, Transition::Discard],
             Residency::Resident => &[Transition::Release],
             Residency::Released => &[Transition::IssueCopy, Transition::Restore],
         }
@@ -84,6 +88,7 @@ impl Residency {
             (InFlight, CopyDone) => Some(Resident),
             (Resident, Release) => Some(Released),
             (HostOnly | Released, Restore) => Some(HostOnly),
+            (InFlight, Discard) => Some(Released),
             _ => None,
         }
     }

@@ -165,7 +165,7 @@ impl HostBuffer for SimHostBuffer {
         let d = self.divisor;
         for (i, out) in dst.iter_mut().enumerate() {
             let p = offset + i as u64;
-            *out = if p % d == 0 {
+            *out = if p.is_multiple_of(d) {
                 self.mem[(p / d) as usize]
             } else {
                 0

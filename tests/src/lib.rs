@@ -91,7 +91,12 @@ pub fn capture_logs<T>(f: impl FnOnce() -> T) -> (T, String) {
         .with_max_level(tracing::Level::INFO)
         .without_time()
         .finish();
-    let out = tracing::subscriber::with_default(subscriber, f);
+    // Callsite interest is cached process-wide; a callsite first hit on a
+    // thread without a subscriber would stay disabled here without a rebuild.
+    let out = tracing::subscriber::with_default(subscriber, || {
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
     (out, text)
 }

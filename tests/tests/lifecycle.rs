@@ -8,9 +8,9 @@ use offload_core::lifecycle::{
     BackendRequest, DeviceSpec, DisableStep, EnableStep, Lifecycle, LifecycleState,
 };
 use offload_core::residency::{Owner, Residency, ResidencyError, ResidencyTable, Transition};
+use offload_core::runtime::Model;
 use offload_core::{
-    OffloadBackend, OffloadConfig, OffloadError, OffloadStrategy, Pipeline, Platform,
-    get_offload_backend,
+    OffloadBackend, OffloadConfig, OffloadError, OffloadStrategy, Platform, get_offload_backend,
 };
 use offload_tests::capture_logs;
 
@@ -24,13 +24,13 @@ impl OffloadBackend for Recorder {
     fn strategy(&self) -> OffloadStrategy {
         self.strategy
     }
-    fn enable(&mut self, _: &mut Pipeline) -> Result<(), OffloadError> {
+    fn enable(&mut self, _: &mut Model) -> Result<(), OffloadError> {
         if self.lifecycle.begin_enable()? == EnableStep::Proceed {
             self.lifecycle.finish_enable();
         }
         Ok(())
     }
-    fn disable(&mut self, _: &mut Pipeline) -> Result<(), OffloadError> {
+    fn disable(&mut self, _: &mut Model) -> Result<(), OffloadError> {
         if self.lifecycle.begin_disable() == DisableStep::Proceed {
             self.lifecycle.finish_disable();
         }
@@ -64,6 +64,8 @@ impl TestPlatform {
 }
 
 impl Platform for TestPlatform {
+    type Backend = dyn OffloadBackend;
+
     fn name(&self) -> &str {
         "test"
     }
@@ -220,7 +222,7 @@ fn lifecycle_state_machine() {
             strategy: OffloadStrategy::Layerwise,
             lifecycle: Lifecycle::new(OffloadStrategy::Layerwise),
         };
-        let mut pipeline = offload_tests::flux_like(2, 2);
+        let mut pipeline = Model::new(offload_tests::flux_like(2, 2));
         let mut enable_failed = false;
         for op in *ops {
             match op {

@@ -1,0 +1,607 @@
+//! The layerwise strategy (CONTRACT §7).
+//!
+//! * Host: each block's storages are packed into one pinned host master of
+//!   exactly the block's bytes, filled straight from the weight source, once.
+//! * Device: one slot pool of `depth + 1` buffers of the largest block,
+//!   allocated once and shared by every ring (stack). Each slot owns a
+//!   *ready* event (recorded on the copy stream after its fill) and a
+//!   *last use* event (recorded on the compute stream after the forward that
+//!   read it), and a stamp naming the (ring, block) it holds.
+//! * Pre-forward of block i: find the slot stamped (ring, i) or fill one on
+//!   demand (its predecessor was skipped); make the compute stream wait for
+//!   the slot's ready event; point the block's tensors into the slot; then
+//!   make sure blocks i+1..=i+depth (wrapping to block 0) are filling. A fill
+//!   takes the least recently filled free slot: the copy stream waits for its
+//!   last use, copies, records ready. The host never waits.
+//! * Post-forward: record the slot's last use; the block's tensors go back
+//!   to their host masters. Nothing is copied back.
+//!
+//! The distributed strategy adds its gather step in [`Fill`]: the copy into
+//! the slot becomes copy-shard-then-gather.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use offload_hooks::{BoxError, Forwarded, HookOwner, ModelHook, PreForward};
+
+use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::device::{Api, Device, DeviceBuffer, HostSource};
+use crate::discovery::log_warnings;
+use crate::lifecycle::{
+    DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
+};
+use crate::model::{ModuleId, StorageId};
+use crate::residency::{Residency, Transition};
+use crate::runtime::layout::Unit;
+use crate::runtime::shared::{
+    Handles, Placement, bytes_of, check_single_owner, dev_err, plan_and_partition,
+};
+use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
+
+/// One block's host master.
+struct Master<A: Api> {
+    unit: Unit,
+    host: A::HostBuffer,
+}
+
+/// One ring: the blocks of one stack, in forward order.
+struct Ring<A: Api> {
+    blocks: Vec<Master<A>>,
+}
+
+/// One device slot and the events that order its reuse.
+struct Slot<A: Api> {
+    buffer: Arc<A::DeviceBuffer>,
+    ready: A::Event,
+    last_use: A::Event,
+    stamp: Option<(usize, usize)>,
+    filled_seq: u64,
+    in_use: bool,
+}
+
+struct State<A: Api> {
+    placement: Placement<A>,
+    resident: Vec<Arc<A::DeviceBuffer>>,
+    rings: Vec<Ring<A>>,
+    slots: Vec<Slot<A>>,
+    seq: u64,
+    depth: usize,
+    /// Extra host masters kept only when a planted bug asks for them.
+    shadow_masters: Vec<A::HostBuffer>,
+}
+
+struct Shared<A: Api> {
+    handles: Handles<A>,
+    bugs: Vec<PlantedBug>,
+    state: Mutex<Option<State<A>>>,
+}
+
+impl<A: Api> Shared<A> {
+    fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bug(&self, bug: PlantedBug) -> bool {
+        self.bugs.contains(&bug)
+    }
+}
+
+/// The fill step of the ring: host master → slot. (DLO replaces the copy by
+/// copy-shard-then-gather.)
+trait Fill<A: Api> {
+    fn fill(
+        &self,
+        shared: &Shared<A>,
+        st: &mut State<A>,
+        ring: usize,
+        block: usize,
+    ) -> Result<usize, OffloadError>;
+}
+
+struct CopyFill;
+
+impl<A: Api> Fill<A> for CopyFill {
+    fn fill(
+        &self,
+        shared: &Shared<A>,
+        st: &mut State<A>,
+        ring: usize,
+        block: usize,
+    ) -> Result<usize, OffloadError> {
+        let h = &shared.handles;
+        let k = st
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.in_use)
+            .min_by_key(|(_, s)| s.filled_seq)
+            .map(|(k, _)| k)
+            .ok_or_else(|| OffloadError::Forward {
+                module: st.rings[ring].blocks[block].unit.name.clone(),
+                reason: format!(
+                    "all {} slots are in use (nested block forwards?)",
+                    st.slots.len()
+                ),
+            })?;
+        // The slot's previous content is gone: a prefetch nobody consumed
+        // is discarded.
+        if let Some((r, b)) = st.slots[k].stamp.take() {
+            let old = &st.rings[r].blocks[b].unit;
+            if st.placement.residency_of(old.entries[0].storage) == Some(Residency::InFlight) {
+                st.placement.transition(old, Transition::Discard)?;
+            }
+        }
+        for s in &mut st.slots {
+            if s.stamp == Some((ring, block)) {
+                s.stamp = None;
+            }
+        }
+        let master = &st.rings[ring].blocks[block];
+        let slot = &st.slots[k];
+        if !shared.bug(PlantedBug::SkipLastUseWait) {
+            h.device
+                .stream_wait_event(&h.copy, &slot.last_use)
+                .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
+        }
+        // SAFETY: the master is exactly `unit.bytes` and the slot holds the
+        // largest block, so both ranges are in bounds; the copy stream waits
+        // for the slot's last use above (nothing reads the slot while it is
+        // overwritten), compute waits for `ready` (recorded next) before
+        // reading it, and the master is freed only after draining.
+        unsafe {
+            h.device.copy_h2d(
+                &h.copy,
+                HostSource::Pinned(&master.host),
+                0,
+                &slot.buffer,
+                0,
+                master.unit.bytes,
+            )
+        }
+        .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
+        h.device
+            .record_event(&slot.ready, &h.copy)
+            .map_err(|e| dev_err("record_event(ready)", e))?;
+        st.seq += 1;
+        let unit = st.rings[ring].blocks[block].unit.clone();
+        st.placement.transition(&unit, Transition::IssueCopy)?;
+        let slot = &mut st.slots[k];
+        slot.stamp = Some((ring, block));
+        slot.filled_seq = st.seq;
+        Ok(k)
+    }
+}
+
+/// The hook on one block.
+struct BlockHook<A: Api> {
+    shared: Arc<Shared<A>>,
+    ring: usize,
+    block: usize,
+}
+
+impl<A: Api> BlockHook<A> {
+    fn pre(&self) -> Result<(), OffloadError> {
+        let shared = &*self.shared;
+        let h = &shared.handles;
+        let mut guard = shared.lock();
+        let st = guard.as_mut().ok_or_else(disabled)?;
+        let (r, i) = (self.ring, self.block);
+        let unit = st.rings[r].blocks[i].unit.clone();
+        let stamped = st.slots.iter().position(|s| s.stamp == Some((r, i)));
+        let inflight =
+            st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
+        let k = match stamped {
+            Some(k) if inflight => k,
+            // Not materialised (a hook skipped the predecessor, another ring
+            // took the slot, or the block runs twice): copy on demand.
+            _ => CopyFill.fill(shared, st, r, i)?,
+        };
+        let read_slot = if shared.bug(PlantedBug::WrongSlot) {
+            (k + 1) % st.slots.len()
+        } else {
+            k
+        };
+        st.slots[k].in_use = true;
+        if !shared.bug(PlantedBug::SkipReadyWait) {
+            h.device
+                .stream_wait_event(&h.compute, &st.slots[k].ready)
+                .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
+        }
+        st.placement.transition(&unit, Transition::CopyDone)?;
+        let buffer = Arc::clone(&st.slots[read_slot].buffer);
+        st.placement.place(&unit, &buffer);
+        let n = st.rings[r].blocks.len();
+        for j in 1..=st.depth.min(n - 1) {
+            let b = (i + j) % n;
+            let ready = st.slots.iter().any(|s| s.stamp == Some((r, b)))
+                && st
+                    .placement
+                    .residency_of(st.rings[r].blocks[b].unit.entries[0].storage)
+                    == Some(Residency::InFlight);
+            if !ready {
+                CopyFill.fill(shared, st, r, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post(&self) -> Result<(), OffloadError> {
+        let shared = &*self.shared;
+        let h = &shared.handles;
+        let mut guard = shared.lock();
+        let st = guard.as_mut().ok_or_else(disabled)?;
+        let unit = st.rings[self.ring].blocks[self.block].unit.clone();
+        let Some(k) = st
+            .slots
+            .iter()
+            .position(|s| s.in_use && s.stamp == Some((self.ring, self.block)))
+        else {
+            return Ok(());
+        };
+        h.device
+            .record_event(&st.slots[k].last_use, &h.compute)
+            .map_err(|e| dev_err("record_event(last use)", e))?;
+        st.slots[k].in_use = false;
+        st.placement.unplace(&unit);
+        st.placement.transition(&unit, Transition::Release)?;
+        Ok(())
+    }
+}
+
+/// Storages only non-persistent buffers view.
+fn non_persistent(p: &crate::model::Pipeline) -> std::collections::BTreeSet<StorageId> {
+    use crate::model::TensorKind;
+    let persistent: std::collections::BTreeSet<StorageId> = p
+        .tensors()
+        .filter(|(_, t)| t.kind != TensorKind::Buffer { persistent: false })
+        .map(|(_, t)| t.storage)
+        .collect();
+    p.tensors()
+        .map(|(_, t)| t.storage)
+        .filter(|s| !persistent.contains(s))
+        .collect()
+}
+
+fn disabled() -> OffloadError {
+    OffloadError::Forward {
+        module: String::new(),
+        reason: "layerwise offload is disabled".to_owned(),
+    }
+}
+
+impl<A: Api> ModelHook<ForwardCtx> for BlockHook<A> {
+    fn pre_forward(&mut self, _: &mut ForwardCtx) -> Result<PreForward, BoxError> {
+        self.pre()?;
+        Ok(PreForward::Continue)
+    }
+
+    fn post_forward(&mut self, _: &mut ForwardCtx, _: &Forwarded) -> Result<(), BoxError> {
+        Ok(self.post()?)
+    }
+}
+
+/// Streams DiT (and encoder) blocks through a ring of device slots.
+pub struct LayerwiseBackend<A: Api> {
+    config: OffloadConfig,
+    depth: usize,
+    lifecycle: Lifecycle,
+    shared: Arc<Shared<A>>,
+    hooked: Vec<ModuleId>,
+}
+
+impl<A: Api> LayerwiseBackend<A> {
+    /// A layerwise backend with `depth` blocks prefetched (1 by default).
+    pub fn new(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        depth: usize,
+    ) -> Result<Self, OffloadError> {
+        Ok(Self {
+            config,
+            depth: depth.max(1),
+            lifecycle: Lifecycle::new(OffloadStrategy::Layerwise),
+            shared: Arc::new(Shared {
+                handles: Handles::new(device, compute, weights)?,
+                bugs: Vec::new(),
+                state: Mutex::new(None),
+            }),
+            hooked: Vec::new(),
+        })
+    }
+
+    /// Plants a bug for the invariant tests (test-only switch).
+    #[cfg(feature = "planted-bugs")]
+    #[doc(hidden)]
+    pub fn plant_bug(&mut self, bug: PlantedBug) {
+        Arc::get_mut(&mut self.shared)
+            .expect("plant bugs before enable")
+            .bugs
+            .push(bug);
+    }
+
+    fn owner() -> HookOwner {
+        HookOwner::new(OffloadStrategy::Layerwise.hook_name())
+    }
+
+    fn new_state(&self, model: &Model) -> State<A> {
+        State {
+            placement: Placement::new(&model.pipeline, OffloadStrategy::Layerwise),
+            resident: Vec::new(),
+            rings: Vec::new(),
+            slots: Vec::new(),
+            seq: 0,
+            depth: self.depth,
+            shadow_masters: Vec::new(),
+        }
+    }
+
+    /// Builds host masters, resident units and the slot pool into `st`; on
+    /// error, `st` holds what was built, for [`Self::release`].
+    fn build(&self, model: &Model, st: &mut State<A>) -> Result<(), OffloadError> {
+        let (plan, partition) = plan_and_partition(&model.pipeline, &self.config)?;
+        if plan.strategy() != OffloadStrategy::Layerwise {
+            return Err(OffloadError::Unsupported {
+                platform: "layerwise backend".to_owned(),
+                strategy: plan.strategy(),
+            });
+        }
+        log_warnings(&plan.warnings);
+        let h = &self.shared.handles;
+        let skip = if self.shared.bug(PlantedBug::SkipNonPersistent) {
+            non_persistent(&model.pipeline)
+        } else {
+            Default::default()
+        };
+        let streamed: std::collections::BTreeSet<ModuleId> = plan
+            .stacks
+            .iter()
+            .flat_map(|s| s.blocks.iter().map(|b| b.module))
+            .collect();
+        // Host masters, pinned once, exact size.
+        for stack in &plan.stacks {
+            st.rings.push(Ring { blocks: Vec::new() });
+            for block in &stack.blocks {
+                let unit = partition.blocks[&block.module].clone();
+                let host = h.fill_pinned(&unit, &skip)?;
+                st.placement.claim(&unit)?;
+                st.rings
+                    .last_mut()
+                    .expect("pushed above")
+                    .blocks
+                    .push(Master { unit, host });
+                if self.shared.bug(PlantedBug::SecondHostCopy) {
+                    let unit = &partition.blocks[&block.module];
+                    st.shadow_masters.push(h.fill_pinned(unit, &skip)?);
+                }
+            }
+        }
+        // Everything else stays resident.
+        let resident_units = partition.rest.iter().chain(
+            partition
+                .blocks
+                .iter()
+                .filter(|(m, _)| !streamed.contains(m))
+                .map(|(_, u)| u),
+        );
+        for unit in resident_units {
+            let buffer = Arc::new(h.upload(unit, &skip)?);
+            st.resident.push(Arc::clone(&buffer));
+            st.placement.resident(unit, &buffer)?;
+        }
+        // The slot pool: depth + 1 slots of the largest block, allocated once.
+        let slot_bytes = plan.largest_block_bytes();
+        let slots = self.depth + 1 + usize::from(self.shared.bug(PlantedBug::ExtraSlot));
+        for k in 0..slots {
+            let ready = h
+                .device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            let last_use = h
+                .device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            let buffer = h.device.alloc_device(slot_bytes).map_err(|e| {
+                dev_err(format!("alloc_device({slot_bytes} bytes) for slot {k}"), e)
+            })?;
+            h.device.name_buffer(&buffer, &format!("slot{k}"));
+            st.slots.push(Slot {
+                buffer: Arc::new(buffer),
+                ready,
+                last_use,
+                stamp: None,
+                filled_seq: 0,
+                in_use: false,
+            });
+        }
+        // Block 0 of the first ring is materialised before the first forward.
+        if !st.rings.is_empty() {
+            CopyFill.fill(&self.shared, st, 0, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Frees everything `st` holds after draining both streams; every step
+    /// runs, the first error is returned.
+    fn release(&self, st: State<A>) -> Result<(), OffloadError> {
+        let h = &self.shared.handles;
+        let mut first = if self.shared.bug(PlantedBug::FreeWithoutDrain) {
+            None
+        } else {
+            h.drain().err()
+        };
+        for slot in st.slots {
+            if let Err(e) = h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot") {
+                first.get_or_insert(e);
+            }
+        }
+        for b in st.resident {
+            if let Err(e) = h.free(b, &[], "resident unit") {
+                first.get_or_insert(e);
+            }
+        }
+        let leak = self.shared.bug(PlantedBug::LeakHostMasters);
+        for master in st
+            .rings
+            .into_iter()
+            .flat_map(|r| r.blocks)
+            .map(|m| m.host)
+            .chain(st.shadow_masters)
+        {
+            if leak {
+                std::mem::forget(master);
+                continue;
+            }
+            // SAFETY: both streams were drained above, so no copy reads the
+            // master any more.
+            if let Err(e) = unsafe { h.device.free_pinned(master) } {
+                first.get_or_insert(dev_err("free_pinned", e));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn remove_hooks(&mut self, model: &mut Model) {
+        let owner = Self::owner();
+        for m in self.hooked.drain(..) {
+            model.hooks_of(m).remove_owned_by(&owner);
+        }
+    }
+
+    /// Host masters by storage (INV-2): one entry per master holding it.
+    pub fn host_masters(&self) -> Vec<StorageId> {
+        let guard = self.shared.lock();
+        let Some(st) = guard.as_ref() else {
+            return Vec::new();
+        };
+        let mut out: Vec<StorageId> = st
+            .rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .flat_map(|m| m.unit.entries.iter().map(|e| e.storage))
+            .collect();
+        if !st.shadow_masters.is_empty() {
+            out.extend(out.clone());
+        }
+        out
+    }
+
+    /// Bytes of one slot, and the slot count.
+    pub fn slots(&self) -> (u64, usize) {
+        let guard = self.shared.lock();
+        guard.as_ref().map_or((0, 0), |st| {
+            (
+                st.slots.first().map_or(0, |s| s.buffer.len_bytes()),
+                st.slots.len(),
+            )
+        })
+    }
+}
+
+impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
+    fn strategy(&self) -> OffloadStrategy {
+        OffloadStrategy::Layerwise
+    }
+
+    fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
+            return Ok(());
+        }
+        if !self.shared.bug(PlantedBug::IgnoreOtherOwner) {
+            check_single_owner(model, OffloadStrategy::Layerwise)?;
+        }
+        let mut st = self.new_state(model);
+        if let Err(e) = self.build(model, &mut st) {
+            let _ = self.release(st);
+            return Err(e);
+        }
+        let blocks: Vec<(usize, usize, ModuleId)> = st
+            .rings
+            .iter()
+            .enumerate()
+            .flat_map(|(r, ring)| {
+                ring.blocks
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, m)| (r, i, m.unit.module))
+            })
+            .collect();
+        *self.shared.lock() = Some(st);
+        // Hooks last: nothing above touched the model.
+        for (r, i, module) in blocks {
+            let hook = BlockHook {
+                shared: Arc::clone(&self.shared),
+                ring: r,
+                block: i,
+            };
+            if let Err(e) = model.hooks_of(module).register(
+                OffloadStrategy::Layerwise.hook_name(),
+                Self::owner(),
+                Box::new(hook),
+            ) {
+                if !self.shared.bug(PlantedBug::NoRollback) {
+                    self.remove_hooks(model);
+                    let st = self.shared.lock().take();
+                    if let Some(st) = st {
+                        let _ = self.release(st);
+                    }
+                }
+                return Err(e.into());
+            }
+            self.hooked.push(module);
+        }
+        self.lifecycle.finish_enable();
+        Ok(())
+    }
+
+    fn disable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
+            return Ok(());
+        }
+        self.remove_hooks(model);
+        let st = self.shared.lock().take();
+        let result = st.map_or(Ok(()), |st| self.release(st));
+        self.lifecycle.finish_disable();
+        result
+    }
+
+    fn is_enabled(&self) -> bool {
+        self.lifecycle.is_enabled()
+    }
+
+    fn state(&self) -> LifecycleState {
+        self.lifecycle.state().clone()
+    }
+}
+
+impl<A: Api> Backend<A> for LayerwiseBackend<A> {
+    fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.shared.lock().as_ref()?.placement.locate(storage)
+    }
+
+    fn residency(&self, storage: StorageId) -> Option<Residency> {
+        self.shared.lock().as_ref()?.placement.residency_of(storage)
+    }
+
+    fn device_weight_bytes(&self) -> u64 {
+        let guard = self.shared.lock();
+        guard.as_ref().map_or(0, |st| {
+            let slots: Vec<Arc<A::DeviceBuffer>> =
+                st.slots.iter().map(|s| Arc::clone(&s.buffer)).collect();
+            bytes_of::<A>(&st.resident) + bytes_of::<A>(&slots)
+        })
+    }
+
+    fn host_weight_bytes(&self) -> u64 {
+        let guard = self.shared.lock();
+        guard.as_ref().map_or(0, |st| {
+            let masters: u64 = st
+                .rings
+                .iter()
+                .flat_map(|r| &r.blocks)
+                .map(|m| m.unit.bytes)
+                .sum();
+            masters * (1 + u64::from(!st.shadow_masters.is_empty()))
+        })
+    }
+}

@@ -1,0 +1,166 @@
+//! How storages are packed into units: one unit per block (the host master
+//! of a block is one buffer and one copy) and one per top-level component
+//! for everything outside blocks.
+//!
+//! Packing is exact (no padding: a block's host master is exactly its
+//! weight bytes) and keeps every storage at its natural alignment by placing
+//! storages in order of decreasing element size; every strategy uses the
+//! same partition, so a tensor sits at the same offset in its unit whatever
+//! the strategy.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::model::{ModuleId, Pipeline, StorageId};
+use crate::plan::BlockStack;
+
+/// One storage in a unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// The storage.
+    pub storage: StorageId,
+    /// Its first byte in the unit.
+    pub offset: u64,
+    /// Its size.
+    pub bytes: u64,
+}
+
+/// Storages packed into one buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    /// A name for reports (the block or component path).
+    pub name: String,
+    /// The module whose subtree it holds.
+    pub module: ModuleId,
+    /// Each storage, its offset and size.
+    pub entries: Vec<Entry>,
+    /// Total bytes (exact).
+    pub bytes: u64,
+}
+
+impl Unit {
+    /// Packs `storages` (duplicates ignored) in order of decreasing element
+    /// size, then first appearance.
+    pub fn pack(
+        pipeline: &Pipeline,
+        name: String,
+        module: ModuleId,
+        storages: impl IntoIterator<Item = StorageId>,
+    ) -> Self {
+        let mut align: BTreeMap<StorageId, u64> = BTreeMap::new();
+        for (_, t) in pipeline.tensors() {
+            let a = align.entry(t.storage).or_insert(1);
+            *a = (*a).max(t.dtype.size_bytes());
+        }
+        let mut seen = BTreeSet::new();
+        let mut order: Vec<StorageId> = storages.into_iter().filter(|s| seen.insert(*s)).collect();
+        order.sort_by_key(|s| std::cmp::Reverse(align.get(s).copied().unwrap_or(1)));
+        let mut offset = 0;
+        let entries = order
+            .into_iter()
+            .map(|storage| {
+                let bytes = pipeline.storage(storage).bytes;
+                let entry = Entry {
+                    storage,
+                    offset,
+                    bytes,
+                };
+                offset += bytes;
+                entry
+            })
+            .collect();
+        Self {
+            name,
+            module,
+            entries,
+            bytes: offset,
+        }
+    }
+}
+
+/// The whole pipeline in units.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partition {
+    /// One unit per block module of the stacks.
+    pub blocks: BTreeMap<ModuleId, Unit>,
+    /// One unit per group (component) and per remaining top-level module
+    /// (and one for the root's own tensors) for every storage outside the
+    /// blocks.
+    pub rest: Vec<Unit>,
+}
+
+impl Partition {
+    /// The non-block unit of the group `module`, if it has one.
+    pub fn rest_of(&self, module: ModuleId) -> Option<&Unit> {
+        self.rest.iter().find(|u| u.module == module)
+    }
+
+    /// Every unit.
+    pub fn all(&self) -> impl Iterator<Item = &Unit> {
+        self.blocks.values().chain(&self.rest)
+    }
+}
+
+/// Partitions the pipeline along the blocks of `stacks`; storages outside
+/// blocks go to the first of `groups` (component modules) holding them, else
+/// to their top-level module.
+pub fn partition(pipeline: &Pipeline, stacks: &[BlockStack], groups: &[ModuleId]) -> Partition {
+    let mut in_block: BTreeSet<StorageId> = BTreeSet::new();
+    let mut blocks = BTreeMap::new();
+    for stack in stacks {
+        for b in &stack.blocks {
+            let unit = Unit::pack(
+                pipeline,
+                b.path.clone(),
+                b.module,
+                b.storages.iter().copied(),
+            );
+            in_block.extend(b.storages.iter().copied());
+            blocks.insert(b.module, unit);
+        }
+    }
+    let root = pipeline.root();
+    let mut rest = Vec::new();
+    for group in groups {
+        let storages: Vec<StorageId> = pipeline
+            .subtree_tensors(*group)
+            .into_iter()
+            .map(|t| pipeline.tensor(t).storage)
+            .filter(|s| in_block.insert(*s))
+            .collect();
+        if !storages.is_empty() {
+            rest.push(Unit::pack(
+                pipeline,
+                pipeline.module(*group).path.clone(),
+                *group,
+                storages,
+            ));
+        }
+    }
+    let own: Vec<StorageId> = pipeline
+        .module(root)
+        .tensors
+        .iter()
+        .map(|t| pipeline.tensor(*t).storage)
+        .filter(|s| in_block.insert(*s))
+        .collect();
+    if !own.is_empty() {
+        rest.push(Unit::pack(pipeline, "<root>".to_owned(), root, own));
+    }
+    for child in &pipeline.module(root).children {
+        let storages: Vec<StorageId> = pipeline
+            .subtree_tensors(*child)
+            .into_iter()
+            .map(|t| pipeline.tensor(t).storage)
+            .filter(|s| in_block.insert(*s))
+            .collect();
+        if !storages.is_empty() {
+            rest.push(Unit::pack(
+                pipeline,
+                pipeline.module(*child).path.clone(),
+                *child,
+                storages,
+            ));
+        }
+    }
+    Partition { blocks, rest }
+}

@@ -1,0 +1,442 @@
+//! Running a pipeline: the [`Model`] (description + hooks), the weight
+//! source, the [`Backend`]s that place weights on a device, and the forward
+//! API ([`Runtime::forward`], [`Scope`], [`View`]) through which a runtime
+//! author's kernels read weights.
+//!
+//! A forward scope runs the module's hooks (pre-forward: bring weights in,
+//! make the compute stream wait), lends device views of the module's
+//! tensors with the stream to launch on, and runs the post-forward hooks
+//! (record the last use) when the closure returns. Views borrow the scope,
+//! so keeping one past its scope does not compile:
+//!
+//! ```compile_fail
+//! # fn leak<A: offload_core::device::Api>(rt: &offload_core::runtime::Runtime<A>) {
+//! let kept = rt.forward("transformer.blocks.0", |scope| Ok(scope.view("w")?)).unwrap();
+//! # }
+//! ```
+
+mod layerwise;
+mod layout;
+mod model_level;
+mod platform;
+mod resident;
+mod shared;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::Arc;
+
+use offload_hooks::{BoxError, Forwarded, HookRegistry};
+
+use crate::device::Api;
+use crate::lifecycle::{LifecycleState, OffloadBackend, OffloadError};
+use crate::model::{ModuleId, Pipeline, StorageId, Tensor, TensorId};
+use crate::residency::Residency;
+
+pub use layerwise::LayerwiseBackend;
+pub use layout::{Entry, Partition, Unit, partition};
+pub use model_level::ModelLevelBackend;
+pub use platform::CorePlatform;
+pub use resident::ResidentBackend;
+
+/// Bugs a test can plant in a backend (with the `planted-bugs` feature) to
+/// see that the invariant checkers catch them. Never set otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PlantedBug {
+    /// INV-3: the copy stream does not wait for a slot's last use.
+    SkipLastUseWait,
+    /// INV-3: compute does not wait for a slot's ready event.
+    SkipReadyWait,
+    /// INV-3: disable frees slots and masters without draining.
+    FreeWithoutDrain,
+    /// INV-8: views point into the wrong slot.
+    WrongSlot,
+    /// INV-7: one slot more than depth + 1.
+    ExtraSlot,
+    /// INV-2: a second host copy of every block.
+    SecondHostCopy,
+    /// INV-7: host masters leak at disable.
+    LeakHostMasters,
+    /// INV-5: a failed enable leaves its hooks installed.
+    NoRollback,
+    /// INV-1: enable does not check for another strategy's hooks.
+    IgnoreOtherOwner,
+    /// INV-4: non-persistent buffers are not loaded.
+    SkipNonPersistent,
+}
+
+/// What every hook of a forward sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardCtx {
+    /// The module whose forward runs.
+    pub module: ModuleId,
+}
+
+/// The hooks of every module.
+pub type HookMap = BTreeMap<ModuleId, RefCell<HookRegistry<ForwardCtx>>>;
+
+/// A pipeline being run: its description and the hooks installed on its
+/// modules. Backends install and remove their hooks here.
+pub struct Model {
+    /// The description.
+    pub pipeline: Pipeline,
+    /// Hooks per module.
+    pub hooks: HookMap,
+}
+
+impl fmt::Debug for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Model")
+            .field("pipeline", &self.pipeline.type_name())
+            .field("hooks", &self.hook_claims())
+            .finish()
+    }
+}
+
+impl Model {
+    /// A model with no hooks.
+    pub fn new(pipeline: Pipeline) -> Self {
+        Self {
+            pipeline,
+            hooks: BTreeMap::new(),
+        }
+    }
+
+    /// Every installed hook as (module path, hook name, owner), sorted: the
+    /// observable hook state (INV-1, INV-5).
+    pub fn hook_claims(&self) -> Vec<(String, String, String)> {
+        let mut out = Vec::new();
+        for (module, registry) in &self.hooks {
+            let path = self.pipeline.module(*module).path.clone();
+            for (name, owner) in registry.borrow().owners() {
+                out.push((path.clone(), name.to_owned(), owner.as_str().to_owned()));
+            }
+        }
+        out
+    }
+
+    /// The registry of `module`, created empty if needed.
+    pub fn hooks_of(&mut self, module: ModuleId) -> &mut HookRegistry<ForwardCtx> {
+        self.hooks.entry(module).or_default().get_mut()
+    }
+}
+
+/// Where the weights' bytes come from (a checkpoint reader, a generator).
+pub trait WeightSource: Send + Sync {
+    /// Fills `dst` with the bytes of `storage` at
+    /// `position..position + dst.len()`.
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]);
+}
+
+/// Where one storage's bytes are readable by device kernels now.
+#[derive(Debug)]
+pub struct DeviceLocation<A: Api> {
+    /// The buffer.
+    pub buffer: Arc<A::DeviceBuffer>,
+    /// The storage's first byte in it.
+    pub offset: u64,
+}
+
+impl<A: Api> Clone for DeviceLocation<A> {
+    fn clone(&self) -> Self {
+        Self {
+            buffer: Arc::clone(&self.buffer),
+            offset: self.offset,
+        }
+    }
+}
+
+/// A backend the [`Runtime`] can run: the lifecycle, plus where each
+/// storage is on the device.
+pub trait Backend<A: Api>: OffloadBackend {
+    /// The device location of `storage`, if it is resident now.
+    fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>>;
+
+    /// The residency of `storage`, if this backend manages it.
+    fn residency(&self, storage: StorageId) -> Option<Residency>;
+
+    /// Device bytes this backend holds for weights now.
+    fn device_weight_bytes(&self) -> u64;
+
+    /// Host bytes this backend holds for weights (pinned or registered).
+    fn host_weight_bytes(&self) -> u64;
+}
+
+/// A pipeline on one device, with at most one backend enabled.
+pub struct Runtime<A: Api> {
+    device: Arc<A::Device>,
+    compute: Arc<A::Stream>,
+    model: Model,
+    backend: Option<Box<dyn Backend<A>>>,
+}
+
+impl<A: Api> Runtime<A> {
+    /// A runtime for `pipeline` on `device`, launching on `compute`.
+    pub fn new(device: Arc<A::Device>, compute: Arc<A::Stream>, pipeline: Pipeline) -> Self {
+        Self {
+            device,
+            compute,
+            model: Model::new(pipeline),
+            backend: None,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<A::Device> {
+        &self.device
+    }
+
+    /// The compute stream.
+    pub fn compute_stream(&self) -> &Arc<A::Stream> {
+        &self.compute
+    }
+
+    /// The model (description and hooks).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The model, to install hooks of one's own (a block cache, a timer).
+    pub fn model_mut(&mut self) -> &mut Model {
+        &mut self.model
+    }
+
+    /// The enabled backend.
+    pub fn backend(&self) -> Option<&dyn Backend<A>> {
+        self.backend.as_deref()
+    }
+
+    /// Enables `backend`. On failure the backend is returned with the error
+    /// and the model is as it was.
+    pub fn enable(
+        &mut self,
+        mut backend: Box<dyn Backend<A>>,
+    ) -> Result<(), (OffloadError, Box<dyn Backend<A>>)> {
+        if let Some(current) = &self.backend {
+            let err = OffloadError::Forward {
+                module: String::new(),
+                reason: format!(
+                    "a {} backend is already enabled; disable it first (one strategy per pipeline)",
+                    current.strategy()
+                ),
+            };
+            return Err((err, backend));
+        }
+        match backend.enable(&mut self.model) {
+            Ok(()) => {
+                self.backend = Some(backend);
+                Ok(())
+            }
+            Err(e) => Err((e, backend)),
+        }
+    }
+
+    /// Disables and returns the backend (every step runs; the first error is
+    /// returned with it).
+    pub fn disable(&mut self) -> Result<Option<Box<dyn Backend<A>>>, OffloadError> {
+        match self.backend.take() {
+            None => Ok(None),
+            Some(mut b) => {
+                b.disable(&mut self.model)?;
+                Ok(Some(b))
+            }
+        }
+    }
+
+    /// The lifecycle state of the backend, if any.
+    pub fn state(&self) -> Option<LifecycleState> {
+        self.backend.as_ref().map(|b| b.state())
+    }
+
+    /// Runs one forward of the module at `path`: its hooks, then `f` with a
+    /// scope lending device views of its tensors. Returns `None` when a hook
+    /// skipped the forward.
+    pub fn forward<R>(
+        &self,
+        path: &str,
+        f: impl FnOnce(&Scope<'_, A>) -> Result<R, BoxError>,
+    ) -> Result<Option<R>, OffloadError> {
+        let module = self
+            .model
+            .pipeline
+            .module_id(path)
+            .ok_or_else(|| OffloadError::Forward {
+                module: path.to_owned(),
+                reason: "no such module".to_owned(),
+            })?;
+        self.dispatch(module, f)
+    }
+
+    fn dispatch<R>(
+        &self,
+        module: ModuleId,
+        f: impl FnOnce(&Scope<'_, A>) -> Result<R, BoxError>,
+    ) -> Result<Option<R>, OffloadError> {
+        let scope = Scope {
+            rt: self,
+            module,
+            _not_send: PhantomData,
+        };
+        let Some(cell) = self.model.hooks.get(&module) else {
+            return f(&scope).map(Some).map_err(|e| scope.failed(e));
+        };
+        let mut registry = cell.try_borrow_mut().map_err(|_| OffloadError::Forward {
+            module: scope.path().to_owned(),
+            reason: "forward re-entered while its own forward runs".to_owned(),
+        })?;
+        let mut out = None;
+        let mut ctx = ForwardCtx { module };
+        let forwarded = registry.dispatch(&mut ctx, |_| {
+            out = Some(f(&scope)?);
+            Ok(())
+        })?;
+        match forwarded {
+            Forwarded::Ran => Ok(out),
+            Forwarded::Skipped { .. } | Forwarded::Failed => Ok(None),
+        }
+    }
+}
+
+/// One module's forward: the stream to launch on and device views of the
+/// module's tensors, lent until the closure returns.
+pub struct Scope<'rt, A: Api> {
+    rt: &'rt Runtime<A>,
+    module: ModuleId,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl<'rt, A: Api> Scope<'rt, A> {
+    /// The module's path.
+    pub fn path(&self) -> &str {
+        &self.rt.model.pipeline.module(self.module).path
+    }
+
+    /// The module.
+    pub fn module(&self) -> ModuleId {
+        self.module
+    }
+
+    /// The pipeline.
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.rt.model.pipeline
+    }
+
+    /// The device.
+    pub fn device(&self) -> &A::Device {
+        &self.rt.device
+    }
+
+    /// The stream to launch kernels on.
+    pub fn stream(&self) -> &A::Stream {
+        &self.rt.compute
+    }
+
+    fn failed(&self, e: BoxError) -> OffloadError {
+        OffloadError::Forward {
+            module: self.path().to_owned(),
+            reason: e.to_string(),
+        }
+    }
+
+    /// A view of the tensor at `name`, relative to this module (dotted).
+    pub fn view(&self, name: &str) -> Result<View<'_, A>, OffloadError> {
+        let p = &self.rt.model.pipeline;
+        let full = crate::model::join(self.path(), name);
+        let id = p
+            .tensors()
+            .find(|(id, _)| p.tensor_path(*id) == full)
+            .map(|(id, _)| id)
+            .ok_or_else(|| OffloadError::Forward {
+                module: self.path().to_owned(),
+                reason: format!("no tensor `{name}`"),
+            })?;
+        self.view_of(id)
+    }
+
+    /// Views of every tensor of this module's subtree, in declaration order.
+    pub fn views(&self) -> Result<Vec<View<'_, A>>, OffloadError> {
+        self.rt
+            .model
+            .pipeline
+            .subtree_tensors(self.module)
+            .into_iter()
+            .map(|t| self.view_of(t))
+            .collect()
+    }
+
+    fn view_of(&self, id: TensorId) -> Result<View<'_, A>, OffloadError> {
+        let p = &self.rt.model.pipeline;
+        let tensor = p.tensor(id);
+        let not_resident = |why: String| OffloadError::Forward {
+            module: self.path().to_owned(),
+            reason: format!("tensor `{}` is not on the device: {why}", p.tensor_path(id)),
+        };
+        let backend = self
+            .rt
+            .backend
+            .as_ref()
+            .ok_or_else(|| not_resident("no backend is enabled".to_owned()))?;
+        let loc = backend.locate(tensor.storage).ok_or_else(|| {
+            not_resident(match backend.residency(tensor.storage) {
+                Some(r) => format!("its storage is {r:?}"),
+                None => "its storage is not managed".to_owned(),
+            })
+        })?;
+        let span = tensor.span_bytes();
+        Ok(View {
+            buffer: loc.buffer,
+            range: loc.offset + span.start..loc.offset + span.end,
+            tensor,
+            _scope: PhantomData,
+        })
+    }
+
+    /// Runs the forward of the child at `name` (dotted, relative) inside this
+    /// one: its hooks, then `f` with its scope.
+    pub fn child<R>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&Scope<'_, A>) -> Result<R, BoxError>,
+    ) -> Result<Option<R>, OffloadError> {
+        let full = crate::model::join(self.path(), name);
+        self.rt.forward(&full, f)
+    }
+}
+
+/// A device view of one tensor, lent by a [`Scope`].
+pub struct View<'s, A: Api> {
+    buffer: Arc<A::DeviceBuffer>,
+    range: Range<u64>,
+    tensor: &'s Tensor,
+    _scope: PhantomData<&'s ()>,
+}
+
+impl<A: Api> View<'_, A> {
+    /// The device buffer holding the tensor.
+    pub fn buffer(&self) -> &A::DeviceBuffer {
+        &self.buffer
+    }
+
+    /// The bytes of the buffer the tensor's view touches.
+    pub fn byte_range(&self) -> Range<u64> {
+        self.range.clone()
+    }
+
+    /// The tensor's description (dtype, shape, strides).
+    pub fn tensor(&self) -> &Tensor {
+        self.tensor
+    }
+}
+
+impl<A: Api> fmt::Debug for View<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("View")
+            .field("tensor", &self.tensor.name)
+            .field("range", &self.range)
+            .finish()
+    }
+}

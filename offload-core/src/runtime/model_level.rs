@@ -1,0 +1,370 @@
+//! The model-level strategy (CONTRACT §6): offloaded components are
+//! mutually exclusive on the device. Pre-forward of a component evicts the
+//! others (weights are immutable: eviction frees the device copy after its
+//! last use, no device→host copy), brings this one in on the copy stream and
+//! makes compute wait for it. VAEs and resident modules stay on the device.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use offload_hooks::{BoxError, Forwarded, HookOwner, ModelHook, PreForward};
+
+use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::device::{Api, Device, HostSource};
+use crate::discovery::log_warnings;
+use crate::lifecycle::{
+    DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
+};
+use crate::model::{ModuleId, StorageId};
+use crate::plan::PlanWarning;
+use crate::residency::{Residency, Transition};
+use crate::runtime::layout::Unit;
+use crate::runtime::shared::{
+    Handles, Placement, bytes_of, check_single_owner, dev_err, plan_and_partition,
+};
+use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, WeightSource};
+
+struct Component<A: Api> {
+    path: String,
+    module: ModuleId,
+    units: Vec<(Unit, A::HostBuffer)>,
+    on_device: Vec<Arc<A::DeviceBuffer>>,
+    ready: A::Event,
+    last_use: A::Event,
+}
+
+struct State<A: Api> {
+    placement: Placement<A>,
+    resident: Vec<Arc<A::DeviceBuffer>>,
+    components: Vec<Component<A>>,
+}
+
+struct Shared<A: Api> {
+    handles: Handles<A>,
+    state: Mutex<Option<State<A>>>,
+}
+
+impl<A: Api> Shared<A> {
+    fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn evict(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
+        let comp = &mut st.components[c];
+        let buffers = std::mem::take(&mut comp.on_device);
+        for (unit, _) in &comp.units {
+            st.placement.unplace(unit);
+            st.placement.transition(unit, Transition::Release)?;
+        }
+        for b in buffers {
+            self.handles
+                .free(b, &[&comp.ready, &comp.last_use], &comp.path)?;
+        }
+        Ok(())
+    }
+
+    fn bring_in(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
+        let h = &self.handles;
+        let comp = &mut st.components[c];
+        for (unit, host) in &comp.units {
+            let buffer = h.device.alloc_device(unit.bytes).map_err(|e| {
+                dev_err(
+                    format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
+                    e,
+                )
+            })?;
+            h.device.name_buffer(&buffer, &unit.name);
+            // SAFETY: the buffer is new and exactly `unit.bytes`, as is the
+            // master; compute waits for `ready` (recorded below) before
+            // reading it; it is freed only after `ready` and `last_use`.
+            unsafe {
+                h.device
+                    .copy_h2d(&h.copy, HostSource::Pinned(host), 0, &buffer, 0, unit.bytes)
+            }
+            .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))?;
+            let buffer = Arc::new(buffer);
+            st.placement.transition(unit, Transition::IssueCopy)?;
+            st.placement.place(unit, &buffer);
+            comp.on_device.push(buffer);
+        }
+        h.device
+            .record_event(&comp.ready, &h.copy)
+            .map_err(|e| dev_err("record_event(ready)", e))
+    }
+}
+
+struct ComponentHook<A: Api> {
+    shared: Arc<Shared<A>>,
+    component: usize,
+}
+
+impl<A: Api> ComponentHook<A> {
+    fn pre(&self) -> Result<(), OffloadError> {
+        let shared = &*self.shared;
+        let h = &shared.handles;
+        let mut guard = shared.lock();
+        let st = guard.as_mut().ok_or_else(disabled)?;
+        let c = self.component;
+        if st.components[c].on_device.is_empty() {
+            let others: Vec<usize> = (0..st.components.len())
+                .filter(|d| *d != c && !st.components[*d].on_device.is_empty())
+                .collect();
+            for d in others {
+                shared.evict(st, d)?;
+            }
+            shared.bring_in(st, c)?;
+        }
+        h.device
+            .stream_wait_event(&h.compute, &st.components[c].ready)
+            .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
+        for (unit, _) in &st.components[c].units {
+            if st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight) {
+                st.placement.transition(unit, Transition::CopyDone)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post(&self) -> Result<(), OffloadError> {
+        let h = &self.shared.handles;
+        let guard = self.shared.lock();
+        let st = guard.as_ref().ok_or_else(disabled)?;
+        h.device
+            .record_event(&st.components[self.component].last_use, &h.compute)
+            .map_err(|e| dev_err("record_event(last use)", e))
+    }
+}
+
+fn disabled() -> OffloadError {
+    OffloadError::Forward {
+        module: String::new(),
+        reason: "model-level offload is disabled".to_owned(),
+    }
+}
+
+impl<A: Api> ModelHook<ForwardCtx> for ComponentHook<A> {
+    fn pre_forward(&mut self, _: &mut ForwardCtx) -> Result<PreForward, BoxError> {
+        self.pre()?;
+        Ok(PreForward::Continue)
+    }
+
+    fn post_forward(&mut self, _: &mut ForwardCtx, _: &Forwarded) -> Result<(), BoxError> {
+        Ok(self.post()?)
+    }
+}
+
+/// Swaps whole components between host masters and the device.
+pub struct ModelLevelBackend<A: Api> {
+    config: OffloadConfig,
+    lifecycle: Lifecycle,
+    shared: Arc<Shared<A>>,
+    hooked: Vec<ModuleId>,
+}
+
+impl<A: Api> ModelLevelBackend<A> {
+    /// A model-level backend on `device`.
+    pub fn new(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+    ) -> Result<Self, OffloadError> {
+        Ok(Self {
+            config,
+            lifecycle: Lifecycle::new(OffloadStrategy::ModelLevel),
+            shared: Arc::new(Shared {
+                handles: Handles::new(device, compute, weights)?,
+                state: Mutex::new(None),
+            }),
+            hooked: Vec::new(),
+        })
+    }
+
+    fn owner() -> HookOwner {
+        HookOwner::new(OffloadStrategy::ModelLevel.hook_name())
+    }
+
+    /// Builds host masters and resident units into `st`; on error, `st`
+    /// holds what was built, for [`Self::release`].
+    fn build(&self, model: &Model, st: &mut State<A>) -> Result<(), OffloadError> {
+        let (plan, partition) = plan_and_partition(&model.pipeline, &self.config)?;
+        log_warnings(&plan.warnings);
+        let h = &self.shared.handles;
+        // No encoder: the DiTs simply stay on the device.
+        let swapping = !plan.warnings.contains(&PlanWarning::NoEncoder);
+        let none = BTreeSet::new();
+        let mut swapped: BTreeSet<StorageId> = BTreeSet::new();
+        for comp in plan.components.iter().filter(|c| c.offloaded && swapping) {
+            let ready = h
+                .device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            let last_use = h
+                .device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            st.components.push(Component {
+                path: comp.path.clone(),
+                module: comp.module,
+                units: Vec::new(),
+                on_device: Vec::new(),
+                ready,
+                last_use,
+            });
+            for unit in partition
+                .all()
+                .filter(|u| model.pipeline.is_within(u.module, comp.module))
+            {
+                let host = h.fill_pinned(unit, &none)?;
+                swapped.extend(unit.entries.iter().map(|e| e.storage));
+                st.placement.claim(unit)?;
+                st.components
+                    .last_mut()
+                    .expect("pushed above")
+                    .units
+                    .push((unit.clone(), host));
+            }
+        }
+        for unit in partition
+            .all()
+            .filter(|u| !u.entries.iter().any(|e| swapped.contains(&e.storage)))
+        {
+            let buffer = Arc::new(h.upload(unit, &none)?);
+            st.resident.push(Arc::clone(&buffer));
+            st.placement.resident(unit, &buffer)?;
+        }
+        Ok(())
+    }
+
+    fn release(&self, st: State<A>) -> Result<(), OffloadError> {
+        let h = &self.shared.handles;
+        let mut first = h.drain().err();
+        for comp in st.components {
+            for b in comp.on_device {
+                if let Err(e) = h.free(b, &[&comp.ready, &comp.last_use], &comp.path) {
+                    first.get_or_insert(e);
+                }
+            }
+            for (_, host) in comp.units {
+                // SAFETY: both streams are drained: no copy reads the master.
+                if let Err(e) = unsafe { h.device.free_pinned(host) } {
+                    first.get_or_insert(dev_err("free_pinned", e));
+                }
+            }
+        }
+        for b in st.resident {
+            if let Err(e) = h.free(b, &[], "resident unit") {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn remove_hooks(&mut self, model: &mut Model) {
+        let owner = Self::owner();
+        for m in self.hooked.drain(..) {
+            model.hooks_of(m).remove_owned_by(&owner);
+        }
+    }
+}
+
+impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
+    fn strategy(&self) -> OffloadStrategy {
+        OffloadStrategy::ModelLevel
+    }
+
+    fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
+            return Ok(());
+        }
+        check_single_owner(model, OffloadStrategy::ModelLevel)?;
+        let mut st = State {
+            placement: Placement::new(&model.pipeline, OffloadStrategy::ModelLevel),
+            resident: Vec::new(),
+            components: Vec::new(),
+        };
+        if let Err(e) = self.build(model, &mut st) {
+            let _ = self.release(st);
+            return Err(e);
+        }
+        let hooks: Vec<(usize, ModuleId)> = st
+            .components
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i, c.module))
+            .collect();
+        *self.shared.lock() = Some(st);
+        for (component, module) in hooks {
+            let hook = ComponentHook {
+                shared: Arc::clone(&self.shared),
+                component,
+            };
+            if let Err(e) = model.hooks_of(module).register(
+                OffloadStrategy::ModelLevel.hook_name(),
+                Self::owner(),
+                Box::new(hook),
+            ) {
+                self.remove_hooks(model);
+                let st = self.shared.lock().take();
+                if let Some(st) = st {
+                    let _ = self.release(st);
+                }
+                return Err(e.into());
+            }
+            self.hooked.push(module);
+        }
+        self.lifecycle.finish_enable();
+        Ok(())
+    }
+
+    fn disable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
+            return Ok(());
+        }
+        self.remove_hooks(model);
+        let st = self.shared.lock().take();
+        let result = st.map_or(Ok(()), |st| self.release(st));
+        self.lifecycle.finish_disable();
+        result
+    }
+
+    fn is_enabled(&self) -> bool {
+        self.lifecycle.is_enabled()
+    }
+
+    fn state(&self) -> LifecycleState {
+        self.lifecycle.state().clone()
+    }
+}
+
+impl<A: Api> Backend<A> for ModelLevelBackend<A> {
+    fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.shared.lock().as_ref()?.placement.locate(storage)
+    }
+
+    fn residency(&self, storage: StorageId) -> Option<Residency> {
+        self.shared.lock().as_ref()?.placement.residency_of(storage)
+    }
+
+    fn device_weight_bytes(&self) -> u64 {
+        let guard = self.shared.lock();
+        guard.as_ref().map_or(0, |st| {
+            bytes_of::<A>(&st.resident)
+                + st.components
+                    .iter()
+                    .map(|c| bytes_of::<A>(&c.on_device))
+                    .sum::<u64>()
+        })
+    }
+
+    fn host_weight_bytes(&self) -> u64 {
+        let guard = self.shared.lock();
+        guard.as_ref().map_or(0, |st| {
+            st.components
+                .iter()
+                .flat_map(|c| &c.units)
+                .map(|(u, _)| u.bytes)
+                .sum()
+        })
+    }
+}

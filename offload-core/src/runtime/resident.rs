@@ -1,0 +1,112 @@
+//! Everything on the device, no hooks: the "no offload" baseline that
+//! offloaded runs are compared with (INV-8), and what a pipeline gets when
+//! it fits.
+
+use std::sync::Arc;
+
+use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::device::Api;
+use crate::lifecycle::{
+    DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
+};
+use crate::model::StorageId;
+use crate::residency::Residency;
+use crate::runtime::shared::{Handles, Placement, bytes_of, plan_and_partition};
+use crate::runtime::{Backend, DeviceLocation, Model, WeightSource};
+
+/// Uploads every weight once; keeps them resident until `disable`.
+pub struct ResidentBackend<A: Api> {
+    handles: Handles<A>,
+    lifecycle: Lifecycle,
+    placement: Option<Placement<A>>,
+    buffers: Vec<Arc<A::DeviceBuffer>>,
+}
+
+impl<A: Api> ResidentBackend<A> {
+    /// A resident backend on `device`, reading weights from `weights`.
+    pub fn new(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+    ) -> Result<Self, OffloadError> {
+        Ok(Self {
+            handles: Handles::new(device, compute, weights)?,
+            lifecycle: Lifecycle::new(OffloadStrategy::None),
+            placement: None,
+            buffers: Vec::new(),
+        })
+    }
+
+    fn release(&mut self) -> Result<(), OffloadError> {
+        let drained = self.handles.drain();
+        let mut first = drained.err();
+        for b in self.buffers.drain(..) {
+            if let Err(e) = self.handles.free(b, &[], "resident unit") {
+                first.get_or_insert(e);
+            }
+        }
+        self.placement = None;
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl<A: Api> OffloadBackend for ResidentBackend<A> {
+    fn strategy(&self) -> OffloadStrategy {
+        OffloadStrategy::None
+    }
+
+    fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
+            return Ok(());
+        }
+        let (_, partition) = plan_and_partition(&model.pipeline, &OffloadConfig::default())?;
+        let mut placement = Placement::new(&model.pipeline, OffloadStrategy::None);
+        let result = partition.all().try_for_each(|unit| {
+            let buffer = Arc::new(self.handles.upload(unit, &Default::default())?);
+            self.buffers.push(Arc::clone(&buffer));
+            placement.resident(unit, &buffer)
+        });
+        if let Err(e) = result {
+            let _ = self.release();
+            return Err(e);
+        }
+        self.placement = Some(placement);
+        self.lifecycle.finish_enable();
+        Ok(())
+    }
+
+    fn disable(&mut self, _model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
+            return Ok(());
+        }
+        let result = self.release();
+        self.lifecycle.finish_disable();
+        result
+    }
+
+    fn is_enabled(&self) -> bool {
+        self.lifecycle.is_enabled()
+    }
+
+    fn state(&self) -> LifecycleState {
+        self.lifecycle.state().clone()
+    }
+}
+
+impl<A: Api> Backend<A> for ResidentBackend<A> {
+    fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.placement.as_ref()?.locate(storage)
+    }
+
+    fn residency(&self, storage: StorageId) -> Option<Residency> {
+        self.placement.as_ref()?.residency_of(storage)
+    }
+
+    fn device_weight_bytes(&self) -> u64 {
+        bytes_of::<A>(&self.buffers)
+    }
+
+    fn host_weight_bytes(&self) -> u64 {
+        0
+    }
+}

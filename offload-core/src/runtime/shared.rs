@@ -1,0 +1,318 @@
+//! What every strategy shares: the device handles, the placement of each
+//! storage, the residency table, and the few operations that touch the
+//! device outside the hot path (filling host masters, uploading resident
+//! units, freeing).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::device::{Api, ByteSource, Device, DeviceBuffer, HostBuffer, HostSource};
+use crate::lifecycle::OffloadError;
+use crate::model::{Pipeline, StorageId};
+use crate::plan::{ResolvedPlan, resolve};
+use crate::residency::{Owner, Residency, ResidencyTable, Transition};
+use crate::runtime::layout::{Partition, Unit, partition};
+use crate::runtime::{DeviceLocation, Model, WeightSource};
+
+/// Device handles a backend works with.
+pub(crate) struct Handles<A: Api> {
+    pub(crate) device: Arc<A::Device>,
+    pub(crate) compute: Arc<A::Stream>,
+    pub(crate) copy: A::Stream,
+    pub(crate) weights: Arc<dyn WeightSource>,
+}
+
+impl<A: Api> Handles<A> {
+    pub(crate) fn new(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+    ) -> Result<Self, OffloadError> {
+        let copy = device
+            .create_stream()
+            .map_err(|e| dev_err("create_stream", e))?;
+        device.name_stream(&copy, "copy");
+        device.name_stream(&compute, "compute");
+        Ok(Self {
+            device,
+            compute,
+            copy,
+            weights,
+        })
+    }
+
+    /// Waits for everything enqueued on both streams (enable, disable,
+    /// rollback: never on the hot path).
+    pub(crate) fn drain(&self) -> Result<(), OffloadError> {
+        self.device
+            .synchronize_stream(&self.copy)
+            .map_err(|e| dev_err("synchronize_stream(copy)", e))?;
+        self.device
+            .synchronize_stream(&self.compute)
+            .map_err(|e| dev_err("synchronize_stream(compute)", e))
+    }
+
+    /// A pinned host buffer of exactly `unit.bytes`, filled from the weight
+    /// source straight into place (storages in `skip` are left unwritten:
+    /// only a planted bug asks for that).
+    pub(crate) fn fill_pinned(
+        &self,
+        unit: &Unit,
+        skip: &BTreeSet<StorageId>,
+    ) -> Result<A::HostBuffer, OffloadError> {
+        let mut host = self.device.alloc_pinned(unit.bytes).map_err(|e| {
+            dev_err(
+                format!("alloc_pinned({} bytes) for `{}`", unit.bytes, unit.name),
+                e,
+            )
+        })?;
+        for e in unit.entries.iter().filter(|e| !skip.contains(&e.storage)) {
+            host.write_from(
+                e.offset,
+                e.bytes,
+                &StorageBytes {
+                    weights: &*self.weights,
+                    storage: e.storage,
+                },
+            );
+        }
+        Ok(host)
+    }
+
+    /// Uploads `unit` to a new device buffer and waits for the copy (enable
+    /// time only). Nothing is left allocated on failure.
+    pub(crate) fn upload(
+        &self,
+        unit: &Unit,
+        skip: &BTreeSet<StorageId>,
+    ) -> Result<A::DeviceBuffer, OffloadError> {
+        let staging = self.fill_pinned(unit, skip)?;
+        let result = self.upload_from(unit, &staging);
+        let drained = self
+            .device
+            .synchronize_stream(&self.copy)
+            .map_err(|e| dev_err("synchronize_stream(copy)", e));
+        // SAFETY: the copy stream, the only one that read `staging`, was
+        // synchronised just above.
+        let freed = unsafe { self.device.free_pinned(staging) };
+        let freed = freed.map_err(|e| dev_err("free_pinned", e));
+        let buffer = result?;
+        drained?;
+        freed?;
+        Ok(buffer)
+    }
+
+    fn upload_from(
+        &self,
+        unit: &Unit,
+        staging: &A::HostBuffer,
+    ) -> Result<A::DeviceBuffer, OffloadError> {
+        let buffer = self.device.alloc_device(unit.bytes).map_err(|e| {
+            dev_err(
+                format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
+                e,
+            )
+        })?;
+        self.device.name_buffer(&buffer, &unit.name);
+        // SAFETY: both ranges are the whole of buffers of exactly
+        // `unit.bytes`; the copy stream is synchronised below before the
+        // staging buffer is freed or the device buffer is lent.
+        let copied = unsafe {
+            self.device.copy_h2d(
+                &self.copy,
+                HostSource::Pinned(staging),
+                0,
+                &buffer,
+                0,
+                unit.bytes,
+            )
+        }
+        .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))
+        .and_then(|()| {
+            self.device
+                .synchronize_stream(&self.copy)
+                .map_err(|e| dev_err("synchronize_stream(copy)", e))
+        });
+        match copied {
+            Ok(()) => Ok(buffer),
+            Err(e) => {
+                let _ = self.device.synchronize_stream(&self.copy);
+                // SAFETY: the copy stream is drained: nothing uses `buffer`.
+                let _ = unsafe { self.device.free_device(buffer, &[]) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Frees a device buffer after `after`; fails if a view still holds it.
+    pub(crate) fn free(
+        &self,
+        buffer: Arc<A::DeviceBuffer>,
+        after: &[&A::Event],
+        what: &str,
+    ) -> Result<(), OffloadError> {
+        let buffer = Arc::try_unwrap(buffer).map_err(|_| OffloadError::Forward {
+            module: what.to_owned(),
+            reason: "cannot free: a view of it is still lent".to_owned(),
+        })?;
+        // SAFETY: every operation on `buffer` was enqueued on the copy or
+        // compute stream before an event in `after` was recorded (callers
+        // pass the buffer's ready and last-use events, or drained streams).
+        unsafe { self.device.free_device(buffer, after) }
+            .map_err(|e| dev_err(format!("free_device of `{what}`"), e))
+    }
+}
+
+struct StorageBytes<'a> {
+    weights: &'a dyn WeightSource,
+    storage: StorageId,
+}
+
+impl ByteSource for StorageBytes<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        self.weights.read(self.storage, position, dst);
+    }
+}
+
+pub(crate) fn dev_err(
+    operation: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> OffloadError {
+    OffloadError::DeviceOp {
+        operation: operation.into(),
+        source: Box::new(e),
+    }
+}
+
+/// Where every storage is, and its residency.
+pub(crate) struct Placement<A: Api> {
+    pub(crate) location: Vec<Option<DeviceLocation<A>>>,
+    pub(crate) residency: ResidencyTable<StorageId>,
+    pub(crate) owner: Owner,
+}
+
+impl<A: Api> Placement<A> {
+    pub(crate) fn new(pipeline: &Pipeline, strategy: OffloadStrategy) -> Self {
+        Self {
+            location: vec![None; pipeline.storages().count()],
+            residency: ResidencyTable::new(),
+            owner: Owner(strategy.hook_name().to_owned()),
+        }
+    }
+
+    /// Claims every storage of `unit` (state `HostOnly`).
+    pub(crate) fn claim(&mut self, unit: &Unit) -> Result<(), OffloadError> {
+        for e in &unit.entries {
+            self.residency.claim(e.storage, &self.owner)?;
+        }
+        Ok(())
+    }
+
+    /// Applies `t` to every storage of `unit`.
+    pub(crate) fn transition(&mut self, unit: &Unit, t: Transition) -> Result<(), OffloadError> {
+        for e in &unit.entries {
+            self.residency.apply(&e.storage, &self.owner, t)?;
+        }
+        Ok(())
+    }
+
+    /// Points every storage of `unit` into `buffer`.
+    pub(crate) fn place(&mut self, unit: &Unit, buffer: &Arc<A::DeviceBuffer>) {
+        for e in &unit.entries {
+            self.location[e.storage.index()] = Some(DeviceLocation {
+                buffer: Arc::clone(buffer),
+                offset: e.offset,
+            });
+        }
+    }
+
+    /// Marks every storage of `unit` host-only again.
+    pub(crate) fn unplace(&mut self, unit: &Unit) {
+        for e in &unit.entries {
+            self.location[e.storage.index()] = None;
+        }
+    }
+
+    /// A resident unit: claim, copy, done, placed.
+    pub(crate) fn resident(
+        &mut self,
+        unit: &Unit,
+        buffer: &Arc<A::DeviceBuffer>,
+    ) -> Result<(), OffloadError> {
+        self.claim(unit)?;
+        self.transition(unit, Transition::IssueCopy)?;
+        self.transition(unit, Transition::CopyDone)?;
+        self.place(unit, buffer);
+        Ok(())
+    }
+
+    pub(crate) fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.location.get(storage.index()).cloned().flatten()
+    }
+
+    pub(crate) fn residency_of(&self, storage: StorageId) -> Option<Residency> {
+        self.residency.state(&storage)
+    }
+}
+
+/// The plan and the partition every strategy of this pipeline uses: blocks
+/// of the plan's stacks, or of the DiT stacks layerwise offload would use,
+/// so packing is the same whatever the strategy.
+pub(crate) fn plan_and_partition(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+) -> Result<(ResolvedPlan, Partition), OffloadError> {
+    let plan = resolve(pipeline, config)?;
+    let stacks = if plan.stacks.is_empty() {
+        let layerwise = OffloadConfig {
+            enable_layerwise_offload: true,
+            ..OffloadConfig::default()
+        };
+        resolve(pipeline, &layerwise)
+            .map(|p| p.stacks)
+            .unwrap_or_default()
+    } else {
+        plan.stacks.clone()
+    };
+    let groups: Vec<_> = plan.components.iter().map(|c| c.module).collect();
+    let partition = partition(pipeline, &stacks, &groups);
+    Ok((plan, partition))
+}
+
+/// Fails before anything is mutated if another strategy owns offload hooks
+/// on the model (INV-1).
+pub(crate) fn check_single_owner(
+    model: &Model,
+    strategy: OffloadStrategy,
+) -> Result<(), OffloadError> {
+    let names = [
+        OffloadStrategy::ModelLevel.hook_name(),
+        OffloadStrategy::Layerwise.hook_name(),
+        OffloadStrategy::DistributedLayerwise.hook_name(),
+    ];
+    let claims = model.hook_claims();
+    let ours = crate::invariants::HookClaim {
+        module: "",
+        hook: strategy.hook_name(),
+        owner: strategy.hook_name(),
+    };
+    crate::invariants::single_owner(
+        claims
+            .iter()
+            .map(|(m, h, o)| crate::invariants::HookClaim {
+                module: m,
+                hook: h,
+                owner: o,
+            })
+            .chain(std::iter::once(ours)),
+        &names,
+        std::iter::empty(),
+    )?;
+    Ok(())
+}
+
+/// The device bytes held by a list of buffers.
+pub(crate) fn bytes_of<A: Api>(buffers: &[Arc<A::DeviceBuffer>]) -> u64 {
+    buffers.iter().map(|b| b.len_bytes()).sum()
+}
