@@ -8,6 +8,8 @@
 
 pub mod device;
 pub mod faults;
+pub mod harness;
+pub mod presets;
 pub mod profile;
 pub mod trace;
 

@@ -425,6 +425,8 @@ impl<A: Api> LayerwiseBackend<A> {
     /// runs, the first error is returned.
     fn release(&self, st: State<A>) -> Result<(), OffloadError> {
         let h = &self.shared.handles;
+        // Placement holds references to the buffers: drop it first.
+        drop(st.placement);
         let mut first = if self.shared.bug(PlantedBug::FreeWithoutDrain) {
             None
         } else {

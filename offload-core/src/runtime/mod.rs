@@ -368,6 +368,11 @@ impl<'rt, A: Api> Scope<'rt, A> {
             .collect()
     }
 
+    /// A view of the tensor `id` (anywhere in the pipeline, if resident).
+    pub fn view_id(&self, id: TensorId) -> Result<View<'_, A>, OffloadError> {
+        self.view_of(id)
+    }
+
     fn view_of(&self, id: TensorId) -> Result<View<'_, A>, OffloadError> {
         let p = &self.rt.model.pipeline;
         let tensor = p.tensor(id);

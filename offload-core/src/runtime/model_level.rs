@@ -238,6 +238,8 @@ impl<A: Api> ModelLevelBackend<A> {
 
     fn release(&self, st: State<A>) -> Result<(), OffloadError> {
         let h = &self.shared.handles;
+        // Placement holds references to the buffers: drop it first.
+        drop(st.placement);
         let mut first = h.drain().err();
         for comp in st.components {
             for b in comp.on_device {

@@ -41,6 +41,21 @@ impl<A: Api> CorePlatform<A> {
         self
     }
 
+    /// A layerwise backend for `config` (to plant test bugs in, or to skip
+    /// the factory).
+    pub fn layerwise(
+        &self,
+        config: crate::config::OffloadConfig,
+    ) -> Result<LayerwiseBackend<A>, OffloadError> {
+        LayerwiseBackend::new(
+            Arc::clone(&self.device),
+            Arc::clone(&self.compute),
+            Arc::clone(&self.weights),
+            config,
+            self.prefetch_depth,
+        )
+    }
+
     /// The resident baseline (no offload), for comparisons.
     pub fn resident(&self) -> Result<Box<dyn Backend<A>>, OffloadError> {
         Ok(Box::new(ResidentBackend::new(

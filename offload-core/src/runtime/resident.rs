@@ -38,6 +38,8 @@ impl<A: Api> ResidentBackend<A> {
     }
 
     fn release(&mut self) -> Result<(), OffloadError> {
+        // Placement holds references to the buffers: drop it first.
+        self.placement = None;
         let drained = self.handles.drain();
         let mut first = drained.err();
         for b in self.buffers.drain(..) {
@@ -45,7 +47,6 @@ impl<A: Api> ResidentBackend<A> {
                 first.get_or_insert(e);
             }
         }
-        self.placement = None;
         first.map_or(Ok(()), Err)
     }
 }
