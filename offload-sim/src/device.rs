@@ -142,11 +142,11 @@ impl HostBuffer for SimHostBuffer {
             src.read_at(0, &mut self.mem[offset as usize..(offset + len) as usize]);
             return;
         }
-        let mut p = offset.next_multiple_of(d);
-        while p < offset + len {
-            src.read_at(p - offset, &mut byte);
-            self.mem[(p / d) as usize] = byte[0];
-            p += d;
+        let mut pos = offset.next_multiple_of(d) - offset;
+        for out in &mut self.mem[kept(offset, offset + len, d)] {
+            src.read_at(pos, &mut byte);
+            *out = byte[0];
+            pos += d;
         }
     }
 
@@ -300,6 +300,20 @@ fn host_name(id: u64) -> String {
 }
 
 const HOST: usize = 0;
+
+/// The kept (real) indices of logical bytes `start..end` with divisor `d`:
+/// logical positions ≡ 0 mod d, stored at position / d.
+fn kept(start: u64, end: u64, d: u64) -> Range<usize> {
+    (start.div_ceil(d) as usize)..(end.div_ceil(d) as usize)
+}
+
+/// Copies logical `src_off..src_off + bytes` of `src` to `dst_off` of `dst`
+/// (offsets congruent modulo `d`).
+fn copy_kept(src: &[u8], src_off: u64, dst: &mut [u8], dst_off: u64, bytes: u64, d: u64) {
+    let from = kept(src_off, src_off + bytes, d);
+    let to = kept(dst_off, dst_off + bytes, d);
+    dst[to].copy_from_slice(&src[from]);
+}
 
 impl State {
     fn err(
@@ -643,12 +657,11 @@ impl SimDevice {
                 name.to_owned(),
             );
             let mem = &st.device[&buf.id].mem;
-            let mut p = range.start.next_multiple_of(d);
-            while p < range.end {
-                let v = mem[(p / d) as usize];
-                sum =
-                    (sum ^ (u64::from(v) | ((p - range.start) << 8))).wrapping_mul(0x100_0000_01b3);
-                p += d;
+            // Position within the range of the first kept byte, then every d.
+            let mut pos = range.start.next_multiple_of(d) - range.start;
+            for &v in &mem[kept(range.start, range.end, d)] {
+                sum = (sum ^ (u64::from(v) | (pos << 8))).wrapping_mul(0x100_0000_01b3);
+                pos += d;
             }
         }
         Ok(sum)
@@ -977,14 +990,16 @@ impl Device<Sim> for SimDevice {
             op_name,
         );
         let mem = &mut st.device.get_mut(&dst.id).expect("checked above").mem;
-        let mut p = src_offset.next_multiple_of(d);
-        while p < src_offset + bytes {
-            let v = match &src {
-                HostSource::Pinned(b) => b.mem[(p / d) as usize],
-                HostSource::Registered(r) => r.region.bytes()[p as usize],
-            };
-            mem[((dst_offset + p - src_offset) / d) as usize] = v;
-            p += d;
+        match &src {
+            HostSource::Pinned(b) => copy_kept(&b.mem, src_offset, mem, dst_offset, bytes, d),
+            HostSource::Registered(r) => {
+                let to = kept(dst_offset, dst_offset + bytes, d);
+                let first = src_offset.next_multiple_of(d) as usize;
+                let region = r.region.bytes();
+                for (i, out) in mem[to].iter_mut().enumerate() {
+                    *out = region[first + i * d as usize];
+                }
+            }
         }
         Ok(())
     }
@@ -1040,12 +1055,14 @@ impl Device<Sim> for SimDevice {
             Access::Write,
             op_name,
         );
-        let mem = &st.device[&src.id].mem;
-        let mut p = src_offset.next_multiple_of(d);
-        while p < src_offset + bytes {
-            dst.mem[((dst_offset + p - src_offset) / d) as usize] = mem[(p / d) as usize];
-            p += d;
-        }
+        copy_kept(
+            &st.device[&src.id].mem,
+            src_offset,
+            &mut dst.mem,
+            dst_offset,
+            bytes,
+            d,
+        );
         Ok(())
     }
 }
@@ -1123,13 +1140,10 @@ impl Collective<Sim> for SimCollective {
             op_name,
         );
         let d = st.divisor;
-        let src: Vec<u8> = st.device[&shard.id].mem.clone();
+        let src: Vec<u8> =
+            st.device[&shard.id].mem[kept(shard_offset, shard_offset + shard_bytes, d)].to_vec();
         let out = &mut st.device.get_mut(&dst.id).expect("allocated").mem;
-        let mut p = shard_offset.next_multiple_of(d);
-        while p < shard_offset + shard_bytes {
-            out[((dst_offset + p - shard_offset) / d) as usize] = src[(p / d) as usize];
-            p += d;
-        }
+        out[kept(dst_offset, dst_offset + shard_bytes, d)].copy_from_slice(&src);
         Ok(())
     }
 }
