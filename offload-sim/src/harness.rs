@@ -133,11 +133,6 @@ pub struct RunOutcome {
     pub trace: Trace,
 }
 
-/// Per-request costs derived once from the preset.
-struct Costs {
-    tokens: u64,
-}
-
 fn parameters(p: &offload_core::Pipeline, m: ModuleId) -> u64 {
     p.subtree_tensors(m)
         .into_iter()
@@ -185,8 +180,9 @@ fn kernel(
 }
 
 /// The forward of one component: its own tensors, then each block in a
-/// child scope. Returns the checksums folded, and (block bytes, flops).
-fn component_forward(
+/// child scope. Returns the checksums folded, the block bytes and the flops
+/// (zeros when a hook skipped it).
+pub fn component_forward(
     rt: &Runtime<Sim>,
     path: &str,
     tokens: u64,
@@ -229,12 +225,9 @@ fn fold(a: u64, b: u64) -> u64 {
     (a ^ b).wrapping_mul(0x100_0000_01b3).rotate_left(17)
 }
 
-fn request(
-    rt: &Runtime<Sim>,
-    device: &SimDevice,
-    w: &Workload,
-    costs: &Costs,
-) -> Result<RequestMeasure, OffloadError> {
+/// One request: encoders, `w.steps` DiT forwards (two experts split the
+/// steps), VAEs; times the denoising phase.
+pub fn request(rt: &Runtime<Sim>, device: &SimDevice, w: &Workload) -> Result<RequestMeasure, OffloadError> {
     let preset = &w.preset;
     let mut m = RequestMeasure::default();
     let mut out = 0u64;
@@ -250,7 +243,7 @@ fn request(
         device.waited_ns(rt.compute_stream()),
     );
     let hidden = preset.block_cost.hidden as f64;
-    let tokens = costs.tokens as f64;
+    let tokens = w.tokens as f64;
     let attention = if preset.block_cost.attention {
         4.0 * tokens * tokens * hidden
     } else {
@@ -264,7 +257,7 @@ fn request(
             preset.dits[0]
         };
         used.insert(dit);
-        let (s, bytes, flops) = component_forward(rt, dit, costs.tokens, |params| {
+        let (s, bytes, flops) = component_forward(rt, dit, w.tokens, |params| {
             2.0 * params as f64 * tokens + attention
         })?;
         out = fold(out, s);
@@ -295,39 +288,60 @@ fn request(
     Ok(m)
 }
 
+/// A simulated device, a runtime on it and a platform building backends
+/// for it: what a scenario test drives step by step.
+pub struct Rig {
+    /// The device (shared with the runtime).
+    pub device: SimDevice,
+    /// The runtime.
+    pub runtime: Runtime<Sim>,
+    /// Builds backends on the device.
+    pub platform: CorePlatform<Sim>,
+}
+
+impl Rig {
+    /// A fresh device with `pipeline` and synthetic weights of `opts.seed`.
+    pub fn new(pipeline: offload_core::Pipeline, opts: &RunOptions) -> Result<Self, OffloadError> {
+        let device = SimDevice::new(SimConfig {
+            profile: opts.profile.clone(),
+            payload_divisor: opts.payload_divisor,
+            faults: opts.faults,
+        });
+        let dev = Arc::new(device.clone());
+        let compute = Arc::new(dev.create_stream().map_err(|e| OffloadError::DeviceOp {
+            operation: "create_stream".to_owned(),
+            source: Box::new(e),
+        })?);
+        let weights = Arc::new(SyntheticWeights { seed: opts.seed });
+        let platform = CorePlatform::<Sim>::new(format!("sim:{}", opts.profile.name), Arc::clone(&dev), Arc::clone(&compute), weights)
+            .with_prefetch_depth(opts.prefetch_depth);
+        let runtime = Runtime::new(dev, compute, pipeline);
+        Ok(Self {
+            device,
+            runtime,
+            platform,
+        })
+    }
+
+    /// The backend `choice` selects (with `opts.bugs` planted).
+    pub fn backend(&self, choice: &StrategyChoice, opts: &RunOptions) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
+        let backend: Box<dyn Backend<Sim>> = match choice {
+            StrategyChoice::Resident => self.platform.resident()?,
+            StrategyChoice::Config(config) => match get_offload_backend(config, &self.platform)? {
+                Some(b) => b,
+                None => self.platform.resident()?,
+            },
+        };
+        plant(backend, &opts.bugs, &self.platform, choice)
+    }
+}
+
 /// Runs `w` with `choice` on a fresh simulated device.
-pub fn run(
-    w: &Workload,
-    choice: &StrategyChoice,
-    opts: &RunOptions,
-) -> Result<RunOutcome, OffloadError> {
-    let device = SimDevice::new(SimConfig {
-        profile: opts.profile.clone(),
-        payload_divisor: opts.payload_divisor,
-        faults: opts.faults,
-    });
-    let dev = Arc::new(device.clone());
-    let compute = Arc::new(dev.create_stream().map_err(|e| OffloadError::DeviceOp {
-        operation: "create_stream".to_owned(),
-        source: Box::new(e),
-    })?);
-    let weights = Arc::new(SyntheticWeights { seed: opts.seed });
-    let platform = CorePlatform::<Sim>::new(
-        format!("sim:{}", opts.profile.name),
-        Arc::clone(&dev),
-        Arc::clone(&compute),
-        weights,
-    )
-    .with_prefetch_depth(opts.prefetch_depth);
-    let mut rt = Runtime::new(Arc::clone(&dev), compute, w.preset.pipeline.clone());
-    let backend: Box<dyn Backend<Sim>> = match choice {
-        StrategyChoice::Resident => platform.resident()?,
-        StrategyChoice::Config(config) => match get_offload_backend(config, &platform)? {
-            Some(b) => b,
-            None => platform.resident()?,
-        },
-    };
-    let backend = plant(backend, &opts.bugs, &platform, choice)?;
+pub fn run(w: &Workload, choice: &StrategyChoice, opts: &RunOptions) -> Result<RunOutcome, OffloadError> {
+    let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
+    let backend = rig.backend(choice, opts)?;
+    let device = rig.device.clone();
+    let rt = &mut rig.runtime;
     let strategy = backend.strategy();
     let t0 = device.host_now_ns();
     rt.enable(backend).map_err(|(e, _)| e)?;
@@ -338,11 +352,10 @@ pub fn run(
     let (device_weight_bytes, host_weight_bytes) = (b.device_weight_bytes(), b.host_weight_bytes());
 
     let (largest_block_bytes, non_block_bytes) = plan_facts(&w.preset, choice);
-    let costs = Costs { tokens: w.tokens };
     let mut requests = Vec::new();
     let mut failure = None;
     for _ in 0..w.requests {
-        match request(&rt, &device, w, &costs) {
+        match request(rt, &device, w) {
             Ok(m) => requests.push(m),
             Err(e) => {
                 failure = Some(e);
@@ -352,7 +365,7 @@ pub fn run(
     }
     let at_end = device.stats();
     let disabled = rt.disable();
-    drop(rt);
+    drop(rig);
     device.check_released();
     if let Some(e) = failure {
         return Err(e);

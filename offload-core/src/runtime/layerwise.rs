@@ -470,24 +470,6 @@ impl<A: Api> LayerwiseBackend<A> {
         }
     }
 
-    /// Host masters by storage (INV-2): one entry per master holding it.
-    pub fn host_masters(&self) -> Vec<StorageId> {
-        let guard = self.shared.lock();
-        let Some(st) = guard.as_ref() else {
-            return Vec::new();
-        };
-        let mut out: Vec<StorageId> = st
-            .rings
-            .iter()
-            .flat_map(|r| &r.blocks)
-            .flat_map(|m| m.unit.entries.iter().map(|e| e.storage))
-            .collect();
-        if !st.shadow_masters.is_empty() {
-            out.extend(out.clone());
-        }
-        out
-    }
-
     /// Bytes of one slot, and the slot count.
     pub fn slots(&self) -> (u64, usize) {
         let guard = self.shared.lock();
@@ -605,5 +587,22 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
                 .sum();
             masters * (1 + u64::from(!st.shadow_masters.is_empty()))
         })
+    }
+
+    fn host_masters(&self) -> Vec<StorageId> {
+        let guard = self.shared.lock();
+        let Some(st) = guard.as_ref() else {
+            return Vec::new();
+        };
+        let mut out: Vec<StorageId> = st
+            .rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .flat_map(|m| m.unit.entries.iter().map(|e| e.storage))
+            .collect();
+        if !st.shadow_masters.is_empty() {
+            out.extend(out.clone());
+        }
+        out
     }
 }

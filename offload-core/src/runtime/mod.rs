@@ -164,6 +164,12 @@ pub trait Backend<A: Api>: OffloadBackend {
 
     /// Host bytes this backend holds for weights (pinned or registered).
     fn host_weight_bytes(&self) -> u64;
+
+    /// One entry per host master holding a storage (INV-2: each offloaded
+    /// storage appears exactly once).
+    fn host_masters(&self) -> Vec<StorageId> {
+        Vec::new()
+    }
 }
 
 /// A pipeline on one device, with at most one backend enabled.

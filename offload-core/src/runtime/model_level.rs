@@ -369,4 +369,15 @@ impl<A: Api> Backend<A> for ModelLevelBackend<A> {
                 .sum()
         })
     }
+
+    fn host_masters(&self) -> Vec<StorageId> {
+        let guard = self.shared.lock();
+        guard.as_ref().map_or_else(Vec::new, |st| {
+            st.components
+                .iter()
+                .flat_map(|c| &c.units)
+                .flat_map(|(u, _)| u.entries.iter().map(|e| e.storage))
+                .collect()
+        })
+    }
 }
