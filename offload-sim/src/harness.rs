@@ -227,7 +227,11 @@ fn fold(a: u64, b: u64) -> u64 {
 
 /// One request: encoders, `w.steps` DiT forwards (two experts split the
 /// steps), VAEs; times the denoising phase.
-pub fn request(rt: &Runtime<Sim>, device: &SimDevice, w: &Workload) -> Result<RequestMeasure, OffloadError> {
+pub fn request(
+    rt: &Runtime<Sim>,
+    device: &SimDevice,
+    w: &Workload,
+) -> Result<RequestMeasure, OffloadError> {
     let preset = &w.preset;
     let mut m = RequestMeasure::default();
     let mut out = 0u64;
@@ -313,8 +317,13 @@ impl Rig {
             source: Box::new(e),
         })?);
         let weights = Arc::new(SyntheticWeights { seed: opts.seed });
-        let platform = CorePlatform::<Sim>::new(format!("sim:{}", opts.profile.name), Arc::clone(&dev), Arc::clone(&compute), weights)
-            .with_prefetch_depth(opts.prefetch_depth);
+        let platform = CorePlatform::<Sim>::new(
+            format!("sim:{}", opts.profile.name),
+            Arc::clone(&dev),
+            Arc::clone(&compute),
+            weights,
+        )
+        .with_prefetch_depth(opts.prefetch_depth);
         let runtime = Runtime::new(dev, compute, pipeline);
         Ok(Self {
             device,
@@ -324,7 +333,11 @@ impl Rig {
     }
 
     /// The backend `choice` selects (with `opts.bugs` planted).
-    pub fn backend(&self, choice: &StrategyChoice, opts: &RunOptions) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
+    pub fn backend(
+        &self,
+        choice: &StrategyChoice,
+        opts: &RunOptions,
+    ) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
         let backend: Box<dyn Backend<Sim>> = match choice {
             StrategyChoice::Resident => self.platform.resident()?,
             StrategyChoice::Config(config) => match get_offload_backend(config, &self.platform)? {
@@ -337,7 +350,11 @@ impl Rig {
 }
 
 /// Runs `w` with `choice` on a fresh simulated device.
-pub fn run(w: &Workload, choice: &StrategyChoice, opts: &RunOptions) -> Result<RunOutcome, OffloadError> {
+pub fn run(
+    w: &Workload,
+    choice: &StrategyChoice,
+    opts: &RunOptions,
+) -> Result<RunOutcome, OffloadError> {
     let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
     let backend = rig.backend(choice, opts)?;
     let device = rig.device.clone();
