@@ -2,6 +2,8 @@
 //! runtime author builds theirs, and a log capture for warnings and info
 //! lines.
 
+pub mod scenario;
+
 use std::io;
 use std::sync::{Arc, Mutex};
 

@@ -63,33 +63,53 @@ impl<A: Api> Shared<A> {
         Ok(())
     }
 
+    /// Brings component `c` in: all units or none. On failure the buffers
+    /// already allocated are freed after the copies already enqueued.
     fn bring_in(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
         let h = &self.handles;
         let comp = &mut st.components[c];
-        for (unit, host) in &comp.units {
-            let buffer = h.device.alloc_device(unit.bytes).map_err(|e| {
-                dev_err(
-                    format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
-                    e,
-                )
-            })?;
-            h.device.name_buffer(&buffer, &unit.name);
-            // SAFETY: the buffer is new and exactly `unit.bytes`, as is the
-            // master; compute waits for `ready` (recorded below) before
-            // reading it; it is freed only after `ready` and `last_use`.
-            unsafe {
-                h.device
-                    .copy_h2d(&h.copy, HostSource::Pinned(host), 0, &buffer, 0, unit.bytes)
+        let mut buffers: Vec<Arc<A::DeviceBuffer>> = Vec::new();
+        let mut copy_all = || -> Result<(), OffloadError> {
+            for (unit, host) in &comp.units {
+                let buffer = h.device.alloc_device(unit.bytes).map_err(|e| {
+                    dev_err(
+                        format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
+                        e,
+                    )
+                })?;
+                h.device.name_buffer(&buffer, &unit.name);
+                let buffer = Arc::new(buffer);
+                buffers.push(Arc::clone(&buffer));
+                // SAFETY: the buffer is new and exactly `unit.bytes`, as is
+                // the master; compute waits for `ready` (recorded below,
+                // after every copy) before reading it; it is freed only
+                // after `ready` and `last_use`.
+                unsafe {
+                    h.device
+                        .copy_h2d(&h.copy, HostSource::Pinned(host), 0, &buffer, 0, unit.bytes)
+                }
+                .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))?;
             }
-            .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))?;
-            let buffer = Arc::new(buffer);
-            st.placement.transition(unit, Transition::IssueCopy)?;
-            st.placement.place(unit, &buffer);
-            comp.on_device.push(buffer);
-        }
-        h.device
+            Ok(())
+        };
+        let copied = copy_all();
+        // `ready` covers every copy enqueued, whether or not all succeeded.
+        let recorded = h
+            .device
             .record_event(&comp.ready, &h.copy)
-            .map_err(|e| dev_err("record_event(ready)", e))
+            .map_err(|e| dev_err("record_event(ready)", e));
+        if let Err(e) = copied.and(recorded) {
+            for b in buffers {
+                let _ = h.free(b, &[&comp.ready], &comp.path);
+            }
+            return Err(e);
+        }
+        for ((unit, _), buffer) in comp.units.iter().zip(&buffers) {
+            st.placement.transition(unit, Transition::IssueCopy)?;
+            st.placement.place(unit, buffer);
+        }
+        comp.on_device = buffers;
+        Ok(())
     }
 }
 
