@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{ModuleId, Pipeline};
 use crate::plan::{PlanError, PlanWarning};
-use crate::sync::StaticMutex;
+use crate::sync::{Mutex, OnceLock, lock};
 
 /// What a pipeline declares about its components
 /// (`SupportsComponentDiscovery`): dotted paths per role.
@@ -192,21 +192,55 @@ fn legacy_scan(pipeline: &Pipeline) -> Discovery {
     }
 }
 
-static LEGACY_WARNED: StaticMutex<BTreeSet<String>> = StaticMutex::new(BTreeSet::new());
+/// Remembers which keys were already warned about; shared by every thread
+/// that enables a backend.
+#[derive(Debug, Default)]
+pub(crate) struct WarnOnce(Mutex<BTreeSet<String>>);
+
+impl WarnOnce {
+    /// Whether this is the first time `key` is seen (then it is recorded).
+    pub(crate) fn first(&self, key: &str) -> bool {
+        lock(&self.0).insert(key.to_owned())
+    }
+}
+
+static LEGACY_WARNED: OnceLock<WarnOnce> = OnceLock::new();
 
 /// Logs `warnings` at `warn` level. The legacy-scan warning is logged once
 /// per pipeline type per process; returns the warnings actually logged.
 pub fn log_warnings(warnings: &[PlanWarning]) -> Vec<&PlanWarning> {
     let mut logged = Vec::new();
     for w in warnings {
-        if let PlanWarning::LegacyScan { pipeline_type } = w {
-            let mut warned = LEGACY_WARNED.lock().unwrap_or_else(|e| e.into_inner());
-            if !warned.insert(pipeline_type.clone()) {
-                continue;
-            }
+        if let PlanWarning::LegacyScan { pipeline_type } = w
+            && !LEGACY_WARNED
+                .get_or_init(WarnOnce::default)
+                .first(pipeline_type)
+        {
+            continue;
         }
         tracing::warn!("{w}");
         logged.push(w);
     }
     logged
+}
+
+#[cfg(loom)]
+mod loom_models {
+    use super::WarnOnce;
+    use loom::sync::Arc;
+
+    /// Two threads enable backends of the same legacy pipeline type at once:
+    /// exactly one of them logs the legacy-scan warning.
+    #[test]
+    fn legacy_warning_is_logged_exactly_once() {
+        loom::model(|| {
+            let once = Arc::new(WarnOnce::default());
+            let other = Arc::clone(&once);
+            let t = loom::thread::spawn(move || other.first("FluxPipeline"));
+            let here = once.first("FluxPipeline");
+            let there = t.join().unwrap();
+            assert!(here ^ there, "exactly one first: {here} {there}");
+            assert!(!once.first("FluxPipeline"));
+        });
+    }
 }

@@ -1,15 +1,18 @@
 //! Concurrency shim: the only file that names `std::sync`. Under `cfg(loom)`
-//! the model-checked types replace the std ones, so loom sees every
-//! synchronisation point of host-side shared state.
+//! the model-checked `Mutex` replaces the std one, so loom explores every
+//! interleaving of the host-side state that threads share (the slot table,
+//! the warn-once registry). `Arc` stays std: it owns device handles and
+//! buffers, it is not a protocol of ours.
 
 #[cfg(loom)]
-#[allow(unused_imports)]
-pub(crate) use loom::sync::{Arc, Mutex, atomic};
+pub(crate) use loom::sync::{Mutex, MutexGuard};
 #[cfg(not(loom))]
-#[allow(unused_imports)]
-pub(crate) use std::sync::{Arc, Mutex, atomic};
+pub(crate) use std::sync::{Mutex, MutexGuard};
 
-/// A mutex usable in a `static` (const constructor). Used only for
-/// process-wide bookkeeping that is not part of any protocol loom checks
-/// (e.g. "warn once per pipeline type").
-pub(crate) use std::sync::Mutex as StaticMutex;
+pub(crate) use std::sync::{Arc, OnceLock};
+
+/// Locks `m`, taking the data of a poisoned lock (a panicking hook must not
+/// wedge the backend's cleanup).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -22,13 +22,56 @@ enum Cmd {
     Ci,
     /// Only the architecture check (INV-6: neutral crates name no device library).
     Arch,
+    /// The loom models (release, `--cfg loom`, LOOM_MAX_PREEMPTIONS=2).
+    Loom,
+    /// The state-machine property test in release (PROPTEST_CASES, default 10,000).
+    Props,
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Ci => ci(),
         Cmd::Arch => arch::check_workspace(),
+        Cmd::Loom => loom(),
+        Cmd::Props => props(),
     }
+}
+
+/// Loom builds everything with `--cfg loom`: a target directory of its own
+/// keeps the normal build cached.
+fn loom() -> Result<()> {
+    cargo_env(
+        &[
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            "offload-core",
+            "--lib",
+            "loom",
+        ],
+        &[
+            ("RUSTFLAGS", "--cfg loom"),
+            ("LOOM_MAX_PREEMPTIONS", "2"),
+            ("CARGO_TARGET_DIR", "target/loom"),
+        ],
+    )
+}
+
+fn props() -> Result<()> {
+    let cases = std::env::var("PROPTEST_CASES").unwrap_or_else(|_| "10000".to_owned());
+    cargo_env(
+        &[
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            "offload-tests",
+            "--test",
+            "state_machine",
+        ],
+        &[("PROPTEST_CASES", cases.as_str())],
+    )
 }
 
 fn ci() -> Result<()> {
@@ -43,6 +86,8 @@ fn ci() -> Result<()> {
         "warnings",
     ])?;
     cargo(&["test", "--workspace", "--locked"])?;
+    props()?;
+    loom()?;
     arch::check_workspace()?;
     println!("xtask ci: all checks passed");
     Ok(())
@@ -50,10 +95,17 @@ fn ci() -> Result<()> {
 
 /// Runs `cargo ARGS`, streaming its output; fails if it fails.
 fn cargo(args: &[&str]) -> Result<()> {
+    cargo_env(args, &[])
+}
+
+/// Runs `cargo ARGS` with extra environment variables.
+fn cargo_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    eprintln!("xtask: cargo {}", args.join(" "));
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v:?}")).collect();
+    eprintln!("xtask: {} cargo {}", shown.join(" "), args.join(" "));
     let status = Command::new(&cargo)
         .args(args)
+        .envs(env.iter().copied())
         .status()
         .with_context(|| format!("cannot run `{cargo}`"))?;
     if !status.success() {

@@ -19,7 +19,7 @@
 //! The distributed strategy adds its gather step in [`Fill`]: the copy into
 //! the slot becomes copy-shard-then-gather.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::{Arc, Mutex, MutexGuard, lock};
 
 use offload_hooks::{BoxError, Forwarded, HookOwner, ModelHook, PreForward};
 
@@ -35,6 +35,7 @@ use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
     Handles, Placement, bytes_of, check_single_owner, dev_err, plan_and_partition,
 };
+use crate::runtime::slots::SlotTable;
 use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
 /// One block's host master.
@@ -53,9 +54,6 @@ struct Slot<A: Api> {
     buffer: Arc<A::DeviceBuffer>,
     ready: A::Event,
     last_use: A::Event,
-    stamp: Option<(usize, usize)>,
-    filled_seq: u64,
-    in_use: bool,
 }
 
 struct State<A: Api> {
@@ -63,7 +61,7 @@ struct State<A: Api> {
     resident: Vec<Arc<A::DeviceBuffer>>,
     rings: Vec<Ring<A>>,
     slots: Vec<Slot<A>>,
-    seq: u64,
+    table: SlotTable,
     depth: usize,
     /// Extra host masters kept only when a planted bug asks for them.
     shadow_masters: Vec<A::HostBuffer>,
@@ -77,7 +75,7 @@ struct Shared<A: Api> {
 
 impl<A: Api> Shared<A> {
     fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     fn bug(&self, bug: PlantedBug) -> bool {
@@ -108,31 +106,19 @@ impl<A: Api> Fill<A> for CopyFill {
         block: usize,
     ) -> Result<usize, OffloadError> {
         let h = &shared.handles;
-        let k = st
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| !s.in_use)
-            .min_by_key(|(_, s)| s.filled_seq)
-            .map(|(k, _)| k)
-            .ok_or_else(|| OffloadError::Forward {
-                module: st.rings[ring].blocks[block].unit.name.clone(),
-                reason: format!(
-                    "all {} slots are in use (nested block forwards?)",
-                    st.slots.len()
-                ),
-            })?;
+        let k = st.table.victim().ok_or_else(|| OffloadError::Forward {
+            module: st.rings[ring].blocks[block].unit.name.clone(),
+            reason: format!(
+                "all {} slots are in use (nested block forwards?)",
+                st.slots.len()
+            ),
+        })?;
         // The slot's previous content is gone: a prefetch nobody consumed
         // is discarded.
-        if let Some((r, b)) = st.slots[k].stamp.take() {
+        if let Some((r, b)) = st.table.evict(k, ring, block) {
             let old = &st.rings[r].blocks[b].unit;
             if st.placement.residency_of(old.entries[0].storage) == Some(Residency::InFlight) {
                 st.placement.transition(old, Transition::Discard)?;
-            }
-        }
-        for s in &mut st.slots {
-            if s.stamp == Some((ring, block)) {
-                s.stamp = None;
             }
         }
         let master = &st.rings[ring].blocks[block];
@@ -161,12 +147,9 @@ impl<A: Api> Fill<A> for CopyFill {
         h.device
             .record_event(&slot.ready, &h.copy)
             .map_err(|e| dev_err("record_event(ready)", e))?;
-        st.seq += 1;
         let unit = st.rings[ring].blocks[block].unit.clone();
         st.placement.transition(&unit, Transition::IssueCopy)?;
-        let slot = &mut st.slots[k];
-        slot.stamp = Some((ring, block));
-        slot.filled_seq = st.seq;
+        st.table.filled(k, ring, block);
         Ok(k)
     }
 }
@@ -186,7 +169,7 @@ impl<A: Api> BlockHook<A> {
         let st = guard.as_mut().ok_or_else(disabled)?;
         let (r, i) = (self.ring, self.block);
         let unit = st.rings[r].blocks[i].unit.clone();
-        let stamped = st.slots.iter().position(|s| s.stamp == Some((r, i)));
+        let stamped = st.table.holding(r, i);
         let inflight =
             st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
         let k = match stamped {
@@ -196,11 +179,11 @@ impl<A: Api> BlockHook<A> {
             _ => CopyFill.fill(shared, st, r, i)?,
         };
         let read_slot = if shared.bug(PlantedBug::WrongSlot) {
-            (k + 1) % st.slots.len()
+            (k + 1) % st.table.len()
         } else {
             k
         };
-        st.slots[k].in_use = true;
+        st.table.acquire(k);
         if !shared.bug(PlantedBug::SkipReadyWait) {
             h.device
                 .stream_wait_event(&h.compute, &st.slots[k].ready)
@@ -212,12 +195,14 @@ impl<A: Api> BlockHook<A> {
         let n = st.rings[r].blocks.len();
         for j in 1..=st.depth.min(n - 1) {
             let b = (i + j) % n;
-            let ready = st.slots.iter().any(|s| s.stamp == Some((r, b)))
+            let ready = st.table.holding(r, b).is_some()
                 && st
                     .placement
                     .residency_of(st.rings[r].blocks[b].unit.entries[0].storage)
                     == Some(Residency::InFlight);
-            if !ready {
+            // Prefetch only into a free slot; with none free (another
+            // ring's block is being read) the block is copied on demand.
+            if !ready && st.table.victim().is_some() {
                 CopyFill.fill(shared, st, r, b)?;
             }
         }
@@ -230,17 +215,12 @@ impl<A: Api> BlockHook<A> {
         let mut guard = shared.lock();
         let st = guard.as_mut().ok_or_else(disabled)?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
-        let Some(k) = st
-            .slots
-            .iter()
-            .position(|s| s.in_use && s.stamp == Some((self.ring, self.block)))
-        else {
+        let Some(k) = st.table.release(self.ring, self.block) else {
             return Ok(());
         };
         h.device
             .record_event(&st.slots[k].last_use, &h.compute)
             .map_err(|e| dev_err("record_event(last use)", e))?;
-        st.slots[k].in_use = false;
         st.placement.unplace(&unit);
         st.placement.transition(&unit, Transition::Release)?;
         Ok(())
@@ -330,7 +310,7 @@ impl<A: Api> LayerwiseBackend<A> {
             resident: Vec::new(),
             rings: Vec::new(),
             slots: Vec::new(),
-            seq: 0,
+            table: SlotTable::new(0),
             depth: self.depth,
             shadow_masters: Vec::new(),
         }
@@ -392,6 +372,7 @@ impl<A: Api> LayerwiseBackend<A> {
         // The slot pool: depth + 1 slots of the largest block, allocated once.
         let slot_bytes = plan.largest_block_bytes();
         let slots = self.depth + 1 + usize::from(self.shared.bug(PlantedBug::ExtraSlot));
+        st.table = SlotTable::new(slots);
         for k in 0..slots {
             let ready = h
                 .device
@@ -409,9 +390,6 @@ impl<A: Api> LayerwiseBackend<A> {
                 buffer: Arc::new(buffer),
                 ready,
                 last_use,
-                stamp: None,
-                filled_seq: 0,
-                in_use: false,
             });
         }
         // Block 0 of the first ring is materialised before the first forward.

@@ -21,13 +21,14 @@ mod model_level;
 mod platform;
 mod resident;
 mod shared;
+mod slots;
 
+use crate::sync::Arc;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::Arc;
 
 use offload_hooks::{BoxError, Forwarded, HookRegistry};
 

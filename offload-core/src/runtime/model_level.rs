@@ -4,8 +4,8 @@
 //! last use, no device→host copy), brings this one in on the copy stream and
 //! makes compute wait for it. VAEs and resident modules stay on the device.
 
+use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex, MutexGuard};
 
 use offload_hooks::{BoxError, Forwarded, HookOwner, ModelHook, PreForward};
 
@@ -46,7 +46,7 @@ struct Shared<A: Api> {
 
 impl<A: Api> Shared<A> {
     fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     fn evict(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {

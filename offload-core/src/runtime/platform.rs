@@ -2,7 +2,7 @@
 //! configuration's selection. Backends (`offload-sim`, `offload-cuda`) hand
 //! it their device, compute stream and weight source.
 
-use std::sync::Arc;
+use crate::sync::Arc;
 
 use crate::config::{OffloadStrategy, ParallelConfig};
 use crate::device::Api;

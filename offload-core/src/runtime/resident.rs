@@ -2,7 +2,7 @@
 //! offloaded runs are compared with (INV-8), and what a pipeline gets when
 //! it fits.
 
-use std::sync::Arc;
+use crate::sync::Arc;
 
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::device::Api;

@@ -3,8 +3,8 @@
 //! device outside the hot path (filling host masters, uploading resident
 //! units, freeing).
 
+use crate::sync::Arc;
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::device::{Api, ByteSource, Device, DeviceBuffer, HostBuffer, HostSource};
