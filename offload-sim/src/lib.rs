@@ -9,6 +9,7 @@
 pub mod device;
 pub mod faults;
 pub mod harness;
+pub mod null;
 pub mod presets;
 pub mod profile;
 pub mod trace;
