@@ -87,10 +87,26 @@ pub trait ByteSource {
     fn read_at(&self, position: u64, dst: &mut [u8]);
 }
 
-impl ByteSource for [u8] {
+fn read_slice(bytes: &[u8], position: u64, dst: &mut [u8]) {
+    let start = position as usize;
+    dst.copy_from_slice(&bytes[start..start + dst.len()]);
+}
+
+impl ByteSource for &[u8] {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
-        let start = position as usize;
-        dst.copy_from_slice(&self[start..start + dst.len()]);
+        read_slice(self, position, dst);
+    }
+}
+
+impl ByteSource for Vec<u8> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        read_slice(self, position, dst);
+    }
+}
+
+impl<const N: usize> ByteSource for [u8; N] {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        read_slice(self, position, dst);
     }
 }
 

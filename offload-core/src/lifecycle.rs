@@ -47,14 +47,14 @@ pub enum OffloadError {
         /// Why.
         reason: String,
     },
-    /// A device operation failed.
-    #[error("{operation} failed: {source}")]
+    /// A device operation failed. The backend's error is part of the
+    /// message (not chained again as a source).
+    #[error("{operation} failed: {cause}")]
     DeviceOp {
         /// The operation (e.g. `alloc_device(1048576 bytes)`).
         operation: String,
         /// The backend's error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        cause: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The platform built a backend of another strategy than selected.
     #[error(

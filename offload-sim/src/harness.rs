@@ -175,7 +175,7 @@ fn kernel(
         .compute(scope.stream(), &inputs, flops, name)
         .map_err(|e| OffloadError::DeviceOp {
             operation: format!("compute `{name}`"),
-            source: Box::new(e),
+            cause: Box::new(e),
         })
 }
 
@@ -314,7 +314,7 @@ impl Rig {
         let dev = Arc::new(device.clone());
         let compute = Arc::new(dev.create_stream().map_err(|e| OffloadError::DeviceOp {
             operation: "create_stream".to_owned(),
-            source: Box::new(e),
+            cause: Box::new(e),
         })?);
         let weights = Arc::new(SyntheticWeights { seed: opts.seed });
         let platform = CorePlatform::<Sim>::new(

@@ -107,6 +107,11 @@ struct Report {
     output_matches_resident: bool,
     checker_violations: usize,
     violations: Vec<String>,
+    /// Whether the strategy ran on this device (false: `error` says why,
+    /// typically out of memory).
+    fits: bool,
+    /// Why it did not run.
+    error: Option<String>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -189,6 +194,43 @@ fn report(
         output_matches_resident: matches,
         checker_violations: violations.len(),
         violations,
+        fits: true,
+        error: None,
+    }
+}
+
+/// The row of a strategy that could not run on this device.
+fn unfit(
+    args: &RunArgs,
+    preset: &Preset,
+    profile: &DeviceProfile,
+    strategy: String,
+    resident_step: f64,
+    tokens: u64,
+    error: String,
+) -> Report {
+    Report {
+        strategy,
+        model: preset.name.to_owned(),
+        gpu: profile.name.to_owned(),
+        steps: args.steps.max(1),
+        tokens,
+        step_time_ms: 0.0,
+        resident_step_time_ms: resident_step,
+        limit_ms: 0.0,
+        ratio_to_limit: 0.0,
+        peak_device_weight_bytes: 0,
+        device_bound_bytes: 0,
+        pinned_host_bytes: 0,
+        streamed_weight_bytes: 0,
+        h2d_bytes_per_step: 0,
+        compute_wait_ms: 0.0,
+        enable_ms: 0.0,
+        output_matches_resident: false,
+        checker_violations: 0,
+        violations: Vec::new(),
+        fits: false,
+        error: Some(error),
     }
 }
 
@@ -201,6 +243,10 @@ fn print_table(r: &Report) {
         "── {} ── {} on {}, {} tokens, {} steps",
         r.strategy, r.model, r.gpu, r.tokens, r.steps
     );
+    if let Some(e) = &r.error {
+        println!("  does not run on this device: {e}");
+        return;
+    }
     let rows = [
         ("step time", format!("{:.1} ms", r.step_time_ms)),
         (
@@ -303,13 +349,42 @@ fn run_cmd(args: RunArgs) -> Result<()> {
         seed: args.seed,
         ..RunOptions::new(profile.clone())
     };
-    let resident = run(&workload, &StrategyChoice::Resident, &opts).context("resident baseline")?;
+    // The baseline: same physics, memory without limit, so the limit and the
+    // outputs are known even where the pipeline does not fit.
+    let unbounded = RunOptions {
+        profile: DeviceProfile {
+            memory_bytes: u64::MAX / 4,
+            ..profile.clone()
+        },
+        ..opts.clone()
+    };
+    let resident =
+        run(&workload, &StrategyChoice::Resident, &unbounded).context("resident baseline")?;
     let mut reports = Vec::new();
     let mut traces: Vec<Value> = Vec::new();
     for (i, choice) in choices.iter().enumerate() {
-        let out = match choice {
-            StrategyChoice::Resident => resident.clone(),
-            _ => run(&workload, choice, &opts).with_context(|| format!("{choice:?}"))?,
+        let out = match run(&workload, choice, &opts) {
+            Ok(out) => out,
+            Err(e) => {
+                let name = match choice {
+                    StrategyChoice::Resident => OffloadStrategy::None.to_string(),
+                    StrategyChoice::Config(c) => c
+                        .select()
+                        .map(|s| s.strategy.to_string())
+                        .unwrap_or_default(),
+                };
+                let resident_step = step_ms(&resident, args.steps.max(1));
+                reports.push(unfit(
+                    &args,
+                    &preset,
+                    &profile,
+                    name,
+                    resident_step,
+                    tokens,
+                    e.to_string(),
+                ));
+                continue;
+            }
         };
         let r = report(&args, &preset, &profile, &out, &resident, tokens);
         if args.trace.is_some() {

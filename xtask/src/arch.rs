@@ -12,7 +12,42 @@ use serde_json::Value;
 /// Crates that must stay hardware-neutral.
 pub(crate) const NEUTRAL_CRATES: [&str; 2] = ["offload-core", "offload-hooks"];
 
+/// Names that read the wall clock; the simulator's time is its own.
+const WALL_CLOCK: [&str; 2] = ["Instant::now", "SystemTime"];
+
+/// `offload-sim` never reads the wall clock (its source, not its tests and
+/// benches, which may time themselves).
+pub(crate) fn check_sim_clock(root: &std::path::Path) -> Result<()> {
+    let mut offenders = Vec::new();
+    let mut dirs = vec![root.join("offload-sim/src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path)?;
+                offenders.extend(
+                    WALL_CLOCK
+                        .iter()
+                        .filter(|w| text.contains(*w))
+                        .map(|w| format!("{} names {w}", path.display())),
+                );
+            }
+        }
+    }
+    if !offenders.is_empty() {
+        bail!("offload-sim must not read the wall clock: {offenders:?}");
+    }
+    println!("xtask arch: offload-sim reads no wall clock");
+    Ok(())
+}
+
 pub(crate) fn check_workspace() -> Result<()> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    check_sim_clock(&root)?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = Command::new(cargo)
         .args(["metadata", "--format-version", "1", "--locked"])

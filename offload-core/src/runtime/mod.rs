@@ -7,7 +7,13 @@
 //! make the compute stream wait), lends device views of the module's
 //! tensors with the stream to launch on, and runs the post-forward hooks
 //! (record the last use) when the closure returns. Views borrow the scope,
-//! so keeping one past its scope does not compile:
+//! so keeping one past its scope does not compile. Using it inside does:
+//!
+//! ```
+//! # fn ok<A: offload_core::device::Api>(rt: &offload_core::runtime::Runtime<A>) {
+//! let range = rt.forward("transformer.blocks.0", |scope| Ok(scope.view("w")?.byte_range())).unwrap();
+//! # }
+//! ```
 //!
 //! ```compile_fail
 //! # fn leak<A: offload_core::device::Api>(rt: &offload_core::runtime::Runtime<A>) {

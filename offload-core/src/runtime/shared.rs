@@ -181,7 +181,7 @@ pub(crate) fn dev_err(
 ) -> OffloadError {
     OffloadError::DeviceOp {
         operation: operation.into(),
-        source: Box::new(e),
+        cause: Box::new(e),
     }
 }
 
