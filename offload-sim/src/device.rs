@@ -208,6 +208,13 @@ impl Registration for SimRegistration {
     }
 }
 
+/// One end of a transfer.
+struct End {
+    name: String,
+    offset: u64,
+    len: u64,
+}
+
 /// The engines whose work serialises.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Engine {
@@ -407,6 +414,84 @@ impl State {
             duration_ns,
         });
         (self.op_clocks.len() - 1, start, end)
+    }
+
+    /// Checks, counts (for fault injection), schedules and records one
+    /// transfer of `bytes` from `src` to `dst` on `stream`; the caller then
+    /// moves the bytes.
+    fn transfer(
+        &mut self,
+        stream: usize,
+        engine: Engine,
+        src: End,
+        dst: End,
+        bytes: u64,
+    ) -> Result<(), SimError> {
+        let kind = match engine {
+            Engine::H2d => "h2d",
+            Engine::D2h => "d2h",
+            Engine::Collective => "all_gather",
+            Engine::Compute => "compute",
+        };
+        let op_name = format!("{kind} {} → {}", src.name, dst.name);
+        self.check_range(&op_name, "source", src.offset, bytes, src.len)?;
+        self.check_range(&op_name, "destination", dst.offset, bytes, dst.len)?;
+        let d = self.divisor;
+        if d > 1 && (dst.offset % d != src.offset % d) {
+            return Err(self.err(
+                op_name,
+                DeviceErrorKind::Other,
+                format!("sampled payloads need source and destination offsets equal modulo {d}"),
+            ));
+        }
+        let (n, fail_at) = if engine == Engine::Collective {
+            self.collectives += 1;
+            (self.collectives, self.faults.fail_collective_at)
+        } else {
+            self.copies += 1;
+            (self.copies, self.faults.fail_copy_at)
+        };
+        if fail_at == Some(n) {
+            let what = if engine == Engine::Collective {
+                "collective"
+            } else {
+                "copy"
+            };
+            return Err(self.err(
+                op_name,
+                DeviceErrorKind::TransferFailed,
+                format!("injected failure of {what} #{n}"),
+            ));
+        }
+        let duration = match engine {
+            Engine::D2h => self.profile.d2h_ns(bytes),
+            Engine::Collective => self.profile.h2d_ns(bytes) / 8,
+            _ => self.profile.h2d_ns(bytes),
+        };
+        let (op, _, _) = self.enqueue(stream, engine, duration, &op_name);
+        match engine {
+            Engine::H2d => self.stats_h2d += bytes,
+            Engine::D2h => self.stats_d2h += bytes,
+            _ => {}
+        }
+        let stream_name = self.streams[stream].name.clone();
+        self.observe(
+            op,
+            src.name,
+            src.offset..src.offset + bytes,
+            stream_name.clone(),
+            Access::Read,
+            op_name.clone(),
+        );
+        self.observe(
+            op,
+            dst.name,
+            dst.offset..dst.offset + bytes,
+            stream_name,
+            Access::Write,
+            op_name,
+        );
+        Ok(())
     }
 
     fn dev_name(&self, id: u64) -> String {
@@ -941,54 +1026,34 @@ impl Device<Sim> for SimDevice {
         bytes: u64,
     ) -> Result<(), SimError> {
         let mut st = self.state();
-        let (src_name, src_len) = match &src {
+        let (name, len) = match &src {
             HostSource::Pinned(b) => (host_name(b.id), b.len),
             HostSource::Registered(r) => (format!("registered#{}", r.id), r.len_bytes()),
         };
-        let op_name = format!("h2d {src_name} → {}", st.dev_name(dst.id));
-        st.check_range(&op_name, "source", src_offset, bytes, src_len)?;
-        st.check_range(&op_name, "destination", dst_offset, bytes, dst.len)?;
         if !st.device.contains_key(&dst.id) {
-            return Err(st.err(op_name, DeviceErrorKind::Other, "destination is freed"));
-        }
-        let d = st.divisor;
-        if d > 1 && (dst_offset % d != src_offset % d) {
             return Err(st.err(
-                op_name,
+                format!("h2d {name}"),
                 DeviceErrorKind::Other,
-                format!("sampled payloads need source and destination offsets equal modulo {d}"),
+                "destination is freed",
             ));
         }
-        st.copies += 1;
-        let n = st.copies;
-        if st.faults.fail_copy_at == Some(n) {
-            return Err(st.err(
-                op_name,
-                DeviceErrorKind::TransferFailed,
-                format!("injected failure of copy #{n}"),
-            ));
-        }
-        let duration = st.profile.h2d_ns(bytes);
-        let (op, _, _) = st.enqueue(stream.index, Engine::H2d, duration, &op_name);
-        st.stats_h2d += bytes;
-        let stream_name = st.streams[stream.index].name.clone();
-        st.observe(
-            op,
-            src_name,
-            src_offset..src_offset + bytes,
-            stream_name.clone(),
-            Access::Read,
-            op_name.clone(),
-        );
-        let dst_name = st.dev_name(dst.id);
-        st.observe(
-            op,
-            dst_name,
-            dst_offset..dst_offset + bytes,
-            stream_name,
-            Access::Write,
-            op_name,
-        );
+        let dst_end = End {
+            name: st.dev_name(dst.id),
+            offset: dst_offset,
+            len: dst.len,
+        };
+        st.transfer(
+            stream.index,
+            Engine::H2d,
+            End {
+                name,
+                offset: src_offset,
+                len,
+            },
+            dst_end,
+            bytes,
+        )?;
+        let d = st.divisor;
         let mem = &mut st.device.get_mut(&dst.id).expect("checked above").mem;
         match &src {
             HostSource::Pinned(b) => copy_kept(&b.mem, src_offset, mem, dst_offset, bytes, d),
@@ -1014,47 +1079,18 @@ impl Device<Sim> for SimDevice {
         bytes: u64,
     ) -> Result<(), SimError> {
         let mut st = self.state();
-        let op_name = format!("d2h {} → {}", st.dev_name(src.id), host_name(dst.id));
-        st.check_range(&op_name, "source", src_offset, bytes, src.len)?;
-        st.check_range(&op_name, "destination", dst_offset, bytes, dst.len)?;
+        let src_end = End {
+            name: st.dev_name(src.id),
+            offset: src_offset,
+            len: src.len,
+        };
+        let dst_end = End {
+            name: host_name(dst.id),
+            offset: dst_offset,
+            len: dst.len,
+        };
+        st.transfer(stream.index, Engine::D2h, src_end, dst_end, bytes)?;
         let d = st.divisor;
-        if d > 1 && (dst_offset % d != src_offset % d) {
-            return Err(st.err(
-                op_name,
-                DeviceErrorKind::Other,
-                format!("sampled payloads need source and destination offsets equal modulo {d}"),
-            ));
-        }
-        st.copies += 1;
-        let n = st.copies;
-        if st.faults.fail_copy_at == Some(n) {
-            return Err(st.err(
-                op_name,
-                DeviceErrorKind::TransferFailed,
-                format!("injected failure of copy #{n}"),
-            ));
-        }
-        let duration = st.profile.d2h_ns(bytes);
-        let (op, _, _) = st.enqueue(stream.index, Engine::D2h, duration, &op_name);
-        st.stats_d2h += bytes;
-        let stream_name = st.streams[stream.index].name.clone();
-        let src_name = st.dev_name(src.id);
-        st.observe(
-            op,
-            src_name,
-            src_offset..src_offset + bytes,
-            stream_name.clone(),
-            Access::Read,
-            op_name.clone(),
-        );
-        st.observe(
-            op,
-            host_name(dst.id),
-            dst_offset..dst_offset + bytes,
-            stream_name,
-            Access::Write,
-            op_name,
-        );
         copy_kept(
             &st.device[&src.id].mem,
             src_offset,
@@ -1103,42 +1139,23 @@ impl Collective<Sim> for SimCollective {
         dst_offset: u64,
     ) -> Result<(), SimError> {
         let mut st = self.device.state();
-        let op_name = format!(
-            "all_gather {} → {}",
-            st.dev_name(shard.id),
-            st.dev_name(dst.id)
-        );
-        st.check_range(&op_name, "shard", shard_offset, shard_bytes, shard.len)?;
-        st.check_range(&op_name, "destination", dst_offset, shard_bytes, dst.len)?;
-        st.collectives += 1;
-        let n = st.collectives;
-        if st.faults.fail_collective_at == Some(n) {
-            return Err(st.err(
-                op_name,
-                DeviceErrorKind::TransferFailed,
-                format!("injected failure of collective #{n}"),
-            ));
-        }
-        let duration = st.profile.h2d_ns(shard_bytes) / 8;
-        let (op, _, _) = st.enqueue(stream.index, Engine::Collective, duration, &op_name);
-        let stream_name = st.streams[stream.index].name.clone();
-        let (sname, dname) = (st.dev_name(shard.id), st.dev_name(dst.id));
-        st.observe(
-            op,
-            sname,
-            shard_offset..shard_offset + shard_bytes,
-            stream_name.clone(),
-            Access::Read,
-            op_name.clone(),
-        );
-        st.observe(
-            op,
-            dname,
-            dst_offset..dst_offset + shard_bytes,
-            stream_name,
-            Access::Write,
-            op_name,
-        );
+        let src_end = End {
+            name: st.dev_name(shard.id),
+            offset: shard_offset,
+            len: shard.len,
+        };
+        let dst_end = End {
+            name: st.dev_name(dst.id),
+            offset: dst_offset,
+            len: dst.len,
+        };
+        st.transfer(
+            stream.index,
+            Engine::Collective,
+            src_end,
+            dst_end,
+            shard_bytes,
+        )?;
         let d = st.divisor;
         let src: Vec<u8> =
             st.device[&shard.id].mem[kept(shard_offset, shard_offset + shard_bytes, d)].to_vec();

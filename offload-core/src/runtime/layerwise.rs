@@ -21,7 +21,7 @@
 
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
 
-use offload_hooks::{BoxError, Forwarded, HookOwner, ModelHook, PreForward};
+use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::device::{Api, Device, DeviceBuffer, HostSource};
@@ -33,7 +33,8 @@ use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
-    Handles, Placement, bytes_of, check_single_owner, dev_err, plan_and_partition,
+    Handles, Placement, bytes_of, check_single_owner, dev_err, install_hooks, plan_and_partition,
+    remove_hooks,
 };
 use crate::runtime::slots::SlotTable;
 use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
@@ -300,10 +301,6 @@ impl<A: Api> LayerwiseBackend<A> {
             .push(bug);
     }
 
-    fn owner() -> HookOwner {
-        HookOwner::new(OffloadStrategy::Layerwise.hook_name())
-    }
-
     fn new_state(&self, model: &Model) -> State<A> {
         State {
             placement: Placement::new(&model.pipeline, OffloadStrategy::Layerwise),
@@ -441,13 +438,6 @@ impl<A: Api> LayerwiseBackend<A> {
         first.map_or(Ok(()), Err)
     }
 
-    fn remove_hooks(&mut self, model: &mut Model) {
-        let owner = Self::owner();
-        for m in self.hooked.drain(..) {
-            model.hooks_of(m).remove_owned_by(&owner);
-        }
-    }
-
     /// Bytes of one slot, and the slot count.
     pub fn slots(&self) -> (u64, usize) {
         let guard = self.shared.lock();
@@ -490,27 +480,31 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
             .collect();
         *self.shared.lock() = Some(st);
         // Hooks last: nothing above touched the model.
-        for (r, i, module) in blocks {
-            let hook = BlockHook {
-                shared: Arc::clone(&self.shared),
-                ring: r,
-                block: i,
-            };
-            if let Err(e) = model.hooks_of(module).register(
-                OffloadStrategy::Layerwise.hook_name(),
-                Self::owner(),
-                Box::new(hook),
-            ) {
-                if !self.shared.bug(PlantedBug::NoRollback) {
-                    self.remove_hooks(model);
-                    let st = self.shared.lock().take();
-                    if let Some(st) = st {
-                        let _ = self.release(st);
-                    }
+        let hooks = blocks
+            .into_iter()
+            .map(|(r, i, module)| {
+                let hook: Box<dyn ModelHook<ForwardCtx>> = Box::new(BlockHook {
+                    shared: Arc::clone(&self.shared),
+                    ring: r,
+                    block: i,
+                });
+                (module, hook)
+            })
+            .collect();
+        let rollback = !self.shared.bug(PlantedBug::NoRollback);
+        match install_hooks(model, OffloadStrategy::Layerwise, hooks, rollback) {
+            Ok(installed) => self.hooked = installed,
+            Err(e) => {
+                let st = if rollback {
+                    self.shared.lock().take()
+                } else {
+                    None
+                };
+                if let Some(st) = st {
+                    let _ = self.release(st);
                 }
-                return Err(e.into());
+                return Err(e);
             }
-            self.hooked.push(module);
         }
         self.lifecycle.finish_enable();
         Ok(())
@@ -520,7 +514,7 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
             return Ok(());
         }
-        self.remove_hooks(model);
+        remove_hooks(model, OffloadStrategy::Layerwise, &mut self.hooked);
         let st = self.shared.lock().take();
         let result = st.map_or(Ok(()), |st| self.release(st));
         self.lifecycle.finish_disable();

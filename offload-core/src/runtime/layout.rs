@@ -120,47 +120,36 @@ pub fn partition(pipeline: &Pipeline, stacks: &[BlockStack], groups: &[ModuleId]
     }
     let root = pipeline.root();
     let mut rest = Vec::new();
+    // Each storage outside blocks goes to the first unit that claims it:
+    // groups, then the root's own tensors, then each top-level module.
+    let mut claim = |name: String, module: ModuleId, tensors: Vec<crate::model::TensorId>| {
+        let storages: Vec<StorageId> = tensors
+            .into_iter()
+            .map(|t| pipeline.tensor(t).storage)
+            .filter(|s| in_block.insert(*s))
+            .collect();
+        if !storages.is_empty() {
+            rest.push(Unit::pack(pipeline, name, module, storages));
+        }
+    };
     for group in groups {
-        let storages: Vec<StorageId> = pipeline
-            .subtree_tensors(*group)
-            .into_iter()
-            .map(|t| pipeline.tensor(t).storage)
-            .filter(|s| in_block.insert(*s))
-            .collect();
-        if !storages.is_empty() {
-            rest.push(Unit::pack(
-                pipeline,
-                pipeline.module(*group).path.clone(),
-                *group,
-                storages,
-            ));
-        }
+        claim(
+            pipeline.module(*group).path.clone(),
+            *group,
+            pipeline.subtree_tensors(*group),
+        );
     }
-    let own: Vec<StorageId> = pipeline
-        .module(root)
-        .tensors
-        .iter()
-        .map(|t| pipeline.tensor(*t).storage)
-        .filter(|s| in_block.insert(*s))
-        .collect();
-    if !own.is_empty() {
-        rest.push(Unit::pack(pipeline, "<root>".to_owned(), root, own));
-    }
+    claim(
+        "<root>".to_owned(),
+        root,
+        pipeline.module(root).tensors.clone(),
+    );
     for child in &pipeline.module(root).children {
-        let storages: Vec<StorageId> = pipeline
-            .subtree_tensors(*child)
-            .into_iter()
-            .map(|t| pipeline.tensor(t).storage)
-            .filter(|s| in_block.insert(*s))
-            .collect();
-        if !storages.is_empty() {
-            rest.push(Unit::pack(
-                pipeline,
-                pipeline.module(*child).path.clone(),
-                *child,
-                storages,
-            ));
-        }
+        claim(
+            pipeline.module(*child).path.clone(),
+            *child,
+            pipeline.subtree_tensors(*child),
+        );
     }
     Partition { blocks, rest }
 }

@@ -7,7 +7,7 @@
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use std::collections::BTreeSet;
 
-use offload_hooks::{BoxError, Forwarded, HookOwner, ModelHook, PreForward};
+use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::device::{Api, Device, HostSource};
@@ -20,7 +20,8 @@ use crate::plan::PlanWarning;
 use crate::residency::{Residency, Transition};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
-    Handles, Placement, bytes_of, check_single_owner, dev_err, plan_and_partition,
+    Handles, Placement, bytes_of, check_single_owner, dev_err, install_hooks, plan_and_partition,
+    remove_hooks,
 };
 use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, WeightSource};
 
@@ -200,10 +201,6 @@ impl<A: Api> ModelLevelBackend<A> {
         })
     }
 
-    fn owner() -> HookOwner {
-        HookOwner::new(OffloadStrategy::ModelLevel.hook_name())
-    }
-
     /// Builds host masters and resident units into `st`; on error, `st`
     /// holds what was built, for [`Self::release`].
     fn build(&self, model: &Model, st: &mut State<A>) -> Result<(), OffloadError> {
@@ -281,13 +278,6 @@ impl<A: Api> ModelLevelBackend<A> {
         }
         first.map_or(Ok(()), Err)
     }
-
-    fn remove_hooks(&mut self, model: &mut Model) {
-        let owner = Self::owner();
-        for m in self.hooked.drain(..) {
-            model.hooks_of(m).remove_owned_by(&owner);
-        }
-    }
 }
 
 impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
@@ -316,24 +306,26 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
             .map(|(i, c)| (i, c.module))
             .collect();
         *self.shared.lock() = Some(st);
-        for (component, module) in hooks {
-            let hook = ComponentHook {
-                shared: Arc::clone(&self.shared),
-                component,
-            };
-            if let Err(e) = model.hooks_of(module).register(
-                OffloadStrategy::ModelLevel.hook_name(),
-                Self::owner(),
-                Box::new(hook),
-            ) {
-                self.remove_hooks(model);
+        // Hooks last: nothing above touched the model.
+        let hooks = hooks
+            .into_iter()
+            .map(|(component, module)| {
+                let hook: Box<dyn ModelHook<ForwardCtx>> = Box::new(ComponentHook {
+                    shared: Arc::clone(&self.shared),
+                    component,
+                });
+                (module, hook)
+            })
+            .collect();
+        match install_hooks(model, OffloadStrategy::ModelLevel, hooks, true) {
+            Ok(installed) => self.hooked = installed,
+            Err(e) => {
                 let st = self.shared.lock().take();
                 if let Some(st) = st {
                     let _ = self.release(st);
                 }
-                return Err(e.into());
+                return Err(e);
             }
-            self.hooked.push(module);
         }
         self.lifecycle.finish_enable();
         Ok(())
@@ -343,7 +335,7 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
         if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
             return Ok(());
         }
-        self.remove_hooks(model);
+        remove_hooks(model, OffloadStrategy::ModelLevel, &mut self.hooked);
         let st = self.shared.lock().take();
         let result = st.map_or(Ok(()), |st| self.release(st));
         self.lifecycle.finish_disable();

@@ -316,3 +316,44 @@ pub(crate) fn check_single_owner(
 pub(crate) fn bytes_of<A: Api>(buffers: &[Arc<A::DeviceBuffer>]) -> u64 {
     buffers.iter().map(|b| b.len_bytes()).sum()
 }
+
+/// Installs `hooks` under the strategy's name and owner, in order; on the
+/// first failure removes those it installed (unless `rollback` is false,
+/// which only a planted bug asks for) and returns the error.
+pub(crate) fn install_hooks(
+    model: &mut Model,
+    strategy: OffloadStrategy,
+    hooks: Vec<(
+        crate::model::ModuleId,
+        Box<dyn offload_hooks::ModelHook<crate::runtime::ForwardCtx>>,
+    )>,
+    rollback: bool,
+) -> Result<Vec<crate::model::ModuleId>, OffloadError> {
+    let owner = offload_hooks::HookOwner::new(strategy.hook_name());
+    let mut installed = Vec::new();
+    for (module, hook) in hooks {
+        if let Err(e) = model
+            .hooks_of(module)
+            .register(strategy.hook_name(), owner.clone(), hook)
+        {
+            if rollback {
+                remove_hooks(model, strategy, &mut installed);
+            }
+            return Err(e.into());
+        }
+        installed.push(module);
+    }
+    Ok(installed)
+}
+
+/// Removes the strategy's hooks from `modules` (and only its own).
+pub(crate) fn remove_hooks(
+    model: &mut Model,
+    strategy: OffloadStrategy,
+    modules: &mut Vec<crate::model::ModuleId>,
+) {
+    let owner = offload_hooks::HookOwner::new(strategy.hook_name());
+    for m in modules.drain(..) {
+        model.hooks_of(m).remove_owned_by(&owner);
+    }
+}
