@@ -44,3 +44,85 @@ fn every_strategy_matches_the_resident_run() {
         }
     }
 }
+
+/// Weights a loader already holds, block by block, in the packed layout:
+/// layerwise registers them in place (no pinned copy) and computes the same.
+#[test]
+fn loader_memory_is_registered_in_place() {
+    use offload_core::device::HostRegion;
+    use offload_core::model::StorageId;
+    use offload_core::runtime::{Runtime, Unit, WeightSource};
+    use offload_sim::presets::SyntheticWeights;
+    use std::sync::Arc;
+
+    struct Loaded(SyntheticWeights);
+    impl WeightSource for Loaded {
+        fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+            self.0.read(storage, position, dst);
+        }
+        fn take_region(&self, unit: &Unit) -> Option<Box<dyn HostRegion>> {
+            let mut bytes = vec![0u8; unit.bytes as usize];
+            for e in &unit.entries {
+                self.0.read(
+                    e.storage,
+                    0,
+                    &mut bytes[e.offset as usize..(e.offset + e.bytes) as usize],
+                );
+            }
+            Some(Box::new(bytes))
+        }
+    }
+
+    let w = workload(3, 2);
+    let opts = RunOptions::new(DeviceProfile::h200());
+    let expected: Vec<u64> = run(&w, &StrategyChoice::Resident, &opts)
+        .unwrap()
+        .requests
+        .iter()
+        .map(|r| r.output)
+        .collect();
+
+    let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &opts).unwrap();
+    let device = Arc::new(rig.device.clone());
+    let compute = Arc::clone(rig.runtime.compute_stream());
+    let platform = offload_core::runtime::CorePlatform::<offload_sim::Sim>::new(
+        "sim",
+        Arc::clone(&device),
+        Arc::clone(&compute),
+        Arc::new(Loaded(SyntheticWeights { seed: 0 })),
+    );
+    let config = offload_core::OffloadConfig {
+        enable_layerwise_offload: true,
+        ..Default::default()
+    };
+    let mut rt = Runtime::new(device, compute, w.preset.pipeline.clone());
+    rt.enable(Box::new(platform.layerwise(config).unwrap()))
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let stats = rig.device.stats();
+    let streamed = rt.backend().unwrap().host_weight_bytes();
+    assert_eq!(stats.pinned_bytes, 0, "no pinned copy");
+    assert_eq!(
+        stats.registered_bytes, streamed,
+        "every block registered in place"
+    );
+    let got: Vec<u64> = (0..2)
+        .map(|_| {
+            offload_sim::harness::request(&rt, &rig.device, &w)
+                .unwrap()
+                .output
+        })
+        .collect();
+    assert_eq!(got, expected);
+    rt.disable().unwrap();
+    assert_eq!(
+        rig.device.stats().registered_bytes,
+        0,
+        "unregistered at disable"
+    );
+    assert!(
+        rig.device.violations().is_empty(),
+        "{:?}",
+        rig.device.violations()
+    );
+}

@@ -24,7 +24,7 @@ use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy};
-use crate::device::{Api, Device, DeviceBuffer, HostSource};
+use crate::device::{Api, Device, DeviceBuffer};
 use crate::discovery::log_warnings;
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
@@ -33,8 +33,8 @@ use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
-    Handles, Placement, bytes_of, check_single_owner, dev_err, install_hooks, plan_and_partition,
-    remove_hooks,
+    Handles, HostMaster, Placement, bytes_of, check_single_owner, dev_err, install_hooks,
+    plan_and_partition, remove_hooks,
 };
 use crate::runtime::slots::SlotTable;
 use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
@@ -42,7 +42,7 @@ use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, PlantedBug, Wei
 /// One block's host master.
 struct Master<A: Api> {
     unit: Unit,
-    host: A::HostBuffer,
+    host: HostMaster<A>,
 }
 
 /// One ring: the blocks of one stack, in forward order.
@@ -65,7 +65,7 @@ struct State<A: Api> {
     table: SlotTable,
     depth: usize,
     /// Extra host masters kept only when a planted bug asks for them.
-    shadow_masters: Vec<A::HostBuffer>,
+    shadow_masters: Vec<HostMaster<A>>,
 }
 
 struct Shared<A: Api> {
@@ -137,7 +137,7 @@ impl<A: Api> Fill<A> for CopyFill {
         unsafe {
             h.device.copy_h2d(
                 &h.copy,
-                HostSource::Pinned(&master.host),
+                master.host.source(),
                 0,
                 &slot.buffer,
                 0,
@@ -340,7 +340,7 @@ impl<A: Api> LayerwiseBackend<A> {
             st.rings.push(Ring { blocks: Vec::new() });
             for block in &stack.blocks {
                 let unit = partition.blocks[&block.module].clone();
-                let host = h.fill_pinned(&unit, &skip)?;
+                let host = h.master(&unit, &skip)?;
                 st.placement.claim(&unit)?;
                 st.rings
                     .last_mut()
@@ -349,7 +349,8 @@ impl<A: Api> LayerwiseBackend<A> {
                     .push(Master { unit, host });
                 if self.shared.bug(PlantedBug::SecondHostCopy) {
                     let unit = &partition.blocks[&block.module];
-                    st.shadow_masters.push(h.fill_pinned(unit, &skip)?);
+                    st.shadow_masters
+                        .push(HostMaster::Pinned(h.fill_pinned(unit, &skip)?));
                 }
             }
         }
@@ -431,8 +432,8 @@ impl<A: Api> LayerwiseBackend<A> {
             }
             // SAFETY: both streams were drained above, so no copy reads the
             // master any more.
-            if let Err(e) = unsafe { h.device.free_pinned(master) } {
-                first.get_or_insert(dev_err("free_pinned", e));
+            if let Err(e) = unsafe { h.free_master(master) } {
+                first.get_or_insert(e);
             }
         }
         first.map_or(Ok(()), Err)

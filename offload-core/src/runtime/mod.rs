@@ -137,6 +137,15 @@ pub trait WeightSource: Send + Sync {
     /// Fills `dst` with the bytes of `storage` at
     /// `position..position + dst.len()`.
     fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]);
+
+    /// Memory that already holds `unit` packed exactly as [`Unit::entries`]
+    /// lays it out (a loader's buffer): the strategy registers it in place as
+    /// the host master instead of copying into fresh pinned memory, and owns
+    /// it from then on. `None` (the default): masters are filled by `read`.
+    fn take_region(&self, unit: &Unit) -> Option<Box<dyn crate::device::HostRegion>> {
+        let _ = unit;
+        None
+    }
 }
 
 /// Where one storage's bytes are readable by device kernels now.

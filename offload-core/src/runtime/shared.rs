@@ -15,6 +15,23 @@ use crate::residency::{Owner, Residency, ResidencyTable, Transition};
 use crate::runtime::layout::{Partition, Unit, partition};
 use crate::runtime::{DeviceLocation, Model, WeightSource};
 
+/// One host master: pinned memory we filled, or the loader's memory
+/// registered in place.
+pub(crate) enum HostMaster<A: Api> {
+    Pinned(A::HostBuffer),
+    Registered(A::Registration),
+}
+
+impl<A: Api> HostMaster<A> {
+    /// As a copy source.
+    pub(crate) fn source(&self) -> HostSource<'_, A> {
+        match self {
+            HostMaster::Pinned(b) => HostSource::Pinned(b),
+            HostMaster::Registered(r) => HostSource::Registered(r),
+        }
+    }
+}
+
 /// Device handles a backend works with.
 pub(crate) struct Handles<A: Api> {
     pub(crate) device: Arc<A::Device>,
@@ -78,6 +95,47 @@ impl<A: Api> Handles<A> {
             );
         }
         Ok(host)
+    }
+
+    /// The host master of `unit`: memory the weight source already holds,
+    /// registered in place, else a pinned buffer filled from the source.
+    pub(crate) fn master(
+        &self,
+        unit: &Unit,
+        skip: &BTreeSet<StorageId>,
+    ) -> Result<HostMaster<A>, OffloadError> {
+        if skip.is_empty()
+            && let Some(region) = self.weights.take_region(unit)
+            && region.bytes().len() as u64 == unit.bytes
+        {
+            match self.device.register_host(region) {
+                Ok(r) => return Ok(HostMaster::Registered(r)),
+                Err(e) => {
+                    tracing::warn!(unit = %unit.name, "in-place registration failed ({}); pinning a copy", e.error)
+                }
+            }
+        }
+        self.fill_pinned(unit, skip).map(HostMaster::Pinned)
+    }
+
+    /// Frees a host master (its copies must have completed).
+    ///
+    /// # Safety
+    ///
+    /// No copy reading `master` may be pending.
+    pub(crate) unsafe fn free_master(&self, master: HostMaster<A>) -> Result<(), OffloadError> {
+        match master {
+            HostMaster::Pinned(b) => {
+                // SAFETY: forwarded from the caller.
+                let freed = unsafe { self.device.free_pinned(b) };
+                freed.map_err(|e| dev_err("free_pinned", e))
+            }
+            HostMaster::Registered(r) => {
+                // SAFETY: forwarded from the caller; the memory is dropped.
+                let region = unsafe { self.device.unregister_host(r) };
+                region.map(drop).map_err(|e| dev_err("unregister_host", e))
+            }
+        }
     }
 
     /// Uploads `unit` to a new device buffer and waits for the copy (enable
