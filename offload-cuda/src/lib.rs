@@ -355,16 +355,14 @@ impl Device<Cuda> for CudaDevice {
         for e in after {
             // SAFETY: both handles are live; the wait orders the free after
             // the event on the device.
-            wrap(
-                unsafe {
-                    result::stream::wait_event(
-                        self.memory,
-                        e.raw,
-                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                    )
-                },
-                || "cuStreamWaitEvent(before free)".to_owned(),
-            )?;
+            let waited = unsafe {
+                result::stream::wait_event(
+                    self.memory,
+                    e.raw,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            };
+            wrap(waited, || "cuStreamWaitEvent(before free)".to_owned())?;
         }
         // SAFETY: the caller guarantees every use of `buffer` is ordered
         // before one of `after`, which the memory stream now waits for.

@@ -90,10 +90,8 @@ impl Proxy {
         })?;
         let handle = blas(cublas::create_handle(), "cublasCreate")?;
         // SAFETY: both handles are live; cuBLAS then launches on `stream`.
-        blas(
-            unsafe { cublas::set_stream(handle, stream.raw().cast()) },
-            "cublasSetStream",
-        )?;
+        let set = unsafe { cublas::set_stream(handle, stream.raw().cast()) };
+        blas(set, "cublasSetStream")?;
         let sum = device.alloc_device(8)?;
         let input = device.alloc_device(input_bytes.max(2))?;
         let output = device.alloc_device(output_bytes.max(2))?;

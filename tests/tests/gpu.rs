@@ -144,6 +144,9 @@ impl ModelHook<ForwardCtx> for Cache {
     }
 }
 
+/// Builds the backend under test from the platform.
+type MakeBackend = dyn Fn(&CorePlatform<Cuda>) -> Box<dyn Backend<Cuda>>;
+
 struct Run {
     outputs: Vec<u64>,
     peak_used_bytes: u64,
@@ -155,7 +158,7 @@ struct Run {
 fn run(
     device: &Arc<CudaDevice>,
     depth: usize,
-    make: &dyn Fn(&CorePlatform<Cuda>) -> Box<dyn Backend<Cuda>>,
+    make: &MakeBackend,
     bound: impl Fn(&Pipeline) -> u64,
 ) -> Run {
     let p = pipeline();
