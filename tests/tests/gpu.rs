@@ -145,7 +145,7 @@ impl ModelHook<ForwardCtx> for Cache {
 }
 
 /// Builds the backend under test from the platform.
-type MakeBackend = dyn Fn(&CorePlatform<Cuda>) -> Box<dyn Backend<Cuda>>;
+type MakeBackend<'a> = dyn Fn(&CorePlatform<Cuda>) -> Box<dyn Backend<Cuda>> + 'a;
 
 struct Run {
     outputs: Vec<u64>,
@@ -158,7 +158,7 @@ struct Run {
 fn run(
     device: &Arc<CudaDevice>,
     depth: usize,
-    make: &MakeBackend,
+    make: &MakeBackend<'_>,
     bound: impl Fn(&Pipeline) -> u64,
 ) -> Run {
     let p = pipeline();
