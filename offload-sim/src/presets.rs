@@ -172,11 +172,10 @@ fn vae(b: &mut PipelineBuilder, path: &str, latent: u64, ch: [u64; 4]) {
     m.parameter("decoder.conv_out.weight", DType::Bf16, &[3, ch[3], 3, 3]);
 }
 
-/// Flux.1-dev: 19 double + 38 single blocks, hidden 3072, CLIP-L and
-/// T5-XXL text encoders, the 16-channel VAE.
-pub fn flux1_dev() -> Preset {
+/// The Flux.1-dev transformer: 19 double + 38 single blocks, hidden 3072
+/// (11.9 B parameters).
+fn flux_transformer(b: &mut PipelineBuilder) {
     let (d, ff, head) = (3072u64, 12288u64, 128u64);
-    let mut b = PipelineBuilder::new("FluxPipeline");
     {
         let mut t = b.module("transformer");
         linear(&mut t, "x_embedder", d, 64, true);
@@ -237,6 +236,13 @@ pub fn flux1_dev() -> Preset {
         linear(&mut t, "proj_out", 64, d, true);
         t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
     }
+}
+
+/// Flux.1-dev: the transformer, CLIP-L and T5-XXL text encoders, the
+/// 16-channel VAE.
+pub fn flux1_dev() -> Preset {
+    let mut b = PipelineBuilder::new("FluxPipeline");
+    flux_transformer(&mut b);
     clip_l(&mut b, "text_encoder");
     t5(&mut b, "text_encoder_2", 24, 4096, 10240, 32128);
     vae(&mut b, "vae", 16, FULL_VAE);
@@ -253,13 +259,21 @@ pub fn flux1_dev() -> Preset {
         encoders: vec!["text_encoder", "text_encoder_2"],
         vaes: vec!["vae"],
         block_cost: BlockCost {
-            hidden: d,
+            hidden: 3072,
             attention: true,
         },
         default_tokens: 4096 + 512,
         text_tokens: 512,
         vae_flops: 2.0e12,
     }
+}
+
+/// The Flux.1-dev transformer alone (the GPU benchmark's model).
+pub fn flux1_dev_dit() -> Pipeline {
+    let mut b = PipelineBuilder::new("FluxTransformer");
+    flux_transformer(&mut b);
+    declare(&mut b, &["transformer"], &[], &[]);
+    b.build().expect("flux transformer builds")
 }
 
 fn wan_transformer(b: &mut PipelineBuilder, path: &str) {

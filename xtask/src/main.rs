@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod arch;
+mod gpu;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "offload project automation")]
@@ -26,6 +27,13 @@ enum Cmd {
     Loom,
     /// The state-machine property test in release (PROPTEST_CASES, default 10,000).
     Props,
+    /// The GPU suite: run it here (a CUDA machine with a toolchain), or build
+    /// a self-contained bundle for a CUDA machine without one.
+    GpuTest {
+        /// Build the bundle into this folder instead of running.
+        #[arg(long)]
+        bundle: Option<std::path::PathBuf>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -34,6 +42,19 @@ fn main() -> Result<()> {
         Cmd::Arch => arch::check_workspace(),
         Cmd::Loom => loom(),
         Cmd::Props => props(),
+        Cmd::GpuTest { bundle: None } => cargo(&[
+            "test",
+            "--locked",
+            "-p",
+            "offload-cuda",
+            "-p",
+            "offload-tests",
+            "--test",
+            "gpu",
+            "--",
+            "--nocapture",
+        ]),
+        Cmd::GpuTest { bundle: Some(dir) } => gpu::bundle(&dir),
     }
 }
 
@@ -94,12 +115,12 @@ fn ci() -> Result<()> {
 }
 
 /// Runs `cargo ARGS`, streaming its output; fails if it fails.
-fn cargo(args: &[&str]) -> Result<()> {
+pub(crate) fn cargo(args: &[&str]) -> Result<()> {
     cargo_env(args, &[])
 }
 
 /// Runs `cargo ARGS` with extra environment variables.
-fn cargo_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
+pub(crate) fn cargo_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v:?}")).collect();
     eprintln!("xtask: {} cargo {}", shown.join(" "), args.join(" "));

@@ -145,7 +145,7 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         skip: &BTreeSet<StorageId>,
     ) -> Result<A::DeviceBuffer, OffloadError> {
-        let staging = self.fill_pinned(unit, skip)?;
+        let staging = self.master(unit, skip)?;
         let result = self.upload_from(unit, &staging);
         let drained = self
             .device
@@ -153,8 +153,7 @@ impl<A: Api> Handles<A> {
             .map_err(|e| dev_err("synchronize_stream(copy)", e));
         // SAFETY: the copy stream, the only one that read `staging`, was
         // synchronised just above.
-        let freed = unsafe { self.device.free_pinned(staging) };
-        let freed = freed.map_err(|e| dev_err("free_pinned", e));
+        let freed = unsafe { self.free_master(staging) };
         let buffer = result?;
         drained?;
         freed?;
@@ -164,7 +163,7 @@ impl<A: Api> Handles<A> {
     fn upload_from(
         &self,
         unit: &Unit,
-        staging: &A::HostBuffer,
+        staging: &HostMaster<A>,
     ) -> Result<A::DeviceBuffer, OffloadError> {
         let buffer = self.device.alloc_device(unit.bytes).map_err(|e| {
             dev_err(
@@ -177,14 +176,8 @@ impl<A: Api> Handles<A> {
         // `unit.bytes`; the copy stream is synchronised below before the
         // staging buffer is freed or the device buffer is lent.
         let copied = unsafe {
-            self.device.copy_h2d(
-                &self.copy,
-                HostSource::Pinned(staging),
-                0,
-                &buffer,
-                0,
-                unit.bytes,
-            )
+            self.device
+                .copy_h2d(&self.copy, staging.source(), 0, &buffer, 0, unit.bytes)
         }
         .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))
         .and_then(|()| {
