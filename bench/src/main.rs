@@ -207,6 +207,9 @@ fn gemms(
     Ok(())
 }
 
+/// Builds one run's backend.
+type MakeBackend<'a> = dyn Fn() -> Result<Box<dyn Backend<Cuda>>> + 'a;
+
 #[derive(Serialize, Clone)]
 struct Row {
     run: String,
@@ -259,7 +262,7 @@ fn main() -> Result<()> {
         ..OffloadConfig::default()
     };
     let streamed = resolve(&pipeline, &layerwise)?.streamed_bytes();
-    let runs: Vec<(&str, Box<dyn Fn() -> Result<Box<dyn Backend<Cuda>>>>)> = vec![
+    let runs: Vec<(&str, Box<MakeBackend<'_>>)> = vec![
         ("resident", Box::new(|| Ok(platform(1).resident()?))),
         (
             "layerwise depth 1",
