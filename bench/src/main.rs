@@ -218,6 +218,7 @@ struct Row {
     limit_s: f64,
     ratio: f64,
     peak_device_weight_bytes: u64,
+    peak_cumemgetinfo_bytes: u64,
     host_weight_bytes: u64,
     enable_s: f64,
     output: u64,
@@ -261,7 +262,9 @@ fn main() -> Result<()> {
         enable_layerwise_offload: true,
         ..OffloadConfig::default()
     };
-    let streamed = resolve(&pipeline, &layerwise)?.streamed_bytes();
+    let plan = resolve(&pipeline, &layerwise)?;
+    let streamed = plan.streamed_bytes();
+    let (resident_part, largest) = (weight_bytes - streamed, plan.largest_block_bytes());
     let runs: Vec<(&str, Box<MakeBackend<'_>>)> = vec![
         ("resident", Box::new(|| Ok(platform(1).resident()?))),
         (
@@ -280,6 +283,9 @@ fn main() -> Result<()> {
     let mut rows: Vec<Row> = Vec::new();
     for (name, make) in &runs {
         device.synchronize_stream(&stream)?;
+        device.trim_pool()?;
+        device.reset_pool_high()?;
+        let (used_before, _) = device.pool_used()?;
         let free_before = device.memory_info()?.free_bytes;
         let mut rt = Runtime::new(Arc::clone(&device), Arc::clone(&stream), pipeline.clone());
         let t = Instant::now();
@@ -288,7 +294,7 @@ fn main() -> Result<()> {
         let enable_s = t.elapsed().as_secs_f64();
         let host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
         for &tokens in &args.tokens {
-            let mut peak = free_before.saturating_sub(device.memory_info()?.free_bytes);
+            let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
             proxy.reset(&stream)?;
             for i in 0..args.warmup + args.steps {
@@ -299,8 +305,12 @@ fn main() -> Result<()> {
                 if i >= args.warmup {
                     times.push(t.elapsed().as_secs_f64());
                 }
-                peak = peak.max(free_before.saturating_sub(device.memory_info()?.free_bytes));
+                peak_info =
+                    peak_info.max(free_before.saturating_sub(device.memory_info()?.free_bytes));
             }
+            // The allocator's high-water mark, less what was in use before
+            // enable (the proxy's scratch): device bytes held for weights.
+            let peak = device.pool_used()?.1.saturating_sub(used_before);
             let output = proxy.read_sum(&device, &stream)?;
             rows.push(Row {
                 run: (*name).to_owned(),
@@ -309,6 +319,7 @@ fn main() -> Result<()> {
                 limit_s: 0.0,
                 ratio: 0.0,
                 peak_device_weight_bytes: peak,
+                peak_cumemgetinfo_bytes: peak_info,
                 host_weight_bytes,
                 enable_s,
                 output,
@@ -351,18 +362,26 @@ fn main() -> Result<()> {
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in &rows {
         println!(
-            "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
             r.run,
             r.tokens,
             r.step_s,
             r.limit_s,
             r.ratio,
             r.peak_device_weight_bytes as f64 / 1e9,
+            r.peak_cumemgetinfo_bytes as f64 / 1e9,
             r.host_weight_bytes as f64 / 1e9,
             r.enable_s,
             resident_out[&r.tokens] == r.output
         );
     }
+    println!(
+        "INV-7 bound for layerwise: resident part {:.3} GB + (depth + 1) × largest block {:.3} GB = {:.2} GB (depth 1), {:.2} GB (depth 2)",
+        resident_part as f64 / 1e9,
+        largest as f64 / 1e9,
+        (resident_part + 2 * largest) as f64 / 1e9,
+        (resident_part + 3 * largest) as f64 / 1e9
+    );
     let doc = serde_json::json!({
         "device": device.name(),
         "pinned_h2d_gbps": bw,

@@ -307,6 +307,76 @@ impl CudaDevice {
     pub fn ordinal(&self) -> i32 {
         self.ordinal
     }
+
+    fn pool(&self) -> Result<sys::CUmemoryPool, CudaError> {
+        self.bind()?;
+        let dev = wrap(result::device::get(self.ordinal), || {
+            "cuDeviceGet".to_owned()
+        })?;
+        // SAFETY: `dev` is valid; the default pool lives as long as the context.
+        wrap(unsafe { result::device::get_default_mem_pool(dev) }, || {
+            "cuDeviceGetDefaultMemPool".to_owned()
+        })
+    }
+
+    /// Returns the pool's unused memory to the driver (after frees have
+    /// completed), so `cuMemGetInfo` deltas measure what is in use.
+    pub fn trim_pool(&self) -> Result<(), CudaError> {
+        let pool = self.pool()?;
+        // SAFETY: the stream is ours; the pool handle is live.
+        unsafe {
+            wrap(result::stream::synchronize(self.memory), || {
+                "cuStreamSynchronize(memory)".to_owned()
+            })?;
+            wrap(result::mem_pool::trim_to(pool, 0), || {
+                "cuMemPoolTrimTo".to_owned()
+            })
+        }
+    }
+
+    /// The allocator's own counters: bytes in use now, and the high-water
+    /// mark since [`Self::reset_pool_high`].
+    pub fn pool_used(&self) -> Result<(u64, u64), CudaError> {
+        let pool = self.pool()?;
+        let (mut current, mut high) = (0u64, 0u64);
+        // SAFETY: both attributes are u64 (cuuint64_t) and written in place.
+        unsafe {
+            wrap(
+                result::mem_pool::get_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                    (&raw mut current).cast(),
+                ),
+                || "cuMemPoolGetAttribute(USED_MEM_CURRENT)".to_owned(),
+            )?;
+            wrap(
+                result::mem_pool::get_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&raw mut high).cast(),
+                ),
+                || "cuMemPoolGetAttribute(USED_MEM_HIGH)".to_owned(),
+            )?;
+        }
+        Ok((current, high))
+    }
+
+    /// Resets the high-water mark of [`Self::pool_used`] to the current use.
+    pub fn reset_pool_high(&self) -> Result<(), CudaError> {
+        let pool = self.pool()?;
+        let mut zero = 0u64;
+        // SAFETY: the attribute is a u64; setting it to 0 resets the mark.
+        wrap(
+            unsafe {
+                result::mem_pool::set_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&raw mut zero).cast(),
+                )
+            },
+            || "cuMemPoolSetAttribute(USED_MEM_HIGH)".to_owned(),
+        )
+    }
 }
 
 impl Drop for CudaDevice {

@@ -188,11 +188,15 @@ fn run(
             .unwrap();
     }
     device.synchronize_stream(&stream).unwrap();
+    // Memory an earlier run freed stays reserved in the pool: give it back
+    // so cuMemGetInfo deltas measure this run.
+    device.trim_pool().unwrap();
     let free_before = device.memory_info().unwrap().free_bytes;
     rt.enable(make(&platform)).map_err(|(e, _)| e).unwrap();
     let mut peak = 0u64;
     let mut sample = |rt: &Runtime<Cuda>| {
         device.synchronize_stream(rt.compute_stream()).unwrap();
+        device.trim_pool().unwrap();
         peak = peak.max(free_before.saturating_sub(device.memory_info().unwrap().free_bytes));
     };
     let mut outputs = Vec::new();
@@ -277,7 +281,19 @@ fn device_basics() {
 #[test]
 fn every_strategy_is_bit_identical_and_bounded() {
     let Some(d) = gpu() else { return };
-    let resident = run(&d, 1, &|pl| pl.resident().unwrap(), total);
+    let resident = run(&d, 1, &|pl| pl.resident().unwrap(), |p| {
+        total(p) + 32 * PAGE
+    });
+    assert!(
+        resident.peak_used_bytes >= total(&pipeline()),
+        "cuMemGetInfo sees every resident weight"
+    );
+    assert!(
+        resident.peak_used_bytes <= resident.bound_bytes,
+        "{} > {}",
+        resident.peak_used_bytes,
+        resident.bound_bytes
+    );
     assert!(resident.outputs.iter().all(|o| *o != 0));
     assert_ne!(
         resident.outputs[0], resident.outputs[1],
@@ -311,6 +327,7 @@ fn every_strategy_is_bit_identical_and_bounded() {
             },
         );
         assert_eq!(out.outputs, resident.outputs, "layerwise depth {depth}");
+        assert!(out.peak_used_bytes > 0, "the measurement sees the slots");
         assert!(
             out.peak_used_bytes <= out.bound_bytes,
             "layerwise depth {depth}: {} > {}",
