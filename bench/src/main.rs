@@ -357,9 +357,9 @@ fn main() -> Result<()> {
         device.name()
     );
     println!(
-        "| run | tokens | s / step | limit s | step / limit | peak device GB | host weight GB | enable s | output = resident |"
+        "| run | tokens | s / step | limit s | step / limit | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in &rows {
         println!(
             "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
