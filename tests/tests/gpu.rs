@@ -273,10 +273,15 @@ fn device_basics() {
     // SAFETY: the stream is drained.
     let region = unsafe { d.unregister_host(reg) }.unwrap();
     assert_eq!(region.bytes(), &data[..]);
-    // Out of memory is a typed error.
-    let info = d.memory_info().unwrap();
-    let e = d.alloc_device(info.total_bytes * 2).unwrap_err();
-    assert_eq!(e.kind(), DeviceErrorKind::OutOfMemory, "{e}");
+    // Out of memory is a typed error. (Under compute-sanitizer the failed
+    // allocation would be reported as an API error: the probe is skipped.)
+    if std::env::var_os("OFFLOAD_UNDER_SANITIZER").is_none() {
+        let info = d.memory_info().unwrap();
+        let e = d.alloc_device(info.total_bytes * 2).unwrap_err();
+        assert_eq!(e.kind(), DeviceErrorKind::OutOfMemory, "{e}");
+    } else {
+        println!("under compute-sanitizer: the out-of-memory probe is skipped");
+    }
     // SAFETY: the stream is drained; nothing uses them.
     unsafe {
         d.free_device(dev, &[&done]).unwrap();
