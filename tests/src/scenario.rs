@@ -17,6 +17,8 @@ use offload_sim::harness::{Rig, RunOptions, StrategyChoice, Workload, blocks_of,
 use offload_sim::presets::{BlockCost, Preset};
 use offload_sim::{DeviceProfile, FaultPlan};
 use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
 /// One generated block.
 #[derive(Clone, Debug)]
@@ -151,6 +153,19 @@ pub fn op() -> impl Strategy<Value = Op> {
         4 => (1usize..3, prop::collection::vec(0usize..80, 0..3)).prop_map(|(steps, skip)| Op::Request { steps, skip }),
         2 => (0usize..80).prop_map(|index| Op::Block { index }),
     ]
+}
+
+/// One scenario and its operations, generated from `seed` alone.
+pub fn seeded(seed: u64) -> (Scenario, Vec<Op>) {
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &bytes);
+    let mut runner = TestRunner::new_with_rng(Config::default(), rng);
+    let strategy = (scenario(), prop::collection::vec(op(), 1..16));
+    strategy
+        .new_tree(&mut runner)
+        .expect("generation")
+        .current()
 }
 
 /// Builds the pipeline of `spec`.

@@ -8,10 +8,9 @@
 //! a failing seed is printed and can be run again on its own.
 
 use offload_sim::faults::{SEED_ENV, seed_from_env};
-use offload_tests::scenario::{Driver, Op, Scenario, op, scenario};
+use offload_tests::scenario::{Driver, Op, Scenario, op, scenario, seeded};
 use proptest::prelude::*;
-use proptest::strategy::ValueTree;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::Config;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 
 /// The reference: the scenario drives generation; operations are legal in
@@ -67,19 +66,6 @@ prop_state_machine! {
 
     #[test]
     fn strategies_keep_every_invariant(sequential 1..16 => Offload);
-}
-
-/// One scenario and its operations, generated from `seed` alone.
-fn seeded(seed: u64) -> (Scenario, Vec<Op>) {
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &bytes);
-    let mut runner = TestRunner::new_with_rng(Config::default(), rng);
-    let strategy = (scenario(), prop::collection::vec(op(), 1..16));
-    strategy
-        .new_tree(&mut runner)
-        .expect("generation")
-        .current()
 }
 
 fn run_seed(seed: u64) {
