@@ -81,6 +81,41 @@ fn rms(m: &mut ModuleBuilder<'_>, name: &str, dim: u64) {
     m.parameter(&format!("{name}.weight"), DType::Bf16, &[dim]);
 }
 
+/// A dual-stream (MMDiT) block, as Flux's double blocks and Qwen-Image's
+/// blocks: two modulations, joint attention with added projections and
+/// QK norms, two MLPs. Only the names of the modulations and MLPs differ.
+fn dual_stream_block(
+    blk: &mut ModuleBuilder<'_>,
+    d: u64,
+    ff: u64,
+    head: u64,
+    modulations: [&str; 2],
+    mlps: [&str; 2],
+) {
+    for m in modulations {
+        linear(blk, m, 6 * d, d, true);
+    }
+    for p in [
+        "to_q",
+        "to_k",
+        "to_v",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_out.0",
+        "to_add_out",
+    ] {
+        linear(blk, &format!("attn.{p}"), d, d, true);
+    }
+    for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
+        rms(blk, &format!("attn.{n}"), head);
+    }
+    for f in mlps {
+        linear(blk, &format!("{f}.net.0.proj"), ff, d, true);
+        linear(blk, &format!("{f}.net.2"), d, ff, true);
+    }
+}
+
 const FULL_VAE: [u64; 4] = [512, 512, 256, 128];
 
 fn declare(b: &mut PipelineBuilder, dit: &[&str], encoder: &[&str], vae: &[&str]) {
@@ -200,27 +235,14 @@ fn flux_transformer(b: &mut PipelineBuilder) {
         linear(&mut t, "time_text_embed.text_embedder.linear_2", d, d, true);
         t.buffer("pos_embed.freqs", DType::F32, &[4608, 64], false);
         t.list("transformer_blocks", 19, |_, blk| {
-            linear(blk, "norm1.linear", 6 * d, d, true);
-            linear(blk, "norm1_context.linear", 6 * d, d, true);
-            for p in [
-                "to_q",
-                "to_k",
-                "to_v",
-                "add_q_proj",
-                "add_k_proj",
-                "add_v_proj",
-                "to_out.0",
-                "to_add_out",
-            ] {
-                linear(blk, &format!("attn.{p}"), d, d, true);
-            }
-            for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
-                rms(blk, &format!("attn.{n}"), head);
-            }
-            for f in ["ff", "ff_context"] {
-                linear(blk, &format!("{f}.net.0.proj"), ff, d, true);
-                linear(blk, &format!("{f}.net.2"), d, ff, true);
-            }
+            dual_stream_block(
+                blk,
+                d,
+                ff,
+                head,
+                ["norm1.linear", "norm1_context.linear"],
+                ["ff", "ff_context"],
+            );
         });
         t.list("single_transformer_blocks", 38, |_, blk| {
             linear(blk, "norm.linear", 3 * d, d, true);
@@ -385,27 +407,14 @@ pub fn qwen_image() -> Preset {
             true,
         );
         t.list("transformer_blocks", 60, |_, blk| {
-            linear(blk, "img_mod.1", 6 * d, d, true);
-            linear(blk, "txt_mod.1", 6 * d, d, true);
-            for p in [
-                "to_q",
-                "to_k",
-                "to_v",
-                "add_q_proj",
-                "add_k_proj",
-                "add_v_proj",
-                "to_out.0",
-                "to_add_out",
-            ] {
-                linear(blk, &format!("attn.{p}"), d, d, true);
-            }
-            for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
-                rms(blk, &format!("attn.{n}"), head);
-            }
-            for f in ["img_mlp", "txt_mlp"] {
-                linear(blk, &format!("{f}.net.0.proj"), ff, d, true);
-                linear(blk, &format!("{f}.net.2"), d, ff, true);
-            }
+            dual_stream_block(
+                blk,
+                d,
+                ff,
+                head,
+                ["img_mod.1", "txt_mod.1"],
+                ["img_mlp", "txt_mlp"],
+            );
         });
         linear(&mut t, "norm_out.linear", 2 * d, d, true);
         linear(&mut t, "proj_out", 64, d, true);

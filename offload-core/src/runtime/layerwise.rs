@@ -413,11 +413,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 first.get_or_insert(e);
             }
         }
-        for b in st.resident {
-            if let Err(e) = h.free(b, &[], "resident unit") {
-                first.get_or_insert(e);
-            }
-        }
+        h.free_all(st.resident, "resident unit", &mut first);
         let leak = self.shared.bug(PlantedBug::LeakHostMasters);
         for master in st
             .rings

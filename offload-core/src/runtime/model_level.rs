@@ -271,11 +271,7 @@ impl<A: Api> ModelLevelBackend<A> {
                 }
             }
         }
-        for b in st.resident {
-            if let Err(e) = h.free(b, &[], "resident unit") {
-                first.get_or_insert(e);
-            }
-        }
+        h.free_all(st.resident, "resident unit", &mut first);
         first.map_or(Ok(()), Err)
     }
 }

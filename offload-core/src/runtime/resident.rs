@@ -42,11 +42,11 @@ impl<A: Api> ResidentBackend<A> {
         self.placement = None;
         let drained = self.handles.drain();
         let mut first = drained.err();
-        for b in self.buffers.drain(..) {
-            if let Err(e) = self.handles.free(b, &[], "resident unit") {
-                first.get_or_insert(e);
-            }
-        }
+        self.handles.free_all(
+            std::mem::take(&mut self.buffers),
+            "resident unit",
+            &mut first,
+        );
         first.map_or(Ok(()), Err)
     }
 }

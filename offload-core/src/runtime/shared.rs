@@ -196,6 +196,21 @@ impl<A: Api> Handles<A> {
         }
     }
 
+    /// Frees every buffer (after drained streams); every free runs, the
+    /// first error is kept in `first`.
+    pub(crate) fn free_all(
+        &self,
+        buffers: Vec<Arc<A::DeviceBuffer>>,
+        what: &str,
+        first: &mut Option<OffloadError>,
+    ) {
+        for b in buffers {
+            if let Err(e) = self.free(b, &[], what) {
+                first.get_or_insert(e);
+            }
+        }
+    }
+
     /// Frees a device buffer after `after`; fails if a view still holds it.
     pub(crate) fn free(
         &self,
