@@ -126,18 +126,34 @@ pub trait HostBuffer: fmt::Debug + Send + Sync {
 }
 
 /// Memory the caller owns and hands to [`Device::register_host`].
-pub trait HostRegion: Send + Sync + 'static {
+///
+/// A registration captures the region's address and length once, when it
+/// is registered, and copies read that address until it is unregistered:
+/// the device reads the memory behind the region's back.
+///
+/// # Safety
+///
+/// Implementors guarantee that, for as long as the value lives and is not
+/// mutably borrowed, [`HostRegion::bytes`] returns the same slice (same
+/// pointer, same length) on every call, and that the memory behind it is
+/// neither moved, freed nor written through any other handle (no interior
+/// mutability, no other owner writing). `Vec<u8>` and `Box<[u8]>` qualify:
+/// a registration owns the region, so nothing else can reach them.
+pub unsafe trait HostRegion: Send + Sync + 'static {
     /// The bytes.
     fn bytes(&self) -> &[u8];
 }
 
-impl HostRegion for Vec<u8> {
+// SAFETY: an owned Vec's buffer moves or changes only through `&mut`, which
+// nobody has while the registration owns it.
+unsafe impl HostRegion for Vec<u8> {
     fn bytes(&self) -> &[u8] {
         self
     }
 }
 
-impl HostRegion for Box<[u8]> {
+// SAFETY: as for `Vec<u8>`.
+unsafe impl HostRegion for Box<[u8]> {
     fn bytes(&self) -> &[u8] {
         self
     }

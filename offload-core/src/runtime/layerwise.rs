@@ -37,7 +37,9 @@ use crate::runtime::shared::{
     plan_and_partition, remove_hooks,
 };
 use crate::runtime::slots::SlotTable;
-use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
+use crate::runtime::{
+    Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource,
+};
 
 /// One block's host master.
 struct Master<A: Api> {
@@ -66,11 +68,14 @@ struct State<A: Api> {
     depth: usize,
     /// Extra host masters kept only when a planted bug asks for them.
     shadow_masters: Vec<HostMaster<A>>,
+    /// The slot each block was last filled into (read only by the
+    /// `IgnoreRingStamp` planted bug, which trusts it over the stamps).
+    filled_into: Vec<Vec<Option<usize>>>,
 }
 
 struct Shared<A: Api> {
     handles: Handles<A>,
-    bugs: Vec<PlantedBug>,
+    bugs: Bugs,
     state: Mutex<Option<State<A>>>,
 }
 
@@ -80,8 +85,20 @@ impl<A: Api> Shared<A> {
     }
 
     fn bug(&self, bug: PlantedBug) -> bool {
-        self.bugs.contains(&bug)
+        self.bugs.has(bug)
     }
+}
+
+/// Why a block is being filled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FillKind {
+    /// Block 0 of the first ring, at enable.
+    Initial,
+    /// A prefetch from the pre-forward of an earlier block (`wrap`: the
+    /// ring's end fetching its start).
+    Prefetch { wrap: bool },
+    /// The block arrived unmaterialised: copied on demand.
+    OnDemand,
 }
 
 /// The fill step of the ring: host master → slot. (DLO replaces the copy by
@@ -93,10 +110,37 @@ trait Fill<A: Api> {
         st: &mut State<A>,
         ring: usize,
         block: usize,
+        kind: FillKind,
     ) -> Result<usize, OffloadError>;
 }
 
 struct CopyFill;
+
+impl CopyFill {
+    /// The slot to fill: the least recently filled free one (or, with the
+    /// `StaticSlot` planted bug, the block's index modulo the slot count,
+    /// in use or not).
+    fn choose<A: Api>(
+        shared: &Shared<A>,
+        st: &mut State<A>,
+        ring: usize,
+        block: usize,
+    ) -> Result<(usize, Option<(usize, usize)>), OffloadError> {
+        if shared.bug(PlantedBug::StaticSlot) {
+            let global = st.rings[..ring].iter().map(|r| r.blocks.len()).sum::<usize>() + block;
+            let k = global % st.slots.len();
+            return Ok((k, st.table.evict_unchecked(k, ring, block)));
+        }
+        let k = st.table.victim().ok_or_else(|| OffloadError::Forward {
+            module: st.rings[ring].blocks[block].unit.name.clone(),
+            reason: format!(
+                "all {} slots are in use (nested block forwards?)",
+                st.slots.len()
+            ),
+        })?;
+        Ok((k, st.table.evict(k, ring, block)))
+    }
+}
 
 impl<A: Api> Fill<A> for CopyFill {
     fn fill(
@@ -105,52 +149,66 @@ impl<A: Api> Fill<A> for CopyFill {
         st: &mut State<A>,
         ring: usize,
         block: usize,
+        kind: FillKind,
     ) -> Result<usize, OffloadError> {
         let h = &shared.handles;
-        let k = st.table.victim().ok_or_else(|| OffloadError::Forward {
-            module: st.rings[ring].blocks[block].unit.name.clone(),
-            reason: format!(
-                "all {} slots are in use (nested block forwards?)",
-                st.slots.len()
-            ),
-        })?;
+        let (k, previous) = Self::choose(shared, st, ring, block)?;
         // The slot's previous content is gone: a prefetch nobody consumed
         // is discarded.
-        if let Some((r, b)) = st.table.evict(k, ring, block) {
+        if let Some((r, b)) = previous {
             let old = &st.rings[r].blocks[b].unit;
-            if st.placement.residency_of(old.entries[0].storage) == Some(Residency::InFlight) {
+            if st.placement.residency_of(old.entries[0].storage) == Some(Residency::InFlight)
+                && !shared.bug(PlantedBug::IgnoreRingStamp)
+            {
                 st.placement.transition(old, Transition::Discard)?;
             }
         }
-        let master = &st.rings[ring].blocks[block];
+        let skip_wait = shared.bug(PlantedBug::SkipLastUseWait)
+            || (kind == FillKind::OnDemand && shared.bug(PlantedBug::OnDemandSkipLastUseWait))
+            || (kind == (FillKind::Prefetch { wrap: true })
+                && shared.bug(PlantedBug::WrapAroundSkipLastUseWait));
+        let source = if shared.bug(PlantedBug::WrongMaster) {
+            (block + 1) % st.rings[ring].blocks.len()
+        } else {
+            block
+        };
+        let master = &st.rings[ring].blocks[source];
         let slot = &st.slots[k];
-        if !shared.bug(PlantedBug::SkipLastUseWait) {
+        if !skip_wait {
             h.device
                 .stream_wait_event(&h.copy, &slot.last_use)
                 .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
         }
-        // SAFETY: the master is exactly `unit.bytes` and the slot holds the
-        // largest block, so both ranges are in bounds; the copy stream waits
-        // for the slot's last use above (nothing reads the slot while it is
-        // overwritten), compute waits for `ready` (recorded next) before
-        // reading it, and the master is freed only after draining.
-        unsafe {
-            h.device.copy_h2d(
-                &h.copy,
-                master.host.source(),
-                0,
-                &slot.buffer,
-                0,
-                master.unit.bytes,
-            )
+        let stale = shared.bug(PlantedBug::StaleSlot) && matches!(kind, FillKind::Prefetch { .. });
+        if !stale {
+            // SAFETY: the master is exactly `unit.bytes` and the slot holds
+            // the largest block, so both ranges are in bounds; the copy
+            // stream waits for the slot's last use above (nothing reads the
+            // slot while it is overwritten), compute waits for `ready`
+            // (recorded next) before reading it, and the master is freed
+            // only after draining.
+            unsafe {
+                h.device.copy_h2d(
+                    &h.copy,
+                    master.host.source(),
+                    0,
+                    &slot.buffer,
+                    0,
+                    master.unit.bytes.min(st.rings[ring].blocks[block].unit.bytes),
+                )
+            }
+            .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
         }
-        .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
         h.device
             .record_event(&slot.ready, &h.copy)
             .map_err(|e| dev_err("record_event(ready)", e))?;
         let unit = st.rings[ring].blocks[block].unit.clone();
-        st.placement.transition(&unit, Transition::IssueCopy)?;
+        let already = st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
+        if !(already && shared.bug(PlantedBug::IgnoreRingStamp)) {
+            st.placement.transition(&unit, Transition::IssueCopy)?;
+        }
         st.table.filled(k, ring, block);
+        st.filled_into[ring][block] = Some(k);
         Ok(k)
     }
 }
@@ -173,11 +231,16 @@ impl<A: Api> BlockHook<A> {
         let stamped = st.table.holding(r, i);
         let inflight =
             st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
-        let k = match stamped {
-            Some(k) if inflight => k,
+        let k = match (stamped, inflight) {
+            (Some(k), true) => k,
+            // Planted: trust the slot the block was filled into, though
+            // another ring may have refilled it since.
+            (None, true) if shared.bug(PlantedBug::IgnoreRingStamp) => {
+                st.filled_into[r][i].expect("an in-flight block was filled")
+            }
             // Not materialised (a hook skipped the predecessor, another ring
             // took the slot, or the block runs twice): copy on demand.
-            _ => CopyFill.fill(shared, st, r, i)?,
+            _ => CopyFill.fill(shared, st, r, i, FillKind::OnDemand)?,
         };
         let read_slot = if shared.bug(PlantedBug::WrongSlot) {
             (k + 1) % st.table.len()
@@ -190,9 +253,17 @@ impl<A: Api> BlockHook<A> {
                 .stream_wait_event(&h.compute, &st.slots[k].ready)
                 .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
         }
+        if shared.bug(PlantedBug::LastUseBeforeCompute) {
+            h.device
+                .record_event(&st.slots[k].last_use, &h.compute)
+                .map_err(|e| dev_err("record_event(last use)", e))?;
+        }
         st.placement.transition(&unit, Transition::CopyDone)?;
         let buffer = Arc::clone(&st.slots[read_slot].buffer);
         st.placement.place(&unit, &buffer);
+        if shared.bug(PlantedBug::ShiftedPlacement) {
+            st.placement.shift_second_entry(&unit, 2);
+        }
         let n = st.rings[r].blocks.len();
         for j in 1..=st.depth.min(n - 1) {
             let b = (i + j) % n;
@@ -203,8 +274,8 @@ impl<A: Api> BlockHook<A> {
                     == Some(Residency::InFlight);
             // Prefetch only into a free slot; with none free (another
             // ring's block is being read) the block is copied on demand.
-            if !ready && st.table.victim().is_some() {
-                CopyFill.fill(shared, st, r, b)?;
+            if !ready && (st.table.victim().is_some() || shared.bug(PlantedBug::StaticSlot)) {
+                CopyFill.fill(shared, st, r, b, FillKind::Prefetch { wrap: b < i })?;
             }
         }
         Ok(())
@@ -216,12 +287,19 @@ impl<A: Api> BlockHook<A> {
         let mut guard = shared.lock();
         let st = guard.as_mut().ok_or_else(disabled)?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
-        let Some(k) = st.table.release(self.ring, self.block) else {
-            return Ok(());
-        };
-        h.device
-            .record_event(&st.slots[k].last_use, &h.compute)
-            .map_err(|e| dev_err("record_event(last use)", e))?;
+        match st.table.release(self.ring, self.block) {
+            Some(k) => {
+                if !shared.bug(PlantedBug::LastUseBeforeCompute) {
+                    h.device
+                        .record_event(&st.slots[k].last_use, &h.compute)
+                        .map_err(|e| dev_err("record_event(last use)", e))?;
+                }
+            }
+            // Planted: a static slot choice refilled the slot under this
+            // block; it no longer holds it, and its last use goes unrecorded.
+            None if shared.bug(PlantedBug::StaticSlot) => {}
+            None => return Ok(()),
+        }
         st.placement.unplace(&unit);
         st.placement.transition(&unit, Transition::Release)?;
         Ok(())
@@ -261,6 +339,10 @@ impl<A: Api> ModelHook<ForwardCtx> for BlockHook<A> {
 }
 
 /// Streams DiT (and encoder) blocks through a ring of device slots.
+///
+/// Dropping it while enabled (without [`OffloadBackend::disable`]) drains
+/// its streams before freeing anything; if draining fails, the memory the
+/// device may still touch is leaked with a logged error, never freed.
 pub struct LayerwiseBackend<A: Api> {
     config: OffloadConfig,
     depth: usize,
@@ -278,27 +360,28 @@ impl<A: Api> LayerwiseBackend<A> {
         config: OffloadConfig,
         depth: usize,
     ) -> Result<Self, OffloadError> {
+        Self::with_bugs(device, compute, weights, config, depth, Bugs::default())
+    }
+
+    pub(crate) fn with_bugs(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        depth: usize,
+        bugs: Bugs,
+    ) -> Result<Self, OffloadError> {
         Ok(Self {
             config,
             depth: depth.max(1),
             lifecycle: Lifecycle::new(OffloadStrategy::Layerwise),
             shared: Arc::new(Shared {
                 handles: Handles::new(device, compute, weights)?,
-                bugs: Vec::new(),
+                bugs,
                 state: Mutex::new(None),
             }),
             hooked: Vec::new(),
         })
-    }
-
-    /// Plants a bug for the invariant tests (test-only switch).
-    #[cfg(feature = "planted-bugs")]
-    #[doc(hidden)]
-    pub fn plant_bug(&mut self, bug: PlantedBug) {
-        Arc::get_mut(&mut self.shared)
-            .expect("plant bugs before enable")
-            .bugs
-            .push(bug);
     }
 
     fn new_state(&self, model: &Model) -> State<A> {
@@ -310,6 +393,7 @@ impl<A: Api> LayerwiseBackend<A> {
             table: SlotTable::new(0),
             depth: self.depth,
             shadow_masters: Vec::new(),
+            filled_into: Vec::new(),
         }
     }
 
@@ -338,6 +422,7 @@ impl<A: Api> LayerwiseBackend<A> {
         // Host masters, pinned once, exact size.
         for stack in &plan.stacks {
             st.rings.push(Ring { blocks: Vec::new() });
+            st.filled_into.push(vec![None; stack.blocks.len()]);
             for block in &stack.blocks {
                 let unit = partition.blocks[&block.module].clone();
                 let host = h.master(&unit, &skip)?;
@@ -392,47 +477,47 @@ impl<A: Api> LayerwiseBackend<A> {
         }
         // Block 0 of the first ring is materialised before the first forward.
         if !st.rings.is_empty() {
-            CopyFill.fill(&self.shared, st, 0, 0)?;
+            CopyFill.fill(&self.shared, st, 0, 0, FillKind::Initial)?;
         }
         Ok(())
     }
 
-    /// Frees everything `st` holds after draining both streams; every step
-    /// runs, the first error is returned.
-    fn release(&self, st: State<A>) -> Result<(), OffloadError> {
+    /// Frees everything `st` holds, after draining both streams (unless
+    /// `drain` is false, which only planted bugs ask for). If draining
+    /// fails, everything is leaked (the device may still touch it) and the
+    /// error returned; otherwise every free runs and the first error is
+    /// returned.
+    fn release(&self, st: State<A>, drain: bool) -> Result<(), OffloadError> {
         let h = &self.shared.handles;
-        // Placement holds references to the buffers: drop it first.
-        drop(st.placement);
-        let mut first = if self.shared.bug(PlantedBug::FreeWithoutDrain) {
-            None
-        } else {
-            h.drain().err()
-        };
-        for slot in st.slots {
-            if let Err(e) = h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot") {
-                first.get_or_insert(e);
-            }
-        }
-        h.free_all(st.resident, "resident unit", &mut first);
         let leak = self.shared.bug(PlantedBug::LeakHostMasters);
-        for master in st
-            .rings
-            .into_iter()
-            .flat_map(|r| r.blocks)
-            .map(|m| m.host)
-            .chain(st.shadow_masters)
-        {
-            if leak {
-                std::mem::forget(master);
-                continue;
+        h.release("layerwise", st, drain, |st, first| {
+            // Placement holds references to the buffers: drop it first.
+            drop(st.placement);
+            for slot in st.slots {
+                if let Err(e) = h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot") {
+                    first.get_or_insert(e);
+                }
             }
-            // SAFETY: both streams were drained above, so no copy reads the
-            // master any more.
-            if let Err(e) = unsafe { h.free_master(master) } {
-                first.get_or_insert(e);
+            h.free_all(st.resident, "resident unit", first);
+            for master in st
+                .rings
+                .into_iter()
+                .flat_map(|r| r.blocks)
+                .map(|m| m.host)
+                .chain(st.shadow_masters)
+            {
+                if leak {
+                    std::mem::forget(master);
+                    continue;
+                }
+                // SAFETY: both streams were drained (`release` runs this
+                // only after a successful drain, or for a planted bug), so
+                // no copy reads the master any more.
+                if let Err(e) = unsafe { h.free_master(master) } {
+                    first.get_or_insert(e);
+                }
             }
-        }
-        first.map_or(Ok(()), Err)
+        })
     }
 
     /// Bytes of one slot, and the slot count.
@@ -444,6 +529,18 @@ impl<A: Api> LayerwiseBackend<A> {
                 st.slots.len(),
             )
         })
+    }
+}
+
+impl<A: Api> Drop for LayerwiseBackend<A> {
+    fn drop(&mut self) {
+        let st = self.shared.lock().take();
+        if let Some(st) = st {
+            let drain = !self.shared.bug(PlantedBug::DropWithoutDrain);
+            if let Err(e) = self.release(st, drain) {
+                tracing::error!("dropping an enabled layerwise backend: {e}");
+            }
+        }
     }
 }
 
@@ -461,7 +558,7 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         }
         let mut st = self.new_state(model);
         if let Err(e) = self.build(model, &mut st) {
-            let _ = self.release(st);
+            let _ = self.release(st, true);
             return Err(e);
         }
         let blocks: Vec<(usize, usize, ModuleId)> = st
@@ -498,7 +595,7 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
                     None
                 };
                 if let Some(st) = st {
-                    let _ = self.release(st);
+                    let _ = self.release(st, true);
                 }
                 return Err(e);
             }
@@ -513,7 +610,8 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         }
         remove_hooks(model, OffloadStrategy::Layerwise, &mut self.hooked);
         let st = self.shared.lock().take();
-        let result = st.map_or(Ok(()), |st| self.release(st));
+        let drain = !self.shared.bug(PlantedBug::FreeWithoutDrain);
+        let result = st.map_or(Ok(()), |st| self.release(st, drain));
         self.lifecycle.finish_disable();
         result
     }
@@ -554,24 +652,8 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
                 .flat_map(|r| &r.blocks)
                 .map(|m| m.unit.bytes)
                 .sum();
-            masters * (1 + u64::from(!st.shadow_masters.is_empty()))
+            let shadows: u64 = st.shadow_masters.iter().map(HostMaster::len_bytes).sum();
+            masters + shadows
         })
-    }
-
-    fn host_masters(&self) -> Vec<StorageId> {
-        let guard = self.shared.lock();
-        let Some(st) = guard.as_ref() else {
-            return Vec::new();
-        };
-        let mut out: Vec<StorageId> = st
-            .rings
-            .iter()
-            .flat_map(|r| &r.blocks)
-            .flat_map(|m| m.unit.entries.iter().map(|e| e.storage))
-            .collect();
-        if !st.shadow_masters.is_empty() {
-            out.extend(out.clone());
-        }
-        out
     }
 }

@@ -21,6 +21,7 @@
 //! # }
 //! ```
 
+mod bounds;
 mod layerwise;
 mod layout;
 mod model_level;
@@ -43,6 +44,7 @@ use crate::lifecycle::{LifecycleState, OffloadBackend, OffloadError};
 use crate::model::{ModuleId, Pipeline, StorageId, Tensor, TensorId};
 use crate::residency::Residency;
 
+pub use bounds::{MemoryBounds, memory_bounds};
 pub use layerwise::LayerwiseBackend;
 pub use layout::{Entry, Partition, Unit, partition};
 pub use model_level::ModelLevelBackend;
@@ -50,30 +52,140 @@ pub use platform::CorePlatform;
 pub use resident::ResidentBackend;
 
 /// Bugs a test can plant in a backend (with the `planted-bugs` feature) to
-/// see that the invariant checkers catch them. Never set otherwise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// see that the invariant checkers catch them. Never set otherwise: the
+/// switches are read only where the feature is compiled in
+/// ([`CorePlatform::with_planted_bugs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum PlantedBug {
-    /// INV-3: the copy stream does not wait for a slot's last use.
+    /// INV-3 (layerwise): no fill's copy waits for its slot's last use.
     SkipLastUseWait,
-    /// INV-3: compute does not wait for a slot's ready event.
+    /// INV-3 (layerwise): compute does not wait for a slot's ready event.
     SkipReadyWait,
-    /// INV-3: disable frees slots and masters without draining.
+    /// INV-3 (layerwise): disable frees slots and masters without draining.
     FreeWithoutDrain,
-    /// INV-8: views point into the wrong slot.
+    /// INV-8 (layerwise): views point into the wrong slot.
     WrongSlot,
-    /// INV-7: one slot more than depth + 1.
+    /// INV-7 (layerwise): one slot more than depth + 1.
     ExtraSlot,
-    /// INV-2: a second host copy of every block.
+    /// INV-2 (layerwise): a second pinned host copy of every block.
     SecondHostCopy,
-    /// INV-7: host masters leak at disable.
+    /// INV-7 (layerwise): host masters leak at disable.
     LeakHostMasters,
-    /// INV-5: a failed enable leaves its hooks installed.
+    /// INV-5 (layerwise): a failed enable leaves its hooks installed.
     NoRollback,
-    /// INV-1: enable does not check for another strategy's hooks.
+    /// INV-1 (layerwise): enable does not check for another strategy's hooks.
     IgnoreOtherOwner,
-    /// INV-4: non-persistent buffers are not loaded.
+    /// INV-4 (layerwise): non-persistent buffers are not loaded.
     SkipNonPersistent,
+    /// INV-3 (layerwise): a block's last use is recorded in its pre-forward,
+    /// before its kernels, so the next fill of its slot does not wait for them.
+    LastUseBeforeCompute,
+    /// INV-3 (layerwise): the slot is chosen statically (block index modulo
+    /// the slot count) instead of the least recently filled free slot; an
+    /// odd ring wraps onto the slot compute is reading.
+    StaticSlot,
+    /// INV-3 (layerwise): the on-demand refill (a skipped predecessor) does
+    /// not wait for the victim slot's last use.
+    OnDemandSkipLastUseWait,
+    /// INV-3 (layerwise): the wrap-around prefetch (the last block fetching
+    /// block 0) does not wait for the victim slot's last use.
+    WrapAroundSkipLastUseWait,
+    /// INV-8 (layerwise): a fill copies the next block's host master.
+    WrongMaster,
+    /// INV-8 (layerwise): a prefetch stamps its slot and records ready
+    /// without copying, so the slot keeps the bytes of what it held before.
+    StaleSlot,
+    /// INV-8 (layerwise): slot stamps ignore the ring, so a block of a
+    /// second ring reads the slot of the first ring's block with its index.
+    IgnoreRingStamp,
+    /// INV-4 (layerwise): the second storage of each streamed block is
+    /// placed two bytes off, overlapping its neighbour.
+    ShiftedPlacement,
+    /// INV-3 (model level): eviction frees after the bring-in's ready event
+    /// only, not after the component's last use.
+    EvictWithoutLastUse,
+    /// INV-3 (model level): compute does not wait for a bring-in.
+    BringInWithoutReady,
+    /// INV-7 (model level): a component is brought in before the others
+    /// are evicted.
+    BringInBeforeEvict,
+    /// INV-3 (model level): a failed bring-in frees what it allocated
+    /// without waiting for the copies already enqueued.
+    FailedBringInFreeWithoutWait,
+    /// INV-3 (every strategy): dropping an enabled backend frees without
+    /// draining.
+    DropWithoutDrain,
+}
+
+impl PlantedBug {
+    /// Every planted bug.
+    pub const ALL: [PlantedBug; 23] = [
+        PlantedBug::SkipLastUseWait,
+        PlantedBug::SkipReadyWait,
+        PlantedBug::FreeWithoutDrain,
+        PlantedBug::WrongSlot,
+        PlantedBug::ExtraSlot,
+        PlantedBug::SecondHostCopy,
+        PlantedBug::LeakHostMasters,
+        PlantedBug::NoRollback,
+        PlantedBug::IgnoreOtherOwner,
+        PlantedBug::SkipNonPersistent,
+        PlantedBug::LastUseBeforeCompute,
+        PlantedBug::StaticSlot,
+        PlantedBug::OnDemandSkipLastUseWait,
+        PlantedBug::WrapAroundSkipLastUseWait,
+        PlantedBug::WrongMaster,
+        PlantedBug::StaleSlot,
+        PlantedBug::IgnoreRingStamp,
+        PlantedBug::ShiftedPlacement,
+        PlantedBug::EvictWithoutLastUse,
+        PlantedBug::BringInWithoutReady,
+        PlantedBug::BringInBeforeEvict,
+        PlantedBug::FailedBringInFreeWithoutWait,
+        PlantedBug::DropWithoutDrain,
+    ];
+
+    /// The bug's name on command lines (`skip-last-use-wait`).
+    pub fn name(self) -> String {
+        let mut out = String::new();
+        for (i, c) in format!("{self:?}").chars().enumerate() {
+            if c.is_ascii_uppercase() {
+                if i > 0 {
+                    out.push('-');
+                }
+                out.push(c.to_ascii_lowercase());
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// The bug called `name` (as [`Self::name`] spells it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.name() == name)
+    }
+}
+
+/// The planted bugs a backend carries: empty unless the `planted-bugs`
+/// feature is compiled in and a test asked for some.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Bugs(Vec<PlantedBug>);
+
+impl Bugs {
+    pub(crate) fn new(bugs: &[PlantedBug]) -> Self {
+        Self(if cfg!(feature = "planted-bugs") {
+            bugs.to_vec()
+        } else {
+            Vec::new()
+        })
+    }
+
+    /// Whether `bug` is planted.
+    pub(crate) fn has(&self, bug: PlantedBug) -> bool {
+        cfg!(feature = "planted-bugs") && self.0.contains(&bug)
+    }
 }
 
 /// What every hook of a forward sees.
@@ -178,14 +290,9 @@ pub trait Backend<A: Api>: OffloadBackend {
     /// Device bytes this backend holds for weights now.
     fn device_weight_bytes(&self) -> u64;
 
-    /// Host bytes this backend holds for weights (pinned or registered).
+    /// Host bytes this backend holds for weights (pinned or registered), as
+    /// it reports them. (Checks observe the device's own allocations.)
     fn host_weight_bytes(&self) -> u64;
-
-    /// One entry per host master holding a storage (INV-2: each offloaded
-    /// storage appears exactly once).
-    fn host_masters(&self) -> Vec<StorageId> {
-        Vec::new()
-    }
 }
 
 /// A pipeline on one device, with at most one backend enabled.
@@ -320,6 +427,17 @@ impl<A: Api> Runtime<A> {
             Forwarded::Ran => Ok(out),
             Forwarded::Skipped { .. } | Forwarded::Failed => Ok(None),
         }
+    }
+}
+
+impl<A: Api> Drop for Runtime<A> {
+    /// Dropping a runtime with a backend enabled (a `?` past it, a panic
+    /// unwinding through a forward) drops the backend first, whose own
+    /// `Drop` drains its streams before any memory they may touch is freed
+    /// (memory the device may still touch after a failed drain is leaked,
+    /// never freed); the hooks go with the model.
+    fn drop(&mut self) {
+        drop(self.backend.take());
     }
 }
 

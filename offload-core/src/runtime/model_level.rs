@@ -16,14 +16,13 @@ use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
 };
 use crate::model::{ModuleId, StorageId};
-use crate::plan::PlanWarning;
 use crate::residency::{Residency, Transition};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
     Handles, Placement, bytes_of, check_single_owner, dev_err, install_hooks, plan_and_partition,
-    remove_hooks,
+    remove_hooks, swapped_components,
 };
-use crate::runtime::{Backend, DeviceLocation, ForwardCtx, Model, WeightSource};
+use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
 struct Component<A: Api> {
     path: String,
@@ -42,12 +41,17 @@ struct State<A: Api> {
 
 struct Shared<A: Api> {
     handles: Handles<A>,
+    bugs: Bugs,
     state: Mutex<Option<State<A>>>,
 }
 
 impl<A: Api> Shared<A> {
     fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
         lock(&self.state)
+    }
+
+    fn bug(&self, bug: PlantedBug) -> bool {
+        self.bugs.has(bug)
     }
 
     fn evict(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
@@ -57,9 +61,13 @@ impl<A: Api> Shared<A> {
             st.placement.unplace(unit);
             st.placement.transition(unit, Transition::Release)?;
         }
+        let after: &[&A::Event] = if self.bug(PlantedBug::EvictWithoutLastUse) {
+            &[&comp.ready]
+        } else {
+            &[&comp.ready, &comp.last_use]
+        };
         for b in buffers {
-            self.handles
-                .free(b, &[&comp.ready, &comp.last_use], &comp.path)?;
+            self.handles.free(b, after, &comp.path)?;
         }
         Ok(())
     }
@@ -100,8 +108,13 @@ impl<A: Api> Shared<A> {
             .record_event(&comp.ready, &h.copy)
             .map_err(|e| dev_err("record_event(ready)", e));
         if let Err(e) = copied.and(recorded) {
+            let after: &[&A::Event] = if self.bug(PlantedBug::FailedBringInFreeWithoutWait) {
+                &[]
+            } else {
+                &[&comp.ready]
+            };
             for b in buffers {
-                let _ = h.free(b, &[&comp.ready], &comp.path);
+                let _ = h.free(b, after, &comp.path);
             }
             return Err(e);
         }
@@ -130,14 +143,22 @@ impl<A: Api> ComponentHook<A> {
             let others: Vec<usize> = (0..st.components.len())
                 .filter(|d| *d != c && !st.components[*d].on_device.is_empty())
                 .collect();
+            let early = shared.bug(PlantedBug::BringInBeforeEvict);
+            if early {
+                shared.bring_in(st, c)?;
+            }
             for d in others {
                 shared.evict(st, d)?;
             }
-            shared.bring_in(st, c)?;
+            if !early {
+                shared.bring_in(st, c)?;
+            }
         }
-        h.device
-            .stream_wait_event(&h.compute, &st.components[c].ready)
-            .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
+        if !shared.bug(PlantedBug::BringInWithoutReady) {
+            h.device
+                .stream_wait_event(&h.compute, &st.components[c].ready)
+                .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
+        }
         for (unit, _) in &st.components[c].units {
             if st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight) {
                 st.placement.transition(unit, Transition::CopyDone)?;
@@ -175,6 +196,9 @@ impl<A: Api> ModelHook<ForwardCtx> for ComponentHook<A> {
 }
 
 /// Swaps whole components between host masters and the device.
+///
+/// Dropping it while enabled drains its streams before freeing anything (a
+/// failed drain leaks, with a logged error).
 pub struct ModelLevelBackend<A: Api> {
     config: OffloadConfig,
     lifecycle: Lifecycle,
@@ -190,11 +214,22 @@ impl<A: Api> ModelLevelBackend<A> {
         weights: Arc<dyn WeightSource>,
         config: OffloadConfig,
     ) -> Result<Self, OffloadError> {
+        Self::with_bugs(device, compute, weights, config, Bugs::default())
+    }
+
+    pub(crate) fn with_bugs(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        bugs: Bugs,
+    ) -> Result<Self, OffloadError> {
         Ok(Self {
             config,
             lifecycle: Lifecycle::new(OffloadStrategy::ModelLevel),
             shared: Arc::new(Shared {
                 handles: Handles::new(device, compute, weights)?,
+                bugs,
                 state: Mutex::new(None),
             }),
             hooked: Vec::new(),
@@ -207,11 +242,9 @@ impl<A: Api> ModelLevelBackend<A> {
         let (plan, partition) = plan_and_partition(&model.pipeline, &self.config)?;
         log_warnings(&plan.warnings);
         let h = &self.shared.handles;
-        // No encoder: the DiTs simply stay on the device.
-        let swapping = !plan.warnings.contains(&PlanWarning::NoEncoder);
         let none = BTreeSet::new();
         let mut swapped: BTreeSet<StorageId> = BTreeSet::new();
-        for comp in plan.components.iter().filter(|c| c.offloaded && swapping) {
+        for (comp, units) in swapped_components(&model.pipeline, &plan, &partition) {
             let ready = h
                 .device
                 .create_event()
@@ -228,10 +261,7 @@ impl<A: Api> ModelLevelBackend<A> {
                 ready,
                 last_use,
             });
-            for unit in partition
-                .all()
-                .filter(|u| model.pipeline.is_within(u.module, comp.module))
-            {
+            for unit in units {
                 let host = h.fill_pinned(unit, &none)?;
                 swapped.extend(unit.entries.iter().map(|e| e.storage));
                 st.placement.claim(unit)?;
@@ -253,26 +283,39 @@ impl<A: Api> ModelLevelBackend<A> {
         Ok(())
     }
 
-    fn release(&self, st: State<A>) -> Result<(), OffloadError> {
+    /// Frees everything after draining (see `Handles::release`).
+    fn release(&self, st: State<A>, drain: bool) -> Result<(), OffloadError> {
         let h = &self.shared.handles;
-        // Placement holds references to the buffers: drop it first.
-        drop(st.placement);
-        let mut first = h.drain().err();
-        for comp in st.components {
-            for b in comp.on_device {
-                if let Err(e) = h.free(b, &[&comp.ready, &comp.last_use], &comp.path) {
-                    first.get_or_insert(e);
+        h.release("model-level", st, drain, |st, first| {
+            // Placement holds references to the buffers: drop it first.
+            drop(st.placement);
+            for comp in st.components {
+                for b in comp.on_device {
+                    if let Err(e) = h.free(b, &[&comp.ready, &comp.last_use], &comp.path) {
+                        first.get_or_insert(e);
+                    }
+                }
+                for (_, host) in comp.units {
+                    // SAFETY: both streams are drained: no copy reads the master.
+                    if let Err(e) = unsafe { h.device.free_pinned(host) } {
+                        first.get_or_insert(dev_err("free_pinned", e));
+                    }
                 }
             }
-            for (_, host) in comp.units {
-                // SAFETY: both streams are drained: no copy reads the master.
-                if let Err(e) = unsafe { h.device.free_pinned(host) } {
-                    first.get_or_insert(dev_err("free_pinned", e));
-                }
+            h.free_all(st.resident, "resident unit", first);
+        })
+    }
+}
+
+impl<A: Api> Drop for ModelLevelBackend<A> {
+    fn drop(&mut self) {
+        let st = self.shared.lock().take();
+        if let Some(st) = st {
+            let drain = !self.shared.bug(PlantedBug::DropWithoutDrain);
+            if let Err(e) = self.release(st, drain) {
+                tracing::error!("dropping an enabled model-level backend: {e}");
             }
         }
-        h.free_all(st.resident, "resident unit", &mut first);
-        first.map_or(Ok(()), Err)
     }
 }
 
@@ -292,7 +335,7 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
             components: Vec::new(),
         };
         if let Err(e) = self.build(model, &mut st) {
-            let _ = self.release(st);
+            let _ = self.release(st, true);
             return Err(e);
         }
         let hooks: Vec<(usize, ModuleId)> = st
@@ -318,7 +361,7 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
             Err(e) => {
                 let st = self.shared.lock().take();
                 if let Some(st) = st {
-                    let _ = self.release(st);
+                    let _ = self.release(st, true);
                 }
                 return Err(e);
             }
@@ -333,7 +376,7 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
         }
         remove_hooks(model, OffloadStrategy::ModelLevel, &mut self.hooked);
         let st = self.shared.lock().take();
-        let result = st.map_or(Ok(()), |st| self.release(st));
+        let result = st.map_or(Ok(()), |st| self.release(st, true));
         self.lifecycle.finish_disable();
         result
     }
@@ -375,17 +418,6 @@ impl<A: Api> Backend<A> for ModelLevelBackend<A> {
                 .flat_map(|c| &c.units)
                 .map(|(u, _)| u.bytes)
                 .sum()
-        })
-    }
-
-    fn host_masters(&self) -> Vec<StorageId> {
-        let guard = self.shared.lock();
-        guard.as_ref().map_or_else(Vec::new, |st| {
-            st.components
-                .iter()
-                .flat_map(|c| &c.units)
-                .flat_map(|(u, _)| u.entries.iter().map(|e| e.storage))
-                .collect()
         })
     }
 }

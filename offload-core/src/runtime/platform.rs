@@ -7,7 +7,9 @@ use crate::sync::Arc;
 use crate::config::{OffloadStrategy, ParallelConfig};
 use crate::device::Api;
 use crate::lifecycle::{BackendRequest, DeviceSpec, OffloadError, Platform};
-use crate::runtime::{Backend, LayerwiseBackend, ModelLevelBackend, ResidentBackend, WeightSource};
+use crate::runtime::{
+    Backend, Bugs, LayerwiseBackend, ModelLevelBackend, PlantedBug, ResidentBackend, WeightSource,
+};
 
 /// Builds core backends on one device.
 pub struct CorePlatform<A: Api> {
@@ -16,6 +18,7 @@ pub struct CorePlatform<A: Api> {
     compute: Arc<A::Stream>,
     weights: Arc<dyn WeightSource>,
     prefetch_depth: usize,
+    bugs: Vec<PlantedBug>,
 }
 
 impl<A: Api> CorePlatform<A> {
@@ -32,7 +35,21 @@ impl<A: Api> CorePlatform<A> {
             compute,
             weights,
             prefetch_depth: 1,
+            bugs: Vec::new(),
         }
+    }
+
+    /// Plants `bugs` in every backend this platform builds, so that a test
+    /// can see the invariant checkers catch them (test-only switch).
+    #[cfg(feature = "planted-bugs")]
+    #[doc(hidden)]
+    pub fn with_planted_bugs(mut self, bugs: &[PlantedBug]) -> Self {
+        self.bugs = bugs.to_vec();
+        self
+    }
+
+    fn bugs(&self) -> Bugs {
+        Bugs::new(&self.bugs)
     }
 
     /// Blocks the layerwise strategy keeps in flight (default 1).
@@ -47,21 +64,23 @@ impl<A: Api> CorePlatform<A> {
         &self,
         config: crate::config::OffloadConfig,
     ) -> Result<LayerwiseBackend<A>, OffloadError> {
-        LayerwiseBackend::new(
+        LayerwiseBackend::with_bugs(
             Arc::clone(&self.device),
             Arc::clone(&self.compute),
             Arc::clone(&self.weights),
             config,
             self.prefetch_depth,
+            self.bugs(),
         )
     }
 
     /// The resident baseline (no offload), for comparisons.
     pub fn resident(&self) -> Result<Box<dyn Backend<A>>, OffloadError> {
-        Ok(Box::new(ResidentBackend::new(
+        Ok(Box::new(ResidentBackend::with_bugs(
             Arc::clone(&self.device),
             Arc::clone(&self.compute),
             Arc::clone(&self.weights),
+            self.bugs(),
         )?))
     }
 }
@@ -91,20 +110,27 @@ impl<A: Api> Platform for CorePlatform<A> {
             Arc::clone(&self.weights),
         );
         Ok(match request.selection.strategy {
-            OffloadStrategy::ModelLevel => Box::new(ModelLevelBackend::new(
+            OffloadStrategy::ModelLevel => Box::new(ModelLevelBackend::with_bugs(
                 device,
                 compute,
                 weights,
                 request.config,
+                self.bugs(),
             )?),
-            OffloadStrategy::Layerwise => Box::new(LayerwiseBackend::new(
+            OffloadStrategy::Layerwise => Box::new(LayerwiseBackend::with_bugs(
                 device,
                 compute,
                 weights,
                 request.config,
                 self.prefetch_depth,
+                self.bugs(),
             )?),
-            OffloadStrategy::None => Box::new(ResidentBackend::new(device, compute, weights)?),
+            OffloadStrategy::None => Box::new(ResidentBackend::with_bugs(
+                device,
+                compute,
+                weights,
+                self.bugs(),
+            )?),
             strategy @ OffloadStrategy::DistributedLayerwise => {
                 return Err(OffloadError::Unsupported {
                     platform: self.name.clone(),

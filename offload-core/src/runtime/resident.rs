@@ -12,11 +12,13 @@ use crate::lifecycle::{
 use crate::model::StorageId;
 use crate::residency::Residency;
 use crate::runtime::shared::{Handles, Placement, bytes_of, plan_and_partition};
-use crate::runtime::{Backend, DeviceLocation, Model, WeightSource};
+use crate::runtime::{Backend, Bugs, DeviceLocation, Model, PlantedBug, WeightSource};
 
-/// Uploads every weight once; keeps them resident until `disable`.
+/// Uploads every weight once; keeps them resident until `disable` (or a
+/// drop, which drains the streams first).
 pub struct ResidentBackend<A: Api> {
     handles: Handles<A>,
+    bugs: Bugs,
     lifecycle: Lifecycle,
     placement: Option<Placement<A>>,
     buffers: Vec<Arc<A::DeviceBuffer>>,
@@ -29,25 +31,45 @@ impl<A: Api> ResidentBackend<A> {
         compute: Arc<A::Stream>,
         weights: Arc<dyn WeightSource>,
     ) -> Result<Self, OffloadError> {
+        Self::with_bugs(device, compute, weights, Bugs::default())
+    }
+
+    pub(crate) fn with_bugs(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        bugs: Bugs,
+    ) -> Result<Self, OffloadError> {
         Ok(Self {
             handles: Handles::new(device, compute, weights)?,
+            bugs,
             lifecycle: Lifecycle::new(OffloadStrategy::None),
             placement: None,
             buffers: Vec::new(),
         })
     }
 
-    fn release(&mut self) -> Result<(), OffloadError> {
+    /// Frees every buffer after draining (see `Handles::release`).
+    fn release(&mut self, drain: bool) -> Result<(), OffloadError> {
         // Placement holds references to the buffers: drop it first.
         self.placement = None;
-        let drained = self.handles.drain();
-        let mut first = drained.err();
-        self.handles.free_all(
-            std::mem::take(&mut self.buffers),
-            "resident unit",
-            &mut first,
-        );
-        first.map_or(Ok(()), Err)
+        let buffers = std::mem::take(&mut self.buffers);
+        let h = &self.handles;
+        h.release("resident", buffers, drain, |buffers, first| {
+            h.free_all(buffers, "resident unit", first);
+        })
+    }
+}
+
+impl<A: Api> Drop for ResidentBackend<A> {
+    fn drop(&mut self) {
+        if self.buffers.is_empty() {
+            return;
+        }
+        let drain = !self.bugs.has(PlantedBug::DropWithoutDrain);
+        if let Err(e) = self.release(drain) {
+            tracing::error!("dropping an enabled resident backend: {e}");
+        }
     }
 }
 
@@ -68,7 +90,7 @@ impl<A: Api> OffloadBackend for ResidentBackend<A> {
             placement.resident(unit, &buffer)
         });
         if let Err(e) = result {
-            let _ = self.release();
+            let _ = self.release(true);
             return Err(e);
         }
         self.placement = Some(placement);
@@ -80,7 +102,7 @@ impl<A: Api> OffloadBackend for ResidentBackend<A> {
         if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
             return Ok(());
         }
-        let result = self.release();
+        let result = self.release(true);
         self.lifecycle.finish_disable();
         result
     }

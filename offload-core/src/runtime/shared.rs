@@ -23,6 +23,15 @@ pub(crate) enum HostMaster<A: Api> {
 }
 
 impl<A: Api> HostMaster<A> {
+    /// Its size in bytes.
+    pub(crate) fn len_bytes(&self) -> u64 {
+        use crate::device::Registration;
+        match self {
+            HostMaster::Pinned(b) => b.len_bytes(),
+            HostMaster::Registered(r) => r.len_bytes(),
+        }
+    }
+
     /// As a copy source.
     pub(crate) fn source(&self) -> HostSource<'_, A> {
         match self {
@@ -68,6 +77,31 @@ impl<A: Api> Handles<A> {
         self.device
             .synchronize_stream(&self.compute)
             .map_err(|e| dev_err("synchronize_stream(compute)", e))
+    }
+
+    /// The one way a strategy gives its resources back: drain both streams
+    /// (unless `drain` is false, which only planted bugs ask for), then run
+    /// `free`, which frees everything and keeps the first error. If the
+    /// drain fails, the device may still read or write any of it: nothing
+    /// is freed, `resources` is leaked with a logged error, and the drain's
+    /// error is returned.
+    pub(crate) fn release<T>(
+        &self,
+        strategy: &str,
+        resources: T,
+        drain: bool,
+        free: impl FnOnce(T, &mut Option<OffloadError>),
+    ) -> Result<(), OffloadError> {
+        if drain && let Err(e) = self.drain() {
+            tracing::error!(
+                "{strategy} offload: draining the streams failed ({e}); leaking its device and host memory rather than freeing memory the device may still use"
+            );
+            std::mem::forget(resources);
+            return Err(e);
+        }
+        let mut first = None;
+        free(resources, &mut first);
+        first.map_or(Ok(()), Err)
     }
 
     /// A pinned host buffer of exactly `unit.bytes`, filled from the weight
@@ -147,15 +181,22 @@ impl<A: Api> Handles<A> {
     ) -> Result<A::DeviceBuffer, OffloadError> {
         let staging = self.master(unit, skip)?;
         let result = self.upload_from(unit, &staging);
-        let drained = self
+        if let Err(e) = self
             .device
             .synchronize_stream(&self.copy)
-            .map_err(|e| dev_err("synchronize_stream(copy)", e));
+            .map_err(|e| dev_err("synchronize_stream(copy)", e))
+        {
+            // A copy may still read the staging buffer and write the device
+            // buffer: leak both rather than free them.
+            tracing::error!("upload of `{}`: {e}; leaking its buffers", unit.name);
+            std::mem::forget(staging);
+            std::mem::forget(result);
+            return Err(e);
+        }
         // SAFETY: the copy stream, the only one that read `staging`, was
         // synchronised just above.
         let freed = unsafe { self.free_master(staging) };
         let buffer = result?;
-        drained?;
         freed?;
         Ok(buffer)
     }
@@ -188,9 +229,13 @@ impl<A: Api> Handles<A> {
         match copied {
             Ok(()) => Ok(buffer),
             Err(e) => {
-                let _ = self.device.synchronize_stream(&self.copy);
-                // SAFETY: the copy stream is drained: nothing uses `buffer`.
-                let _ = unsafe { self.device.free_device(buffer, &[]) };
+                if self.device.synchronize_stream(&self.copy).is_ok() {
+                    // SAFETY: the copy stream is drained: nothing uses `buffer`.
+                    let _ = unsafe { self.device.free_device(buffer, &[]) };
+                } else {
+                    tracing::error!("upload of `{}`: {e}; leaking its device buffer", unit.name);
+                    std::mem::forget(buffer);
+                }
                 Err(e)
             }
         }
@@ -293,6 +338,16 @@ impl<A: Api> Placement<A> {
         }
     }
 
+    /// Moves the second storage of `unit` `bytes` further into its buffer
+    /// (only the `ShiftedPlacement` planted bug asks for this).
+    pub(crate) fn shift_second_entry(&mut self, unit: &Unit, bytes: u64) {
+        if let Some(e) = unit.entries.get(1)
+            && let Some(loc) = self.location[e.storage.index()].as_mut()
+        {
+            loc.offset += bytes;
+        }
+    }
+
     /// Marks every storage of `unit` host-only again.
     pub(crate) fn unplace(&mut self, unit: &Unit) {
         for e in &unit.entries {
@@ -344,6 +399,33 @@ pub(crate) fn plan_and_partition(
     let groups: Vec<_> = plan.components.iter().map(|c| c.module).collect();
     let partition = partition(pipeline, &stacks, &groups);
     Ok((plan, partition))
+}
+
+/// The components model-level offload swaps, each with the units it brings
+/// in whole: every offloaded component of the plan, unless the pipeline
+/// has no encoder (then the DiTs simply stay on the device, CONTRACT §6).
+pub(crate) fn swapped_components<'p>(
+    pipeline: &Pipeline,
+    plan: &'p ResolvedPlan,
+    partition: &'p Partition,
+) -> Vec<(&'p crate::plan::ResolvedComponent, Vec<&'p Unit>)> {
+    if plan
+        .warnings
+        .contains(&crate::plan::PlanWarning::NoEncoder)
+    {
+        return Vec::new();
+    }
+    plan.components
+        .iter()
+        .filter(|c| c.offloaded)
+        .map(|c| {
+            let units = partition
+                .all()
+                .filter(|u| pipeline.is_within(u.module, c.module))
+                .collect();
+            (c, units)
+        })
+        .collect()
 }
 
 /// Fails before anything is mutated if another strategy owns offload hooks

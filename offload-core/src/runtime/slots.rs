@@ -61,6 +61,17 @@ impl SlotTable {
             !self.slots[k].in_use,
             "slot {k} is in use and cannot be refilled"
         );
+        self.evict_unchecked(k, ring, block)
+    }
+
+    /// [`Self::evict`] without the in-use check: only the `StaticSlot`
+    /// planted bug calls it, to refill a slot compute may be reading.
+    pub(crate) fn evict_unchecked(
+        &mut self,
+        k: usize,
+        ring: usize,
+        block: usize,
+    ) -> Option<(usize, usize)> {
         for s in &mut self.slots {
             if s.stamp == Some((ring, block)) {
                 s.stamp = None;

@@ -1,0 +1,83 @@
+//! INV-7's bounds as a pure function of the pipeline, the configuration and
+//! the prefetch depth: what a checker compares the device's own accounting
+//! with (the simulator's allocation counters, the CUDA allocator's
+//! high-water mark), never a strategy's report of itself.
+
+use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::lifecycle::OffloadError;
+use crate::model::Pipeline;
+use crate::runtime::shared::{plan_and_partition, swapped_components};
+
+/// The most device and host memory a strategy may hold for weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryBounds {
+    /// The strategy the configuration selects.
+    pub strategy: OffloadStrategy,
+    /// Device weight bytes: everything for no offload; the resident part
+    /// plus `depth + 1` slots of the largest block for layerwise; the
+    /// resident part plus the largest swapped component for model level.
+    pub device_weight_bytes: u64,
+    /// Host bytes for weights (pinned or registered): exactly one copy of
+    /// the offloaded weights (nothing for no offload).
+    pub host_weight_bytes: u64,
+    /// Device allocations the strategy makes at most at once (resident
+    /// units, slots, a swapped component's units): an allocator that
+    /// rounds each allocation up may exceed the byte bound by one granule
+    /// per allocation.
+    pub device_allocations: u64,
+}
+
+/// INV-7's bounds for `pipeline` under `config` at prefetch `depth`.
+/// Distributed layerwise has no backend yet: it is an error.
+pub fn memory_bounds(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    depth: usize,
+) -> Result<MemoryBounds, OffloadError> {
+    let (plan, partition) = plan_and_partition(pipeline, config)?;
+    let total: u64 = partition.all().map(|u| u.bytes).sum();
+    let units = partition.all().count() as u64;
+    let strategy = plan.strategy();
+    let depth = depth.max(1) as u64;
+    let (device_weight_bytes, host_weight_bytes, device_allocations) = match strategy {
+        OffloadStrategy::None => (total, 0, units),
+        OffloadStrategy::Layerwise => {
+            let streamed = plan.streamed_bytes();
+            let blocks: u64 = plan.stacks.iter().map(|s| s.blocks.len() as u64).sum();
+            (
+                total - streamed + (depth + 1) * plan.largest_block_bytes(),
+                streamed,
+                units - blocks + depth + 1,
+            )
+        }
+        OffloadStrategy::ModelLevel => {
+            let swapped = swapped_components(pipeline, &plan, &partition);
+            let bytes = |us: &[&crate::runtime::Unit]| us.iter().map(|u| u.bytes).sum::<u64>();
+            let swapped_bytes: u64 = swapped.iter().map(|(_, us)| bytes(us)).sum();
+            let swapped_units: u64 = swapped.iter().map(|(_, us)| us.len() as u64).sum();
+            let largest = swapped.iter().map(|(_, us)| bytes(us)).max().unwrap_or(0);
+            let largest_units = swapped
+                .iter()
+                .map(|(_, us)| us.len() as u64)
+                .max()
+                .unwrap_or(0);
+            (
+                total - swapped_bytes + largest,
+                swapped_bytes,
+                units - swapped_units + largest_units,
+            )
+        }
+        OffloadStrategy::DistributedLayerwise => {
+            return Err(OffloadError::Unsupported {
+                platform: "offload-core".to_owned(),
+                strategy,
+            });
+        }
+    };
+    Ok(MemoryBounds {
+        strategy,
+        device_weight_bytes,
+        host_weight_bytes,
+        device_allocations,
+    })
+}
