@@ -307,7 +307,10 @@ pub struct TensorFacts {
     pub strides: Vec<u64>,
     /// Storage offset.
     pub storage_offset: u64,
-    /// Alias class: tensors sharing a storage share this number.
+    /// Bytes of device memory the lent view spans.
+    pub view_bytes: u64,
+    /// Alias class: tensors whose views share device memory share this
+    /// number (numbered in order of first appearance).
     pub alias_class: u32,
     /// Checksum of the values.
     pub checksum: u64,
@@ -386,7 +389,8 @@ pub struct MemoryObservation {
     pub peak_device_weight_bytes: u64,
     /// Bytes that stay resident by design.
     pub resident_bytes: u64,
-    /// Bytes of the slot ring(s).
+    /// Bytes that come and go: the slot ring(s) of layerwise, the largest
+    /// swapped component of model level.
     pub slot_bytes: u64,
     /// Host bytes held for weights (pinned, registered, shards).
     pub host_weight_bytes: u64,

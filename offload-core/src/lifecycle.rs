@@ -53,6 +53,8 @@ pub enum OffloadError {
     DeviceOp {
         /// The operation (e.g. `alloc_device(1048576 bytes)`).
         operation: String,
+        /// What kind of failure the backend reported.
+        kind: crate::device::DeviceErrorKind,
         /// The backend's error.
         cause: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -93,6 +95,38 @@ pub enum OffloadError {
         /// The strategy.
         strategy: OffloadStrategy,
     },
+}
+
+impl OffloadError {
+    /// A device operation's error from a backend's error.
+    pub fn device(operation: impl Into<String>, e: impl crate::device::DeviceError) -> Self {
+        OffloadError::DeviceOp {
+            operation: operation.into(),
+            kind: e.kind(),
+            cause: Box::new(e),
+        }
+    }
+
+    /// The kind of device failure behind this error, if a device operation
+    /// failed (also through a hook: a forward whose pre-forward could not
+    /// allocate reports `OutOfMemory`). Lets a caller tell "does not fit"
+    /// from a bug.
+    pub fn device_error_kind(&self) -> Option<crate::device::DeviceErrorKind> {
+        match self {
+            OffloadError::DeviceOp { kind, .. } => Some(*kind),
+            OffloadError::Hook(h) => {
+                let mut source = std::error::Error::source(h);
+                while let Some(e) = source {
+                    if let Some(inner) = e.downcast_ref::<OffloadError>() {
+                        return inner.device_error_kind();
+                    }
+                    source = e.source();
+                }
+                None
+            }
+            _ => None,
+        }
+    }
 }
 
 impl From<ConfigError> for OffloadError {

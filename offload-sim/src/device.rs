@@ -1,23 +1,34 @@
 //! The simulated device: a real backend of `offload_core::device`.
 //!
-//! * **Data.** Every buffer has real memory; copies move bytes and
-//!   [`SimDevice::compute`] reads them into a checksum. Effects happen in
-//!   the order the host enqueues them. With a payload divisor `d > 1` (for
-//!   real-model sizes that do not fit in host memory) a buffer of `n` bytes
-//!   keeps one byte in `d` (logical positions `≡ 0 mod d`); sizes, offsets,
-//!   timing and accounting stay logical and exact.
+//! * **Data, at its simulated time.** Every buffer has real memory. Work
+//!   the host enqueues does not touch memory when it is enqueued: each
+//!   copy's bytes land at its completion, each kernel reads its inputs at
+//!   its start, each free releases memory when the device reaches it. The
+//!   host sees memory as of its own clock. So a kernel that starts before
+//!   the copy filling its input completes reads the stale bytes, exactly as
+//!   a GPU would, and the output shows the race, not only the checker.
+//!   With a payload divisor `d > 1` (real-model sizes that do not fit in
+//!   host memory) a buffer of `n` bytes keeps one byte in `d` (logical
+//!   positions `≡ 0 mod d`); sizes, offsets, timing and accounting stay
+//!   logical and exact.
 //! * **Time.** A virtual clock: every operation runs on its stream after the
 //!   stream's previous work, after the events it waits for, after the host
 //!   enqueued it, and after earlier work on the same engine (one host→device
 //!   copy engine, one device→host copy engine, one compute engine). Durations
-//!   come from the [`DeviceProfile`]. The wall clock is never read.
+//!   come from the [`DeviceProfile`], optionally stretched by a seeded
+//!   [`Jitter`] that widens race windows as the CUDA backend's perturbation
+//!   mode does. The wall clock is never read. Arithmetic that would overflow
+//!   the clock is an error, never a wrap.
 //! * **Order.** A vector clock per stream and one for the host: waits join
 //!   event clocks, enqueues join the host clock, host synchronisation joins
 //!   the device's. Every access of every buffer goes to core's INV-3 checker
 //!   with that happens-before relation, so a missing wait is reported even
 //!   when the timing happened to hide it.
-//! * **Faults.** A [`FaultPlan`] fails the N-th allocation, copy or
-//!   collective.
+//! * **Faults.** A [`FaultPlan`] fails the N-th allocation, copy,
+//!   collective or host synchronisation.
+//! * **Drops.** A buffer or registration dropped without its free is
+//!   released as the CUDA backend releases it: after the whole device is
+//!   synchronised.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -80,15 +91,33 @@ pub struct SimEvent {
     index: usize,
 }
 
-/// Simulated device memory.
+/// A kernel's output: one 64-bit value on the device that kernels fold
+/// their checksums into, in the order they run (see [`SimDevice::compute`]).
 #[derive(Debug)]
+pub struct SimAccumulator {
+    index: usize,
+}
+
+/// Simulated device memory. Dropped without [`Device::free_device`], it is
+/// freed after the whole device is synchronised.
 pub struct SimDeviceBuffer {
     id: u64,
     len: u64,
+    freed: bool,
+    shared: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for SimDeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimDeviceBuffer")
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .finish()
+    }
 }
 
 impl SimDeviceBuffer {
-    /// The buffer's id (stable within one device).
+    /// The buffer's id (stable within one device; never reused).
     pub fn id(&self) -> u64 {
         self.id
     }
@@ -100,14 +129,33 @@ impl DeviceBuffer for SimDeviceBuffer {
     }
 }
 
+impl Drop for SimDeviceBuffer {
+    fn drop(&mut self) {
+        if self.freed {
+            return;
+        }
+        let mut st = lock(&self.shared);
+        st.synchronize_device();
+        let name = st.dev_name(self.id);
+        st.host_access(name, 0..self.len, Access::Free, "drop of a device buffer");
+        if let Some(b) = st.device.get_mut(&self.id)
+            && b.live
+        {
+            b.live = false;
+            b.mem = None;
+            st.stats.device_bytes -= self.len;
+        }
+    }
+}
+
 /// Simulated pinned host memory. Host reads and writes go through the
 /// device's order checker (a staging buffer rewritten while a copy still
-/// reads it is reported).
+/// reads it is reported). Dropped without [`Device::free_pinned`], it is
+/// freed after the whole device is synchronised.
 pub struct SimHostBuffer {
     id: u64,
     len: u64,
-    mem: Vec<u8>,
-    divisor: u64,
+    freed: bool,
     shared: Arc<Mutex<State>>,
 }
 
@@ -127,23 +175,27 @@ impl HostBuffer for SimHostBuffer {
 
     fn write_from(&mut self, offset: u64, len: u64, src: &dyn ByteSource) {
         assert!(
-            offset + len <= self.len,
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
             "write past the end of a pinned buffer"
         );
-        lock(&self.shared).host_access(
+        let mut st = lock(&self.shared);
+        st.host_access(
             host_name(self.id),
             offset..offset + len,
             Access::Write,
             "host write",
         );
-        let d = self.divisor;
-        let mut byte = [0u8; 1];
+        let d = st.divisor;
+        let Some(mem) = st.pinned.get_mut(&self.id).map(|m| &mut m.mem) else {
+            return;
+        };
         if d == 1 {
-            src.read_at(0, &mut self.mem[offset as usize..(offset + len) as usize]);
+            src.read_at(0, &mut mem[offset as usize..(offset + len) as usize]);
             return;
         }
+        let mut byte = [0u8; 1];
         let mut pos = offset.next_multiple_of(d) - offset;
-        for out in &mut self.mem[kept(offset, offset + len, d)] {
+        for out in &mut mem[kept(offset, offset + len, d)] {
             src.read_at(pos, &mut byte);
             *out = byte[0];
             pos += d;
@@ -153,20 +205,22 @@ impl HostBuffer for SimHostBuffer {
     fn read_into(&self, offset: u64, dst: &mut [u8]) {
         let len = dst.len() as u64;
         assert!(
-            offset + len <= self.len,
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
             "read past the end of a pinned buffer"
         );
-        lock(&self.shared).host_access(
+        let mut st = lock(&self.shared);
+        st.host_access(
             host_name(self.id),
             offset..offset + len,
             Access::Read,
             "host read",
         );
-        let d = self.divisor;
+        let d = st.divisor;
+        let mem = st.pinned.get(&self.id).map(|m| &m.mem[..]).unwrap_or(&[]);
         for (i, out) in dst.iter_mut().enumerate() {
             let p = offset + i as u64;
             *out = if p.is_multiple_of(d) {
-                self.mem[(p / d) as usize]
+                mem.get((p / d) as usize).copied().unwrap_or(0)
             } else {
                 0
             };
@@ -176,43 +230,74 @@ impl HostBuffer for SimHostBuffer {
 
 impl Drop for SimHostBuffer {
     fn drop(&mut self) {
+        if self.freed {
+            return;
+        }
         let mut st = lock(&self.shared);
+        st.synchronize_device();
+        st.host_access(
+            host_name(self.id),
+            0..self.len,
+            Access::Free,
+            "drop of a pinned buffer",
+        );
         if st.pinned.remove(&self.id).is_some() {
-            st.pinned_bytes -= self.len;
-            st.record_violation(Invariant::BoundedMemory, format!(
-                "pinned buffer {} ({} bytes) dropped without free_pinned: its copies were never ordered before the free",
-                self.id, self.len
-            ));
+            st.stats.pinned_bytes -= self.len;
         }
     }
 }
 
-/// Caller memory registered in place.
+/// Caller memory registered in place. The device reads a snapshot taken at
+/// registration (the address and length are captured once; the region is
+/// immutable while registered, by [`HostRegion`]'s contract). Dropped
+/// without [`Device::unregister_host`], it is unregistered after the whole
+/// device is synchronised.
 pub struct SimRegistration {
     id: u64,
-    region: Box<dyn HostRegion>,
+    len: u64,
+    region: Option<Box<dyn HostRegion>>,
+    shared: Arc<Mutex<State>>,
 }
 
 impl fmt::Debug for SimRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SimRegistration")
             .field("id", &self.id)
-            .field("len", &self.region.bytes().len())
+            .field("len", &self.len)
             .finish()
     }
 }
 
 impl Registration for SimRegistration {
     fn len_bytes(&self) -> u64 {
-        self.region.bytes().len() as u64
+        self.len
     }
 }
 
-/// One end of a transfer.
+impl Drop for SimRegistration {
+    fn drop(&mut self) {
+        if self.region.is_none() {
+            return;
+        }
+        let mut st = lock(&self.shared);
+        st.synchronize_device();
+        st.unregister(self.id, self.len, "drop of a registration");
+    }
+}
+
+/// One end of a transfer, for checks and the trace.
 struct End {
     name: String,
     offset: u64,
     len: u64,
+}
+
+/// Where a transfer's bytes live.
+#[derive(Clone, Copy, Debug)]
+enum Loc {
+    Device(u64),
+    Pinned(u64),
+    Registered(u64),
 }
 
 /// The engines whose work serialises.
@@ -222,6 +307,43 @@ enum Engine {
     D2h,
     Compute,
     Collective,
+}
+
+/// A data effect waiting for its simulated time.
+#[derive(Debug)]
+enum Effect {
+    /// A copy or gather lands (at its completion).
+    Copy {
+        src: Loc,
+        src_offset: u64,
+        dst: Loc,
+        dst_offset: u64,
+        bytes: u64,
+    },
+    /// A kernel reads its inputs (at its start) and folds their checksum
+    /// into an accumulator.
+    Kernel {
+        inputs: Vec<(u64, Range<u64>)>,
+        accumulator: usize,
+    },
+    /// The device reaches a free: the memory goes.
+    Free { id: u64 },
+    /// A memset of an accumulator.
+    Reset { accumulator: usize },
+}
+
+/// Seeded stretching of the timeline: before each device operation, with
+/// probability `probability`, its stream first idles for a random time up
+/// to `max_ns` (as the CUDA backend's spin kernels do). Deterministic for a
+/// seed.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Jitter {
+    /// The seed.
+    pub seed: u64,
+    /// Chance that an operation is delayed.
+    pub probability: f64,
+    /// Longest delay, ns.
+    pub max_ns: u64,
 }
 
 #[derive(Debug)]
@@ -240,7 +362,18 @@ struct EventState {
 
 #[derive(Debug)]
 struct DevBuf {
+    /// Its name for the checker and the trace (kept after the free, so a
+    /// late use is reported against the right buffer).
     name: String,
+    len: u64,
+    /// Allocated, not yet handed to a free.
+    live: bool,
+    /// `None` once the device has reached its free.
+    mem: Option<Vec<u8>>,
+}
+
+#[derive(Debug)]
+struct HostMem {
     len: u64,
     mem: Vec<u8>,
 }
@@ -258,14 +391,30 @@ pub struct SimStats {
     pub device_peak_bytes: u64,
     /// Pinned host bytes allocated now.
     pub pinned_bytes: u64,
+    /// Peak pinned host bytes.
+    pub pinned_peak_bytes: u64,
     /// Host bytes registered in place now.
     pub registered_bytes: u64,
+    /// Peak registered host bytes.
+    pub registered_peak_bytes: u64,
     /// Device allocations so far.
     pub allocations: u64,
     /// Copies so far.
     pub copies: u64,
     /// Kernels so far.
     pub kernels: u64,
+    /// Host synchronisations (of a stream or an event) so far.
+    pub syncs: u64,
+}
+
+/// One host allocation (pinned or registered) and its bytes, as the device
+/// holds them: what INV-2's checker reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostAllocation {
+    /// `pinned#N` or `registered#N`.
+    pub name: String,
+    /// Its bytes (with a payload divisor, the kept ones).
+    pub bytes: Vec<u8>,
 }
 
 #[derive(Debug)]
@@ -277,24 +426,20 @@ struct State {
     streams: Vec<StreamState>,
     events: Vec<EventState>,
     device: BTreeMap<u64, DevBuf>,
-    pinned: BTreeMap<u64, u64>,
-    registered: BTreeMap<u64, u64>,
+    pinned: BTreeMap<u64, HostMem>,
+    registered: BTreeMap<u64, HostMem>,
+    accumulators: Vec<u64>,
+    pending: BTreeMap<(u64, u64), Effect>,
     next_id: u64,
+    next_seq: u64,
     engines: [u64; 4],
     op_clocks: Vec<VectorClock>,
     checker: BufferOrderChecker,
     violations: Vec<Violation>,
     faults: FaultPlan,
+    jitter: Option<(Jitter, u64)>,
     collectives: u64,
-    stats_h2d: u64,
-    stats_d2h: u64,
-    device_bytes: u64,
-    device_peak: u64,
-    pinned_bytes: u64,
-    registered_bytes: u64,
-    allocations: u64,
-    copies: u64,
-    kernels: u64,
+    stats: SimStats,
     trace: Trace,
 }
 
@@ -306,6 +451,14 @@ fn host_name(id: u64) -> String {
     format!("pinned#{id}")
 }
 
+fn registered_name(id: u64) -> String {
+    format!("registered#{id}")
+}
+
+fn accumulator_name(index: usize) -> String {
+    format!("accumulator#{index}")
+}
+
 const HOST: usize = 0;
 
 /// The kept (real) indices of logical bytes `start..end` with divisor `d`:
@@ -314,12 +467,16 @@ fn kept(start: u64, end: u64, d: u64) -> Range<usize> {
     (start.div_ceil(d) as usize)..(end.div_ceil(d) as usize)
 }
 
-/// Copies logical `src_off..src_off + bytes` of `src` to `dst_off` of `dst`
-/// (offsets congruent modulo `d`).
-fn copy_kept(src: &[u8], src_off: u64, dst: &mut [u8], dst_off: u64, bytes: u64, d: u64) {
-    let from = kept(src_off, src_off + bytes, d);
-    let to = kept(dst_off, dst_off + bytes, d);
-    dst[to].copy_from_slice(&src[from]);
+/// The fold kernels apply to an accumulator: order-dependent.
+pub fn fold(a: u64, b: u64) -> u64 {
+    (a ^ b).wrapping_mul(0x100_0000_01b3).rotate_left(17)
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl State {
@@ -342,14 +499,108 @@ impl State {
 
     /// The host does something: its clock ticks.
     fn host_tick(&mut self) -> usize {
-        self.host_now_ns += (self.profile.launch_overhead_us * 1e3) as u64;
+        self.host_now_ns = self
+            .host_now_ns
+            .saturating_add((self.profile.launch_overhead_us * 1e3) as u64);
         self.host_clock.tick(HOST);
         self.op_clocks.push(self.host_clock.clone());
         self.op_clocks.len() - 1
     }
 
+    /// Applies every pending data effect whose time has come by `until`,
+    /// in time order (ties in enqueue order).
+    fn settle(&mut self, until: u64) {
+        while let Some(entry) = self.pending.first_entry() {
+            if entry.key().0 > until {
+                break;
+            }
+            let effect = entry.remove();
+            self.apply(effect);
+        }
+    }
+
+    fn schedule(&mut self, time_ns: u64, effect: Effect) {
+        self.next_seq += 1;
+        self.pending.insert((time_ns, self.next_seq), effect);
+    }
+
+    fn apply(&mut self, effect: Effect) {
+        let d = self.divisor;
+        match effect {
+            Effect::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                bytes,
+            } => {
+                // Freed memory reads as zeros (the checker has reported the
+                // use after free); a freed destination swallows the bytes.
+                let from = kept(src_offset, src_offset + bytes, d);
+                let data: Vec<u8> = match self.memory(src) {
+                    Some(mem) => mem.get(from.clone()).map_or_else(
+                        || vec![0; from.len()],
+                        <[u8]>::to_vec,
+                    ),
+                    None => vec![0; from.len()],
+                };
+                let to = kept(dst_offset, dst_offset + bytes, d);
+                if let Some(mem) = self.memory_mut(dst)
+                    && let Some(out) = mem.get_mut(to)
+                {
+                    out.copy_from_slice(&data[..out.len().min(data.len())]);
+                }
+            }
+            Effect::Kernel {
+                inputs,
+                accumulator,
+            } => {
+                let mut sum: u64 = 0xcbf2_9ce4_8422_2325;
+                for (id, range) in &inputs {
+                    let mem = self.device.get(id).and_then(|b| b.mem.as_deref());
+                    // Position within the range of the first kept byte, then every d.
+                    let mut pos = range.start.next_multiple_of(d) - range.start;
+                    for i in kept(range.start, range.end, d) {
+                        let v = mem.and_then(|m| m.get(i)).copied().unwrap_or(0);
+                        sum = (sum ^ (u64::from(v) | (pos << 8))).wrapping_mul(0x100_0000_01b3);
+                        pos += d;
+                    }
+                }
+                let acc = &mut self.accumulators[accumulator];
+                *acc = fold(*acc, sum);
+            }
+            Effect::Reset { accumulator } => self.accumulators[accumulator] = 0,
+            Effect::Free { id } => {
+                if let Some(b) = self.device.get_mut(&id)
+                    && !b.live
+                {
+                    b.mem = None;
+                }
+            }
+        }
+    }
+
+    fn memory(&self, loc: Loc) -> Option<&[u8]> {
+        match loc {
+            Loc::Device(id) => self.device.get(&id)?.mem.as_deref(),
+            Loc::Pinned(id) => Some(&self.pinned.get(&id)?.mem),
+            Loc::Registered(id) => Some(&self.registered.get(&id)?.mem),
+        }
+    }
+
+    fn memory_mut(&mut self, loc: Loc) -> Option<&mut [u8]> {
+        match loc {
+            Loc::Device(id) => self.device.get_mut(&id)?.mem.as_deref_mut(),
+            Loc::Pinned(id) => Some(&mut self.pinned.get_mut(&id)?.mem),
+            Loc::Registered(id) => Some(&mut self.registered.get_mut(&id)?.mem),
+        }
+    }
+
+    /// A host access of `buffer`: checked against the device's work, after
+    /// the memory has caught up with the host's clock.
     fn host_access(&mut self, buffer: String, range: Range<u64>, access: Access, what: &str) {
         let op = self.host_tick();
+        self.settle(self.host_now_ns);
         self.observe(
             op,
             buffer,
@@ -386,6 +637,56 @@ impl State {
         }
     }
 
+    /// Counts a host synchronisation; the planned one fails.
+    fn sync_fault(&mut self, operation: &str) -> Result<(), SimError> {
+        self.stats.syncs += 1;
+        let n = self.stats.syncs;
+        if self.faults.fail_sync_at == Some(n) {
+            return Err(self.err(
+                operation,
+                DeviceErrorKind::DeviceLost,
+                format!("injected failure of host synchronisation #{n}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The host waits for every stream (a context synchronisation).
+    fn synchronize_device(&mut self) {
+        self.host_tick();
+        let end = self.streams.iter().map(|s| s.tail_ns).max().unwrap_or(0);
+        let end = self
+            .pending
+            .keys()
+            .map(|(t, _)| *t)
+            .max()
+            .unwrap_or(0)
+            .max(end);
+        self.host_now_ns = self.host_now_ns.max(end);
+        let clocks: Vec<VectorClock> = self.streams.iter().map(|s| s.clock.clone()).collect();
+        for c in &clocks {
+            self.host_clock.join(c);
+        }
+        for e in self.events.clone() {
+            self.host_clock.join(&e.clock);
+        }
+        self.settle(self.host_now_ns);
+    }
+
+    /// The extra delay the jitter puts before the next operation.
+    fn jitter_ns(&mut self) -> u64 {
+        let Some((j, state)) = self.jitter.as_mut() else {
+            return 0;
+        };
+        *state = splitmix(*state);
+        let roll = (*state >> 11) as f64 / (1u64 << 53) as f64;
+        if roll >= j.probability || j.max_ns == 0 {
+            return 0;
+        }
+        *state = splitmix(*state);
+        *state % j.max_ns
+    }
+
     /// Enqueues an operation of `duration_ns` on `stream` using `engine`;
     /// returns (op id, start, end).
     fn enqueue(
@@ -394,16 +695,31 @@ impl State {
         engine: Engine,
         duration_ns: u64,
         name: &str,
-    ) -> (usize, u64, u64) {
+    ) -> Result<(usize, u64, u64), SimError> {
         self.host_tick();
+        let delay = self.jitter_ns();
+        let host_now = self.host_now_ns;
+        let overflow = |st: &Self| {
+            st.err(
+                name,
+                DeviceErrorKind::Other,
+                format!(
+                    "a {duration_ns} ns operation overflows the simulated clock (the workload is too large to simulate)"
+                ),
+            )
+        };
+        let s = &self.streams[stream];
+        let ready = s
+            .tail_ns
+            .checked_add(delay)
+            .ok_or_else(|| overflow(self))?;
+        let start = ready.max(self.engines[engine as usize]).max(host_now);
+        let end = start.checked_add(duration_ns).ok_or_else(|| overflow(self))?;
         let s = &mut self.streams[stream];
         s.clock.join(&self.host_clock);
         s.clock.tick(stream);
-        let engine_free = &mut self.engines[engine as usize];
-        let start = s.tail_ns.max(*engine_free).max(self.host_now_ns);
-        let end = start + duration_ns;
         s.tail_ns = end;
-        *engine_free = end;
+        self.engines[engine as usize] = end;
         let clock = s.clock.clone();
         let track = s.name.clone();
         self.op_clocks.push(clock);
@@ -413,18 +729,18 @@ impl State {
             start_ns: start,
             duration_ns,
         });
-        (self.op_clocks.len() - 1, start, end)
+        Ok((self.op_clocks.len() - 1, start, end))
     }
 
     /// Checks, counts (for fault injection), schedules and records one
-    /// transfer of `bytes` from `src` to `dst` on `stream`; the caller then
-    /// moves the bytes.
+    /// transfer of `bytes` from `src` to `dst` on `stream`; its bytes land
+    /// at its completion.
     fn transfer(
         &mut self,
         stream: usize,
         engine: Engine,
-        src: End,
-        dst: End,
+        (src, src_loc): (End, Loc),
+        (dst, dst_loc): (End, Loc),
         bytes: u64,
     ) -> Result<(), SimError> {
         let kind = match engine {
@@ -448,8 +764,8 @@ impl State {
             self.collectives += 1;
             (self.collectives, self.faults.fail_collective_at)
         } else {
-            self.copies += 1;
-            (self.copies, self.faults.fail_copy_at)
+            self.stats.copies += 1;
+            (self.stats.copies, self.faults.fail_copy_at)
         };
         if fail_at == Some(n) {
             let what = if engine == Engine::Collective {
@@ -468,10 +784,10 @@ impl State {
             Engine::Collective => self.profile.h2d_ns(bytes) / 8,
             _ => self.profile.h2d_ns(bytes),
         };
-        let (op, _, _) = self.enqueue(stream, engine, duration, &op_name);
+        let (op, _, end) = self.enqueue(stream, engine, duration, &op_name)?;
         match engine {
-            Engine::H2d => self.stats_h2d += bytes,
-            Engine::D2h => self.stats_d2h += bytes,
+            Engine::H2d => self.stats.h2d_bytes += bytes,
+            Engine::D2h => self.stats.d2h_bytes += bytes,
             _ => {}
         }
         let stream_name = self.streams[stream].name.clone();
@@ -491,6 +807,16 @@ impl State {
             Access::Write,
             op_name,
         );
+        self.schedule(
+            end,
+            Effect::Copy {
+                src: src_loc,
+                src_offset: src.offset,
+                dst: dst_loc,
+                dst_offset: dst.offset,
+                bytes,
+            },
+        );
         Ok(())
     }
 
@@ -499,6 +825,17 @@ impl State {
             .get(&id)
             .map(|b| b.name.clone())
             .unwrap_or_else(|| format!("device#{id}"))
+    }
+
+    fn dev_end(&self, buffer: &SimDeviceBuffer, offset: u64) -> (End, Loc) {
+        (
+            End {
+                name: self.dev_name(buffer.id),
+                offset,
+                len: buffer.len,
+            },
+            Loc::Device(buffer.id),
+        )
     }
 
     fn check_range(
@@ -521,6 +858,33 @@ impl State {
         }
         Ok(())
     }
+
+    fn count_allocation(&mut self, what: &str) -> Result<(), SimError> {
+        self.host_tick();
+        self.stats.allocations += 1;
+        let n = self.stats.allocations;
+        if self.faults.fail_alloc_at == Some(n) {
+            return Err(self.err(
+                what,
+                DeviceErrorKind::OutOfMemory,
+                format!("injected failure of allocation #{n}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn new_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn unregister(&mut self, id: u64, len: u64, what: &str) {
+        self.host_access(registered_name(id), 0..len, Access::Free, what);
+        if self.registered.remove(&id).is_some() {
+            self.stats.registered_bytes -= len;
+        }
+    }
 }
 
 /// A simulated GPU. Cloning shares the device.
@@ -538,26 +902,47 @@ pub struct SimConfig {
     pub payload_divisor: u64,
     /// Faults to inject.
     pub faults: FaultPlan,
+    /// Seeded delays that widen race windows (none by default).
+    pub jitter: Option<Jitter>,
 }
 
 impl SimConfig {
-    /// Exact payloads, no faults.
+    /// Exact payloads, no faults, no jitter. Every byte of every buffer is
+    /// kept in host memory: right for small pipelines (tests, `tiny`); a
+    /// real model needs [`Self::sampled`].
     pub fn exact(profile: DeviceProfile) -> Self {
         Self {
             profile,
             payload_divisor: 1,
             faults: FaultPlan::none(),
+            jitter: None,
+        }
+    }
+
+    /// One payload byte kept in `divisor` (a power of two): sizes, offsets,
+    /// timing and accounting stay exact, host memory shrinks `divisor`-fold.
+    pub fn sampled(profile: DeviceProfile, divisor: u64) -> Self {
+        Self {
+            payload_divisor: divisor,
+            ..Self::exact(profile)
         }
     }
 }
 
 impl SimDevice {
-    /// A new device.
-    pub fn new(config: SimConfig) -> Self {
-        assert!(
-            config.payload_divisor.is_power_of_two(),
-            "payload divisor must be a power of two"
-        );
+    /// A new device. A payload divisor that is not a power of two is an
+    /// error.
+    pub fn new(config: SimConfig) -> Result<Self, SimError> {
+        if !config.payload_divisor.is_power_of_two() {
+            return Err(SimError {
+                operation: "SimDevice::new".to_owned(),
+                kind: DeviceErrorKind::Other,
+                detail: format!(
+                    "payload divisor {} is not a power of two",
+                    config.payload_divisor
+                ),
+            });
+        }
         let mut default_stream = StreamState {
             name: "host".to_owned(),
             tail_ns: 0,
@@ -565,7 +950,7 @@ impl SimDevice {
             waited_ns: 0,
         };
         default_stream.clock.tick(HOST);
-        Self {
+        Ok(Self {
             shared: Arc::new(Mutex::new(State {
                 profile: config.profile,
                 divisor: config.payload_divisor,
@@ -576,25 +961,21 @@ impl SimDevice {
                 device: BTreeMap::new(),
                 pinned: BTreeMap::new(),
                 registered: BTreeMap::new(),
+                accumulators: Vec::new(),
+                pending: BTreeMap::new(),
                 next_id: 1,
+                next_seq: 0,
                 engines: [0; 4],
                 op_clocks: Vec::new(),
                 checker: BufferOrderChecker::new(),
                 violations: Vec::new(),
                 faults: config.faults,
+                jitter: config.jitter.map(|j| (j, j.seed)),
                 collectives: 0,
-                stats_h2d: 0,
-                stats_d2h: 0,
-                device_bytes: 0,
-                device_peak: 0,
-                pinned_bytes: 0,
-                registered_bytes: 0,
-                allocations: 0,
-                copies: 0,
-                kernels: 0,
+                stats: SimStats::default(),
                 trace: Trace::default(),
             })),
-        }
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -611,15 +992,19 @@ impl SimDevice {
         self.state().host_now_ns
     }
 
-    /// Blocks the host until every stream is idle; returns the time, ns.
+    /// The simulated time at which `event`'s capture completes (as
+    /// `cudaEventElapsedTime` reads a timed event; the host need not wait).
+    pub fn event_time_ns(&self, event: &SimEvent) -> u64 {
+        self.state().events[event.index].time_ns
+    }
+
+    /// Blocks the host until every stream is idle and every pending effect
+    /// has landed (a context synchronisation); returns the time, ns. Tests
+    /// of the device itself use it; the harness synchronises only where a
+    /// runtime would.
     pub fn synchronize_all(&self) -> u64 {
         let mut st = self.state();
-        let end = st.streams.iter().map(|s| s.tail_ns).max().unwrap_or(0);
-        st.host_now_ns = st.host_now_ns.max(end);
-        let clocks: Vec<VectorClock> = st.streams.iter().map(|s| s.clock.clone()).collect();
-        for c in &clocks {
-            st.host_clock.join(c);
-        }
+        st.synchronize_device();
         st.host_now_ns
     }
 
@@ -631,23 +1016,15 @@ impl SimDevice {
     /// Counters.
     pub fn stats(&self) -> SimStats {
         let st = self.state();
-        SimStats {
-            h2d_bytes: st.stats_h2d,
-            d2h_bytes: st.stats_d2h,
-            device_bytes: st.device_bytes,
-            device_peak_bytes: st.device_peak,
-            pinned_bytes: st.pinned_bytes,
-            registered_bytes: st.registered_bytes,
-            allocations: st.allocations,
-            copies: st.copies,
-            kernels: st.kernels,
-        }
+        st.stats.clone()
     }
 
-    /// Resets the device peak to the current use (to measure one phase).
+    /// Resets the peaks to the current use (to measure one phase).
     pub fn reset_peak(&self) {
         let mut st = self.state();
-        st.device_peak = st.device_bytes;
+        st.stats.device_peak_bytes = st.stats.device_bytes;
+        st.stats.pinned_peak_bytes = st.stats.pinned_bytes;
+        st.stats.registered_peak_bytes = st.stats.registered_bytes;
     }
 
     /// Nanoseconds `stream` waited on events beyond its own work so far.
@@ -660,7 +1037,26 @@ impl SimDevice {
         self.state()
             .device
             .values()
+            .filter(|b| b.live)
             .map(|b| b.name.clone())
+            .collect()
+    }
+
+    /// Every pinned and registered host allocation with its bytes, as the
+    /// device holds them now (INV-2 reads host masters from here, not from
+    /// a strategy's report).
+    pub fn host_allocations(&self) -> Vec<HostAllocation> {
+        let mut st = self.state();
+        let now = st.host_now_ns;
+        st.settle(now);
+        st.pinned
+            .iter()
+            .map(|(id, m)| (host_name(*id), m))
+            .chain(st.registered.iter().map(|(id, m)| (registered_name(*id), m)))
+            .map(|(name, m)| HostAllocation {
+                name,
+                bytes: m.mem.clone(),
+            })
             .collect()
     }
 
@@ -671,17 +1067,18 @@ impl SimDevice {
         let mut leaks: Vec<String> = st
             .device
             .values()
+            .filter(|b| b.live)
             .map(|b| format!("device buffer `{}` ({} bytes)", b.name, b.len))
             .collect();
         leaks.extend(
             st.pinned
                 .iter()
-                .map(|(id, len)| format!("pinned buffer #{id} ({len} bytes)")),
+                .map(|(id, m)| format!("pinned buffer #{id} ({} bytes)", m.len)),
         );
         leaks.extend(
             st.registered
                 .iter()
-                .map(|(id, len)| format!("registration #{id} ({len} bytes)")),
+                .map(|(id, m)| format!("registration #{id} ({} bytes)", m.len)),
         );
         for leak in &leaks {
             st.record_violation(
@@ -697,25 +1094,78 @@ impl SimDevice {
         self.state().trace.clone()
     }
 
-    /// A kernel on `stream` that reads `inputs` (buffer, byte range) and
-    /// costs `flops`; returns a checksum of every byte it read (position
-    /// within the range and value), so a run that read other bytes gives
-    /// another checksum.
+    /// A new accumulator, set to zero.
+    pub fn create_accumulator(&self) -> SimAccumulator {
+        let mut st = self.state();
+        st.accumulators.push(0);
+        SimAccumulator {
+            index: st.accumulators.len() - 1,
+        }
+    }
+
+    /// The host reads `accumulator`: a host access, so it must be ordered
+    /// after the kernels that wrote it (synchronise the stream first, as a
+    /// runtime reading its output does), else the checker reports it and
+    /// the value read is whatever has landed by the host's clock.
+    pub fn read_accumulator(&self, accumulator: &SimAccumulator) -> u64 {
+        let mut st = self.state();
+        st.host_access(
+            accumulator_name(accumulator.index),
+            0..8,
+            Access::Read,
+            "host read of an accumulator",
+        );
+        st.accumulators[accumulator.index]
+    }
+
+    /// Sets `accumulator` to zero on `stream` (a device memset: ordered
+    /// after the stream's earlier work, no host synchronisation).
+    pub fn reset_accumulator(
+        &self,
+        stream: &SimStream,
+        accumulator: &SimAccumulator,
+    ) -> Result<(), SimError> {
+        let mut st = self.state();
+        let (op, start, _) = st.enqueue(stream.index, Engine::Compute, 0, "reset output")?;
+        let stream_name = st.streams[stream.index].name.clone();
+        st.observe(
+            op,
+            accumulator_name(accumulator.index),
+            0..8,
+            stream_name,
+            Access::Write,
+            "reset output".to_owned(),
+        );
+        st.schedule(
+            start,
+            Effect::Reset {
+                accumulator: accumulator.index,
+            },
+        );
+        Ok(())
+    }
+
+    /// A kernel on `stream` that reads `inputs` (buffer, byte range) when it
+    /// starts and costs `flops`; it folds a checksum of every byte it read
+    /// (value and position within its range) into `accumulator`, so a run
+    /// that read other bytes, or ran kernels in another order, ends with
+    /// another value.
     pub fn compute(
         &self,
         stream: &SimStream,
         inputs: &[(&SimDeviceBuffer, Range<u64>)],
         flops: f64,
         name: &str,
-    ) -> Result<u64, SimError> {
+        accumulator: &SimAccumulator,
+    ) -> Result<(), SimError> {
         let mut st = self.state();
         let duration = st.profile.compute_ns(flops);
         for (buf, range) in inputs {
-            if !st.device.contains_key(&buf.id) {
+            if range.start > range.end {
                 return Err(st.err(
                     format!("compute `{name}`"),
                     DeviceErrorKind::Other,
-                    format!("reads freed buffer #{}", buf.id),
+                    format!("input range {range:?} is reversed"),
                 ));
             }
             st.check_range(
@@ -726,11 +1176,9 @@ impl SimDevice {
                 buf.len,
             )?;
         }
-        let (op, _, _) = st.enqueue(stream.index, Engine::Compute, duration, name);
-        st.kernels += 1;
+        let (op, start, _) = st.enqueue(stream.index, Engine::Compute, duration, name)?;
+        st.stats.kernels += 1;
         let stream_name = st.streams[stream.index].name.clone();
-        let d = st.divisor;
-        let mut sum: u64 = 0xcbf2_9ce4_8422_2325;
         for (buf, range) in inputs {
             let bname = st.dev_name(buf.id);
             st.observe(
@@ -741,69 +1189,76 @@ impl SimDevice {
                 Access::Read,
                 name.to_owned(),
             );
-            let mem = &st.device[&buf.id].mem;
-            // Position within the range of the first kept byte, then every d.
-            let mut pos = range.start.next_multiple_of(d) - range.start;
-            for &v in &mem[kept(range.start, range.end, d)] {
-                sum = (sum ^ (u64::from(v) | (pos << 8))).wrapping_mul(0x100_0000_01b3);
-                pos += d;
-            }
         }
-        Ok(sum)
+        st.observe(
+            op,
+            accumulator_name(accumulator.index),
+            0..8,
+            stream_name,
+            Access::Write,
+            name.to_owned(),
+        );
+        let inputs = inputs
+            .iter()
+            .map(|(b, r)| (b.id, r.clone()))
+            .collect::<Vec<_>>();
+        st.schedule(
+            start,
+            Effect::Kernel {
+                inputs,
+                accumulator: accumulator.index,
+            },
+        );
+        Ok(())
     }
 }
 
 impl Device<Sim> for SimDevice {
     fn alloc_device(&self, bytes: u64) -> Result<SimDeviceBuffer, SimError> {
         let mut st = self.state();
-        st.host_tick();
-        st.allocations += 1;
-        let n = st.allocations;
-        if st.faults.fail_alloc_at == Some(n) {
-            return Err(st.err(
-                format!("alloc_device({bytes} bytes)"),
-                DeviceErrorKind::OutOfMemory,
-                format!("injected failure of allocation #{n}"),
-            ));
+        let what = format!("alloc_device({bytes} bytes)");
+        st.count_allocation(&what)?;
+        let capacity = st.profile.memory_bytes;
+        if st.stats.device_bytes.saturating_add(bytes) > capacity {
+            let detail = format!("{} of {capacity} bytes in use", st.stats.device_bytes);
+            return Err(st.err(what, DeviceErrorKind::OutOfMemory, detail));
         }
-        if st.device_bytes + bytes > st.profile.memory_bytes {
-            return Err(st.err(
-                format!("alloc_device({bytes} bytes)"),
-                DeviceErrorKind::OutOfMemory,
-                format!(
-                    "{} of {} bytes in use",
-                    st.device_bytes, st.profile.memory_bytes
-                ),
-            ));
-        }
-        let id = st.next_id;
-        st.next_id += 1;
+        let id = st.new_id();
         let real = bytes.div_ceil(st.divisor) as usize;
         st.device.insert(
             id,
             DevBuf {
                 name: format!("device#{id}"),
                 len: bytes,
-                mem: vec![0u8; real],
+                live: true,
+                mem: Some(vec![0u8; real]),
             },
         );
         st.checker.forget(&format!("device#{id}"));
-        st.device_bytes += bytes;
-        st.device_peak = st.device_peak.max(st.device_bytes);
-        Ok(SimDeviceBuffer { id, len: bytes })
+        st.stats.device_bytes += bytes;
+        st.stats.device_peak_bytes = st.stats.device_peak_bytes.max(st.stats.device_bytes);
+        Ok(SimDeviceBuffer {
+            id,
+            len: bytes,
+            freed: false,
+            shared: Arc::clone(&self.shared),
+        })
     }
 
     unsafe fn free_device(
         &self,
-        buffer: SimDeviceBuffer,
+        mut buffer: SimDeviceBuffer,
         after: &[&SimEvent],
     ) -> Result<(), SimError> {
+        buffer.freed = true;
         let mut st = self.state();
         // The free is an operation on a private stream that waits for `after`.
         let mut clock = st.host_clock.clone();
+        let mut at = 0;
         for e in after {
-            let c = st.events[e.index].clock.clone();
-            clock.join(&c);
+            let event = st.events[e.index].clone();
+            clock.join(&event.clock);
+            at = at.max(event.time_ns);
         }
         st.host_tick();
         clock.join(&st.host_clock);
@@ -818,12 +1273,17 @@ impl Device<Sim> for SimDevice {
             Access::Free,
             format!("free {name}"),
         );
-        match st.device.remove(&buffer.id) {
-            Some(b) => {
-                st.device_bytes -= b.len;
+        let at = at.max(st.host_now_ns);
+        match st.device.get_mut(&buffer.id) {
+            Some(b) if b.live => {
+                // The memory goes when the device reaches the free; until
+                // then work already enqueued may still use it.
+                b.live = false;
+                st.stats.device_bytes -= buffer.len;
+                st.schedule(at, Effect::Free { id: buffer.id });
                 Ok(())
             }
-            None => Err(st.err(
+            _ => Err(st.err(
                 "free_device",
                 DeviceErrorKind::Other,
                 format!("{name} is not allocated"),
@@ -833,32 +1293,29 @@ impl Device<Sim> for SimDevice {
 
     fn alloc_pinned(&self, bytes: u64) -> Result<SimHostBuffer, SimError> {
         let mut st = self.state();
-        st.host_tick();
-        st.allocations += 1;
-        let n = st.allocations;
-        if st.faults.fail_alloc_at == Some(n) {
-            return Err(st.err(
-                format!("alloc_pinned({bytes} bytes)"),
-                DeviceErrorKind::OutOfMemory,
-                format!("injected failure of allocation #{n}"),
-            ));
-        }
-        let id = st.next_id;
-        st.next_id += 1;
-        st.pinned.insert(id, bytes);
-        st.pinned_bytes += bytes;
-        st.checker.forget(&host_name(id));
+        st.count_allocation(&format!("alloc_pinned({bytes} bytes)"))?;
+        let id = st.new_id();
         let divisor = st.divisor;
+        st.pinned.insert(
+            id,
+            HostMem {
+                len: bytes,
+                mem: vec![0u8; bytes.div_ceil(divisor) as usize],
+            },
+        );
+        st.stats.pinned_bytes += bytes;
+        st.stats.pinned_peak_bytes = st.stats.pinned_peak_bytes.max(st.stats.pinned_bytes);
+        st.checker.forget(&host_name(id));
         Ok(SimHostBuffer {
             id,
             len: bytes,
-            mem: vec![0u8; bytes.div_ceil(divisor) as usize],
-            divisor,
+            freed: false,
             shared: Arc::clone(&self.shared),
         })
     }
 
-    unsafe fn free_pinned(&self, buffer: SimHostBuffer) -> Result<(), SimError> {
+    unsafe fn free_pinned(&self, mut buffer: SimHostBuffer) -> Result<(), SimError> {
+        buffer.freed = true;
         let mut st = self.state();
         st.host_access(
             host_name(buffer.id),
@@ -867,7 +1324,7 @@ impl Device<Sim> for SimDevice {
             "free_pinned",
         );
         if st.pinned.remove(&buffer.id).is_some() {
-            st.pinned_bytes -= buffer.len;
+            st.stats.pinned_bytes -= buffer.len;
         }
         Ok(())
     }
@@ -877,47 +1334,42 @@ impl Device<Sim> for SimDevice {
         region: Box<dyn HostRegion>,
     ) -> Result<SimRegistration, RegisterError<Sim>> {
         let mut st = self.state();
-        st.host_tick();
-        st.allocations += 1;
-        let n = st.allocations;
-        if st.faults.fail_alloc_at == Some(n) {
-            let error = st.err(
-                "register_host",
-                DeviceErrorKind::OutOfMemory,
-                format!("injected failure of allocation #{n}"),
-            );
+        if let Err(error) = st.count_allocation("register_host") {
             return Err(RegisterError { error, region });
         }
-        let id = st.next_id;
-        st.next_id += 1;
-        let len = region.bytes().len() as u64;
-        st.registered.insert(id, len);
-        st.registered_bytes += len;
-        st.checker.forget(&format!("registered#{id}"));
-        Ok(SimRegistration { id, region })
+        let id = st.new_id();
+        // The address and length are captured once, here.
+        let bytes = region.bytes();
+        let len = bytes.len() as u64;
+        let d = st.divisor as usize;
+        let mem: Vec<u8> = bytes.iter().step_by(d).copied().collect();
+        st.registered.insert(id, HostMem { len, mem });
+        st.stats.registered_bytes += len;
+        st.stats.registered_peak_bytes =
+            st.stats.registered_peak_bytes.max(st.stats.registered_bytes);
+        st.checker.forget(&registered_name(id));
+        Ok(SimRegistration {
+            id,
+            len,
+            region: Some(region),
+            shared: Arc::clone(&self.shared),
+        })
     }
 
     unsafe fn unregister_host(
         &self,
-        registration: SimRegistration,
+        mut registration: SimRegistration,
     ) -> Result<Box<dyn HostRegion>, SimError> {
+        let region = registration.region.take().expect("registered");
         let mut st = self.state();
-        let len = registration.len_bytes();
-        st.host_access(
-            format!("registered#{}", registration.id),
-            0..len,
-            Access::Free,
-            "unregister_host",
-        );
-        st.registered.remove(&registration.id);
-        st.registered_bytes -= len;
-        Ok(registration.region)
+        st.unregister(registration.id, registration.len, "unregister_host");
+        Ok(region)
     }
 
     fn memory_info(&self) -> Result<MemoryInfo, SimError> {
         let st = self.state();
         Ok(MemoryInfo {
-            free_bytes: st.profile.memory_bytes - st.device_bytes,
+            free_bytes: st.profile.memory_bytes.saturating_sub(st.stats.device_bytes),
             total_bytes: st.profile.memory_bytes,
         })
     }
@@ -993,6 +1445,8 @@ impl Device<Sim> for SimDevice {
         let done = e.time_ns <= st.host_now_ns;
         if done {
             st.host_clock.join(&e.clock);
+            let now = st.host_now_ns;
+            st.settle(now);
         }
         Ok(done)
     }
@@ -1000,19 +1454,25 @@ impl Device<Sim> for SimDevice {
     fn synchronize_event(&self, event: &SimEvent) -> Result<(), SimError> {
         let mut st = self.state();
         st.host_tick();
+        st.sync_fault("synchronize_event")?;
         let e = st.events[event.index].clone();
         st.host_now_ns = st.host_now_ns.max(e.time_ns);
         st.host_clock.join(&e.clock);
+        let now = st.host_now_ns;
+        st.settle(now);
         Ok(())
     }
 
     fn synchronize_stream(&self, stream: &SimStream) -> Result<(), SimError> {
         let mut st = self.state();
         st.host_tick();
+        st.sync_fault("synchronize_stream")?;
         let s = &st.streams[stream.index];
         let (tail, clock) = (s.tail_ns, s.clock.clone());
         st.host_now_ns = st.host_now_ns.max(tail);
         st.host_clock.join(&clock);
+        let now = st.host_now_ns;
+        st.settle(now);
         Ok(())
     }
 
@@ -1026,47 +1486,17 @@ impl Device<Sim> for SimDevice {
         bytes: u64,
     ) -> Result<(), SimError> {
         let mut st = self.state();
-        let (name, len) = match &src {
-            HostSource::Pinned(b) => (host_name(b.id), b.len),
-            HostSource::Registered(r) => (format!("registered#{}", r.id), r.len_bytes()),
+        let (name, len, loc) = match &src {
+            HostSource::Pinned(b) => (host_name(b.id), b.len, Loc::Pinned(b.id)),
+            HostSource::Registered(r) => (registered_name(r.id), r.len, Loc::Registered(r.id)),
         };
-        if !st.device.contains_key(&dst.id) {
-            return Err(st.err(
-                format!("h2d {name}"),
-                DeviceErrorKind::Other,
-                "destination is freed",
-            ));
-        }
-        let dst_end = End {
-            name: st.dev_name(dst.id),
-            offset: dst_offset,
-            len: dst.len,
+        let source = End {
+            name,
+            offset: src_offset,
+            len,
         };
-        st.transfer(
-            stream.index,
-            Engine::H2d,
-            End {
-                name,
-                offset: src_offset,
-                len,
-            },
-            dst_end,
-            bytes,
-        )?;
-        let d = st.divisor;
-        let mem = &mut st.device.get_mut(&dst.id).expect("checked above").mem;
-        match &src {
-            HostSource::Pinned(b) => copy_kept(&b.mem, src_offset, mem, dst_offset, bytes, d),
-            HostSource::Registered(r) => {
-                let to = kept(dst_offset, dst_offset + bytes, d);
-                let first = src_offset.next_multiple_of(d) as usize;
-                let region = r.region.bytes();
-                for (i, out) in mem[to].iter_mut().enumerate() {
-                    *out = region[first + i * d as usize];
-                }
-            }
-        }
-        Ok(())
+        let dest = st.dev_end(dst, dst_offset);
+        st.transfer(stream.index, Engine::H2d, (source, loc), dest, bytes)
     }
 
     unsafe fn copy_d2h(
@@ -1079,27 +1509,19 @@ impl Device<Sim> for SimDevice {
         bytes: u64,
     ) -> Result<(), SimError> {
         let mut st = self.state();
-        let src_end = End {
-            name: st.dev_name(src.id),
-            offset: src_offset,
-            len: src.len,
-        };
-        let dst_end = End {
+        let source = st.dev_end(src, src_offset);
+        let dest = End {
             name: host_name(dst.id),
             offset: dst_offset,
             len: dst.len,
         };
-        st.transfer(stream.index, Engine::D2h, src_end, dst_end, bytes)?;
-        let d = st.divisor;
-        copy_kept(
-            &st.device[&src.id].mem,
-            src_offset,
-            &mut dst.mem,
-            dst_offset,
+        st.transfer(
+            stream.index,
+            Engine::D2h,
+            source,
+            (dest, Loc::Pinned(dst.id)),
             bytes,
-            d,
-        );
-        Ok(())
+        )
     }
 }
 
@@ -1139,28 +1561,8 @@ impl Collective<Sim> for SimCollective {
         dst_offset: u64,
     ) -> Result<(), SimError> {
         let mut st = self.device.state();
-        let src_end = End {
-            name: st.dev_name(shard.id),
-            offset: shard_offset,
-            len: shard.len,
-        };
-        let dst_end = End {
-            name: st.dev_name(dst.id),
-            offset: dst_offset,
-            len: dst.len,
-        };
-        st.transfer(
-            stream.index,
-            Engine::Collective,
-            src_end,
-            dst_end,
-            shard_bytes,
-        )?;
-        let d = st.divisor;
-        let src: Vec<u8> =
-            st.device[&shard.id].mem[kept(shard_offset, shard_offset + shard_bytes, d)].to_vec();
-        let out = &mut st.device.get_mut(&dst.id).expect("allocated").mem;
-        out[kept(dst_offset, dst_offset + shard_bytes, d)].copy_from_slice(&src);
-        Ok(())
+        let source = st.dev_end(shard, shard_offset);
+        let dest = st.dev_end(dst, dst_offset);
+        st.transfer(stream.index, Engine::Collective, source, dest, shard_bytes)
     }
 }

@@ -18,6 +18,10 @@ pub struct FaultPlan {
     pub fail_copy_at: Option<u64>,
     /// The N-th collective fails.
     pub fail_collective_at: Option<u64>,
+    /// The N-th host synchronisation (of a stream or an event) fails, as
+    /// on a lost device: a strategy must then leak what the device may
+    /// still touch rather than free it.
+    pub fail_sync_at: Option<u64>,
 }
 
 impl FaultPlan {
@@ -36,6 +40,7 @@ impl FaultPlan {
             fail_alloc_at: pick(allocs),
             fail_copy_at: pick(copies),
             fail_collective_at: pick(collectives),
+            fail_sync_at: None,
         }
     }
 
@@ -44,6 +49,7 @@ impl FaultPlan {
         self.fail_alloc_at.is_some()
             || self.fail_copy_at.is_some()
             || self.fail_collective_at.is_some()
+            || self.fail_sync_at.is_some()
     }
 }
 

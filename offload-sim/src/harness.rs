@@ -1,8 +1,14 @@
 //! Runs a workload (requests of encode → denoise steps → decode) through a
 //! strategy on a [`SimDevice`], and measures what the main job reports.
-//! Every kernel reads every byte of the weights it uses into a checksum, so
-//! an offloaded run's outputs can be compared bit for bit with the resident
-//! run's (INV-8).
+//! Every kernel reads every byte of the weights it uses and folds a
+//! checksum into the request's output on the device, in the order the
+//! kernels run, so an offloaded run's outputs can be compared bit for bit
+//! with the resident run's (INV-8), and a kernel that read a slot before its
+//! fill landed changes the output.
+//!
+//! The harness synchronises only where a runtime would, through the same
+//! device API: once per request, to read its output back. Phases are timed
+//! with events, never by draining the device.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -10,11 +16,15 @@ use std::sync::Arc;
 use offload_core::device::Device;
 use offload_core::invariants::Violation;
 use offload_core::lifecycle::{OffloadError, get_offload_backend};
-use offload_core::model::{ModuleId, TensorId, TensorKind};
-use offload_core::runtime::{Backend, CorePlatform, PlantedBug, Runtime, Scope};
+use offload_core::model::{ModuleId, StorageId, TensorId, TensorKind};
+use offload_core::runtime::{
+    Backend, CorePlatform, MemoryBounds, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
+};
 use offload_core::{OffloadConfig, OffloadStrategy};
 
-use crate::device::{Sim, SimConfig, SimDevice, SimStats};
+use crate::device::{
+    Jitter, Sim, SimAccumulator, SimConfig, SimDevice, SimEvent, SimStats,
+};
 use crate::faults::FaultPlan;
 use crate::presets::{Preset, SyntheticWeights};
 use crate::profile::DeviceProfile;
@@ -69,6 +79,8 @@ pub struct RunOptions {
     pub faults: FaultPlan,
     /// Weight seed.
     pub seed: u64,
+    /// Seeded delays that widen race windows (none by default).
+    pub jitter: Option<Jitter>,
     /// Bugs to plant (tests only; ignored without the `planted-bugs` feature).
     pub bugs: Vec<PlantedBug>,
 }
@@ -82,6 +94,7 @@ impl RunOptions {
             payload_divisor: 1,
             faults: FaultPlan::none(),
             seed: 0,
+            jitter: None,
             bugs: Vec::new(),
         }
     }
@@ -119,14 +132,11 @@ pub struct RunOutcome {
     pub after_enable: SimStats,
     /// Counters at the end (before disable).
     pub at_end: SimStats,
-    /// Device weight bytes the backend reported after enable.
-    pub device_weight_bytes: u64,
-    /// Host weight bytes the backend reported after enable.
+    /// Host weight bytes the backend reported after enable (for the
+    /// report; checks read the device's own counters).
     pub host_weight_bytes: u64,
-    /// Largest block bytes of the plan (0 without stacks).
-    pub largest_block_bytes: u64,
-    /// Non-block resident bytes (for the INV-7 bound).
-    pub non_block_bytes: u64,
+    /// INV-7's bounds for this run's configuration and depth.
+    pub bounds: MemoryBounds,
     /// Every checker violation, including leaks after disable.
     pub violations: Vec<Violation>,
     /// The timeline.
@@ -157,13 +167,40 @@ pub fn blocks_of(p: &offload_core::Pipeline, module: ModuleId) -> Vec<ModuleId> 
         .collect()
 }
 
-/// A kernel reading `tensors` through `scope`.
-fn kernel(
+/// Where a runtime's kernels put their output, and the events that time a
+/// request's denoising phase.
+#[derive(Debug)]
+pub struct Probe {
+    /// The output every kernel folds into.
+    pub output: SimAccumulator,
+    start: SimEvent,
+    end: SimEvent,
+}
+
+impl Probe {
+    /// A probe on `device`.
+    pub fn new(device: &SimDevice) -> Result<Self, OffloadError> {
+        let event = || {
+            device
+                .create_event()
+                .map_err(|e| OffloadError::device("create_event", e))
+        };
+        Ok(Self {
+            output: device.create_accumulator(),
+            start: event()?,
+            end: event()?,
+        })
+    }
+}
+
+/// A kernel reading `tensors` through `scope`, folding into `output`.
+pub fn kernel(
     scope: &Scope<'_, Sim>,
     tensors: &[TensorId],
     flops: f64,
     name: &str,
-) -> Result<u64, OffloadError> {
+    output: &SimAccumulator,
+) -> Result<(), OffloadError> {
     let views = tensors
         .iter()
         .map(|t| scope.view_id(*t))
@@ -172,22 +209,20 @@ fn kernel(
         views.iter().map(|v| (v.buffer(), v.byte_range())).collect();
     let device: &SimDevice = scope.device();
     device
-        .compute(scope.stream(), &inputs, flops, name)
-        .map_err(|e| OffloadError::DeviceOp {
-            operation: format!("compute `{name}`"),
-            cause: Box::new(e),
-        })
+        .compute(scope.stream(), &inputs, flops, name, output)
+        .map_err(|e| OffloadError::device(format!("compute `{name}`"), e))
 }
 
 /// The forward of one component: its own tensors, then each block in a
-/// child scope. Returns the checksums folded, the block bytes and the flops
-/// (zeros when a hook skipped it).
+/// child scope. Returns the block bytes and the flops it ran (zeros when a
+/// hook skipped it).
 pub fn component_forward(
     rt: &Runtime<Sim>,
+    output: &SimAccumulator,
     path: &str,
     tokens: u64,
     block_flops: impl Fn(u64) -> f64,
-) -> Result<(u64, u64, f64), OffloadError> {
+) -> Result<(u64, f64), OffloadError> {
     let out = rt.forward(path, |scope| {
         let p = scope.pipeline();
         let module = scope.module();
@@ -201,7 +236,7 @@ pub fn component_forward(
             .collect();
         let own_flops =
             2.0 * own.iter().map(|t| p.tensor(*t).numel()).sum::<u64>() as f64 * tokens as f64;
-        let mut sum = kernel(scope, &own, own_flops, &format!("{path} (non-block)"))?;
+        kernel(scope, &own, own_flops, &format!("{path} (non-block)"), output)?;
         let (mut bytes, mut flops) = (0u64, own_flops);
         for b in blocks {
             let bpath = p.module(b).path.clone();
@@ -209,43 +244,46 @@ pub fn component_forward(
             let params = parameters(p, b);
             let f = block_flops(params);
             let tensors = p.subtree_tensors(b);
-            let r = scope.child(&rel, |blk| Ok(kernel(blk, &tensors, f, &bpath)?))?;
-            if let Some(r) = r {
-                sum = fold(sum, r);
+            let r = scope.child(&rel, |blk| Ok(kernel(blk, &tensors, f, &bpath, output)?))?;
+            if r.is_some() {
                 bytes += p.subtree_bytes(b);
                 flops += f;
             }
         }
-        Ok((sum, bytes, flops))
+        Ok((bytes, flops))
     })?;
-    Ok(out.unwrap_or((0, 0, 0.0)))
+    Ok(out.unwrap_or((0, 0.0)))
 }
 
-fn fold(a: u64, b: u64) -> u64 {
-    (a ^ b).wrapping_mul(0x100_0000_01b3).rotate_left(17)
+fn dev_err(operation: &str, e: crate::device::SimError) -> OffloadError {
+    OffloadError::device(operation, e)
 }
 
 /// One request: encoders, `w.steps` DiT forwards (two experts split the
-/// steps), VAEs; times the denoising phase.
+/// steps), VAEs; then the output is read back, the request's one host
+/// synchronisation (on the compute stream, as a runtime reading its output
+/// does). The denoising phase is timed with events on the compute stream.
 pub fn request(
     rt: &Runtime<Sim>,
     device: &SimDevice,
+    probe: &Probe,
     w: &Workload,
 ) -> Result<RequestMeasure, OffloadError> {
     let preset = &w.preset;
     let mut m = RequestMeasure::default();
-    let mut out = 0u64;
+    let out = &probe.output;
+    let compute = rt.compute_stream();
+    device
+        .reset_accumulator(compute, out)
+        .map_err(|e| dev_err("reset output", e))?;
     for enc in &preset.encoders {
         let t = preset.text_tokens;
-        let (s, _, _) = component_forward(rt, enc, t, |params| 2.0 * params as f64 * t as f64)?;
-        out = fold(out, s);
+        component_forward(rt, out, enc, t, |params| 2.0 * params as f64 * t as f64)?;
     }
-    device.synchronize_all();
-    let (t0, s0, wait0) = (
-        device.host_now_ns(),
-        device.stats(),
-        device.waited_ns(rt.compute_stream()),
-    );
+    device
+        .record_event(&probe.start, compute)
+        .map_err(|e| dev_err("record_event(denoise start)", e))?;
+    let (s0, wait0) = (device.stats(), device.waited_ns(compute));
     let hidden = preset.block_cost.hidden as f64;
     let tokens = w.tokens as f64;
     let attention = if preset.block_cost.attention {
@@ -261,18 +299,18 @@ pub fn request(
             preset.dits[0]
         };
         used.insert(dit);
-        let (s, bytes, flops) = component_forward(rt, dit, w.tokens, |params| {
+        let (bytes, flops) = component_forward(rt, out, dit, w.tokens, |params| {
             2.0 * params as f64 * tokens + attention
         })?;
-        out = fold(out, s);
         m.block_bytes += bytes;
         m.dit_flops += flops;
     }
-    device.synchronize_all();
+    device
+        .record_event(&probe.end, compute)
+        .map_err(|e| dev_err("record_event(denoise end)", e))?;
     let s1 = device.stats();
-    m.denoise_ns = device.host_now_ns() - t0;
     m.denoise_h2d_bytes = s1.h2d_bytes - s0.h2d_bytes;
-    m.denoise_wait_ns = device.waited_ns(rt.compute_stream()) - wait0;
+    m.denoise_wait_ns = device.waited_ns(compute) - wait0;
     let p = &rt.model().pipeline;
     m.dit_bytes = used
         .iter()
@@ -281,14 +319,16 @@ pub fn request(
         .sum();
     for vae in &preset.vaes {
         let flops = preset.vae_flops;
-        let r = rt.forward(vae, |scope| {
+        rt.forward(vae, |scope| {
             let tensors = scope.pipeline().subtree_tensors(scope.module());
-            Ok(kernel(scope, &tensors, flops, vae)?)
+            Ok(kernel(scope, &tensors, flops, vae, out)?)
         })?;
-        out = fold(out, r.unwrap_or(0));
     }
-    device.synchronize_all();
-    m.output = out;
+    device
+        .synchronize_stream(compute)
+        .map_err(|e| dev_err("synchronize_stream(compute) to read the output", e))?;
+    m.output = device.read_accumulator(out);
+    m.denoise_ns = device.event_time_ns(&probe.end) - device.event_time_ns(&probe.start);
     Ok(m)
 }
 
@@ -299,54 +339,153 @@ pub struct Rig {
     pub device: SimDevice,
     /// The runtime.
     pub runtime: Runtime<Sim>,
-    /// Builds backends on the device.
+    /// Builds backends on the device (with `opts.bugs` planted).
     pub platform: CorePlatform<Sim>,
+    /// The runtime's output and timing events.
+    pub probe: Probe,
 }
 
 impl Rig {
     /// A fresh device with `pipeline` and synthetic weights of `opts.seed`.
     pub fn new(pipeline: offload_core::Pipeline, opts: &RunOptions) -> Result<Self, OffloadError> {
+        let weights: Arc<dyn WeightSource> = Arc::new(SyntheticWeights { seed: opts.seed });
+        Self::with_weights(pipeline, opts, weights)
+    }
+
+    /// A fresh device with `pipeline` reading `weights`.
+    pub fn with_weights(
+        pipeline: offload_core::Pipeline,
+        opts: &RunOptions,
+        weights: Arc<dyn WeightSource>,
+    ) -> Result<Self, OffloadError> {
         let device = SimDevice::new(SimConfig {
             profile: opts.profile.clone(),
             payload_divisor: opts.payload_divisor,
             faults: opts.faults,
-        });
+            jitter: opts.jitter,
+        })
+        .map_err(|e| dev_err("SimDevice::new", e))?;
         let dev = Arc::new(device.clone());
-        let compute = Arc::new(dev.create_stream().map_err(|e| OffloadError::DeviceOp {
-            operation: "create_stream".to_owned(),
-            cause: Box::new(e),
-        })?);
-        let weights = Arc::new(SyntheticWeights { seed: opts.seed });
-        let platform = CorePlatform::<Sim>::new(
-            format!("sim:{}", opts.profile.name),
-            Arc::clone(&dev),
-            Arc::clone(&compute),
-            weights,
-        )
-        .with_prefetch_depth(opts.prefetch_depth);
+        let compute = Arc::new(dev.create_stream().map_err(|e| dev_err("create_stream", e))?);
+        let platform = plant(
+            CorePlatform::<Sim>::new(
+                format!("sim:{}", opts.profile.name),
+                Arc::clone(&dev),
+                Arc::clone(&compute),
+                weights,
+            )
+            .with_prefetch_depth(opts.prefetch_depth),
+            &opts.bugs,
+        );
+        let probe = Probe::new(&device)?;
         let runtime = Runtime::new(dev, compute, pipeline);
         Ok(Self {
             device,
             runtime,
             platform,
+            probe,
         })
     }
 
-    /// The backend `choice` selects (with `opts.bugs` planted).
-    pub fn backend(
-        &self,
-        choice: &StrategyChoice,
-        opts: &RunOptions,
-    ) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
-        let backend: Box<dyn Backend<Sim>> = match choice {
-            StrategyChoice::Resident => self.platform.resident()?,
+    /// The backend `choice` selects.
+    pub fn backend(&self, choice: &StrategyChoice) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
+        match choice {
+            StrategyChoice::Resident => self.platform.resident(),
             StrategyChoice::Config(config) => match get_offload_backend(config, &self.platform)? {
-                Some(b) => b,
-                None => self.platform.resident()?,
+                Some(b) => Ok(b),
+                None => self.platform.resident(),
             },
-        };
-        plant(backend, &opts.bugs, &self.platform, choice)
+        }
     }
+
+    /// One request on this rig's runtime.
+    pub fn request(&self, w: &Workload) -> Result<RequestMeasure, OffloadError> {
+        request(&self.runtime, &self.device, &self.probe, w)
+    }
+}
+
+#[cfg(feature = "planted-bugs")]
+fn plant(platform: CorePlatform<Sim>, bugs: &[PlantedBug]) -> CorePlatform<Sim> {
+    platform.with_planted_bugs(bugs)
+}
+
+#[cfg(not(feature = "planted-bugs"))]
+fn plant(platform: CorePlatform<Sim>, _: &[PlantedBug]) -> CorePlatform<Sim> {
+    platform
+}
+
+/// INV-2 observed from the device: for each storage in `offloaded` (of at
+/// least 16 bytes, so that its bytes identify it), one entry per host
+/// allocation (pinned or registered) holding its exact bytes, read from
+/// the device's own memory. A storage with one host master appears once.
+/// Needs every payload byte (a payload divisor of 1).
+pub fn host_master_census(
+    device: &SimDevice,
+    pipeline: &offload_core::Pipeline,
+    weights: &dyn WeightSource,
+    offloaded: &BTreeSet<StorageId>,
+) -> Vec<StorageId> {
+    use std::collections::HashMap;
+    const KEY: usize = 16;
+    let mut expected: HashMap<[u8; KEY], Vec<(StorageId, Vec<u8>)>> = HashMap::new();
+    for (id, storage) in pipeline.storages() {
+        if !offloaded.contains(&id) || storage.bytes < KEY as u64 {
+            continue;
+        }
+        let mut bytes = vec![0u8; storage.bytes as usize];
+        weights.read(id, 0, &mut bytes);
+        let key: [u8; KEY] = bytes[..KEY].try_into().expect("16 bytes");
+        expected.entry(key).or_default().push((id, bytes));
+    }
+    let mut found = Vec::new();
+    for alloc in device.host_allocations() {
+        let mem = &alloc.bytes;
+        for start in 0..mem.len().saturating_sub(KEY - 1) {
+            let key: [u8; KEY] = mem[start..start + KEY].try_into().expect("16 bytes");
+            if let Some(candidates) = expected.get(&key) {
+                for (id, bytes) in candidates {
+                    if mem[start..].starts_with(bytes) {
+                        found.push(*id);
+                    }
+                }
+            }
+        }
+    }
+    found
+}
+
+/// The storages `config` offloads from `pipeline` (keeps on the host while
+/// enabled): the streamed blocks for layerwise, the swapped components for
+/// model level.
+pub fn offloaded_storages(
+    pipeline: &offload_core::Pipeline,
+    config: &OffloadConfig,
+) -> Result<BTreeSet<StorageId>, OffloadError> {
+    let plan = offload_core::resolve(pipeline, config)?;
+    let modules: Vec<ModuleId> = match plan.strategy() {
+        OffloadStrategy::Layerwise => plan
+            .stacks
+            .iter()
+            .flat_map(|s| s.blocks.iter().map(|b| b.module))
+            .collect(),
+        OffloadStrategy::ModelLevel
+            if !plan
+                .warnings
+                .contains(&offload_core::plan::PlanWarning::NoEncoder) =>
+        {
+            plan.components
+                .iter()
+                .filter(|c| c.offloaded)
+                .map(|c| c.module)
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    Ok(modules
+        .into_iter()
+        .flat_map(|m| pipeline.subtree_tensors(m))
+        .map(|t| pipeline.tensor(t).storage)
+        .collect())
 }
 
 /// Runs `w` with `choice` on a fresh simulated device.
@@ -355,24 +494,27 @@ pub fn run(
     choice: &StrategyChoice,
     opts: &RunOptions,
 ) -> Result<RunOutcome, OffloadError> {
+    let config = match choice {
+        StrategyChoice::Config(c) => c.clone(),
+        StrategyChoice::Resident => OffloadConfig::default(),
+    };
+    let bounds = memory_bounds(&w.preset.pipeline, &config, opts.prefetch_depth)?;
     let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
-    let backend = rig.backend(choice, opts)?;
+    let backend = rig.backend(choice)?;
     let device = rig.device.clone();
-    let rt = &mut rig.runtime;
     let strategy = backend.strategy();
     let t0 = device.host_now_ns();
-    rt.enable(backend).map_err(|(e, _)| e)?;
-    device.synchronize_all();
+    rig.runtime.enable(backend).map_err(|(e, _)| e)?;
     let enable_ns = device.host_now_ns() - t0;
     let after_enable = device.stats();
-    let b = rt.backend().expect("enabled");
-    let (device_weight_bytes, host_weight_bytes) = (b.device_weight_bytes(), b.host_weight_bytes());
-
-    let (largest_block_bytes, non_block_bytes) = plan_facts(&w.preset, choice);
+    let host_weight_bytes = rig
+        .runtime
+        .backend()
+        .map_or(0, |b| b.host_weight_bytes());
     let mut requests = Vec::new();
     let mut failure = None;
     for _ in 0..w.requests {
-        match request(rt, &device, w) {
+        match rig.request(w) {
             Ok(m) => requests.push(m),
             Err(e) => {
                 failure = Some(e);
@@ -381,7 +523,7 @@ pub fn run(
         }
     }
     let at_end = device.stats();
-    let disabled = rt.disable();
+    let disabled = rig.runtime.disable();
     drop(rig);
     device.check_released();
     if let Some(e) = failure {
@@ -394,65 +536,9 @@ pub fn run(
         enable_ns,
         after_enable,
         at_end,
-        device_weight_bytes,
         host_weight_bytes,
-        largest_block_bytes,
-        non_block_bytes,
+        bounds,
         violations: device.violations(),
         trace: device.trace(),
     })
-}
-
-/// Largest block and non-block bytes of the layerwise plan of the preset.
-fn plan_facts(preset: &Preset, choice: &StrategyChoice) -> (u64, u64) {
-    let config = match choice {
-        StrategyChoice::Config(c) => c.clone(),
-        StrategyChoice::Resident => OffloadConfig::default(),
-    };
-    match offload_core::resolve(&preset.pipeline, &config) {
-        Ok(plan) if !plan.stacks.is_empty() => {
-            let total: u64 = preset.pipeline.storages().map(|(_, s)| s.bytes).sum();
-            let blocks: u64 = plan
-                .stacks
-                .iter()
-                .flat_map(|s| &s.blocks)
-                .map(|b| b.bytes)
-                .sum();
-            (plan.largest_block_bytes(), total - blocks)
-        }
-        _ => (0, 0),
-    }
-}
-
-#[cfg(feature = "planted-bugs")]
-fn plant(
-    backend: Box<dyn Backend<Sim>>,
-    bugs: &[PlantedBug],
-    platform: &CorePlatform<Sim>,
-    choice: &StrategyChoice,
-) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
-    if bugs.is_empty() {
-        return Ok(backend);
-    }
-    let StrategyChoice::Config(config) = choice else {
-        return Ok(backend);
-    };
-    if backend.strategy() != OffloadStrategy::Layerwise {
-        return Ok(backend);
-    }
-    let mut lw = platform.layerwise(config.clone())?;
-    for b in bugs {
-        lw.plant_bug(*b);
-    }
-    Ok(Box::new(lw))
-}
-
-#[cfg(not(feature = "planted-bugs"))]
-fn plant(
-    backend: Box<dyn Backend<Sim>>,
-    _: &[PlantedBug],
-    _: &CorePlatform<Sim>,
-    _: &StrategyChoice,
-) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
-    Ok(backend)
 }

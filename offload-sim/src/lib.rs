@@ -9,11 +9,14 @@
 pub mod device;
 pub mod faults;
 pub mod harness;
+pub mod job;
 pub mod null;
 pub mod presets;
 pub mod profile;
 pub mod trace;
 
-pub use device::{Sim, SimCollective, SimConfig, SimDevice, SimError, SimStats};
+pub use device::{
+    Jitter, Sim, SimAccumulator, SimCollective, SimConfig, SimDevice, SimError, SimStats,
+};
 pub use faults::FaultPlan;
 pub use profile::DeviceProfile;

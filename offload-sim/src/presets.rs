@@ -456,8 +456,10 @@ pub fn qwen_image() -> Preset {
     }
 }
 
-/// A tiny Flux-shaped pipeline for tests: 3 double + 4 single blocks of
-/// width 32, a tied embedding, a non-persistent buffer, mixed dtypes.
+/// A tiny pipeline for tests: a Flux-shaped DiT of 3 double + 4 single
+/// blocks of width 32 (an odd ring of 7), a second 3-block expert as in
+/// Wan2.2 (the second half of the steps), a tied embedding, a
+/// non-persistent buffer, mixed dtypes.
 pub fn tiny() -> Preset {
     let d = 32u64;
     let mut b = PipelineBuilder::new("TinyPipeline");
@@ -479,6 +481,18 @@ pub fn tiny() -> Preset {
         t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
     }
     {
+        // A second expert, as Wan2.2's low-noise DiT: a second ring, whose
+        // first block arrives unprefetched (copied on demand) and whose
+        // blocks evict the first ring's wrap-around prefetch.
+        let mut t = b.module("transformer_2");
+        linear(&mut t, "x_embedder", d, 16, true);
+        t.list("blocks", 3, |i, blk| {
+            linear(blk, "attn.to_qkv", 3 * d, d, true);
+            linear(blk, "ffn.0", 2 * d + 8 * i as u64, d, false);
+        });
+        t.block_containers(&["blocks"]);
+    }
+    {
         let mut e = b.module("text_encoder");
         e.parameter("embed.weight", DType::Bf16, &[50, d]);
         e.list("layers", 2, |_, l| {
@@ -488,11 +502,16 @@ pub fn tiny() -> Preset {
         e.block_containers(&["layers"]);
     }
     vae(&mut b, "vae", 4, [16, 16, 8, 8]);
-    declare(&mut b, &["transformer"], &["text_encoder"], &["vae"]);
+    declare(
+        &mut b,
+        &["transformer", "transformer_2"],
+        &["text_encoder"],
+        &["vae"],
+    );
     Preset {
         name: "tiny",
         pipeline: b.build().expect("tiny preset builds"),
-        dits: vec!["transformer"],
+        dits: vec!["transformer", "transformer_2"],
         encoders: vec!["text_encoder"],
         vaes: vec!["vae"],
         block_cost: BlockCost {

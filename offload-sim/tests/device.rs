@@ -11,6 +11,7 @@ fn device(faults: FaultPlan) -> SimDevice {
         faults,
         ..SimConfig::exact(DeviceProfile::h200())
     })
+    .unwrap()
 }
 
 #[test]
@@ -71,8 +72,10 @@ fn rewriting_a_staging_buffer_under_a_copy_is_reported() {
     d.synchronize_stream(&s).unwrap();
     host.write_from(0, 64, &[3u8; 64]);
     assert_eq!(d.violations().len(), 1);
-    // A buffer dropped without free_pinned, and one never freed, are leaks.
+    // A buffer dropped without free_pinned is freed after the device is
+    // synchronised (no violation); one still held at the end is a leak.
     drop(host);
+    assert_eq!(d.violations().len(), 1, "{:?}", d.violations());
     assert_eq!(d.check_released(), 1, "the device buffer");
     assert!(
         d.violations()
@@ -84,10 +87,7 @@ fn rewriting_a_staging_buffer_under_a_copy_is_reported() {
 #[test]
 fn capacity_and_injected_faults_fail_like_a_gpu() {
     // Capacity is logical: sampled payloads keep host memory small.
-    let d = SimDevice::new(SimConfig {
-        payload_divisor: 1 << 30,
-        ..SimConfig::exact(DeviceProfile::h200())
-    });
+    let d = SimDevice::new(SimConfig::sampled(DeviceProfile::h200(), 1 << 30)).unwrap();
     let big = d.alloc_device(140_000_000_000).unwrap();
     let e = d.alloc_device(2_000_000_000).unwrap_err();
     assert_eq!(
@@ -105,6 +105,7 @@ fn capacity_and_injected_faults_fail_like_a_gpu() {
         fail_alloc_at: Some(2),
         fail_copy_at: Some(1),
         fail_collective_at: Some(1),
+        fail_sync_at: Some(1),
     });
     let s = d.create_stream().unwrap();
     let a = d.alloc_device(8).unwrap();
@@ -136,4 +137,66 @@ fn capacity_and_injected_faults_fail_like_a_gpu() {
     // SAFETY: the device checks the range and refuses.
     let e = unsafe { d.copy_h2d(&s, HostSource::Pinned(&host), 4, &a, 0, 8) }.unwrap_err();
     assert!(e.to_string().contains("exceeds its 8 bytes"), "{e}");
+    // The first host synchronisation fails as on a lost device.
+    let e = d.synchronize_stream(&s).unwrap_err();
+    assert_eq!(
+        offload_core::device::DeviceError::kind(&e),
+        DeviceErrorKind::DeviceLost
+    );
+    assert!(e.to_string().contains("injected failure of host synchronisation #1"), "{e}");
+    d.synchronize_stream(&s).unwrap();
+}
+
+/// Data lands at its simulated time: a kernel that does not wait for the
+/// copy filling its input reads the bytes that were there before; one that
+/// waits reads the new ones. The checker reports the first either way.
+#[test]
+fn a_read_before_its_fill_reads_stale_bytes() {
+    let d = device(FaultPlan::none());
+    let (copy, compute) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+    let bytes = 64 << 20;
+    let mut host = d.alloc_pinned(bytes).unwrap();
+    host.write_from(0, bytes, &vec![7u8; bytes as usize]);
+    let slot = d.alloc_device(bytes).unwrap();
+    let ready = d.create_event().unwrap();
+    let out = d.create_accumulator();
+    let read = |wait: bool| {
+        d.reset_accumulator(&compute, &out).unwrap();
+        // SAFETY: in bounds; the stream is synchronised below.
+        unsafe { d.copy_h2d(&copy, HostSource::Pinned(&host), 0, &slot, 0, bytes) }.unwrap();
+        d.record_event(&ready, &copy).unwrap();
+        if wait {
+            d.stream_wait_event(&compute, &ready).unwrap();
+        }
+        d.compute(&compute, &[(&slot, 0..bytes)], 1.0, "read", &out)
+            .unwrap();
+        d.synchronize_stream(&compute).unwrap();
+        d.synchronize_stream(&copy).unwrap();
+        d.read_accumulator(&out)
+    };
+    let stale = read(false);
+    assert_eq!(d.violations().len(), 1, "{:?}", d.violations());
+    assert!(
+        d.violations()[0]
+            .detail
+            .contains("read before the fill completed")
+    );
+    let fresh = read(true);
+    assert_ne!(stale, fresh, "the racing kernel read the old (zero) bytes");
+    assert_eq!(read(true), fresh, "ordered reads agree");
+    assert_eq!(d.violations().len(), 1);
+    // Dropping buffers instead of freeing them synchronises the device
+    // first: nothing leaks, nothing is reported.
+    drop((host, slot));
+    assert_eq!(d.check_released(), 0);
+    assert_eq!(d.violations().len(), 1);
+}
+
+#[test]
+fn clock_overflow_is_an_error_not_a_wrap() {
+    let d = device(FaultPlan::none());
+    let s = d.create_stream().unwrap();
+    let out = d.create_accumulator();
+    let e = d.compute(&s, &[], 1e300, "huge", &out).unwrap_err();
+    assert!(e.to_string().contains("overflows the simulated clock"), "{e}");
 }

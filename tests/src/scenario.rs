@@ -11,9 +11,12 @@ use std::sync::{Arc, Mutex};
 
 use offload_core::model::{DType, ModuleId, PipelineBuilder, StorageSpec, TensorSpec};
 use offload_core::runtime::ForwardCtx;
-use offload_core::{ComponentDeclaration, OffloadConfig, OffloadStrategy, Pipeline};
+use offload_core::device::Device;
+use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
 use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
-use offload_sim::harness::{Rig, RunOptions, StrategyChoice, Workload, blocks_of, request};
+use offload_sim::harness::{
+    Rig, RunOptions, StrategyChoice, Workload, blocks_of, host_master_census, offloaded_storages,
+};
 use offload_sim::presets::{BlockCost, Preset};
 use offload_sim::{DeviceProfile, FaultPlan};
 use proptest::prelude::*;
@@ -133,6 +136,7 @@ pub fn scenario() -> impl Strategy<Value = Scenario> {
             fail_alloc_at: alloc,
             fail_copy_at: copy,
             fail_collective_at: None,
+            fail_sync_at: None,
         });
     (pipe_spec(), config(), 1usize..=3, faults, any::<u64>()).prop_map(
         |(spec, config, depth, faults, seed)| Scenario {
@@ -292,7 +296,7 @@ impl Driver {
         };
         let mut resident = rig_with_cache(&pipeline, &base, &blocks, &skip);
         let backend = resident
-            .backend(&StrategyChoice::Resident, &base)
+            .backend(&StrategyChoice::Resident)
             .expect("resident backend");
         resident
             .runtime
@@ -356,9 +360,9 @@ impl Driver {
     fn enable(&mut self) {
         let before = self.offloaded.runtime.model().hook_claims();
         let stats_before = self.offloaded.device.stats();
-        let opts = RunOptions::new(DeviceProfile::h200());
+        self.offloaded.device.reset_peak();
         let choice = StrategyChoice::Config(self.scenario.config.clone());
-        let backend = match self.offloaded.backend(&choice, &opts) {
+        let backend = match self.offloaded.backend(&choice) {
             Ok(b) => b,
             Err(e) => self.fail(format!("building the backend failed: {e}")),
         };
@@ -403,9 +407,8 @@ impl Driver {
             steps,
             ..self.workload.clone()
         };
-        let expected =
-            request(&self.resident.runtime, &self.resident.device, &w).expect("resident request");
-        match request(&self.offloaded.runtime, &self.offloaded.device, &w) {
+        let expected = self.resident.request(&w).expect("resident request");
+        match self.offloaded.request(&w) {
             Ok(got) if got.output != expected.output => {
                 self.fail("INV-8: request output differs from the resident run".to_owned())
             }
@@ -418,20 +421,22 @@ impl Driver {
     fn block(&mut self, index: usize) {
         let block = self.blocks[index % self.blocks.len()];
         let rel = self.pipeline.module(block).path["transformer.".len()..].to_owned();
-        let run = |rig: &Rig| {
+        let run = |rig: &Rig| -> Result<u64, offload_core::OffloadError> {
+            let out = &rig.probe.output;
+            rig.device
+                .reset_accumulator(rig.runtime.compute_stream(), out)
+                .map_err(|e| offload_core::OffloadError::device("reset output", e))?;
             rig.runtime.forward("transformer", |dit| {
                 let tensors = dit.pipeline().subtree_tensors(block);
-                let r = dit.child(&rel, |b| {
-                    let views = tensors
-                        .iter()
-                        .map(|t| b.view_id(*t))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let inputs: Vec<_> =
-                        views.iter().map(|v| (v.buffer(), v.byte_range())).collect();
-                    Ok(rig.device.compute(b.stream(), &inputs, 1e3, "block")?)
+                dit.child(&rel, |b| {
+                    Ok(offload_sim::harness::kernel(b, &tensors, 1e3, "block", out)?)
                 })?;
-                Ok(r)
-            })
+                Ok(())
+            })?;
+            rig.device
+                .synchronize_stream(rig.runtime.compute_stream())
+                .map_err(|e| offload_core::OffloadError::device("synchronize_stream", e))?;
+            Ok(rig.device.read_accumulator(out))
         };
         let expected = run(&self.resident).expect("resident block");
         match run(&self.offloaded) {
@@ -460,36 +465,45 @@ impl Driver {
         }
     }
 
-    /// INV-7: device weight memory within resident + slots (layerwise) or
-    /// resident + the largest swapped component (model level); host memory
-    /// one copy of the offloaded weights.
+    /// INV-7 with each strategy's exact bound, against the device's own
+    /// peak counters since enable (device weights; pinned + registered host
+    /// bytes, staging included); and INV-2 read from the device's host
+    /// allocations: each offloaded storage's bytes are held exactly once.
     fn check_memory(&self) {
-        let Ok(plan) = offload_core::resolve(&self.pipeline, &self.scenario.config) else {
+        let Ok(bounds) = offload_core::runtime::memory_bounds(
+            &self.pipeline,
+            &self.scenario.config,
+            self.scenario.depth,
+        ) else {
             return;
         };
-        let total: u64 = self.pipeline.storages().map(|(_, s)| s.bytes).sum();
         let stats = self.offloaded.device.stats();
-        let bound = match plan.strategy() {
-            OffloadStrategy::Layerwise => {
-                total - plan.streamed_bytes()
-                    + (self.scenario.depth as u64 + 1) * plan.largest_block_bytes()
-            }
-            _ => total,
-        };
-        if stats.device_bytes > bound {
-            self.fail(format!(
-                "INV-7: {} device bytes > bound {bound}",
-                stats.device_bytes
-            ));
+        let observed = bounds.observe(
+            stats.device_peak_bytes,
+            stats.pinned_peak_bytes + stats.registered_peak_bytes,
+        );
+        if let Err(v) = offload_core::invariants::bounded_memory(&observed, 0) {
+            self.fail(format!("{v} ({} strategy)", bounds.strategy));
         }
-        if plan.strategy() == OffloadStrategy::Layerwise
-            && stats.pinned_bytes != plan.streamed_bytes()
-        {
-            self.fail(format!(
-                "INV-7: pinned host bytes {} ≠ streamed weight bytes {}",
-                stats.pinned_bytes,
-                plan.streamed_bytes()
-            ));
+        let Ok(offloaded) = offloaded_storages(&self.pipeline, &self.scenario.config) else {
+            return;
+        };
+        let weights = offload_sim::presets::SyntheticWeights {
+            seed: self.scenario.seed,
+        };
+        let found = host_master_census(
+            &self.offloaded.device,
+            &self.pipeline,
+            &weights,
+            &offloaded,
+        );
+        let identifiable: Vec<_> = offloaded
+            .iter()
+            .copied()
+            .filter(|s| self.pipeline.storage(*s).bytes >= 16)
+            .collect();
+        if let Err(v) = offload_core::invariants::one_host_master(identifiable, found) {
+            self.fail(v.to_string());
         }
     }
 

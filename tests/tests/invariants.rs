@@ -214,6 +214,7 @@ fn facts(path: &str, checksum: u64, alias_class: u32) -> TensorFacts {
         shape: vec![4, 4],
         strides: vec![4, 1],
         storage_offset: 0,
+        view_bytes: 32,
         alias_class,
         checksum,
     }

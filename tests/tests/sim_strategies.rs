@@ -106,9 +106,10 @@ fn loader_memory_is_registered_in_place() {
         stats.registered_bytes, streamed,
         "every block registered in place"
     );
+    let probe = offload_sim::harness::Probe::new(&rig.device).unwrap();
     let got: Vec<u64> = (0..2)
         .map(|_| {
-            offload_sim::harness::request(&rt, &rig.device, &w)
+            offload_sim::harness::request(&rt, &rig.device, &probe, &w)
                 .unwrap()
                 .output
         })

@@ -17,9 +17,18 @@ pub struct MemoryBounds {
     /// plus `depth + 1` slots of the largest block for layerwise; the
     /// resident part plus the largest swapped component for model level.
     pub device_weight_bytes: u64,
+    /// The part of `device_weight_bytes` that stays resident by design.
+    pub resident_bytes: u64,
+    /// One copy of the offloaded weights.
+    pub offloaded_bytes: u64,
     /// Host bytes for weights (pinned or registered): exactly one copy of
-    /// the offloaded weights (nothing for no offload).
+    /// the offloaded weights (nothing for no offload), plus the declared
+    /// staging.
     pub host_weight_bytes: u64,
+    /// The declared staging, included in `host_weight_bytes`: `enable`
+    /// uploads each resident unit through one exact-size pinned buffer,
+    /// freed before the next, so at most the largest resident unit.
+    pub staging_bytes: u64,
     /// Device allocations the strategy makes at most at once (resident
     /// units, slots, a swapped component's units): an allocator that
     /// rounds each allocation up may exceed the byte bound by one granule
@@ -39,19 +48,39 @@ pub fn memory_bounds(
     let units = partition.all().count() as u64;
     let strategy = plan.strategy();
     let depth = depth.max(1) as u64;
-    let (device_weight_bytes, host_weight_bytes, device_allocations) = match strategy {
-        OffloadStrategy::None => (total, 0, units),
+    let largest_unit = |offloaded: &dyn Fn(&crate::runtime::Unit) -> bool| {
+        partition
+            .all()
+            .filter(|u| !offloaded(u))
+            .map(|u| u.bytes)
+            .max()
+            .unwrap_or(0)
+    };
+    let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy
+    {
+        OffloadStrategy::None => (total, 0, units, largest_unit(&|_| false)),
         OffloadStrategy::Layerwise => {
             let streamed = plan.streamed_bytes();
             let blocks: u64 = plan.stacks.iter().map(|s| s.blocks.len() as u64).sum();
+            let streamed_modules: std::collections::BTreeSet<_> = plan
+                .stacks
+                .iter()
+                .flat_map(|s| s.blocks.iter().map(|b| b.module))
+                .collect();
             (
                 total - streamed + (depth + 1) * plan.largest_block_bytes(),
                 streamed,
                 units - blocks + depth + 1,
+                largest_unit(&|u| streamed_modules.contains(&u.module)),
             )
         }
         OffloadStrategy::ModelLevel => {
             let swapped = swapped_components(pipeline, &plan, &partition);
+            let swapped_names: std::collections::BTreeSet<&str> = swapped
+                .iter()
+                .flat_map(|(_, us)| us.iter().map(|u| u.name.as_str()))
+                .collect();
+            let staging = largest_unit(&|u| swapped_names.contains(u.name.as_str()));
             let bytes = |us: &[&crate::runtime::Unit]| us.iter().map(|u| u.bytes).sum::<u64>();
             let swapped_bytes: u64 = swapped.iter().map(|(_, us)| bytes(us)).sum();
             let swapped_units: u64 = swapped.iter().map(|(_, us)| us.len() as u64).sum();
@@ -65,6 +94,7 @@ pub fn memory_bounds(
                 total - swapped_bytes + largest,
                 swapped_bytes,
                 units - swapped_units + largest_units,
+                staging,
             )
         }
         OffloadStrategy::DistributedLayerwise => {
@@ -77,7 +107,30 @@ pub fn memory_bounds(
     Ok(MemoryBounds {
         strategy,
         device_weight_bytes,
-        host_weight_bytes,
+        resident_bytes: total - offloaded_bytes,
+        offloaded_bytes,
+        host_weight_bytes: offloaded_bytes + staging_bytes,
+        staging_bytes,
         device_allocations,
     })
+}
+
+impl MemoryBounds {
+    /// What INV-7's checker ([`crate::invariants::bounded_memory`]) is fed:
+    /// these bounds with the peaks a device measured itself.
+    pub fn observe(
+        &self,
+        peak_device_weight_bytes: u64,
+        peak_host_weight_bytes: u64,
+    ) -> crate::invariants::MemoryObservation {
+        crate::invariants::MemoryObservation {
+            peak_device_weight_bytes,
+            resident_bytes: self.resident_bytes,
+            slot_bytes: self.device_weight_bytes - self.resident_bytes,
+            host_weight_bytes: peak_host_weight_bytes,
+            offloaded_weight_bytes: self.offloaded_bytes,
+            group_size: 1,
+            staging_bytes: self.staging_bytes,
+        }
+    }
 }

@@ -236,7 +236,10 @@ impl<A: Api> BlockHook<A> {
             // Planted: trust the slot the block was filled into, though
             // another ring may have refilled it since.
             (None, true) if shared.bug(PlantedBug::IgnoreRingStamp) => {
-                st.filled_into[r][i].expect("an in-flight block was filled")
+                let k = st.filled_into[r][i].expect("an in-flight block was filled");
+                st.table.evict_unchecked(k, r, i);
+                st.table.filled(k, r, i);
+                k
             }
             // Not materialised (a hook skipped the predecessor, another ring
             // took the slot, or the block runs twice): copy on demand.

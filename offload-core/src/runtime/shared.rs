@@ -288,12 +288,9 @@ impl ByteSource for StorageBytes<'_> {
 
 pub(crate) fn dev_err(
     operation: impl Into<String>,
-    e: impl std::error::Error + Send + Sync + 'static,
+    e: impl crate::device::DeviceError,
 ) -> OffloadError {
-    OffloadError::DeviceOp {
-        operation: operation.into(),
-        cause: Box::new(e),
-    }
+    OffloadError::device(operation, e)
 }
 
 /// Where every storage is, and its residency.

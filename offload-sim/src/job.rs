@@ -1,0 +1,504 @@
+//! The main job (`offload-sim run`) as a library: runs a real-model-shaped
+//! pipeline through the strategies on a simulated GPU and reports, per
+//! strategy, time against the physical limit, memory, traffic and every
+//! residency rule broken. The binary only parses flags and prints.
+//!
+//! Three outcomes, kept apart: a strategy that runs (a row with figures), a
+//! strategy that does not fit on the device (a row that says so; the job
+//! still succeeds), and an error (bad input, a strategy with no backend, a
+//! failure that is not out-of-memory: the job fails with a typed
+//! [`JobError`]). Rules broken (checker violations, an output that differs
+//! from the resident run's, memory beyond INV-7's bound) make
+//! [`JobOutput::verdict`] fail.
+
+use std::path::PathBuf;
+
+use offload_core::device::DeviceErrorKind;
+use offload_core::invariants::Violation;
+use offload_core::runtime::PlantedBug;
+use offload_core::{OffloadConfig, OffloadError, OffloadStrategy};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::device::Jitter;
+use crate::harness::{RequestMeasure, RunOptions, RunOutcome, StrategyChoice, Workload, run};
+use crate::presets::Preset;
+use crate::profile::DeviceProfile;
+use crate::FaultPlan;
+
+/// The most tokens per forward the job simulates (1 Mi: beyond any video
+/// model; the attention term grows with its square).
+pub const MAX_TOKENS: u64 = 1 << 20;
+/// The most denoising steps per request.
+pub const MAX_STEPS: usize = 10_000;
+/// The most requests.
+pub const MAX_REQUESTS: usize = 1_000;
+/// The deepest prefetch.
+pub const MAX_PREFETCH_DEPTH: usize = 16;
+
+/// Which strategies to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrategySet {
+    /// Resident, model level and layerwise.
+    All,
+    /// One strategy.
+    One(OffloadStrategy),
+}
+
+/// What the job runs.
+#[derive(Clone, Debug)]
+pub struct JobArgs {
+    /// Preset name.
+    pub model: String,
+    /// Strategies (ignored with `config`).
+    pub strategy: StrategySet,
+    /// Device profile name.
+    pub gpu: String,
+    /// Tokens per DiT forward (`None`: the preset's).
+    pub tokens: Option<u64>,
+    /// Denoising steps per request.
+    pub steps: usize,
+    /// Requests (the first warms up and is not timed, if there are several).
+    pub requests: usize,
+    /// Layerwise prefetch depth.
+    pub prefetch_depth: usize,
+    /// A configuration file; the strategy is then what it selects.
+    pub config: Option<PathBuf>,
+    /// Keep one payload byte in N (`None`: under 64 MiB in all).
+    pub payload_divisor: Option<u64>,
+    /// Seed of the synthetic weights.
+    pub seed: u64,
+    /// Seeded delays that widen race windows.
+    pub jitter: Option<Jitter>,
+    /// Bugs planted in the strategies under test (ignored without the
+    /// `planted-bugs` feature; the resident baseline stays clean).
+    pub bugs: Vec<PlantedBug>,
+    /// Collect a Perfetto trace.
+    pub trace: bool,
+}
+
+impl Default for JobArgs {
+    fn default() -> Self {
+        Self {
+            model: "flux1-dev".to_owned(),
+            strategy: StrategySet::All,
+            gpu: "h200".to_owned(),
+            tokens: None,
+            steps: 10,
+            requests: 2,
+            prefetch_depth: 1,
+            config: None,
+            payload_divisor: None,
+            seed: 0,
+            jitter: None,
+            bugs: Vec::new(),
+            trace: false,
+        }
+    }
+}
+
+/// Why the job failed.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// A flag's value is not allowed.
+    #[error("{flag} {value}: {allowed}")]
+    BadFlag {
+        /// The flag.
+        flag: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
+    /// The configuration file was rejected.
+    #[error("configuration `{path}`: {source}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: OffloadError,
+    },
+    /// A strategy failed for another reason than running out of memory
+    /// (a strategy with no backend, a device failure, a bug).
+    #[error("{strategy}: {source}")]
+    Run {
+        /// The strategy.
+        strategy: String,
+        /// Why.
+        source: OffloadError,
+    },
+    /// Residency rules were broken.
+    #[error("{count} residency rule(s) broken (see the violations in the report)")]
+    Violations {
+        /// How many.
+        count: usize,
+    },
+}
+
+/// One strategy's row.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// Strategy name.
+    pub strategy: String,
+    /// Preset.
+    pub model: String,
+    /// Profile.
+    pub gpu: String,
+    /// Steps per request.
+    pub steps: usize,
+    /// Tokens per forward.
+    pub tokens: u64,
+    /// Whether the strategy fits on the device (false: `error` says why,
+    /// and the figures are null).
+    pub fits: bool,
+    /// Why it did not fit.
+    pub error: Option<String>,
+    /// Median step time of the timed requests.
+    pub step_time_ms: Option<f64>,
+    /// The resident baseline's step time (unbounded memory).
+    pub resident_step_time_ms: f64,
+    /// `max(resident step, streamed bytes per step / bandwidth)`.
+    pub limit_ms: Option<f64>,
+    /// Step over limit.
+    pub ratio_to_limit: Option<f64>,
+    /// Peak device bytes, from the device's own counter.
+    pub peak_device_weight_bytes: Option<u64>,
+    /// INV-7's device bound for this strategy and depth.
+    pub device_bound_bytes: Option<u64>,
+    /// Peak pinned + registered host bytes, from the device's counters.
+    pub pinned_host_bytes: Option<u64>,
+    /// INV-7's host bound (one copy of the offloaded weights).
+    pub host_bound_bytes: Option<u64>,
+    /// Host weight bytes the strategy reports holding.
+    pub streamed_weight_bytes: Option<u64>,
+    /// Host→device bytes per denoising step.
+    pub h2d_bytes_per_step: Option<u64>,
+    /// Time compute waited on transfers per step.
+    pub compute_wait_ms: Option<f64>,
+    /// Time `enable` took.
+    pub enable_ms: Option<f64>,
+    /// Outputs equal the resident run's, request by request.
+    pub output_matches_resident: Option<bool>,
+    /// Rules broken.
+    pub checker_violations: usize,
+    /// What was broken.
+    pub violations: Vec<String>,
+}
+
+/// What the job produced.
+#[derive(Debug)]
+pub struct JobOutput {
+    /// The preset.
+    pub preset: Preset,
+    /// The profile.
+    pub profile: DeviceProfile,
+    /// The payload divisor used.
+    pub divisor: u64,
+    /// One row per strategy.
+    pub reports: Vec<Report>,
+    /// The Perfetto trace of every strategy, if asked for.
+    pub trace: Option<Value>,
+}
+
+impl JobOutput {
+    /// Fails if any rule was broken.
+    pub fn verdict(&self) -> Result<(), JobError> {
+        let count: usize = self.reports.iter().map(|r| r.checker_violations).sum();
+        if count > 0 {
+            return Err(JobError::Violations { count });
+        }
+        Ok(())
+    }
+}
+
+fn bad(flag: &'static str, value: impl ToString, allowed: impl Into<String>) -> JobError {
+    JobError::BadFlag {
+        flag,
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+/// The timed requests (all but the first when there are several).
+fn timed(out: &RunOutcome) -> &[RequestMeasure] {
+    if out.requests.len() > 1 {
+        &out.requests[1..]
+    } else {
+        &out.requests
+    }
+}
+
+fn step_ms(out: &RunOutcome, steps: usize) -> f64 {
+    median(
+        timed(out)
+            .iter()
+            .map(|r| r.denoise_ns as f64 / steps as f64 / 1e6)
+            .collect(),
+    )
+    .unwrap_or(0.0)
+}
+
+/// INV-7 against the device's own counters (peak device bytes; peak pinned
+/// and registered host bytes), with the exact bound of the strategy
+/// (CONTRACT §10): the one INV-7 checker of simulated runs.
+pub fn memory_violations(out: &RunOutcome) -> Option<Violation> {
+    let observed = out.bounds.observe(
+        out.at_end.device_peak_bytes,
+        out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes,
+    );
+    offload_core::invariants::bounded_memory(&observed, 0).err()
+}
+
+fn report(
+    w: &Workload,
+    profile: &DeviceProfile,
+    out: &RunOutcome,
+    resident: &RunOutcome,
+) -> Report {
+    let steps = w.steps;
+    let step = step_ms(out, steps);
+    let resident_step = step_ms(resident, steps);
+    let last = timed(out).last().cloned().unwrap_or_default();
+    let ideal_bytes = match out.strategy {
+        OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => last.block_bytes,
+        OffloadStrategy::ModelLevel => last.dit_bytes,
+        OffloadStrategy::None => 0,
+    } as f64
+        / steps as f64;
+    let transfer_ms = ideal_bytes / (profile.h2d_pinned_gbps * 1e9) * 1e3;
+    let limit = resident_step.max(transfer_ms);
+    let matches = out
+        .requests
+        .iter()
+        .map(|r| r.output)
+        .eq(resident.requests.iter().map(|r| r.output));
+    let mut violations: Vec<String> = out
+        .violations
+        .iter()
+        .chain(&memory_violations(out))
+        .map(ToString::to_string)
+        .collect();
+    if !matches {
+        violations
+            .push("INV-8 Equivalence violated: outputs differ from the resident run".to_owned());
+    }
+    Report {
+        strategy: out.strategy.to_string(),
+        model: w.preset.name.to_owned(),
+        gpu: profile.name.to_owned(),
+        steps,
+        tokens: w.tokens,
+        fits: true,
+        error: None,
+        step_time_ms: Some(step),
+        resident_step_time_ms: resident_step,
+        limit_ms: Some(limit),
+        ratio_to_limit: (limit > 0.0).then(|| step / limit),
+        peak_device_weight_bytes: Some(out.at_end.device_peak_bytes),
+        device_bound_bytes: Some(out.bounds.device_weight_bytes),
+        pinned_host_bytes: Some(out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes),
+        host_bound_bytes: Some(out.bounds.host_weight_bytes),
+        streamed_weight_bytes: Some(out.host_weight_bytes),
+        h2d_bytes_per_step: Some(last.denoise_h2d_bytes / steps as u64),
+        compute_wait_ms: Some(last.denoise_wait_ns as f64 / steps as f64 / 1e6),
+        enable_ms: Some(out.enable_ns as f64 / 1e6),
+        output_matches_resident: Some(matches),
+        checker_violations: violations.len(),
+        violations,
+    }
+}
+
+impl Report {
+    fn unfit(w: &Workload, profile: &DeviceProfile, strategy: String, resident_step: f64, error: String) -> Self {
+        Report {
+            strategy,
+            model: w.preset.name.to_owned(),
+            gpu: profile.name.to_owned(),
+            steps: w.steps,
+            tokens: w.tokens,
+            fits: false,
+            error: Some(error),
+            step_time_ms: None,
+            resident_step_time_ms: resident_step,
+            limit_ms: None,
+            ratio_to_limit: None,
+            peak_device_weight_bytes: None,
+            device_bound_bytes: None,
+            pinned_host_bytes: None,
+            host_bound_bytes: None,
+            streamed_weight_bytes: None,
+            h2d_bytes_per_step: None,
+            compute_wait_ms: None,
+            enable_ms: None,
+            output_matches_resident: None,
+            checker_violations: 0,
+            violations: Vec::new(),
+        }
+    }
+}
+
+/// Checks the flags and loads the configuration: every problem is a typed
+/// error before anything runs.
+fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> {
+    let preset = Preset::by_name(&args.model)
+        .ok_or_else(|| bad("--model", &args.model, format!("allowed: {}", Preset::NAMES.join(", "))))?;
+    let profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
+        let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
+        bad("--gpu", &args.gpu, format!("allowed: {}", names.join(", ")))
+    })?;
+    let tokens = args.tokens.unwrap_or(preset.default_tokens);
+    if !(1..=MAX_TOKENS).contains(&tokens) {
+        return Err(bad("--tokens", tokens, format!("allowed: 1 to {MAX_TOKENS}")));
+    }
+    if !(1..=MAX_STEPS).contains(&args.steps) {
+        return Err(bad("--steps", args.steps, format!("allowed: 1 to {MAX_STEPS}")));
+    }
+    if !(1..=MAX_REQUESTS).contains(&args.requests) {
+        return Err(bad(
+            "--requests",
+            args.requests,
+            format!("allowed: 1 to {MAX_REQUESTS}"),
+        ));
+    }
+    if !(1..=MAX_PREFETCH_DEPTH).contains(&args.prefetch_depth) {
+        return Err(bad(
+            "--prefetch-depth",
+            args.prefetch_depth,
+            format!("allowed: 1 to {MAX_PREFETCH_DEPTH}"),
+        ));
+    }
+    let divisor = match args.payload_divisor {
+        Some(d) if d.is_power_of_two() => d,
+        Some(d) => return Err(bad("--payload-divisor", d, "allowed: a power of two (1, 2, 4, …)")),
+        None => (preset.weight_bytes() / (64 << 20))
+            .max(1)
+            .next_power_of_two(),
+    };
+    Ok((
+        Workload {
+            preset,
+            tokens,
+            steps: args.steps,
+            requests: args.requests,
+        },
+        profile,
+        divisor,
+    ))
+}
+
+fn choices(args: &JobArgs) -> Result<Vec<StrategyChoice>, JobError> {
+    if let Some(path) = &args.config {
+        let config = OffloadConfig::from_path(path)
+            .and_then(|c| c.select().map(|_| c))
+            .map_err(|e| JobError::Config {
+                path: path.clone(),
+                source: e.into(),
+            })?;
+        return Ok(vec![StrategyChoice::Config(config)]);
+    }
+    Ok(match args.strategy {
+        StrategySet::All => [
+            OffloadStrategy::None,
+            OffloadStrategy::ModelLevel,
+            OffloadStrategy::Layerwise,
+        ]
+        .into_iter()
+        .map(StrategyChoice::strategy)
+        .collect(),
+        StrategySet::One(s) => vec![StrategyChoice::strategy(s)],
+    })
+}
+
+fn strategy_name(choice: &StrategyChoice) -> String {
+    match choice {
+        StrategyChoice::Resident => OffloadStrategy::None.to_string(),
+        StrategyChoice::Config(c) => c
+            .select()
+            .map(|s| s.strategy.to_string())
+            .unwrap_or_else(|_| "unknown".to_owned()),
+    }
+}
+
+/// Runs the job. `progress` is told which strategy starts (the binary
+/// prints it, so a long run is not silent).
+pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutput, JobError> {
+    let (w, profile, divisor) = workload(args)?;
+    let choices = choices(args)?;
+    let opts = RunOptions {
+        prefetch_depth: args.prefetch_depth,
+        payload_divisor: divisor,
+        faults: FaultPlan::none(),
+        seed: args.seed,
+        jitter: args.jitter,
+        bugs: args.bugs.clone(),
+        ..RunOptions::new(profile.clone())
+    };
+    // The baseline: same physics, memory without limit, no planted bug, so
+    // the limit and the outputs are known even where the pipeline does not
+    // fit.
+    let unbounded = RunOptions {
+        profile: DeviceProfile {
+            memory_bytes: u64::MAX / 4,
+            ..profile.clone()
+        },
+        bugs: Vec::new(),
+        ..opts.clone()
+    };
+    progress("resident baseline");
+    let resident = run(&w, &StrategyChoice::Resident, &unbounded).map_err(|source| {
+        JobError::Run {
+            strategy: "resident baseline".to_owned(),
+            source,
+        }
+    })?;
+    let mut reports = Vec::new();
+    let mut traces: Vec<Value> = Vec::new();
+    for (i, choice) in choices.iter().enumerate() {
+        let name = strategy_name(choice);
+        progress(&name);
+        let out = match run(&w, choice, &opts) {
+            Ok(out) => out,
+            Err(e) if e.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) => {
+                let resident_step = step_ms(&resident, w.steps);
+                reports.push(Report::unfit(&w, &profile, name, resident_step, e.to_string()));
+                continue;
+            }
+            Err(source) => {
+                return Err(JobError::Run {
+                    strategy: name,
+                    source,
+                });
+            }
+        };
+        let r = report(&w, &profile, &out, &resident);
+        if args.trace {
+            let chrome = out.trace.to_chrome_json();
+            for mut e in chrome["traceEvents"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+            {
+                e["pid"] = json!(i);
+                traces.push(e);
+            }
+            traces.push(
+                json!({"name": "process_name", "ph": "M", "pid": i, "args": {"name": r.strategy}}),
+            );
+        }
+        reports.push(r);
+    }
+    Ok(JobOutput {
+        preset: w.preset,
+        profile,
+        divisor,
+        reports,
+        trace: args
+            .trace
+            .then(|| json!({"traceEvents": traces, "displayTimeUnit": "ms"})),
+    })
+}
