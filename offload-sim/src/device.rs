@@ -538,10 +538,9 @@ impl State {
                 // use after free); a freed destination swallows the bytes.
                 let from = kept(src_offset, src_offset + bytes, d);
                 let data: Vec<u8> = match self.memory(src) {
-                    Some(mem) => mem.get(from.clone()).map_or_else(
-                        || vec![0; from.len()],
-                        <[u8]>::to_vec,
-                    ),
+                    Some(mem) => mem
+                        .get(from.clone())
+                        .map_or_else(|| vec![0; from.len()], <[u8]>::to_vec),
                     None => vec![0; from.len()],
                 };
                 let to = kept(dst_offset, dst_offset + bytes, d);
@@ -709,12 +708,11 @@ impl State {
             )
         };
         let s = &self.streams[stream];
-        let ready = s
-            .tail_ns
-            .checked_add(delay)
-            .ok_or_else(|| overflow(self))?;
+        let ready = s.tail_ns.checked_add(delay).ok_or_else(|| overflow(self))?;
         let start = ready.max(self.engines[engine as usize]).max(host_now);
-        let end = start.checked_add(duration_ns).ok_or_else(|| overflow(self))?;
+        let end = start
+            .checked_add(duration_ns)
+            .ok_or_else(|| overflow(self))?;
         let s = &mut self.streams[stream];
         s.clock.join(&self.host_clock);
         s.clock.tick(stream);
@@ -1052,7 +1050,11 @@ impl SimDevice {
         st.pinned
             .iter()
             .map(|(id, m)| (host_name(*id), m))
-            .chain(st.registered.iter().map(|(id, m)| (registered_name(*id), m)))
+            .chain(
+                st.registered
+                    .iter()
+                    .map(|(id, m)| (registered_name(*id), m)),
+            )
             .map(|(name, m)| HostAllocation {
                 name,
                 bytes: m.mem.clone(),
@@ -1345,8 +1347,10 @@ impl Device<Sim> for SimDevice {
         let mem: Vec<u8> = bytes.iter().step_by(d).copied().collect();
         st.registered.insert(id, HostMem { len, mem });
         st.stats.registered_bytes += len;
-        st.stats.registered_peak_bytes =
-            st.stats.registered_peak_bytes.max(st.stats.registered_bytes);
+        st.stats.registered_peak_bytes = st
+            .stats
+            .registered_peak_bytes
+            .max(st.stats.registered_bytes);
         st.checker.forget(&registered_name(id));
         Ok(SimRegistration {
             id,
@@ -1369,7 +1373,10 @@ impl Device<Sim> for SimDevice {
     fn memory_info(&self) -> Result<MemoryInfo, SimError> {
         let st = self.state();
         Ok(MemoryInfo {
-            free_bytes: st.profile.memory_bytes.saturating_sub(st.stats.device_bytes),
+            free_bytes: st
+                .profile
+                .memory_bytes
+                .saturating_sub(st.stats.device_bytes),
             total_bytes: st.profile.memory_bytes,
         })
     }

@@ -22,9 +22,7 @@ use offload_core::runtime::{
 };
 use offload_core::{OffloadConfig, OffloadStrategy};
 
-use crate::device::{
-    Jitter, Sim, SimAccumulator, SimConfig, SimDevice, SimEvent, SimStats,
-};
+use crate::device::{Jitter, Sim, SimAccumulator, SimConfig, SimDevice, SimEvent, SimStats};
 use crate::faults::FaultPlan;
 use crate::presets::{Preset, SyntheticWeights};
 use crate::profile::DeviceProfile;
@@ -236,7 +234,13 @@ pub fn component_forward(
             .collect();
         let own_flops =
             2.0 * own.iter().map(|t| p.tensor(*t).numel()).sum::<u64>() as f64 * tokens as f64;
-        kernel(scope, &own, own_flops, &format!("{path} (non-block)"), output)?;
+        kernel(
+            scope,
+            &own,
+            own_flops,
+            &format!("{path} (non-block)"),
+            output,
+        )?;
         let (mut bytes, mut flops) = (0u64, own_flops);
         for b in blocks {
             let bpath = p.module(b).path.clone();
@@ -366,7 +370,10 @@ impl Rig {
         })
         .map_err(|e| dev_err("SimDevice::new", e))?;
         let dev = Arc::new(device.clone());
-        let compute = Arc::new(dev.create_stream().map_err(|e| dev_err("create_stream", e))?);
+        let compute = Arc::new(
+            dev.create_stream()
+                .map_err(|e| dev_err("create_stream", e))?,
+        );
         let platform = plant(
             CorePlatform::<Sim>::new(
                 format!("sim:{}", opts.profile.name),
@@ -498,19 +505,16 @@ pub fn run(
         StrategyChoice::Config(c) => c.clone(),
         StrategyChoice::Resident => OffloadConfig::default(),
     };
-    let bounds = memory_bounds(&w.preset.pipeline, &config, opts.prefetch_depth)?;
     let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
     let backend = rig.backend(choice)?;
+    let bounds = memory_bounds(&w.preset.pipeline, &config, opts.prefetch_depth)?;
     let device = rig.device.clone();
     let strategy = backend.strategy();
     let t0 = device.host_now_ns();
     rig.runtime.enable(backend).map_err(|(e, _)| e)?;
     let enable_ns = device.host_now_ns() - t0;
     let after_enable = device.stats();
-    let host_weight_bytes = rig
-        .runtime
-        .backend()
-        .map_or(0, |b| b.host_weight_bytes());
+    let host_weight_bytes = rig.runtime.backend().map_or(0, |b| b.host_weight_bytes());
     let mut requests = Vec::new();
     let mut failure = None;
     for _ in 0..w.requests {

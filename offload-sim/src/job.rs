@@ -20,11 +20,11 @@ use offload_core::{OffloadConfig, OffloadError, OffloadStrategy};
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::FaultPlan;
 use crate::device::Jitter;
 use crate::harness::{RequestMeasure, RunOptions, RunOutcome, StrategyChoice, Workload, run};
 use crate::presets::Preset;
 use crate::profile::DeviceProfile;
-use crate::FaultPlan;
 
 /// The most tokens per forward the job simulates (1 Mi: beyond any video
 /// model; the attention term grows with its square).
@@ -101,7 +101,7 @@ impl Default for JobArgs {
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     /// A flag's value is not allowed.
-    #[error("{flag} {value}: {allowed}")]
+    #[error("{flag} `{value}` is not allowed; {allowed}")]
     BadFlag {
         /// The flag.
         flag: &'static str,
@@ -111,21 +111,21 @@ pub enum JobError {
         allowed: String,
     },
     /// The configuration file was rejected.
-    #[error("configuration `{path}`: {source}")]
+    #[error("configuration `{path}`: {error}")]
     Config {
         /// The file.
         path: PathBuf,
         /// Why.
-        source: OffloadError,
+        error: OffloadError,
     },
     /// A strategy failed for another reason than running out of memory
     /// (a strategy with no backend, a device failure, a bug).
-    #[error("{strategy}: {source}")]
+    #[error("{strategy}: {error}")]
     Run {
         /// The strategy.
         strategy: String,
         /// Why.
-        source: OffloadError,
+        error: OffloadError,
     },
     /// Residency rules were broken.
     #[error("{count} residency rule(s) broken (see the violations in the report)")]
@@ -314,7 +314,13 @@ fn report(
 }
 
 impl Report {
-    fn unfit(w: &Workload, profile: &DeviceProfile, strategy: String, resident_step: f64, error: String) -> Self {
+    fn unfit(
+        w: &Workload,
+        profile: &DeviceProfile,
+        strategy: String,
+        resident_step: f64,
+        error: String,
+    ) -> Self {
         Report {
             strategy,
             model: w.preset.name.to_owned(),
@@ -345,18 +351,31 @@ impl Report {
 /// Checks the flags and loads the configuration: every problem is a typed
 /// error before anything runs.
 fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> {
-    let preset = Preset::by_name(&args.model)
-        .ok_or_else(|| bad("--model", &args.model, format!("allowed: {}", Preset::NAMES.join(", "))))?;
+    let preset = Preset::by_name(&args.model).ok_or_else(|| {
+        bad(
+            "--model",
+            &args.model,
+            format!("allowed: {}", Preset::NAMES.join(", ")),
+        )
+    })?;
     let profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
         let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
         bad("--gpu", &args.gpu, format!("allowed: {}", names.join(", ")))
     })?;
     let tokens = args.tokens.unwrap_or(preset.default_tokens);
     if !(1..=MAX_TOKENS).contains(&tokens) {
-        return Err(bad("--tokens", tokens, format!("allowed: 1 to {MAX_TOKENS}")));
+        return Err(bad(
+            "--tokens",
+            tokens,
+            format!("allowed: 1 to {MAX_TOKENS}"),
+        ));
     }
     if !(1..=MAX_STEPS).contains(&args.steps) {
-        return Err(bad("--steps", args.steps, format!("allowed: 1 to {MAX_STEPS}")));
+        return Err(bad(
+            "--steps",
+            args.steps,
+            format!("allowed: 1 to {MAX_STEPS}"),
+        ));
     }
     if !(1..=MAX_REQUESTS).contains(&args.requests) {
         return Err(bad(
@@ -374,7 +393,13 @@ fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> 
     }
     let divisor = match args.payload_divisor {
         Some(d) if d.is_power_of_two() => d,
-        Some(d) => return Err(bad("--payload-divisor", d, "allowed: a power of two (1, 2, 4, …)")),
+        Some(d) => {
+            return Err(bad(
+                "--payload-divisor",
+                d,
+                "allowed: a power of two (1, 2, 4, …)",
+            ));
+        }
         None => (preset.weight_bytes() / (64 << 20))
             .max(1)
             .next_power_of_two(),
@@ -397,7 +422,7 @@ fn choices(args: &JobArgs) -> Result<Vec<StrategyChoice>, JobError> {
             .and_then(|c| c.select().map(|_| c))
             .map_err(|e| JobError::Config {
                 path: path.clone(),
-                source: e.into(),
+                error: e.into(),
             })?;
         return Ok(vec![StrategyChoice::Config(config)]);
     }
@@ -450,12 +475,11 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
         ..opts.clone()
     };
     progress("resident baseline");
-    let resident = run(&w, &StrategyChoice::Resident, &unbounded).map_err(|source| {
-        JobError::Run {
+    let resident =
+        run(&w, &StrategyChoice::Resident, &unbounded).map_err(|error| JobError::Run {
             strategy: "resident baseline".to_owned(),
-            source,
-        }
-    })?;
+            error,
+        })?;
     let mut reports = Vec::new();
     let mut traces: Vec<Value> = Vec::new();
     for (i, choice) in choices.iter().enumerate() {
@@ -465,13 +489,19 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
             Ok(out) => out,
             Err(e) if e.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) => {
                 let resident_step = step_ms(&resident, w.steps);
-                reports.push(Report::unfit(&w, &profile, name, resident_step, e.to_string()));
+                reports.push(Report::unfit(
+                    &w,
+                    &profile,
+                    name,
+                    resident_step,
+                    e.to_string(),
+                ));
                 continue;
             }
-            Err(source) => {
+            Err(error) => {
                 return Err(JobError::Run {
                     strategy: name,
-                    source,
+                    error,
                 });
             }
         };

@@ -143,7 +143,11 @@ fn capacity_and_injected_faults_fail_like_a_gpu() {
         offload_core::device::DeviceError::kind(&e),
         DeviceErrorKind::DeviceLost
     );
-    assert!(e.to_string().contains("injected failure of host synchronisation #1"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("injected failure of host synchronisation #1"),
+        "{e}"
+    );
     d.synchronize_stream(&s).unwrap();
 }
 
@@ -198,5 +202,8 @@ fn clock_overflow_is_an_error_not_a_wrap() {
     let s = d.create_stream().unwrap();
     let out = d.create_accumulator();
     let e = d.compute(&s, &[], 1e300, "huge", &out).unwrap_err();
-    assert!(e.to_string().contains("overflows the simulated clock"), "{e}");
+    assert!(
+        e.to_string().contains("overflows the simulated clock"),
+        "{e}"
+    );
 }

@@ -9,9 +9,9 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
+use offload_core::device::Device;
 use offload_core::model::{DType, ModuleId, PipelineBuilder, StorageSpec, TensorSpec};
 use offload_core::runtime::ForwardCtx;
-use offload_core::device::Device;
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
 use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
 use offload_sim::harness::{
@@ -429,7 +429,9 @@ impl Driver {
             rig.runtime.forward("transformer", |dit| {
                 let tensors = dit.pipeline().subtree_tensors(block);
                 dit.child(&rel, |b| {
-                    Ok(offload_sim::harness::kernel(b, &tensors, 1e3, "block", out)?)
+                    Ok(offload_sim::harness::kernel(
+                        b, &tensors, 1e3, "block", out,
+                    )?)
                 })?;
                 Ok(())
             })?;
@@ -491,12 +493,8 @@ impl Driver {
         let weights = offload_sim::presets::SyntheticWeights {
             seed: self.scenario.seed,
         };
-        let found = host_master_census(
-            &self.offloaded.device,
-            &self.pipeline,
-            &weights,
-            &offloaded,
-        );
+        let found =
+            host_master_census(&self.offloaded.device, &self.pipeline, &weights, &offloaded);
         let identifiable: Vec<_> = offloaded
             .iter()
             .copied()

@@ -385,10 +385,17 @@ fn a_failed_drain_leaks_rather_than_frees() {
     let Err(e) = rig.runtime.disable() else {
         panic!("the drain was planned to fail");
     };
-    assert_eq!(e.device_error_kind(), Some(DeviceErrorKind::DeviceLost), "{e}");
+    assert_eq!(
+        e.device_error_kind(),
+        Some(DeviceErrorKind::DeviceLost),
+        "{e}"
+    );
     let device = rig.device.clone();
     assert!(device.violations().is_empty(), "{:#?}", device.violations());
-    assert!(device.check_released() > 0, "the memory is leaked, not freed");
+    assert!(
+        device.check_released() > 0,
+        "the memory is leaked, not freed"
+    );
     assert!(
         device
             .violations()
@@ -576,8 +583,7 @@ fn tensor_facts(bugs: &[PlantedBug], choice: &StrategyChoice) -> Vec<TensorFacts
             .forward(comp, |scope| {
                 let module = scope.module();
                 let blocks: Vec<ModuleId> = blocks_of(&p, module);
-                let in_blocks: Vec<_> =
-                    blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
+                let in_blocks: Vec<_> = blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
                 let own: Vec<TensorId> = p
                     .subtree_tensors(module)
                     .into_iter()
@@ -603,9 +609,9 @@ fn tensor_facts(bugs: &[PlantedBug], choice: &StrategyChoice) -> Vec<TensorFacts
     let mut facts: BTreeMap<TensorId, (u64, u64)> = BTreeMap::new();
     for group in &groups {
         for (i, a) in group.iter().enumerate() {
-            let shared = group[..i]
-                .iter()
-                .find(|b| b.buffer == a.buffer && a.range.start < b.range.end && b.range.start < a.range.end);
+            let shared = group[..i].iter().find(|b| {
+                b.buffer == a.buffer && a.range.start < b.range.end && b.range.start < a.range.end
+            });
             let c = match shared {
                 Some(b) => class[&b.tensor],
                 None => {
@@ -637,7 +643,10 @@ fn inv4_buffers_keep_their_values_and_aliasing_on_the_device() {
     // The tied embedding shares its class; distinct storages do not.
     let tied: Vec<_> = resident
         .iter()
-        .filter(|f| f.path.starts_with("text_encoder.") && (f.path.ends_with("embed.weight") || f.path.ends_with("lm_head.weight")))
+        .filter(|f| {
+            f.path.starts_with("text_encoder.")
+                && (f.path.ends_with("embed.weight") || f.path.ends_with("lm_head.weight"))
+        })
         .collect();
     assert_eq!(tied.len(), 2);
     assert_eq!(tied[0].alias_class, tied[1].alias_class);
@@ -691,7 +700,11 @@ fn skipped_block_path() {
             rig.runtime
                 .model_mut()
                 .hooks_of(*b)
-                .register("block_cache", HookOwner::new("cache"), Box::new(Cache(Arc::clone(&skip))))
+                .register(
+                    "block_cache",
+                    HookOwner::new("cache"),
+                    Box::new(Cache(Arc::clone(&skip))),
+                )
                 .unwrap();
         }
         let backend = rig.backend(&layerwise()).unwrap();

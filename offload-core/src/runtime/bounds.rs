@@ -56,8 +56,7 @@ pub fn memory_bounds(
             .max()
             .unwrap_or(0)
     };
-    let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy
-    {
+    let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy {
         OffloadStrategy::None => (total, 0, units, largest_unit(&|_| false)),
         OffloadStrategy::Layerwise => {
             let streamed = plan.streamed_bytes();

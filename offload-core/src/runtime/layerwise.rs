@@ -37,9 +37,7 @@ use crate::runtime::shared::{
     plan_and_partition, remove_hooks,
 };
 use crate::runtime::slots::SlotTable;
-use crate::runtime::{
-    Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource,
-};
+use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
 /// One block's host master.
 struct Master<A: Api> {
@@ -127,7 +125,11 @@ impl CopyFill {
         block: usize,
     ) -> Result<(usize, Option<(usize, usize)>), OffloadError> {
         if shared.bug(PlantedBug::StaticSlot) {
-            let global = st.rings[..ring].iter().map(|r| r.blocks.len()).sum::<usize>() + block;
+            let global = st.rings[..ring]
+                .iter()
+                .map(|r| r.blocks.len())
+                .sum::<usize>()
+                + block;
             let k = global % st.slots.len();
             return Ok((k, st.table.evict_unchecked(k, ring, block)));
         }
@@ -194,7 +196,10 @@ impl<A: Api> Fill<A> for CopyFill {
                     0,
                     &slot.buffer,
                     0,
-                    master.unit.bytes.min(st.rings[ring].blocks[block].unit.bytes),
+                    master
+                        .unit
+                        .bytes
+                        .min(st.rings[ring].blocks[block].unit.bytes),
                 )
             }
             .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
@@ -203,7 +208,8 @@ impl<A: Api> Fill<A> for CopyFill {
             .record_event(&slot.ready, &h.copy)
             .map_err(|e| dev_err("record_event(ready)", e))?;
         let unit = st.rings[ring].blocks[block].unit.clone();
-        let already = st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
+        let already =
+            st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
         if !(already && shared.bug(PlantedBug::IgnoreRingStamp)) {
             st.placement.transition(&unit, Transition::IssueCopy)?;
         }

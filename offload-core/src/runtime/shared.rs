@@ -406,10 +406,7 @@ pub(crate) fn swapped_components<'p>(
     plan: &'p ResolvedPlan,
     partition: &'p Partition,
 ) -> Vec<(&'p crate::plan::ResolvedComponent, Vec<&'p Unit>)> {
-    if plan
-        .warnings
-        .contains(&crate::plan::PlanWarning::NoEncoder)
-    {
+    if plan.warnings.contains(&crate::plan::PlanWarning::NoEncoder) {
         return Vec::new();
     }
     plan.components
