@@ -547,7 +547,8 @@ impl State {
                 if let Some(mem) = self.memory_mut(dst)
                     && let Some(out) = mem.get_mut(to)
                 {
-                    out.copy_from_slice(&data[..out.len().min(data.len())]);
+                    let n = out.len().min(data.len());
+                    out[..n].copy_from_slice(&data[..n]);
                 }
             }
             Effect::Kernel {
@@ -665,9 +666,6 @@ impl State {
         let clocks: Vec<VectorClock> = self.streams.iter().map(|s| s.clock.clone()).collect();
         for c in &clocks {
             self.host_clock.join(c);
-        }
-        for e in self.events.clone() {
-            self.host_clock.join(&e.clock);
         }
         self.settle(self.host_now_ns);
     }

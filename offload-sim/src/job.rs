@@ -165,9 +165,13 @@ pub struct Report {
     pub peak_device_weight_bytes: Option<u64>,
     /// INV-7's device bound for this strategy and depth.
     pub device_bound_bytes: Option<u64>,
-    /// Peak pinned + registered host bytes, from the device's counters.
+    /// Pinned + registered host bytes held after enable (the host masters),
+    /// from the device's counters.
     pub pinned_host_bytes: Option<u64>,
-    /// INV-7's host bound (one copy of the offloaded weights).
+    /// Peak pinned + registered host bytes, enable's staging included.
+    pub peak_host_bytes: Option<u64>,
+    /// INV-7's host bound (one copy of the offloaded weights, plus enable's
+    /// declared staging: the largest resident unit).
     pub host_bound_bytes: Option<u64>,
     /// Host weight bytes the strategy reports holding.
     pub streamed_weight_bytes: Option<u64>,
@@ -301,7 +305,8 @@ fn report(
         ratio_to_limit: (limit > 0.0).then(|| step / limit),
         peak_device_weight_bytes: Some(out.at_end.device_peak_bytes),
         device_bound_bytes: Some(out.bounds.device_weight_bytes),
-        pinned_host_bytes: Some(out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes),
+        pinned_host_bytes: Some(out.after_enable.pinned_bytes + out.after_enable.registered_bytes),
+        peak_host_bytes: Some(out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes),
         host_bound_bytes: Some(out.bounds.host_weight_bytes),
         streamed_weight_bytes: Some(out.host_weight_bytes),
         h2d_bytes_per_step: Some(last.denoise_h2d_bytes / steps as u64),
@@ -336,6 +341,7 @@ impl Report {
             peak_device_weight_bytes: None,
             device_bound_bytes: None,
             pinned_host_bytes: None,
+            peak_host_bytes: None,
             host_bound_bytes: None,
             streamed_weight_bytes: None,
             h2d_bytes_per_step: None,

@@ -114,7 +114,14 @@ fn print_table(r: &Report) {
         ),
         ("peak device weight memory", gb(r.peak_device_weight_bytes)),
         ("INV-7 device bound", gb(r.device_bound_bytes)),
-        ("pinned + registered host memory", gb(r.pinned_host_bytes)),
+        (
+            "host masters (pinned + registered)",
+            gb(r.pinned_host_bytes),
+        ),
+        (
+            "peak host, enable's staging included",
+            gb(r.peak_host_bytes),
+        ),
         ("INV-7 host bound", gb(r.host_bound_bytes)),
         ("host→device per step", gb(r.h2d_bytes_per_step)),
         ("compute waited on transfers", ms(r.compute_wait_ms)),

@@ -63,11 +63,16 @@ fn json_reports_every_strategy_with_the_named_fields() {
     for r in rows {
         // INV-7, from the device's own counters, within the exact bounds.
         assert!(r["peak_device_weight_bytes"].as_u64() <= r["device_bound_bytes"].as_u64());
-        assert!(r["pinned_host_bytes"].as_u64() <= r["host_bound_bytes"].as_u64());
+        assert!(r["peak_host_bytes"].as_u64() <= r["host_bound_bytes"].as_u64());
+        assert!(r["pinned_host_bytes"].as_u64() <= r["peak_host_bytes"].as_u64());
         assert_eq!(r["fits"], true);
     }
     let lw = &rows[2];
     assert!(lw["streamed_weight_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(
+        lw["pinned_host_bytes"], lw["streamed_weight_bytes"],
+        "after enable, the host holds one copy of the streamed weights"
+    );
 }
 
 #[test]
