@@ -324,6 +324,8 @@ impl Rig {
             weights,
         )
         .with_prefetch_depth(opts.prefetch_depth);
+        #[cfg(feature = "planted-bugs")]
+        let platform = platform.with_planted_bugs(&opts.bugs);
         let runtime = Runtime::new(dev, compute, pipeline);
         Ok(Self {
             device,
@@ -424,30 +426,7 @@ fn plan_facts(preset: &Preset, choice: &StrategyChoice) -> (u64, u64) {
     }
 }
 
-#[cfg(feature = "planted-bugs")]
-fn plant(
-    backend: Box<dyn Backend<Sim>>,
-    bugs: &[PlantedBug],
-    platform: &CorePlatform<Sim>,
-    choice: &StrategyChoice,
-) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
-    if bugs.is_empty() {
-        return Ok(backend);
-    }
-    let StrategyChoice::Config(config) = choice else {
-        return Ok(backend);
-    };
-    if backend.strategy() != OffloadStrategy::Layerwise {
-        return Ok(backend);
-    }
-    let mut lw = platform.layerwise(config.clone())?;
-    for b in bugs {
-        lw.plant_bug(*b);
-    }
-    Ok(Box::new(lw))
-}
-
-#[cfg(not(feature = "planted-bugs"))]
+/// TEMP: bugs are planted platform-wide in [`Rig::new`].
 fn plant(
     backend: Box<dyn Backend<Sim>>,
     _: &[PlantedBug],
