@@ -653,6 +653,26 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Sets how much unused memory the pool keeps mapped instead of
+    /// returning it to the driver at the next synchronisation (default 0:
+    /// give everything back; `u64::MAX`: keep everything until
+    /// [`Self::trim_pool`]).
+    pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<(), CudaError> {
+        let pool = self.pool()?;
+        let mut value = bytes;
+        // SAFETY: the attribute is a u64 (cuuint64_t), read from `value`.
+        let set = unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut value).cast(),
+            )
+        };
+        wrap(set, || {
+            format!("cuMemPoolSetAttribute(RELEASE_THRESHOLD, {bytes})")
+        })
+    }
+
     fn perturber(&self) -> MutexGuard<'_, Option<Perturber>> {
         self.perturbation
             .lock()
