@@ -39,6 +39,12 @@ const KERNELS_SRC: &str = include_str!("kernels.cu");
 /// first output row depends on the state.
 pub const CHAIN_ELEMENTS: u64 = 16384;
 
+/// cuBLAS's workspace, ours rather than its own: NVIDIA's recommended size
+/// for Hopper (4 MiB suffices before it). Without one, cuBLAS 12.2+ takes
+/// its workspace from the device's stream-ordered pool on each call, which
+/// would count in the allocator's high-water mark beside the weights.
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
+
 /// Errors of the proxy.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -165,11 +171,14 @@ impl Drop for Module {
 
 /// Kernels and scratch buffers on one stream.
 pub struct Proxy {
-    // Drop order matters: cuBLAS and the module go before the buffers.
+    // Drop order matters: cuBLAS and the module go before the buffers
+    // (the workspace among them).
     blas: Blas,
     module: Module,
     fold: sys::CUfunction,
     chain: sys::CUfunction,
+    /// Held, never read: cuBLAS writes it.
+    _workspace: CudaBuffer,
     sum: CudaBuffer,
     state: CudaBuffer,
     input: CudaBuffer,
@@ -242,6 +251,25 @@ impl Proxy {
         // which the proxy keeps alive as long as the handle.
         let set = unsafe { cublas::set_stream(blas_handle.raw, stream.raw().cast()) };
         blas(set, "cublasSetStream")?;
+        // After cublasSetStream, which resets the workspace to cuBLAS's own.
+        let workspace = device.alloc_device(CUBLAS_WORKSPACE_BYTES)?;
+        // SAFETY: the handle is live; the buffer is ours, pool-allocated
+        // (aligned beyond the 256 bytes cuBLAS needs), used only by this
+        // handle on its one stream, and freed after the handle is destroyed
+        // (field order).
+        let status = unsafe {
+            cublas_sys::cublasSetWorkspace_v2(
+                blas_handle.raw,
+                workspace.ptr() as *mut c_void,
+                CUBLAS_WORKSPACE_BYTES as usize,
+            )
+        };
+        if status != cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(ProxyError::Cublas {
+                operation: "cublasSetWorkspace",
+                message: format!("{status:?}"),
+            });
+        }
         let sum = device.alloc_device(8)?;
         let state = device.alloc_device(8)?;
         let input = device.alloc_device(input_bytes.max(2))?;
@@ -251,6 +279,7 @@ impl Proxy {
             module,
             fold,
             chain,
+            _workspace: workspace,
             sum,
             state,
             chain_elements: CHAIN_ELEMENTS.min(input.len_bytes() / 2),
