@@ -47,8 +47,11 @@ run_tests() {
         --no-fail-fast --test-threads 1 --success-output final > "$out/tests.log" 2>&1
     status=$?
     cat "$out/tests.log"
-    passed=$(grep -oE '[0-9]+ passed' "$out/tests.log" | tail -1 | grep -oE '[0-9]+')
-    failed=$(grep -oE '[0-9]+ failed' "$out/tests.log" | tail -1 | grep -oE '[0-9]+')
+    # nextest's own summary line ("Summary [...] 11 tests run: 9 passed,
+    # 2 failed, ..."), not the tests' output printed after it.
+    line=$(grep -E '^[[:space:]]*Summary \[' "$out/tests.log" | tail -1)
+    passed=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) passed.*/\1/p')
+    failed=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) failed.*/\1/p')
     [ "$status" -eq 124 ] && echo "tests: timed out after ${TESTS_TIMEOUT:-140} s"
     tests_line="${passed:-0} passed, ${failed:-0} failed"
     echo "$tests_line"
