@@ -9,11 +9,29 @@
 //! error. Ordering lives in core's safe types (slots and staging buffers
 //! own their ready and last-use events); cudarc's own buffer event tracking
 //! is not used (it records only the last reader of a buffer).
+//!
+//! # Ownership
+//!
+//! One [`CudaContext`] per [`CudaDevice`]: the device's primary context,
+//! retained once and released when the last holder goes, and the internal
+//! stream that orders allocations and frees. Every stream, event, device
+//! buffer, pinned buffer and registration holds it, so any of them may
+//! outlive the device handle. Freed explicitly ([`Device::free_device`],
+//! [`Device::free_pinned`], [`Device::unregister_host`]), memory is given
+//! back in stream order as the caller promised; dropped instead (a `?` or a
+//! panic past it), a buffer first drains the whole context
+//! (`cuCtxSynchronize`, which orders it after every event of every stream)
+//! and then frees, and if draining fails it is leaked with a logged error:
+//! memory the device may still touch is never freed.
 
+mod perturb;
 pub mod proxy;
+
+pub use perturb::Perturbation;
 
 use std::ffi::c_void;
 use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -21,6 +39,8 @@ use offload_core::device::{
     Api, ByteSource, Device, DeviceBuffer, DeviceError, DeviceErrorKind, HostBuffer, HostRegion,
     HostSource, MemoryInfo, RegisterError, Registration,
 };
+
+use perturb::{Perturber, SpinKernel};
 
 /// Whether a CUDA driver with at least one device can be used here.
 pub fn driver_present() -> bool {
@@ -93,17 +113,163 @@ fn wrap<T>(
     })
 }
 
+/// An error the caller could have foreseen (a range out of bounds, an
+/// object of another device), reported with the driver's code for it.
+fn invalid(code: sys::CUresult, operation: String) -> CudaError {
+    CudaError { operation, code }
+}
+
+/// Whether `offset..offset + bytes` lies within `len` bytes.
+fn in_bounds(offset: u64, bytes: u64, len: u64) -> bool {
+    offset.checked_add(bytes).is_some_and(|end| end <= len)
+}
+
+/// One device's primary context (retained once, released when the last
+/// holder drops it) and the internal stream that orders allocations and
+/// frees. Shared through an `Arc` by the device and everything made from
+/// it.
+pub struct CudaContext {
+    ordinal: i32,
+    dev: sys::CUdevice,
+    raw: sys::CUcontext,
+    memory: sys::CUstream,
+    spin: OnceLock<SpinKernel>,
+}
+
+// SAFETY: the context and stream are driver handles usable from any thread
+// once the context is made current there (every method binds it first).
+unsafe impl Send for CudaContext {}
+// SAFETY: as above; the driver synchronises concurrent use of its handles.
+unsafe impl Sync for CudaContext {}
+
+impl fmt::Debug for CudaContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaContext(#{})", self.ordinal)
+    }
+}
+
+impl CudaContext {
+    /// Retains device `ordinal`'s primary context and makes its memory
+    /// stream. The driver must be initialised.
+    fn retain(ordinal: i32) -> Result<Self, CudaError> {
+        let dev = wrap(result::device::get(ordinal), || {
+            format!("cuDeviceGet({ordinal})")
+        })?;
+        // SAFETY: `dev` came from cuDeviceGet; the retain is released in
+        // Drop, which runs from here on whatever fails below.
+        let raw = wrap(unsafe { result::primary_ctx::retain(dev) }, || {
+            format!("cuDevicePrimaryCtxRetain({ordinal})")
+        })?;
+        let mut ctx = Self {
+            ordinal,
+            dev,
+            raw,
+            memory: std::ptr::null_mut(),
+            spin: OnceLock::new(),
+        };
+        ctx.bind()?;
+        ctx.memory = wrap(
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+            || "cuStreamCreate(memory)".to_owned(),
+        )?;
+        Ok(ctx)
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Makes the context current on the calling thread.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: the context is retained for as long as `self` lives.
+        wrap(unsafe { result::ctx::set_current(self.raw) }, || {
+            format!("cuCtxSetCurrent(device {})", self.ordinal)
+        })
+    }
+
+    /// Blocks the host until every stream of the context has drained (all
+    /// work enqueued so far, in any stream, has completed).
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        wrap(result::ctx::synchronize(), || {
+            format!("cuCtxSynchronize(device {})", self.ordinal)
+        })
+    }
+
+    /// The spin kernel, loaded into this context on first use.
+    fn spin_kernel(&self) -> Result<&SpinKernel, CudaError> {
+        if let Some(k) = self.spin.get() {
+            return Ok(k);
+        }
+        self.bind()?;
+        // SAFETY: the context is current (bound just above).
+        let loaded = wrap(unsafe { SpinKernel::load() }, || {
+            "cuModuleLoadData(spin)".to_owned()
+        })?;
+        let (module, function) = (loaded.module, loaded.function);
+        let kept = self.spin.get_or_init(|| SpinKernel { module, function });
+        if kept.module != module {
+            // Another thread loaded it first: ours is used by nothing.
+            // SAFETY: loaded above into the current context, never launched.
+            let _ = unsafe { result::module::unload(module) };
+        }
+        Ok(kept)
+    }
+
+    /// Enqueues the spin kernel for `ns` nanoseconds on `stream`.
+    fn spin(&self, stream: sys::CUstream, ns: u64) -> Result<(), CudaError> {
+        let kernel = self.spin_kernel()?;
+        self.bind()?;
+        // SAFETY: the context is current, `stream` is one of its live
+        // streams (callers pass their own), and the module stays loaded
+        // until this context is dropped, after synchronising.
+        wrap(unsafe { kernel.launch(stream, ns) }, || {
+            format!("cuLaunchKernel(spin, {ns} ns)")
+        })
+    }
+}
+
+impl Drop for CudaContext {
+    /// Runs when the device and everything made from it are gone: drains
+    /// the context, unloads the spin kernel, destroys the memory stream and
+    /// releases the primary context.
+    fn drop(&mut self) {
+        if let Err(e) = self.synchronize() {
+            tracing::error!("releasing CUDA device {}: {e}", self.ordinal);
+        }
+        // SAFETY: the context is current (or the calls fail harmlessly);
+        // the module's launches and the stream's work have drained; the
+        // primary context was retained once, in `retain`.
+        unsafe {
+            if let Some(k) = self.spin.get() {
+                let _ = result::module::unload(k.module);
+            }
+            if !self.memory.is_null() {
+                let _ = result::stream::destroy(self.memory);
+            }
+            let _ = result::primary_ctx::release(self.dev);
+        }
+    }
+}
+
 /// A non-blocking stream, destroyed on drop (work already enqueued still
 /// completes).
-#[derive(Debug)]
 pub struct CudaStream {
     raw: sys::CUstream,
+    _ctx: Arc<CudaContext>,
 }
 
 // SAFETY: a CUstream is a handle the driver lets any thread use.
 unsafe impl Send for CudaStream {}
 // SAFETY: as above; the driver synchronises concurrent use of a stream.
 unsafe impl Sync for CudaStream {}
+
+impl fmt::Debug for CudaStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaStream({:p})", self.raw)
+    }
+}
 
 impl CudaStream {
     /// The raw handle, for launching kernels and cuBLAS.
@@ -114,16 +280,17 @@ impl CudaStream {
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        // SAFETY: the handle is ours; destruction is deferred by the driver
-        // until enqueued work completes.
+        // SAFETY: the handle is ours and its context is alive (we hold it);
+        // destruction is deferred by the driver until enqueued work
+        // completes.
         let _ = unsafe { result::stream::destroy(self.raw) };
     }
 }
 
 /// An event without timing, destroyed on drop.
-#[derive(Debug)]
 pub struct CudaEvent {
     raw: sys::CUevent,
+    _ctx: Arc<CudaContext>,
 }
 
 // SAFETY: a CUevent is a handle the driver lets any thread use.
@@ -131,19 +298,39 @@ unsafe impl Send for CudaEvent {}
 // SAFETY: as above.
 unsafe impl Sync for CudaEvent {}
 
+impl fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaEvent({:p})", self.raw)
+    }
+}
+
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        // SAFETY: the handle is ours; the driver defers destruction of a
-        // recorded event until it completes.
+        // SAFETY: the handle is ours and its context is alive (we hold it);
+        // the driver defers destruction of a recorded event until it
+        // completes.
         let _ = unsafe { result::event::destroy(self.raw) };
     }
 }
 
 /// Device memory of an exact size, from the stream-ordered pool.
-#[derive(Debug)]
+///
+/// Dropped without [`Device::free_device`], it drains its context and then
+/// frees (or leaks, with a logged error, if draining fails).
 pub struct CudaBuffer {
+    ctx: Arc<CudaContext>,
+    /// 0 once freed (and for an empty buffer): Drop then does nothing.
     ptr: sys::CUdeviceptr,
     len: u64,
+}
+
+impl fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
 }
 
 impl CudaBuffer {
@@ -159,9 +346,38 @@ impl DeviceBuffer for CudaBuffer {
     }
 }
 
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        let (ptr, len) = (self.ptr, self.len);
+        if let Err(e) = self.ctx.synchronize() {
+            tracing::error!(
+                "dropping a {len}-byte device buffer: {e}; leaking it (the device may still use it)"
+            );
+            return;
+        }
+        // SAFETY: every stream of the context has drained, so no work uses
+        // the buffer; it came from cuMemAllocAsync and was not freed (the
+        // explicit free zeroes `ptr`).
+        let freed = unsafe { result::free_async(ptr, self.ctx.memory) }
+            // SAFETY: the memory stream is the context's own, alive.
+            .and_then(|()| unsafe { result::stream::synchronize(self.ctx.memory) });
+        if let Err(e) = freed {
+            tracing::error!("dropping a {len}-byte device buffer: cuMemFreeAsync: {e:?}");
+        }
+    }
+}
+
 /// Pinned host memory of an exact size (plain: not write-combined, so the
 /// CPU reads it at full speed).
+///
+/// Dropped without [`Device::free_pinned`], it drains its context and then
+/// frees (or leaks, with a logged error, if draining fails).
 pub struct PinnedBuffer {
+    ctx: Arc<CudaContext>,
+    /// Null once freed (and for an empty buffer): Drop then does nothing.
     ptr: *mut u8,
     len: u64,
 }
@@ -182,7 +398,7 @@ impl fmt::Debug for PinnedBuffer {
 
 impl PinnedBuffer {
     fn slice(&self) -> &[u8] {
-        if self.len == 0 {
+        if self.ptr.is_null() {
             return &[];
         }
         // SAFETY: `ptr` points to `len` bytes we own for our lifetime.
@@ -190,7 +406,7 @@ impl PinnedBuffer {
     }
 
     fn slice_mut(&mut self) -> &mut [u8] {
-        if self.len == 0 {
+        if self.ptr.is_null() {
             return &mut [];
         }
         // SAFETY: as above, and `&mut self` makes this the only access.
@@ -213,44 +429,101 @@ impl HostBuffer for PinnedBuffer {
     }
 }
 
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
+        let len = self.len;
+        if let Err(e) = self.ctx.synchronize() {
+            tracing::error!(
+                "dropping a {len}-byte pinned buffer: {e}; leaking it (a copy may still use it)"
+            );
+            return;
+        }
+        // SAFETY: every stream has drained, so no copy uses it; it came
+        // from cuMemHostAlloc and was not freed (the explicit free nulls
+        // `ptr`).
+        if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
+            tracing::error!("dropping a {len}-byte pinned buffer: cuMemFreeHost: {e:?}");
+        }
+    }
+}
+
 /// Caller memory registered in place with `cuMemHostRegister`; unregistered
 /// by [`Device::unregister_host`], which gives the memory back.
+///
+/// The address and length are captured once, at registration: copies and
+/// the unregistration use them, never the region again. Dropped without
+/// `unregister_host`, it drains its context, unregisters and drops the
+/// memory (or leaks the memory, with a logged error, if either fails).
 pub struct CudaRegistration {
-    region: Box<dyn HostRegion>,
+    ctx: Arc<CudaContext>,
+    ptr: *const u8,
+    len: usize,
+    /// `None` once given back by `unregister_host`.
+    region: Option<Box<dyn HostRegion>>,
 }
+
+// SAFETY: the region is `Send`; `ptr` is its address, read only by the
+// driver while the region is owned here.
+unsafe impl Send for CudaRegistration {}
+// SAFETY: the region is `Sync`; shared access only reads `ptr` and `len`.
+unsafe impl Sync for CudaRegistration {}
 
 impl fmt::Debug for CudaRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaRegistration")
-            .field("len", &self.region.bytes().len())
+            .field("len", &self.len)
             .finish()
     }
 }
 
 impl Registration for CudaRegistration {
     fn len_bytes(&self) -> u64 {
-        self.region.bytes().len() as u64
+        self.len as u64
     }
 }
 
-/// One GPU: its primary context and an internal stream that orders
-/// allocations and frees.
-pub struct CudaDevice {
-    ordinal: i32,
-    ctx: sys::CUcontext,
-    memory: sys::CUstream,
-    name: String,
+impl Drop for CudaRegistration {
+    fn drop(&mut self) {
+        let Some(region) = self.region.take() else {
+            return;
+        };
+        if self.len == 0 {
+            return;
+        }
+        let len = self.len;
+        if let Err(e) = self.ctx.synchronize() {
+            tracing::error!(
+                "dropping a {len}-byte registration: {e}; leaking the memory (a copy may still read it)"
+            );
+            std::mem::forget(region);
+            return;
+        }
+        // SAFETY: registered in `register_host` at this address; every
+        // stream has drained, so no copy reads it.
+        let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+        if code != sys::cudaError_enum::CUDA_SUCCESS {
+            tracing::error!(
+                "dropping a {len}-byte registration: cuMemHostUnregister: {code:?}; leaking the memory"
+            );
+            std::mem::forget(region);
+        }
+    }
 }
 
-// SAFETY: the context and stream are driver handles usable from any thread
-// once the context is made current there (every method does).
-unsafe impl Send for CudaDevice {}
-// SAFETY: as above.
-unsafe impl Sync for CudaDevice {}
+/// One GPU: its shared [`CudaContext`], and an optional timing
+/// perturbation (see [`Perturbation`]).
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    name: String,
+    perturbation: Mutex<Option<Perturber>>,
+}
 
 impl fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CudaDevice({} #{})", self.name, self.ordinal)
+        write!(f, "CudaDevice({} #{})", self.name, self.ctx.ordinal)
     }
 }
 
@@ -264,29 +537,14 @@ impl CudaDevice {
                 code: sys::cudaError_enum::CUDA_ERROR_NO_DEVICE,
             });
         }
-        let dev = wrap(result::device::get(ordinal), || {
-            format!("cuDeviceGet({ordinal})")
-        })?;
-        // SAFETY: `dev` is a valid device; the primary context is released in Drop.
-        let ctx = wrap(unsafe { result::primary_ctx::retain(dev) }, || {
-            "cuDevicePrimaryCtxRetain".to_owned()
-        })?;
-        // SAFETY: `ctx` was just retained.
-        wrap(unsafe { result::ctx::set_current(ctx) }, || {
-            "cuCtxSetCurrent".to_owned()
-        })?;
-        let name = wrap(result::device::get_name(dev), || {
+        let ctx = Arc::new(CudaContext::retain(ordinal)?);
+        let name = wrap(result::device::get_name(ctx.dev), || {
             "cuDeviceGetName".to_owned()
         })?;
-        let memory = wrap(
-            result::stream::create(result::stream::StreamKind::NonBlocking),
-            || "cuStreamCreate(memory)".to_owned(),
-        )?;
         Ok(Self {
-            ordinal,
             ctx,
-            memory,
             name,
+            perturbation: Mutex::new(None),
         })
     }
 
@@ -297,35 +555,41 @@ impl CudaDevice {
 
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<(), CudaError> {
-        // SAFETY: the context lives as long as `self`.
-        wrap(unsafe { result::ctx::set_current(self.ctx) }, || {
-            "cuCtxSetCurrent".to_owned()
-        })
+        self.ctx.bind()
     }
 
     /// The device's ordinal.
     pub fn ordinal(&self) -> i32 {
-        self.ordinal
+        self.ctx.ordinal
+    }
+
+    /// The shared context (held by everything made from this device).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Blocks the host until every stream of the device has drained.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.ctx.synchronize()
     }
 
     fn pool(&self) -> Result<sys::CUmemoryPool, CudaError> {
         self.bind()?;
-        let dev = wrap(result::device::get(self.ordinal), || {
-            "cuDeviceGet".to_owned()
-        })?;
         // SAFETY: `dev` is valid; the default pool lives as long as the context.
-        wrap(unsafe { result::device::get_default_mem_pool(dev) }, || {
-            "cuDeviceGetDefaultMemPool".to_owned()
-        })
+        wrap(
+            unsafe { result::device::get_default_mem_pool(self.ctx.dev) },
+            || "cuDeviceGetDefaultMemPool".to_owned(),
+        )
     }
 
     /// Returns the pool's unused memory to the driver (after frees have
     /// completed), so `cuMemGetInfo` deltas measure what is in use.
     pub fn trim_pool(&self) -> Result<(), CudaError> {
         let pool = self.pool()?;
-        // SAFETY: the stream is ours; the pool handle is live.
+        // SAFETY: the memory stream is the context's own; the pool handle
+        // is live.
         unsafe {
-            wrap(result::stream::synchronize(self.memory), || {
+            wrap(result::stream::synchronize(self.ctx.memory), || {
                 "cuStreamSynchronize(memory)".to_owned()
             })?;
             wrap(result::mem_pool::trim_to(pool, 0), || {
@@ -334,61 +598,145 @@ impl CudaDevice {
         }
     }
 
+    fn pool_attribute(&self, attribute: sys::CUmemPool_attribute) -> Result<u64, CudaError> {
+        let pool = self.pool()?;
+        let mut value = 0u64;
+        // SAFETY: every attribute read here is a u64 (cuuint64_t), written
+        // in place.
+        let read =
+            unsafe { result::mem_pool::get_attribute(pool, attribute, (&raw mut value).cast()) };
+        wrap(read, || format!("cuMemPoolGetAttribute({attribute:?})"))?;
+        Ok(value)
+    }
+
     /// The allocator's own counters: bytes in use now, and the high-water
     /// mark since [`Self::reset_pool_high`].
     pub fn pool_used(&self) -> Result<(u64, u64), CudaError> {
-        let pool = self.pool()?;
-        let (mut current, mut high) = (0u64, 0u64);
-        // SAFETY: both attributes are u64 (cuuint64_t) and written in place.
-        unsafe {
-            wrap(
-                result::mem_pool::get_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                    (&raw mut current).cast(),
-                ),
-                || "cuMemPoolGetAttribute(USED_MEM_CURRENT)".to_owned(),
-            )?;
-            wrap(
-                result::mem_pool::get_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&raw mut high).cast(),
-                ),
-                || "cuMemPoolGetAttribute(USED_MEM_HIGH)".to_owned(),
-            )?;
-        }
-        Ok((current, high))
+        use sys::CUmemPool_attribute::{
+            CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        };
+        Ok((
+            self.pool_attribute(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            self.pool_attribute(CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        ))
     }
 
-    /// Resets the high-water mark of [`Self::pool_used`] to the current use.
+    /// Device memory the pool holds from the driver (in use or cached):
+    /// now, and the high-water mark since [`Self::reset_pool_high`].
+    pub fn pool_reserved(&self) -> Result<(u64, u64), CudaError> {
+        use sys::CUmemPool_attribute::{
+            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        };
+        Ok((
+            self.pool_attribute(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            self.pool_attribute(CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        ))
+    }
+
+    /// Resets the high-water marks of [`Self::pool_used`] and
+    /// [`Self::pool_reserved`] to the current values.
     pub fn reset_pool_high(&self) -> Result<(), CudaError> {
+        use sys::CUmemPool_attribute::{
+            CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        };
         let pool = self.pool()?;
-        let mut zero = 0u64;
-        // SAFETY: the attribute is a u64; setting it to 0 resets the mark.
-        wrap(
-            unsafe {
-                result::mem_pool::set_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&raw mut zero).cast(),
-                )
-            },
-            || "cuMemPoolSetAttribute(USED_MEM_HIGH)".to_owned(),
-        )
+        for attribute in [
+            CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        ] {
+            let mut zero = 0u64;
+            // SAFETY: the attribute is a u64; setting it to 0 resets the mark.
+            let set =
+                unsafe { result::mem_pool::set_attribute(pool, attribute, (&raw mut zero).cast()) };
+            wrap(set, || format!("cuMemPoolSetAttribute({attribute:?})"))?;
+        }
+        Ok(())
     }
-}
 
-impl Drop for CudaDevice {
-    fn drop(&mut self) {
-        let _ = self.bind();
-        // SAFETY: the stream is ours; the primary context was retained in `new`.
-        unsafe {
-            let _ = result::stream::synchronize(self.memory);
-            let _ = result::stream::destroy(self.memory);
-            if let Ok(dev) = result::device::get(self.ordinal) {
-                let _ = result::primary_ctx::release(dev);
-            }
+    /// Sets how much unused memory the pool keeps mapped instead of
+    /// returning it to the driver at the next synchronisation (default 0:
+    /// give everything back; `u64::MAX`: keep everything until
+    /// [`Self::trim_pool`]).
+    pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<(), CudaError> {
+        let pool = self.pool()?;
+        let mut value = bytes;
+        // SAFETY: the attribute is a u64 (cuuint64_t), read from `value`.
+        let set = unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut value).cast(),
+            )
+        };
+        wrap(set, || {
+            format!("cuMemPoolSetAttribute(RELEASE_THRESHOLD, {bytes})")
+        })
+    }
+
+    fn perturber(&self) -> MutexGuard<'_, Option<Perturber>> {
+        self.perturbation
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sets (or, with `None`, clears) the timing perturbation; its random
+    /// choices restart from its seed. Loads the spin kernel now, so that a
+    /// missing or failing JIT shows here rather than in the first delayed
+    /// operation.
+    pub fn set_perturbation(&self, perturbation: Option<Perturbation>) -> Result<(), CudaError> {
+        if perturbation.is_some() {
+            self.ctx.spin_kernel()?;
+        }
+        *self.perturber() = perturbation.map(Perturber::new);
+        Ok(())
+    }
+
+    /// The timing perturbation in force, if any.
+    pub fn perturbation(&self) -> Option<Perturbation> {
+        self.perturber().as_ref().map(Perturber::config)
+    }
+
+    /// A perturbation point: with a perturbation set, maybe (its
+    /// probability) enqueue a spin of random length on `stream` and sleep
+    /// the host for a random time; without one, nothing. The device calls
+    /// it before `copy_h2d`, `copy_d2h`, `stream_wait_event`,
+    /// `record_event` and `free_device`'s waits; callers may add their own
+    /// (a test delaying a block's kernels).
+    pub fn perturb(&self, stream: &CudaStream) -> Result<(), CudaError> {
+        self.perturb_raw(stream.raw)
+    }
+
+    fn perturb_raw(&self, stream: sys::CUstream) -> Result<(), CudaError> {
+        let drawn = self.perturber().as_mut().and_then(Perturber::draw);
+        let Some(delay) = drawn else {
+            return Ok(());
+        };
+        if delay.spin_ns > 0 {
+            self.ctx.spin(stream, delay.spin_ns)?;
+        }
+        if delay.host_us > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(delay.host_us));
+        }
+        Ok(())
+    }
+
+    /// Enqueues on `stream` a kernel that busy-waits `ns` nanoseconds on
+    /// the device's global timer: work enqueued after it on `stream` starts
+    /// that much later.
+    pub fn spin(&self, stream: &CudaStream, ns: u64) -> Result<(), CudaError> {
+        self.ctx.spin(stream.raw, ns)
+    }
+
+    /// Fails unless `ctx` is this device's context (objects of another
+    /// `CudaDevice` are refused, not mixed).
+    fn same_context(&self, ctx: &Arc<CudaContext>, what: &str) -> Result<(), CudaError> {
+        if Arc::ptr_eq(ctx, &self.ctx) {
+            Ok(())
+        } else {
+            Err(invalid(
+                sys::cudaError_enum::CUDA_ERROR_INVALID_CONTEXT,
+                format!("{what}: made by another CudaDevice"),
+            ))
         }
     }
 }
@@ -396,79 +744,108 @@ impl Drop for CudaDevice {
 impl Device<Cuda> for CudaDevice {
     fn alloc_device(&self, bytes: u64) -> Result<CudaBuffer, CudaError> {
         self.bind()?;
-        let op = || format!("cuMemAllocAsync({bytes} bytes)");
         // A zero-sized buffer needs no memory.
         if bytes == 0 {
-            return Ok(CudaBuffer { ptr: 0, len: 0 });
+            return Ok(CudaBuffer {
+                ctx: Arc::clone(&self.ctx),
+                ptr: 0,
+                len: 0,
+            });
         }
+        let op = || format!("cuMemAllocAsync({bytes} bytes)");
         // SAFETY: the pool allocation is ordered on our memory stream, which
-        // is synchronised before the buffer is handed out, so any stream may
-        // use it at once.
+        // is synchronised below before the buffer is handed out, so any
+        // stream may use it at once.
         let ptr = wrap(
-            unsafe { result::malloc_async(self.memory, bytes as usize) },
+            unsafe { result::malloc_async(self.ctx.memory, bytes as usize) },
             op,
         )?;
-        // SAFETY: the stream is ours.
-        wrap(unsafe { result::stream::synchronize(self.memory) }, op)?;
-        Ok(CudaBuffer { ptr, len: bytes })
+        // From here on the buffer's Drop frees it if anything fails.
+        let buffer = CudaBuffer {
+            ctx: Arc::clone(&self.ctx),
+            ptr,
+            len: bytes,
+        };
+        // SAFETY: the memory stream is the context's own, alive.
+        let synced = unsafe { result::stream::synchronize(self.ctx.memory) };
+        wrap(synced, op)?;
+        Ok(buffer)
     }
 
     unsafe fn free_device(
         &self,
-        buffer: CudaBuffer,
+        mut buffer: CudaBuffer,
         after: &[&CudaEvent],
     ) -> Result<(), CudaError> {
-        self.bind()?;
-        if buffer.len == 0 {
+        if buffer.ptr == 0 {
             return Ok(());
         }
+        // On any error below `buffer` is dropped still holding its pointer:
+        // its Drop drains the context before freeing, or leaks.
+        self.same_context(&buffer.ctx, "free_device")?;
+        self.bind()?;
+        let memory = self.ctx.memory;
         for e in after {
+            self.perturb_raw(memory)?;
             // SAFETY: both handles are live; the wait orders the free after
             // the event on the device.
             let waited = unsafe {
                 result::stream::wait_event(
-                    self.memory,
+                    memory,
                     e.raw,
                     sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                 )
             };
-            wrap(waited, || "cuStreamWaitEvent(before free)".to_owned())?;
+            wrap(waited, || {
+                "cuStreamWaitEvent(memory, before free)".to_owned()
+            })?;
         }
+        let (ptr, len) = (std::mem::replace(&mut buffer.ptr, 0), buffer.len);
         // SAFETY: the caller guarantees every use of `buffer` is ordered
-        // before one of `after`, which the memory stream now waits for.
-        wrap(
-            unsafe { result::free_async(buffer.ptr, self.memory) },
-            || format!("cuMemFreeAsync({} bytes)", buffer.len),
-        )
+        // before one of `after`, which the memory stream now waits for; the
+        // pointer came from cuMemAllocAsync and is freed once (zeroed above,
+        // so Drop does nothing; if this call fails it is leaked).
+        wrap(unsafe { result::free_async(ptr, memory) }, || {
+            format!("cuMemFreeAsync({len} bytes)")
+        })
     }
 
     fn alloc_pinned(&self, bytes: u64) -> Result<PinnedBuffer, CudaError> {
         self.bind()?;
         if bytes == 0 {
             return Ok(PinnedBuffer {
+                ctx: Arc::clone(&self.ctx),
                 ptr: std::ptr::null_mut(),
                 len: 0,
             });
         }
-        // SAFETY: flags 0: plain page-locked memory, freed in `free_pinned`.
+        // SAFETY: flags 0: plain page-locked memory, freed by `free_pinned`
+        // or the buffer's Drop.
         let ptr = wrap(unsafe { result::malloc_host(bytes as usize, 0) }, || {
             format!("cuMemHostAlloc({bytes} bytes)")
         })?;
         Ok(PinnedBuffer {
+            ctx: Arc::clone(&self.ctx),
             ptr: ptr.cast(),
             len: bytes,
         })
     }
 
-    unsafe fn free_pinned(&self, buffer: PinnedBuffer) -> Result<(), CudaError> {
-        self.bind()?;
-        if buffer.len == 0 {
+    unsafe fn free_pinned(&self, mut buffer: PinnedBuffer) -> Result<(), CudaError> {
+        if buffer.ptr.is_null() {
             return Ok(());
         }
+        // On an error here `buffer` drops still holding its pointer (its
+        // Drop drains, then frees or leaks).
+        buffer.ctx.bind()?;
+        let (ptr, len) = (
+            std::mem::replace(&mut buffer.ptr, std::ptr::null_mut()),
+            buffer.len,
+        );
         // SAFETY: the caller guarantees no copy uses it; it came from
-        // cuMemHostAlloc.
-        wrap(unsafe { result::free_host(buffer.ptr.cast()) }, || {
-            format!("cuMemFreeHost({} bytes)", buffer.len)
+        // cuMemHostAlloc and is freed once (nulled above).
+        wrap(unsafe { result::free_host(ptr.cast()) }, || {
+            format!("cuMemFreeHost({len} bytes)")
         })
     }
 
@@ -479,34 +856,53 @@ impl Device<Cuda> for CudaDevice {
         if let Err(error) = self.bind() {
             return Err(RegisterError { error, region });
         }
-        let bytes = region.bytes();
-        if bytes.is_empty() {
-            return Ok(CudaRegistration { region });
+        // Captured once: the HostRegion contract keeps them valid while
+        // the registration owns the region.
+        let (ptr, len) = {
+            let bytes = region.bytes();
+            (bytes.as_ptr(), bytes.len())
+        };
+        let registration = |region| CudaRegistration {
+            ctx: Arc::clone(&self.ctx),
+            ptr,
+            len,
+            region: Some(region),
+        };
+        if len == 0 {
+            return Ok(registration(region));
         }
-        let (ptr, len) = (bytes.as_ptr() as *mut c_void, bytes.len());
-        // SAFETY: the region is owned by the registration and outlives it;
-        // it is unregistered before it is given back.
-        let code = unsafe { sys::cuMemHostRegister_v2(ptr, len, 0) };
+        // SAFETY: `ptr..ptr + len` is the region's memory, which the
+        // registration owns and which stays put while it lives (HostRegion
+        // is an unsafe trait with that contract); it is unregistered before
+        // the region is given back or dropped.
+        let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, 0) };
         match check(code, || format!("cuMemHostRegister({len} bytes)")) {
-            Ok(()) => Ok(CudaRegistration { region }),
+            Ok(()) => Ok(registration(region)),
             Err(error) => Err(RegisterError { error, region }),
         }
     }
 
     unsafe fn unregister_host(
         &self,
-        registration: CudaRegistration,
+        mut registration: CudaRegistration,
     ) -> Result<Box<dyn HostRegion>, CudaError> {
-        self.bind()?;
-        let bytes = registration.region.bytes();
-        if !bytes.is_empty() {
-            // SAFETY: registered in `register_host`; no copy reads it now.
-            let code = unsafe { sys::cuMemHostUnregister(bytes.as_ptr() as *mut c_void) };
+        // On an error below the registration drops still owning its region
+        // (its Drop drains, then unregisters or leaks).
+        if registration.len > 0 {
+            registration.ctx.bind()?;
+            // SAFETY: registered in `register_host` at this captured
+            // address; the caller guarantees no copy reads it now.
+            let code = unsafe { sys::cuMemHostUnregister(registration.ptr as *mut c_void) };
             check(code, || {
-                format!("cuMemHostUnregister({} bytes)", bytes.len())
+                format!("cuMemHostUnregister({} bytes)", registration.len)
             })?;
         }
-        Ok(registration.region)
+        registration.region.take().ok_or_else(|| {
+            invalid(
+                sys::cudaError_enum::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+                "unregister_host: the memory was already given back".to_owned(),
+            )
+        })
     }
 
     fn memory_info(&self) -> Result<MemoryInfo, CudaError> {
@@ -524,7 +920,10 @@ impl Device<Cuda> for CudaDevice {
             result::stream::create(result::stream::StreamKind::NonBlocking),
             || "cuStreamCreate".to_owned(),
         )?;
-        Ok(CudaStream { raw })
+        Ok(CudaStream {
+            raw,
+            _ctx: Arc::clone(&self.ctx),
+        })
     }
 
     fn create_event(&self) -> Result<CudaEvent, CudaError> {
@@ -533,12 +932,16 @@ impl Device<Cuda> for CudaDevice {
             result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
             || "cuEventCreate".to_owned(),
         )?;
-        Ok(CudaEvent { raw })
+        Ok(CudaEvent {
+            raw,
+            _ctx: Arc::clone(&self.ctx),
+        })
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {
         self.bind()?;
-        // SAFETY: both handles are live.
+        self.perturb_raw(stream.raw)?;
+        // SAFETY: both handles are live (their owners hold the context).
         wrap(
             unsafe { result::event::record(event.raw, stream.raw) },
             || "cuEventRecord".to_owned(),
@@ -547,6 +950,7 @@ impl Device<Cuda> for CudaDevice {
 
     fn stream_wait_event(&self, stream: &CudaStream, event: &CudaEvent) -> Result<(), CudaError> {
         self.bind()?;
+        self.perturb_raw(stream.raw)?;
         // SAFETY: both handles are live.
         wrap(
             unsafe {
@@ -598,21 +1002,39 @@ impl Device<Cuda> for CudaDevice {
         dst_offset: u64,
         bytes: u64,
     ) -> Result<(), CudaError> {
-        self.bind()?;
         if bytes == 0 {
             return Ok(());
         }
-        let base: &[u8] = match &src {
-            HostSource::Pinned(b) => b.slice(),
-            HostSource::Registered(r) => r.region.bytes(),
+        // The source address: a pinned buffer's, or the one captured when
+        // the memory was registered (never the region's again).
+        let (base, len, kind) = match &src {
+            HostSource::Pinned(b) => (b.ptr.cast_const(), b.len, "pinned"),
+            HostSource::Registered(r) => (r.ptr, r.len as u64, "registered"),
         };
-        let src = &base[src_offset as usize..(src_offset + bytes) as usize];
-        // SAFETY: the caller guarantees the ranges are in bounds and that
-        // neither side is touched until an event after this copy completes.
-        wrap(
-            unsafe { result::memcpy_htod_async(dst.ptr + dst_offset, src, stream.raw) },
-            || format!("cuMemcpyHtoDAsync({bytes} bytes)"),
-        )
+        if !in_bounds(src_offset, bytes, len) || !in_bounds(dst_offset, bytes, dst.len) {
+            return Err(invalid(
+                sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+                format!(
+                    "cuMemcpyHtoDAsync: {bytes} bytes from {src_offset} of a {len}-byte {kind} source to {dst_offset} of a {}-byte buffer",
+                    dst.len
+                ),
+            ));
+        }
+        self.bind()?;
+        self.perturb_raw(stream.raw)?;
+        // SAFETY: both ranges are in bounds (checked above; `base` is
+        // non-null since `len >= bytes > 0`); the caller guarantees that
+        // neither side is freed, and the destination not otherwise touched,
+        // until an event recorded after this copy completes.
+        let code = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.ptr + dst_offset,
+                base.add(src_offset as usize).cast(),
+                bytes as usize,
+                stream.raw,
+            )
+        };
+        check(code, || format!("cuMemcpyHtoDAsync({bytes} bytes)"))
     }
 
     unsafe fn copy_d2h(
@@ -624,15 +1046,30 @@ impl Device<Cuda> for CudaDevice {
         dst_offset: u64,
         bytes: u64,
     ) -> Result<(), CudaError> {
-        self.bind()?;
         if bytes == 0 {
             return Ok(());
         }
-        let dst = &mut dst.slice_mut()[dst_offset as usize..(dst_offset + bytes) as usize];
-        // SAFETY: as for `copy_h2d`.
-        wrap(
-            unsafe { result::memcpy_dtoh_async(dst, src.ptr + src_offset, stream.raw) },
-            || format!("cuMemcpyDtoHAsync({bytes} bytes)"),
-        )
+        if !in_bounds(src_offset, bytes, src.len) || !in_bounds(dst_offset, bytes, dst.len) {
+            return Err(invalid(
+                sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+                format!(
+                    "cuMemcpyDtoHAsync: {bytes} bytes from {src_offset} of a {}-byte buffer to {dst_offset} of a {}-byte pinned buffer",
+                    src.len, dst.len
+                ),
+            ));
+        }
+        self.bind()?;
+        self.perturb_raw(stream.raw)?;
+        // SAFETY: as for `copy_h2d`; `dst` is borrowed mutably, so the host
+        // does not read it through this handle meanwhile.
+        let code = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.ptr.add(dst_offset as usize).cast(),
+                src.ptr + src_offset,
+                bytes as usize,
+                stream.raw,
+            )
+        };
+        check(code, || format!("cuMemcpyDtoHAsync({bytes} bytes)"))
     }
 }

@@ -2,36 +2,86 @@
 //! Where no CUDA driver is found every test prints one skip line and passes.
 //!
 //! Kernels are real: cuBLAS bf16 GEMMs over each block's own 2-D weights
-//! with their shapes, attention-sized batched GEMMs, and a checksum kernel
-//! reading every byte the forward was lent. Weights are random, never zero.
-//! For every strategy the output equals the resident run's bit for bit, and
-//! device memory measured with `cuMemGetInfo` stays within INV-7's bound.
+//! with their shapes, attention-sized batched GEMMs, and the chained proxy
+//! (every weight byte folded, a state mixed after each block that rewrites
+//! the next block's activations), so an output is a function of every byte
+//! each block read, in order. Weights are random, finite, never zero and
+//! distinct per storage.
+//!
+//! * Every strategy is bit-identical to resident, and the allocator's
+//!   high-water mark and `cuMemGetInfo` stay within INV-7's bound from
+//!   `memory_bounds` plus one 2 MiB granule per allocation.
+//! * Under seeded timing perturbation (spins on the streams, host sleeps)
+//!   every strategy and the simulator's seeded scenarios stay bit-identical
+//!   to an unperturbed resident run.
+//! * Planted ordering bugs are caught on the GPU: under perturbation the
+//!   output differs from resident (or a forward fails) within a bounded
+//!   number of seeds; each prints `planted <name>: caught on seed S after N
+//!   runs`, beside a clean control.
+//! * Dropping an enabled runtime, or panicking inside a forward, leaks no
+//!   device memory and leaves no CUDA error (tests named `drop_`, which the
+//!   bundle also runs under compute-sanitizer memcheck).
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use offload_core::device::Device;
+use offload_core::device::{
+    Device, DeviceBuffer, DeviceError, DeviceErrorKind, HostBuffer, HostSource,
+};
 use offload_core::model::{DType, ModuleId, Pipeline, PipelineBuilder, StorageId, TensorId};
-use offload_core::runtime::{Backend, CorePlatform, ForwardCtx, Runtime, Scope, WeightSource};
+use offload_core::runtime::{
+    Backend, CorePlatform, ForwardCtx, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
+};
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
 use offload_cuda::proxy::Proxy;
-use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
+use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
 use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::SyntheticWeights;
 
 const TOKENS: u64 = 256;
+const HEADS: u64 = 4;
+const HEAD_DIM: u64 = 64;
+/// Proxy scratch: activations and outputs for the widest GEMM and for
+/// attention at `TOKENS`.
+const INPUT_BYTES: u64 = TOKENS * 4096 * 2;
+const OUTPUT_BYTES: u64 = TOKENS * (4096 + TOKENS * 4) * 2 * 4;
+/// The allocator maps memory in 2 MiB granules: INV-7 allows one per
+/// allocation beyond the exact bytes.
+const GRANULE: u64 = 2 << 20;
 
-fn gpu() -> Option<Arc<CudaDevice>> {
+/// GPU tests run one at a time in a process (they measure the device-wide
+/// allocator and time races); nextest runs each in its own process anyway.
+static GPU: Mutex<()> = Mutex::new(());
+
+struct Gpu {
+    device: Arc<CudaDevice>,
+    _one_at_a_time: MutexGuard<'static, ()>,
+}
+
+fn gpu() -> Option<Gpu> {
     if !driver_present() {
         println!("skipping GPU test: no CUDA driver found");
         return None;
     }
-    Some(Arc::new(CudaDevice::new(0).expect("device 0")))
+    let guard = GPU.lock().unwrap_or_else(PoisonError::into_inner);
+    Some(Gpu {
+        device: Arc::new(CudaDevice::new(0).expect("device 0")),
+        _one_at_a_time: guard,
+    })
+}
+
+/// Whether compute-sanitizer runs us (the bundle sets this): slow tests
+/// shrink, and the timing tests, which check ordering and not memory, are
+/// skipped.
+fn under_sanitizer() -> bool {
+    std::env::var_os("OFFLOAD_UNDER_SANITIZER").is_some()
 }
 
 /// Random weights whose bf16/f32 values are small and finite (every odd
-/// byte, the high byte of a little-endian bf16, gets a bounded exponent).
+/// byte, the high byte of a little-endian bf16, gets a bounded exponent),
+/// distinct per storage and per seed.
 struct FiniteWeights(SyntheticWeights);
 
 impl WeightSource for FiniteWeights {
@@ -45,8 +95,8 @@ impl WeightSource for FiniteWeights {
     }
 }
 
-/// A DiT of heterogeneous blocks (double then single, as Flux), an encoder
-/// stack and a VAE; blocks of a few MiB each.
+/// A DiT of heterogeneous blocks (5 double then 6 single, as Flux: one
+/// ring of 11, odd), an encoder stack and a VAE; blocks of 1–6 MiB.
 fn pipeline() -> Pipeline {
     let d = 512u64;
     let mut b = PipelineBuilder::new("GpuPipeline");
@@ -87,9 +137,9 @@ fn pipeline() -> Pipeline {
     b.build().expect("builds")
 }
 
-/// One kernel over the tensors: GEMMs for 2-D bf16 weights, the checksum
-/// for every byte.
-fn kernel(scope: &Scope<'_, Cuda>, proxy: &Proxy, tensors: &[TensorId]) -> Result<(), BoxError> {
+/// The kernels over some tensors: a GEMM per 2-D bf16 weight (its first
+/// output row folded) and every byte folded.
+fn kernels(scope: &Scope<'_, Cuda>, proxy: &Proxy, tensors: &[TensorId]) -> Result<(), BoxError> {
     let stream: &CudaStream = scope.stream();
     for t in tensors {
         let v = scope.view_id(*t)?;
@@ -97,13 +147,26 @@ fn kernel(scope: &Scope<'_, Cuda>, proxy: &Proxy, tensors: &[TensorId]) -> Resul
         let tensor = v.tensor();
         if tensor.dtype == DType::Bf16 && tensor.shape.len() == 2 {
             proxy.linear(ptr, tensor.shape[0], tensor.shape[1], TOKENS)?;
-            proxy.fold(stream, proxy.output.ptr(), TOKENS * tensor.shape[0] * 2)?;
         }
         proxy.fold(stream, ptr, v.byte_range().end - v.byte_range().start)?;
     }
     Ok(())
 }
 
+/// One block's forward body: a perturbation point (with a perturbation
+/// set, compute may be delayed here: after the block's pre-forward, with
+/// its waits and any planted early last-use record, and before its first
+/// read), the kernels, attention, the chain step.
+fn block_body(blk: &Scope<'_, Cuda>, proxy: &Proxy, tensors: &[TensorId]) -> Result<(), BoxError> {
+    blk.device().perturb(blk.stream())?;
+    kernels(blk, proxy, tensors)?;
+    proxy.attention(HEADS, TOKENS, HEAD_DIM)?;
+    proxy.chain(blk.stream())?;
+    Ok(())
+}
+
+/// One component's forward: its own tensors, a chain step, then each
+/// block (hooks, body).
 fn component(rt: &Runtime<Cuda>, proxy: &Proxy, path: &str) -> Result<(), OffloadError> {
     rt.forward(path, |scope| {
         let p = scope.pipeline();
@@ -115,15 +178,12 @@ fn component(rt: &Runtime<Cuda>, proxy: &Proxy, path: &str) -> Result<(), Offloa
             .into_iter()
             .filter(|t| !inner.contains(t))
             .collect();
-        kernel(scope, proxy, &own)?;
+        kernels(scope, proxy, &own)?;
+        proxy.chain(scope.stream())?;
         for b in blocks {
             let rel = p.module(b).path[p.module(module).path.len() + 1..].to_owned();
             let tensors = p.subtree_tensors(b);
-            scope.child(&rel, |blk| {
-                kernel(blk, proxy, &tensors)?;
-                proxy.attention(4, TOKENS, 64)?;
-                Ok(())
-            })?;
+            scope.child(&rel, |blk| block_body(blk, proxy, &tensors))?;
         }
         Ok(())
     })?;
@@ -144,60 +204,184 @@ impl ModelHook<ForwardCtx> for Cache {
     }
 }
 
-/// Builds the backend under test from the platform.
-type MakeBackend<'a> = dyn Fn(&CorePlatform<Cuda>) -> Box<dyn Backend<Cuda>> + 'a;
+/// Which backend a run enables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strategy {
+    Resident,
+    Layerwise { depth: usize },
+    ModelLevel,
+}
 
-struct Run {
+impl Strategy {
+    fn config(self) -> OffloadConfig {
+        match self {
+            Strategy::Resident => OffloadConfig::default(),
+            Strategy::Layerwise { .. } => OffloadConfig {
+                enable_layerwise_offload: true,
+                ..OffloadConfig::default()
+            },
+            Strategy::ModelLevel => OffloadConfig {
+                enable_cpu_offload: true,
+                ..OffloadConfig::default()
+            },
+        }
+    }
+
+    fn depth(self) -> usize {
+        match self {
+            Strategy::Layerwise { depth } => depth,
+            _ => 1,
+        }
+    }
+
+    fn backend(self, platform: &CorePlatform<Cuda>) -> Result<Box<dyn Backend<Cuda>>, String> {
+        let e = |e: OffloadError| e.to_string();
+        Ok(match self {
+            Strategy::Resident => platform.resident().map_err(e)?,
+            Strategy::Layerwise { .. } => Box::new(platform.layerwise(self.config()).map_err(e)?),
+            Strategy::ModelLevel => offload_core::get_offload_backend(&self.config(), platform)
+                .map_err(e)?
+                .ok_or("model level selects no backend")?,
+        })
+    }
+
+    /// INV-7: the exact bound plus one granule per allocation.
+    fn bound_bytes(self, p: &Pipeline) -> u64 {
+        let b = memory_bounds(p, &self.config(), self.depth()).expect("bounds");
+        b.device_weight_bytes + b.device_allocations * GRANULE
+    }
+}
+
+/// A device, a compute stream, the proxy on it, the pipeline, the set of
+/// DiT blocks the cache hook skips.
+struct Rig {
+    device: Arc<CudaDevice>,
+    stream: Arc<CudaStream>,
+    proxy: Proxy,
+    pipeline: Pipeline,
+    skip: Arc<Mutex<BTreeSet<ModuleId>>>,
+}
+
+impl Rig {
+    fn new(device: &Arc<CudaDevice>, pipeline: Pipeline) -> Self {
+        // Freed memory stays mapped in the pool until `settle` trims it
+        // after synchronising: a planted use-after-free then reads stale
+        // bytes (a wrong output) instead of faulting the context, and
+        // memory freed on a stream is there for its next allocation.
+        device.set_pool_release_threshold(u64::MAX).unwrap();
+        let stream = Arc::new(device.create_stream().unwrap());
+        let proxy = Proxy::new(device, Arc::clone(&stream), INPUT_BYTES, OUTPUT_BYTES).unwrap();
+        Self {
+            device: Arc::clone(device),
+            stream,
+            proxy,
+            pipeline,
+            skip: Arc::default(),
+        }
+    }
+
+    /// Runs every kernel the runs will run (each GEMM shape, attention,
+    /// fold, chain, the spin kernel) once, so that lazily loaded code and
+    /// cuBLAS's workspace are in place before memory is measured.
+    fn warm_up(&self) {
+        let p = &self.proxy;
+        let w = p.input().ptr();
+        for (_, t) in self.pipeline.tensors() {
+            let (out_f, in_f) = match t.shape[..] {
+                [o, i] if t.dtype == DType::Bf16 => (o, i),
+                _ => continue,
+            };
+            // The activations stand in for the weight: only its shape matters.
+            if out_f * in_f * 2 <= p.input().len_bytes() {
+                p.linear(w, out_f, in_f, TOKENS).unwrap();
+            }
+        }
+        p.attention(HEADS, TOKENS, HEAD_DIM).unwrap();
+        p.chain(&self.stream).unwrap();
+        self.device.spin(&self.stream, 0).unwrap();
+        p.reset(&self.stream).unwrap();
+        p.read_output().unwrap();
+    }
+
+    /// A platform over weights of `seed`, with `bugs` planted.
+    fn platform(&self, seed: u64, depth: usize, bugs: &[PlantedBug]) -> CorePlatform<Cuda> {
+        let weights = Arc::new(FiniteWeights(SyntheticWeights { seed }));
+        CorePlatform::<Cuda>::new(
+            "cuda",
+            Arc::clone(&self.device),
+            Arc::clone(&self.stream),
+            weights,
+        )
+        .with_prefetch_depth(depth)
+        .with_planted_bugs(bugs)
+    }
+
+    /// A runtime of the pipeline with the cache hook on every DiT block.
+    fn runtime(&self) -> Runtime<Cuda> {
+        let p = &self.pipeline;
+        let mut rt = Runtime::new(
+            Arc::clone(&self.device),
+            Arc::clone(&self.stream),
+            p.clone(),
+        );
+        for b in blocks_of(p, p.module_id("transformer").unwrap()) {
+            rt.model_mut()
+                .hooks_of(b)
+                .register(
+                    "block_cache",
+                    HookOwner::new("cache"),
+                    Box::new(Cache(Arc::clone(&self.skip))),
+                )
+                .unwrap();
+        }
+        rt
+    }
+
+    fn dit_blocks(&self) -> Vec<ModuleId> {
+        let p = &self.pipeline;
+        blocks_of(p, p.module_id("transformer").unwrap())
+    }
+
+    /// Skips DiT blocks 2 and 7 in request 1 (on-demand fills), none else.
+    fn set_skips(&self, request: usize) {
+        let blocks = self.dit_blocks();
+        *self.skip.lock().unwrap() = if request == 1 {
+            [blocks[2], blocks[7]].into()
+        } else {
+            BTreeSet::new()
+        };
+    }
+
+    /// Waits for everything, gives unused pool memory back, and returns
+    /// the allocator's bytes in use.
+    fn settle(&self) -> u64 {
+        self.device.synchronize().expect("no CUDA error");
+        self.device.trim_pool().unwrap();
+        self.device.pool_used().unwrap().0
+    }
+}
+
+struct Measured {
     outputs: Vec<u64>,
     /// cuMemGetInfo: device memory in use beyond what was before enable.
     peak_used_bytes: u64,
     /// The allocator's high-water mark beyond what was before enable.
     peak_allocated_bytes: u64,
-    bound_bytes: u64,
 }
 
-/// Requests (encoder, `steps` DiT forwards with some blocks skipped in
-/// the second request, VAE) with the backend `make` builds.
-fn run(
-    device: &Arc<CudaDevice>,
-    depth: usize,
-    make: &MakeBackend<'_>,
-    bound: impl Fn(&Pipeline) -> u64,
-) -> Run {
-    let p = pipeline();
-    let stream = Arc::new(device.create_stream().unwrap());
-    let proxy = Proxy::new(
-        device,
-        &stream,
-        TOKENS * 4096 * 2,
-        TOKENS * (4096 + TOKENS * 4) * 2 * 4,
-    )
-    .unwrap();
-    let weights = Arc::new(FiniteWeights(SyntheticWeights { seed: 42 }));
-    let platform =
-        CorePlatform::<Cuda>::new("cuda", Arc::clone(device), Arc::clone(&stream), weights)
-            .with_prefetch_depth(depth);
-    let mut rt = Runtime::new(Arc::clone(device), Arc::clone(&stream), p.clone());
-    let skip = Arc::new(Mutex::new(BTreeSet::new()));
-    let blocks = blocks_of(&p, p.module_id("transformer").unwrap());
-    for b in &blocks {
-        rt.model_mut()
-            .hooks_of(*b)
-            .register(
-                "block_cache",
-                HookOwner::new("cache"),
-                Box::new(Cache(Arc::clone(&skip))),
-            )
-            .unwrap();
-    }
-    device.synchronize_stream(&stream).unwrap();
-    // Memory an earlier run freed stays reserved in the pool: give it back
-    // so cuMemGetInfo deltas measure this run.
-    device.trim_pool().unwrap();
+/// Three requests (encoder, two DiT forwards, VAE; blocks skipped in the
+/// second) with `strategy`, synchronising and measuring after each
+/// component; no perturbation.
+fn measured_run(rig: &Rig, strategy: Strategy) -> Measured {
+    let device = &rig.device;
+    let mut rt = rig.runtime();
+    let platform = rig.platform(42, strategy.depth(), &[]);
+    let allocated_before = rig.settle();
     device.reset_pool_high().unwrap();
-    let (allocated_before, _) = device.pool_used().unwrap();
     let free_before = device.memory_info().unwrap().free_bytes;
-    rt.enable(make(&platform)).map_err(|(e, _)| e).unwrap();
+    rt.enable(strategy.backend(&platform).unwrap())
+        .map_err(|(e, _)| e)
+        .unwrap();
     let mut peak = 0u64;
     let mut sample = |rt: &Runtime<Cuda>| {
         device.synchronize_stream(rt.compute_stream()).unwrap();
@@ -206,45 +390,105 @@ fn run(
     };
     let mut outputs = Vec::new();
     for request in 0..3 {
-        proxy.reset(&stream).unwrap();
-        *skip.lock().unwrap() = if request == 1 {
-            [blocks[2], blocks[7]].into()
-        } else {
-            BTreeSet::new()
-        };
-        component(&rt, &proxy, "text_encoder").unwrap();
+        rig.proxy.reset(&rig.stream).unwrap();
+        rig.set_skips(request);
+        component(&rt, &rig.proxy, "text_encoder").unwrap();
         sample(&rt);
         for _ in 0..2 {
-            component(&rt, &proxy, "transformer").unwrap();
+            component(&rt, &rig.proxy, "transformer").unwrap();
             sample(&rt);
         }
-        component(&rt, &proxy, "vae").unwrap();
-        outputs.push(proxy.read_sum(device, &stream).unwrap());
+        component(&rt, &rig.proxy, "vae").unwrap();
+        outputs.push(rig.proxy.read_output().unwrap());
     }
+    rig.set_skips(0);
     let allocated_peak = device.pool_used().unwrap().1;
     rt.disable().unwrap();
-    device.synchronize_stream(&stream).unwrap();
-    proxy.free(device).unwrap();
-    Run {
+    assert_eq!(rig.settle(), allocated_before, "{strategy:?}: no leak");
+    Measured {
         outputs,
         peak_used_bytes: peak,
         peak_allocated_bytes: allocated_peak - allocated_before,
-        bound_bytes: bound(&p),
     }
 }
 
-/// Allocator granularity the bound allows per allocation (the pool maps
-/// memory in 2 MiB pages).
-const PAGE: u64 = 2 << 20;
+/// The order of components in one request of the timing runs: both
+/// model-level swaps (encoder → DiT and DiT → encoder) happen inside a
+/// request, with no host synchronisation until its output is read.
+const SEQUENCE: [&str; 6] = [
+    "text_encoder",
+    "transformer",
+    "transformer",
+    "text_encoder",
+    "transformer",
+    "vae",
+];
 
-fn total(p: &Pipeline) -> u64 {
-    p.storages().map(|(_, s)| s.bytes).sum()
+/// Two requests of [`SEQUENCE`] (blocks skipped in the second) with
+/// `strategy` over weights of `seed`, `bugs` planted, under
+/// `perturbation`; the outputs, or what failed.
+fn timing_run(
+    rig: &Rig,
+    strategy: Strategy,
+    seed: u64,
+    bugs: &[PlantedBug],
+    perturbation: Option<Perturbation>,
+) -> Result<Vec<u64>, String> {
+    let platform = rig.platform(seed, strategy.depth(), bugs);
+    let mut rt = rig.runtime();
+    rig.settle();
+    rig.device.set_perturbation(perturbation).unwrap();
+    let out = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<u64>, String> {
+        rt.enable(strategy.backend(&platform)?)
+            .map_err(|(e, _)| e.to_string())?;
+        let mut outputs = Vec::new();
+        for request in 0..2 {
+            rig.proxy.reset(&rig.stream).map_err(|e| e.to_string())?;
+            rig.set_skips(request);
+            for path in SEQUENCE {
+                component(&rt, &rig.proxy, path).map_err(|e| e.to_string())?;
+            }
+            outputs.push(rig.proxy.read_output().map_err(|e| e.to_string())?);
+        }
+        Ok(outputs)
+    }));
+    rig.device.set_perturbation(None).unwrap();
+    rig.set_skips(0);
+    let out = out.unwrap_or_else(|panic| Err(format!("panicked: {}", panic_text(&*panic))));
+    // A planted bug may break disable too; dropping drains regardless.
+    let disabled = catch_unwind(AssertUnwindSafe(|| rt.disable().map(drop)));
+    drop(rt);
+    rig.settle();
+    match disabled {
+        Ok(Ok(())) => out,
+        Ok(Err(e)) => out.and(Err(format!("disable: {e}"))),
+        Err(panic) => out.and(Err(format!("disable panicked: {}", panic_text(&*panic)))),
+    }
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "(no message)".to_owned())
+}
+
+/// Wide race windows: half of the perturbation points spin their stream
+/// for up to 3 ms and sleep the host up to 100 µs.
+fn wide(seed: u64) -> Perturbation {
+    Perturbation {
+        seed,
+        probability: 0.5,
+        max_spin_ns: 3_000_000,
+        max_host_delay_us: 100,
+    }
 }
 
 #[test]
 fn device_basics() {
-    let Some(d) = gpu() else { return };
-    use offload_core::device::{DeviceError, DeviceErrorKind, HostBuffer, HostSource};
+    let Some(g) = gpu() else { return };
+    let d = &g.device;
     let s = d.create_stream().unwrap();
     let data: Vec<u8> = (0..1u32 << 20).map(|i| (i * 13 + 1) as u8).collect();
     let mut host = d.alloc_pinned(1 << 20).unwrap();
@@ -262,7 +506,18 @@ fn device_basics() {
     let mut out = vec![0u8; 1 << 20];
     back.read_into(0, &mut out);
     assert_eq!(out, data);
-    // In-place registration, then a copy from it.
+    // Ranges out of bounds are errors, not reads past the end.
+    // SAFETY: refused before anything is enqueued.
+    let e = unsafe { d.copy_h2d(&s, HostSource::Pinned(&host), 1, &dev, 0, 1 << 20) }.unwrap_err();
+    assert!(
+        e.to_string().contains("of a 1048576-byte pinned source"),
+        "{e}"
+    );
+    // SAFETY: as above.
+    let e = unsafe { d.copy_d2h(&s, &dev, 0, &mut back, u64::MAX, 2) }.unwrap_err();
+    assert!(e.to_string().contains("cuMemcpyDtoHAsync"), "{e}");
+    // In-place registration, then a copy from it (from the address
+    // captured at registration).
     let reg = d
         .register_host(Box::new(data.clone()))
         .map_err(|e| e.error)
@@ -273,9 +528,20 @@ fn device_basics() {
     // SAFETY: the stream is drained.
     let region = unsafe { d.unregister_host(reg) }.unwrap();
     assert_eq!(region.bytes(), &data[..]);
+    // The perturbation API: a spin, a point with and without a setting.
+    d.spin(&s, 10_000).unwrap();
+    d.perturb(&s).unwrap();
+    let p = wide(3);
+    d.set_perturbation(Some(p)).unwrap();
+    assert_eq!(d.perturbation(), Some(p));
+    for _ in 0..8 {
+        d.perturb(&s).unwrap();
+    }
+    d.set_perturbation(None).unwrap();
+    assert_eq!(d.perturbation(), None);
     // Out of memory is a typed error. (Under compute-sanitizer the failed
     // allocation would be reported as an API error: the probe is skipped.)
-    if std::env::var_os("OFFLOAD_UNDER_SANITIZER").is_none() {
+    if !under_sanitizer() {
         let info = d.memory_info().unwrap();
         let e = d.alloc_device(info.total_bytes * 2).unwrap_err();
         assert_eq!(e.kind(), DeviceErrorKind::OutOfMemory, "{e}");
@@ -288,24 +554,16 @@ fn device_basics() {
         d.free_pinned(host).unwrap();
         d.free_pinned(back).unwrap();
     }
+    d.synchronize().unwrap();
 }
 
 #[test]
-fn every_strategy_is_bit_identical_and_bounded() {
-    let Some(d) = gpu() else { return };
-    let resident = run(&d, 1, &|pl| pl.resident().unwrap(), |p| {
-        total(p) + 32 * PAGE
-    });
-    assert!(
-        resident.peak_allocated_bytes >= total(&pipeline()),
-        "the allocator sees every resident weight"
-    );
-    assert!(
-        resident.peak_used_bytes <= resident.bound_bytes,
-        "{} > {}",
-        resident.peak_used_bytes,
-        resident.bound_bytes
-    );
+fn every_strategy_is_bit_identical_and_within_inv7() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::new(&g.device, pipeline());
+    rig.warm_up();
+    let p = &rig.pipeline;
+    let resident = measured_run(&rig, Strategy::Resident);
     assert!(resident.outputs.iter().all(|o| *o != 0));
     assert_ne!(
         resident.outputs[0], resident.outputs[1],
@@ -315,118 +573,395 @@ fn every_strategy_is_bit_identical_and_bounded() {
         resident.outputs[0], resident.outputs[2],
         "repeated requests agree"
     );
-    let layerwise = OffloadConfig {
-        enable_layerwise_offload: true,
-        ..OffloadConfig::default()
-    };
-    let model_level = OffloadConfig {
-        enable_cpu_offload: true,
-        ..OffloadConfig::default()
-    };
-    for depth in [1usize, 2] {
-        let config = layerwise.clone();
-        let out = run(
-            &d,
-            depth,
-            &|pl: &CorePlatform<Cuda>| Box::new(pl.layerwise(config.clone()).unwrap()),
-            |p| {
-                let plan = offload_core::resolve(p, &layerwise).unwrap();
-                let allocations =
-                    plan.stacks.iter().map(|s| s.blocks.len()).sum::<usize>() as u64 + 8;
-                total(p) - plan.streamed_bytes()
-                    + (depth as u64 + 1) * plan.largest_block_bytes()
-                    + allocations * PAGE
-            },
-        );
-        assert_eq!(out.outputs, resident.outputs, "layerwise depth {depth}");
-        assert!(
-            out.peak_allocated_bytes > 0,
-            "the measurement sees the slots"
-        );
-        assert!(
-            out.peak_allocated_bytes <= out.bound_bytes,
-            "allocator: {} > {}",
+    let offloaded = [
+        Strategy::Layerwise { depth: 1 },
+        Strategy::Layerwise { depth: 2 },
+        Strategy::ModelLevel,
+    ]
+    .map(|strategy| (strategy, measured_run(&rig, strategy)));
+    // Every row is checked and printed before anything fails, so one run
+    // on a GPU reports all of them.
+    let mut failures = Vec::new();
+    for (strategy, out) in std::iter::once((Strategy::Resident, &resident))
+        .chain(offloaded.iter().map(|(s, m)| (*s, m)))
+    {
+        let b = memory_bounds(p, &strategy.config(), strategy.depth()).unwrap();
+        let bound = strategy.bound_bytes(p);
+        println!(
+            "{strategy:?}: allocator peak {} B, cuMemGetInfo peak {} B; INV-7 {} B + {} allocations x 2 MiB = {bound} B",
             out.peak_allocated_bytes,
-            out.bound_bytes
-        );
-        assert!(
-            out.peak_used_bytes <= out.bound_bytes,
-            "layerwise depth {depth}: {} > {}",
             out.peak_used_bytes,
-            out.bound_bytes
+            b.device_weight_bytes,
+            b.device_allocations
+        );
+        let checks = [
+            (
+                out.outputs == resident.outputs,
+                format!(
+                    "outputs {:x?} != resident {:x?}",
+                    out.outputs, resident.outputs
+                ),
+            ),
+            (
+                out.peak_allocated_bytes >= b.device_weight_bytes,
+                format!(
+                    "the allocator saw {} B, less than the {} B of weights held",
+                    out.peak_allocated_bytes, b.device_weight_bytes
+                ),
+            ),
+            (
+                out.peak_allocated_bytes <= bound,
+                format!("allocator peak {} B > {bound} B", out.peak_allocated_bytes),
+            ),
+            (
+                out.peak_used_bytes <= bound,
+                format!("cuMemGetInfo peak {} B > {bound} B", out.peak_used_bytes),
+            ),
+        ];
+        failures.extend(
+            checks
+                .into_iter()
+                .filter(|(ok, _)| !ok)
+                .map(|(_, why)| format!("{strategy:?}: {why}")),
         );
     }
-    let out = run(
-        &d,
-        1,
-        &|pl| {
-            offload_core::get_offload_backend(&model_level, pl)
-                .unwrap()
-                .unwrap()
-        },
-        // The DiT and the encoder are never on the device together.
-        |p| total(p) - p.subtree_bytes(p.module_id("text_encoder").unwrap()) + 32 * PAGE,
-    );
-    assert_eq!(out.outputs, resident.outputs, "model level");
-    assert!(out.peak_used_bytes <= out.bound_bytes);
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// One request on the GPU: encoder, `steps` DiT forwards, VAE; the
-/// checksum of every kernel.
+#[test]
+fn every_strategy_is_bit_identical_under_perturbation() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::new(&g.device, pipeline());
+    let seeds = if under_sanitizer() { 1 } else { 4 };
+    for seed in 0..seeds {
+        let weights = 7000 + seed;
+        let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
+        for strategy in [
+            Strategy::Layerwise { depth: 1 },
+            Strategy::Layerwise { depth: 2 },
+            Strategy::ModelLevel,
+        ] {
+            let got = timing_run(&rig, strategy, weights, &[], Some(wide(seed)));
+            assert_eq!(
+                got,
+                Ok(expected.clone()),
+                "{strategy:?} under perturbation seed {seed}"
+            );
+        }
+    }
+    println!("perturbed: layerwise depth 1 and 2 and model level equal resident on {seeds} seeds");
+}
+
+/// A planted ordering bug, the strategy it lives in, whether it needs the
+/// perturbation, and which delay exposes it.
+struct PlantedRow {
+    bug: PlantedBug,
+    strategy: Strategy,
+    perturbed: bool,
+    why: &'static str,
+}
+
+const LAYERWISE: Strategy = Strategy::Layerwise { depth: 1 };
+
+/// Every row runs under [`wide`] perturbation (spins before copies, before
+/// the compute stream's wait for a slot's ready event in each block's
+/// pre-forward, before event records, and at the start of each block's
+/// kernels) unless it is deterministic.
+const PLANTED: [PlantedRow; 8] = [
+    PlantedRow {
+        bug: PlantedBug::SkipLastUseWait,
+        strategy: LAYERWISE,
+        perturbed: true,
+        why: "compute delays (at block i-1's ready wait or kernel start) leave its reads pending while the unwaited fill of block i+1 overwrites the slot",
+    },
+    PlantedRow {
+        bug: PlantedBug::SkipReadyWait,
+        strategy: LAYERWISE,
+        perturbed: true,
+        why: "a spin before a prefetch's copy_h2d delays the fill; block i's kernels, not waiting for ready, read the slot's previous block",
+    },
+    PlantedRow {
+        bug: PlantedBug::LastUseBeforeCompute,
+        strategy: LAYERWISE,
+        perturbed: true,
+        why: "the last use is recorded before block i's kernels; a spin at the kernels' start delays them while the fill of block i+2 (waiting only for that early record) overwrites the slot",
+    },
+    PlantedRow {
+        bug: PlantedBug::StaticSlot,
+        strategy: LAYERWISE,
+        perturbed: true,
+        why: "11 blocks on 2 slots: block 10 and block 0 map to slot 0, so block 10's wrap-around prefetch refills the slot it reads; a compute spin at block 10's start lets the copy land first",
+    },
+    PlantedRow {
+        bug: PlantedBug::EvictWithoutLastUse,
+        strategy: Strategy::ModelLevel,
+        perturbed: true,
+        why: "compute spins keep the evicted component's kernels pending; its memory, freed after ready only, is reallocated in stream order to the next component, whose copy overwrites it",
+    },
+    PlantedRow {
+        bug: PlantedBug::BringInWithoutReady,
+        strategy: Strategy::ModelLevel,
+        perturbed: true,
+        why: "spins before the bring-in's copies delay them; compute, not waiting for ready, reads the new buffers first",
+    },
+    PlantedRow {
+        bug: PlantedBug::WrongMaster,
+        strategy: LAYERWISE,
+        perturbed: false,
+        why: "deterministic: every fill copies the next block's bytes",
+    },
+    PlantedRow {
+        bug: PlantedBug::StaleSlot,
+        strategy: LAYERWISE,
+        perturbed: false,
+        why: "deterministic: prefetches record ready without copying, so slots keep older blocks",
+    },
+];
+
+/// Seeds tried per planted bug before it counts as missed.
+const PLANTED_SEEDS: u64 = 12;
+
+#[test]
+fn planted_ordering_bugs_are_caught_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    if under_sanitizer() {
+        println!(
+            "under compute-sanitizer: the planted timing races are skipped (they test ordering, not memory)"
+        );
+        return;
+    }
+    let rig = Rig::new(&g.device, pipeline());
+    // Weights differ per (bug, seed), and the planted run goes first, so a
+    // buffer read too early never holds an earlier run's copy of the same
+    // bytes.
+    let weights = |row: usize, seed: u64| 10_000 * (row as u64 + 1) + seed;
+    let control_seeds = 3;
+    for strategy in [LAYERWISE, Strategy::ModelLevel] {
+        for seed in 0..control_seeds {
+            let got = timing_run(&rig, strategy, weights(99, seed), &[], Some(wide(seed)));
+            let expected = timing_run(&rig, Strategy::Resident, weights(99, seed), &[], None);
+            assert_eq!(got, expected, "clean {strategy:?}, seed {seed}");
+        }
+    }
+    println!(
+        "planted control (no bug): layerwise depth 1 and model level equal resident under the same perturbation on seeds 0..{control_seeds}"
+    );
+    let mut missed = Vec::new();
+    for (row, p) in PLANTED.iter().enumerate() {
+        let mut caught = None;
+        for seed in 0..PLANTED_SEEDS {
+            let perturbation = p.perturbed.then(|| wide(seed));
+            let got = timing_run(&rig, p.strategy, weights(row, seed), &[p.bug], perturbation);
+            let expected =
+                timing_run(&rig, Strategy::Resident, weights(row, seed), &[], None).unwrap();
+            match got {
+                Ok(out) if out == expected => continue,
+                Ok(_) => caught = Some((seed, "output differs from resident".to_owned())),
+                Err(e) => caught = Some((seed, format!("the run failed: {e}"))),
+            }
+            break;
+        }
+        match caught {
+            Some((seed, how)) => println!(
+                "planted {}: caught on seed {seed} after {} runs ({how}; {})",
+                p.bug.name(),
+                seed + 1,
+                p.why
+            ),
+            None => {
+                println!(
+                    "planted {}: NOT caught in {PLANTED_SEEDS} runs ({})",
+                    p.bug.name(),
+                    p.why
+                );
+                missed.push(p.bug.name());
+            }
+        }
+    }
+    assert!(missed.is_empty(), "planted bugs not caught: {missed:?}");
+}
+
+/// One DiT block's forward on its own; no host synchronisation.
+fn gpu_block(rt: &Runtime<Cuda>, proxy: &Proxy, block: ModuleId) -> Result<(), OffloadError> {
+    let p = &rt.model().pipeline;
+    let rel = p.module(block).path["transformer.".len()..].to_owned();
+    let tensors = p.subtree_tensors(block);
+    rt.forward("transformer", |dit| {
+        dit.child(&rel, |blk| block_body(blk, proxy, &tensors))?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Every perturbation point spins its stream for up to 5 ms: copies are
+/// slow.
+fn slow() -> Perturbation {
+    Perturbation {
+        seed: 11,
+        probability: 1.0,
+        max_spin_ns: 5_000_000,
+        max_host_delay_us: 0,
+    }
+}
+
+#[test]
+fn drop_while_enabled_leaks_nothing() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::new(&g.device, pipeline());
+    for strategy in [LAYERWISE, Strategy::ModelLevel] {
+        let before = rig.settle();
+        {
+            let platform = rig.platform(5, 1, &[]);
+            let mut rt = rig.runtime();
+            rt.enable(strategy.backend(&platform).unwrap())
+                .map_err(|(e, _)| e)
+                .unwrap();
+            rig.device.set_perturbation(Some(slow())).unwrap();
+            if strategy == LAYERWISE {
+                // Block 0's pre-forward starts block 1's (slow) fill.
+                gpu_block(&rt, &rig.proxy, rig.dit_blocks()[0]).unwrap();
+            } else {
+                // The DiT's bring-in copies are slow.
+                component(&rt, &rig.proxy, "transformer").unwrap();
+            }
+            // Dropped enabled, work in flight: the backend drains first.
+            drop(rt);
+        }
+        rig.device.set_perturbation(None).unwrap();
+        assert_eq!(rig.settle(), before, "{strategy:?}: device memory leaked");
+        println!("{strategy:?}: dropped while enabled with copies in flight; nothing leaked");
+    }
+}
+
+#[test]
+fn drop_panic_inside_a_forward_leaks_nothing() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::new(&g.device, pipeline());
+    for strategy in [LAYERWISE, Strategy::ModelLevel] {
+        let before = rig.settle();
+        println!("{strategy:?}: a deliberate panic follows");
+        let unwound = catch_unwind(AssertUnwindSafe(|| {
+            let platform = rig.platform(6, 1, &[]);
+            let mut rt = rig.runtime();
+            rt.enable(strategy.backend(&platform).unwrap())
+                .map_err(|(e, _)| e)
+                .unwrap();
+            rig.device.set_perturbation(Some(slow())).unwrap();
+            let blocks = rig.dit_blocks();
+            let rel = rig.pipeline.module(blocks[1]).path["transformer.".len()..].to_owned();
+            let tensors = rig.pipeline.subtree_tensors(blocks[1]);
+            let _ = rt.forward("transformer", |dit| {
+                dit.child(&rel, |blk| -> Result<(), BoxError> {
+                    block_body(blk, &rig.proxy, &tensors)?;
+                    panic!("a kernel launcher panicked inside a block's forward");
+                })?;
+                Ok(())
+            });
+        }));
+        assert!(unwound.is_err(), "the panic reached catch_unwind");
+        rig.device.set_perturbation(None).unwrap();
+        assert_eq!(rig.settle(), before, "{strategy:?}: device memory leaked");
+    }
+}
+
+#[test]
+fn drop_buffers_outliving_their_device() {
+    let Some(Gpu {
+        device,
+        _one_at_a_time,
+    }) = gpu()
+    else {
+        return;
+    };
+    // A second handle keeps the primary context alive throughout, so the
+    // memory comes back through the buffers' own drops, not a teardown.
+    let witness = CudaDevice::new(0).unwrap();
+    witness.synchronize().unwrap();
+    witness.trim_pool().unwrap();
+    let before = witness.pool_used().unwrap().0;
+    let s = device.create_stream().unwrap();
+    let dev = device.alloc_device(3 << 20).unwrap();
+    let mut pinned = device.alloc_pinned(1 << 20).unwrap();
+    pinned.write_from(0, 1 << 20, &vec![7u8; 1 << 20]);
+    let reg = device
+        .register_host(Box::new(vec![9u8; 1 << 20]))
+        .map_err(|e| e.error)
+        .unwrap();
+    // Copies still queued behind a spin when everything is dropped.
+    device.spin(&s, 2_000_000).unwrap();
+    // SAFETY: in bounds; the drops below drain the device before freeing.
+    unsafe {
+        device
+            .copy_h2d(&s, HostSource::Registered(&reg), 0, &dev, 0, 1 << 20)
+            .unwrap();
+        device
+            .copy_h2d(&s, HostSource::Pinned(&pinned), 0, &dev, 1 << 20, 1 << 20)
+            .unwrap();
+    }
+    drop(device);
+    // Only the buffers, the registration and the stream hold its context.
+    drop(dev);
+    drop(pinned);
+    drop(reg);
+    drop(s);
+    witness.synchronize().expect("no CUDA error");
+    witness.trim_pool().unwrap();
+    assert_eq!(
+        witness.pool_used().unwrap().0,
+        before,
+        "dropped buffers are freed"
+    );
+}
+
+/// One request on the GPU: encoder, `steps` DiT forwards, VAE; the output.
 fn gpu_request(rt: &Runtime<Cuda>, proxy: &Proxy, steps: usize) -> Result<u64, OffloadError> {
-    let stream: &CudaStream = rt.compute_stream();
-    proxy.reset(stream).unwrap();
+    proxy.reset(rt.compute_stream()).unwrap();
     component(rt, proxy, "text_encoder")?;
     for _ in 0..steps {
         component(rt, proxy, "transformer")?;
     }
     component(rt, proxy, "vae")?;
-    Ok(proxy.read_sum(rt.device(), stream).unwrap())
+    Ok(proxy.read_output().unwrap())
 }
 
-/// One DiT block's forward on its own.
-fn gpu_block(rt: &Runtime<Cuda>, proxy: &Proxy, block: ModuleId) -> Result<u64, OffloadError> {
-    let stream: &CudaStream = rt.compute_stream();
-    proxy.reset(stream).unwrap();
-    let p = &rt.model().pipeline;
-    let rel = p.module(block).path["transformer.".len()..].to_owned();
-    let tensors = p.subtree_tensors(block);
-    rt.forward("transformer", |dit| {
-        dit.child(&rel, |blk| kernel(blk, proxy, &tensors))?;
-        Ok(())
-    })?;
-    Ok(proxy.read_sum(rt.device(), stream).unwrap())
+/// One DiT block's forward on its own; its output.
+fn gpu_block_output(
+    rt: &Runtime<Cuda>,
+    proxy: &Proxy,
+    block: ModuleId,
+) -> Result<u64, OffloadError> {
+    proxy.reset(rt.compute_stream()).unwrap();
+    gpu_block(rt, proxy, block)?;
+    Ok(proxy.read_output().unwrap())
 }
 
 /// The simulator's seeded scenarios on the GPU: generated pipelines of 1–80
 /// blocks with mixed dtypes, tied weights and non-persistent buffers, the
 /// generated configuration and operations (enable, requests with skipped
 /// blocks, repeated requests, single blocks, disable), against a resident
-/// twin on the same GPU. (Fault injection is the simulator's; none here.)
+/// twin on the same GPU, the offloaded runtime under timing perturbation
+/// (seeded by the scenario) and the twin unperturbed. (Fault injection is
+/// the simulator's; none here.)
 #[test]
-fn seeded_scenarios_on_cuda() {
-    let Some(d) = gpu() else { return };
-    for seed in 0..12u64 {
+fn seeded_scenarios_on_cuda_under_perturbation() {
+    let Some(g) = gpu() else { return };
+    let d = &g.device;
+    let scenarios = if under_sanitizer() { 4 } else { 12 };
+    for seed in 0..scenarios {
         let (scenario, ops) = offload_tests::scenario::seeded(seed);
         let pipeline = offload_tests::scenario::build(&scenario.spec);
         let stream = Arc::new(d.create_stream().unwrap());
-        let proxy = Proxy::new(
-            &d,
-            &stream,
-            TOKENS * 4096 * 2,
-            TOKENS * (4096 + TOKENS * 4) * 2 * 4,
-        )
-        .unwrap();
+        let proxy = Proxy::new(d, Arc::clone(&stream), INPUT_BYTES, OUTPUT_BYTES).unwrap();
         let weights = Arc::new(FiniteWeights(SyntheticWeights {
             seed: scenario.seed,
         }));
         let platform =
-            CorePlatform::<Cuda>::new("cuda", Arc::clone(&d), Arc::clone(&stream), weights)
+            CorePlatform::<Cuda>::new("cuda", Arc::clone(d), Arc::clone(&stream), weights)
                 .with_prefetch_depth(scenario.depth);
         let skip = Arc::new(Mutex::new(BTreeSet::new()));
         let blocks = blocks_of(&pipeline, pipeline.module_id("transformer").unwrap());
         let runtime = || {
-            let mut rt = Runtime::new(Arc::clone(&d), Arc::clone(&stream), pipeline.clone());
+            let mut rt = Runtime::new(Arc::clone(d), Arc::clone(&stream), pipeline.clone());
             for b in &blocks {
                 rt.model_mut()
                     .hooks_of(*b)
@@ -438,6 +973,15 @@ fn seeded_scenarios_on_cuda() {
                     .unwrap();
             }
             rt
+        };
+        let perturbation = Perturbation {
+            seed,
+            probability: 0.25,
+            max_spin_ns: 1_000_000,
+            max_host_delay_us: 50,
+        };
+        let perturbed = |on: bool| {
+            d.set_perturbation(on.then_some(perturbation)).unwrap();
         };
         let mut resident = runtime();
         resident
@@ -454,7 +998,10 @@ fn seeded_scenarios_on_cuda() {
                     let backend = offload_core::get_offload_backend(&scenario.config, &platform)
                         .unwrap()
                         .unwrap();
-                    match offloaded.enable(backend) {
+                    perturbed(true);
+                    let result = offloaded.enable(backend);
+                    perturbed(false);
+                    match result {
                         Ok(()) => enabled = true,
                         // A configuration the pipeline cannot take (e.g. an
                         // encoder of one layer selected explicitly) fails
@@ -469,18 +1016,19 @@ fn seeded_scenarios_on_cuda() {
                 offload_tests::scenario::Op::Request { steps, skip: s } if enabled => {
                     *skip.lock().unwrap() = s.iter().map(|i| blocks[i % blocks.len()]).collect();
                     let expected = gpu_request(&resident, &proxy, *steps).unwrap();
-                    let got = gpu_request(&offloaded, &proxy, *steps).unwrap();
+                    perturbed(true);
+                    let got = gpu_request(&offloaded, &proxy, *steps);
+                    perturbed(false);
                     skip.lock().unwrap().clear();
-                    assert_eq!(got, expected, "{context}");
+                    assert_eq!(got.unwrap(), expected, "{context}");
                 }
                 offload_tests::scenario::Op::Block { index } if enabled => {
                     let block = blocks[index % blocks.len()];
-                    let expected = gpu_block(&resident, &proxy, block).unwrap();
-                    assert_eq!(
-                        gpu_block(&offloaded, &proxy, block).unwrap(),
-                        expected,
-                        "{context}"
-                    );
+                    let expected = gpu_block_output(&resident, &proxy, block).unwrap();
+                    perturbed(true);
+                    let got = gpu_block_output(&offloaded, &proxy, block);
+                    perturbed(false);
+                    assert_eq!(got.unwrap(), expected, "{context}");
                 }
                 _ => {}
             }
@@ -489,7 +1037,7 @@ fn seeded_scenarios_on_cuda() {
             offloaded.disable().unwrap();
         }
         resident.disable().unwrap();
-        d.synchronize_stream(&stream).unwrap();
-        proxy.free(&d).unwrap();
+        proxy.free().unwrap();
+        d.synchronize().expect("no CUDA error");
     }
 }

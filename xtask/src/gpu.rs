@@ -3,59 +3,171 @@
 //!
 //! DIR holds `cargo-nextest`, `gpu-suite.tar.zst` (a nextest archive of the
 //! GPU suite and the CUDA backend's tests), `gpu-tests` (the suite's test
-//! binary, for `compute-sanitizer`), `offload-bench`, `peers/` and `run.sh`:
+//! binary, for `compute-sanitizer`), `offload-bench`,
+//! `offload-bench-planted` (the benchmark with `--features planted-bugs`),
+//! `peers/` and `run.sh`:
 //!
 //! * `run.sh tests` runs the suite and prints `N passed, M failed`;
-//! * `run.sh sanitize` runs it under memcheck, racecheck and synccheck;
-//! * `run.sh bench` runs the benchmark, then the diffusers peer.
+//! * `run.sh sanitize` runs the drop tests, then the suite, under memcheck,
+//!   and the suite under racecheck and synccheck;
+//! * `run.sh bench` runs the benchmark, the planted benchmark, the peer;
+//! * `run.sh all` runs tests, memcheck of the drop tests, bench, and prints
+//!   a summary table; every step has an explicit timeout, 530 s in all.
+//!
+//! Executables are found through cargo's `--message-format json`, so the
+//! bundle builds with any `CARGO_TARGET_DIR`.
 
-use std::path::Path;
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 const RUN_SH: &str = r#"#!/bin/sh
-# The offload GPU bundle. Usage: run.sh tests | sanitize | bench
-# Run from the repository root (nextest maps the archive onto it).
+# The offload GPU bundle. Usage: run.sh tests | sanitize | bench | all
+# Run from the repository root (nextest maps the archive onto it), or set
+# OFFLOAD_ROOT. Logs and JSON go to $OUT (default /tmp/offload-gpu).
+# Timeouts (seconds, each overridable): TESTS_TIMEOUT=140, DROP_TIMEOUT=75,
+# SANITIZE_TIMEOUT=300 (per full-suite sanitizer run), BENCH_TIMEOUT=160,
+# PLANTED_TIMEOUT=55, PEER_TIMEOUT=100. `all` = tests + memcheck of the
+# drop tests + bench + planted bench + peer: at most 530 s (expected about
+# 6.5 min on an H200: suite ~1.5 min, drop tests under memcheck ~40 s,
+# bench ~2.2 min, planted bench ~30 s, peer ~1.5 min).
 here="$(cd "$(dirname "$0")" && pwd)"
 root="${OFFLOAD_ROOT:-$(pwd)}"
-case "${1:-tests}" in
-tests)
-    out="$("$here/cargo-nextest" nextest run --archive-file "$here/gpu-suite.tar.zst" \
-        --workspace-remap "$root" --no-fail-fast --test-threads 1 2>&1)"
+out="${OUT:-/tmp/offload-gpu}"
+mkdir -p "$out"
+
+# The suite: each test in its own process, one at a time; the output of
+# passing tests (the planted-bug lines among it) is shown at the end.
+run_tests() {
+    timeout "${TESTS_TIMEOUT:-140}" "$here/cargo-nextest" nextest run \
+        --archive-file "$here/gpu-suite.tar.zst" --workspace-remap "$root" \
+        --no-fail-fast --test-threads 1 --success-output final > "$out/tests.log" 2>&1
     status=$?
-    echo "$out"
-    passed=$(echo "$out" | grep -oE '[0-9]+ passed' | tail -1 | grep -oE '[0-9]+')
-    failed=$(echo "$out" | grep -oE '[0-9]+ failed' | tail -1 | grep -oE '[0-9]+')
-    echo "${passed:-0} passed, ${failed:-0} failed"
-    exit $status
-    ;;
-sanitize)
+    cat "$out/tests.log"
+    # nextest's own summary line ("Summary [...] 11 tests run: 9 passed,
+    # 2 failed, ..."), not the tests' output printed after it.
+    line=$(grep -E '^[[:space:]]*Summary \[' "$out/tests.log" | tail -1)
+    passed=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) passed.*/\1/p')
+    failed=$(echo "$line" | sed -n 's/.* \([0-9][0-9]*\) failed.*/\1/p')
+    [ "$status" -eq 124 ] && echo "tests: timed out after ${TESTS_TIMEOUT:-140} s"
+    tests_line="${passed:-0} passed, ${failed:-0} failed"
+    echo "$tests_line"
+    return $status
+}
+
+# One sanitizer run: tool, timeout, log name, then the test binary's
+# arguments (a name filter, --skip).
+sanitizer() {
+    tool=$1 limit=$2 log=$3
+    shift 3
+    echo "== compute-sanitizer --tool $tool $* ${OFFLOAD_PROXY_NO_GEMM:+(GEMMs off)}"
+    OFFLOAD_UNDER_SANITIZER=1 timeout "$limit" compute-sanitizer --tool "$tool" \
+        --error-exitcode 86 "$here/gpu-tests" --test-threads 1 "$@" > "$out/$log" 2>&1
+    code=$?
+    tail -8 "$out/$log"
+    [ "$code" -eq 124 ] && echo "== $tool: timed out after $limit s"
+    echo "== $tool exit $code"
+    return $code
+}
+
+# memcheck over the drop and panic tests (buffers dropped with work in
+# flight, a runtime dropped enabled, a panic inside a forward): no access to
+# freed memory, no failed CUDA call.
+run_drop_memcheck() {
+    sanitizer memcheck "${DROP_TIMEOUT:-75}" sanitize-drop-memcheck.log drop_
+}
+
+# The drop tests, then the rest of the suite, under memcheck with the GEMMs
+# on; racecheck and synccheck over the suite. racecheck sees only
+# shared-memory hazards inside a kernel, and synccheck only misuse of
+# in-kernel barriers: neither observes the ordering of work across streams
+# (a copy racing a kernel), which the perturbation and planted-bug tests
+# check instead. racecheck cannot run cuBLAS's Hopper kernels (it fails
+# inside the sanitizer on their hardware barriers): it runs with the GEMMs
+# off, checking our own kernels.
+run_sanitize() {
     status=0
-    export OFFLOAD_UNDER_SANITIZER=1
-    for tool in memcheck racecheck synccheck; do
-        # racecheck cannot run cuBLAS's Hopper kernels (it fails inside the
-        # sanitizer on their hardware barriers): it runs the suite with the
-        # GEMMs off, checking our own kernel; memcheck and synccheck run all.
-        unset OFFLOAD_PROXY_NO_GEMM
-        [ "$tool" = racecheck ] && export OFFLOAD_PROXY_NO_GEMM=1
-        echo "== compute-sanitizer --tool $tool ${OFFLOAD_PROXY_NO_GEMM:+(GEMMs off)}"
-        timeout "${SANITIZE_TIMEOUT:-170}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
-            "$here/gpu-tests" --test-threads 1 > "${OUT:-/tmp}/sanitize-$tool.log" 2>&1
-        code=$?
-        tail -8 "${OUT:-/tmp}/sanitize-$tool.log"
-        [ "$code" -ne 0 ] && status=$code
-        echo "== $tool exit $code"
-    done
+    unset OFFLOAD_PROXY_NO_GEMM
+    run_drop_memcheck || status=$?
+    limit="${SANITIZE_TIMEOUT:-300}"
+    sanitizer memcheck "$limit" sanitize-memcheck.log --skip drop_ || status=$?
+    export OFFLOAD_PROXY_NO_GEMM=1
+    sanitizer racecheck "$limit" sanitize-racecheck.log || status=$?
+    unset OFFLOAD_PROXY_NO_GEMM
+    sanitizer synccheck "$limit" sanitize-synccheck.log || status=$?
+    return $status
+}
+
+run_bench() {
+    timeout "${BENCH_TIMEOUT:-160}" "$here/offload-bench" --tokens 1024,4608,16896 \
+        --json "$out/bench.json"
+}
+
+# A planted bug (every fill copies the next block's bytes): the layerwise
+# outputs must differ from resident, and the program says so.
+run_planted_bench() {
+    timeout "${PLANTED_TIMEOUT:-55}" "$here/offload-bench-planted" --plant wrong-master \
+        --tokens 4608 --steps 1 --warmup 1 --json "$out/bench-planted.json"
+}
+
+run_peer() {
+    timeout "${PEER_TIMEOUT:-100}" python3 "$here/peers/diffusers_group_offload.py" \
+        --json "$out/peer.json"
+}
+
+# Runs a step, timing it; appends a row to the summary.
+summary=""
+step() {
+    name=$1
+    shift
+    start=$(date +%s)
+    "$@"
+    code=$?
+    took=$(( $(date +%s) - start ))
+    case $code in
+    0) verdict=ok ;;
+    124) verdict="timed out" ;;
+    *) verdict="failed ($code)" ;;
+    esac
+    summary="$summary| $name | $verdict | $took |
+"
+    [ "$code" -eq 0 ] || overall=1
+    return 0
+}
+
+overall=0
+case "${1:-tests}" in
+tests) run_tests ;;
+sanitize) run_sanitize ;;
+bench)
+    status=0
+    run_bench || status=$?
+    run_planted_bench || status=$?
+    run_peer || status=$?
     exit $status
     ;;
-bench)
-    "$here/offload-bench" --json "${OUT:-.}/bench.json"
-    python3 "$here/peers/diffusers_group_offload.py" --json "${OUT:-.}/peer.json"
+all)
+    began=$(date +%s)
+    tests_line=""
+    step "tests" run_tests
+    step "memcheck: drop_ tests" run_drop_memcheck
+    step "bench (1024, 4608, 16896 tokens)" run_bench
+    step "bench --plant wrong-master" run_planted_bench
+    step "peer (diffusers)" run_peer
+    echo
+    echo "== summary ($(( $(date +%s) - began )) s; logs and JSON in $out)"
+    echo "suite: ${tests_line:-no count}"
+    grep -E '^[[:space:]]*planted ' "$out/tests.log" 2>/dev/null | sed 's/^[[:space:]]*//'
+    echo "| step | result | seconds |"
+    echo "| --- | --- | --- |"
+    printf '%s' "$summary"
+    exit $overall
     ;;
 *)
-    echo "usage: run.sh tests | sanitize | bench" >&2
+    echo "usage: run.sh tests | sanitize | bench | all" >&2
     exit 2
     ;;
 esac
@@ -89,38 +201,8 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
         ],
         &env,
     )?;
-    let suite = test_binary(&env)?;
-    std::fs::copy(&suite, dir.join("gpu-tests")).context("copying the suite's test binary")?;
-    crate::cargo_env(
-        &["build", "--locked", "--release", "-p", "offload-bench"],
-        &env,
-    )?;
-    std::fs::copy(
-        root.join("target/release/offload-bench"),
-        dir.join("offload-bench"),
-    )
-    .context("copying offload-bench")?;
-    std::fs::copy(
-        root.join("bench/peers/diffusers_group_offload.py"),
-        dir.join("peers/diffusers_group_offload.py"),
-    )?;
-    let nextest = which("cargo-nextest")
-        .context("cargo-nextest is not on PATH (it ships with the toolchain image)")?;
-    std::fs::copy(&nextest, dir.join("cargo-nextest")).context("copying cargo-nextest")?;
-    std::fs::write(dir.join("run.sh"), RUN_SH)?;
-    make_executable(&dir.join("run.sh"))?;
-    println!(
-        "xtask gpu-test: bundle in {} (run.sh tests | sanitize | bench)",
-        dir.display()
-    );
-    Ok(())
-}
-
-/// Builds the GPU suite's test binary and returns its path.
-fn test_binary(env: &[(&str, &str)]) -> Result<std::path::PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let out = Command::new(cargo)
-        .args([
+    let suite = executable(
+        &[
             "test",
             "--locked",
             "--release",
@@ -129,27 +211,96 @@ fn test_binary(env: &[(&str, &str)]) -> Result<std::path::PathBuf> {
             "--test",
             "gpu",
             "--no-run",
-            "--message-format",
-            "json",
-        ])
-        .envs(env.iter().copied())
-        .output()
-        .context("building the GPU suite")?;
-    if !out.status.success() {
-        bail!(
-            "building the GPU suite failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "gpu")
-        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
-        .context("no executable for the gpu test")
+        ],
+        &env,
+        "gpu",
+    )?;
+    copy(&suite, &dir.join("gpu-tests"))?;
+    // Each build is copied before the next: both write the same path.
+    let bench = executable(
+        &["build", "--locked", "--release", "-p", "offload-bench"],
+        &env,
+        "offload-bench",
+    )?;
+    copy(&bench, &dir.join("offload-bench"))?;
+    let planted = executable(
+        &[
+            "build",
+            "--locked",
+            "--release",
+            "-p",
+            "offload-bench",
+            "--features",
+            "planted-bugs",
+        ],
+        &env,
+        "offload-bench",
+    )?;
+    copy(&planted, &dir.join("offload-bench-planted"))?;
+    copy(
+        &root.join("bench/peers/diffusers_group_offload.py"),
+        &dir.join("peers/diffusers_group_offload.py"),
+    )?;
+    let nextest = which("cargo-nextest")
+        .context("cargo-nextest is not on PATH (it ships with the toolchain image)")?;
+    copy(&nextest, &dir.join("cargo-nextest"))?;
+    std::fs::write(dir.join("run.sh"), RUN_SH)?;
+    make_executable(&dir.join("run.sh"))?;
+    println!(
+        "xtask gpu-test: bundle in {} (run.sh tests | sanitize | bench | all)",
+        dir.display()
+    );
+    Ok(())
 }
 
-fn which(name: &str) -> Option<std::path::PathBuf> {
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to)
+        .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    Ok(())
+}
+
+/// Runs `cargo ARGS --message-format json-render-diagnostics` (progress and
+/// diagnostics on the terminal) and returns the executable cargo reports
+/// for the target named `target`: its real path, wherever
+/// `CARGO_TARGET_DIR` puts it.
+fn executable(args: &[&str], env: &[(&str, &str)], target: &str) -> Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v:?}")).collect();
+    eprintln!(
+        "xtask: {} cargo {} --message-format json-render-diagnostics",
+        shown.join(" "),
+        args.join(" ")
+    );
+    let mut child = Command::new(&cargo)
+        .args(args)
+        .args(["--message-format", "json-render-diagnostics"])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("cannot run `{cargo}`"))?;
+    let stdout = child.stdout.take().context("cargo's stdout")?;
+    let mut found = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo's messages")?;
+        let Ok(m) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        if m["reason"] == "compiler-artifact"
+            && m["target"]["name"] == target
+            && let Some(path) = m["executable"].as_str()
+        {
+            found = Some(PathBuf::from(path));
+        }
+    }
+    let status = child.wait().context("waiting for cargo")?;
+    if !status.success() {
+        bail!("`cargo {}` failed ({status})", args.join(" "));
+    }
+    found.with_context(|| format!("cargo reported no executable for `{target}`"))
+}
+
+fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')
