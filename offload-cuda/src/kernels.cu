@@ -1,8 +1,12 @@
 // The compute proxy's own kernels, compiled at run time with nvrtc (see
 // proxy.rs). Checked by compiling it with libnvrtc 13.0 and 13.5.
 //
-// fold:  adds every byte of p[0..n), weighted by its position, into *sum
-//        (an integer sum: the order threads run in does not change it).
+// fold:  adds every byte of p[0..n) into *sum, each weighted by its
+//        position: (p[i] + 1) * (2i + 1), an integer sum mod 2^64, so the
+//        order threads run in does not change it. The aligned middle is
+//        read 16 bytes at a time (the same per-byte term, so the value does
+//        not depend on the range's alignment); one atomic per warp. It
+//        reads at memory bandwidth: about 6 ms for Flux's 23.8 GB.
 // chain: one block. Thread 0 folds *sum into *state with a non-commutative
 //        mix, clears *sum and publishes the new state; then every thread
 //        rewrites its share of x[0..k) (bf16 activations) from the state as
@@ -19,13 +23,34 @@ __device__ __forceinline__ u64 splitmix(u64 x) {
     return x ^ (x >> 31);
 }
 
+__device__ __forceinline__ u64 term(u64 byte, u64 i) {
+    return (byte + 1ull) * (2ull * i + 1ull);
+}
+
 extern "C" __global__ void fold(const unsigned char* p, u64 n, u64* sum) {
+    const u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 head = (16ull - ((u64)p & 15ull)) & 15ull;
+    if (head > n) head = n;
+    const u64 words = (n - head) / 16ull;
+    const u64 tail = head + words * 16ull;
     u64 acc = 0ull;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n;
-         i += (u64)gridDim.x * blockDim.x) {
-        acc += ((u64)p[i] + 1ull) * ((i % 65521ull) + 1ull);
+    for (u64 i = tid; i < head; i += stride) acc += term(p[i], i);
+    for (u64 i = tail + tid; i < n; i += stride) acc += term(p[i], i);
+    const uint4* q = (const uint4*)(p + head);
+    for (u64 w = tid; w < words; w += stride) {
+        const uint4 v = q[w];
+        const unsigned int parts[4] = {v.x, v.y, v.z, v.w};
+        const u64 base = head + w * 16ull;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            acc += term((parts[k >> 2] >> ((k & 3) * 8)) & 0xffu, base + (u64)k);
+        }
     }
-    atomicAdd(sum, acc);
+    for (int off = 16; off > 0; off >>= 1) {
+        acc += __shfl_down_sync(0xffffffffu, acc, off);
+    }
+    if ((threadIdx.x & 31u) == 0u) atomicAdd(sum, acc);
 }
 
 extern "C" __global__ void chain(u64* state, u64* sum, u16* x, u64 k) {

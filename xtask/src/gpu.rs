@@ -30,7 +30,8 @@ const RUN_SH: &str = r#"#!/bin/sh
 # OFFLOAD_ROOT. Logs and JSON go to $OUT (default /tmp/offload-gpu).
 # Timeouts (seconds, each overridable): TESTS_TIMEOUT=140, DROP_TIMEOUT=75,
 # SANITIZE_TIMEOUT=300 (per full-suite sanitizer run), BENCH_TIMEOUT=160,
-# PLANTED_TIMEOUT=55, PEER_TIMEOUT=100. `all` = tests + memcheck of the
+# PLANTED_TIMEOUT=55, PEER_TIMEOUT=100; NO_PEER=1 leaves the peer out of
+# `all`. `all` = tests + memcheck of the
 # drop tests + bench + planted bench + peer: at most 530 s (expected about
 # 6.5 min on an H200: suite ~1.5 min, drop tests under memcheck ~40 s,
 # bench ~2.2 min, planted bench ~30 s, peer ~1.5 min).
@@ -156,7 +157,7 @@ all)
     step "memcheck: drop_ tests" run_drop_memcheck
     step "bench (1024, 4608, 16896 tokens)" run_bench
     step "bench --plant wrong-master" run_planted_bench
-    step "peer (diffusers)" run_peer
+    [ -n "${NO_PEER:-}" ] || step "peer (diffusers)" run_peer
     echo
     echo "== summary ($(( $(date +%s) - began )) s; logs and JSON in $out)"
     echo "suite: ${tests_line:-no count}"
