@@ -581,6 +581,11 @@ fn every_strategy_is_bit_identical_and_within_inv7() {
     .map(|strategy| (strategy, measured_run(&rig, strategy)));
     // Every row is checked and printed before anything fails, so one run
     // on a GPU reports all of them.
+    if under_sanitizer() {
+        println!(
+            "under compute-sanitizer: cuMemGetInfo counts the sanitizer's memory; INV-7 is checked on the allocator's counter only"
+        );
+    }
     let mut failures = Vec::new();
     for (strategy, out) in std::iter::once((Strategy::Resident, &resident))
         .chain(offloaded.iter().map(|(s, m)| (*s, m)))
@@ -614,7 +619,10 @@ fn every_strategy_is_bit_identical_and_within_inv7() {
                 format!("allocator peak {} B > {bound} B", out.peak_allocated_bytes),
             ),
             (
-                out.peak_used_bytes <= bound,
+                // Under compute-sanitizer, cuMemGetInfo also counts the
+                // sanitizer's own device memory: only the allocator's
+                // counter (above) measures ours there.
+                under_sanitizer() || out.peak_used_bytes <= bound,
                 format!("cuMemGetInfo peak {} B > {bound} B", out.peak_used_bytes),
             ),
         ];
