@@ -1,13 +1,16 @@
 //! Helpers shared by the integration tests: small pipelines built the way a
-//! runtime author builds theirs, and a log capture for warnings and info
-//! lines.
+//! runtime author builds theirs, a block-cache hook, and a log capture for
+//! warnings and info lines.
 
 pub mod scenario;
 
+use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Arc, Mutex};
 
-use offload_core::model::{DType, ModuleBuilder, Pipeline, PipelineBuilder};
+use offload_core::model::{DType, ModuleBuilder, ModuleId, Pipeline, PipelineBuilder};
+use offload_core::runtime::ForwardCtx;
+use offload_hooks::{BoxError, ModelHook, PreForward};
 
 /// Adds a module list `container` of `n` transformer-like blocks of width
 /// `hidden` to `m`.
@@ -101,4 +104,24 @@ pub fn capture_logs<T>(f: impl FnOnce() -> T) -> (T, String) {
     });
     let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
     (out, text)
+}
+
+/// A block cache, as a runtime's feature would install one: its hook skips
+/// the forward of every module in the shared set (so the next block arrives
+/// unprefetched and offload must copy it on demand).
+pub struct BlockCache(pub Arc<Mutex<BTreeSet<ModuleId>>>);
+
+impl ModelHook<ForwardCtx> for BlockCache {
+    fn pre_forward(&mut self, ctx: &mut ForwardCtx) -> Result<PreForward, BoxError> {
+        let skip = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&ctx.module);
+        Ok(if skip {
+            PreForward::Skip
+        } else {
+            PreForward::Continue
+        })
+    }
 }

@@ -11,9 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use offload_core::device::Device;
 use offload_core::model::{DType, ModuleId, PipelineBuilder, StorageSpec, TensorSpec};
-use offload_core::runtime::ForwardCtx;
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
-use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
+use offload_hooks::HookOwner;
 use offload_sim::harness::{
     Rig, RunOptions, StrategyChoice, Workload, blocks_of, host_master_census, offloaded_storages,
 };
@@ -226,24 +225,6 @@ pub fn build(spec: &PipeSpec) -> Pipeline {
     b.build().expect("generated pipelines build")
 }
 
-/// The cache hook: skips the blocks in the shared set.
-struct Cache(Arc<Mutex<BTreeSet<ModuleId>>>);
-
-impl ModelHook<ForwardCtx> for Cache {
-    fn pre_forward(&mut self, ctx: &mut ForwardCtx) -> Result<PreForward, BoxError> {
-        let skip = self
-            .0
-            .lock()
-            .expect("no poisoning in tests")
-            .contains(&ctx.module);
-        Ok(if skip {
-            PreForward::Skip
-        } else {
-            PreForward::Continue
-        })
-    }
-}
-
 /// Drives one scenario on an offloaded rig and a resident twin.
 pub struct Driver {
     scenario: Scenario,
@@ -272,7 +253,7 @@ fn rig_with_cache(
             .register(
                 "block_cache",
                 HookOwner::new("block_cache"),
-                Box::new(Cache(Arc::clone(skip))),
+                Box::new(crate::BlockCache(Arc::clone(skip))),
             )
             .expect("cache hook");
     }

@@ -39,6 +39,7 @@ use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
 use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::SyntheticWeights;
+use offload_tests::BlockCache;
 
 const TOKENS: u64 = 256;
 const HEADS: u64 = 4;
@@ -190,20 +191,6 @@ fn component(rt: &Runtime<Cuda>, proxy: &Proxy, path: &str) -> Result<(), Offloa
     Ok(())
 }
 
-/// Skips the DiT blocks in the set (a block cache).
-struct Cache(Arc<Mutex<BTreeSet<ModuleId>>>);
-
-impl ModelHook<ForwardCtx> for Cache {
-    fn pre_forward(&mut self, ctx: &mut ForwardCtx) -> Result<PreForward, BoxError> {
-        let skip = self.0.lock().expect("not poisoned").contains(&ctx.module);
-        Ok(if skip {
-            PreForward::Skip
-        } else {
-            PreForward::Continue
-        })
-    }
-}
-
 /// Which backend a run enables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Strategy {
@@ -330,7 +317,7 @@ impl Rig {
                 .register(
                     "block_cache",
                     HookOwner::new("cache"),
-                    Box::new(Cache(Arc::clone(&self.skip))),
+                    Box::new(BlockCache(Arc::clone(&self.skip))),
                 )
                 .unwrap();
         }
@@ -976,7 +963,7 @@ fn seeded_scenarios_on_cuda_under_perturbation() {
                     .register(
                         "block_cache",
                         HookOwner::new("cache"),
-                        Box::new(Cache(Arc::clone(&skip))),
+                        Box::new(BlockCache(Arc::clone(&skip))),
                     )
                     .unwrap();
             }

@@ -10,7 +10,7 @@
 //! demand), an encoder, a VAE. `sim_catch_table` prints the table that
 //! `BENCHMARKS.md` quotes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
 
@@ -30,6 +30,7 @@ use offload_sim::harness::{
 use offload_sim::job::{JobArgs, StrategySet, memory_violations, run_job};
 use offload_sim::presets::{SyntheticWeights, tiny};
 use offload_sim::{DeviceProfile, FaultPlan, Jitter, Sim};
+use offload_tests::BlockCache;
 
 fn opts(bugs: &[PlantedBug]) -> RunOptions {
     RunOptions {
@@ -671,20 +672,6 @@ fn inv4_buffers_keep_their_values_and_aliasing_on_the_device() {
     assert!(merged, "the overlap shows as aliasing, not only as values");
 }
 
-/// A block cache that skips the DiT blocks in its set.
-struct Cache(Arc<Mutex<Vec<ModuleId>>>);
-
-impl ModelHook<ForwardCtx> for Cache {
-    fn pre_forward(&mut self, ctx: &mut ForwardCtx) -> Result<PreForward, BoxError> {
-        let skip = self.0.lock().unwrap().contains(&ctx.module);
-        Ok(if skip {
-            PreForward::Skip
-        } else {
-            PreForward::Continue
-        })
-    }
-}
-
 /// The skipped-block path, deterministically: a cache skips block 2, so
 /// block 3 arrives unprefetched and is copied on demand into a slot whose
 /// last reader may still run.
@@ -695,7 +682,7 @@ fn skipped_block_path() {
         let mut rig = Rig::new(tiny().pipeline, &o).unwrap();
         let p = rig.runtime.model().pipeline.clone();
         let blocks = blocks_of(&p, p.module_id("transformer").unwrap());
-        let skip = Arc::new(Mutex::new(vec![blocks[2]]));
+        let skip = Arc::new(Mutex::new(BTreeSet::from([blocks[2]])));
         for b in &blocks {
             rig.runtime
                 .model_mut()
@@ -703,7 +690,7 @@ fn skipped_block_path() {
                 .register(
                     "block_cache",
                     HookOwner::new("cache"),
-                    Box::new(Cache(Arc::clone(&skip))),
+                    Box::new(BlockCache(Arc::clone(&skip))),
                 )
                 .unwrap();
         }
