@@ -31,12 +31,12 @@ use offload_core::device::{
 };
 use offload_core::model::{DType, ModuleId, Pipeline, PipelineBuilder, StorageId, TensorId};
 use offload_core::runtime::{
-    Backend, CorePlatform, ForwardCtx, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
+    Backend, CorePlatform, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
 };
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
-use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
+use offload_hooks::{BoxError, HookOwner};
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::SyntheticWeights;
 use offload_tests::BlockCache;

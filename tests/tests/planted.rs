@@ -22,7 +22,7 @@ use offload_core::invariants::{
 use offload_core::model::{ModuleId, TensorId};
 use offload_core::runtime::{ForwardCtx, PlantedBug, Runtime, Scope};
 use offload_core::{OffloadConfig, OffloadStrategy, Pipeline};
-use offload_hooks::{BoxError, HookOwner, ModelHook, PreForward};
+use offload_hooks::{BoxError, HookOwner, ModelHook};
 use offload_sim::harness::{
     Rig, RunOptions, RunOutcome, StrategyChoice, Workload, blocks_of, host_master_census, kernel,
     offloaded_storages, run,
