@@ -111,6 +111,27 @@ pub fn capture_logs<T>(f: impl FnOnce() -> T) -> (T, String) {
 /// unprefetched and offload must copy it on demand).
 pub struct BlockCache(pub Arc<Mutex<BTreeSet<ModuleId>>>);
 
+impl BlockCache {
+    /// Registers a cache hook reading `skip` on each of `blocks` (named
+    /// `block_cache`, which dispatches before `layerwise_offload`).
+    pub fn install(
+        model: &mut offload_core::runtime::Model,
+        blocks: &[ModuleId],
+        skip: &Arc<Mutex<BTreeSet<ModuleId>>>,
+    ) {
+        for b in blocks {
+            model
+                .hooks_of(*b)
+                .register(
+                    "block_cache",
+                    offload_hooks::HookOwner::new("block_cache"),
+                    Box::new(BlockCache(Arc::clone(skip))),
+                )
+                .expect("the block cache registers on a fresh model");
+        }
+    }
+}
+
 impl ModelHook<ForwardCtx> for BlockCache {
     fn pre_forward(&mut self, ctx: &mut ForwardCtx) -> Result<PreForward, BoxError> {
         let skip = self

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex};
 use offload_core::device::Device;
 use offload_core::model::{DType, ModuleId, PipelineBuilder, StorageSpec, TensorSpec};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
-use offload_hooks::HookOwner;
 use offload_sim::harness::{
     Rig, RunOptions, StrategyChoice, Workload, blocks_of, host_master_census, offloaded_storages,
 };
@@ -246,17 +245,7 @@ fn rig_with_cache(
     skip: &Arc<Mutex<BTreeSet<ModuleId>>>,
 ) -> Rig {
     let mut rig = Rig::new(pipeline.clone(), opts).expect("rig");
-    for b in blocks {
-        rig.runtime
-            .model_mut()
-            .hooks_of(*b)
-            .register(
-                "block_cache",
-                HookOwner::new("block_cache"),
-                Box::new(crate::BlockCache(Arc::clone(skip))),
-            )
-            .expect("cache hook");
-    }
+    crate::BlockCache::install(rig.runtime.model_mut(), blocks, skip);
     rig
 }
 

@@ -36,7 +36,7 @@ use offload_core::runtime::{
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
-use offload_hooks::{BoxError, HookOwner};
+use offload_hooks::BoxError;
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::SyntheticWeights;
 use offload_tests::BlockCache;
@@ -311,16 +311,8 @@ impl Rig {
             Arc::clone(&self.stream),
             p.clone(),
         );
-        for b in blocks_of(p, p.module_id("transformer").unwrap()) {
-            rt.model_mut()
-                .hooks_of(b)
-                .register(
-                    "block_cache",
-                    HookOwner::new("cache"),
-                    Box::new(BlockCache(Arc::clone(&self.skip))),
-                )
-                .unwrap();
-        }
+        let blocks = blocks_of(p, p.module_id("transformer").unwrap());
+        BlockCache::install(rt.model_mut(), &blocks, &self.skip);
         rt
     }
 
@@ -957,16 +949,7 @@ fn seeded_scenarios_on_cuda_under_perturbation() {
         let blocks = blocks_of(&pipeline, pipeline.module_id("transformer").unwrap());
         let runtime = || {
             let mut rt = Runtime::new(Arc::clone(d), Arc::clone(&stream), pipeline.clone());
-            for b in &blocks {
-                rt.model_mut()
-                    .hooks_of(*b)
-                    .register(
-                        "block_cache",
-                        HookOwner::new("cache"),
-                        Box::new(BlockCache(Arc::clone(&skip))),
-                    )
-                    .unwrap();
-            }
+            BlockCache::install(rt.model_mut(), &blocks, &skip);
             rt
         };
         let perturbation = Perturbation {

@@ -683,17 +683,7 @@ fn skipped_block_path() {
         let p = rig.runtime.model().pipeline.clone();
         let blocks = blocks_of(&p, p.module_id("transformer").unwrap());
         let skip = Arc::new(Mutex::new(BTreeSet::from([blocks[2]])));
-        for b in &blocks {
-            rig.runtime
-                .model_mut()
-                .hooks_of(*b)
-                .register(
-                    "block_cache",
-                    HookOwner::new("cache"),
-                    Box::new(BlockCache(Arc::clone(&skip))),
-                )
-                .unwrap();
-        }
+        BlockCache::install(rig.runtime.model_mut(), &blocks, &skip);
         let backend = rig.backend(&layerwise()).unwrap();
         rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
         // Step 0 runs the first expert, whose block 2 is skipped.
