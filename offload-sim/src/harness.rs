@@ -495,12 +495,32 @@ pub fn offloaded_storages(
         .collect())
 }
 
+/// A run that failed, with every rule the device saw broken until then
+/// (including after the drop: leaks).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct RunFailure {
+    /// What failed.
+    pub error: OffloadError,
+    /// What the device's checkers saw.
+    pub violations: Vec<Violation>,
+}
+
+impl From<OffloadError> for RunFailure {
+    fn from(error: OffloadError) -> Self {
+        Self {
+            error,
+            violations: Vec::new(),
+        }
+    }
+}
+
 /// Runs `w` with `choice` on a fresh simulated device.
 pub fn run(
     w: &Workload,
     choice: &StrategyChoice,
     opts: &RunOptions,
-) -> Result<RunOutcome, OffloadError> {
+) -> Result<RunOutcome, RunFailure> {
     let config = match choice {
         StrategyChoice::Config(c) => c.clone(),
         StrategyChoice::Resident => OffloadConfig::default(),
@@ -511,7 +531,14 @@ pub fn run(
     let device = rig.device.clone();
     let strategy = backend.strategy();
     let t0 = device.host_now_ns();
-    rig.runtime.enable(backend).map_err(|(e, _)| e)?;
+    if let Err((error, backend)) = rig.runtime.enable(backend) {
+        drop((backend, rig));
+        device.check_released();
+        return Err(RunFailure {
+            error,
+            violations: device.violations(),
+        });
+    }
     let enable_ns = device.host_now_ns() - t0;
     let after_enable = device.stats();
     let host_weight_bytes = rig.runtime.backend().map_or(0, |b| b.host_weight_bytes());
@@ -530,10 +557,12 @@ pub fn run(
     let disabled = rig.runtime.disable();
     drop(rig);
     device.check_released();
-    if let Some(e) = failure {
-        return Err(e);
+    if let Some(error) = failure.or(disabled.err()) {
+        return Err(RunFailure {
+            error,
+            violations: device.violations(),
+        });
     }
-    disabled?;
     Ok(RunOutcome {
         strategy,
         requests,

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use offload_core::device::DeviceErrorKind;
 use offload_core::invariants::Violation;
-use offload_core::runtime::PlantedBug;
+use offload_core::runtime::{PlantedBug, memory_bounds};
 use offload_core::{OffloadConfig, OffloadError, OffloadStrategy};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -73,6 +73,13 @@ pub struct JobArgs {
     /// Bugs planted in the strategies under test (ignored without the
     /// `planted-bugs` feature; the resident baseline stays clean).
     pub bugs: Vec<PlantedBug>,
+    /// Device memory in bytes instead of the profile's (capacity planning:
+    /// "what if the card had this much?").
+    pub device_memory_bytes: Option<u64>,
+    /// Faults injected into the strategies under test (library only, for
+    /// tests: a failed run is then a row with its error and the rules the
+    /// device saw broken, not a job error).
+    pub faults: FaultPlan,
     /// Collect a Perfetto trace.
     pub trace: bool,
 }
@@ -92,6 +99,8 @@ impl Default for JobArgs {
             seed: 0,
             jitter: None,
             bugs: Vec::new(),
+            device_memory_bytes: None,
+            faults: FaultPlan::none(),
             trace: false,
         }
     }
@@ -125,6 +134,21 @@ pub enum JobError {
         /// The strategy.
         strategy: String,
         /// Why.
+        error: OffloadError,
+    },
+    /// The device ran out of memory although INV-7's bound for the
+    /// strategy fits it: a memory bug, not a device too small.
+    #[error(
+        "{strategy}: out of device memory although INV-7's bound of {bound_bytes} bytes fits the device's {capacity_bytes} (a memory bug): {error}"
+    )]
+    MemoryBug {
+        /// The strategy.
+        strategy: String,
+        /// INV-7's device bound.
+        bound_bytes: u64,
+        /// The device's memory.
+        capacity_bytes: u64,
+        /// What failed.
         error: OffloadError,
     },
     /// Residency rules were broken.
@@ -319,12 +343,16 @@ fn report(
 }
 
 impl Report {
-    fn unfit(
+    /// A row without figures: the strategy did not fit (`fits` false), or
+    /// failed under an injected fault, with what the device saw broken.
+    fn without_figures(
         w: &Workload,
         profile: &DeviceProfile,
         strategy: String,
         resident_step: f64,
+        fits: bool,
         error: String,
+        violations: Vec<String>,
     ) -> Self {
         Report {
             strategy,
@@ -332,7 +360,7 @@ impl Report {
             gpu: profile.name.to_owned(),
             steps: w.steps,
             tokens: w.tokens,
-            fits: false,
+            fits,
             error: Some(error),
             step_time_ms: None,
             resident_step_time_ms: resident_step,
@@ -348,8 +376,8 @@ impl Report {
             compute_wait_ms: None,
             enable_ms: None,
             output_matches_resident: None,
-            checker_violations: 0,
-            violations: Vec::new(),
+            checker_violations: violations.len(),
+            violations,
         }
     }
 }
@@ -364,10 +392,16 @@ fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> 
             format!("allowed: {}", Preset::NAMES.join(", ")),
         )
     })?;
-    let profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
+    let mut profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
         let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
         bad("--gpu", &args.gpu, format!("allowed: {}", names.join(", ")))
     })?;
+    if let Some(bytes) = args.device_memory_bytes {
+        if bytes == 0 {
+            return Err(bad("--device-memory-gb", 0, "allowed: more than 0"));
+        }
+        profile.memory_bytes = bytes;
+    }
     let tokens = args.tokens.unwrap_or(preset.default_tokens);
     if !(1..=MAX_TOKENS).contains(&tokens) {
         return Err(bad(
@@ -478,14 +512,18 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
             ..profile.clone()
         },
         bugs: Vec::new(),
+        faults: FaultPlan::none(),
         ..opts.clone()
     };
     progress("resident baseline");
-    let resident =
-        run(&w, &StrategyChoice::Resident, &unbounded).map_err(|error| JobError::Run {
-            strategy: "resident baseline".to_owned(),
-            error,
-        })?;
+    let resident = run(&w, &StrategyChoice::Resident, &unbounded).map_err(|f| JobError::Run {
+        strategy: "resident baseline".to_owned(),
+        error: f.error,
+    })?;
+    let opts = RunOptions {
+        faults: args.faults,
+        ..opts
+    };
     let mut reports = Vec::new();
     let mut traces: Vec<Value> = Vec::new();
     for (i, choice) in choices.iter().enumerate() {
@@ -493,21 +531,52 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
         progress(&name);
         let out = match run(&w, choice, &opts) {
             Ok(out) => out,
-            Err(e) if e.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) => {
+            Err(f) => {
                 let resident_step = step_ms(&resident, w.steps);
-                reports.push(Report::unfit(
-                    &w,
-                    &profile,
-                    name,
-                    resident_step,
-                    e.to_string(),
-                ));
-                continue;
-            }
-            Err(error) => {
+                let row = |fits: bool, f: &crate::harness::RunFailure| {
+                    let violations = f.violations.iter().map(ToString::to_string).collect();
+                    Report::without_figures(
+                        &w,
+                        &profile,
+                        name.clone(),
+                        resident_step,
+                        fits,
+                        f.error.to_string(),
+                        violations,
+                    )
+                };
+                if args.faults.any() {
+                    reports.push(row(true, &f));
+                    continue;
+                }
+                if f.error.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) {
+                    let config = match choice {
+                        StrategyChoice::Config(c) => c.clone(),
+                        StrategyChoice::Resident => OffloadConfig::default(),
+                    };
+                    let bound = memory_bounds(&w.preset.pipeline, &config, args.prefetch_depth)
+                        .map_or(u64::MAX, |b| b.device_weight_bytes);
+                    if bound > profile.memory_bytes {
+                        let mut r = row(false, &f);
+                        r.error = Some(format!(
+                            "needs {:.2} GB of weights on the device at once (INV-7's bound), the device has {:.2} GB ({})",
+                            bound as f64 / 1e9,
+                            profile.memory_bytes as f64 / 1e9,
+                            f.error
+                        ));
+                        reports.push(r);
+                        continue;
+                    }
+                    return Err(JobError::MemoryBug {
+                        strategy: name,
+                        bound_bytes: bound,
+                        capacity_bytes: profile.memory_bytes,
+                        error: f.error,
+                    });
+                }
                 return Err(JobError::Run {
                     strategy: name,
-                    error,
+                    error: f.error,
                 });
             }
         };

@@ -80,6 +80,10 @@ struct RunArgs {
     /// Seed of the synthetic weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Device memory in GB (10^9 bytes) instead of the profile's, to plan
+    /// for another card.
+    #[arg(long)]
+    device_memory_gb: Option<f64>,
     /// Plant a bug in the strategies under test (test builds only).
     #[cfg(feature = "planted-bugs")]
     #[arg(long, hide = true)]
@@ -100,7 +104,14 @@ fn print_table(r: &Report) {
         r.strategy, r.model, r.gpu, r.tokens, r.steps
     );
     if let Some(e) = &r.error {
-        println!("  does not fit on this device: {e}");
+        if r.fits {
+            println!("  failed: {e}");
+        } else {
+            println!("  does not fit on this device: {e}");
+        }
+        for v in &r.violations {
+            println!("  ! {v}");
+        }
         return;
     }
     let rows = [
@@ -176,6 +187,14 @@ fn job_args(args: &RunArgs) -> Result<JobArgs> {
         seed: args.seed,
         jitter: None,
         bugs,
+        device_memory_bytes: match args.device_memory_gb {
+            None => None,
+            Some(gb) if gb.is_finite() && gb > 0.0 && gb < 1e9 => Some((gb * 1e9) as u64),
+            Some(gb) => anyhow::bail!(
+                "--device-memory-gb `{gb}` is not allowed; allowed: more than 0 and less than 10^9"
+            ),
+        },
+        faults: offload_sim::FaultPlan::none(),
         trace: args.trace.is_some(),
     })
 }

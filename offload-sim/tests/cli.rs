@@ -67,6 +67,16 @@ fn json_reports_every_strategy_with_the_named_fields() {
         assert!(r["pinned_host_bytes"].as_u64() <= r["peak_host_bytes"].as_u64());
         assert_eq!(r["fits"], true);
     }
+    // The bounds are exact, not loose: the offloading strategies reach them
+    // to the byte (the peaks of device weights and of host memory, enable's
+    // staging included).
+    for r in &rows[1..] {
+        assert_eq!(
+            r["peak_device_weight_bytes"], r["device_bound_bytes"],
+            "{r}"
+        );
+        assert_eq!(r["peak_host_bytes"], r["host_bound_bytes"], "{r}");
+    }
     let lw = &rows[2];
     assert!(lw["streamed_weight_bytes"].as_u64().unwrap() > 0);
     assert_eq!(

@@ -252,6 +252,12 @@ fn rig_with_cache(
 impl Driver {
     /// Builds both rigs and enables the resident twin.
     pub fn new(scenario: Scenario) -> Self {
+        Self::planted(scenario, &[])
+    }
+
+    /// As [`Self::new`], with `bugs` planted in the offloaded rig (to see
+    /// the suite's checks catch them).
+    pub fn planted(scenario: Scenario, bugs: &[offload_core::runtime::PlantedBug]) -> Self {
         let pipeline = build(&scenario.spec);
         let blocks = blocks_of(&pipeline, pipeline.module_id("transformer").expect("dit"));
         let skip = Arc::new(Mutex::new(BTreeSet::new()));
@@ -262,6 +268,7 @@ impl Driver {
         };
         let faulty = RunOptions {
             faults: scenario.faults,
+            bugs: bugs.to_vec(),
             ..base.clone()
         };
         let mut resident = rig_with_cache(&pipeline, &base, &blocks, &skip);

@@ -805,3 +805,114 @@ fn sim_catch_table() {
         );
     }
 }
+
+/// Model level refuses to bring a component in while another one runs its
+/// forward (a nested forward would evict weights the running kernels still
+/// read): a typed error, no early free, and the runtime goes on.
+#[test]
+fn model_level_refuses_a_nested_forward_of_another_component() {
+    let o = opts(&[]);
+    let mut rig = Rig::new(tiny().pipeline, &o).unwrap();
+    let backend = rig.backend(&model_level()).unwrap();
+    rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
+    let rt = &rig.runtime;
+    let out = &rig.probe.output;
+    let nested = rt.forward("transformer", |dit| {
+        let p = dit.pipeline();
+        let own = p.subtree_tensors(p.module_id("transformer.x_embedder").unwrap());
+        kernel(dit, &own, 1e9, "dit", out)?;
+        Ok(rt.forward("text_encoder", |_| Ok(()))?)
+    });
+    let e = nested.expect_err("the nested forward is refused");
+    assert!(
+        e.to_string()
+            .contains("run one offloaded component at a time"),
+        "{e}"
+    );
+    assert!(
+        rig.device.violations().is_empty(),
+        "{:#?}",
+        rig.device.violations()
+    );
+    let w = workload();
+    let expected = resident_outputs();
+    assert_eq!(rig.request(&w).unwrap().output, expected[0]);
+    rig.runtime.disable().unwrap();
+    assert!(
+        rig.device.violations().is_empty(),
+        "{:#?}",
+        rig.device.violations()
+    );
+}
+
+/// The main job on the fault path: with copy faults injected (every copy of
+/// the first forty in turn), a failed model-level bring-in that frees
+/// without waiting for its copies fails the job's verdict; clean, it holds.
+#[test]
+fn the_main_job_catches_a_failed_bring_in_freeing_early() {
+    let verdicts = |bugs: &[PlantedBug]| {
+        (1..=40)
+            .map(|n| {
+                let args = JobArgs {
+                    model: "tiny".to_owned(),
+                    strategy: StrategySet::One(OffloadStrategy::ModelLevel),
+                    steps: 4,
+                    bugs: bugs.to_vec(),
+                    faults: FaultPlan {
+                        fail_copy_at: Some(n),
+                        ..FaultPlan::none()
+                    },
+                    ..JobArgs::default()
+                };
+                run_job(&args, &mut |_| {})
+                    .expect("faults are rows, not job errors")
+                    .verdict()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(verdicts(&[]).iter().all(Result::is_ok));
+    assert!(
+        verdicts(&[PlantedBug::FailedBringInFreeWithoutWait])
+            .iter()
+            .any(Result::is_err)
+    );
+}
+
+/// "Does not fit" only when INV-7's own bound exceeds the device; running
+/// out of memory within the bound is a memory bug and fails the job.
+#[test]
+fn out_of_memory_within_the_bound_is_a_bug_not_a_misfit() {
+    let config = OffloadConfig {
+        enable_cpu_offload: true,
+        ..OffloadConfig::default()
+    };
+    let bound = offload_core::runtime::memory_bounds(&tiny().pipeline, &config, 1)
+        .unwrap()
+        .device_weight_bytes;
+    let job = |memory: u64, bugs: &[PlantedBug]| {
+        let args = JobArgs {
+            model: "tiny".to_owned(),
+            strategy: StrategySet::One(OffloadStrategy::ModelLevel),
+            steps: 4,
+            device_memory_bytes: Some(memory),
+            bugs: bugs.to_vec(),
+            ..JobArgs::default()
+        };
+        run_job(&args, &mut |_| {})
+    };
+    let fits = job(bound, &[]).expect("fits exactly");
+    assert!(fits.reports[0].fits);
+    fits.verdict().expect("clean");
+    let short = job(bound - 1, &[]).expect("a row, not an error");
+    assert!(!short.reports[0].fits, "one byte short does not fit");
+    assert!(
+        short.reports[0]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("INV-7's bound")
+    );
+    short.verdict().expect("not fitting breaks no rule");
+    let e = job(bound, &[PlantedBug::BringInBeforeEvict]).expect_err("a memory bug");
+    assert!(e.to_string().contains("a memory bug"), "{e}");
+}

@@ -36,6 +36,11 @@ fn every_strategy_matches_the_resident_run() {
                 "{strategy} depth {depth}: {:#?}",
                 out.violations
             );
+            assert_eq!(
+                offload_sim::job::memory_violations(&out),
+                None,
+                "{strategy} depth {depth}: INV-7"
+            );
             let got: Vec<u64> = out.requests.iter().map(|r| r.output).collect();
             assert_eq!(
                 got, outputs,

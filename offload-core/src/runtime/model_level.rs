@@ -31,6 +31,10 @@ struct Component<A: Api> {
     on_device: Vec<Arc<A::DeviceBuffer>>,
     ready: A::Event,
     last_use: A::Event,
+    /// Between its pre- and post-forward: its kernels may still be
+    /// enqueued, and its last use is not recorded yet, so it must not be
+    /// evicted (a nested forward of another component would).
+    in_use: bool,
 }
 
 struct State<A: Api> {
@@ -107,7 +111,22 @@ impl<A: Api> Shared<A> {
             .device
             .record_event(&comp.ready, &h.copy)
             .map_err(|e| dev_err("record_event(ready)", e));
-        if let Err(e) = copied.and(recorded) {
+        let recorded_ok = recorded.is_ok();
+        if let Some(e) = copied.err().or(recorded.err()) {
+            if !recorded_ok {
+                // `ready` does not cover the copies just enqueued: wait for
+                // them on the host, or leak what they may still write.
+                if h.device.synchronize_stream(&h.copy).is_ok() {
+                    h.free_all(buffers, &comp.path, &mut None);
+                } else {
+                    tracing::error!(
+                        "bring-in of `{}`: {e}; leaking its device buffers",
+                        comp.path
+                    );
+                    std::mem::forget(buffers);
+                }
+                return Err(e);
+            }
             let after: &[&A::Event] = if self.bug(PlantedBug::FailedBringInFreeWithoutWait) {
                 &[]
             } else {
@@ -143,6 +162,15 @@ impl<A: Api> ComponentHook<A> {
             let others: Vec<usize> = (0..st.components.len())
                 .filter(|d| *d != c && !st.components[*d].on_device.is_empty())
                 .collect();
+            if let Some(d) = others.iter().find(|d| st.components[**d].in_use) {
+                return Err(OffloadError::Forward {
+                    module: st.components[c].path.clone(),
+                    reason: format!(
+                        "model-level offload cannot bring it in while `{}` runs its forward (it would evict weights its kernels still read); run one offloaded component at a time",
+                        st.components[*d].path
+                    ),
+                });
+            }
             let early = shared.bug(PlantedBug::BringInBeforeEvict);
             if early {
                 shared.bring_in(st, c)?;
@@ -164,15 +192,18 @@ impl<A: Api> ComponentHook<A> {
                 st.placement.transition(unit, Transition::CopyDone)?;
             }
         }
+        st.components[c].in_use = true;
         Ok(())
     }
 
     fn post(&self) -> Result<(), OffloadError> {
         let h = &self.shared.handles;
-        let guard = self.shared.lock();
-        let st = guard.as_ref().ok_or_else(disabled)?;
+        let mut guard = self.shared.lock();
+        let st = guard.as_mut().ok_or_else(disabled)?;
+        let comp = &mut st.components[self.component];
+        comp.in_use = false;
         h.device
-            .record_event(&st.components[self.component].last_use, &h.compute)
+            .record_event(&comp.last_use, &h.compute)
             .map_err(|e| dev_err("record_event(last use)", e))
     }
 }
@@ -260,6 +291,7 @@ impl<A: Api> ModelLevelBackend<A> {
                 on_device: Vec::new(),
                 ready,
                 last_use,
+                in_use: false,
             });
             for unit in units {
                 let host = h.fill_pinned(unit, &none)?;
