@@ -62,6 +62,15 @@ impl StrategyChoice {
         }
         Self::Config(c)
     }
+
+    /// The configuration this choice amounts to (the default, no offload,
+    /// for the resident baseline).
+    pub fn config(&self) -> OffloadConfig {
+        match self {
+            Self::Config(c) => c.clone(),
+            Self::Resident => OffloadConfig::default(),
+        }
+    }
 }
 
 /// How to run it.
@@ -461,40 +470,6 @@ pub fn host_master_census(
     found
 }
 
-/// The storages `config` offloads from `pipeline` (keeps on the host while
-/// enabled): the streamed blocks for layerwise, the swapped components for
-/// model level.
-pub fn offloaded_storages(
-    pipeline: &offload_core::Pipeline,
-    config: &OffloadConfig,
-) -> Result<BTreeSet<StorageId>, OffloadError> {
-    let plan = offload_core::resolve(pipeline, config)?;
-    let modules: Vec<ModuleId> = match plan.strategy() {
-        OffloadStrategy::Layerwise => plan
-            .stacks
-            .iter()
-            .flat_map(|s| s.blocks.iter().map(|b| b.module))
-            .collect(),
-        OffloadStrategy::ModelLevel
-            if !plan
-                .warnings
-                .contains(&offload_core::plan::PlanWarning::NoEncoder) =>
-        {
-            plan.components
-                .iter()
-                .filter(|c| c.offloaded)
-                .map(|c| c.module)
-                .collect()
-        }
-        _ => Vec::new(),
-    };
-    Ok(modules
-        .into_iter()
-        .flat_map(|m| pipeline.subtree_tensors(m))
-        .map(|t| pipeline.tensor(t).storage)
-        .collect())
-}
-
 /// A run that failed, with every rule the device saw broken until then
 /// (including after the drop: leaks).
 #[derive(Debug, thiserror::Error)]
@@ -521,10 +496,7 @@ pub fn run(
     choice: &StrategyChoice,
     opts: &RunOptions,
 ) -> Result<RunOutcome, RunFailure> {
-    let config = match choice {
-        StrategyChoice::Config(c) => c.clone(),
-        StrategyChoice::Resident => OffloadConfig::default(),
-    };
+    let config = choice.config();
     let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
     let backend = rig.backend(choice)?;
     let bounds = memory_bounds(&w.preset.pipeline, &config, opts.prefetch_depth)?;

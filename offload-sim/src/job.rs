@@ -550,12 +550,9 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
                     continue;
                 }
                 if f.error.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) {
-                    let config = match choice {
-                        StrategyChoice::Config(c) => c.clone(),
-                        StrategyChoice::Resident => OffloadConfig::default(),
-                    };
-                    let bound = memory_bounds(&w.preset.pipeline, &config, args.prefetch_depth)
-                        .map_or(u64::MAX, |b| b.device_weight_bytes);
+                    let bound =
+                        memory_bounds(&w.preset.pipeline, &choice.config(), args.prefetch_depth)
+                            .map_or(u64::MAX, |b| b.device_weight_bytes);
                     if bound > profile.memory_bytes {
                         let mut r = row(false, &f);
                         r.error = Some(format!(

@@ -13,7 +13,7 @@ use offload_core::device::Device;
 use offload_core::model::{DType, ModuleId, PipelineBuilder, StorageSpec, TensorSpec};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
 use offload_sim::harness::{
-    Rig, RunOptions, StrategyChoice, Workload, blocks_of, host_master_census, offloaded_storages,
+    Rig, RunOptions, StrategyChoice, Workload, blocks_of, host_master_census,
 };
 use offload_sim::presets::{BlockCost, Preset};
 use offload_sim::{DeviceProfile, FaultPlan};
@@ -464,7 +464,9 @@ impl Driver {
         if let Err(v) = offload_core::invariants::bounded_memory(&observed, 0) {
             self.fail(format!("{v} ({} strategy)", bounds.strategy));
         }
-        let Ok(offloaded) = offloaded_storages(&self.pipeline, &self.scenario.config) else {
+        let Ok(offloaded) =
+            offload_core::runtime::offloaded_storages(&self.pipeline, &self.scenario.config)
+        else {
             return;
         };
         let weights = offload_sim::presets::SyntheticWeights {

@@ -25,7 +25,7 @@ use offload_core::{OffloadConfig, OffloadStrategy, Pipeline};
 use offload_hooks::{BoxError, HookOwner, ModelHook};
 use offload_sim::harness::{
     Rig, RunOptions, RunOutcome, StrategyChoice, Workload, blocks_of, host_master_census, kernel,
-    offloaded_storages, run,
+    run,
 };
 use offload_sim::job::{JobArgs, StrategySet, memory_violations, run_job};
 use offload_sim::presets::{SyntheticWeights, tiny};
@@ -420,7 +420,7 @@ fn inv2_a_second_host_copy() {
             enable_layerwise_offload: true,
             ..OffloadConfig::default()
         };
-        let offloaded = offloaded_storages(&pipeline, &config).unwrap();
+        let offloaded = offload_core::runtime::offloaded_storages(&pipeline, &config).unwrap();
         let found = host_master_census(
             &rig.device,
             &pipeline,

@@ -5,7 +5,7 @@
 
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::lifecycle::OffloadError;
-use crate::model::Pipeline;
+use crate::model::{Pipeline, StorageId};
 use crate::runtime::shared::{plan_and_partition, swapped_components};
 
 /// The most device and host memory a strategy may hold for weights.
@@ -132,4 +132,32 @@ impl MemoryBounds {
             staging_bytes: self.staging_bytes,
         }
     }
+}
+
+/// The storages `config` keeps on the host while enabled (its host masters
+/// hold them): the streamed blocks for layerwise, the swapped components
+/// for model level, none otherwise. The same units `memory_bounds` counts,
+/// for checkers that look for them in a device's host memory (INV-2).
+pub fn offloaded_storages(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+) -> Result<std::collections::BTreeSet<StorageId>, OffloadError> {
+    let (plan, partition) = plan_and_partition(pipeline, config)?;
+    let units: Vec<&crate::runtime::Unit> = match plan.strategy() {
+        OffloadStrategy::Layerwise => plan
+            .stacks
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .map(|b| &partition.blocks[&b.module])
+            .collect(),
+        OffloadStrategy::ModelLevel => swapped_components(pipeline, &plan, &partition)
+            .into_iter()
+            .flat_map(|(_, us)| us)
+            .collect(),
+        _ => Vec::new(),
+    };
+    Ok(units
+        .into_iter()
+        .flat_map(|u| u.entries.iter().map(|e| e.storage))
+        .collect())
 }

@@ -44,7 +44,7 @@ use crate::lifecycle::{LifecycleState, OffloadBackend, OffloadError};
 use crate::model::{ModuleId, Pipeline, StorageId, Tensor, TensorId};
 use crate::residency::Residency;
 
-pub use bounds::{MemoryBounds, memory_bounds};
+pub use bounds::{MemoryBounds, memory_bounds, offloaded_storages};
 pub use layerwise::LayerwiseBackend;
 pub use layout::{Entry, Partition, Unit, partition};
 pub use model_level::ModelLevelBackend;
