@@ -272,6 +272,46 @@ impl GatherGroup {
         axis: GatherAxis::None,
         size: 1,
     };
+
+    /// This process's rank within the group, `0..size`.
+    ///
+    /// Global ranks are laid out tensor-parallel fastest, then
+    /// sequence-parallel, then data-parallel:
+    /// `rank = (dp_index × sp + sp_index) × tp + tp_index`. The
+    /// data-parallel group of a rank holds the ranks with its sp and tp
+    /// indices (its rank there is `dp_index`); the sequence-parallel group
+    /// the ranks with its dp and tp indices (`sp_index`).
+    pub fn rank_of(&self, parallel: &ParallelConfig) -> u32 {
+        let tp = parallel.tensor_parallel_size.max(1);
+        let sp = parallel.sequence_parallel_size.max(1);
+        match self.axis {
+            GatherAxis::None => 0,
+            GatherAxis::DataParallel => parallel.rank / (tp * sp),
+            GatherAxis::SequenceParallel => (parallel.rank / tp) % sp,
+        }
+    }
+
+    /// The global ranks of this process's group, in group-rank order (see
+    /// [`Self::rank_of`] for the layout): what a caller builds the
+    /// communicator of [`crate::device::Collective`] over.
+    pub fn members(&self, parallel: &ParallelConfig) -> Vec<u32> {
+        let tp = parallel.tensor_parallel_size.max(1);
+        let sp = parallel.sequence_parallel_size.max(1);
+        let r = parallel.rank;
+        match self.axis {
+            GatherAxis::None => vec![r],
+            GatherAxis::DataParallel => {
+                let within = r % (tp * sp);
+                (0..self.size).map(|d| d * tp * sp + within).collect()
+            }
+            GatherAxis::SequenceParallel => {
+                let (dp_index, tp_index) = (r / (tp * sp), r % tp);
+                (0..self.size)
+                    .map(|s| (dp_index * sp + s) * tp + tp_index)
+                    .collect()
+            }
+        }
+    }
 }
 
 /// The DLO gather group (CONTRACT §2): the data-parallel group if dp > 1

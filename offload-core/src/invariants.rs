@@ -394,10 +394,14 @@ pub struct MemoryObservation {
     pub slot_bytes: u64,
     /// Host bytes held for weights (pinned, registered, shards).
     pub host_weight_bytes: u64,
-    /// Bytes of the offloaded weights (one copy).
+    /// Bytes of the offloaded weights each rank holds 1/G of (one copy;
+    /// all of them without DLO, with G = 1).
     pub offloaded_weight_bytes: u64,
     /// Gather group size G (1 without DLO).
     pub group_size: u32,
+    /// Bytes of offloaded weights every rank holds whole (DLO's rank-local
+    /// rings beside gathered ones).
+    pub local_weight_bytes: u64,
     /// Declared host staging bytes.
     pub staging_bytes: u64,
 }
@@ -417,13 +421,21 @@ pub fn bounded_memory(m: &MemoryObservation, padding_bytes: u64) -> Result<(), V
         ));
     }
     let g = u64::from(m.group_size.max(1));
-    let host_bound = m.offloaded_weight_bytes.div_ceil(g) + padding_bytes + m.staging_bytes;
+    let host_bound = m.offloaded_weight_bytes.div_ceil(g)
+        + padding_bytes
+        + m.local_weight_bytes
+        + m.staging_bytes;
     if m.host_weight_bytes > host_bound {
         return Err(violation(
             Invariant::BoundedMemory,
             format!(
-                "host weight bytes {} > one copy {} / G {} + padding {} + staging {}",
-                m.host_weight_bytes, m.offloaded_weight_bytes, g, padding_bytes, m.staging_bytes
+                "host weight bytes {} > one copy {} / G {} + padding {} + rank-local {} + staging {}",
+                m.host_weight_bytes,
+                m.offloaded_weight_bytes,
+                g,
+                padding_bytes,
+                m.local_weight_bytes,
+                m.staging_bytes
             ),
         ));
     }

@@ -95,6 +95,13 @@ pub enum OffloadError {
         /// The strategy.
         strategy: OffloadStrategy,
     },
+    /// The distributed strategy's gather group does not match the
+    /// collective it was given (or it was given none).
+    #[error("distributed layerwise offload: {reason}")]
+    GatherGroup {
+        /// What was wrong and what is expected.
+        reason: String,
+    },
 }
 
 impl OffloadError {

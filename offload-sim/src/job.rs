@@ -279,7 +279,7 @@ pub fn memory_violations(out: &RunOutcome) -> Option<Violation> {
         out.at_end.device_peak_bytes,
         out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes,
     );
-    offload_core::invariants::bounded_memory(&observed, 0).err()
+    offload_core::invariants::bounded_memory(&observed, out.bounds.padding_bytes).err()
 }
 
 fn report(

@@ -461,7 +461,7 @@ impl Driver {
             stats.device_peak_bytes,
             stats.pinned_peak_bytes + stats.registered_peak_bytes,
         );
-        if let Err(v) = offload_core::invariants::bounded_memory(&observed, 0) {
+        if let Err(v) = offload_core::invariants::bounded_memory(&observed, bounds.padding_bytes) {
             self.fail(format!("{v} ({} strategy)", bounds.strategy));
         }
         let Ok(offloaded) =

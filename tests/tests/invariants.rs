@@ -297,6 +297,7 @@ fn inv7_bounded_memory() {
         host_weight_bytes: 9_000,
         offloaded_weight_bytes: 9_000,
         group_size: 1,
+        local_weight_bytes: 0,
         staging_bytes: 0,
     };
     assert!(bounded_memory(&good, 0).is_ok());

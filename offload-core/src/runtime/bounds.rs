@@ -6,6 +6,7 @@
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::lifecycle::OffloadError;
 use crate::model::{Pipeline, StorageId};
+use crate::runtime::ring::RingLayout;
 use crate::runtime::shared::{plan_and_partition, swapped_components};
 
 /// The most device and host memory a strategy may hold for weights.
@@ -14,15 +15,19 @@ pub struct MemoryBounds {
     /// The strategy the configuration selects.
     pub strategy: OffloadStrategy,
     /// Device weight bytes: everything for no offload; the resident part
-    /// plus `depth + 1` slots of the largest block for layerwise; the
+    /// plus `depth + 1` slots of the largest block (its G·s bytes when
+    /// gathered) and, when a ring gathers, two shard buffers of the largest
+    /// shard, for the streaming strategies; the
     /// resident part plus the largest swapped component for model level.
     pub device_weight_bytes: u64,
     /// The part of `device_weight_bytes` that stays resident by design.
     pub resident_bytes: u64,
-    /// One copy of the offloaded weights.
+    /// One copy of the offloaded weights (all ranks' shards together, for
+    /// gathered blocks).
     pub offloaded_bytes: u64,
-    /// Host bytes for weights (pinned or registered): exactly one copy of
-    /// the offloaded weights (nothing for no offload), plus the declared
+    /// Host bytes for weights (pinned or registered) on this rank: exactly
+    /// one copy of the offloaded weights (nothing for no offload), of which
+    /// gathered blocks count 1/G plus the padding, plus the declared
     /// staging.
     pub host_weight_bytes: u64,
     /// The declared staging, included in `host_weight_bytes`: `enable`
@@ -34,10 +39,19 @@ pub struct MemoryBounds {
     /// rounds each allocation up may exceed the byte bound by one granule
     /// per allocation.
     pub device_allocations: u64,
+    /// The part of `offloaded_bytes` that is all-gathered (DLO with G > 1):
+    /// each rank holds only its shards of it.
+    pub gathered_bytes: u64,
+    /// G (1 unless something is gathered).
+    pub group_size: u32,
+    /// This rank's shards beyond `gathered_bytes / G` (rounded up): the
+    /// zero padding of `s = ceil(bytes / G)`, less than one byte per
+    /// gathered block.
+    pub padding_bytes: u64,
 }
 
-/// INV-7's bounds for `pipeline` under `config` at prefetch `depth`.
-/// Distributed layerwise has no backend yet: it is an error.
+/// INV-7's bounds for `pipeline` under `config` at prefetch `depth`, on
+/// the rank the configuration's `parallel` section names.
 pub fn memory_bounds(
     pipeline: &Pipeline,
     config: &OffloadConfig,
@@ -56,21 +70,33 @@ pub fn memory_bounds(
             .max()
             .unwrap_or(0)
     };
+    let (mut gathered_bytes, mut group_size, mut padding_bytes) = (0, 1, 0);
     let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy {
         OffloadStrategy::None => (total, 0, units, largest_unit(&|_| false)),
-        OffloadStrategy::Layerwise => {
-            let streamed = plan.streamed_bytes();
-            let blocks: u64 = plan.stacks.iter().map(|s| s.blocks.len() as u64).sum();
-            let streamed_modules: std::collections::BTreeSet<_> = plan
-                .stacks
-                .iter()
-                .flat_map(|s| s.blocks.iter().map(|b| b.module))
-                .collect();
+        OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
+            let group = plan.selection.gather_group;
+            let rank = group.rank_of(&config.parallel);
+            let layout = RingLayout::new(&plan, &partition, group.size, rank);
+            let streamed: u64 = layout.blocks().map(|b| b.unit.bytes).sum();
+            let blocks = layout.blocks().count() as u64;
+            let streamed_modules: std::collections::BTreeSet<_> =
+                layout.blocks().map(|b| b.unit.module).collect();
+            let gathered: Vec<&crate::runtime::ring::RingBlock> =
+                layout.blocks().filter(|b| b.shard.is_some()).collect();
+            gathered_bytes = gathered.iter().map(|b| b.unit.bytes).sum();
+            let shares: u64 = gathered.iter().map(|b| b.master_bytes()).sum();
+            group_size = if gathered.is_empty() { 1 } else { group.size };
+            padding_bytes = shares - gathered_bytes.div_ceil(u64::from(group_size));
+            // `disable` restores gathered blocks through one pinned buffer of
+            // the largest.
+            let restore = gathered.iter().map(|b| b.unit.bytes).max().unwrap_or(0);
             (
-                total - streamed + (depth + 1) * plan.largest_block_bytes(),
+                total - streamed
+                    + (depth + 1) * layout.slot_bytes
+                    + layout.shard_buffers() * layout.shard_bytes,
                 streamed,
-                units - blocks + depth + 1,
-                largest_unit(&|u| streamed_modules.contains(&u.module)),
+                units - blocks + depth + 1 + layout.shard_buffers(),
+                largest_unit(&|u| streamed_modules.contains(&u.module)).max(restore),
             )
         }
         OffloadStrategy::ModelLevel => {
@@ -96,21 +122,22 @@ pub fn memory_bounds(
                 staging,
             )
         }
-        OffloadStrategy::DistributedLayerwise => {
-            return Err(OffloadError::Unsupported {
-                platform: "offload-core".to_owned(),
-                strategy,
-            });
-        }
     };
+    let local_bytes = offloaded_bytes - gathered_bytes;
     Ok(MemoryBounds {
         strategy,
         device_weight_bytes,
         resident_bytes: total - offloaded_bytes,
         offloaded_bytes,
-        host_weight_bytes: offloaded_bytes + staging_bytes,
+        host_weight_bytes: gathered_bytes.div_ceil(u64::from(group_size))
+            + padding_bytes
+            + local_bytes
+            + staging_bytes,
         staging_bytes,
         device_allocations,
+        gathered_bytes,
+        group_size,
+        padding_bytes,
     })
 }
 
@@ -127,8 +154,9 @@ impl MemoryBounds {
             resident_bytes: self.resident_bytes,
             slot_bytes: self.device_weight_bytes - self.resident_bytes,
             host_weight_bytes: peak_host_weight_bytes,
-            offloaded_weight_bytes: self.offloaded_bytes,
-            group_size: 1,
+            offloaded_weight_bytes: self.gathered_bytes,
+            group_size: self.group_size,
+            local_weight_bytes: self.offloaded_bytes - self.gathered_bytes,
             staging_bytes: self.staging_bytes,
         }
     }
@@ -144,10 +172,10 @@ pub fn offloaded_storages(
 ) -> Result<std::collections::BTreeSet<StorageId>, OffloadError> {
     let (plan, partition) = plan_and_partition(pipeline, config)?;
     let units: Vec<&crate::runtime::Unit> = match plan.strategy() {
-        OffloadStrategy::Layerwise => plan
+        OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => plan
             .stacks
             .iter()
-            .flat_map(|s| &s.blocks)
+            .flat_map(|s| s.blocks.iter().skip(s.resident_leading as usize))
             .map(|b| &partition.blocks[&b.module])
             .collect(),
         OffloadStrategy::ModelLevel => swapped_components(pipeline, &plan, &partition)

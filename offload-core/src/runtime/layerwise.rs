@@ -1,30 +1,51 @@
-//! The layerwise strategy (CONTRACT §7).
+//! The ring engine of both streaming strategies: layerwise (CONTRACT §7)
+//! and distributed layerwise (CONTRACT §8). Distributed layerwise is
+//! layerwise whose transport gathers; everything else is one engine.
 //!
-//! * Host: each block's storages are packed into one pinned host master of
-//!   exactly the block's bytes, filled straight from the weight source, once.
-//! * Device: one slot pool of `depth + 1` buffers of the largest block,
-//!   allocated once and shared by every ring (stack). Each slot owns a
-//!   *ready* event (recorded on the copy stream after its fill) and a
-//!   *last use* event (recorded on the compute stream after the forward that
-//!   read it), and a stamp naming the (ring, block) it holds.
+//! * Host: each block's storages are packed into one unit. A ring that
+//!   copies (layerwise, DLO's rank-local mode) holds each block's whole
+//!   unit as its host master (pinned once, exact size, or the loader's
+//!   memory registered in place). A ring that gathers (DLO, G > 1) holds
+//!   only this rank's shard of each block: `s = ceil(bytes / G)` bytes,
+//!   zero-padded (see `ring.rs`).
+//! * Device: one slot pool of `depth + 1` buffers, each the largest slot
+//!   footprint of any block (a gathered block occupies G·s bytes),
+//!   allocated once and shared by every ring, plus (when a ring gathers)
+//!   two shard buffers of the largest shard. Each slot owns a *ready*
+//!   event (recorded after its fill) and a *last use* event (recorded on
+//!   the compute stream after the forward that read it), and a stamp
+//!   naming the (ring, block) it holds.
+//! * Transport, per ring: **copy** — the copy stream waits for the slot's
+//!   last use, copies the master into the slot, records ready; **gather** —
+//!   the copy stream waits for the slot's last use and for the gather that
+//!   last read the shard buffer, copies this rank's shard into it, records
+//!   `copied`; the communication stream waits for `copied`, all-gathers
+//!   every rank's shard into the slot narrowed to exactly G·s bytes, and
+//!   records the slot's ready and the shard buffer's `consumed`.
 //! * Pre-forward of block i: find the slot stamped (ring, i) or fill one on
 //!   demand (its predecessor was skipped); make the compute stream wait for
 //!   the slot's ready event; point the block's tensors into the slot; then
 //!   make sure blocks i+1..=i+depth (wrapping to block 0) are filling. A fill
-//!   takes the least recently filled free slot: the copy stream waits for its
-//!   last use, copies, records ready. The host never waits.
+//!   takes the least recently filled free slot. The host never waits.
 //! * Post-forward: record the slot's last use; the block's tensors go back
 //!   to their host masters. Nothing is copied back.
 //!
-//! The distributed strategy adds its gather step in [`Fill`]: the copy into
-//! the slot becomes copy-shard-then-gather.
+//! Multi-rank rules (CONTRACT §8): every rank must issue the same
+//! collectives in the same order, so no gather is ever issued from a path
+//! only some ranks take. Hence: the first fill of every ring is deferred to
+//! its first forward (layerwise, single-rank, fills block 0 at enable); a
+//! copy fill (a rank-local ring, which may run on one rank only) never
+//! evicts a gathered block in flight, and a gathered fill evicts one only
+//! when every rank must (no other free slot); any error in a gathering
+//! backend's hook poisons it; failure cleanup runs no collective.
 
-use crate::sync::{Arc, Mutex, MutexGuard, lock};
+use crate::sync::Arc;
+use std::collections::BTreeSet;
 
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy};
-use crate::device::{Api, Device, DeviceBuffer};
+use crate::device::{Api, Collective, Device, DeviceBuffer, HostBuffer};
 use crate::discovery::log_warnings;
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
@@ -32,22 +53,25 @@ use crate::lifecycle::{
 use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::layout::Unit;
+use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
-    Handles, HostMaster, Placement, bytes_of, check_single_owner, dev_err, install_hooks,
-    plan_and_partition, remove_hooks,
+    Handles, HostMaster, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
+    install_hooks, plan_and_partition, remove_hooks,
 };
 use crate::runtime::slots::SlotTable;
 use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
-/// One block's host master.
+/// One block's host master: the whole unit, or this rank's shard of it.
 struct Master<A: Api> {
     unit: Unit,
     host: HostMaster<A>,
+    shard: Option<Shard>,
 }
 
-/// One ring: the blocks of one stack, in forward order.
+/// One ring: the streamed blocks of one stack, in forward order.
 struct Ring<A: Api> {
     blocks: Vec<Master<A>>,
+    gathered: bool,
 }
 
 /// One device slot and the events that order its reuse.
@@ -57,6 +81,23 @@ struct Slot<A: Api> {
     last_use: A::Event,
 }
 
+/// A device buffer a rank's shard is copied into before the gather reads
+/// it, with the events that order its reuse.
+struct ShardBuffer<A: Api> {
+    buffer: Arc<A::DeviceBuffer>,
+    /// Recorded on the copy stream after the shard copy.
+    copied: A::Event,
+    /// Recorded on the communication stream after the gather that read it.
+    consumed: A::Event,
+}
+
+/// What a gathering engine adds: the group and its shard buffers.
+struct Gather<A: Api> {
+    collective: Arc<dyn Collective<A>>,
+    shards: Vec<ShardBuffer<A>>,
+    next: usize,
+}
+
 struct State<A: Api> {
     placement: Placement<A>,
     resident: Vec<Arc<A::DeviceBuffer>>,
@@ -64,6 +105,7 @@ struct State<A: Api> {
     slots: Vec<Slot<A>>,
     table: SlotTable,
     depth: usize,
+    gather: Option<Gather<A>>,
     /// Extra host masters kept only when a planted bug asks for them.
     shadow_masters: Vec<HostMaster<A>>,
     /// The slot each block was last filled into (read only by the
@@ -71,198 +113,364 @@ struct State<A: Api> {
     filled_into: Vec<Vec<Option<usize>>>,
 }
 
-struct Shared<A: Api> {
-    handles: Handles<A>,
-    bugs: Bugs,
-    state: Mutex<Option<State<A>>>,
-}
-
-impl<A: Api> Shared<A> {
-    fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
-        lock(&self.state)
+impl<A: Api> State<A> {
+    /// Whether slot `k` holds a gathered block in flight: only a fill every
+    /// rank makes (a gathered one) may evict it.
+    fn protected(&self, k: usize) -> bool {
+        self.table.stamp(k).is_some_and(|(r, b)| {
+            self.rings[r].gathered
+                && self
+                    .placement
+                    .residency_of(self.rings[r].blocks[b].unit.entries[0].storage)
+                    == Some(Residency::InFlight)
+        })
     }
 
-    fn bug(&self, bug: PlantedBug) -> bool {
-        self.bugs.has(bug)
+    /// The slot a fill of `ring` may take, if any.
+    fn victim(&self, ring: usize) -> Option<usize> {
+        self.table
+            .victim_sparing(|k| self.protected(k), self.rings[ring].gathered)
+    }
+
+    fn in_flight(&self, ring: usize, block: usize) -> bool {
+        self.placement
+            .residency_of(self.rings[ring].blocks[block].unit.entries[0].storage)
+            == Some(Residency::InFlight)
+    }
+}
+
+impl<A: Api> StrategyState<A> for State<A> {
+    fn placement(&self) -> &Placement<A> {
+        &self.placement
+    }
+
+    fn device_weight_bytes(&self) -> u64 {
+        let mut buffers: Vec<Arc<A::DeviceBuffer>> =
+            self.slots.iter().map(|s| Arc::clone(&s.buffer)).collect();
+        if let Some(g) = &self.gather {
+            buffers.extend(g.shards.iter().map(|s| Arc::clone(&s.buffer)));
+        }
+        bytes_of::<A>(&self.resident) + bytes_of::<A>(&buffers)
+    }
+
+    fn host_weight_bytes(&self) -> u64 {
+        let masters: u64 = self
+            .rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .map(|m| m.host.len_bytes())
+            .sum();
+        let shadows: u64 = self.shadow_masters.iter().map(HostMaster::len_bytes).sum();
+        masters + shadows
+    }
+}
+
+/// What the hooks of one backend share.
+struct Engine<A: Api> {
+    shared: Shared<A, State<A>>,
+    strategy: OffloadStrategy,
+    /// This rank in the gather group, and G.
+    rank: u32,
+    group: u32,
+}
+
+impl<A: Api> std::ops::Deref for Engine<A> {
+    type Target = Shared<A, State<A>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.shared
+    }
+}
+
+impl<A: Api> Engine<A> {
+    /// Whether a failure here can leave the ranks' collectives out of step
+    /// (a gathering backend of more than one rank): then it poisons.
+    fn multi_rank(&self) -> bool {
+        self.group > 1 && self.handles.comm.is_some()
+    }
+
+    fn check_poison(&self) -> Result<(), OffloadError> {
+        match self.poisoned() {
+            Some(reason) => Err(OffloadError::Poisoned {
+                strategy: self.strategy,
+                reason,
+            }),
+            None => Ok(()),
+        }
     }
 }
 
 /// Why a block is being filled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum FillKind {
-    /// Block 0 of the first ring, at enable.
+    /// Block 0 of the first ring, at enable (layerwise only).
     Initial,
     /// A prefetch from the pre-forward of an earlier block (`wrap`: the
     /// ring's end fetching its start).
     Prefetch { wrap: bool },
-    /// The block arrived unmaterialised: copied on demand.
+    /// The block arrived unmaterialised: filled on demand.
     OnDemand,
+    /// `disable` gathers it once more to hand it back.
+    Restore,
 }
 
-/// The fill step of the ring: host master → slot. (DLO replaces the copy by
-/// copy-shard-then-gather.)
-trait Fill<A: Api> {
-    fn fill(
-        &self,
-        shared: &Shared<A>,
+/// How a block's bytes reach its slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Transport {
+    /// The whole block, host master → slot, on the copy stream.
+    Copy,
+    /// This rank's shard → shard buffer on the copy stream, then an
+    /// all-gather into the slot on the communication stream.
+    Gather,
+}
+
+impl Transport {
+    /// Moves block `block` of `ring` (the bytes of `source`, which only a
+    /// planted bug makes differ) into slot `k` and records the slot's ready
+    /// event. The copy stream already waits for the slot's last use.
+    fn transfer<A: Api>(
+        self,
+        engine: &Engine<A>,
         st: &mut State<A>,
-        ring: usize,
-        block: usize,
+        (ring, block, source): (usize, usize, usize),
+        k: usize,
         kind: FillKind,
-    ) -> Result<usize, OffloadError>;
-}
-
-struct CopyFill;
-
-impl CopyFill {
-    /// The slot to fill: the least recently filled free one (or, with the
-    /// `StaticSlot` planted bug, the block's index modulo the slot count,
-    /// in use or not).
-    fn choose<A: Api>(
-        shared: &Shared<A>,
-        st: &mut State<A>,
-        ring: usize,
-        block: usize,
-    ) -> Result<(usize, Option<(usize, usize)>), OffloadError> {
-        if shared.bug(PlantedBug::StaticSlot) {
-            let global = st.rings[..ring]
-                .iter()
-                .map(|r| r.blocks.len())
-                .sum::<usize>()
-                + block;
-            let k = global % st.slots.len();
-            return Ok((k, st.table.evict_unchecked(k, ring, block)));
-        }
-        let k = st.table.victim().ok_or_else(|| OffloadError::Forward {
-            module: st.rings[ring].blocks[block].unit.name.clone(),
-            reason: format!(
-                "all {} slots are in use (nested block forwards?)",
-                st.slots.len()
-            ),
-        })?;
-        Ok((k, st.table.evict(k, ring, block)))
-    }
-}
-
-impl<A: Api> Fill<A> for CopyFill {
-    fn fill(
-        &self,
-        shared: &Shared<A>,
-        st: &mut State<A>,
-        ring: usize,
-        block: usize,
-        kind: FillKind,
-    ) -> Result<usize, OffloadError> {
-        let h = &shared.handles;
-        let (k, previous) = Self::choose(shared, st, ring, block)?;
-        // The slot's previous content is gone: a prefetch nobody consumed
-        // is discarded.
-        if let Some((r, b)) = previous {
-            let old = &st.rings[r].blocks[b].unit;
-            if st.placement.residency_of(old.entries[0].storage) == Some(Residency::InFlight)
-                && !shared.bug(PlantedBug::IgnoreRingStamp)
-            {
-                st.placement.transition(old, Transition::Discard)?;
-            }
-        }
-        let skip_wait = shared.bug(PlantedBug::SkipLastUseWait)
-            || (kind == FillKind::OnDemand && shared.bug(PlantedBug::OnDemandSkipLastUseWait))
-            || (kind == (FillKind::Prefetch { wrap: true })
-                && shared.bug(PlantedBug::WrapAroundSkipLastUseWait));
-        let source = if shared.bug(PlantedBug::WrongMaster) {
-            (block + 1) % st.rings[ring].blocks.len()
-        } else {
-            block
-        };
+    ) -> Result<(), OffloadError> {
+        let h = &engine.handles;
+        let stale = engine.bug(PlantedBug::StaleSlot) && matches!(kind, FillKind::Prefetch { .. });
         let master = &st.rings[ring].blocks[source];
+        let bytes = master
+            .unit
+            .bytes
+            .min(st.rings[ring].blocks[block].unit.bytes);
         let slot = &st.slots[k];
-        if !skip_wait {
-            h.device
-                .stream_wait_event(&h.copy, &slot.last_use)
-                .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
-        }
-        let stale = shared.bug(PlantedBug::StaleSlot) && matches!(kind, FillKind::Prefetch { .. });
-        if !stale {
-            // SAFETY: the master is exactly `unit.bytes` and the slot holds
-            // the largest block, so both ranges are in bounds; the copy
-            // stream waits for the slot's last use above (nothing reads the
-            // slot while it is overwritten), compute waits for `ready`
-            // (recorded next) before reading it, and the master is freed
-            // only after draining.
-            unsafe {
-                h.device.copy_h2d(
-                    &h.copy,
-                    master.host.source(),
-                    0,
-                    &slot.buffer,
-                    0,
-                    master
-                        .unit
-                        .bytes
-                        .min(st.rings[ring].blocks[block].unit.bytes),
-                )
+        match self {
+            Transport::Copy => {
+                if !stale {
+                    // SAFETY: the master is exactly `unit.bytes` and the slot
+                    // holds the largest block, so both ranges are in bounds;
+                    // the copy stream waits for the slot's last use (nothing
+                    // reads the slot while it is overwritten), compute waits
+                    // for `ready` (recorded next) before reading it, and the
+                    // master is freed only after draining.
+                    unsafe {
+                        h.device
+                            .copy_h2d(&h.copy, master.host.source(), 0, &slot.buffer, 0, bytes)
+                    }
+                    .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
+                }
+                h.device
+                    .record_event(&slot.ready, &h.copy)
+                    .map_err(|e| dev_err("record_event(ready)", e))
             }
-            .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
+            Transport::Gather => {
+                let comm = h
+                    .comm
+                    .as_ref()
+                    .expect("a gathering engine has a comm stream");
+                let shard = master.shard.expect("a gathered block has a shard");
+                let gather = st.gather.as_mut().expect("a gathering engine");
+                let j = gather.next;
+                gather.next = (j + 1) % gather.shards.len();
+                let buffer = &gather.shards[j];
+                if !engine.bug(PlantedBug::ShardReuseBeforeGather) {
+                    h.device
+                        .stream_wait_event(&h.copy, &buffer.consumed)
+                        .map_err(|e| dev_err("stream_wait_event(copy, shard consumed)", e))?;
+                }
+                if !stale {
+                    // SAFETY: the master is exactly `shard.bytes` and the
+                    // shard buffer holds the largest shard; the copy stream
+                    // waits above for the gather that last read the buffer,
+                    // and the gather reading it waits for `copied` (next).
+                    unsafe {
+                        h.device.copy_h2d(
+                            &h.copy,
+                            master.host.source(),
+                            0,
+                            &buffer.buffer,
+                            0,
+                            shard.bytes,
+                        )
+                    }
+                    .map_err(|e| {
+                        dev_err(
+                            format!("copy_h2d of this rank's shard of `{}`", master.unit.name),
+                            e,
+                        )
+                    })?;
+                }
+                h.device
+                    .record_event(&buffer.copied, &h.copy)
+                    .map_err(|e| dev_err("record_event(shard copied)", e))?;
+                h.device
+                    .stream_wait_event(comm, &buffer.copied)
+                    .map_err(|e| dev_err("stream_wait_event(comm, shard copied)", e))?;
+                // The slot narrowed to this block: G·s bytes, never the
+                // whole slot (a planted bug gathers the whole slot).
+                let shard_bytes = if engine.bug(PlantedBug::WholeSlotGather) {
+                    slot.buffer.len_bytes() / shard.group
+                } else {
+                    shard.bytes
+                };
+                // SAFETY: `shard_bytes` ≤ the shard buffer (it holds the
+                // largest shard, and a slot holds G of them) and G ×
+                // `shard_bytes` ≤ the slot; the communication stream waits
+                // for `copied`, which follows the copy stream's wait for the
+                // slot's last use, so nothing reads the slot while it is
+                // written; compute waits for `ready` and the next shard
+                // copy into this buffer for `consumed`, both recorded next.
+                unsafe {
+                    gather.collective.all_gather(
+                        comm,
+                        &buffer.buffer,
+                        0,
+                        shard_bytes,
+                        &slot.buffer,
+                        0,
+                    )
+                }
+                .map_err(|e| {
+                    dev_err(
+                        format!(
+                            "all_gather of `{}` ({} × {shard_bytes} bytes)",
+                            master.unit.name, shard.group
+                        ),
+                        e,
+                    )
+                })?;
+                h.device
+                    .record_event(&slot.ready, comm)
+                    .map_err(|e| dev_err("record_event(ready)", e))?;
+                h.device
+                    .record_event(&buffer.consumed, comm)
+                    .map_err(|e| dev_err("record_event(shard consumed)", e))
+            }
         }
-        h.device
-            .record_event(&slot.ready, &h.copy)
-            .map_err(|e| dev_err("record_event(ready)", e))?;
-        let unit = st.rings[ring].blocks[block].unit.clone();
-        let already =
-            st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
-        if !(already && shared.bug(PlantedBug::IgnoreRingStamp)) {
-            st.placement.transition(&unit, Transition::IssueCopy)?;
-        }
-        st.table.filled(k, ring, block);
-        st.filled_into[ring][block] = Some(k);
-        Ok(k)
     }
+}
+
+/// Fills block `block` of `ring` into a slot through the ring's transport;
+/// returns the slot.
+fn fill<A: Api>(
+    engine: &Engine<A>,
+    st: &mut State<A>,
+    ring: usize,
+    block: usize,
+    kind: FillKind,
+) -> Result<usize, OffloadError> {
+    let h = &engine.handles;
+    let (k, previous) = choose(engine, st, ring, block)?;
+    // The slot's previous content is gone: a prefetch nobody consumed
+    // is discarded.
+    if let Some((r, b)) = previous
+        && st.in_flight(r, b)
+        && !engine.bug(PlantedBug::IgnoreRingStamp)
+    {
+        let old = st.rings[r].blocks[b].unit.clone();
+        st.placement.transition(&old, Transition::Discard)?;
+    }
+    let skip_wait = engine.bug(PlantedBug::SkipLastUseWait)
+        || (kind == FillKind::OnDemand && engine.bug(PlantedBug::OnDemandSkipLastUseWait))
+        || (kind == (FillKind::Prefetch { wrap: true })
+            && engine.bug(PlantedBug::WrapAroundSkipLastUseWait));
+    let source = if engine.bug(PlantedBug::WrongMaster) {
+        (block + 1) % st.rings[ring].blocks.len()
+    } else {
+        block
+    };
+    if !skip_wait {
+        h.device
+            .stream_wait_event(&h.copy, &st.slots[k].last_use)
+            .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
+    }
+    let transport = if st.rings[ring].gathered {
+        Transport::Gather
+    } else {
+        Transport::Copy
+    };
+    transport.transfer(engine, st, (ring, block, source), k, kind)?;
+    let unit = st.rings[ring].blocks[block].unit.clone();
+    if !(st.in_flight(ring, block) && engine.bug(PlantedBug::IgnoreRingStamp)) {
+        st.placement.transition(&unit, Transition::IssueCopy)?;
+    }
+    st.table.filled(k, ring, block);
+    st.filled_into[ring][block] = Some(k);
+    Ok(k)
+}
+
+/// The slot to fill: the least recently filled free one that the ring's
+/// transport may take (or, with the `StaticSlot` planted bug, the block's
+/// index modulo the slot count, in use or not).
+fn choose<A: Api>(
+    engine: &Engine<A>,
+    st: &mut State<A>,
+    ring: usize,
+    block: usize,
+) -> Result<(usize, Option<(usize, usize)>), OffloadError> {
+    if engine.bug(PlantedBug::StaticSlot) {
+        let global = st.rings[..ring]
+            .iter()
+            .map(|r| r.blocks.len())
+            .sum::<usize>()
+            + block;
+        let k = global % st.slots.len();
+        return Ok((k, st.table.evict_unchecked(k, ring, block)));
+    }
+    let k = st.victim(ring).ok_or_else(|| OffloadError::Forward {
+        module: st.rings[ring].blocks[block].unit.name.clone(),
+        reason: format!(
+            "all {} slots are in use or hold gathered blocks in flight (nested block forwards?)",
+            st.slots.len()
+        ),
+    })?;
+    Ok((k, st.table.evict(k, ring, block)))
 }
 
 /// The hook on one block.
 struct BlockHook<A: Api> {
-    shared: Arc<Shared<A>>,
+    engine: Arc<Engine<A>>,
     ring: usize,
     block: usize,
 }
 
 impl<A: Api> BlockHook<A> {
     fn pre(&self) -> Result<(), OffloadError> {
-        let shared = &*self.shared;
-        let h = &shared.handles;
-        let mut guard = shared.lock();
-        let st = guard.as_mut().ok_or_else(disabled)?;
+        let engine = &*self.engine;
+        engine.check_poison()?;
+        let h = &engine.handles;
+        let mut guard = engine.lock();
+        let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
         let (r, i) = (self.ring, self.block);
         let unit = st.rings[r].blocks[i].unit.clone();
         let stamped = st.table.holding(r, i);
-        let inflight =
-            st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight);
-        let k = match (stamped, inflight) {
+        let k = match (stamped, st.in_flight(r, i)) {
             (Some(k), true) => k,
             // Planted: trust the slot the block was filled into, though
             // another ring may have refilled it since.
-            (None, true) if shared.bug(PlantedBug::IgnoreRingStamp) => {
+            (None, true) if engine.bug(PlantedBug::IgnoreRingStamp) => {
                 let k = st.filled_into[r][i].expect("an in-flight block was filled");
                 st.table.evict_unchecked(k, r, i);
                 st.table.filled(k, r, i);
                 k
             }
-            // Not materialised (a hook skipped the predecessor, another ring
-            // took the slot, or the block runs twice): copy on demand.
-            _ => CopyFill.fill(shared, st, r, i, FillKind::OnDemand)?,
+            // Not materialised (its ring's first forward, a hook skipped the
+            // predecessor, another ring took the slot, or the block runs
+            // twice): fill on demand.
+            _ => fill(engine, st, r, i, FillKind::OnDemand)?,
         };
-        let read_slot = if shared.bug(PlantedBug::WrongSlot) {
+        let read_slot = if engine.bug(PlantedBug::WrongSlot) {
             (k + 1) % st.table.len()
         } else {
             k
         };
         st.table.acquire(k);
-        if !shared.bug(PlantedBug::SkipReadyWait) {
+        if !engine.bug(PlantedBug::SkipReadyWait) {
             h.device
                 .stream_wait_event(&h.compute, &st.slots[k].ready)
                 .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
         }
-        if shared.bug(PlantedBug::LastUseBeforeCompute) {
+        if engine.bug(PlantedBug::LastUseBeforeCompute) {
             h.device
                 .record_event(&st.slots[k].last_use, &h.compute)
                 .map_err(|e| dev_err("record_event(last use)", e))?;
@@ -270,35 +478,37 @@ impl<A: Api> BlockHook<A> {
         st.placement.transition(&unit, Transition::CopyDone)?;
         let buffer = Arc::clone(&st.slots[read_slot].buffer);
         st.placement.place(&unit, &buffer);
-        if shared.bug(PlantedBug::ShiftedPlacement) {
+        if engine.bug(PlantedBug::ShiftedPlacement) {
             st.placement.shift_second_entry(&unit, 2);
         }
         let n = st.rings[r].blocks.len();
-        for j in 1..=st.depth.min(n - 1) {
+        let mut ahead: Vec<usize> = (1..=st.depth.min(n - 1)).collect();
+        if engine.bug(PlantedBug::DivergentCollectiveOrder) && engine.rank % 2 == 1 {
+            ahead.reverse();
+        }
+        for j in ahead {
             let b = (i + j) % n;
-            let ready = st.table.holding(r, b).is_some()
-                && st
-                    .placement
-                    .residency_of(st.rings[r].blocks[b].unit.entries[0].storage)
-                    == Some(Residency::InFlight);
-            // Prefetch only into a free slot; with none free (another
-            // ring's block is being read) the block is copied on demand.
-            if !ready && (st.table.victim().is_some() || shared.bug(PlantedBug::StaticSlot)) {
-                CopyFill.fill(shared, st, r, b, FillKind::Prefetch { wrap: b < i })?;
+            let ready = st.table.holding(r, b).is_some() && st.in_flight(r, b);
+            // Prefetch only into a slot this ring's transport may take; with
+            // none (another ring's block is being read, or gathered blocks
+            // in flight fill the others) the block is filled on demand.
+            if !ready && (st.victim(r).is_some() || engine.bug(PlantedBug::StaticSlot)) {
+                fill(engine, st, r, b, FillKind::Prefetch { wrap: b < i })?;
             }
         }
         Ok(())
     }
 
     fn post(&self) -> Result<(), OffloadError> {
-        let shared = &*self.shared;
-        let h = &shared.handles;
-        let mut guard = shared.lock();
-        let st = guard.as_mut().ok_or_else(disabled)?;
+        let engine = &*self.engine;
+        engine.check_poison()?;
+        let h = &engine.handles;
+        let mut guard = engine.lock();
+        let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
         match st.table.release(self.ring, self.block) {
             Some(k) => {
-                if !shared.bug(PlantedBug::LastUseBeforeCompute) {
+                if !engine.bug(PlantedBug::LastUseBeforeCompute) {
                     h.device
                         .record_event(&st.slots[k].last_use, &h.compute)
                         .map_err(|e| dev_err("record_event(last use)", e))?;
@@ -306,19 +516,34 @@ impl<A: Api> BlockHook<A> {
             }
             // Planted: a static slot choice refilled the slot under this
             // block; it no longer holds it, and its last use goes unrecorded.
-            None if shared.bug(PlantedBug::StaticSlot) => {}
+            None if engine.bug(PlantedBug::StaticSlot) => {}
             None => return Ok(()),
         }
         st.placement.unplace(&unit);
         st.placement.transition(&unit, Transition::Release)?;
         Ok(())
     }
+
+    /// A failed hook of a multi-rank gathering backend leaves this rank's
+    /// collectives out of step with the others': it poisons the backend.
+    fn poison_on_error(&self, result: Result<(), OffloadError>) -> Result<(), OffloadError> {
+        if let Err(e) = &result
+            && self.engine.multi_rank()
+            && !matches!(e, OffloadError::Poisoned { .. })
+        {
+            self.engine.set_poison(format!(
+                "rank {} of {}: a forward failed ({e}); the ranks' collectives may be out of step",
+                self.engine.rank, self.engine.group
+            ));
+        }
+        result
+    }
 }
 
 /// Storages only non-persistent buffers view.
-fn non_persistent(p: &crate::model::Pipeline) -> std::collections::BTreeSet<StorageId> {
+fn non_persistent(p: &crate::model::Pipeline) -> BTreeSet<StorageId> {
     use crate::model::TensorKind;
-    let persistent: std::collections::BTreeSet<StorageId> = p
+    let persistent: BTreeSet<StorageId> = p
         .tensors()
         .filter(|(_, t)| t.kind != TensorKind::Buffer { persistent: false })
         .map(|(_, t)| t.storage)
@@ -329,36 +554,46 @@ fn non_persistent(p: &crate::model::Pipeline) -> std::collections::BTreeSet<Stor
         .collect()
 }
 
-fn disabled() -> OffloadError {
+fn disabled(strategy: OffloadStrategy) -> OffloadError {
     OffloadError::Forward {
         module: String::new(),
-        reason: "layerwise offload is disabled".to_owned(),
+        reason: format!("{strategy} offload is disabled"),
     }
 }
 
 impl<A: Api> ModelHook<ForwardCtx> for BlockHook<A> {
     fn pre_forward(&mut self, _: &mut ForwardCtx) -> Result<PreForward, BoxError> {
-        self.pre()?;
+        let result = self.pre();
+        self.poison_on_error(result)?;
         Ok(PreForward::Continue)
     }
 
     fn post_forward(&mut self, _: &mut ForwardCtx, _: &Forwarded) -> Result<(), BoxError> {
-        Ok(self.post()?)
+        let result = self.post();
+        Ok(self.poison_on_error(result)?)
     }
 }
 
-/// Streams DiT (and encoder) blocks through a ring of device slots.
+/// Streams DiT (and encoder) blocks through a ring of device slots: the
+/// layerwise strategy, and (built with a collective) the distributed
+/// layerwise strategy, whose gathered rings hold 1/G of each block per rank.
 ///
 /// Dropping it while enabled (without [`OffloadBackend::disable`]) drains
 /// its streams before freeing anything; if draining fails, the memory the
-/// device may still touch is leaked with a logged error, never freed.
+/// device may still touch is leaked with a logged error, never freed. It
+/// never runs a collective from `Drop` or from failure cleanup.
 pub struct LayerwiseBackend<A: Api> {
     config: OffloadConfig,
     depth: usize,
     lifecycle: Lifecycle,
-    shared: Arc<Shared<A>>,
+    engine: Arc<Engine<A>>,
+    collective: Option<Arc<dyn Collective<A>>>,
     hooked: Vec<ModuleId>,
 }
+
+/// The distributed layerwise strategy: the same engine as
+/// [`LayerwiseBackend`], built by [`LayerwiseBackend::distributed`].
+pub type DistributedLayerwiseBackend<A> = LayerwiseBackend<A>;
 
 impl<A: Api> LayerwiseBackend<A> {
     /// A layerwise backend with `depth` blocks prefetched (1 by default).
@@ -369,38 +604,114 @@ impl<A: Api> LayerwiseBackend<A> {
         config: OffloadConfig,
         depth: usize,
     ) -> Result<Self, OffloadError> {
-        Self::with_bugs(device, compute, weights, config, depth, Bugs::default())
+        Self::build_backend(
+            device,
+            compute,
+            weights,
+            config,
+            depth,
+            None,
+            Bugs::default(),
+        )
     }
 
-    pub(crate) fn with_bugs(
+    /// A distributed layerwise backend (CONTRACT §8) for `config` (which
+    /// must select it). `collective` is this rank's handle on the gather
+    /// group the configuration's `parallel` section derives (its size and
+    /// this rank's place in it must match, see
+    /// [`crate::config::GatherGroup::rank_of`]); with G = 1 (rank-local
+    /// mode) it may be `None`.
+    pub fn distributed(
         device: Arc<A::Device>,
         compute: Arc<A::Stream>,
         weights: Arc<dyn WeightSource>,
         config: OffloadConfig,
         depth: usize,
+        collective: Option<Arc<dyn Collective<A>>>,
+    ) -> Result<Self, OffloadError> {
+        Self::build_backend(
+            device,
+            compute,
+            weights,
+            config,
+            depth,
+            collective,
+            Bugs::default(),
+        )
+    }
+
+    pub(crate) fn build_backend(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        depth: usize,
+        collective: Option<Arc<dyn Collective<A>>>,
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
+        let selection = config.select()?;
+        let strategy = match selection.strategy {
+            s @ (OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise) => s,
+            other => {
+                return Err(OffloadError::Unsupported {
+                    platform: "layerwise ring engine".to_owned(),
+                    strategy: other,
+                });
+            }
+        };
+        let group = selection.gather_group;
+        let rank = group.rank_of(&config.parallel);
+        let gathers = strategy == OffloadStrategy::DistributedLayerwise && group.size > 1;
+        let collective = if gathers {
+            let c = collective.ok_or_else(|| OffloadError::GatherGroup {
+                reason: format!(
+                    "the configuration gathers over {:?} with G = {}, but no collective was given (CorePlatform::with_collective, or offload-dist's NCCL bootstrap)",
+                    group.axis, group.size
+                ),
+            })?;
+            if c.size() != group.size || c.rank() != rank {
+                return Err(OffloadError::GatherGroup {
+                    reason: format!(
+                        "the configuration puts this process at rank {rank} of a group of {} ({:?}), but the collective is rank {} of {}",
+                        group.size,
+                        group.axis,
+                        c.rank(),
+                        c.size()
+                    ),
+                });
+            }
+            Some(c)
+        } else {
+            None
+        };
+        let mut handles = Handles::new(device, compute, weights)?;
+        if gathers {
+            handles = handles.with_comm()?;
+        }
         Ok(Self {
             config,
             depth: depth.max(1),
-            lifecycle: Lifecycle::new(OffloadStrategy::Layerwise),
-            shared: Arc::new(Shared {
-                handles: Handles::new(device, compute, weights)?,
-                bugs,
-                state: Mutex::new(None),
+            lifecycle: Lifecycle::new(strategy),
+            engine: Arc::new(Engine {
+                shared: Shared::new(handles, bugs),
+                strategy,
+                rank,
+                group: group.size,
             }),
+            collective,
             hooked: Vec::new(),
         })
     }
 
     fn new_state(&self, model: &Model) -> State<A> {
         State {
-            placement: Placement::new(&model.pipeline, OffloadStrategy::Layerwise),
+            placement: Placement::new(&model.pipeline, self.engine.strategy),
             resident: Vec::new(),
             rings: Vec::new(),
             slots: Vec::new(),
             table: SlotTable::new(0),
             depth: self.depth,
+            gather: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
         }
@@ -409,46 +720,54 @@ impl<A: Api> LayerwiseBackend<A> {
     /// Builds host masters, resident units and the slot pool into `st`; on
     /// error, `st` holds what was built, for [`Self::release`].
     fn build(&self, model: &Model, st: &mut State<A>) -> Result<(), OffloadError> {
+        let engine = &*self.engine;
         let (plan, partition) = plan_and_partition(&model.pipeline, &self.config)?;
-        if plan.strategy() != OffloadStrategy::Layerwise {
+        if plan.strategy() != engine.strategy {
             return Err(OffloadError::Unsupported {
-                platform: "layerwise backend".to_owned(),
+                platform: format!("{} backend", engine.strategy),
                 strategy: plan.strategy(),
             });
         }
         log_warnings(&plan.warnings);
-        let h = &self.shared.handles;
-        let skip = if self.shared.bug(PlantedBug::SkipNonPersistent) {
+        let layout = RingLayout::new(&plan, &partition, engine.group, engine.rank);
+        let h = &engine.handles;
+        let skip = if engine.bug(PlantedBug::SkipNonPersistent) {
             non_persistent(&model.pipeline)
         } else {
             Default::default()
         };
-        let streamed: std::collections::BTreeSet<ModuleId> = plan
-            .stacks
-            .iter()
-            .flat_map(|s| s.blocks.iter().map(|b| b.module))
-            .collect();
-        // Host masters, pinned once, exact size.
-        for stack in &plan.stacks {
-            st.rings.push(Ring { blocks: Vec::new() });
-            st.filled_into.push(vec![None; stack.blocks.len()]);
-            for block in &stack.blocks {
-                let unit = partition.blocks[&block.module].clone();
-                let host = h.master(&unit, &skip)?;
+        // Host masters, pinned once, exact size: whole blocks, or this
+        // rank's shards.
+        for spec in &layout.rings {
+            st.rings.push(Ring {
+                blocks: Vec::new(),
+                gathered: spec.gathered,
+            });
+            st.filled_into.push(vec![None; spec.blocks.len()]);
+            for block in &spec.blocks {
+                let unit = block.unit.clone();
+                let host = match &block.shard {
+                    Some(shard) => HostMaster::Pinned(h.fill_shard(&unit, shard)?),
+                    None => h.master(&unit, &skip)?,
+                };
                 st.placement.claim(&unit)?;
                 st.rings
                     .last_mut()
                     .expect("pushed above")
                     .blocks
-                    .push(Master { unit, host });
-                if self.shared.bug(PlantedBug::SecondHostCopy) {
-                    let unit = &partition.blocks[&block.module];
+                    .push(Master {
+                        unit,
+                        host,
+                        shard: block.shard,
+                    });
+                if engine.bug(PlantedBug::SecondHostCopy) {
                     st.shadow_masters
-                        .push(HostMaster::Pinned(h.fill_pinned(unit, &skip)?));
+                        .push(HostMaster::Pinned(h.fill_pinned(&block.unit, &skip)?));
                 }
             }
         }
-        // Everything else stays resident.
+        // Everything else stays resident (resident leading layers included).
+        let streamed: BTreeSet<ModuleId> = layout.blocks().map(|b| b.unit.module).collect();
         let resident_units = partition.rest.iter().chain(
             partition
                 .blocks
@@ -461,49 +780,162 @@ impl<A: Api> LayerwiseBackend<A> {
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(unit, &buffer)?;
         }
-        // The slot pool: depth + 1 slots of the largest block, allocated once.
-        let slot_bytes = plan.largest_block_bytes();
-        let slots = self.depth + 1 + usize::from(self.shared.bug(PlantedBug::ExtraSlot));
+        // The slot pool: depth + 1 slots of the largest footprint, once.
+        let slots = self.depth + 1 + usize::from(engine.bug(PlantedBug::ExtraSlot));
         st.table = SlotTable::new(slots);
         for k in 0..slots {
-            let ready = h
-                .device
-                .create_event()
-                .map_err(|e| dev_err("create_event", e))?;
-            let last_use = h
-                .device
-                .create_event()
-                .map_err(|e| dev_err("create_event", e))?;
-            let buffer = h.device.alloc_device(slot_bytes).map_err(|e| {
-                dev_err(format!("alloc_device({slot_bytes} bytes) for slot {k}"), e)
-            })?;
-            h.device.name_buffer(&buffer, &format!("slot{k}"));
+            let buffer = self.alloc(layout.slot_bytes, &format!("slot{k}"))?;
             st.slots.push(Slot {
-                buffer: Arc::new(buffer),
-                ready,
-                last_use,
+                buffer,
+                ready: self.event()?,
+                last_use: self.event()?,
             });
         }
-        // Block 0 of the first ring is materialised before the first forward.
-        if !st.rings.is_empty() {
-            CopyFill.fill(&self.shared, st, 0, 0, FillKind::Initial)?;
+        if let Some(collective) = &self.collective
+            && layout.gathers()
+        {
+            let mut shards = Vec::new();
+            for j in 0..layout.shard_buffers() {
+                shards.push(ShardBuffer {
+                    buffer: self.alloc(layout.shard_bytes, &format!("shard{j}"))?,
+                    copied: self.event()?,
+                    consumed: self.event()?,
+                });
+            }
+            st.gather = Some(Gather {
+                collective: Arc::clone(collective),
+                shards,
+                next: 0,
+            });
+        }
+        // Layerwise materialises block 0 of the first ring before the first
+        // forward; DLO defers every ring's first fill to its first forward
+        // (a fill at enable on a rank whose first ring differs would put a
+        // collective where another rank has none).
+        let eager =
+            engine.strategy == OffloadStrategy::Layerwise || engine.bug(PlantedBug::EagerFirstFill);
+        if eager && st.rings.first().is_some_and(|r| !r.blocks.is_empty()) {
+            fill(engine, st, 0, 0, FillKind::Initial)?;
         }
         Ok(())
     }
 
-    /// Frees everything `st` holds, after draining both streams (unless
+    fn alloc(&self, bytes: u64, name: &str) -> Result<Arc<A::DeviceBuffer>, OffloadError> {
+        let h = &self.engine.handles;
+        let buffer = h
+            .device
+            .alloc_device(bytes)
+            .map_err(|e| dev_err(format!("alloc_device({bytes} bytes) for {name}"), e))?;
+        h.device.name_buffer(&buffer, name);
+        Ok(Arc::new(buffer))
+    }
+
+    fn event(&self) -> Result<A::Event, OffloadError> {
+        self.engine
+            .handles
+            .device
+            .create_event()
+            .map_err(|e| dev_err("create_event", e))
+    }
+
+    /// Gathers every gathered block once more and hands it to the weight
+    /// source ([`WeightSource::restore`]): every rank does this in the same
+    /// order at `disable`, so the collectives match. Stops at the first
+    /// error (a failed collective leaves the group broken).
+    fn restore(&self, st: &mut State<A>) -> Result<(), OffloadError> {
+        let engine = &*self.engine;
+        let h = &engine.handles;
+        let largest = st
+            .rings
+            .iter()
+            .filter(|r| r.gathered)
+            .flat_map(|r| &r.blocks)
+            .map(|m| m.unit.bytes)
+            .max();
+        let Some(largest) = largest else {
+            return Ok(());
+        };
+        let mut staging = h.device.alloc_pinned(largest).map_err(|e| {
+            dev_err(
+                format!("alloc_pinned({largest} bytes) to restore blocks"),
+                e,
+            )
+        })?;
+        let mut restore_all = || -> Result<(), OffloadError> {
+            for r in 0..st.rings.len() {
+                if !st.rings[r].gathered {
+                    continue;
+                }
+                for b in 0..st.rings[r].blocks.len() {
+                    let k = fill(engine, st, r, b, FillKind::Restore)?;
+                    let unit = st.rings[r].blocks[b].unit.clone();
+                    h.device
+                        .stream_wait_event(&h.copy, &st.slots[k].ready)
+                        .map_err(|e| dev_err("stream_wait_event(copy, ready)", e))?;
+                    // SAFETY: the slot holds at least `unit.bytes` and the
+                    // staging buffer the largest gathered block; the copy
+                    // stream waits for the gather (ready) and is synchronised
+                    // below before the host reads the staging buffer or
+                    // anything is freed.
+                    unsafe {
+                        h.device.copy_d2h(
+                            &h.copy,
+                            &st.slots[k].buffer,
+                            0,
+                            &mut staging,
+                            0,
+                            unit.bytes,
+                        )
+                    }
+                    .map_err(|e| dev_err(format!("copy_d2h of `{}`", unit.name), e))?;
+                    h.device
+                        .synchronize_stream(&h.copy)
+                        .map_err(|e| dev_err("synchronize_stream(copy)", e))?;
+                    let mut bytes = vec![0; unit.bytes as usize];
+                    staging.read_into(0, &mut bytes);
+                    h.weights.restore(&unit, &bytes);
+                    st.table.evict(k, usize::MAX, usize::MAX);
+                    st.placement.transition(&unit, Transition::Discard)?;
+                }
+            }
+            Ok(())
+        };
+        let result = restore_all();
+        // The staging buffer is freed only once no copy may use it.
+        match h.drain() {
+            // SAFETY: every stream is drained: no copy reads or writes it.
+            Ok(()) => {
+                if let Err(e) = unsafe { h.device.free_pinned(staging) } {
+                    tracing::error!("freeing the restore staging buffer: {e}");
+                }
+            }
+            Err(e) => {
+                tracing::error!("restore: {e}; leaking its staging buffer");
+                std::mem::forget(staging);
+            }
+        }
+        result
+    }
+
+    /// Frees everything `st` holds, after draining every stream (unless
     /// `drain` is false, which only planted bugs ask for). If draining
     /// fails, everything is leaked (the device may still touch it) and the
     /// error returned; otherwise every free runs and the first error is
     /// returned.
     fn release(&self, st: State<A>, drain: bool) -> Result<(), OffloadError> {
-        let h = &self.shared.handles;
-        let leak = self.shared.bug(PlantedBug::LeakHostMasters);
-        h.release("layerwise", st, drain, |st, first| {
+        let engine = &*self.engine;
+        let h = &engine.handles;
+        let leak = engine.bug(PlantedBug::LeakHostMasters);
+        h.release(&engine.strategy.to_string(), st, drain, |st, first| {
             // Placement holds references to the buffers: drop it first.
             drop(st.placement);
             for slot in st.slots {
                 if let Err(e) = h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot") {
+                    first.get_or_insert(e);
+                }
+            }
+            for shard in st.gather.into_iter().flat_map(|g| g.shards) {
+                if let Err(e) = h.free(shard.buffer, &[&shard.copied, &shard.consumed], "shard") {
                     first.get_or_insert(e);
                 }
             }
@@ -519,9 +951,9 @@ impl<A: Api> LayerwiseBackend<A> {
                     std::mem::forget(master);
                     continue;
                 }
-                // SAFETY: both streams were drained (`release` runs this
-                // only after a successful drain, or for a planted bug), so
-                // no copy reads the master any more.
+                // SAFETY: every stream was drained (`release` runs this only
+                // after a successful drain, or for a planted bug), so no copy
+                // reads the master any more.
                 if let Err(e) = unsafe { h.free_master(master) } {
                     first.get_or_insert(e);
                 }
@@ -531,7 +963,7 @@ impl<A: Api> LayerwiseBackend<A> {
 
     /// Bytes of one slot, and the slot count.
     pub fn slots(&self) -> (u64, usize) {
-        let guard = self.shared.lock();
+        let guard = self.engine.lock();
         guard.as_ref().map_or((0, 0), |st| {
             (
                 st.slots.first().map_or(0, |s| s.buffer.len_bytes()),
@@ -539,15 +971,27 @@ impl<A: Api> LayerwiseBackend<A> {
             )
         })
     }
+
+    /// This rank's place in the gather group: (rank, G).
+    pub fn group(&self) -> (u32, u32) {
+        (self.engine.rank, self.engine.group)
+    }
+
+    /// A poisoned backend's lifecycle says so.
+    fn sync_poison(&mut self) {
+        if let Some(reason) = self.engine.poisoned() {
+            self.lifecycle.poison(reason);
+        }
+    }
 }
 
 impl<A: Api> Drop for LayerwiseBackend<A> {
     fn drop(&mut self) {
-        let st = self.shared.lock().take();
+        let st = self.engine.lock().take();
         if let Some(st) = st {
-            let drain = !self.shared.bug(PlantedBug::DropWithoutDrain);
+            let drain = !self.engine.bug(PlantedBug::DropWithoutDrain);
             if let Err(e) = self.release(st, drain) {
-                tracing::error!("dropping an enabled layerwise backend: {e}");
+                tracing::error!("dropping an enabled {} backend: {e}", self.engine.strategy);
             }
         }
     }
@@ -555,19 +999,28 @@ impl<A: Api> Drop for LayerwiseBackend<A> {
 
 impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
     fn strategy(&self) -> OffloadStrategy {
-        OffloadStrategy::Layerwise
+        self.engine.strategy
     }
 
     fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        self.sync_poison();
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());
         }
-        if !self.shared.bug(PlantedBug::IgnoreOtherOwner) {
-            check_single_owner(model, OffloadStrategy::Layerwise)?;
+        let strategy = self.engine.strategy;
+        if !self.engine.bug(PlantedBug::IgnoreOtherOwner) {
+            check_single_owner(model, strategy)?;
         }
         let mut st = self.new_state(model);
         if let Err(e) = self.build(model, &mut st) {
+            // Local cleanup only: no collective (a failed peer may never
+            // join); a multi-rank backend is then poisoned (CONTRACT §3).
             let _ = self.release(st, true);
+            if self.engine.multi_rank() {
+                self.engine
+                    .set_poison(format!("enable failed on rank {} ({e})", self.engine.rank));
+                self.sync_poison();
+            }
             return Err(e);
         }
         let blocks: Vec<(usize, usize, ModuleId)> = st
@@ -581,30 +1034,35 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
                     .map(move |(i, m)| (r, i, m.unit.module))
             })
             .collect();
-        *self.shared.lock() = Some(st);
+        *self.engine.lock() = Some(st);
         // Hooks last: nothing above touched the model.
         let hooks = blocks
             .into_iter()
             .map(|(r, i, module)| {
                 let hook: Box<dyn ModelHook<ForwardCtx>> = Box::new(BlockHook {
-                    shared: Arc::clone(&self.shared),
+                    engine: Arc::clone(&self.engine),
                     ring: r,
                     block: i,
                 });
                 (module, hook)
             })
             .collect();
-        let rollback = !self.shared.bug(PlantedBug::NoRollback);
-        match install_hooks(model, OffloadStrategy::Layerwise, hooks, rollback) {
+        let rollback = !self.engine.bug(PlantedBug::NoRollback);
+        match install_hooks(model, strategy, hooks, rollback) {
             Ok(installed) => self.hooked = installed,
             Err(e) => {
                 let st = if rollback {
-                    self.shared.lock().take()
+                    self.engine.lock().take()
                 } else {
                     None
                 };
                 if let Some(st) = st {
                     let _ = self.release(st, true);
+                }
+                if self.engine.multi_rank() {
+                    self.engine
+                        .set_poison(format!("enable failed on rank {} ({e})", self.engine.rank));
+                    self.sync_poison();
                 }
                 return Err(e);
             }
@@ -613,56 +1071,69 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         Ok(())
     }
 
+    /// Removes the hooks, gathers every gathered block once more to hand it
+    /// back to the weight source (unless poisoned: then no collective
+    /// runs), then drains and frees. Every step runs; the first error is
+    /// returned.
     fn disable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
-        if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
+        let poisoned_before = self.engine.poisoned().is_some();
+        if self.lifecycle.begin_disable() == DisableStep::NothingToDo && !poisoned_before {
             return Ok(());
         }
-        remove_hooks(model, OffloadStrategy::Layerwise, &mut self.hooked);
-        let st = self.shared.lock().take();
-        let drain = !self.shared.bug(PlantedBug::FreeWithoutDrain);
-        let result = st.map_or(Ok(()), |st| self.release(st, drain));
+        let strategy = self.engine.strategy;
+        remove_hooks(model, strategy, &mut self.hooked);
+        let st = self.engine.lock().take();
+        let mut first = None;
+        let result = match st {
+            None => Ok(()),
+            Some(mut st) => {
+                if !poisoned_before && let Err(e) = self.restore(&mut st) {
+                    if self.engine.multi_rank() {
+                        self.engine.set_poison(format!(
+                            "restoring blocks at disable failed on rank {} ({e})",
+                            self.engine.rank
+                        ));
+                    }
+                    first = Some(e);
+                }
+                let drain = !self.engine.bug(PlantedBug::FreeWithoutDrain);
+                self.release(st, drain)
+            }
+        };
         self.lifecycle.finish_disable();
-        result
+        self.sync_poison();
+        match first {
+            Some(e) => Err(e),
+            None => result,
+        }
     }
 
     fn is_enabled(&self) -> bool {
-        self.lifecycle.is_enabled()
+        self.lifecycle.is_enabled() && self.engine.poisoned().is_none()
     }
 
     fn state(&self) -> LifecycleState {
-        self.lifecycle.state().clone()
+        match self.engine.poisoned() {
+            Some(reason) => LifecycleState::Poisoned { reason },
+            None => self.lifecycle.state().clone(),
+        }
     }
 }
 
 impl<A: Api> Backend<A> for LayerwiseBackend<A> {
     fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
-        self.shared.lock().as_ref()?.placement.locate(storage)
+        self.engine.locate(storage)
     }
 
     fn residency(&self, storage: StorageId) -> Option<Residency> {
-        self.shared.lock().as_ref()?.placement.residency_of(storage)
+        self.engine.residency(storage)
     }
 
     fn device_weight_bytes(&self) -> u64 {
-        let guard = self.shared.lock();
-        guard.as_ref().map_or(0, |st| {
-            let slots: Vec<Arc<A::DeviceBuffer>> =
-                st.slots.iter().map(|s| Arc::clone(&s.buffer)).collect();
-            bytes_of::<A>(&st.resident) + bytes_of::<A>(&slots)
-        })
+        self.engine.device_weight_bytes()
     }
 
     fn host_weight_bytes(&self) -> u64 {
-        let guard = self.shared.lock();
-        guard.as_ref().map_or(0, |st| {
-            let masters: u64 = st
-                .rings
-                .iter()
-                .flat_map(|r| &r.blocks)
-                .map(|m| m.unit.bytes)
-                .sum();
-            let shadows: u64 = st.shadow_masters.iter().map(HostMaster::len_bytes).sum();
-            masters + shadows
-        })
+        self.engine.host_weight_bytes()
     }
 }

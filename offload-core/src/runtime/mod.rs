@@ -27,6 +27,7 @@ mod layout;
 mod model_level;
 mod platform;
 mod resident;
+mod ring;
 mod shared;
 mod slots;
 
@@ -45,7 +46,7 @@ use crate::model::{ModuleId, Pipeline, StorageId, Tensor, TensorId};
 use crate::residency::Residency;
 
 pub use bounds::{MemoryBounds, memory_bounds, offloaded_storages};
-pub use layerwise::LayerwiseBackend;
+pub use layerwise::{DistributedLayerwiseBackend, LayerwiseBackend};
 pub use layout::{Entry, Partition, Unit, partition};
 pub use model_level::ModelLevelBackend;
 pub use platform::CorePlatform;
@@ -116,11 +117,28 @@ pub enum PlantedBug {
     /// INV-3 (every strategy): dropping an enabled backend frees without
     /// draining.
     DropWithoutDrain,
+    /// INV-9 (distributed layerwise): ranks of odd index issue the
+    /// prefetches of one pre-forward farthest first, so their collectives
+    /// run in another order than the even ranks'.
+    DivergentCollectiveOrder,
+    /// INV-9/INV-8 (distributed layerwise): the all-gather writes the whole
+    /// slot (G × the largest shard) instead of the slot narrowed to this
+    /// block's G·s bytes.
+    WholeSlotGather,
+    /// INV-3 (distributed layerwise): a shard copy does not wait for the
+    /// gather that last read its shard buffer.
+    ShardReuseBeforeGather,
+    /// INV-9 (distributed layerwise): `enable` fills block 0 of its first
+    /// ring (as layerwise does) instead of deferring every ring's first fill
+    /// to its first forward; a rank whose first ring gathers then issues a
+    /// collective at enable that a rank whose first ring is rank-local (an
+    /// encoder only it runs) does not.
+    EagerFirstFill,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 23] = [
+    pub const ALL: [PlantedBug; 27] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -144,6 +162,10 @@ impl PlantedBug {
         PlantedBug::BringInBeforeEvict,
         PlantedBug::FailedBringInFreeWithoutWait,
         PlantedBug::DropWithoutDrain,
+        PlantedBug::DivergentCollectiveOrder,
+        PlantedBug::WholeSlotGather,
+        PlantedBug::ShardReuseBeforeGather,
+        PlantedBug::EagerFirstFill,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).
@@ -257,6 +279,16 @@ pub trait WeightSource: Send + Sync {
     fn take_region(&self, unit: &Unit) -> Option<Box<dyn crate::device::HostRegion>> {
         let _ = unit;
         None
+    }
+
+    /// Distributed layerwise `disable` hands back every block this rank held
+    /// only a shard of, gathered once more across the group and packed as
+    /// [`Unit::entries`] lays it out (exactly `unit.bytes`), so a source
+    /// that loaded only this rank's shards has the full weights again
+    /// (CONTRACT §8). The default drops them (a source that kept every byte
+    /// needs nothing back).
+    fn restore(&self, unit: &Unit, bytes: &[u8]) {
+        let _ = (unit, bytes);
     }
 }
 

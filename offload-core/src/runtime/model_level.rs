@@ -4,7 +4,7 @@
 //! last use, no device→host copy), brings this one in on the copy stream and
 //! makes compute wait for it. VAEs and resident modules stay on the device.
 
-use crate::sync::{Arc, Mutex, MutexGuard, lock};
+use crate::sync::Arc;
 use std::collections::BTreeSet;
 
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
@@ -19,8 +19,8 @@ use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
-    Handles, Placement, bytes_of, check_single_owner, dev_err, install_hooks, plan_and_partition,
-    remove_hooks, swapped_components,
+    Handles, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
+    install_hooks, plan_and_partition, remove_hooks, swapped_components,
 };
 use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
@@ -43,21 +43,30 @@ struct State<A: Api> {
     components: Vec<Component<A>>,
 }
 
-struct Shared<A: Api> {
-    handles: Handles<A>,
-    bugs: Bugs,
-    state: Mutex<Option<State<A>>>,
+impl<A: Api> StrategyState<A> for State<A> {
+    fn placement(&self) -> &Placement<A> {
+        &self.placement
+    }
+
+    fn device_weight_bytes(&self) -> u64 {
+        bytes_of::<A>(&self.resident)
+            + self
+                .components
+                .iter()
+                .map(|c| bytes_of::<A>(&c.on_device))
+                .sum::<u64>()
+    }
+
+    fn host_weight_bytes(&self) -> u64 {
+        self.components
+            .iter()
+            .flat_map(|c| &c.units)
+            .map(|(u, _)| u.bytes)
+            .sum()
+    }
 }
 
-impl<A: Api> Shared<A> {
-    fn lock(&self) -> MutexGuard<'_, Option<State<A>>> {
-        lock(&self.state)
-    }
-
-    fn bug(&self, bug: PlantedBug) -> bool {
-        self.bugs.has(bug)
-    }
-
+impl<A: Api> Shared<A, State<A>> {
     fn evict(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
         let comp = &mut st.components[c];
         let buffers = std::mem::take(&mut comp.on_device);
@@ -147,7 +156,7 @@ impl<A: Api> Shared<A> {
 }
 
 struct ComponentHook<A: Api> {
-    shared: Arc<Shared<A>>,
+    shared: Arc<Shared<A, State<A>>>,
     component: usize,
 }
 
@@ -233,7 +242,7 @@ impl<A: Api> ModelHook<ForwardCtx> for ComponentHook<A> {
 pub struct ModelLevelBackend<A: Api> {
     config: OffloadConfig,
     lifecycle: Lifecycle,
-    shared: Arc<Shared<A>>,
+    shared: Arc<Shared<A, State<A>>>,
     hooked: Vec<ModuleId>,
 }
 
@@ -258,11 +267,7 @@ impl<A: Api> ModelLevelBackend<A> {
         Ok(Self {
             config,
             lifecycle: Lifecycle::new(OffloadStrategy::ModelLevel),
-            shared: Arc::new(Shared {
-                handles: Handles::new(device, compute, weights)?,
-                bugs,
-                state: Mutex::new(None),
-            }),
+            shared: Arc::new(Shared::new(Handles::new(device, compute, weights)?, bugs)),
             hooked: Vec::new(),
         })
     }
@@ -424,32 +429,18 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
 
 impl<A: Api> Backend<A> for ModelLevelBackend<A> {
     fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
-        self.shared.lock().as_ref()?.placement.locate(storage)
+        self.shared.locate(storage)
     }
 
     fn residency(&self, storage: StorageId) -> Option<Residency> {
-        self.shared.lock().as_ref()?.placement.residency_of(storage)
+        self.shared.residency(storage)
     }
 
     fn device_weight_bytes(&self) -> u64 {
-        let guard = self.shared.lock();
-        guard.as_ref().map_or(0, |st| {
-            bytes_of::<A>(&st.resident)
-                + st.components
-                    .iter()
-                    .map(|c| bytes_of::<A>(&c.on_device))
-                    .sum::<u64>()
-        })
+        self.shared.device_weight_bytes()
     }
 
     fn host_weight_bytes(&self) -> u64 {
-        let guard = self.shared.lock();
-        guard.as_ref().map_or(0, |st| {
-            st.components
-                .iter()
-                .flat_map(|c| &c.units)
-                .map(|(u, _)| u.bytes)
-                .sum()
-        })
+        self.shared.host_weight_bytes()
     }
 }

@@ -5,7 +5,7 @@
 use crate::sync::Arc;
 
 use crate::config::{OffloadStrategy, ParallelConfig};
-use crate::device::Api;
+use crate::device::{Api, Collective};
 use crate::lifecycle::{BackendRequest, DeviceSpec, OffloadError, Platform};
 use crate::runtime::{
     Backend, Bugs, LayerwiseBackend, ModelLevelBackend, PlantedBug, ResidentBackend, WeightSource,
@@ -18,6 +18,7 @@ pub struct CorePlatform<A: Api> {
     compute: Arc<A::Stream>,
     weights: Arc<dyn WeightSource>,
     prefetch_depth: usize,
+    collective: Option<Arc<dyn Collective<A>>>,
     bugs: Vec<PlantedBug>,
 }
 
@@ -35,6 +36,7 @@ impl<A: Api> CorePlatform<A> {
             compute,
             weights,
             prefetch_depth: 1,
+            collective: None,
             bugs: Vec::new(),
         }
     }
@@ -58,18 +60,28 @@ impl<A: Api> CorePlatform<A> {
         self
     }
 
-    /// A layerwise backend for `config` (to plant test bugs in, or to skip
-    /// the factory).
+    /// This rank's handle on the gather group distributed layerwise
+    /// offload all-gathers over (its size and rank must match what the
+    /// configuration's `parallel` section derives, CONTRACT §2). Without
+    /// it, distributed layerwise runs only with G = 1 (rank-local).
+    pub fn with_collective(mut self, collective: Arc<dyn Collective<A>>) -> Self {
+        self.collective = Some(collective);
+        self
+    }
+
+    /// A layerwise or distributed layerwise backend for `config` (whichever
+    /// it selects; to plant test bugs in, or to skip the factory).
     pub fn layerwise(
         &self,
         config: crate::config::OffloadConfig,
     ) -> Result<LayerwiseBackend<A>, OffloadError> {
-        LayerwiseBackend::with_bugs(
+        LayerwiseBackend::build_backend(
             Arc::clone(&self.device),
             Arc::clone(&self.compute),
             Arc::clone(&self.weights),
             config,
             self.prefetch_depth,
+            self.collective.clone(),
             self.bugs(),
         )
     }
@@ -117,26 +129,15 @@ impl<A: Api> Platform for CorePlatform<A> {
                 request.config,
                 self.bugs(),
             )?),
-            OffloadStrategy::Layerwise => Box::new(LayerwiseBackend::with_bugs(
-                device,
-                compute,
-                weights,
-                request.config,
-                self.prefetch_depth,
-                self.bugs(),
-            )?),
+            OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
+                Box::new(self.layerwise(request.config)?)
+            }
             OffloadStrategy::None => Box::new(ResidentBackend::with_bugs(
                 device,
                 compute,
                 weights,
                 self.bugs(),
             )?),
-            strategy @ OffloadStrategy::DistributedLayerwise => {
-                return Err(OffloadError::Unsupported {
-                    platform: self.name.clone(),
-                    strategy,
-                });
-            }
         })
     }
 }

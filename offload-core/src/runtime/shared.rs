@@ -3,7 +3,7 @@
 //! device outside the hot path (filling host masters, uploading resident
 //! units, freeing).
 
-use crate::sync::Arc;
+use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use std::collections::BTreeSet;
 
 use crate::config::{OffloadConfig, OffloadStrategy};
@@ -13,7 +13,7 @@ use crate::model::{Pipeline, StorageId};
 use crate::plan::{ResolvedPlan, resolve};
 use crate::residency::{Owner, Residency, ResidencyTable, Transition};
 use crate::runtime::layout::{Partition, Unit, partition};
-use crate::runtime::{DeviceLocation, Model, WeightSource};
+use crate::runtime::{Bugs, DeviceLocation, Model, PlantedBug, WeightSource};
 
 /// One host master: pinned memory we filled, or the loader's memory
 /// registered in place.
@@ -46,7 +46,75 @@ pub(crate) struct Handles<A: Api> {
     pub(crate) device: Arc<A::Device>,
     pub(crate) compute: Arc<A::Stream>,
     pub(crate) copy: A::Stream,
+    /// The communication stream gathers run on (gathering backends only).
+    pub(crate) comm: Option<A::Stream>,
     pub(crate) weights: Arc<dyn WeightSource>,
+}
+
+/// What a strategy's state answers for the runtime: the one place the
+/// [`crate::runtime::Backend`] queries every strategy delegates are written.
+pub(crate) trait StrategyState<A: Api> {
+    /// Where each storage is.
+    fn placement(&self) -> &Placement<A>;
+    /// Device bytes held for weights now.
+    fn device_weight_bytes(&self) -> u64;
+    /// Host bytes held for weights (as the strategy reports them).
+    fn host_weight_bytes(&self) -> u64;
+}
+
+/// A backend's handles, planted bugs and state (`None` while disabled),
+/// shared with its hooks.
+pub(crate) struct Shared<A: Api, S> {
+    pub(crate) handles: Handles<A>,
+    pub(crate) bugs: Bugs,
+    pub(crate) state: Mutex<Option<S>>,
+    /// Why the backend is poisoned (a multi-rank failure), if it is.
+    pub(crate) poison: Mutex<Option<String>>,
+}
+
+impl<A: Api, S: StrategyState<A>> Shared<A, S> {
+    pub(crate) fn new(handles: Handles<A>, bugs: Bugs) -> Self {
+        Self {
+            handles,
+            bugs,
+            state: Mutex::new(None),
+            poison: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Option<S>> {
+        lock(&self.state)
+    }
+
+    pub(crate) fn bug(&self, bug: PlantedBug) -> bool {
+        self.bugs.has(bug)
+    }
+
+    /// Why the backend is poisoned, if it is.
+    pub(crate) fn poisoned(&self) -> Option<String> {
+        lock(&self.poison).clone()
+    }
+
+    /// Poisons the backend (the first reason is kept).
+    pub(crate) fn set_poison(&self, reason: String) {
+        lock(&self.poison).get_or_insert(reason);
+    }
+
+    pub(crate) fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.lock().as_ref()?.placement().locate(storage)
+    }
+
+    pub(crate) fn residency(&self, storage: StorageId) -> Option<Residency> {
+        self.lock().as_ref()?.placement().residency_of(storage)
+    }
+
+    pub(crate) fn device_weight_bytes(&self) -> u64 {
+        self.lock().as_ref().map_or(0, S::device_weight_bytes)
+    }
+
+    pub(crate) fn host_weight_bytes(&self) -> u64 {
+        self.lock().as_ref().map_or(0, S::host_weight_bytes)
+    }
 }
 
 impl<A: Api> Handles<A> {
@@ -64,16 +132,34 @@ impl<A: Api> Handles<A> {
             device,
             compute,
             copy,
+            comm: None,
             weights,
         })
     }
 
-    /// Waits for everything enqueued on both streams (enable, disable,
+    /// Adds the communication stream a gathering backend runs its
+    /// collectives on.
+    pub(crate) fn with_comm(mut self) -> Result<Self, OffloadError> {
+        let comm = self
+            .device
+            .create_stream()
+            .map_err(|e| dev_err("create_stream", e))?;
+        self.device.name_stream(&comm, "comm");
+        self.comm = Some(comm);
+        Ok(self)
+    }
+
+    /// Waits for everything enqueued on its streams (enable, disable,
     /// rollback: never on the hot path).
     pub(crate) fn drain(&self) -> Result<(), OffloadError> {
         self.device
             .synchronize_stream(&self.copy)
             .map_err(|e| dev_err("synchronize_stream(copy)", e))?;
+        if let Some(comm) = &self.comm {
+            self.device
+                .synchronize_stream(comm)
+                .map_err(|e| dev_err("synchronize_stream(comm)", e))?;
+        }
         self.device
             .synchronize_stream(&self.compute)
             .map_err(|e| dev_err("synchronize_stream(compute)", e))
@@ -125,8 +211,51 @@ impl<A: Api> Handles<A> {
                 &StorageBytes {
                     weights: &*self.weights,
                     storage: e.storage,
+                    base: 0,
                 },
             );
+        }
+        Ok(host)
+    }
+
+    /// A pinned host buffer of exactly `shard.bytes`: bytes
+    /// `shard.start..shard.end` of `unit`'s packing, read from the weight
+    /// source (only those: a source that loaded this rank's part only
+    /// suffices), then zeros up to `shard.bytes`.
+    pub(crate) fn fill_shard(
+        &self,
+        unit: &Unit,
+        shard: &crate::runtime::ring::Shard,
+    ) -> Result<A::HostBuffer, OffloadError> {
+        let mut host = self.device.alloc_pinned(shard.bytes).map_err(|e| {
+            dev_err(
+                format!(
+                    "alloc_pinned({} bytes) for this rank's shard of `{}`",
+                    shard.bytes, unit.name
+                ),
+                e,
+            )
+        })?;
+        for e in &unit.entries {
+            let (from, to) = (
+                e.offset.max(shard.start),
+                (e.offset + e.bytes).min(shard.end),
+            );
+            if from < to {
+                host.write_from(
+                    from - shard.start,
+                    to - from,
+                    &StorageBytes {
+                        weights: &*self.weights,
+                        storage: e.storage,
+                        base: from - e.offset,
+                    },
+                );
+            }
+        }
+        let data = shard.end - shard.start;
+        if data < shard.bytes {
+            host.write_from(data, shard.bytes - data, &Zeros);
         }
         Ok(host)
     }
@@ -278,11 +407,21 @@ impl<A: Api> Handles<A> {
 struct StorageBytes<'a> {
     weights: &'a dyn WeightSource,
     storage: StorageId,
+    /// The storage's byte at position 0 of this source.
+    base: u64,
 }
 
 impl ByteSource for StorageBytes<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
-        self.weights.read(self.storage, position, dst);
+        self.weights.read(self.storage, self.base + position, dst);
+    }
+}
+
+struct Zeros;
+
+impl ByteSource for Zeros {
+    fn read_at(&self, _: u64, dst: &mut [u8]) {
+        dst.fill(0);
     }
 }
 

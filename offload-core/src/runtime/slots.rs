@@ -39,14 +39,30 @@ impl SlotTable {
             .position(|s| s.stamp == Some((ring, block)))
     }
 
-    /// The slot to fill next: the least recently filled one not in use.
-    pub(crate) fn victim(&self) -> Option<usize> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| !s.in_use)
+    /// The slot to fill next, keeping `protected` slots (a gathered block
+    /// in flight, which only a fill every rank makes may evict) unless
+    /// `evict_protected`: the least recently filled free slot that is not
+    /// protected, else (if allowed) the least recently filled protected one.
+    pub(crate) fn victim_sparing(
+        &self,
+        protected: impl Fn(usize) -> bool,
+        evict_protected: bool,
+    ) -> Option<usize> {
+        let free = || self.slots.iter().enumerate().filter(|(_, s)| !s.in_use);
+        free()
+            .filter(|(k, _)| !protected(*k))
             .min_by_key(|(_, s)| s.filled_seq)
+            .or_else(|| {
+                evict_protected
+                    .then(|| free().min_by_key(|(_, s)| s.filled_seq))
+                    .flatten()
+            })
             .map(|(k, _)| k)
+    }
+
+    /// What slot `k` holds, if anything.
+    pub(crate) fn stamp(&self, k: usize) -> Option<(usize, usize)> {
+        self.slots[k].stamp
     }
 
     /// Empties slot `k` before it is refilled with (ring, block), which no
@@ -111,16 +127,28 @@ mod tests {
     #[test]
     fn victim_is_least_recently_filled_and_never_in_use() {
         let mut t = SlotTable::new(2);
-        assert_eq!(t.victim(), Some(0));
+        assert_eq!(t.victim_sparing(|_| false, true), Some(0));
         t.evict(0, 0, 0);
         t.filled(0, 0, 0);
         t.acquire(0);
-        assert_eq!(t.victim(), Some(1), "slot 0 is in use");
+        assert_eq!(
+            t.victim_sparing(|_| false, true),
+            Some(1),
+            "slot 0 is in use"
+        );
         t.evict(1, 0, 1);
         t.filled(1, 0, 1);
-        assert_eq!(t.victim(), Some(1), "only slot 1 is free");
+        assert_eq!(
+            t.victim_sparing(|_| false, true),
+            Some(1),
+            "only slot 1 is free"
+        );
         assert_eq!(t.release(0, 0), Some(0));
-        assert_eq!(t.victim(), Some(0), "least recently filled");
+        assert_eq!(
+            t.victim_sparing(|_| false, true),
+            Some(0),
+            "least recently filled"
+        );
         assert_eq!(t.holding(0, 1), Some(1));
         // Refilling a slot with a block another slot holds clears that stamp.
         assert_eq!(t.evict(0, 0, 1), Some((0, 0)));
@@ -140,7 +168,7 @@ mod loom_models {
     /// compute finished.
     fn forward(table: &Mutex<SlotTable>, ring: usize) -> bool {
         let fill = |t: &mut SlotTable, block: usize| {
-            let k = t.victim()?;
+            let k = t.victim_sparing(|_| false, true)?;
             t.evict(k, ring, block);
             t.filled(k, ring, block);
             Some(k)
@@ -175,7 +203,10 @@ mod loom_models {
             assert!(forward(&table, 0));
             assert!(t.join().unwrap());
             let t = lock(&table);
-            assert!(t.victim().is_some(), "nothing left in use");
+            assert!(
+                t.victim_sparing(|_| false, true).is_some(),
+                "nothing left in use"
+            );
         });
     }
 }
