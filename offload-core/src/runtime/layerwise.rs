@@ -46,7 +46,7 @@ use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::device::{Api, Collective, Device, DeviceBuffer, HostBuffer};
-use crate::discovery::log_warnings;
+use crate::discovery::{Role, log_warnings};
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
 };
@@ -72,6 +72,7 @@ struct Master<A: Api> {
 struct Ring<A: Api> {
     blocks: Vec<Master<A>>,
     gathered: bool,
+    role: Role,
 }
 
 /// One device slot and the events that order its reuse.
@@ -742,6 +743,7 @@ impl<A: Api> LayerwiseBackend<A> {
             st.rings.push(Ring {
                 blocks: Vec::new(),
                 gathered: spec.gathered,
+                role: spec.role,
             });
             st.filled_into.push(vec![None; spec.blocks.len()]);
             for block in &spec.blocks {
@@ -810,12 +812,24 @@ impl<A: Api> LayerwiseBackend<A> {
         }
         // Layerwise materialises block 0 of the first ring before the first
         // forward; DLO defers every ring's first fill to its first forward
-        // (a fill at enable on a rank whose first ring differs would put a
-        // collective where another rank has none).
-        let eager =
-            engine.strategy == OffloadStrategy::Layerwise || engine.bug(PlantedBug::EagerFirstFill);
-        if eager && st.rings.first().is_some_and(|r| !r.blocks.is_empty()) {
-            fill(engine, st, 0, 0, FillKind::Initial)?;
+        // (a fill at enable on a rank whose rings differ from another's
+        // would put a collective where that rank has none).
+        let first = if engine.bug(PlantedBug::EagerFirstFill) {
+            // Planted: prefill the ring that runs first (an encoder's, where
+            // this rank streams one), at enable.
+            Some(
+                st.rings
+                    .iter()
+                    .position(|r| r.role == Role::Encoder)
+                    .unwrap_or(0),
+            )
+        } else {
+            (engine.strategy == OffloadStrategy::Layerwise).then_some(0)
+        };
+        if let Some(r) = first
+            && st.rings.get(r).is_some_and(|r| !r.blocks.is_empty())
+        {
+            fill(engine, st, r, 0, FillKind::Initial)?;
         }
         Ok(())
     }

@@ -75,6 +75,8 @@ impl RingBlock {
 /// One ring: a stack's streamed blocks in forward order.
 #[derive(Clone, Debug)]
 pub(crate) struct RingSpec {
+    /// The role of the component whose stack it is.
+    pub(crate) role: crate::discovery::Role,
     /// Whether its blocks are all-gathered (DLO with G > 1 and weight
     /// transfer `allgather`); otherwise each rank copies whole blocks.
     pub(crate) gathered: bool,
@@ -111,7 +113,11 @@ impl RingLayout {
                     RingBlock { unit, shard }
                 })
                 .collect();
-            rings.push(RingSpec { gathered, blocks });
+            rings.push(RingSpec {
+                role: stack.role,
+                gathered,
+                blocks,
+            });
         }
         let slot_bytes = rings
             .iter()
