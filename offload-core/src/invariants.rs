@@ -27,11 +27,18 @@ pub enum Invariant {
     BoundedMemory,
     /// INV-8: offloaded output bit-identical to resident output.
     Equivalence,
+    /// INV-9: the ranks of a gather group issue the same collectives in the
+    /// same order with the same sizes (CONTRACT §8), and a gather contributes
+    /// only shard bytes a copy filled since that range was last gathered (a
+    /// gather narrowed to its block, not the whole slot). Not in CONTRACT
+    /// §10's list: it is §8's collective-order rule, checked where every
+    /// rank is seen at once (the simulator's collective group).
+    CollectiveAgreement,
 }
 
 impl Invariant {
     /// Every invariant.
-    pub const ALL: [Invariant; 8] = [
+    pub const ALL: [Invariant; 9] = [
         Invariant::SingleOwner,
         Invariant::OneHostMaster,
         Invariant::NoEarlyFree,
@@ -40,6 +47,7 @@ impl Invariant {
         Invariant::PlatformAbstraction,
         Invariant::BoundedMemory,
         Invariant::Equivalence,
+        Invariant::CollectiveAgreement,
     ];
 
     /// `INV-n`.
@@ -53,6 +61,7 @@ impl Invariant {
             Invariant::PlatformAbstraction => "INV-6",
             Invariant::BoundedMemory => "INV-7",
             Invariant::Equivalence => "INV-8",
+            Invariant::CollectiveAgreement => "INV-9",
         }
     }
 }

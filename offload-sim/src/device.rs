@@ -36,8 +36,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use offload_core::device::{
-    Api, ByteSource, Collective, Device, DeviceBuffer, DeviceError, DeviceErrorKind, HostBuffer,
-    HostRegion, HostSource, MemoryInfo, RegisterError, Registration,
+    Api, ByteSource, Device, DeviceBuffer, DeviceError, DeviceErrorKind, HostBuffer, HostRegion,
+    HostSource, MemoryInfo, RegisterError, Registration,
 };
 use offload_core::invariants::{
     Access, BufferOp, BufferOrderChecker, Invariant, VectorClock, Violation,
@@ -138,6 +138,7 @@ impl Drop for SimDeviceBuffer {
         st.synchronize_device();
         let name = st.dev_name(self.id);
         st.host_access(name, 0..self.len, Access::Free, "drop of a device buffer");
+        st.copied.remove(&self.id);
         if let Some(b) = st.device.get_mut(&self.id)
             && b.live
         {
@@ -293,7 +294,7 @@ struct End {
 }
 
 /// Where a transfer's bytes live.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Loc {
     Device(u64),
     Pinned(u64),
@@ -325,6 +326,15 @@ enum Effect {
     Kernel {
         inputs: Vec<(u64, Range<u64>)>,
         accumulator: usize,
+    },
+    /// An all-gather lands (at its completion): the bytes every rank
+    /// contributed, assembled, with a payload divisor only the kept ones
+    /// of `dst_offset..dst_offset + len`.
+    Gather {
+        dst: u64,
+        dst_offset: u64,
+        len: u64,
+        data: Vec<u8>,
     },
     /// The device reaches a free: the memory goes.
     Free { id: u64 },
@@ -439,6 +449,9 @@ struct State {
     faults: FaultPlan,
     jitter: Option<(Jitter, u64)>,
     collectives: u64,
+    /// Per device buffer, the byte ranges host→device copies wrote since a
+    /// gather last read them (INV-9: a gather reads only those).
+    copied: BTreeMap<u64, RangeSet>,
     stats: SimStats,
     trace: Trace,
 }
@@ -465,6 +478,67 @@ const HOST: usize = 0;
 /// logical positions ≡ 0 mod d, stored at position / d.
 fn kept(start: u64, end: u64, d: u64) -> Range<usize> {
     (start.div_ceil(d) as usize)..(end.div_ceil(d) as usize)
+}
+
+/// Disjoint, sorted, non-adjacent byte ranges.
+#[derive(Debug, Default)]
+struct RangeSet(Vec<Range<u64>>);
+
+impl RangeSet {
+    fn insert(&mut self, r: Range<u64>) {
+        if r.is_empty() {
+            return;
+        }
+        let (mut lo, mut hi) = (r.start, r.end);
+        self.0.retain(|x| {
+            let touches = x.start <= hi && lo <= x.end;
+            if touches {
+                lo = lo.min(x.start);
+                hi = hi.max(x.end);
+            }
+            !touches
+        });
+        let at = self.0.partition_point(|x| x.start < lo);
+        self.0.insert(at, lo..hi);
+    }
+
+    fn remove(&mut self, r: Range<u64>) {
+        if r.is_empty() {
+            return;
+        }
+        let mut out = Vec::with_capacity(self.0.len() + 1);
+        for x in self.0.drain(..) {
+            if x.end <= r.start || r.end <= x.start {
+                out.push(x);
+                continue;
+            }
+            if x.start < r.start {
+                out.push(x.start..r.start);
+            }
+            if r.end < x.end {
+                out.push(r.end..x.end);
+            }
+        }
+        self.0 = out;
+    }
+
+    /// The first maximal part of `r` not covered, if any.
+    fn first_gap(&self, r: Range<u64>) -> Option<Range<u64>> {
+        let mut at = r.start;
+        for x in &self.0 {
+            if at >= r.end {
+                return None;
+            }
+            if x.end <= at {
+                continue;
+            }
+            if x.start > at {
+                return Some(at..x.start.min(r.end));
+            }
+            at = x.end;
+        }
+        (at < r.end).then_some(at..r.end)
+    }
 }
 
 /// The fold kernels apply to an accumulator: order-dependent.
@@ -569,6 +643,20 @@ impl State {
                 let acc = &mut self.accumulators[accumulator];
                 *acc = fold(*acc, sum);
             }
+            Effect::Gather {
+                dst,
+                dst_offset,
+                len,
+                data,
+            } => {
+                let to = kept(dst_offset, dst_offset + len, d);
+                if let Some(mem) = self.memory_mut(Loc::Device(dst))
+                    && let Some(out) = mem.get_mut(to)
+                {
+                    let n = out.len().min(data.len());
+                    out[..n].copy_from_slice(&data[..n]);
+                }
+            }
             Effect::Reset { accumulator } => self.accumulators[accumulator] = 0,
             Effect::Free { id } => {
                 if let Some(b) = self.device.get_mut(&id)
@@ -594,6 +682,96 @@ impl State {
             Loc::Pinned(id) => Some(&mut self.pinned.get_mut(&id)?.mem),
             Loc::Registered(id) => Some(&mut self.registered.get_mut(&id)?.mem),
         }
+    }
+
+    /// The kept bytes of logical `range` of `loc` as they will be at
+    /// simulated time `at`: the memory now with the pending effects due by
+    /// `at` applied to a scratch copy (nothing is mutated out of time
+    /// order). Only effects that can reach `loc` are replayed: those writing
+    /// it, and, transitively, those writing what they copy from.
+    fn bytes_at(&self, loc: Loc, range: Range<u64>, at: u64) -> Vec<u8> {
+        let d = self.divisor;
+        let due: Vec<&Effect> = self
+            .pending
+            .range(..=(at, u64::MAX))
+            .map(|(_, e)| e)
+            .collect();
+        let mut relevant = vec![loc];
+        for effect in due.iter().rev() {
+            if let Effect::Copy { src, dst, .. } = effect
+                && relevant.contains(dst)
+                && !relevant.contains(src)
+            {
+                relevant.push(*src);
+            }
+        }
+        // Writes replayed in time order: (where, kept indices, bytes); a
+        // free reads as zeros from then on, as `apply` makes it.
+        let mut overlay: Vec<(Loc, Range<usize>, Vec<u8>)> = Vec::new();
+        let mut freed: Vec<Loc> = Vec::new();
+        let read = |overlay: &[(Loc, Range<usize>, Vec<u8>)],
+                    freed: &[Loc],
+                    loc: Loc,
+                    at: Range<usize>|
+         -> Vec<u8> {
+            if freed.contains(&loc) {
+                return vec![0; at.len()];
+            }
+            let mut out = match self.memory(loc).and_then(|m| m.get(at.clone())) {
+                Some(m) => m.to_vec(),
+                None => vec![0; at.len()],
+            };
+            for (l, r, data) in overlay {
+                if *l != loc {
+                    continue;
+                }
+                let lo = r.start.max(at.start);
+                let hi = r.end.min(at.end).min(r.start + data.len());
+                if lo < hi {
+                    out[lo - at.start..hi - at.start]
+                        .copy_from_slice(&data[lo - r.start..hi - r.start]);
+                }
+            }
+            out
+        };
+        for effect in due {
+            match effect {
+                Effect::Copy {
+                    src,
+                    src_offset,
+                    dst,
+                    dst_offset,
+                    bytes,
+                } if relevant.contains(dst) && !freed.contains(dst) => {
+                    let data = read(
+                        &overlay,
+                        &freed,
+                        *src,
+                        kept(*src_offset, src_offset + bytes, d),
+                    );
+                    overlay.push((*dst, kept(*dst_offset, dst_offset + bytes, d), data));
+                }
+                Effect::Gather {
+                    dst,
+                    dst_offset,
+                    len,
+                    data,
+                } if relevant.contains(&Loc::Device(*dst))
+                    && !freed.contains(&Loc::Device(*dst)) =>
+                {
+                    overlay.push((
+                        Loc::Device(*dst),
+                        kept(*dst_offset, dst_offset + len, d),
+                        data.clone(),
+                    ));
+                }
+                Effect::Free { id } if relevant.contains(&Loc::Device(*id)) => {
+                    freed.push(Loc::Device(*id));
+                }
+                _ => {}
+            }
+        }
+        read(&overlay, &freed, loc, kept(range.start, range.end, d))
     }
 
     /// A host access of `buffer`: checked against the device's work, after
@@ -693,29 +871,61 @@ impl State {
         duration_ns: u64,
         name: &str,
     ) -> Result<(usize, u64, u64), SimError> {
-        self.host_tick();
-        let delay = self.jitter_ns();
-        let host_now = self.host_now_ns;
-        let overflow = |st: &Self| {
-            st.err(
-                name,
-                DeviceErrorKind::Other,
-                format!(
-                    "a {duration_ns} ns operation overflows the simulated clock (the workload is too large to simulate)"
-                ),
-            )
-        };
-        let s = &self.streams[stream];
-        let ready = s.tail_ns.checked_add(delay).ok_or_else(|| overflow(self))?;
-        let start = ready.max(self.engines[engine as usize]).max(host_now);
+        let start = self.enqueue_start(stream, engine, duration_ns, name)?;
         let end = start
             .checked_add(duration_ns)
-            .ok_or_else(|| overflow(self))?;
+            .ok_or_else(|| self.overflow(name, duration_ns))?;
+        let op = self.enqueue_commit(stream, engine, start, end, name);
+        Ok((op, start, end))
+    }
+
+    fn overflow(&self, name: &str, duration_ns: u64) -> SimError {
+        self.err(
+            name,
+            DeviceErrorKind::Other,
+            format!(
+                "a {duration_ns} ns operation overflows the simulated clock (the workload is too large to simulate)"
+            ),
+        )
+    }
+
+    /// The first half of [`Self::enqueue`]: the host issues the operation
+    /// (its clock ticks, the jitter draws) and the earliest start on
+    /// `stream` and `engine` comes back; nothing is enqueued yet.
+    fn enqueue_start(
+        &mut self,
+        stream: usize,
+        engine: Engine,
+        duration_ns: u64,
+        name: &str,
+    ) -> Result<u64, SimError> {
+        self.host_tick();
+        let delay = self.jitter_ns();
+        let ready = self.streams[stream]
+            .tail_ns
+            .checked_add(delay)
+            .ok_or_else(|| self.overflow(name, duration_ns))?;
+        Ok(ready
+            .max(self.engines[engine as usize])
+            .max(self.host_now_ns))
+    }
+
+    /// The second half of [`Self::enqueue`]: the operation occupies
+    /// `stream` and `engine` from `start` to `end`; returns its op id.
+    fn enqueue_commit(
+        &mut self,
+        stream: usize,
+        engine: Engine,
+        start: u64,
+        end: u64,
+        name: &str,
+    ) -> usize {
         let s = &mut self.streams[stream];
         s.clock.join(&self.host_clock);
         s.clock.tick(stream);
-        s.tail_ns = end;
-        self.engines[engine as usize] = end;
+        s.tail_ns = s.tail_ns.max(end);
+        let engine_free = &mut self.engines[engine as usize];
+        *engine_free = (*engine_free).max(end);
         let clock = s.clock.clone();
         let track = s.name.clone();
         self.op_clocks.push(clock);
@@ -723,14 +933,14 @@ impl State {
             track,
             name: name.to_owned(),
             start_ns: start,
-            duration_ns,
+            duration_ns: end.saturating_sub(start),
         });
-        Ok((self.op_clocks.len() - 1, start, end))
+        self.op_clocks.len() - 1
     }
 
-    /// Checks, counts (for fault injection), schedules and records one
-    /// transfer of `bytes` from `src` to `dst` on `stream`; its bytes land
-    /// at its completion.
+    /// Checks, counts (for fault injection), schedules and records one copy
+    /// of `bytes` from `src` to `dst` on `stream`; its bytes land at its
+    /// completion.
     fn transfer(
         &mut self,
         stream: usize,
@@ -756,33 +966,30 @@ impl State {
                 format!("sampled payloads need source and destination offsets equal modulo {d}"),
             ));
         }
-        let (n, fail_at) = if engine == Engine::Collective {
-            self.collectives += 1;
-            (self.collectives, self.faults.fail_collective_at)
-        } else {
-            self.stats.copies += 1;
-            (self.stats.copies, self.faults.fail_copy_at)
-        };
-        if fail_at == Some(n) {
-            let what = if engine == Engine::Collective {
-                "collective"
-            } else {
-                "copy"
-            };
+        self.stats.copies += 1;
+        let n = self.stats.copies;
+        if self.faults.fail_copy_at == Some(n) {
             return Err(self.err(
                 op_name,
                 DeviceErrorKind::TransferFailed,
-                format!("injected failure of {what} #{n}"),
+                format!("injected failure of copy #{n}"),
             ));
         }
         let duration = match engine {
             Engine::D2h => self.profile.d2h_ns(bytes),
-            Engine::Collective => self.profile.h2d_ns(bytes) / 8,
             _ => self.profile.h2d_ns(bytes),
         };
         let (op, _, end) = self.enqueue(stream, engine, duration, &op_name)?;
         match engine {
-            Engine::H2d => self.stats.h2d_bytes += bytes,
+            Engine::H2d => {
+                self.stats.h2d_bytes += bytes;
+                if let Loc::Device(id) = dst_loc {
+                    self.copied
+                        .entry(id)
+                        .or_default()
+                        .insert(dst.offset..dst.offset + bytes);
+                }
+            }
             Engine::D2h => self.stats.d2h_bytes += bytes,
             _ => {}
         }
@@ -968,6 +1175,7 @@ impl SimDevice {
                 faults: config.faults,
                 jitter: config.jitter.map(|j| (j, j.seed)),
                 collectives: 0,
+                copied: BTreeMap::new(),
                 stats: SimStats::default(),
                 trace: Trace::default(),
             })),
@@ -1274,6 +1482,7 @@ impl Device<Sim> for SimDevice {
             format!("free {name}"),
         );
         let at = at.max(st.host_now_ns);
+        st.copied.remove(&buffer.id);
         match st.device.get_mut(&buffer.id) {
             Some(b) if b.live => {
                 // The memory goes when the device reaches the free; until
@@ -1530,44 +1739,200 @@ impl Device<Sim> for SimDevice {
     }
 }
 
-/// A collective of one rank over the simulated device (the gather is a
-/// device-to-device copy), with injectable failures. Multi-rank groups come
-/// with the distributed backend.
-#[derive(Clone, Debug)]
-pub struct SimCollective {
-    device: SimDevice,
+/// One rank's all-gather as the collective group hands it to that rank's
+/// device (`crate::collective`).
+pub(crate) struct GatherCall<'a> {
+    pub(crate) stream: &'a SimStream,
+    pub(crate) shard: &'a SimDeviceBuffer,
+    pub(crate) shard_offset: u64,
+    pub(crate) shard_bytes: u64,
+    pub(crate) dst: &'a SimDeviceBuffer,
+    pub(crate) dst_offset: u64,
+    /// The group size G.
+    pub(crate) ranks: u32,
+    /// The collective's number on this rank (1-based).
+    pub(crate) n: u64,
 }
 
-impl SimCollective {
-    /// A group of one on `device`.
-    pub fn single(device: &SimDevice) -> Self {
-        Self {
-            device: device.clone(),
+/// What a rank brings to a collective: its earliest start, the link time
+/// its profile gives, and its shard bytes as they are at that start.
+#[derive(Debug)]
+pub(crate) struct GatherEntry {
+    pub(crate) start_ns: u64,
+    pub(crate) link_ns: u64,
+    /// The kept bytes of the shard range at `start_ns`.
+    pub(crate) contribution: Vec<u8>,
+}
+
+impl GatherCall<'_> {
+    fn name(&self, st: &State) -> String {
+        format!(
+            "all_gather #{} {} → {}",
+            self.n,
+            st.dev_name(self.shard.id),
+            st.dev_name(self.dst.id)
+        )
+    }
+
+    /// `G × shard_bytes`, the destination bytes written.
+    fn total(&self) -> Option<u64> {
+        self.shard_bytes.checked_mul(u64::from(self.ranks))
+    }
+}
+
+impl SimDevice {
+    /// The first half of one rank's all-gather: checks the call (typed
+    /// errors, nothing enqueued), counts it for fault injection, lets the
+    /// host issue it (its clock ticks, the jitter draws), and returns the
+    /// rank's entry. Its contribution is the shard range as it will be at
+    /// the start: the pending effects due by then applied to a scratch copy.
+    pub(crate) fn gather_enter(&self, call: &GatherCall<'_>) -> Result<GatherEntry, SimError> {
+        let mut st = self.state();
+        let name = call.name(&st);
+        for (what, buffer) in [("shard", call.shard), ("destination", call.dst)] {
+            if !Arc::ptr_eq(&buffer.shared, &self.shared) {
+                return Err(st.err(
+                    name,
+                    DeviceErrorKind::Other,
+                    format!("the {what} buffer belongs to another device"),
+                ));
+            }
         }
+        let Some(total) = call.total() else {
+            return Err(st.err(
+                name,
+                DeviceErrorKind::Other,
+                format!(
+                    "{} ranks × {} bytes overflows 64 bits",
+                    call.ranks, call.shard_bytes
+                ),
+            ));
+        };
+        st.check_range(
+            &name,
+            "shard",
+            call.shard_offset,
+            call.shard_bytes,
+            call.shard.len,
+        )?;
+        st.check_range(&name, "destination", call.dst_offset, total, call.dst.len)?;
+        let d = st.divisor;
+        if d > 1
+            && (call.shard_offset % d != call.dst_offset % d
+                || (call.ranks > 1 && call.shard_bytes % d != 0))
+        {
+            return Err(st.err(
+                name,
+                DeviceErrorKind::Other,
+                format!(
+                    "sampled payloads need shard and destination offsets equal modulo {d} and, with more than one rank, shard bytes a multiple of {d}"
+                ),
+            ));
+        }
+        st.collectives += 1;
+        let k = st.collectives;
+        if st.faults.fail_collective_at == Some(k) {
+            return Err(st.err(
+                name,
+                DeviceErrorKind::TransferFailed,
+                format!("injected failure of collective #{k}"),
+            ));
+        }
+        let link_ns = st.profile.all_gather_ns(call.ranks, call.shard_bytes);
+        let start_ns = st.enqueue_start(call.stream.index, Engine::Collective, link_ns, &name)?;
+        if start_ns.checked_add(link_ns).is_none() {
+            return Err(st.overflow(&name, link_ns));
+        }
+        let range = call.shard_offset..call.shard_offset + call.shard_bytes;
+        let contribution = st.bytes_at(Loc::Device(call.shard.id), range, start_ns);
+        Ok(GatherEntry {
+            start_ns,
+            link_ns,
+            contribution,
+        })
     }
-}
 
-impl Collective<Sim> for SimCollective {
-    fn rank(&self) -> u32 {
-        0
-    }
-
-    fn size(&self) -> u32 {
-        1
-    }
-
-    unsafe fn all_gather(
+    /// The second half, once every rank entered: the gather occupies the
+    /// stream and the collective engine from this rank's `start_ns` to the
+    /// group's `end_ns`; it reads the shard range and writes the destination
+    /// range (INV-3, with the stream's clock); the shard range must have been
+    /// filled by host→device copies since it was last gathered (INV-9); the
+    /// assembled `data` (kept bytes of the destination range) lands at
+    /// `end_ns`.
+    pub(crate) fn gather_land(
         &self,
-        stream: &SimStream,
-        shard: &SimDeviceBuffer,
-        shard_offset: u64,
-        shard_bytes: u64,
-        dst: &SimDeviceBuffer,
-        dst_offset: u64,
-    ) -> Result<(), SimError> {
-        let mut st = self.device.state();
-        let source = st.dev_end(shard, shard_offset);
-        let dest = st.dev_end(dst, dst_offset);
-        st.transfer(stream.index, Engine::Collective, source, dest, shard_bytes)
+        call: &GatherCall<'_>,
+        start_ns: u64,
+        end_ns: u64,
+        data: Vec<u8>,
+    ) {
+        let mut st = self.state();
+        let name = call.name(&st);
+        let total = call.total().unwrap_or(u64::MAX);
+        let end_ns = end_ns.max(start_ns);
+        let op = st.enqueue_commit(
+            call.stream.index,
+            Engine::Collective,
+            start_ns,
+            end_ns,
+            &name,
+        );
+        let stream_name = st.streams[call.stream.index].name.clone();
+        let shard_name = st.dev_name(call.shard.id);
+        let dst_name = st.dev_name(call.dst.id);
+        let read = call.shard_offset..call.shard_offset + call.shard_bytes;
+        st.observe(
+            op,
+            shard_name.clone(),
+            read.clone(),
+            stream_name.clone(),
+            Access::Read,
+            name.clone(),
+        );
+        st.observe(
+            op,
+            dst_name,
+            call.dst_offset..call.dst_offset.saturating_add(total),
+            stream_name,
+            Access::Write,
+            name.clone(),
+        );
+        let copied = st.copied.entry(call.shard.id).or_default();
+        let gap = copied.first_gap(read.clone());
+        copied.remove(read.clone());
+        if let Some(gap) = gap {
+            st.record_violation(
+                Invariant::CollectiveAgreement,
+                format!(
+                    "`{name}`: a gather of {} bytes reads shard bytes {}..{} of `{shard_name}` that no copy wrote since the last gather: a gather wider than its block?",
+                    call.shard_bytes, gap.start, gap.end
+                ),
+            );
+        }
+        st.schedule(
+            end_ns,
+            Effect::Gather {
+                dst: call.dst.id,
+                dst_offset: call.dst_offset,
+                len: total,
+                data,
+            },
+        );
+    }
+
+    /// Records a violation seen outside this device (by its collective
+    /// group).
+    pub(crate) fn report(&self, invariant: Invariant, detail: String) {
+        self.state().record_violation(invariant, detail);
+    }
+
+    /// The payload divisor.
+    pub(crate) fn payload_divisor(&self) -> u64 {
+        self.state().divisor
+    }
+
+    /// Whether `other` is this device (a clone of it).
+    pub(crate) fn is(&self, other: &SimDevice) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
     }
 }

@@ -4,8 +4,10 @@
 //! memory, a virtual clock, a happens-before checker, seeded faults), used by
 //! the property tests and by the main job (`cargo run --release -p
 //! offload-sim -- run`) to plan capacity and check the strategies without a
-//! GPU.
+//! GPU. [`SimGroup`] joins several of them into a gather group whose ranks
+//! run on their own host threads and share one simulated all-gather.
 
+pub mod collective;
 pub mod device;
 pub mod faults;
 pub mod harness;
@@ -15,8 +17,7 @@ pub mod presets;
 pub mod profile;
 pub mod trace;
 
-pub use device::{
-    Jitter, Sim, SimAccumulator, SimCollective, SimConfig, SimDevice, SimError, SimStats,
-};
+pub use collective::{GatherRecord, SimCollective, SimGroup};
+pub use device::{Jitter, Sim, SimAccumulator, SimConfig, SimDevice, SimError, SimStats};
 pub use faults::FaultPlan;
-pub use profile::DeviceProfile;
+pub use profile::{DeviceProfile, LinkProfile};
