@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use offload_core::device::Device;
 use offload_core::invariants::Violation;
-use offload_core::lifecycle::{OffloadError, get_offload_backend};
+use offload_core::lifecycle::{LifecycleState, OffloadError, get_offload_backend};
 use offload_core::model::{ModuleId, StorageId, TensorId, TensorKind};
 use offload_core::runtime::{
     Backend, CorePlatform, MemoryBounds, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
@@ -93,6 +93,16 @@ pub struct RunOptions {
 }
 
 impl RunOptions {
+    /// The simulated device these options describe.
+    pub fn sim_config(&self) -> SimConfig {
+        SimConfig {
+            profile: self.profile.clone(),
+            payload_divisor: self.payload_divisor,
+            faults: self.faults,
+            jitter: self.jitter,
+        }
+    }
+
     /// Defaults on `profile`: depth 1, all payload bytes, no faults.
     pub fn new(profile: DeviceProfile) -> Self {
         Self {
@@ -144,6 +154,8 @@ pub struct RunOutcome {
     pub host_weight_bytes: u64,
     /// INV-7's bounds for this run's configuration and depth.
     pub bounds: MemoryBounds,
+    /// Whether the backend ended poisoned (a multi-rank failure).
+    pub poisoned: bool,
     /// Every checker violation, including leaks after disable.
     pub violations: Vec<Violation>,
     /// The timeline.
@@ -282,6 +294,29 @@ pub fn request(
     probe: &Probe,
     w: &Workload,
 ) -> Result<RequestMeasure, OffloadError> {
+    request_inner(rt, device, probe, w, true, || Ok(()))
+}
+
+/// One request on `rig` as one rank of a group runs it: the encoders only
+/// if `encodes`, then `exchange` (the runtime's own collective), then the
+/// rest as [`request`].
+pub fn request_with(
+    rig: &Rig,
+    w: &Workload,
+    encodes: bool,
+    exchange: impl FnOnce() -> Result<(), OffloadError>,
+) -> Result<RequestMeasure, OffloadError> {
+    request_inner(&rig.runtime, &rig.device, &rig.probe, w, encodes, exchange)
+}
+
+fn request_inner(
+    rt: &Runtime<Sim>,
+    device: &SimDevice,
+    probe: &Probe,
+    w: &Workload,
+    encodes: bool,
+    exchange: impl FnOnce() -> Result<(), OffloadError>,
+) -> Result<RequestMeasure, OffloadError> {
     let preset = &w.preset;
     let mut m = RequestMeasure::default();
     let out = &probe.output;
@@ -289,10 +324,13 @@ pub fn request(
     device
         .reset_accumulator(compute, out)
         .map_err(|e| dev_err("reset output", e))?;
-    for enc in &preset.encoders {
-        let t = preset.text_tokens;
-        component_forward(rt, out, enc, t, |params| 2.0 * params as f64 * t as f64)?;
+    if encodes {
+        for enc in &preset.encoders {
+            let t = preset.text_tokens;
+            component_forward(rt, out, enc, t, |params| 2.0 * params as f64 * t as f64)?;
+        }
     }
+    exchange()?;
     device
         .record_event(&probe.start, compute)
         .map_err(|e| dev_err("record_event(denoise start)", e))?;
@@ -371,13 +409,20 @@ impl Rig {
         opts: &RunOptions,
         weights: Arc<dyn WeightSource>,
     ) -> Result<Self, OffloadError> {
-        let device = SimDevice::new(SimConfig {
-            profile: opts.profile.clone(),
-            payload_divisor: opts.payload_divisor,
-            faults: opts.faults,
-            jitter: opts.jitter,
-        })
-        .map_err(|e| dev_err("SimDevice::new", e))?;
+        let device = SimDevice::new(opts.sim_config()).map_err(|e| dev_err("SimDevice::new", e))?;
+        Self::on_device(device, pipeline, opts, weights, None)
+    }
+
+    /// A rig on `device` (one rank of a group when `collective` is given:
+    /// its platform builds distributed layerwise backends gathering
+    /// through it).
+    pub fn on_device(
+        device: SimDevice,
+        pipeline: offload_core::Pipeline,
+        opts: &RunOptions,
+        weights: Arc<dyn WeightSource>,
+        collective: Option<crate::collective::SimCollective>,
+    ) -> Result<Self, OffloadError> {
         let dev = Arc::new(device.clone());
         let compute = Arc::new(
             dev.create_stream()
@@ -393,6 +438,10 @@ impl Rig {
             .with_prefetch_depth(opts.prefetch_depth),
             &opts.bugs,
         );
+        let platform = match collective {
+            Some(c) => platform.with_collective(Arc::new(c)),
+            None => platform,
+        };
         let probe = Probe::new(&device)?;
         let runtime = Runtime::new(dev, compute, pipeline);
         Ok(Self {
@@ -479,6 +528,8 @@ pub struct RunFailure {
     pub error: OffloadError,
     /// What the device's checkers saw.
     pub violations: Vec<Violation>,
+    /// Whether the backend ended poisoned (a multi-rank failure).
+    pub poisoned: bool,
 }
 
 impl From<OffloadError> for RunFailure {
@@ -486,6 +537,7 @@ impl From<OffloadError> for RunFailure {
         Self {
             error,
             violations: Vec::new(),
+            poisoned: false,
         }
     }
 }
@@ -496,29 +548,62 @@ pub fn run(
     choice: &StrategyChoice,
     opts: &RunOptions,
 ) -> Result<RunOutcome, RunFailure> {
-    let config = choice.config();
-    let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
-    let backend = rig.backend(choice)?;
-    let bounds = memory_bounds(&w.preset.pipeline, &config, opts.prefetch_depth)?;
+    let rig = Rig::new(w.preset.pipeline.clone(), opts)?;
+    drive(
+        rig,
+        choice,
+        &choice.config(),
+        opts,
+        w.requests,
+        |rig| rig.request(w),
+        |_| {},
+    )
+}
+
+/// The life of one run on `rig`: build `choice`'s backend, enable, run
+/// `requests` requests through `request`, disable, drop, and check what the
+/// device holds afterwards. `config` is what INV-7's bounds are computed
+/// for (the rank's own, under DLO). `teardown` frees what the caller
+/// allocated on the device beside the backend, before leaks are counted.
+pub fn drive(
+    mut rig: Rig,
+    choice: &StrategyChoice,
+    config: &OffloadConfig,
+    opts: &RunOptions,
+    requests: usize,
+    mut request: impl FnMut(&Rig) -> Result<RequestMeasure, OffloadError>,
+    teardown: impl FnOnce(&SimDevice),
+) -> Result<RunOutcome, RunFailure> {
+    let pipeline = rig.runtime.model().pipeline.clone();
     let device = rig.device.clone();
+    let fail = |error: OffloadError, device: &SimDevice| RunFailure {
+        error,
+        violations: device.violations(),
+        poisoned: false,
+    };
+    let bounds =
+        memory_bounds(&pipeline, config, opts.prefetch_depth).map_err(|e| fail(e, &device))?;
+    let backend = rig.backend(choice).map_err(|e| fail(e, &device))?;
     let strategy = backend.strategy();
     let t0 = device.host_now_ns();
     if let Err((error, backend)) = rig.runtime.enable(backend) {
+        let poisoned = matches!(backend.state(), LifecycleState::Poisoned { .. });
         drop((backend, rig));
+        teardown(&device);
         device.check_released();
         return Err(RunFailure {
-            error,
-            violations: device.violations(),
+            poisoned,
+            ..fail(error, &device)
         });
     }
     let enable_ns = device.host_now_ns() - t0;
     let after_enable = device.stats();
     let host_weight_bytes = rig.runtime.backend().map_or(0, |b| b.host_weight_bytes());
-    let mut requests = Vec::new();
+    let mut measured = Vec::new();
     let mut failure = None;
-    for _ in 0..w.requests {
-        match rig.request(w) {
-            Ok(m) => requests.push(m),
+    for _ in 0..requests {
+        match request(&rig) {
+            Ok(m) => measured.push(m),
             Err(e) => {
                 failure = Some(e);
                 break;
@@ -526,23 +611,35 @@ pub fn run(
         }
     }
     let at_end = device.stats();
+    let is_poisoned =
+        |s: Option<LifecycleState>| matches!(s, Some(LifecycleState::Poisoned { .. }));
+    let poisoned_before = is_poisoned(rig.runtime.state());
     let disabled = rig.runtime.disable();
+    let poisoned = poisoned_before
+        || match &disabled {
+            Ok(Some(b)) => is_poisoned(Some(b.state())),
+            _ => false,
+        };
+    let disabled = disabled.map(drop);
     drop(rig);
+    teardown(&device);
     device.check_released();
     if let Some(error) = failure.or(disabled.err()) {
         return Err(RunFailure {
             error,
             violations: device.violations(),
+            poisoned,
         });
     }
     Ok(RunOutcome {
         strategy,
-        requests,
+        requests: measured,
         enable_ns,
         after_enable,
         at_end,
         host_weight_bytes,
         bounds,
+        poisoned,
         violations: device.violations(),
         trace: device.trace(),
     })

@@ -12,6 +12,7 @@ pub mod device;
 pub mod faults;
 pub mod harness;
 pub mod job;
+pub mod multi;
 pub mod null;
 pub mod presets;
 pub mod profile;

@@ -881,7 +881,11 @@ impl<A: Api> LayerwiseBackend<A> {
                     continue;
                 }
                 for b in 0..st.rings[r].blocks.len() {
-                    let k = fill(engine, st, r, b, FillKind::Restore)?;
+                    // A prefetch still in flight already holds it.
+                    let k = match (st.table.holding(r, b), st.in_flight(r, b)) {
+                        (Some(k), true) => k,
+                        _ => fill(engine, st, r, b, FillKind::Restore)?,
+                    };
                     let unit = st.rings[r].blocks[b].unit.clone();
                     h.device
                         .stream_wait_event(&h.copy, &st.slots[k].ready)

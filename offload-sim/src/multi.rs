@@ -1,0 +1,354 @@
+//! Several ranks in one process: G simulated devices, one host thread per
+//! rank (as one process per GPU), sharing one simulated gather group
+//! ([`SimGroup`]). Each rank runs the same workload through its own
+//! runtime and backend, as a data- or sequence-parallel runtime does, and
+//! the group checks that every rank issues the same collectives in the
+//! same order (INV-9).
+//!
+//! A request on a rank: the encoders (on every rank, or on rank 0 only, as
+//! a sequence-parallel runtime that encodes the prompt once), then the
+//! runtime's own collective on the same group (an all-gather of each
+//! rank's view of the prompt embedding, which a kernel then reads), then
+//! the denoising steps, then the VAE, then one host synchronisation to read
+//! the output. A rank that fails leaves the group, so the others get typed
+//! errors at their next collective instead of waiting for it.
+
+use std::sync::Arc;
+
+use offload_core::device::{Collective, Device, HostSource};
+use offload_core::lifecycle::OffloadError;
+use offload_core::runtime::WeightSource;
+use offload_core::{ComponentName, OffloadConfig};
+
+use crate::collective::{GatherRecord, SimCollective, SimGroup};
+use crate::device::{SimDevice, SimDeviceBuffer, SimHostBuffer};
+use crate::faults::FaultPlan;
+use crate::harness::{
+    RequestMeasure, Rig, RunFailure, RunOptions, RunOutcome, StrategyChoice, Workload, drive,
+    request_with,
+};
+use crate::presets::SyntheticWeights;
+
+/// Bytes of each rank's part of the runtime's prompt-embedding all-gather.
+pub const EMBED_SHARD_BYTES: u64 = 256;
+
+/// Which ranks run (and may stream) the encoders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EncoderRanks {
+    /// Every rank encodes its own prompt.
+    All,
+    /// Rank 0 encodes; the others never run the encoders (and do not
+    /// stream them).
+    First,
+}
+
+/// How to run G ranks.
+#[derive(Clone, Debug)]
+pub struct MultiOptions {
+    /// G.
+    pub ranks: u32,
+    /// Options of every rank (its profile is scaled to G ranks copying at
+    /// once, [`crate::DeviceProfile::for_ranks`]).
+    pub run: RunOptions,
+    /// Faults per rank (missing entries: none).
+    pub faults: Vec<FaultPlan>,
+    /// Which ranks run the encoders.
+    pub encoders: EncoderRanks,
+}
+
+/// One rank's run.
+#[derive(Debug)]
+pub struct RankOutcome {
+    /// Its rank.
+    pub rank: u32,
+    /// What it measured, or how it failed.
+    pub result: Result<RunOutcome, RunFailure>,
+    /// The collectives it completed, in order.
+    pub gathers: Vec<GatherRecord>,
+}
+
+impl RankOutcome {
+    /// Every violation its device saw.
+    pub fn violations(&self) -> &[offload_core::invariants::Violation] {
+        match &self.result {
+            Ok(o) => &o.violations,
+            Err(f) => &f.violations,
+        }
+    }
+}
+
+/// The configuration rank `rank` of `ranks` runs `config` with: its rank
+/// in `parallel`, a data-parallel group of `ranks` unless the configuration
+/// names parallel sizes of its own, and (with [`EncoderRanks::First`]) no
+/// encoder offload on ranks that never run the encoders.
+pub fn rank_config(
+    config: &OffloadConfig,
+    rank: u32,
+    ranks: u32,
+    encoders: EncoderRanks,
+) -> OffloadConfig {
+    let mut c = config.clone();
+    if c.parallel.world_size() == 1 && ranks > 1 {
+        c.parallel.data_parallel_size = ranks;
+    }
+    c.parallel.rank = rank;
+    if encoders == EncoderRanks::First
+        && rank != 0
+        && let Some(compact) = c.diffusion_offload_config.as_mut()
+    {
+        compact
+            .components
+            .retain(|n| *n != ComponentName::TextEncoder);
+        compact.layer_options.remove("text_encoder");
+    }
+    c
+}
+
+/// The runtime's own buffers for its prompt-embedding gather on one rank.
+struct Embedding {
+    host: SimHostBuffer,
+    shard: SimDeviceBuffer,
+    gathered: SimDeviceBuffer,
+}
+
+impl Embedding {
+    fn new(device: &SimDevice, rank: u32, ranks: u32) -> Result<Self, OffloadError> {
+        let err = |op: &str, e| OffloadError::device(op, e);
+        let mut host = device
+            .alloc_pinned(EMBED_SHARD_BYTES)
+            .map_err(|e| err("alloc_pinned(embedding)", e))?;
+        let tag: Vec<u8> = (0..EMBED_SHARD_BYTES)
+            .map(|i| (i as u8) ^ (rank as u8).wrapping_mul(37))
+            .collect();
+        offload_core::device::HostBuffer::write_from(&mut host, 0, EMBED_SHARD_BYTES, &tag);
+        let shard = device
+            .alloc_device(EMBED_SHARD_BYTES)
+            .map_err(|e| err("alloc_device(embedding shard)", e))?;
+        let gathered = device
+            .alloc_device(EMBED_SHARD_BYTES * u64::from(ranks))
+            .map_err(|e| err("alloc_device(embedding)", e))?;
+        Ok(Self {
+            host,
+            shard,
+            gathered,
+        })
+    }
+
+    /// Device bytes it holds (not weights: subtracted from the peaks INV-7
+    /// compares).
+    fn device_bytes(ranks: u32) -> u64 {
+        EMBED_SHARD_BYTES * (1 + u64::from(ranks))
+    }
+
+    /// The runtime's collective, on the compute stream: copy this rank's
+    /// part in, all-gather everyone's, then a kernel reads the result.
+    fn exchange(&self, rig: &Rig, collective: &SimCollective) -> Result<(), OffloadError> {
+        let d = &rig.device;
+        let compute = rig.runtime.compute_stream();
+        let err = |op: &str, e| OffloadError::device(op, e);
+        // SAFETY: whole buffers of EMBED_SHARD_BYTES; the host buffer is not
+        // written again, and the stream orders the gather and the kernel
+        // after the copy; the buffers are freed only after a device sync.
+        unsafe {
+            d.copy_h2d(
+                compute,
+                HostSource::Pinned(&self.host),
+                0,
+                &self.shard,
+                0,
+                EMBED_SHARD_BYTES,
+            )
+        }
+        .map_err(|e| err("copy_h2d(embedding)", e))?;
+        // SAFETY: the shard is EMBED_SHARD_BYTES and `gathered` G times
+        // that; both are used only on the compute stream, in order.
+        unsafe {
+            collective.all_gather(
+                compute,
+                &self.shard,
+                0,
+                EMBED_SHARD_BYTES,
+                &self.gathered,
+                0,
+            )
+        }
+        .map_err(|e| err("all_gather(prompt embedding)", e))?;
+        d.compute(
+            compute,
+            &[(&self.gathered, 0..self.gathered_len())],
+            1.0e6,
+            "prompt embedding",
+            &rig.probe.output,
+        )
+        .map_err(|e| err("compute(prompt embedding)", e))
+    }
+
+    fn gathered_len(&self) -> u64 {
+        offload_core::device::DeviceBuffer::len_bytes(&self.gathered)
+    }
+
+    fn free(self, device: &SimDevice) {
+        device.synchronize_all();
+        // SAFETY: the device is synchronised: nothing uses them any more.
+        unsafe {
+            let _ = device.free_device(self.shard, &[]);
+            let _ = device.free_device(self.gathered, &[]);
+            let _ = device.free_pinned(self.host);
+        }
+    }
+}
+
+/// Runs `w` with `choice` on `m.ranks` ranks, one thread each, and returns
+/// every rank's outcome (never hangs: a failed rank leaves the group).
+/// Errors only when the group cannot be built.
+pub fn run_ranks(
+    w: &Workload,
+    choice: &StrategyChoice,
+    m: &MultiOptions,
+) -> Result<Vec<RankOutcome>, OffloadError> {
+    let g = m.ranks.max(1);
+    let profile = m.run.profile.for_ranks(g);
+    let mut devices = Vec::new();
+    for r in 0..g {
+        let opts = RunOptions {
+            profile: profile.clone(),
+            faults: m.faults.get(r as usize).copied().unwrap_or_default(),
+            ..m.run.clone()
+        };
+        devices.push(
+            SimDevice::new(opts.sim_config())
+                .map_err(|e| OffloadError::device("SimDevice::new", e))?,
+        );
+    }
+    let collectives =
+        SimGroup::new(&devices).map_err(|e| OffloadError::device("SimGroup::new", e))?;
+    let outcomes = std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .into_iter()
+            .zip(collectives)
+            .enumerate()
+            .map(|(r, (device, collective))| {
+                let r = r as u32;
+                let opts = RunOptions {
+                    profile: profile.clone(),
+                    faults: m.faults.get(r as usize).copied().unwrap_or_default(),
+                    ..m.run.clone()
+                };
+                s.spawn(move || rank_run(w, choice, m, &opts, r, device, collective))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                h.join().unwrap_or_else(|_| RankOutcome {
+                    rank: r as u32,
+                    result: Err(RunFailure::from(OffloadError::Forward {
+                        module: String::new(),
+                        reason: format!("rank {r}'s thread panicked"),
+                    })),
+                    gathers: Vec::new(),
+                })
+            })
+            .collect()
+    });
+    Ok(outcomes)
+}
+
+fn rank_run(
+    w: &Workload,
+    choice: &StrategyChoice,
+    m: &MultiOptions,
+    opts: &RunOptions,
+    rank: u32,
+    device: SimDevice,
+    collective: SimCollective,
+) -> RankOutcome {
+    // Leaves the group however this rank ends (an early return, a panic).
+    struct Leave<'a>(&'a SimCollective);
+    impl Drop for Leave<'_> {
+        fn drop(&mut self) {
+            self.0.depart();
+        }
+    }
+    let _leave = Leave(&collective);
+    let g = m.ranks.max(1);
+    let config = rank_config(&choice.config(), rank, g, m.encoders);
+    let choice = match choice {
+        StrategyChoice::Resident => StrategyChoice::Resident,
+        StrategyChoice::Config(_) => StrategyChoice::Config(config.clone()),
+    };
+    let encodes = m.encoders == EncoderRanks::All || rank == 0;
+    let weights: Arc<dyn WeightSource> = Arc::new(SyntheticWeights { seed: opts.seed });
+    let result = (|| {
+        let embedding = Embedding::new(&device, rank, g)?;
+        device.reset_peak();
+        let rig = Rig::on_device(
+            device.clone(),
+            w.preset.pipeline.clone(),
+            opts,
+            weights,
+            Some(collective.clone()),
+        )?;
+        let embedding = std::cell::RefCell::new(Some(embedding));
+        let out = drive(
+            rig,
+            &choice,
+            &config,
+            opts,
+            w.requests,
+            |rig| {
+                request_with(rig, w, encodes, || {
+                    let e = embedding.borrow();
+                    e.as_ref()
+                        .expect("freed only at teardown")
+                        .exchange(rig, &collective)
+                })
+            },
+            |device| {
+                if let Some(e) = embedding.borrow_mut().take() {
+                    e.free(device);
+                }
+            },
+        );
+        Ok::<_, OffloadError>(out)
+    })();
+    let mut result = match result {
+        Ok(r) => r,
+        Err(e) => Err(RunFailure::from(e)),
+    };
+    // The embedding's buffers are the runtime's, not weights.
+    let harness_bytes = Embedding::device_bytes(g);
+    if let Ok(out) = &mut result {
+        out.at_end.device_peak_bytes = out.at_end.device_peak_bytes.saturating_sub(harness_bytes);
+        out.at_end.pinned_peak_bytes = out
+            .at_end
+            .pinned_peak_bytes
+            .saturating_sub(EMBED_SHARD_BYTES);
+        out.after_enable.pinned_bytes = out
+            .after_enable
+            .pinned_bytes
+            .saturating_sub(EMBED_SHARD_BYTES);
+    }
+    collective.depart();
+    RankOutcome {
+        rank,
+        result,
+        gathers: collective.log(),
+    }
+}
+
+/// Every rank's outputs, request by request (`None` for a failed rank).
+pub fn outputs(ranks: &[RankOutcome]) -> Vec<Option<Vec<u64>>> {
+    ranks
+        .iter()
+        .map(|r| {
+            r.result.as_ref().ok().map(|o| {
+                o.requests
+                    .iter()
+                    .map(|q: &RequestMeasure| q.output)
+                    .collect()
+            })
+        })
+        .collect()
+}
