@@ -614,13 +614,11 @@ pub fn drive(
     let is_poisoned =
         |s: Option<LifecycleState>| matches!(s, Some(LifecycleState::Poisoned { .. }));
     let poisoned_before = is_poisoned(rig.runtime.state());
-    let disabled = rig.runtime.disable();
-    let poisoned = poisoned_before
-        || match &disabled {
-            Ok(Some(b)) => is_poisoned(Some(b.state())),
-            _ => false,
-        };
-    let disabled = disabled.map(drop);
+    let (poisoned_after, disabled) = match rig.runtime.disable_backend() {
+        Some((b, result)) => (is_poisoned(Some(b.state())), result),
+        None => (false, Ok(())),
+    };
+    let poisoned = poisoned_before || poisoned_after;
     drop(rig);
     teardown(&device);
     device.check_released();

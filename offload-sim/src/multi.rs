@@ -65,6 +65,9 @@ pub struct RankOutcome {
     pub result: Result<RunOutcome, RunFailure>,
     /// The collectives it completed, in order.
     pub gathers: Vec<GatherRecord>,
+    /// Blocks `disable` handed back to the weight source (each checked
+    /// against the weights: a mismatch is an INV-8 violation).
+    pub restored_blocks: usize,
 }
 
 impl RankOutcome {
@@ -102,6 +105,54 @@ pub fn rank_config(
         compact.layer_options.remove("text_encoder");
     }
     c
+}
+
+/// The weight source of one rank: synthetic weights, and a check of every
+/// block `disable` hands back ([`WeightSource::restore`]): its bytes must
+/// be the weights' (INV-8), with a payload divisor at the kept positions.
+struct Restored {
+    weights: SyntheticWeights,
+    divisor: u64,
+    blocks: std::sync::Mutex<Vec<String>>,
+    wrong: std::sync::Mutex<Vec<String>>,
+}
+
+impl WeightSource for Restored {
+    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
+        self.weights.read(storage, position, dst);
+    }
+
+    fn restore(&self, unit: &offload_core::runtime::Unit, bytes: &[u8]) {
+        let mut wrong = None;
+        if bytes.len() as u64 != unit.bytes {
+            wrong = Some(format!("{} bytes, not {}", bytes.len(), unit.bytes));
+        }
+        for e in &unit.entries {
+            if wrong.is_some() {
+                break;
+            }
+            let mut want = vec![0u8; e.bytes as usize];
+            self.weights.read(e.storage, 0, &mut want);
+            let got = &bytes[e.offset as usize..(e.offset + e.bytes) as usize];
+            if let Some(i) = (0..want.len())
+                .filter(|i| ((e.offset as usize + i) as u64).is_multiple_of(self.divisor))
+                .find(|&i| got[i] != want[i])
+            {
+                wrong = Some(format!("byte {} of storage {:?}", i, e.storage));
+            }
+        }
+        if let Ok(mut v) = self.blocks.lock() {
+            v.push(unit.name.clone());
+        }
+        if let Some(w) = wrong
+            && let Ok(mut v) = self.wrong.lock()
+        {
+            v.push(format!(
+                "block `{}` restored at disable differs: {w}",
+                unit.name
+            ));
+        }
+    }
 }
 
 /// The runtime's own buffers for its prompt-embedding gather on one rank.
@@ -248,6 +299,7 @@ pub fn run_ranks(
                         reason: format!("rank {r}'s thread panicked"),
                     })),
                     gathers: Vec::new(),
+                    restored_blocks: 0,
                 })
             })
             .collect()
@@ -279,7 +331,13 @@ fn rank_run(
         StrategyChoice::Config(_) => StrategyChoice::Config(config.clone()),
     };
     let encodes = m.encoders == EncoderRanks::All || rank == 0;
-    let weights: Arc<dyn WeightSource> = Arc::new(SyntheticWeights { seed: opts.seed });
+    let restored = Arc::new(Restored {
+        weights: SyntheticWeights { seed: opts.seed },
+        divisor: opts.payload_divisor,
+        blocks: Default::default(),
+        wrong: Default::default(),
+    });
+    let weights: Arc<dyn WeightSource> = Arc::clone(&restored) as Arc<dyn WeightSource>;
     let result = (|| {
         let embedding = Embedding::new(&device, rank, g)?;
         device.reset_peak();
@@ -330,11 +388,24 @@ fn rank_run(
             .pinned_bytes
             .saturating_sub(EMBED_SHARD_BYTES);
     }
+    let wrong: Vec<String> = restored.wrong.lock().map(|v| v.clone()).unwrap_or_default();
+    let restored_blocks = restored.blocks.lock().map(|v| v.len()).unwrap_or_default();
+    let extra = wrong
+        .into_iter()
+        .map(|detail| offload_core::invariants::Violation {
+            invariant: offload_core::invariants::Invariant::Equivalence,
+            detail,
+        });
+    match &mut result {
+        Ok(o) => o.violations.extend(extra),
+        Err(f) => f.violations.extend(extra),
+    }
     collective.depart();
     RankOutcome {
         rank,
         result,
         gathers: collective.log(),
+        restored_blocks,
     }
 }
 

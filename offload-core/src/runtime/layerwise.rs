@@ -912,7 +912,9 @@ impl<A: Api> LayerwiseBackend<A> {
                     let mut bytes = vec![0; unit.bytes as usize];
                     staging.read_into(0, &mut bytes);
                     h.weights.restore(&unit, &bytes);
-                    st.table.evict(k, usize::MAX, usize::MAX);
+                    // No forward runs at disable: the slot is free (a planted
+                    // static slot choice may have left it marked in use).
+                    st.table.evict_unchecked(k, usize::MAX, usize::MAX);
                     st.placement.transition(&unit, Transition::Discard)?;
                 }
             }

@@ -397,15 +397,21 @@ impl<A: Api> Runtime<A> {
     }
 
     /// Disables and returns the backend (every step runs; the first error is
-    /// returned with it).
+    /// returned, and the backend dropped).
     pub fn disable(&mut self) -> Result<Option<Box<dyn Backend<A>>>, OffloadError> {
-        match self.backend.take() {
+        match self.disable_backend() {
             None => Ok(None),
-            Some(mut b) => {
-                b.disable(&mut self.model)?;
-                Ok(Some(b))
-            }
+            Some((b, result)) => result.map(|()| Some(b)),
         }
+    }
+
+    /// Disables the backend, if any, and returns it with the outcome, so a
+    /// caller can still ask a backend whose `disable` failed for its state
+    /// (poisoned?).
+    pub fn disable_backend(&mut self) -> Option<(Box<dyn Backend<A>>, Result<(), OffloadError>)> {
+        let mut b = self.backend.take()?;
+        let result = b.disable(&mut self.model);
+        Some((b, result))
     }
 
     /// The lifecycle state of the backend, if any.
