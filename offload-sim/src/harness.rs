@@ -124,6 +124,8 @@ pub struct RequestMeasure {
     pub output: u64,
     /// Virtual time of the denoising phase, ns.
     pub denoise_ns: u64,
+    /// When the denoising phase began and ended on the device's clock, ns.
+    pub denoise_window_ns: (u64, u64),
     /// Host→device bytes during denoising.
     pub denoise_h2d_bytes: u64,
     /// Time compute waited on events during denoising, ns.
@@ -379,7 +381,12 @@ fn request_inner(
         .synchronize_stream(compute)
         .map_err(|e| dev_err("synchronize_stream(compute) to read the output", e))?;
     m.output = device.read_accumulator(out);
-    m.denoise_ns = device.event_time_ns(&probe.end) - device.event_time_ns(&probe.start);
+    let window = (
+        device.event_time_ns(&probe.start),
+        device.event_time_ns(&probe.end),
+    );
+    m.denoise_ns = window.1 - window.0;
+    m.denoise_window_ns = window;
     Ok(m)
 }
 

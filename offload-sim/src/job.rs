@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 use crate::FaultPlan;
 use crate::device::Jitter;
 use crate::harness::{RequestMeasure, RunOptions, RunOutcome, StrategyChoice, Workload, run};
+use crate::multi::{EncoderRanks, MultiOptions, run_ranks};
 use crate::presets::Preset;
 use crate::profile::DeviceProfile;
 
@@ -35,6 +36,8 @@ pub const MAX_STEPS: usize = 10_000;
 pub const MAX_REQUESTS: usize = 1_000;
 /// The deepest prefetch.
 pub const MAX_PREFETCH_DEPTH: usize = 16;
+/// The most ranks of a simulated gather group.
+pub const MAX_RANKS: u32 = 64;
 
 /// Which strategies to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +85,9 @@ pub struct JobArgs {
     pub faults: FaultPlan,
     /// Collect a Perfetto trace.
     pub trace: bool,
+    /// Ranks of distributed layerwise offload (`None`: the configuration's
+    /// world size, else 1). Each rank is a simulated GPU on its own thread.
+    pub ranks: Option<u32>,
 }
 
 impl Default for JobArgs {
@@ -102,6 +108,7 @@ impl Default for JobArgs {
             device_memory_bytes: None,
             faults: FaultPlan::none(),
             trace: false,
+            ranks: None,
         }
     }
 }
@@ -211,6 +218,45 @@ pub struct Report {
     pub checker_violations: usize,
     /// What was broken.
     pub violations: Vec<String>,
+    /// Ranks (G): 1 but for distributed layerwise on several.
+    pub ranks: u32,
+    /// Gather time per step on the link (rank 0; distributed layerwise).
+    pub gather_ms_per_step: Option<f64>,
+    /// The part of the gathers the shard copies cannot hide, per step
+    /// (distributed layerwise's limit adds it to the copy time).
+    pub exposed_gather_ms: Option<f64>,
+    /// One row per rank (distributed layerwise on several ranks).
+    pub per_rank: Vec<RankRow>,
+}
+
+/// One rank of a distributed layerwise run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankRow {
+    /// The rank.
+    pub rank: u32,
+    /// Median step time of the timed requests.
+    pub step_time_ms: f64,
+    /// Pinned + registered host bytes held after enable (this rank's
+    /// shards), from the device's counters.
+    pub host_master_bytes: u64,
+    /// Host master bytes over the weights the strategy streams.
+    pub host_fraction_of_streamed: f64,
+    /// INV-7's host bound for this rank.
+    pub host_bound_bytes: u64,
+    /// Peak device weight bytes, from the device's counter.
+    pub peak_device_weight_bytes: u64,
+    /// INV-7's device bound.
+    pub device_bound_bytes: u64,
+    /// Collectives this rank issued in the last timed request's denoising.
+    pub gathers_per_step: f64,
+    /// Their link time per step.
+    pub gather_ms_per_step: f64,
+    /// Collective-agreement (INV-9) violations this rank's device saw.
+    pub collective_violations: usize,
+    /// Outputs equal the resident run's on this rank.
+    pub output_matches_resident: bool,
+    /// Rules broken on this rank.
+    pub checker_violations: usize,
 }
 
 /// What the job produced.
@@ -339,6 +385,10 @@ fn report(
         output_matches_resident: Some(matches),
         checker_violations: violations.len(),
         violations,
+        ranks: 1,
+        gather_ms_per_step: None,
+        exposed_gather_ms: None,
+        per_rank: Vec::new(),
     }
 }
 
@@ -378,6 +428,10 @@ impl Report {
             output_matches_resident: None,
             checker_violations: violations.len(),
             violations,
+            ranks: 1,
+            gather_ms_per_step: None,
+            exposed_gather_ms: None,
+            per_rank: Vec::new(),
         }
     }
 }
@@ -467,15 +521,269 @@ fn choices(args: &JobArgs) -> Result<Vec<StrategyChoice>, JobError> {
         return Ok(vec![StrategyChoice::Config(config)]);
     }
     Ok(match args.strategy {
-        StrategySet::All => [
-            OffloadStrategy::None,
-            OffloadStrategy::ModelLevel,
-            OffloadStrategy::Layerwise,
-        ]
-        .into_iter()
-        .map(StrategyChoice::strategy)
-        .collect(),
+        StrategySet::All => {
+            let mut all = vec![
+                OffloadStrategy::None,
+                OffloadStrategy::ModelLevel,
+                OffloadStrategy::Layerwise,
+            ];
+            if args.ranks.unwrap_or(1) > 1 {
+                all.push(OffloadStrategy::DistributedLayerwise);
+            }
+            all.into_iter().map(StrategyChoice::strategy).collect()
+        }
         StrategySet::One(s) => vec![StrategyChoice::strategy(s)],
+    })
+}
+
+fn is_dlo(choice: &StrategyChoice) -> bool {
+    matches!(choice, StrategyChoice::Config(c)
+        if c.select().is_ok_and(|s| s.strategy == OffloadStrategy::DistributedLayerwise))
+}
+
+/// The ranks distributed layerwise runs on: `--ranks`, else the
+/// configuration's world size; they must agree, and only distributed
+/// layerwise runs on several.
+fn ranks_of(args: &JobArgs, choices: &[StrategyChoice]) -> Result<u32, JobError> {
+    let world = choices
+        .iter()
+        .filter(|c| is_dlo(c))
+        .map(|c| c.config().parallel.world_size())
+        .max()
+        .unwrap_or(1);
+    let ranks = match (args.ranks, world) {
+        (None, w) => u32::try_from(w).unwrap_or(u32::MAX),
+        (Some(r), 1) => r,
+        (Some(r), w) if u64::from(r) == w => r,
+        (Some(r), w) => {
+            return Err(bad(
+                "--ranks",
+                r,
+                format!("the configuration's parallel section makes a world of {w} ranks: give --ranks {w} or leave it out"),
+            ));
+        }
+    };
+    if !(1..=MAX_RANKS).contains(&ranks) {
+        return Err(bad("--ranks", ranks, format!("allowed: 1 to {MAX_RANKS}")));
+    }
+    if ranks > 1 && !choices.iter().any(is_dlo) {
+        return Err(bad(
+            "--ranks",
+            ranks,
+            "several ranks run distributed layerwise offload only: add --strategy distributed-layerwise (or a configuration that selects it), or give --ranks 1",
+        ));
+    }
+    Ok(ranks)
+}
+
+/// A sampled payload keeps the bytes at positions ≡ 0 mod d of every
+/// buffer, so a gather of shards of s bytes keeps its bytes in place only
+/// if d divides s: on several ranks the divisor is at most the largest
+/// power of two dividing every block's shard.
+fn gather_divisor(
+    args: &JobArgs,
+    w: &Workload,
+    ranks: u32,
+    divisor: u64,
+) -> Result<u64, JobError> {
+    if ranks <= 1 {
+        return Ok(divisor);
+    }
+    let p = &w.preset.pipeline;
+    let shard_align = w
+        .preset
+        .dits
+        .iter()
+        .filter_map(|d| p.module_id(d))
+        .flat_map(|m| crate::harness::blocks_of(p, m))
+        .map(|b| p.subtree_bytes(b).div_ceil(u64::from(ranks)))
+        .map(|s| 1u64 << s.trailing_zeros().min(63))
+        .min()
+        .unwrap_or(1);
+    match args.payload_divisor {
+        Some(d) if d > shard_align => Err(bad(
+            "--payload-divisor",
+            d,
+            format!("with {ranks} ranks every block's shard must keep whole bytes: allowed up to {shard_align}"),
+        )),
+        Some(d) => Ok(d),
+        None => Ok(divisor.min(shard_align)),
+    }
+}
+
+/// Distributed layerwise's limit per step, ms: `max(compute, streamed
+/// bytes / (G · per-rank bandwidth) + exposed gather)`, where a block's
+/// gather is exposed by what it takes beyond its shard copy (the copy of
+/// the next shard overlaps it). Also returns the exposed part.
+fn dlo_limit_ms(
+    w: &Workload,
+    profile: &DeviceProfile,
+    ranks: u32,
+    streamed_per_step: f64,
+    resident_step_ms: f64,
+) -> (f64, f64) {
+    let shared = profile.for_ranks(ranks);
+    let p = &w.preset.pipeline;
+    let mut exposed_ns = 0.0;
+    let dits = w.preset.dits.len().max(1) as f64;
+    for dit in &w.preset.dits {
+        let Some(module) = p.module_id(dit) else {
+            continue;
+        };
+        for b in crate::harness::blocks_of(p, module) {
+            let s = p.subtree_bytes(b).div_ceil(u64::from(ranks));
+            let gather = shared.all_gather_ns(ranks, s) as f64;
+            let copy = shared.h2d_ns(s) as f64;
+            exposed_ns += (gather - copy).max(0.0) / dits;
+        }
+    }
+    let copy_ms = streamed_per_step / (f64::from(ranks) * shared.h2d_pinned_gbps * 1e9) * 1e3;
+    let exposed_ms = exposed_ns / 1e6;
+    (resident_step_ms.max(copy_ms + exposed_ms), exposed_ms)
+}
+
+/// Runs distributed layerwise on `ranks` simulated GPUs against a resident
+/// run on as many, and makes its row (figures of rank 0, one row per rank).
+fn run_dlo(
+    args: &JobArgs,
+    w: &Workload,
+    profile: &DeviceProfile,
+    choice: &StrategyChoice,
+    ranks: u32,
+    opts: &RunOptions,
+    unbounded: &RunOptions,
+    resident_step: f64,
+) -> Result<Report, JobError> {
+    let name = OffloadStrategy::DistributedLayerwise.to_string();
+    let multi = |run: &RunOptions, faults: Vec<FaultPlan>| MultiOptions {
+        ranks,
+        run: run.clone(),
+        faults,
+        encoders: EncoderRanks::All,
+    };
+    let run_err = |strategy: &str, error: OffloadError| JobError::Run {
+        strategy: strategy.to_owned(),
+        error,
+    };
+    let baseline = run_ranks(w, &StrategyChoice::Resident, &multi(unbounded, Vec::new()))
+        .map_err(|e| run_err("resident baseline", e))?;
+    let faults = if args.faults.any() {
+        vec![args.faults]
+    } else {
+        Vec::new()
+    };
+    let out = run_ranks(w, choice, &multi(opts, faults)).map_err(|e| run_err(&name, e))?;
+    if let Some(failed) = out.iter().find(|r| r.result.is_err()) {
+        let f = failed.result.as_ref().err().expect("found failed");
+        let violations: Vec<String> = out
+            .iter()
+            .flat_map(|r| r.violations().iter().map(move |v| format!("rank {}: {v}", r.rank)))
+            .collect();
+        if args.faults.any() {
+            let mut row = Report::without_figures(
+                w,
+                profile,
+                name,
+                resident_step,
+                true,
+                format!("rank {}: {}", failed.rank, f.error),
+                violations,
+            );
+            row.ranks = ranks;
+            return Ok(row);
+        }
+        return Err(JobError::Run {
+            strategy: format!("{name} (rank {} of {ranks})", failed.rank),
+            error: OffloadError::Forward {
+                module: String::new(),
+                reason: f.error.to_string(),
+            },
+        });
+    }
+    let resident_outputs = crate::multi::outputs(&baseline);
+    let mut per_rank = Vec::new();
+    let mut all_violations = Vec::new();
+    for (r, base) in out.iter().zip(&resident_outputs) {
+        let o = r.result.as_ref().expect("every rank succeeded");
+        let mut vs: Vec<String> = o
+            .violations
+            .iter()
+            .chain(&memory_violations(o))
+            .map(ToString::to_string)
+            .collect();
+        let matches = base.as_ref().is_some_and(|b| {
+            o.requests.iter().map(|q| q.output).eq(b.iter().copied())
+        });
+        if !matches {
+            vs.push("INV-8 Equivalence violated: outputs differ from the resident run".to_owned());
+        }
+        let last = timed(o).last().cloned().unwrap_or_default();
+        let (from, to) = last.denoise_window_ns;
+        let window: Vec<&crate::collective::GatherRecord> = r
+            .gathers
+            .iter()
+            .filter(|g| g.start_ns >= from && g.start_ns < to)
+            .collect();
+        let steps = w.steps as f64;
+        let streamed = o.bounds.offloaded_bytes.max(1);
+        let held = o.after_enable.pinned_bytes + o.after_enable.registered_bytes;
+        per_rank.push(RankRow {
+            rank: r.rank,
+            step_time_ms: step_ms(o, w.steps),
+            host_master_bytes: held,
+            host_fraction_of_streamed: held as f64 / streamed as f64,
+            host_bound_bytes: o.bounds.host_weight_bytes,
+            peak_device_weight_bytes: o.at_end.device_peak_bytes,
+            device_bound_bytes: o.bounds.device_weight_bytes,
+            gathers_per_step: window.len() as f64 / steps,
+            gather_ms_per_step: window.iter().map(|g| g.link_ns).sum::<u64>() as f64 / steps / 1e6,
+            collective_violations: o
+                .violations
+                .iter()
+                .filter(|v| v.invariant == offload_core::invariants::Invariant::CollectiveAgreement)
+                .count(),
+            output_matches_resident: matches,
+            checker_violations: vs.len(),
+        });
+        all_violations.extend(vs.into_iter().map(|v| format!("rank {}: {v}", r.rank)));
+    }
+    let first = out[0].result.as_ref().expect("every rank succeeded");
+    let last = timed(first).last().cloned().unwrap_or_default();
+    let streamed_per_step = last.block_bytes as f64 / w.steps as f64;
+    let (limit, exposed) = dlo_limit_ms(w, profile, ranks, streamed_per_step, resident_step);
+    let step = per_rank
+        .iter()
+        .map(|r| r.step_time_ms)
+        .fold(0.0, f64::max);
+    let matches = per_rank.iter().all(|r| r.output_matches_resident);
+    Ok(Report {
+        strategy: name,
+        model: w.preset.name.to_owned(),
+        gpu: profile.name.to_owned(),
+        steps: w.steps,
+        tokens: w.tokens,
+        fits: true,
+        error: None,
+        step_time_ms: Some(step),
+        resident_step_time_ms: resident_step,
+        limit_ms: Some(limit),
+        ratio_to_limit: (limit > 0.0).then(|| step / limit),
+        peak_device_weight_bytes: Some(first.at_end.device_peak_bytes),
+        device_bound_bytes: Some(first.bounds.device_weight_bytes),
+        pinned_host_bytes: Some(per_rank[0].host_master_bytes),
+        peak_host_bytes: Some(first.at_end.pinned_peak_bytes + first.at_end.registered_peak_bytes),
+        host_bound_bytes: Some(first.bounds.host_weight_bytes),
+        streamed_weight_bytes: Some(first.host_weight_bytes),
+        h2d_bytes_per_step: Some(last.denoise_h2d_bytes / w.steps as u64),
+        compute_wait_ms: Some(last.denoise_wait_ns as f64 / w.steps as f64 / 1e6),
+        enable_ms: Some(first.enable_ns as f64 / 1e6),
+        output_matches_resident: Some(matches),
+        checker_violations: all_violations.len(),
+        violations: all_violations,
+        ranks,
+        gather_ms_per_step: Some(per_rank[0].gather_ms_per_step),
+        exposed_gather_ms: Some(exposed),
+        per_rank,
     })
 }
 
@@ -494,6 +802,8 @@ fn strategy_name(choice: &StrategyChoice) -> String {
 pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutput, JobError> {
     let (w, profile, divisor) = workload(args)?;
     let choices = choices(args)?;
+    let ranks = ranks_of(args, &choices)?;
+    let divisor = gather_divisor(args, &w, ranks, divisor)?;
     let opts = RunOptions {
         prefetch_depth: args.prefetch_depth,
         payload_divisor: divisor,
@@ -528,6 +838,21 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
     let mut traces: Vec<Value> = Vec::new();
     for (i, choice) in choices.iter().enumerate() {
         let name = strategy_name(choice);
+        if is_dlo(choice) && ranks > 1 {
+            progress(&format!("{name} on {ranks} ranks"));
+            let resident_step = step_ms(&resident, w.steps);
+            reports.push(run_dlo(
+                args,
+                &w,
+                &profile,
+                choice,
+                ranks,
+                &opts,
+                &unbounded,
+                resident_step,
+            )?);
+            continue;
+        }
         progress(&name);
         let out = match run(&w, choice, &opts) {
             Ok(out) => out,

@@ -29,7 +29,8 @@ enum Command {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum StrategyArg {
-    /// Every strategy this simulator runs (resident, model-level, layerwise).
+    /// Every strategy (resident, model-level, layerwise; and distributed
+    /// layerwise with --ranks above 1).
     All,
     /// No offload: everything resident.
     None,
@@ -37,6 +38,8 @@ enum StrategyArg {
     ModelLevel,
     /// Layerwise offload.
     Layerwise,
+    /// Distributed layerwise offload (with --ranks G: G simulated GPUs).
+    DistributedLayerwise,
 }
 
 #[derive(clap::Args)]
@@ -84,6 +87,11 @@ struct RunArgs {
     /// for another card.
     #[arg(long)]
     device_memory_gb: Option<f64>,
+    /// Ranks of distributed layerwise offload, 1 to 64: each a simulated
+    /// GPU on its own thread, gathering over the profile's link (default:
+    /// the configuration's world size, else 1).
+    #[arg(long)]
+    ranks: Option<u32>,
     /// Plant a bug in the strategies under test (test builds only).
     #[cfg(feature = "planted-bugs")]
     #[arg(long, hide = true)]
@@ -147,6 +155,44 @@ fn print_table(r: &Report) {
     for (k, v) in rows {
         println!("  {k:<38} {v:>14}");
     }
+    if !r.per_rank.is_empty() {
+        println!(
+            "  limit for {} ranks: max(compute, streamed / (G × per-rank bandwidth) + exposed gather {}); gathers {} per step on rank 0",
+            r.ranks,
+            ms(r.exposed_gather_ms),
+            ms(r.gather_ms_per_step)
+        );
+        println!(
+            "  {:>4} {:>10} {:>12} {:>10} {:>12} {:>12} {:>12} {:>9} {:>10} {:>7} {:>7}",
+            "rank",
+            "step",
+            "host",
+            "/streamed",
+            "host bound",
+            "peak dev",
+            "dev bound",
+            "gathers",
+            "gather",
+            "INV-9",
+            "= res"
+        );
+        for q in &r.per_rank {
+            println!(
+                "  {:>4} {:>10} {:>12} {:>10.4} {:>12} {:>12} {:>12} {:>9.1} {:>10} {:>7} {:>7}",
+                q.rank,
+                ms(Some(q.step_time_ms)),
+                gb(Some(q.host_master_bytes)),
+                q.host_fraction_of_streamed,
+                gb(Some(q.host_bound_bytes)),
+                gb(Some(q.peak_device_weight_bytes)),
+                gb(Some(q.device_bound_bytes)),
+                q.gathers_per_step,
+                ms(Some(q.gather_ms_per_step)),
+                q.collective_violations,
+                q.output_matches_resident
+            );
+        }
+    }
     for v in &r.violations {
         println!("  ! {v}");
     }
@@ -176,6 +222,9 @@ fn job_args(args: &RunArgs) -> Result<JobArgs> {
             StrategyArg::None => StrategySet::One(OffloadStrategy::None),
             StrategyArg::ModelLevel => StrategySet::One(OffloadStrategy::ModelLevel),
             StrategyArg::Layerwise => StrategySet::One(OffloadStrategy::Layerwise),
+            StrategyArg::DistributedLayerwise => {
+                StrategySet::One(OffloadStrategy::DistributedLayerwise)
+            }
         },
         gpu: args.gpu.clone(),
         tokens: args.tokens,
@@ -196,6 +245,7 @@ fn job_args(args: &RunArgs) -> Result<JobArgs> {
         },
         faults: offload_sim::FaultPlan::none(),
         trace: args.trace.is_some(),
+        ranks: args.ranks,
     })
 }
 

@@ -29,8 +29,11 @@ use crate::harness::{
 };
 use crate::presets::SyntheticWeights;
 
-/// Bytes of each rank's part of the runtime's prompt-embedding all-gather.
-pub const EMBED_SHARD_BYTES: u64 = 256;
+/// Bytes of each rank's part of the runtime's prompt-embedding all-gather
+/// (at least one kept byte: a multiple of the payload divisor).
+pub fn embed_shard_bytes(divisor: u64) -> u64 {
+    256u64.max(divisor)
+}
 
 /// Which ranks run (and may stream) the encoders.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,28 +160,30 @@ impl WeightSource for Restored {
 
 /// The runtime's own buffers for its prompt-embedding gather on one rank.
 struct Embedding {
+    len: u64,
     host: SimHostBuffer,
     shard: SimDeviceBuffer,
     gathered: SimDeviceBuffer,
 }
 
 impl Embedding {
-    fn new(device: &SimDevice, rank: u32, ranks: u32) -> Result<Self, OffloadError> {
+    fn new(device: &SimDevice, rank: u32, ranks: u32, len: u64) -> Result<Self, OffloadError> {
         let err = |op: &str, e| OffloadError::device(op, e);
         let mut host = device
-            .alloc_pinned(EMBED_SHARD_BYTES)
+            .alloc_pinned(len)
             .map_err(|e| err("alloc_pinned(embedding)", e))?;
-        let tag: Vec<u8> = (0..EMBED_SHARD_BYTES)
+        let tag: Vec<u8> = (0..len)
             .map(|i| (i as u8) ^ (rank as u8).wrapping_mul(37))
             .collect();
-        offload_core::device::HostBuffer::write_from(&mut host, 0, EMBED_SHARD_BYTES, &tag);
+        offload_core::device::HostBuffer::write_from(&mut host, 0, len, &tag);
         let shard = device
-            .alloc_device(EMBED_SHARD_BYTES)
+            .alloc_device(len)
             .map_err(|e| err("alloc_device(embedding shard)", e))?;
         let gathered = device
-            .alloc_device(EMBED_SHARD_BYTES * u64::from(ranks))
+            .alloc_device(len * u64::from(ranks))
             .map_err(|e| err("alloc_device(embedding)", e))?;
         Ok(Self {
+            len,
             host,
             shard,
             gathered,
@@ -187,8 +192,8 @@ impl Embedding {
 
     /// Device bytes it holds (not weights: subtracted from the peaks INV-7
     /// compares).
-    fn device_bytes(ranks: u32) -> u64 {
-        EMBED_SHARD_BYTES * (1 + u64::from(ranks))
+    fn device_bytes(len: u64, ranks: u32) -> u64 {
+        len * (1 + u64::from(ranks))
     }
 
     /// The runtime's collective, on the compute stream: copy this rank's
@@ -197,7 +202,7 @@ impl Embedding {
         let d = &rig.device;
         let compute = rig.runtime.compute_stream();
         let err = |op: &str, e| OffloadError::device(op, e);
-        // SAFETY: whole buffers of EMBED_SHARD_BYTES; the host buffer is not
+        // SAFETY: whole buffers of `len` bytes; the host buffer is not
         // written again, and the stream orders the gather and the kernel
         // after the copy; the buffers are freed only after a device sync.
         unsafe {
@@ -207,18 +212,18 @@ impl Embedding {
                 0,
                 &self.shard,
                 0,
-                EMBED_SHARD_BYTES,
+                self.len,
             )
         }
         .map_err(|e| err("copy_h2d(embedding)", e))?;
-        // SAFETY: the shard is EMBED_SHARD_BYTES and `gathered` G times
+        // SAFETY: the shard is `len` bytes and `gathered` G times
         // that; both are used only on the compute stream, in order.
         unsafe {
             collective.all_gather(
                 compute,
                 &self.shard,
                 0,
-                EMBED_SHARD_BYTES,
+                self.len,
                 &self.gathered,
                 0,
             )
@@ -331,6 +336,7 @@ fn rank_run(
         StrategyChoice::Config(_) => StrategyChoice::Config(config.clone()),
     };
     let encodes = m.encoders == EncoderRanks::All || rank == 0;
+    let embed = embed_shard_bytes(opts.payload_divisor);
     let restored = Arc::new(Restored {
         weights: SyntheticWeights { seed: opts.seed },
         divisor: opts.payload_divisor,
@@ -339,7 +345,7 @@ fn rank_run(
     });
     let weights: Arc<dyn WeightSource> = Arc::clone(&restored) as Arc<dyn WeightSource>;
     let result = (|| {
-        let embedding = Embedding::new(&device, rank, g)?;
+        let embedding = Embedding::new(&device, rank, g, embed)?;
         device.reset_peak();
         let rig = Rig::on_device(
             device.clone(),
@@ -376,17 +382,17 @@ fn rank_run(
         Err(e) => Err(RunFailure::from(e)),
     };
     // The embedding's buffers are the runtime's, not weights.
-    let harness_bytes = Embedding::device_bytes(g);
+    let harness_bytes = Embedding::device_bytes(embed, g);
     if let Ok(out) = &mut result {
         out.at_end.device_peak_bytes = out.at_end.device_peak_bytes.saturating_sub(harness_bytes);
         out.at_end.pinned_peak_bytes = out
             .at_end
             .pinned_peak_bytes
-            .saturating_sub(EMBED_SHARD_BYTES);
+            .saturating_sub(embed);
         out.after_enable.pinned_bytes = out
             .after_enable
             .pinned_bytes
-            .saturating_sub(EMBED_SHARD_BYTES);
+            .saturating_sub(embed);
     }
     let wrong: Vec<String> = restored.wrong.lock().map(|v| v.clone()).unwrap_or_default();
     let restored_blocks = restored.blocks.lock().map(|v| v.len()).unwrap_or_default();

@@ -548,4 +548,9 @@ impl WeightSource for SyntheticWeights {
             *out = (word >> ((p % 8) * 8)) as u8;
         }
     }
+
+    /// Every byte can be regenerated: nothing to hand back at disable.
+    fn wants_restore(&self) -> bool {
+        false
+    }
 }

@@ -866,7 +866,7 @@ impl<A: Api> LayerwiseBackend<A> {
             .flat_map(|r| &r.blocks)
             .map(|m| m.unit.bytes)
             .max();
-        let Some(largest) = largest else {
+        let Some(largest) = largest.filter(|_| h.weights.wants_restore()) else {
             return Ok(());
         };
         let mut staging = h.device.alloc_pinned(largest).map_err(|e| {

@@ -290,6 +290,15 @@ pub trait WeightSource: Send + Sync {
     fn restore(&self, unit: &Unit, bytes: &[u8]) {
         let _ = (unit, bytes);
     }
+
+    /// Whether [`Self::restore`] wants the blocks: `false` for a source
+    /// that still holds (or can regenerate) every byte, which spares
+    /// distributed layerwise `disable` its gathers and copies. Every rank
+    /// of a group must answer alike (the gathers are collectives). Default
+    /// `true`, as CONTRACT §8 asks.
+    fn wants_restore(&self) -> bool {
+        true
+    }
 }
 
 /// Where one storage's bytes are readable by device kernels now.
