@@ -1819,7 +1819,7 @@ impl SimDevice {
         let d = st.divisor;
         if d > 1
             && (call.shard_offset % d != call.dst_offset % d
-                || (call.ranks > 1 && call.shard_bytes % d != 0))
+                || (call.ranks > 1 && !call.shard_bytes.is_multiple_of(d)))
         {
             return Err(st.err(
                 name,
@@ -1904,7 +1904,7 @@ impl SimDevice {
             st.record_violation(
                 Invariant::CollectiveAgreement,
                 format!(
-                    "`{name}`: a gather of {} bytes reads shard bytes {}..{} of `{shard_name}` that no copy wrote since the last gather: a gather wider than its block?",
+                    "`{name}`: a gather of {} bytes reads shard bytes {}..{} that no copy wrote since the last gather: a gather wider than its block?",
                     call.shard_bytes, gap.start, gap.end
                 ),
             );
