@@ -352,8 +352,7 @@ fn every_invariant_has_an_id() {
     assert_eq!(
         ids,
         [
-            "INV-1", "INV-2", "INV-3", "INV-4", "INV-5", "INV-6", "INV-7", "INV-8",
-            "INV-9"
+            "INV-1", "INV-2", "INV-3", "INV-4", "INV-5", "INV-6", "INV-7", "INV-8", "INV-9"
         ]
     );
 }
