@@ -17,7 +17,8 @@
 //!   copy engine, one device→host copy engine, one compute engine). Durations
 //!   come from the [`DeviceProfile`], optionally stretched by a seeded
 //!   [`Jitter`] that widens race windows as the CUDA backend's perturbation
-//!   mode does. The wall clock is never read. Arithmetic that would overflow
+//!   mode does. The wall clock is never read (but by a collective group's
+//!   last-resort hang limit, `crate::collective`). Arithmetic that would overflow
 //!   the clock is an error, never a wrap.
 //! * **Order.** A vector clock per stream and one for the host: waits join
 //!   event clocks, enqueues join the host clock, host synchronisation joins
