@@ -162,7 +162,7 @@ fn gathers_assemble_every_rank_s_shard_into_the_narrowed_range() {
 /// late rank the gather ends long before.
 #[test]
 fn a_late_rank_delays_every_rank_s_stream() {
-    let s = 1u64 << 20;
+    let s = 1u64 << 16;
     let run = |late: bool| {
         on_ranks(group(2), |c| {
             let d = c.device().clone();
@@ -439,6 +439,8 @@ enum Bug {
     OverwriteShard,
     /// The gather takes the whole shard buffer instead of the block's shard.
     WideGather,
+    /// The gather into the slot does not wait for compute's last use of it.
+    SkipSlotWait,
 }
 
 /// Two blocks of different sizes streamed through one shard buffer and one
@@ -486,8 +488,10 @@ fn stream_two_blocks(g: usize, bug: Bug, buggy: &[usize]) -> Vec<(Vec<Violation>
                 if bug != Bug::MissingWait {
                     d.stream_wait_event(&comm, &copied).unwrap();
                 }
-                // The slot is free once compute's last use completed.
-                d.stream_wait_event(&comm, &used).unwrap();
+                if bug != Bug::SkipSlotWait {
+                    // The slot is free once compute's last use completed.
+                    d.stream_wait_event(&comm, &used).unwrap();
+                }
                 c.all_gather(&comm, &shard, 0, gather_bytes, &slot, 0)
                     .unwrap();
             }
@@ -558,6 +562,25 @@ fn a_copy_overwriting_a_shard_under_its_gather_is_inv3_on_that_rank() {
         results[0].0
     );
     assert_clean(&stream_two_blocks(2, Bug::None, &[0]));
+}
+
+/// The second block's gather into the slot does not wait for compute's
+/// read of the first block (rank 1 only): INV-3 on rank 1's device.
+#[test]
+fn a_gather_into_a_slot_compute_still_reads_is_inv3_on_that_rank() {
+    let results = stream_two_blocks(2, Bug::SkipSlotWait, &[1]);
+    assert!(results[0].0.is_empty(), "{:#?}", results[0].0);
+    let inv3 = of(&results[1].0, Invariant::NoEarlyFree);
+    assert!(
+        inv3.iter().any(|v| v
+            .detail
+            .contains("overwrite or free while a read may be in flight")
+            && v.detail.contains("all_gather #2")
+            && v.detail.contains("`block`")),
+        "{:#?}",
+        results[1].0
+    );
+    assert_clean(&stream_two_blocks(2, Bug::None, &[1]));
 }
 
 /// Every rank gathers the whole shard buffer (40 bytes) for the 24-byte
