@@ -1,8 +1,9 @@
 //! Simulated collectives: a gather group of G simulated devices, each used
 //! from its own host thread, sharing one simulated all-gather.
 //!
-//! [`SimGroup::new`] takes the G devices and gives back one
-//! [`SimCollective`] per rank (move each to its rank's thread);
+//! `SimGroup::new(&devices).ranks()` takes the G devices and gives back
+//! one [`SimCollective`] per rank (move each to its rank's thread: a rank's
+//! host thread blocks in each all-gather until every rank has entered it);
 //! [`SimCollective::single`] is a group of one.
 //!
 //! # One all-gather, on rank r, collective number n
@@ -48,7 +49,7 @@
 //!   says otherwise. A group of one never breaks (it has no peer to lose
 //!   track of): a failed gather fails alone, as it always did.
 //! * **Last resort.** A rank that waits longer than the group's wait limit
-//!   ([`DEFAULT_WAIT_LIMIT`], or [`SimGroup::with_wait_limit`]) for ranks
+//!   ([`DEFAULT_WAIT_LIMIT`], or [`SimGroup::wait_limit`]) for ranks
 //!   that neither enter nor leave gets a typed error, an INV-9 "hang"
 //!   violation goes to every device, and the group breaks. This is the only
 //!   place the simulator reads the wall clock, and only while a rank
@@ -87,25 +88,38 @@ pub struct GatherRecord {
     pub link_ns: u64,
 }
 
-/// Builds gather groups of simulated devices.
-#[derive(Debug)]
-pub struct SimGroup;
+/// A gather group to build: `SimGroup::new(&devices).ranks()` gives one
+/// [`SimCollective`] per device (rank r on `devices[r]`).
+#[derive(Clone, Debug)]
+pub struct SimGroup {
+    devices: Vec<SimDevice>,
+    wait_limit: Duration,
+}
 
 impl SimGroup {
-    /// A group of `devices.len()` ranks (rank r on `devices[r]`) with the
-    /// default wait limit. Errors: no device, the same device twice,
-    /// devices with different payload divisors, more than `u32::MAX` ranks.
-    pub fn new(devices: &[SimDevice]) -> Result<Vec<SimCollective>, SimError> {
-        Self::with_wait_limit(devices, DEFAULT_WAIT_LIMIT)
+    /// A group of `devices.len()` ranks, rank r on `devices[r]`, with the
+    /// default wait limit ([`DEFAULT_WAIT_LIMIT`]).
+    pub fn new(devices: &[SimDevice]) -> Self {
+        Self {
+            devices: devices.to_vec(),
+            wait_limit: DEFAULT_WAIT_LIMIT,
+        }
     }
 
-    /// As [`Self::new`], with `wait_limit` as the last-resort hang limit.
-    pub fn with_wait_limit(
-        devices: &[SimDevice],
-        wait_limit: Duration,
-    ) -> Result<Vec<SimCollective>, SimError> {
+    /// The last-resort hang limit: how long (wall clock) a rank waits for
+    /// ranks that neither enter a collective nor leave the group.
+    pub fn wait_limit(mut self, limit: Duration) -> Self {
+        self.wait_limit = limit;
+        self
+    }
+
+    /// The ranks, in order; move each to its own host thread. Errors: no
+    /// device, the same device twice, devices with different payload
+    /// divisors, more than `u32::MAX` ranks.
+    pub fn ranks(self) -> Result<Vec<SimCollective>, SimError> {
+        let devices = &self.devices;
         let refuse = |detail: String| SimError {
-            operation: "SimGroup::new".to_owned(),
+            operation: "SimGroup::ranks".to_owned(),
             kind: DeviceErrorKind::Other,
             detail,
         };
@@ -124,7 +138,7 @@ impl SimGroup {
                 "the ranks' payload divisors differ: {divisors:?}"
             )));
         }
-        Ok(Group::start(devices, wait_limit))
+        Ok(Group::start(devices, self.wait_limit))
     }
 }
 
@@ -383,19 +397,29 @@ impl Group {
         }
     }
 
-    /// Decides collective `n` if it can be decided now; returns the INV-9
-    /// violation to record on every device, if any.
-    fn evaluate(&self, st: &mut GroupState, n: u64) -> Option<String> {
+    /// Records an INV-9 violation on every rank's device, then fails
+    /// collective `n` with it. The violation is on every device before any
+    /// rank can see the failure (device locks are taken under the group
+    /// lock, never the reverse).
+    fn fail_with_violation(&self, st: &mut GroupState, n: u64, why: String) {
+        for device in &self.devices {
+            device.report(Invariant::CollectiveAgreement, why.clone());
+        }
+        self.fail(st, n, why);
+    }
+
+    /// Decides collective `n` if it can be decided now.
+    fn evaluate(&self, st: &mut GroupState, n: u64) {
         let Some(round) = st.rounds.get(&n) else {
-            return None;
+            return;
         };
         if round.outcome.is_some() {
-            return None;
+            return;
         }
         if let Some((m, why)) = &st.broken {
             let why = format!("the group is broken since collective #{m}: {why}");
             self.fail(st, n, why);
-            return None;
+            return;
         }
         let entered: Vec<&Entered> = round.entries.iter().flatten().collect();
         if entered
@@ -412,8 +436,8 @@ impl Group {
                 "collective #{n}: the ranks disagree ({}): every rank must issue the same collectives in the same order with the same sizes (CONTRACT §8)",
                 each.join(", ")
             );
-            self.fail(st, n, why.clone());
-            return Some(why);
+            self.fail_with_violation(st, n, why);
+            return;
         }
         if let Some(q) =
             (0..self.size as usize).find(|&q| st.ranks[q].left && round.entries[q].is_none())
@@ -423,10 +447,10 @@ impl Group {
                 n,
                 format!("rank {q} left the group before collective #{n}"),
             );
-            return None;
+            return;
         }
         if entered.len() < self.size as usize {
-            return None;
+            return;
         }
         let start = entered.iter().map(|e| e.start_ns).max().unwrap_or(0);
         let link_ns = entered.iter().map(|e| e.link_ns).max().unwrap_or(0);
@@ -449,7 +473,6 @@ impl Group {
             round.outcome = Some(outcome);
         }
         self.changed.notify_all();
-        None
     }
 
     /// Rank `r` enters collective `n` (or reports that it failed inside it)
@@ -461,26 +484,6 @@ impl Group {
         n: u64,
         shard_bytes: u64,
         entered: Result<GatherEntry, SimError>,
-    ) -> Result<(u64, u64, Arc<Vec<u8>>), SimError> {
-        let mut violations = Vec::new();
-        let result = self.rendezvous_locked(r, n, shard_bytes, entered, &mut violations);
-        // Recorded with no group lock held (a device lock is never taken
-        // under the group lock).
-        for v in violations {
-            for device in &self.devices {
-                device.report(Invariant::CollectiveAgreement, v.clone());
-            }
-        }
-        result
-    }
-
-    fn rendezvous_locked(
-        &self,
-        r: u32,
-        n: u64,
-        shard_bytes: u64,
-        entered: Result<GatherEntry, SimError>,
-        violations: &mut Vec<String>,
     ) -> Result<(u64, u64, Arc<Vec<u8>>), SimError> {
         let mut st = lock(&self.state);
         let size = self.size as usize;
@@ -503,7 +506,7 @@ impl Group {
             link_ns: entry.link_ns,
             contribution: entry.contribution,
         });
-        violations.extend(self.evaluate(&mut st, n));
+        self.evaluate(&mut st, n);
         let mut deadline: Option<Instant> = None;
         let outcome = loop {
             let Some(round) = st.rounds.get(&n) else {
@@ -522,8 +525,7 @@ impl Group {
                     "collective #{n}: a hang: rank {r} waited {:?} (wall clock) for ranks {missing:?}, which neither entered it nor left the group (a collective issued on a path only some ranks take?)",
                     self.wait_limit
                 );
-                self.fail(&mut st, n, why.clone());
-                violations.push(why);
+                self.fail_with_violation(&mut st, n, why);
                 continue;
             }
             st = self

@@ -17,7 +17,8 @@
 //!   copy engine, one device→host copy engine, one compute engine). Durations
 //!   come from the [`DeviceProfile`], optionally stretched by a seeded
 //!   [`Jitter`] that widens race windows as the CUDA backend's perturbation
-//!   mode does. The wall clock is never read. Arithmetic that would overflow
+//!   mode does. The wall clock is never read (but by a collective group's
+//!   last-resort hang limit, `crate::collective`). Arithmetic that would overflow
 //!   the clock is an error, never a wrap.
 //! * **Order.** A vector clock per stream and one for the host: waits join
 //!   event clocks, enqueues join the host clock, host synchronisation joins
@@ -1819,7 +1820,7 @@ impl SimDevice {
         let d = st.divisor;
         if d > 1
             && (call.shard_offset % d != call.dst_offset % d
-                || (call.ranks > 1 && call.shard_bytes % d != 0))
+                || (call.ranks > 1 && !call.shard_bytes.is_multiple_of(d)))
         {
             return Err(st.err(
                 name,
@@ -1904,7 +1905,7 @@ impl SimDevice {
             st.record_violation(
                 Invariant::CollectiveAgreement,
                 format!(
-                    "`{name}`: a gather of {} bytes reads shard bytes {}..{} of `{shard_name}` that no copy wrote since the last gather: a gather wider than its block?",
+                    "`{name}`: a gather of {} bytes reads shard bytes {}..{} that no copy wrote since the last gather: a gather wider than its block?",
                     call.shard_bytes, gap.start, gap.end
                 ),
             );
