@@ -104,10 +104,7 @@ fn blas<T>(r: Result<T, cublas::CublasError>, operation: &'static str) -> Result
 
 fn driver<T>(r: Result<T, result::DriverError>, operation: &str) -> Result<T, ProxyError> {
     r.map_err(|e| {
-        ProxyError::Driver(CudaError {
-            operation: operation.to_owned(),
-            code: e.0,
-        })
+        ProxyError::Driver(CudaError::new(operation, e.0))
     })
 }
 
