@@ -41,12 +41,15 @@ pub fn init_from_env<E>(
 where
     DistError: From<E>,
 {
+    let nccl = nccl_info();
     if !offload_cuda::driver_present() {
-        return Err(DistError::NcclUnavailable {
-            reason: "no CUDA driver with a device on this machine".to_owned(),
-        });
+        let mut reason = "no CUDA driver with a device on this machine".to_owned();
+        if let Err(DistError::NcclUnavailable { reason: r }) = &nccl {
+            reason = format!("{reason}; and {r}");
+        }
+        return Err(DistError::NcclUnavailable { reason });
     }
-    nccl_info()?;
+    nccl?;
     let env = DistEnv::from_env()?;
     let device = device_for_local_rank(env.local_rank)?;
     let id = if env.rank == 0 {

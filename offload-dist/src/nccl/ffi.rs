@@ -197,14 +197,14 @@ fn load_from(name: &str) -> Result<Nccl, String> {
     // SAFETY: loading runs the library's initialisers; NCCL's only set up
     // its own globals. The library stays loaded for the process (kept in a
     // static).
-    let lib = unsafe { Library::new(name) }.map_err(|e| e.to_string())?;
+    let lib = unsafe { Library::new(name) }.map_err(|e| chain(&e))?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the field's type is the symbol's C prototype in
             // nccl.h (unchanged since NCCL 2.14, which `load_from` checks
             // below), with `ncclResult_t` read as the u32 it is.
             *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
-                .map_err(|e| format!("missing symbol {}: {e}", $name))?
+                .map_err(|e| format!("missing symbol {}: {}", $name, chain(&e)))?
         };
     }
     let get_version: unsafe extern "C" fn(*mut c_int) -> Status = sym!("ncclGetVersion");
@@ -247,6 +247,18 @@ fn load_from(name: &str) -> Result<Nccl, String> {
         get_error_string,
         get_last_error,
     })
+}
+
+/// An error and its sources (libloading puts dlerror's text in the source).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
 }
 
 /// `libnccl.so.2` of Python's `nvidia-nccl-cu*` wheels, in the usual
@@ -360,6 +372,19 @@ mod tests {
             vec![dir.join("venv/lib/python3.12/site-packages")]
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_library_is_an_error() {
+        let e = load_from("/nonexistent/libnccl.so.2").err().unwrap();
+        assert!(e.contains("/nonexistent/libnccl.so.2"), "{e}");
+    }
+
+    #[test]
+    fn a_library_that_is_not_nccl_is_an_error() {
+        // libc is loaded in every process, and has no NCCL symbols.
+        let e = load_from("libc.so.6").err().unwrap();
+        assert!(e.contains("missing symbol ncclGetVersion"), "{e}");
     }
 
     #[test]
