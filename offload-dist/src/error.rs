@@ -266,7 +266,8 @@ pub struct Aborted {
     pub ranks: u32,
     /// The oldest collective still pending at the abort, if any.
     pub collective: Option<PendingCollective>,
-    /// The timeout in force for it.
+    /// The timeout that collective was given (without one, the timeout in
+    /// force at the abort).
     pub timeout: Duration,
     /// Why.
     pub cause: AbortCause,

@@ -108,19 +108,24 @@ struct Event(cusys::CUevent);
 // SAFETY: a CUevent is a driver handle usable from any thread.
 unsafe impl Send for Event {}
 
+/// A collective that was pending, and the timeout it was given.
+type Culprit = (PendingCollective, Duration);
+
 struct Pending {
     number: u64,
     shard_bytes: u64,
+    timeout: Duration,
     event: Event,
     deadline: Instant,
 }
 
 impl Pending {
-    fn describe(&self) -> PendingCollective {
-        PendingCollective {
+    fn describe(&self) -> Culprit {
+        let collective = PendingCollective {
             number: self.number,
             shard_bytes: self.shard_bytes,
-        }
+        };
+        (collective, self.timeout)
     }
 }
 
@@ -134,7 +139,7 @@ struct State {
 }
 
 impl State {
-    fn oldest(&self) -> Option<PendingCollective> {
+    fn oldest(&self) -> Option<Culprit> {
         self.pending
             .iter()
             .min_by_key(|p| p.number)
@@ -193,39 +198,33 @@ fn settle(nccl: &Nccl, comm: ncclComm_t, mut rc: u32, deadline: Instant) -> Resu
 
 impl Shared {
     /// Aborts the communicator (once), recording why.
-    fn abort(&self, collective: Option<PendingCollective>, cause: AbortCause) {
-        let mut slot = lock(&self.comm);
-        self.abort_locked(&mut slot, collective, cause);
+    fn abort(&self, culprit: Option<Culprit>, cause: AbortCause) {
+        let taken = self.mark_aborted(&mut lock(&self.comm), culprit, cause);
+        if let Some(comm) = taken {
+            self.run_abort(comm);
+        }
     }
 
-    fn abort_locked(
+    /// Takes the handle out of `slot` (so no later call can use it) and
+    /// records why, waking every waiter; the caller then releases the
+    /// mutex and calls [`Self::run_abort`] with what it got. Recording
+    /// first means callers learn of the abort at once, even where
+    /// `ncclCommAbort` itself takes a while (some NCCL versions wait for
+    /// the other ranks of the host).
+    fn mark_aborted(
         &self,
         slot: &mut Option<Comm>,
-        collective: Option<PendingCollective>,
+        culprit: Option<Culprit>,
         cause: AbortCause,
-    ) {
-        let Some(comm) = slot.take() else {
-            return;
-        };
-        tracing::error!(
-            "NCCL rank {} of {}: aborting the communicator: {cause:?}",
-            self.rank,
-            self.size
-        );
-        let _ = self.ctx.bind();
-        // SAFETY: the handle was live and is now out of the mutex, so no
-        // other call can use it; abort frees it.
-        let rc = unsafe { (self.nccl.comm_abort)(comm.0) };
-        if rc != SUCCESS {
-            tracing::error!("ncclCommAbort: {}", self.nccl.describe(rc));
-        }
+    ) -> Option<Comm> {
+        let comm = slot.take()?;
         let mut st = lock(&self.state);
         if st.aborted.is_none() {
             st.aborted = Some(Aborted {
                 rank: self.rank,
                 ranks: self.size,
-                collective,
-                timeout: st.timeout,
+                collective: culprit.map(|c| c.0),
+                timeout: culprit.map_or(st.timeout, |c| c.1),
                 cause,
             });
         }
@@ -233,8 +232,23 @@ impl Shared {
         // drop (destroying a pending event is legal).
         let events: Vec<Event> = st.pending.drain(..).map(|p| p.event).collect();
         st.spare.extend(events);
+        if let Some(a) = &st.aborted {
+            tracing::error!("{a}");
+        }
         drop(st);
         self.changed.notify_all();
+        Some(comm)
+    }
+
+    /// `ncclCommAbort` on a handle taken by [`Self::mark_aborted`].
+    fn run_abort(&self, comm: Comm) {
+        let _ = self.ctx.bind();
+        // SAFETY: the handle was live and is out of the mutex, so no other
+        // call can use it; abort frees it.
+        let rc = unsafe { (self.nccl.comm_abort)(comm.0) };
+        if rc != SUCCESS {
+            tracing::error!("ncclCommAbort: {}", self.nccl.describe(rc));
+        }
     }
 
     /// NCCL's asynchronous error, if any (skipped while the communicator
@@ -284,7 +298,7 @@ fn watchdog(shared: Arc<Shared>) {
                 .0;
             continue;
         }
-        let mut failure: Option<(Option<PendingCollective>, AbortCause)> = None;
+        let mut failure: Option<(Option<Culprit>, AbortCause)> = None;
         let mut finished = false;
         let mut i = 0;
         while i < st.pending.len() {
@@ -367,9 +381,13 @@ fn watchdog(shared: Arc<Shared>) {
 /// * Every use of the communicator handle holds one mutex: `all_gather`
 ///   for the whole enqueue (NCCL forbids concurrent calls on one
 ///   communicator), the watchdog for each async-error poll (it skips the
-///   poll when the mutex is busy) and for the abort. `ncclCommAbort` frees
-///   the communicator, and the handle is taken out of the mutex before it
-///   is called, so no call ever sees a freed handle.
+///   poll when the mutex is busy) and to take the handle out for an
+///   abort. An abort is recorded (and every waiter woken) before
+///   `ncclCommAbort` runs, outside the mutex: callers learn of it at once
+///   even where `ncclCommAbort` takes a while (some NCCL versions wait for
+///   the host's other ranks), and since `ncclCommAbort` frees the
+///   communicator and the handle is out of the mutex by then, no call ever
+///   sees a freed handle.
 /// * After each all-gather, a CUDA event is recorded on the caller's
 ///   stream and queued with a deadline (`now + timeout`). The watchdog
 ///   thread polls the queue (every 2 ms while it is not empty, every
@@ -381,9 +399,11 @@ fn watchdog(shared: Arc<Shared>) {
 ///   whatever its stream waits for before it: choose the timeout for the
 ///   longest wait plus the transfer.
 /// * Drop waits for the queued collectives (bounded by their deadlines),
-///   stops and joins the watchdog, then finalizes and destroys the
-///   communicator (aborting it if finalize fails or times out), or does
-///   nothing more if it was aborted; then it destroys the events.
+///   stops and joins the watchdog (leaving it, with a logged error, if it
+///   is still inside `ncclCommAbort` after the timeout, at least 10 s),
+///   then finalizes and destroys the communicator (aborting it if
+///   finalize fails or times out), or does nothing more if it was
+///   aborted; then it destroys the events.
 pub struct NcclCollective {
     shared: Arc<Shared>,
     watchdog: Option<JoinHandle<()>>,
@@ -591,8 +611,9 @@ impl NcclCollective {
         }
     }
 
-    /// Aborts the communicator now (`ncclCommAbort`: local, never waits
-    /// for the peers). Later collectives fail; idempotent.
+    /// Aborts the communicator now (`ncclCommAbort`: queued collectives
+    /// are not waited for; some NCCL versions wait for the host's other
+    /// ranks to abort too). Later collectives fail; idempotent.
     pub fn abort(&self) {
         let oldest = lock(&self.shared.state).oldest();
         self.shared.abort(oldest, AbortCause::ByCaller);
@@ -657,10 +678,13 @@ impl Collective<Cuda> for NcclCollective {
             st.issued += 1;
             (st.issued, st.timeout)
         };
-        let this = PendingCollective {
-            number,
-            shard_bytes,
-        };
+        let this = (
+            PendingCollective {
+                number,
+                shard_bytes,
+            },
+            timeout,
+        );
         let deadline = Instant::now() + timeout;
         // SAFETY: both ranges lie within their buffers (checked above); the
         // caller guarantees the buffers stay valid and untouched until an
@@ -688,13 +712,16 @@ impl Collective<Cuda> for NcclCollective {
                     shared.nccl.describe(code)
                 )));
             }
-            Err(Settle::Failed(code)) => {
-                let message = shared.nccl.describe(code);
-                shared.abort_locked(&mut slot, Some(this), AbortCause::NcclError(message));
-                return Err(shared.refused(&what()));
-            }
-            Err(Settle::TimedOut) => {
-                shared.abort_locked(&mut slot, Some(this), AbortCause::TimedOut);
+            Err(failure) => {
+                let cause = match failure {
+                    Settle::Failed(code) => AbortCause::NcclError(shared.nccl.describe(code)),
+                    Settle::TimedOut => AbortCause::TimedOut,
+                };
+                let taken = shared.mark_aborted(&mut slot, Some(this), cause);
+                drop(slot);
+                if let Some(comm) = taken {
+                    shared.run_abort(comm);
+                }
                 return Err(shared.refused(&what()));
             }
         }
@@ -717,6 +744,7 @@ impl Collective<Cuda> for NcclCollective {
         lock(&shared.state).pending.push(Pending {
             number,
             shard_bytes,
+            timeout,
             event,
             deadline,
         });
@@ -733,6 +761,20 @@ impl Drop for NcclCollective {
         lock(&self.shared.state).stop = true;
         self.shared.changed.notify_all();
         if let Some(handle) = self.watchdog.take() {
+            // The watchdog may be inside ncclCommAbort, which some NCCL
+            // versions make wait for the host's other ranks: wait for it a
+            // while, then leave it (and what it holds) rather than hang.
+            let give_up = Instant::now() + self.timeout().max(Duration::from_secs(10));
+            while !handle.is_finished() && Instant::now() < give_up {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if !handle.is_finished() {
+                tracing::error!(
+                    "NCCL rank {}: the watchdog is still inside ncclCommAbort; leaving it and the communicator's events",
+                    self.shared.rank
+                );
+                return;
+            }
             let _ = handle.join();
         }
         let shared = &*self.shared;
