@@ -187,33 +187,48 @@ fn check_gather(g: &DistGroup, stream: &CudaStream, size: u64) -> Result<String,
     g.collective.wait_idle().map_err(err)?;
     let mut got = vec![0u8; total as usize];
     out.read_into(0, &mut got);
-    for (i, &b) in got.iter().enumerate() {
-        let i = i as u64;
-        let (expected, what) = if i < FRONT {
-            (SENTINEL, format!("byte {i} before the range"))
-        } else if i >= FRONT + world * size {
-            (
-                SENTINEL,
-                format!("byte {} after the range", i - FRONT - world * size),
-            )
-        } else {
-            let r = (i - FRONT) / size;
-            let k = (i - FRONT) % size;
-            (
-                pattern(r as u32, k),
-                format!("byte {k} of rank {r}'s shard"),
-            )
-        };
-        if b != expected {
-            return Err(format!(
-                "{what} (offset {i} of {total}): expected {expected:#04x}, got {b:#04x}"
-            ));
-        }
+    if let Some(mismatch) = first_mismatch(&got, world, size) {
+        return Err(mismatch);
     }
     Ok(format!(
         "{world} × {size} bytes from shard offset {SHARD_LEAD} into [{FRONT}, {}) of a {total}-byte buffer; the {} bytes around it untouched",
         FRONT + world * size,
         FRONT + BACK
+    ))
+}
+
+/// The byte expected at `i` of the gathered buffer: rank r's pattern in
+/// its slice of `[FRONT, FRONT + world × size)`, the sentinel around it.
+fn expected_byte(i: u64, world: u64, size: u64) -> u8 {
+    if (FRONT..FRONT + world * size).contains(&i) {
+        let (r, k) = ((i - FRONT) / size, (i - FRONT) % size);
+        pattern(r as u32, k)
+    } else {
+        SENTINEL
+    }
+}
+
+/// The first byte of `got` that is not what the all-gather should leave,
+/// described.
+fn first_mismatch(got: &[u8], world: u64, size: u64) -> Option<String> {
+    let end = FRONT + world * size;
+    let (i, &b) = got
+        .iter()
+        .enumerate()
+        .find(|&(i, &b)| b != expected_byte(i as u64, world, size))?;
+    let i = i as u64;
+    let what = if i < FRONT {
+        format!("byte {i} before the range")
+    } else if i >= end {
+        format!("byte {} after the range", i - end)
+    } else {
+        let (r, k) = ((i - FRONT) / size, (i - FRONT) % size);
+        format!("byte {k} of rank {r}'s shard")
+    };
+    Some(format!(
+        "{what} (offset {i} of {}): expected {:#04x}, got {b:#04x}",
+        got.len(),
+        expected_byte(i, world, size)
     ))
 }
 
@@ -351,4 +366,53 @@ fn check_abort(g: &DistGroup, stream: &CudaStream) -> Result<String, String> {
         "collective #{number} (skipped by the other ranks) aborted by the watchdog after {:.2} s (timeout {ABORT_TIMEOUT:?}); the next all-gather failed: {text}",
         elapsed.as_secs_f64()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gathered(world: u64, size: u64) -> Vec<u8> {
+        let total = FRONT + world * size + BACK;
+        (0..total).map(|i| expected_byte(i, world, size)).collect()
+    }
+
+    #[test]
+    fn a_correct_gather_passes() {
+        for size in [1, 7, 4097] {
+            assert_eq!(first_mismatch(&gathered(2, size), 2, size), None);
+        }
+    }
+
+    #[test]
+    fn patterns_differ_between_ranks() {
+        assert!((0..7).all(|k| pattern(0, k) != pattern(1, k)));
+    }
+
+    #[test]
+    fn each_region_names_its_mismatch() {
+        let (world, size) = (2, 7);
+        let mut got = gathered(world, size);
+        got[3] ^= 1;
+        assert!(
+            first_mismatch(&got, world, size)
+                .unwrap()
+                .starts_with("byte 3 before the range")
+        );
+        let mut got = gathered(world, size);
+        got[(FRONT + size + 2) as usize] ^= 1;
+        assert!(
+            first_mismatch(&got, world, size)
+                .unwrap()
+                .starts_with("byte 2 of rank 1's shard")
+        );
+        let mut got = gathered(world, size);
+        let last = got.len() - 1;
+        got[last] ^= 1;
+        assert!(
+            first_mismatch(&got, world, size)
+                .unwrap()
+                .starts_with(&format!("byte {} after the range", BACK - 1))
+        );
+    }
 }
