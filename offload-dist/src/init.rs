@@ -27,7 +27,7 @@ pub struct DistGroup {
 ///    `MASTER_PORT` ([`DistEnv::from_env`]);
 /// 3. makes the device for `LOCAL_RANK` with `device_for_local_rank`
 ///    (typically `|i| CudaDevice::new(i as i32)`);
-/// 4. on rank 0, makes the NCCL unique id; the [`rendezvous`] hands it to
+/// 4. on rank 0, makes the NCCL unique id; the [`rendezvous()`] hands it to
 ///    every rank;
 /// 5. joins the communicator ([`NcclCollective::init`]).
 ///

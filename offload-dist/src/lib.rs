@@ -19,7 +19,7 @@
 //! rank has arrived, so the rendezvous is also a barrier; it fails, and
 //! tells every connected peer why, on a world-size mismatch, a rank
 //! claimed twice, or ranks missing at the deadline (named). The payload is
-//! opaque bytes ([`rendezvous`]), so all of this is tested over loopback
+//! opaque bytes ([`rendezvous()`]), so all of this is tested over loopback
 //! without NCCL. Then every rank joins the communicator
 //! ([`NcclCollective::init`], with its own deadline).
 //!
