@@ -67,17 +67,53 @@ impl Api for Cuda {
 
 /// A driver error, naming the operation.
 #[derive(Debug, thiserror::Error)]
-#[error("{operation}: {code:?}")]
+#[error("{operation}{}", self.code_suffix())]
 pub struct CudaError {
     /// The operation (with its sizes).
     pub operation: String,
     /// The driver's code.
     pub code: sys::CUresult,
+    /// The kind, where it is not the driver code's: set by
+    /// [`CudaError::transfer_failed`] only.
+    kind: Option<DeviceErrorKind>,
+}
+
+impl CudaError {
+    /// A driver error: `operation` failed with `code`.
+    pub fn new(operation: impl Into<String>, code: sys::CUresult) -> Self {
+        Self {
+            operation: operation.into(),
+            code,
+            kind: None,
+        }
+    }
+
+    /// A failed transfer or collective that the driver reported no code
+    /// for (a collective library's own error, such as NCCL's): kind
+    /// [`DeviceErrorKind::TransferFailed`], `code` `CUDA_ERROR_UNKNOWN`,
+    /// displayed as `operation` alone (which names the library's error).
+    pub fn transfer_failed(operation: impl Into<String>) -> Self {
+        Self {
+            operation: operation.into(),
+            code: sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
+            kind: Some(DeviceErrorKind::TransferFailed),
+        }
+    }
+
+    fn code_suffix(&self) -> String {
+        match self.kind {
+            Some(_) => String::new(),
+            None => format!(": {:?}", self.code),
+        }
+    }
 }
 
 impl DeviceError for CudaError {
     fn kind(&self) -> DeviceErrorKind {
         use sys::cudaError_enum as E;
+        if let Some(kind) = self.kind {
+            return kind;
+        }
         match self.code {
             E::CUDA_ERROR_OUT_OF_MEMORY => DeviceErrorKind::OutOfMemory,
             E::CUDA_ERROR_ILLEGAL_ADDRESS
@@ -96,10 +132,7 @@ fn check(code: sys::CUresult, operation: impl FnOnce() -> String) -> Result<(), 
     if code == sys::cudaError_enum::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(CudaError {
-            operation: operation(),
-            code,
-        })
+        Err(CudaError::new(operation(), code))
     }
 }
 
@@ -107,16 +140,13 @@ fn wrap<T>(
     r: Result<T, result::DriverError>,
     operation: impl FnOnce() -> String,
 ) -> Result<T, CudaError> {
-    r.map_err(|e| CudaError {
-        operation: operation(),
-        code: e.0,
-    })
+    r.map_err(|e| CudaError::new(operation(), e.0))
 }
 
 /// An error the caller could have foreseen (a range out of bounds, an
 /// object of another device), reported with the driver's code for it.
 fn invalid(code: sys::CUresult, operation: String) -> CudaError {
-    CudaError { operation, code }
+    CudaError::new(operation, code)
 }
 
 /// Whether `offset..offset + bytes` lies within `len` bytes.
@@ -532,10 +562,10 @@ impl CudaDevice {
     /// driver or device is found.
     pub fn new(ordinal: i32) -> Result<Self, CudaError> {
         if !driver_present() {
-            return Err(CudaError {
-                operation: "loading the CUDA driver".to_owned(),
-                code: sys::cudaError_enum::CUDA_ERROR_NO_DEVICE,
-            });
+            return Err(CudaError::new(
+                "loading the CUDA driver",
+                sys::cudaError_enum::CUDA_ERROR_NO_DEVICE,
+            ));
         }
         let ctx = Arc::new(CudaContext::retain(ordinal)?);
         let name = wrap(result::device::get_name(ctx.dev), || {
@@ -970,10 +1000,7 @@ impl Device<Cuda> for CudaDevice {
         match unsafe { result::event::query(event.raw) } {
             Ok(()) => Ok(true),
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(e) => Err(CudaError {
-                operation: "cuEventQuery".to_owned(),
-                code: e.0,
-            }),
+            Err(e) => Err(CudaError::new("cuEventQuery", e.0)),
         }
     }
 

@@ -103,12 +103,7 @@ fn blas<T>(r: Result<T, cublas::CublasError>, operation: &'static str) -> Result
 }
 
 fn driver<T>(r: Result<T, result::DriverError>, operation: &str) -> Result<T, ProxyError> {
-    r.map_err(|e| {
-        ProxyError::Driver(CudaError {
-            operation: operation.to_owned(),
-            code: e.0,
-        })
-    })
+    r.map_err(|e| ProxyError::Driver(CudaError::new(operation, e.0)))
 }
 
 /// The kernels' PTX, compiled once per process (PTX does not depend on the
