@@ -277,7 +277,9 @@ pub fn run_ranks(
         );
     }
     let collectives =
-        SimGroup::new(&devices).map_err(|e| OffloadError::device("SimGroup::new", e))?;
+        SimGroup::new(&devices)
+            .ranks()
+            .map_err(|e| OffloadError::device("SimGroup::new", e))?;
     let outcomes = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .into_iter()
