@@ -30,6 +30,8 @@ use offload_sim::harness::blocks_of;
 use offload_sim::presets::flux1_dev_dit;
 use serde::Serialize;
 
+mod dist;
+
 /// Attention heads and head width of Flux.1-dev.
 const HEADS: u64 = 24;
 const HEAD_DIM: u64 = 128;
@@ -64,6 +66,12 @@ struct Args {
     #[cfg(feature = "planted-bugs")]
     #[arg(long)]
     plant: Option<String>,
+    /// Distributed layerwise on G GPUs, one process per GPU (2..=8; run
+    /// under `offload-launch -n G` or torchrun, or alone: it then runs
+    /// itself under `offload-launch` found beside it). 1: the single-GPU
+    /// layerwise benchmark.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    ranks: u32,
 }
 
 /// The flags, checked.
@@ -363,6 +371,9 @@ fn main() -> Result<()> {
     #[cfg(not(feature = "planted-bugs"))]
     let bugs: Vec<offload_core::runtime::PlantedBug> = Vec::new();
     let plant_name: Option<String> = bugs.first().map(|b| b.name());
+    if args.ranks > 1 {
+        return dist::main(&settings, args.ranks, &args.json, &bugs);
+    }
     if !driver_present() {
         bail!("no CUDA driver found: the benchmark needs a GPU");
     }

@@ -559,7 +559,9 @@ fn ranks_of(args: &JobArgs, choices: &[StrategyChoice]) -> Result<u32, JobError>
             return Err(bad(
                 "--ranks",
                 r,
-                format!("the configuration's parallel section makes a world of {w} ranks: give --ranks {w} or leave it out"),
+                format!(
+                    "the configuration's parallel section makes a world of {w} ranks: give --ranks {w} or leave it out"
+                ),
             ));
         }
     };
@@ -580,12 +582,7 @@ fn ranks_of(args: &JobArgs, choices: &[StrategyChoice]) -> Result<u32, JobError>
 /// buffer, so a gather of shards of s bytes keeps its bytes in place only
 /// if d divides s: on several ranks the divisor is at most the largest
 /// power of two dividing every block's shard.
-fn gather_divisor(
-    args: &JobArgs,
-    w: &Workload,
-    ranks: u32,
-    divisor: u64,
-) -> Result<u64, JobError> {
+fn gather_divisor(args: &JobArgs, w: &Workload, ranks: u32, divisor: u64) -> Result<u64, JobError> {
     if ranks <= 1 {
         return Ok(divisor);
     }
@@ -604,7 +601,9 @@ fn gather_divisor(
         Some(d) if d > shard_align => Err(bad(
             "--payload-divisor",
             d,
-            format!("with {ranks} ranks every block's shard must keep whole bytes: allowed up to {shard_align}"),
+            format!(
+                "with {ranks} ranks every block's shard must keep whole bytes: allowed up to {shard_align}"
+            ),
         )),
         Some(d) => Ok(d),
         None => Ok(divisor.min(shard_align)),
@@ -650,8 +649,7 @@ fn run_dlo(
     profile: &DeviceProfile,
     choice: &StrategyChoice,
     ranks: u32,
-    opts: &RunOptions,
-    unbounded: &RunOptions,
+    (opts, unbounded): (&RunOptions, &RunOptions),
     resident_step: f64,
 ) -> Result<Report, JobError> {
     let name = OffloadStrategy::DistributedLayerwise.to_string();
@@ -674,10 +672,14 @@ fn run_dlo(
     };
     let out = run_ranks(w, choice, &multi(opts, faults)).map_err(|e| run_err(&name, e))?;
     if let Some(failed) = out.iter().find(|r| r.result.is_err()) {
-        let f = failed.result.as_ref().err().expect("found failed");
+        let f = failed.result.as_ref().expect_err("found failed");
         let violations: Vec<String> = out
             .iter()
-            .flat_map(|r| r.violations().iter().map(move |v| format!("rank {}: {v}", r.rank)))
+            .flat_map(|r| {
+                r.violations()
+                    .iter()
+                    .map(move |v| format!("rank {}: {v}", r.rank))
+            })
             .collect();
         if args.faults.any() {
             let mut row = Report::without_figures(
@@ -711,9 +713,9 @@ fn run_dlo(
             .chain(&memory_violations(o))
             .map(ToString::to_string)
             .collect();
-        let matches = base.as_ref().is_some_and(|b| {
-            o.requests.iter().map(|q| q.output).eq(b.iter().copied())
-        });
+        let matches = base
+            .as_ref()
+            .is_some_and(|b| o.requests.iter().map(|q| q.output).eq(b.iter().copied()));
         if !matches {
             vs.push("INV-8 Equivalence violated: outputs differ from the resident run".to_owned());
         }
@@ -751,10 +753,7 @@ fn run_dlo(
     let last = timed(first).last().cloned().unwrap_or_default();
     let streamed_per_step = last.block_bytes as f64 / w.steps as f64;
     let (limit, exposed) = dlo_limit_ms(w, profile, ranks, streamed_per_step, resident_step);
-    let step = per_rank
-        .iter()
-        .map(|r| r.step_time_ms)
-        .fold(0.0, f64::max);
+    let step = per_rank.iter().map(|r| r.step_time_ms).fold(0.0, f64::max);
     let matches = per_rank.iter().all(|r| r.output_matches_resident);
     Ok(Report {
         strategy: name,
@@ -847,8 +846,7 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
                 &profile,
                 choice,
                 ranks,
-                &opts,
-                &unbounded,
+                (&opts, &unbounded),
                 resident_step,
             )?);
             continue;

@@ -125,6 +125,12 @@ impl WeightSource for Restored {
         self.weights.read(storage, position, dst);
     }
 
+    /// Checked with every payload byte kept only: a real-model-sized run
+    /// (a sampled payload) would hand back its whole logical size.
+    fn wants_restore(&self) -> bool {
+        self.divisor == 1
+    }
+
     fn restore(&self, unit: &offload_core::runtime::Unit, bytes: &[u8]) {
         let mut wrong = None;
         if bytes.len() as u64 != unit.bytes {
@@ -218,17 +224,8 @@ impl Embedding {
         .map_err(|e| err("copy_h2d(embedding)", e))?;
         // SAFETY: the shard is `len` bytes and `gathered` G times
         // that; both are used only on the compute stream, in order.
-        unsafe {
-            collective.all_gather(
-                compute,
-                &self.shard,
-                0,
-                self.len,
-                &self.gathered,
-                0,
-            )
-        }
-        .map_err(|e| err("all_gather(prompt embedding)", e))?;
+        unsafe { collective.all_gather(compute, &self.shard, 0, self.len, &self.gathered, 0) }
+            .map_err(|e| err("all_gather(prompt embedding)", e))?;
         d.compute(
             compute,
             &[(&self.gathered, 0..self.gathered_len())],
@@ -276,10 +273,9 @@ pub fn run_ranks(
                 .map_err(|e| OffloadError::device("SimDevice::new", e))?,
         );
     }
-    let collectives =
-        SimGroup::new(&devices)
-            .ranks()
-            .map_err(|e| OffloadError::device("SimGroup::new", e))?;
+    let collectives = SimGroup::new(&devices)
+        .ranks()
+        .map_err(|e| OffloadError::device("SimGroup::new", e))?;
     let outcomes = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .into_iter()
@@ -387,14 +383,8 @@ fn rank_run(
     let harness_bytes = Embedding::device_bytes(embed, g);
     if let Ok(out) = &mut result {
         out.at_end.device_peak_bytes = out.at_end.device_peak_bytes.saturating_sub(harness_bytes);
-        out.at_end.pinned_peak_bytes = out
-            .at_end
-            .pinned_peak_bytes
-            .saturating_sub(embed);
-        out.after_enable.pinned_bytes = out
-            .after_enable
-            .pinned_bytes
-            .saturating_sub(embed);
+        out.at_end.pinned_peak_bytes = out.at_end.pinned_peak_bytes.saturating_sub(embed);
+        out.after_enable.pinned_bytes = out.after_enable.pinned_bytes.saturating_sub(embed);
     }
     let wrong: Vec<String> = restored.wrong.lock().map(|v| v.clone()).unwrap_or_default();
     let restored_blocks = restored.blocks.lock().map(|v| v.len()).unwrap_or_default();

@@ -165,7 +165,7 @@ fn bad_input_exits_non_zero_with_a_typed_error() {
     let unknown_key = write("bad.json", r#"{"enable_layerwise_ofload": true}"#);
     let dlo = write(
         "dlo.json",
-        r#"{"enable_distributed_layerwise_offload": true}"#,
+        r#"{"enable_distributed_layerwise_offload": true, "parallel": {"data_parallel_size": 2}}"#,
     );
     let conflict = write(
         "conflict.json",
@@ -241,8 +241,32 @@ fn bad_input_exits_non_zero_with_a_typed_error() {
             &["--strategy", "--config"],
         ),
         (
-            vec!["run", "--model", "tiny", "--config", dlo.to_str().unwrap()],
-            &["distributed-layerwise", "no distributed-layerwise backend"],
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--config",
+                dlo.to_str().unwrap(),
+                "--ranks",
+                "3",
+            ],
+            &["--ranks `3`", "world of 2 ranks"],
+        ),
+        (
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--strategy",
+                "layerwise",
+                "--ranks",
+                "2",
+            ],
+            &["--ranks `2`", "distributed layerwise offload only"],
+        ),
+        (
+            vec!["run", "--model", "tiny", "--ranks", "0"],
+            &["--ranks `0`", "allowed: 1 to 64"],
         ),
     ];
     for (args, needles) in rows {
@@ -254,4 +278,34 @@ fn bad_input_exits_non_zero_with_a_typed_error() {
             assert!(err.contains(n), "{args:?}: `{err}` lacks `{n}`");
         }
     }
+}
+
+#[test]
+fn distributed_layerwise_on_several_ranks_prints_a_row_per_rank() {
+    let o = sim(&[
+        "run",
+        "--model",
+        "tiny",
+        "--strategy",
+        "distributed-layerwise",
+        "--ranks",
+        "3",
+        "--steps",
+        "3",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("limit for 3 ranks"), "{out}");
+    for r in 0..3 {
+        assert!(
+            out.lines()
+                .any(|l| l.trim_start().starts_with(&format!("{r} "))
+                    && l.trim_end().ends_with("true")),
+            "no row for rank {r} matching resident: {out}"
+        );
+    }
+    assert!(
+        out.contains("rules broken                                        0"),
+        "{out}"
+    );
 }

@@ -298,6 +298,9 @@ fn a_failing_rank_gives_every_rank_a_typed_error_and_poisons_the_backends() {
     }
 }
 
+/// Every rank's outputs, request by request.
+type Outputs = Vec<Option<Vec<u64>>>;
+
 fn cases() -> u64 {
     std::env::var("OFFLOAD_DLO_CASES")
         .ok()
@@ -315,8 +318,7 @@ fn seeded_multi_rank_scenarios() {
     let n = cases();
     let seed = offload_sim::faults::seed_from_env(0x00d1_0000);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let mut resident: BTreeMap<(u32, bool, usize, usize, usize), Vec<Option<Vec<u64>>>> =
-        BTreeMap::new();
+    let mut resident: BTreeMap<(u32, bool, usize, usize), Outputs> = BTreeMap::new();
     let (mut faulted, mut failed_ranks) = (0u64, 0u64);
     for case in 0..n {
         let g = rng.random_range(2..=4u32);
@@ -336,7 +338,7 @@ fn seeded_multi_rank_scenarios() {
         } else {
             dlo()
         };
-        let key = (g, first, steps, requests, 0);
+        let key = (g, first, steps, requests);
         let base = resident
             .entry(key)
             .or_insert_with(|| outputs(&run_ranks(&w, &StrategyChoice::Resident, &m).unwrap()))

@@ -740,17 +740,54 @@ fn the_main_job_catches_every_mutation() {
         let out = job(&[bug]);
         assert!(out.verdict().is_err(), "the main job missed {bug:?}");
     }
-    // And a strategy it cannot run is an error, not a row.
+    // On several ranks, the collective bugs the job's scenario reaches (the
+    // fifth, an eager first fill, needs an encoder only rank 0 runs: see
+    // tests/dlo.rs): a broken rule, or ranks failing with typed errors.
+    for (bug, depth) in [
+        (PlantedBug::DivergentCollectiveOrder, 2),
+        (PlantedBug::WholeSlotGather, 1),
+        (PlantedBug::StaticSlot, 1),
+        (PlantedBug::ShardReuseBeforeGather, 2),
+    ] {
+        let args = JobArgs {
+            model: "tiny".to_owned(),
+            steps: 4,
+            strategy: StrategySet::One(offload_core::OffloadStrategy::DistributedLayerwise),
+            ranks: Some(2),
+            prefetch_depth: depth,
+            bugs: vec![bug],
+            ..JobArgs::default()
+        };
+        if let Ok(out) = run_job(&args, &mut |_| {}) {
+            assert!(out.verdict().is_err(), "the main job missed {bug:?}");
+        }
+    }
+    // Distributed layerwise runs on as many simulated GPUs as the
+    // configuration's world; a --ranks that disagrees is an error, not a row.
     let dlo = std::env::temp_dir().join(format!("offload-dlo-{}.json", std::process::id()));
-    std::fs::write(&dlo, r#"{"enable_distributed_layerwise_offload": true}"#).unwrap();
+    std::fs::write(
+        &dlo,
+        r#"{"enable_distributed_layerwise_offload": true, "parallel": {"data_parallel_size": 2}}"#,
+    )
+    .unwrap();
     let args = JobArgs {
         model: "tiny".to_owned(),
-        strategy: StrategySet::All,
-        config: Some(dlo),
+        config: Some(dlo.clone()),
+        steps: 3,
         ..JobArgs::default()
     };
-    let e = run_job(&args, &mut |_| {}).expect_err("no DLO backend yet");
-    assert!(e.to_string().contains("distributed"), "{e}");
+    let out = run_job(&args, &mut |_| {}).expect("DLO on two ranks");
+    assert!(out.verdict().is_ok());
+    assert_eq!(out.reports[0].per_rank.len(), 2);
+    let e = run_job(
+        &JobArgs {
+            ranks: Some(4),
+            ..args
+        },
+        &mut |_| {},
+    )
+    .expect_err("four ranks for a world of two");
+    assert!(e.to_string().contains("world of 2"), "{e}");
 }
 
 /// The table `BENCHMARKS.md` quotes: for each planted bug, what the

@@ -25,7 +25,9 @@ enum Cmd {
     Arch,
     /// The loom models (release, `--cfg loom`, LOOM_MAX_PREEMPTIONS=2).
     Loom,
-    /// The state-machine property test in release (PROPTEST_CASES, default 10,000).
+    /// The property tests in release: the state machine (PROPTEST_CASES,
+    /// default 10,000) and the seeded multi-rank DLO scenarios
+    /// (OFFLOAD_DLO_CASES, default 2,000).
     Props,
     /// The GPU suite: run it here (a CUDA machine with a toolchain), or build
     /// a self-contained bundle for a CUDA machine without one.
@@ -81,6 +83,7 @@ fn loom() -> Result<()> {
 
 fn props() -> Result<()> {
     let cases = std::env::var("PROPTEST_CASES").unwrap_or_else(|_| "10000".to_owned());
+    let dlo_cases = std::env::var("OFFLOAD_DLO_CASES").unwrap_or_else(|_| "2000".to_owned());
     cargo_env(
         &[
             "test",
@@ -90,8 +93,15 @@ fn props() -> Result<()> {
             "offload-tests",
             "--test",
             "state_machine",
+            "--test",
+            "dlo",
+            "--",
+            "--nocapture",
         ],
-        &[("PROPTEST_CASES", cases.as_str())],
+        &[
+            ("PROPTEST_CASES", cases.as_str()),
+            ("OFFLOAD_DLO_CASES", dlo_cases.as_str()),
+        ],
     )
 }
 

@@ -923,8 +923,8 @@ impl<A: Api> LayerwiseBackend<A> {
         let result = restore_all();
         // The staging buffer is freed only once no copy may use it.
         match h.drain() {
-            // SAFETY: every stream is drained: no copy reads or writes it.
             Ok(()) => {
+                // SAFETY: every stream is drained: no copy reads or writes it.
                 if let Err(e) = unsafe { h.device.free_pinned(staging) } {
                     tracing::error!("freeing the restore staging buffer: {e}");
                 }

@@ -336,6 +336,10 @@ pub trait Backend<A: Api>: OffloadBackend {
     fn host_weight_bytes(&self) -> u64;
 }
 
+/// A backend [`Runtime::disable_backend`] took out, and how its `disable`
+/// went.
+pub type Disabled<A> = (Box<dyn Backend<A>>, Result<(), OffloadError>);
+
 /// A pipeline on one device, with at most one backend enabled.
 pub struct Runtime<A: Api> {
     device: Arc<A::Device>,
@@ -417,7 +421,7 @@ impl<A: Api> Runtime<A> {
     /// Disables the backend, if any, and returns it with the outcome, so a
     /// caller can still ask a backend whose `disable` failed for its state
     /// (poisoned?).
-    pub fn disable_backend(&mut self) -> Option<(Box<dyn Backend<A>>, Result<(), OffloadError>)> {
+    pub fn disable_backend(&mut self) -> Option<Disabled<A>> {
         let mut b = self.backend.take()?;
         let result = b.disable(&mut self.model);
         Some((b, result))
