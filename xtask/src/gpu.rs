@@ -5,14 +5,18 @@
 //! GPU suite and the CUDA backend's tests), `gpu-tests` (the suite's test
 //! binary, for `compute-sanitizer`), `offload-bench`,
 //! `offload-bench-planted` (the benchmark with `--features planted-bugs`),
-//! `peers/` and `run.sh`:
+//! `offload-launch` and `offload-dist-check` (the NCCL checks), `peers/`
+//! and `run.sh`:
 //!
 //! * `run.sh tests` runs the suite and prints `N passed, M failed`;
 //! * `run.sh sanitize` runs the drop tests, then the suite, under memcheck,
 //!   and the suite under racecheck and synccheck;
 //! * `run.sh bench` runs the benchmark, the planted benchmark, the peer;
 //! * `run.sh all` runs tests, memcheck of the drop tests, bench, and prints
-//!   a summary table; every step has an explicit timeout, 530 s in all.
+//!   a summary table; every step has an explicit timeout, 530 s in all;
+//! * `run.sh dlo-all` (two GPUs or more) runs tests, the NCCL checks under
+//!   `offload-launch`, the distributed layerwise benchmark, its planted
+//!   collective bug and the FSDP2 peer, and prints a summary table.
 //!
 //! Executables are found through cargo's `--message-format json`, so the
 //! bundle builds with any `CARGO_TARGET_DIR`.
@@ -25,7 +29,10 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 const RUN_SH: &str = r#"#!/bin/sh
-# The offload GPU bundle. Usage: run.sh tests | sanitize | bench | all
+# The offload GPU bundle. Usage: run.sh tests | sanitize | bench | all | dlo | dlo-all
+# (dlo, dlo-all: two GPUs or more; RANKS=2; dlo-all = tests + NCCL checks +
+# distributed layerwise bench + its planted bug + the FSDP2 peer, about
+# 6 min on two H200s; NO_TESTS=1, NO_PEER=1 leave steps out)
 # Run from the repository root (nextest maps the archive onto it), or set
 # OFFLOAD_ROOT. Logs and JSON go to $OUT (default /tmp/offload-gpu).
 # Timeouts (seconds, each overridable): TESTS_TIMEOUT=140, DROP_TIMEOUT=75,
@@ -119,6 +126,40 @@ run_peer() {
         --json "$out/peer.json"
 }
 
+# Two GPUs and more (`run.sh dlo`, `run.sh dlo-all`). The NCCL checks:
+# gathers into a narrowed range, the all-gather bandwidth, a collective one
+# rank skips aborted by the watchdog. RANKS (default 2) GPUs.
+run_dist_check() {
+    NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" timeout "${DIST_TIMEOUT:-120}" \
+        "$here/offload-launch" -n "${RANKS:-2}" -- "$here/offload-dist-check" \
+        > "$out/dist-check.log" 2>&1
+    code=$?
+    cat "$out/dist-check.log"
+    return $code
+}
+
+# Distributed layerwise on RANKS GPUs against resident and single-GPU
+# layerwise, in one run (the bench launches its ranks itself).
+run_dlo_bench() {
+    NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" timeout "${DLO_TIMEOUT:-300}" \
+        "$here/offload-bench" --ranks "${RANKS:-2}" --tokens "${DLO_TOKENS:-4608,16896}" \
+        --json "$out/dlo.json"
+}
+
+# A planted collective bug on the GPU: the gather writes the whole slot.
+run_dlo_planted() {
+    NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" timeout "${DLO_PLANTED_TIMEOUT:-150}" \
+        "$here/offload-bench-planted" --ranks "${RANKS:-2}" --plant whole-slot-gather \
+        --tokens 4608 --steps 1 --warmup 1 --json "$out/dlo-planted.json"
+}
+
+# PyTorch FSDP2 with CPU offload on the same DiT and tokens.
+run_fsdp2() {
+    NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" timeout "${FSDP2_TIMEOUT:-240}" \
+        torchrun --standalone --nproc_per_node="${RANKS:-2}" "$here/peers/fsdp2_cpu_offload.py" \
+        --tokens "${DLO_TOKENS:-4608,16896}" --steps 5 --warmup 2 --json "$out/fsdp2.json"
+}
+
 # Runs a step, timing it; appends a row to the summary.
 summary=""
 step() {
@@ -167,8 +208,26 @@ all)
     printf '%s' "$summary"
     exit $overall
     ;;
+dlo) run_dist_check && run_dlo_bench ;;
+dlo-all)
+    began=$(date +%s)
+    tests_line=""
+    [ -n "${NO_TESTS:-}" ] || step "tests" run_tests
+    step "NCCL checks (offload-dist-check, ${RANKS:-2} ranks)" run_dist_check
+    step "distributed layerwise bench (${RANKS:-2} ranks)" run_dlo_bench
+    step "bench --ranks --plant whole-slot-gather" run_dlo_planted
+    [ -n "${NO_PEER:-}" ] || step "peer (FSDP2 CPU offload)" run_fsdp2
+    echo
+    echo "== summary ($(( $(date +%s) - began )) s; logs and JSON in $out)"
+    echo "suite: ${tests_line:-not run}"
+    grep -E '^(PASS|FAIL|SKIP)' "$out/dist-check.log" 2>/dev/null | sort | uniq -c
+    echo "| step | result | seconds |"
+    echo "| --- | --- | --- |"
+    printf '%s' "$summary"
+    exit $overall
+    ;;
 *)
-    echo "usage: run.sh tests | sanitize | bench | all" >&2
+    echo "usage: run.sh tests | sanitize | bench | all | dlo | dlo-all" >&2
     exit 2
     ;;
 esac
@@ -197,6 +256,10 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
             "-p",
             "offload-cuda",
             "--lib",
+            "-p",
+            "offload-dist",
+            "--test",
+            "nccl",
             "--archive-file",
             archive.to_str().context("bundle path")?,
         ],
@@ -238,10 +301,31 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
         "offload-bench",
     )?;
     copy(&planted, &dir.join("offload-bench-planted"))?;
-    copy(
-        &root.join("bench/peers/diffusers_group_offload.py"),
-        &dir.join("peers/diffusers_group_offload.py"),
-    )?;
+    for (target, name) in [
+        ("offload-launch", "offload-launch"),
+        ("offload-dist-check", "offload-dist-check"),
+    ] {
+        let bin = executable(
+            &[
+                "build",
+                "--locked",
+                "--release",
+                "-p",
+                "offload-dist",
+                "--bin",
+                target,
+            ],
+            &env,
+            target,
+        )?;
+        copy(&bin, &dir.join(name))?;
+    }
+    for peer in ["diffusers_group_offload.py", "fsdp2_cpu_offload.py"] {
+        copy(
+            &root.join("bench/peers").join(peer),
+            &dir.join("peers").join(peer),
+        )?;
+    }
     let nextest = which("cargo-nextest")
         .context("cargo-nextest is not on PATH (it ships with the toolchain image)")?;
     copy(&nextest, &dir.join("cargo-nextest"))?;
