@@ -170,6 +170,12 @@ impl WeightSource for Loaded {
             .get(&unit.name)
             .map(|b| Box::new(Shared(Arc::clone(b))) as Box<dyn HostRegion>)
     }
+
+    /// The loader keeps every byte: distributed layerwise `disable` need
+    /// not gather the blocks back.
+    fn wants_restore(&self) -> bool {
+        false
+    }
 }
 
 /// FNV-1a of a unit's name: its generator's seed, so that units of one
