@@ -209,6 +209,8 @@ all)
     exit $overall
     ;;
 dlo) run_dist_check && run_dlo_bench ;;
+dlo-bench) run_dlo_bench ;;
+fsdp2) run_fsdp2 ;;
 dlo-all)
     began=$(date +%s)
     tests_line=""
@@ -227,7 +229,7 @@ dlo-all)
     exit $overall
     ;;
 *)
-    echo "usage: run.sh tests | sanitize | bench | all | dlo | dlo-all" >&2
+    echo "usage: run.sh tests | sanitize | bench | all | dlo | dlo-all | dlo-bench | fsdp2" >&2
     exit 2
     ;;
 esac

@@ -17,11 +17,12 @@
 //!   naming the (ring, block) it holds.
 //! * Transport, per ring: **copy** — the copy stream waits for the slot's
 //!   last use, copies the master into the slot, records ready; **gather** —
-//!   the copy stream waits for the slot's last use and for the gather that
-//!   last read the shard buffer, copies this rank's shard into it, records
-//!   `copied`; the communication stream waits for `copied`, all-gathers
-//!   every rank's shard into the slot narrowed to exactly G·s bytes, and
-//!   records the slot's ready and the shard buffer's `consumed`.
+//!   the copy stream waits for the gather that last read the shard buffer
+//!   (not for compute: it writes no slot), copies this rank's shard into
+//!   it, records `copied`; the communication stream waits for `copied` and
+//!   for the slot's last use, all-gathers every rank's shard into the slot
+//!   narrowed to exactly G·s bytes, and records the slot's ready and the
+//!   shard buffer's `consumed`.
 //! * Pre-forward of block i: find the slot stamped (ring, i) or fill one on
 //!   demand (its predecessor was skipped); make the compute stream wait for
 //!   the slot's ready event; point the block's tensors into the slot; then
@@ -228,16 +229,29 @@ enum Transport {
 impl Transport {
     /// Moves block `block` of `ring` (the bytes of `source`, which only a
     /// planted bug makes differ) into slot `k` and records the slot's ready
-    /// event. The copy stream already waits for the slot's last use.
+    /// event. The stream that writes the slot (copy, or communication for a
+    /// gather) first waits for the slot's last use (unless `wait_last_use`
+    /// is false, which only planted bugs ask for): a gather's shard copy
+    /// writes only the shard buffer, so it need not wait for compute and
+    /// overlaps the previous block's forward.
     fn transfer<A: Api>(
         self,
         engine: &Engine<A>,
         st: &mut State<A>,
         (ring, block, source): (usize, usize, usize),
         k: usize,
-        kind: FillKind,
+        (kind, wait_last_use): (FillKind, bool),
     ) -> Result<(), OffloadError> {
         let h = &engine.handles;
+        let wait = |stream: &A::Stream, name: &str| {
+            if wait_last_use {
+                h.device
+                    .stream_wait_event(stream, &st.slots[k].last_use)
+                    .map_err(|e| dev_err(format!("stream_wait_event({name}, last use)"), e))
+            } else {
+                Ok(())
+            }
+        };
         let stale = engine.bug(PlantedBug::StaleSlot) && matches!(kind, FillKind::Prefetch { .. });
         let master = &st.rings[ring].blocks[source];
         let bytes = master
@@ -247,6 +261,7 @@ impl Transport {
         let slot = &st.slots[k];
         match self {
             Transport::Copy => {
+                wait(&h.copy, "copy")?;
                 if !stale {
                     // SAFETY: the master is exactly `unit.bytes` and the slot
                     // holds the largest block, so both ranges are in bounds;
@@ -307,6 +322,7 @@ impl Transport {
                 h.device
                     .stream_wait_event(comm, &buffer.copied)
                     .map_err(|e| dev_err("stream_wait_event(comm, shard copied)", e))?;
+                wait(comm, "comm")?;
                 // The slot narrowed to this block: G·s bytes, never the
                 // whole slot (a planted bug gathers the whole slot).
                 let shard_bytes = if engine.bug(PlantedBug::WholeSlotGather) {
@@ -317,10 +333,10 @@ impl Transport {
                 // SAFETY: `shard_bytes` ≤ the shard buffer (it holds the
                 // largest shard, and a slot holds G of them) and G ×
                 // `shard_bytes` ≤ the slot; the communication stream waits
-                // for `copied`, which follows the copy stream's wait for the
-                // slot's last use, so nothing reads the slot while it is
-                // written; compute waits for `ready` and the next shard
-                // copy into this buffer for `consumed`, both recorded next.
+                // for `copied` (the shard is in place) and for the slot's
+                // last use (nothing reads the slot while it is written);
+                // compute waits for `ready` and the next shard copy into
+                // this buffer for `consumed`, both recorded next.
                 unsafe {
                     gather.collective.all_gather(
                         comm,
@@ -360,7 +376,6 @@ fn fill<A: Api>(
     block: usize,
     kind: FillKind,
 ) -> Result<usize, OffloadError> {
-    let h = &engine.handles;
     let (k, previous) = choose(engine, st, ring, block)?;
     // The slot's previous content is gone: a prefetch nobody consumed
     // is discarded.
@@ -380,17 +395,12 @@ fn fill<A: Api>(
     } else {
         block
     };
-    if !skip_wait {
-        h.device
-            .stream_wait_event(&h.copy, &st.slots[k].last_use)
-            .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
-    }
     let transport = if st.rings[ring].gathered {
         Transport::Gather
     } else {
         Transport::Copy
     };
-    transport.transfer(engine, st, (ring, block, source), k, kind)?;
+    transport.transfer(engine, st, (ring, block, source), k, (kind, !skip_wait))?;
     let unit = st.rings[ring].blocks[block].unit.clone();
     if !(st.in_flight(ring, block) && engine.bug(PlantedBug::IgnoreRingStamp)) {
         st.placement.transition(&unit, Transition::IssueCopy)?;
