@@ -262,6 +262,15 @@ pub trait OffloadBackend: Send {
 
     /// The lifecycle state.
     fn state(&self) -> LifecycleState;
+
+    /// Tells a multi-rank gathering backend that this rank failed outside
+    /// its hooks (the runtime's own code, a collective of its own), so its
+    /// collectives may be out of step with the other ranks': the backend is
+    /// poisoned, and its `disable` runs no collective (CONTRACT §3, §8).
+    /// Backends of one rank ignore it (the default).
+    fn poison(&mut self, reason: &str) {
+        let _ = reason;
+    }
 }
 
 /// The device a backend runs on, as the platform names it.

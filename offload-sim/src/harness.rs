@@ -537,6 +537,9 @@ pub struct RunFailure {
     pub violations: Vec<Violation>,
     /// Whether the backend ended poisoned (a multi-rank failure).
     pub poisoned: bool,
+    /// Whether its own hooks had poisoned it when the request failed
+    /// (before the runtime told it).
+    pub poisoned_by_hooks: bool,
 }
 
 impl From<OffloadError> for RunFailure {
@@ -545,6 +548,7 @@ impl From<OffloadError> for RunFailure {
             error,
             violations: Vec::new(),
             poisoned: false,
+            poisoned_by_hooks: false,
         }
     }
 }
@@ -587,6 +591,7 @@ pub fn drive(
         error,
         violations: device.violations(),
         poisoned: false,
+        poisoned_by_hooks: false,
     };
     let bounds =
         memory_bounds(&pipeline, config, opts.prefetch_depth).map_err(|e| fail(e, &device))?;
@@ -600,6 +605,7 @@ pub fn drive(
         device.check_released();
         return Err(RunFailure {
             poisoned,
+            poisoned_by_hooks: poisoned,
             ..fail(error, &device)
         });
     }
@@ -620,6 +626,13 @@ pub fn drive(
     let at_end = device.stats();
     let is_poisoned =
         |s: Option<LifecycleState>| matches!(s, Some(LifecycleState::Poisoned { .. }));
+    // What the backend's own hooks made of the failure, before the runtime
+    // tells it (as a multi-rank runtime must, so that `disable` issues no
+    // collective the other ranks will not).
+    let poisoned_by_hooks = is_poisoned(rig.runtime.state());
+    if let Some(e) = &failure {
+        rig.runtime.poison(&format!("a request failed ({e})"));
+    }
     let poisoned_before = is_poisoned(rig.runtime.state());
     let (poisoned_after, disabled) = match rig.runtime.disable_backend() {
         Some((b, result)) => (is_poisoned(Some(b.state())), result),
@@ -634,6 +647,7 @@ pub fn drive(
             error,
             violations: device.violations(),
             poisoned,
+            poisoned_by_hooks,
         });
     }
     Ok(RunOutcome {

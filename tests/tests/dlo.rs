@@ -287,12 +287,19 @@ fn a_failing_rank_gives_every_rank_a_typed_error_and_poisons_the_backends() {
                 );
             }
             assert!(f.poisoned, "{when}: rank {} not poisoned ({text})", r.rank);
-            let broken: Vec<String> = f
-                .violations
-                .iter()
-                .filter(|v| v.invariant != Invariant::CollectiveAgreement)
-                .map(ToString::to_string)
-                .collect();
+            // A failure inside a forward's collective or copy poisons the
+            // backend from its own hook, before the runtime says anything.
+            if !when.starts_with("before") {
+                assert!(
+                    f.poisoned_by_hooks,
+                    "{when}: rank {}'s hooks did not poison it ({text})",
+                    r.rank
+                );
+            }
+            // No rule broken, INV-9 included: no rank issued a collective
+            // the others did not (the disable of a failed rank gathers
+            // nothing).
+            let broken: Vec<String> = f.violations.iter().map(ToString::to_string).collect();
             assert_eq!(broken, Vec::<String>::new(), "{when}: rank {}", r.rank);
         }
     }
@@ -312,7 +319,8 @@ fn cases() -> u64 {
 /// requests, steps, jitter and (in half of them) one fault on one rank.
 /// Never a hang; without a fault every rank matches resident with no rule
 /// broken; with one, every rank either matches resident or fails with a
-/// typed error, and breaks no rule but INV-9's report of the failure.
+/// typed error, and no rule is broken (INV-9 included: a failed rank's
+/// disable issues no collective).
 #[test]
 fn seeded_multi_rank_scenarios() {
     let n = cases();
@@ -381,16 +389,114 @@ fn seeded_multi_rank_scenarios() {
                 (Err(_), _) => failed_ranks += 1,
                 _ => unreachable!(),
             }
-            let broken: Vec<String> = r
-                .violations()
-                .iter()
-                .filter(|v| v.invariant != Invariant::CollectiveAgreement)
-                .map(ToString::to_string)
-                .collect();
+            let broken: Vec<String> = r.violations().iter().map(ToString::to_string).collect();
             assert_eq!(broken, Vec::<String>::new(), "{what}: rank {}", r.rank);
         }
     }
     println!(
         "{n} seeded multi-rank scenarios, {faulted} with a fault, {failed_ranks} ranks failed with a typed error, 0 hangs"
     );
+}
+
+/// DLO's enable issues no collective (every ring's first fill waits for
+/// its first forward): each rank's first collective is the runtime's own
+/// prompt-embedding gather, on every rank.
+#[test]
+fn enable_issues_no_collective() {
+    let w = tiny(2, 1);
+    let ranks = run_ranks(&w, &dlo(), &multi(2, 1)).unwrap();
+    assert_eq!(errors(&ranks), Vec::<String>::new());
+    for r in &ranks {
+        let first = r.gathers.first().expect("gathers");
+        assert_eq!(
+            first.shard_bytes,
+            offload_sim::multi::embed_shard_bytes(1),
+            "rank {}: its first collective is not the runtime's ({first:?})",
+            r.rank
+        );
+    }
+}
+
+/// A poisoned backend's `disable` runs no collective and restores nothing;
+/// the same disable, not poisoned, gathers every block once more.
+#[test]
+fn a_poisoned_disable_gathers_nothing() {
+    use offload_core::device::Device;
+    use offload_sim::harness::Rig;
+    use std::sync::{Arc, Mutex};
+
+    struct Counting(offload_sim::presets::SyntheticWeights, Mutex<usize>);
+    impl offload_core::runtime::WeightSource for Counting {
+        fn read(&self, s: offload_core::model::StorageId, p: u64, d: &mut [u8]) {
+            self.0.read(s, p, d);
+        }
+        fn restore(&self, _: &offload_core::runtime::Unit, _: &[u8]) {
+            *self.1.lock().unwrap() += 1;
+        }
+    }
+    for poison in [false, true] {
+        let w = tiny(2, 1);
+        let opts = RunOptions::new(DeviceProfile::h200());
+        let devices: Vec<offload_sim::SimDevice> = (0..2)
+            .map(|_| offload_sim::SimDevice::new(opts.sim_config()).unwrap())
+            .collect();
+        let group = offload_sim::SimGroup::new(&devices).ranks().unwrap();
+        let results: Vec<(usize, usize, usize)> = std::thread::scope(|s| {
+            let handles: Vec<_> = devices
+                .into_iter()
+                .zip(group)
+                .enumerate()
+                .map(|(r, (device, collective))| {
+                    let (w, opts) = (&w, &opts);
+                    s.spawn(move || {
+                        let weights = Arc::new(Counting(
+                            offload_sim::presets::SyntheticWeights { seed: 0 },
+                            Mutex::new(0),
+                        ));
+                        let mut rig = Rig::on_device(
+                            device.clone(),
+                            w.preset.pipeline.clone(),
+                            opts,
+                            Arc::clone(&weights) as Arc<dyn offload_core::runtime::WeightSource>,
+                            Some(collective.clone()),
+                        )
+                        .unwrap();
+                        let mut config = OffloadConfig {
+                            enable_distributed_layerwise_offload: true,
+                            ..OffloadConfig::default()
+                        };
+                        config.parallel.data_parallel_size = 2;
+                        config.parallel.rank = r as u32;
+                        let backend = rig.backend(&StrategyChoice::Config(config)).unwrap();
+                        rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
+                        rig.request(w).unwrap();
+                        if poison {
+                            rig.runtime.poison("the test says so");
+                        }
+                        let before = collective.log().len();
+                        let disabled = rig.runtime.disable();
+                        assert!(disabled.is_ok(), "{:?}", disabled.err());
+                        device.synchronize_all();
+                        let after = collective.log().len();
+                        let restored = *weights.1.lock().unwrap();
+                        (before, after, restored)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (before, after, restored) in results {
+            if poison {
+                assert_eq!((after, restored), (before, 0), "poisoned: no collective");
+            } else {
+                // A gather per block not already in flight (the wrap-around
+                // prefetch is reused).
+                assert!(
+                    after - before >= TINY_DIT_BLOCKS - 1,
+                    "{before} → {after} gathers"
+                );
+                assert_eq!(restored, TINY_DIT_BLOCKS);
+            }
+        }
+    }
 }

@@ -1148,6 +1148,15 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
             None => self.lifecycle.state().clone(),
         }
     }
+
+    fn poison(&mut self, reason: &str) {
+        if self.engine.multi_rank() {
+            self.engine.set_poison(format!(
+                "rank {} of {}: {reason}",
+                self.engine.rank, self.engine.group
+            ));
+        }
+    }
 }
 
 impl<A: Api> Backend<A> for LayerwiseBackend<A> {

@@ -427,6 +427,15 @@ impl<A: Api> Runtime<A> {
         Some((b, result))
     }
 
+    /// Tells the backend this rank failed outside its hooks (see
+    /// [`OffloadBackend::poison`]): call it before `disable` when a request
+    /// failed on a rank of a gather group.
+    pub fn poison(&mut self, reason: &str) {
+        if let Some(b) = self.backend.as_mut() {
+            b.poison(reason);
+        }
+    }
+
     /// The lifecycle state of the backend, if any.
     pub fn state(&self) -> Option<LifecycleState> {
         self.backend.as_ref().map(|b| b.state())
