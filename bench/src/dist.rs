@@ -232,10 +232,9 @@ pub(crate) fn main(
     };
     let pipeline = offload_sim::presets::flux1_dev_dit();
     let weight_bytes: u64 = pipeline.storages().map(|(_, s)| s.bytes).sum();
-    // Bandwidth with every rank copying at once (a longer window, so that
-    // the ranks' samples overlap), then rank 0 alone.
-    g.barrier()?;
-    let bw_shared = shared_bandwidth(&device, &stream)?;
+    // Bandwidth with every rank copying at once (each sample starts at a
+    // barrier, so the ranks' copies overlap), then rank 0 alone.
+    let bw_shared = shared_bandwidth(&g)?;
     g.barrier()?;
     let bw_alone = if g.rank == 0 {
         bandwidth(&device, &stream)?
@@ -321,8 +320,9 @@ pub(crate) fn main(
             )
         },
     )?);
-    // The gather of the largest block, to see whether it hides behind the
-    // next shard copy.
+    // The gather of each block size (measured on the link alone), to see
+    // whether it hides behind the next shard copy: a block's gather is
+    // exposed by what it takes beyond its shard's copy.
     let blocks: Vec<u64> = plan
         .stacks
         .iter()
@@ -330,15 +330,18 @@ pub(crate) fn main(
         .map(|b| b.bytes)
         .collect();
     let largest = blocks.iter().copied().max().unwrap_or(0);
-    let largest_shard = largest.div_ceil(u64::from(ranks));
-    let gather_s = g.gather_time(largest_shard)?;
+    let sizes: std::collections::BTreeSet<u64> = blocks.iter().copied().collect();
+    let mut gather_of = std::collections::BTreeMap::new();
+    for &b in &sizes {
+        gather_of.insert(b, g.gather_time(b.div_ceil(u64::from(ranks)))?);
+    }
+    let gather_s = gather_of.get(&largest).copied().unwrap_or(0.0);
     let exposed_s: f64 = blocks
         .iter()
         .map(|b| {
             let s = b.div_ceil(u64::from(ranks)) as f64;
-            let gather = gather_s * s / largest_shard as f64;
             let copy = s / (bw_shared * 1e9);
-            (gather - copy).max(0.0)
+            (gather_of[b] - copy).max(0.0)
         })
         .sum();
     proxy.free()?;
@@ -378,6 +381,7 @@ pub(crate) fn main(
         "pinned_h2d_gbps_all_ranks_copying": bw_shared,
         "pinned_h2d_gbps_alone": bw_alone,
         "all_gather_largest_block_s": gather_s,
+        "all_gather_s_by_block_bytes": gather_of,
         "largest_block_bytes": largest,
         "exposed_gather_s": exposed_s,
         "weight_bytes": weight_bytes,
@@ -506,16 +510,17 @@ fn relaunch(ranks: u32) -> Result<()> {
     Ok(())
 }
 
-/// Pinned host→device bandwidth, GB/s, while every rank copies: 16 copies
-/// of 1 GiB right after a barrier, the median of the middle twelve (the
-/// ranks start within milliseconds of each other; the first and last
-/// samples may run alone).
-fn shared_bandwidth(device: &CudaDevice, stream: &CudaStream) -> Result<f64> {
+/// Pinned host→device bandwidth, GB/s, while every rank copies: 12
+/// copies of 1 GiB, each started right after a barrier so that every
+/// rank's copy runs at once; the median of the last ten.
+fn shared_bandwidth(g: &Group) -> Result<f64> {
+    let (device, stream) = (&g.device, &g.stream);
     let bytes = 1u64 << 30;
     let host = device.alloc_pinned(bytes)?;
     let dev = device.alloc_device(bytes)?;
     let mut times = Vec::new();
-    for _ in 0..16 {
+    for _ in 0..12 {
+        g.barrier()?;
         let t = Instant::now();
         // SAFETY: whole buffers of equal size; synchronised before reuse.
         unsafe { device.copy_h2d(stream, HostSource::Pinned(&host), 0, &dev, 0, bytes) }?;
@@ -527,6 +532,6 @@ fn shared_bandwidth(device: &CudaDevice, stream: &CudaStream) -> Result<f64> {
         device.free_device(dev, &[])?;
         device.free_pinned(host)?;
     }
-    let mut middle = times[2..14].to_vec();
-    Ok(bytes as f64 / median(&mut middle).context("no bandwidth samples")? / 1e9)
+    let mut last = times[2..].to_vec();
+    Ok(bytes as f64 / median(&mut last).context("no bandwidth samples")? / 1e9)
 }
