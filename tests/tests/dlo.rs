@@ -500,3 +500,56 @@ fn a_poisoned_disable_gathers_nothing() {
         }
     }
 }
+
+/// Rank-local DLO with resident leading layers (CONTRACT §8): the first N
+/// blocks of the DiTs stay on the device, the rest stream; the output
+/// equals resident, the device peak is INV-7's bound (which counts the
+/// resident blocks), no rule is broken. One rank: rank-local mode needs no
+/// group.
+#[test]
+fn rank_local_with_resident_leading_layers_matches_resident() {
+    use offload_sim::harness::run;
+    let w = tiny(4, 2);
+    let opts = RunOptions::new(DeviceProfile::h200());
+    let resident = run(&w, &StrategyChoice::Resident, &opts).unwrap();
+    let outputs = |o: &offload_sim::harness::RunOutcome| -> Vec<u64> {
+        o.requests.iter().map(|r| r.output).collect()
+    };
+    let mut streamed = Vec::new();
+    for layers in [0u32, 1] {
+        let config = OffloadConfig {
+            enable_distributed_layerwise_offload: true,
+            dlo_use_allgather: Some(false),
+            dlo_resident_layers: Some(layers),
+            ..OffloadConfig::default()
+        };
+        let out = run(&w, &StrategyChoice::Config(config), &opts)
+            .unwrap_or_else(|f| panic!("{layers} resident layers: {}", f.error));
+        assert_eq!(out.violations, vec![], "{layers} resident layers");
+        assert_eq!(
+            outputs(&out),
+            outputs(&resident),
+            "{layers} resident layers"
+        );
+        assert!(out.at_end.device_peak_bytes <= out.bounds.device_weight_bytes);
+        streamed.push((out.bounds.offloaded_bytes, out.bounds.resident_bytes));
+    }
+    assert!(
+        streamed[1].0 < streamed[0].0 && streamed[1].1 > streamed[0].1,
+        "resident layers move bytes from streamed to resident: {streamed:?}"
+    );
+    // Two would leave `transformer_2` (3 blocks) one streaming block: a
+    // typed error before anything moves.
+    let config = OffloadConfig {
+        enable_distributed_layerwise_offload: true,
+        dlo_use_allgather: Some(false),
+        dlo_resident_layers: Some(2),
+        ..OffloadConfig::default()
+    };
+    let e = run(&w, &StrategyChoice::Config(config), &opts).expect_err("one streaming block");
+    assert!(
+        e.error.to_string().contains("one streaming block"),
+        "{}",
+        e.error
+    );
+}
