@@ -421,7 +421,6 @@ fn enable_issues_no_collective() {
 /// the same disable, not poisoned, gathers every block once more.
 #[test]
 fn a_poisoned_disable_gathers_nothing() {
-    use offload_core::device::Device;
     use offload_sim::harness::Rig;
     use std::sync::{Arc, Mutex};
 
