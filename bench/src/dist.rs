@@ -26,7 +26,7 @@ use offload_cuda::{Cuda, CudaDevice, CudaStream};
 use offload_dist::{NcclCollective, init_from_env};
 use serde::Serialize;
 
-use super::{Settings, bandwidth, load, median, scratch_bytes, step};
+use super::{Settings, bandwidth, load, median, sampled_bandwidth, scratch_bytes, step};
 
 /// How long bootstrap and every collective may take before the run fails
 /// (a rank that never arrives, a hung collective: the communicator aborts).
@@ -514,24 +514,5 @@ fn relaunch(ranks: u32) -> Result<()> {
 /// copies of 1 GiB, each started right after a barrier so that every
 /// rank's copy runs at once; the median of the last ten.
 fn shared_bandwidth(g: &Group) -> Result<f64> {
-    let (device, stream) = (&g.device, &g.stream);
-    let bytes = 1u64 << 30;
-    let host = device.alloc_pinned(bytes)?;
-    let dev = device.alloc_device(bytes)?;
-    let mut times = Vec::new();
-    for _ in 0..12 {
-        g.barrier()?;
-        let t = Instant::now();
-        // SAFETY: whole buffers of equal size; synchronised before reuse.
-        unsafe { device.copy_h2d(stream, HostSource::Pinned(&host), 0, &dev, 0, bytes) }?;
-        device.synchronize_stream(stream)?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    // SAFETY: the stream is drained.
-    unsafe {
-        device.free_device(dev, &[])?;
-        device.free_pinned(host)?;
-    }
-    let mut last = times[2..].to_vec();
-    Ok(bytes as f64 / median(&mut last).context("no bandwidth samples")? / 1e9)
+    sampled_bandwidth(&g.device, &g.stream, 12, 2, || g.barrier())
 }

@@ -248,11 +248,24 @@ fn load(pipeline: &Pipeline) -> Result<Loaded> {
 
 /// Pinned host→device bandwidth, GB/s: 1 GiB copies, median of five.
 fn bandwidth(device: &CudaDevice, stream: &CudaStream) -> Result<f64> {
+    sampled_bandwidth(device, stream, 6, 1, || Ok(()))
+}
+
+/// Pinned host→device bandwidth, GB/s: `samples` copies of 1 GiB, each
+/// after `before_each` (untimed), the median of all but the first `skip`.
+fn sampled_bandwidth(
+    device: &CudaDevice,
+    stream: &CudaStream,
+    samples: usize,
+    skip: usize,
+    mut before_each: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     let bytes = 1u64 << 30;
     let host = device.alloc_pinned(bytes)?;
     let dev = device.alloc_device(bytes)?;
     let mut times = Vec::new();
-    for _ in 0..6 {
+    for _ in 0..samples {
+        before_each()?;
         let t = Instant::now();
         // SAFETY: whole buffers of equal size; synchronised before reuse.
         unsafe { device.copy_h2d(stream, HostSource::Pinned(&host), 0, &dev, 0, bytes) }?;
@@ -264,8 +277,8 @@ fn bandwidth(device: &CudaDevice, stream: &CudaStream) -> Result<f64> {
         device.free_device(dev, &[])?;
         device.free_pinned(host)?;
     }
-    times.remove(0);
-    Ok(bytes as f64 / median(&mut times).context("no bandwidth samples")? / 1e9)
+    let kept = times.get_mut(skip..).unwrap_or_default();
+    Ok(bytes as f64 / median(kept).context("no bandwidth samples")? / 1e9)
 }
 
 /// The median, or `None` for no samples.

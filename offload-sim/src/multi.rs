@@ -261,18 +261,18 @@ pub fn run_ranks(
 ) -> Result<Vec<RankOutcome>, OffloadError> {
     let g = m.ranks.max(1);
     let profile = m.run.profile.for_ranks(g);
-    let mut devices = Vec::new();
-    for r in 0..g {
-        let opts = RunOptions {
+    let opts: Vec<RunOptions> = (0..g as usize)
+        .map(|r| RunOptions {
             profile: profile.clone(),
-            faults: m.faults.get(r as usize).copied().unwrap_or_default(),
+            faults: m.faults.get(r).copied().unwrap_or_default(),
             ..m.run.clone()
-        };
-        devices.push(
-            SimDevice::new(opts.sim_config())
-                .map_err(|e| OffloadError::device("SimDevice::new", e))?,
-        );
-    }
+        })
+        .collect();
+    let devices = opts
+        .iter()
+        .map(|o| SimDevice::new(o.sim_config()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| OffloadError::device("SimDevice::new", e))?;
     let collectives = SimGroup::new(&devices)
         .ranks()
         .map_err(|e| OffloadError::device("SimGroup::new", e))?;
@@ -280,15 +280,10 @@ pub fn run_ranks(
         let handles: Vec<_> = devices
             .into_iter()
             .zip(collectives)
+            .zip(&opts)
             .enumerate()
-            .map(|(r, (device, collective))| {
-                let r = r as u32;
-                let opts = RunOptions {
-                    profile: profile.clone(),
-                    faults: m.faults.get(r as usize).copied().unwrap_or_default(),
-                    ..m.run.clone()
-                };
-                s.spawn(move || rank_run(w, choice, m, &opts, r, device, collective))
+            .map(|(r, ((device, collective), opts))| {
+                s.spawn(move || rank_run(w, choice, m, opts, r as u32, device, collective))
             })
             .collect();
         handles

@@ -615,15 +615,7 @@ impl<A: Api> LayerwiseBackend<A> {
         config: OffloadConfig,
         depth: usize,
     ) -> Result<Self, OffloadError> {
-        Self::build_backend(
-            device,
-            compute,
-            weights,
-            config,
-            depth,
-            None,
-            Bugs::default(),
-        )
+        Self::distributed(device, compute, weights, config, depth, None)
     }
 
     /// A distributed layerwise backend (CONTRACT §8) for `config` (which
