@@ -370,6 +370,16 @@ pub struct OffloadConfig {
     /// The parallel facts; default a single process.
     #[serde(default)]
     pub parallel: ParallelConfig,
+    /// Device memory offload may use for weights and activations
+    /// (`"24GiB"`, `"16 GB"`, bytes): the budget planner
+    /// ([`crate::budget::plan`]) keeps as many blocks resident as fit and
+    /// streams the rest. Layerwise only; set alone, it selects layerwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_budget: Option<crate::budget::ByteSize>,
+    /// Blocks (by path) that stay on the device while the rest of their
+    /// stack streams: what the budget planner writes (layerwise only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resident_blocks: Vec<String>,
 }
 
 impl OffloadConfig {
@@ -604,6 +614,7 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
         None => select_flags(config, &set_flags)?,
     };
 
+    check_residency_keys(config, &selection)?;
     if selection.strategy == OffloadStrategy::DistributedLayerwise {
         if selection.uses_allgather() && config.parallel.use_hsdp {
             let key = match selection.source {
@@ -633,6 +644,61 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
     Ok(selection)
 }
 
+/// `device_budget` and `resident_blocks` plan layerwise residency: neither
+/// goes with another strategy, with resident leading layers, or with the
+/// other.
+fn check_residency_keys(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
+    let keys: Vec<(&str, String)> = [
+        config
+            .device_budget
+            .map(|b| ("device_budget", format!("\"{b}\""))),
+        (!config.resident_blocks.is_empty())
+            .then(|| ("resident_blocks", format!("{:?}", config.resident_blocks))),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if let [(a, av), (b, bv)] = &keys[..] {
+        return Err(conflict(
+            (*a, av),
+            (*b, bv),
+            "the budget planner writes resident_blocks from device_budget: set one of them",
+        ));
+    }
+    let Some((key, value)) = keys.first() else {
+        return Ok(());
+    };
+    if selection.strategy != OffloadStrategy::Layerwise {
+        let (other, other_value) = match selection.source {
+            SelectionSource::Compact => (
+                "diffusion_offload_config.mode".to_owned(),
+                selection.strategy.to_string(),
+            ),
+            _ => (
+                FLAG_PRIORITY
+                    .iter()
+                    .find(|(_, s)| *s == selection.strategy)
+                    .map_or("enable_*", |(f, _)| *f)
+                    .to_owned(),
+                "true".to_owned(),
+            ),
+        };
+        return Err(conflict(
+            (*key, value),
+            (other, other_value),
+            "resident blocks are planned for layerwise offload only: use enable_layerwise_offload (or mode = \"layer\" with rank-local weight transfer and no resident_layers)",
+        ));
+    }
+    if selection.dit_resident_layers() > 0 {
+        return Err(conflict(
+            (*key, value),
+            ("resident_layers", selection.dit_resident_layers()),
+            "resident_layers keeps the leading blocks; the planner or resident_blocks chooses any blocks: set one of them",
+        ));
+    }
+    Ok(())
+}
+
 fn base_selection(strategy: OffloadStrategy, source: SelectionSource) -> Selection {
     Selection {
         strategy,
@@ -650,6 +716,13 @@ fn select_flags(
     config: &OffloadConfig,
     set_flags: &[(&'static str, OffloadStrategy)],
 ) -> Result<Selection, ConfigError> {
+    // A budget alone asks for layerwise: the planner decides what streams.
+    let budget_alone = [("device_budget", OffloadStrategy::Layerwise)];
+    let set_flags = if set_flags.is_empty() && config.device_budget.is_some() {
+        &budget_alone[..]
+    } else {
+        set_flags
+    };
     let Some(&(_, strategy)) = set_flags.first() else {
         return Ok(base_selection(
             OffloadStrategy::None,

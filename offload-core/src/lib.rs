@@ -11,6 +11,7 @@
 //! It never names a device library: backends (`offload-sim`,
 //! `offload-cuda`, `offload-dist`) implement [`device::Api`] and stay thin.
 
+pub mod budget;
 pub mod config;
 pub mod device;
 pub mod discovery;

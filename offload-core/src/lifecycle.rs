@@ -95,6 +95,10 @@ pub enum OffloadError {
         /// The strategy.
         strategy: OffloadStrategy,
     },
+    /// The device budget cannot be planned (it does not fit, or the
+    /// planner's inputs are unusable).
+    #[error(transparent)]
+    Budget(Box<crate::budget::BudgetError>),
     /// The distributed strategy's gather group does not match the
     /// collective it was given (or it was given none).
     #[error("distributed layerwise offload: {reason}")]

@@ -320,6 +320,28 @@ pub enum PlanError {
         /// blocks − 1.
         one_left: usize,
     },
+    /// `resident_blocks` names something that is not a streamed block.
+    #[error(
+        "`resident_blocks` names `{path}`, which is not a block of a streamed stack; allowed: {allowed}"
+    )]
+    ResidentBlockUnknown {
+        /// The path given.
+        path: String,
+        /// The stacks' blocks, first and last of each.
+        allowed: String,
+    },
+    /// `resident_blocks` leaves a stack one streaming block.
+    #[error(
+        "`resident_blocks` keeps {resident} of the {blocks} blocks of `{owner}` resident, leaving one to stream; allowed: leave none or at least two (one streaming block cannot form a ring)"
+    )]
+    ResidentBlocksLeaveOne {
+        /// The stack's owner.
+        owner: String,
+        /// Its blocks.
+        blocks: usize,
+        /// How many the list keeps resident.
+        resident: usize,
+    },
     /// An encoder would be gathered but is not declared identical on all
     /// ranks.
     #[error(
@@ -388,8 +410,10 @@ pub struct BlockStack {
     pub source: TopologySource,
     /// The blocks, in forward order (containers concatenated).
     pub blocks: Vec<Block>,
-    /// Leading blocks kept on the device (DLO, rank-local).
-    pub resident_leading: u32,
+    /// Indices of blocks kept on the device while the others stream: DLO's
+    /// resident leading layers, or layerwise `resident_blocks` (what the
+    /// budget planner chose).
+    pub resident: BTreeSet<usize>,
     /// How the blocks reach the device.
     pub weight_transfer: WeightTransfer,
 }
@@ -400,13 +424,23 @@ impl BlockStack {
         self.blocks.iter().map(|b| b.bytes).max().unwrap_or(0)
     }
 
-    /// Bytes of the blocks that stream (all but the resident leading ones).
+    /// Bytes of the blocks that stream (all but the resident ones).
     pub fn streamed_bytes(&self) -> u64 {
+        self.streamed().map(|b| b.bytes).sum()
+    }
+
+    /// The blocks that stream, in forward order.
+    pub fn streamed(&self) -> impl Iterator<Item = &Block> {
         self.blocks
             .iter()
-            .skip(self.resident_leading as usize)
-            .map(|b| b.bytes)
-            .sum()
+            .enumerate()
+            .filter(|(i, _)| !self.resident.contains(i))
+            .map(|(_, b)| b)
+    }
+
+    /// The largest block that streams, in bytes (the slot size).
+    pub fn largest_streamed_bytes(&self) -> u64 {
+        self.streamed().map(|b| b.bytes).max().unwrap_or(0)
     }
 }
 
@@ -460,6 +494,16 @@ impl ResolvedPlan {
         self.stacks
             .iter()
             .map(BlockStack::largest_block_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The largest streamed block of any stack, in bytes (the slot size
+    /// when some blocks stay resident).
+    pub fn largest_streamed_bytes(&self) -> u64 {
+        self.stacks
+            .iter()
+            .map(BlockStack::largest_streamed_bytes)
             .max()
             .unwrap_or(0)
     }
@@ -581,8 +625,8 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
                 for mut stack in owner_stacks {
                     stack.weight_transfer = settings.weight_transfer;
                     if stack.source != TopologySource::ExtraStack {
-                        stack.resident_leading =
-                            check_resident_layers(&stack, settings.resident_layers, plan)?;
+                        let lead = check_resident_layers(&stack, settings.resident_layers, plan)?;
+                        stack.resident = (0..lead as usize).collect();
                     }
                     if component.role == Role::Encoder
                         && settings.weight_transfer == WeightTransfer::Allgather
@@ -598,6 +642,7 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
                 }
             }
             check_block_claims(pipeline, &stacks)?;
+            apply_resident_blocks(&mut stacks, &config.resident_blocks)?;
         }
     }
 
@@ -695,7 +740,7 @@ fn resolve_stacks(
         role: owner.role,
         source,
         blocks,
-        resident_leading: 0,
+        resident: BTreeSet::new(),
         weight_transfer: WeightTransfer::RankLocal,
     };
 
@@ -763,6 +808,50 @@ fn resolve_stacks(
         }
     }
     Ok(stacks)
+}
+
+/// Marks `resident_blocks` resident in their stacks: each must name a
+/// streamed block, and no stack may be left with one streaming block.
+fn apply_resident_blocks(stacks: &mut [BlockStack], paths: &[String]) -> Result<(), PlanError> {
+    for path in paths {
+        let found = stacks.iter_mut().find_map(|s| {
+            let i = s.blocks.iter().position(|b| &b.path == path)?;
+            Some((s, i))
+        });
+        let Some((stack, i)) = found else {
+            let allowed = stacks
+                .iter()
+                .filter_map(|s| {
+                    let first = s.blocks.first()?;
+                    let last = s.blocks.last()?;
+                    Some(format!(
+                        "`{}` … `{}` ({} blocks of `{}`)",
+                        first.path,
+                        last.path,
+                        s.blocks.len(),
+                        s.owner
+                    ))
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(PlanError::ResidentBlockUnknown {
+                path: path.clone(),
+                allowed,
+            });
+        };
+        stack.resident.insert(i);
+    }
+    if let Some(stack) = stacks
+        .iter()
+        .find(|s| s.blocks.len() - s.resident.len() == 1)
+    {
+        return Err(PlanError::ResidentBlocksLeaveOne {
+            owner: stack.owner.clone(),
+            blocks: stack.blocks.len(),
+            resident: stack.resident.len(),
+        });
+    }
+    Ok(())
 }
 
 fn check_resident_layers(

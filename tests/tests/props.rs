@@ -332,8 +332,8 @@ proptest! {
             let mut seen = BTreeSet::new();
             for stack in &plan.stacks {
                 prop_assert!(stack.blocks.len() >= 2, "a stack of {} blocks", stack.blocks.len());
-                prop_assert!(stack.resident_leading as usize <= stack.blocks.len());
-                prop_assert!(stack.blocks.len() - stack.resident_leading as usize != 1);
+                prop_assert!(stack.resident.iter().all(|i| *i < stack.blocks.len()));
+                prop_assert!(stack.blocks.len() - stack.resident.len() != 1);
                 for block in &stack.blocks {
                     prop_assert!(seen.insert(block.module), "block {} in two stacks", block.path);
                 }

@@ -490,7 +490,7 @@ fn every_resolver_error() {
             Ok(plan) => {
                 assert!(accepted, "resident_layers {n} must be rejected");
                 assert_eq!(plan.strategy(), OffloadStrategy::DistributedLayerwise);
-                assert_eq!(plan.stacks[0].resident_leading, n);
+                assert_eq!(plan.stacks[0].resident, (0..n as usize).collect());
             }
             Err(e) => {
                 assert!(!accepted, "resident_layers {n}: {e}");

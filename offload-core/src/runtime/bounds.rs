@@ -57,6 +57,11 @@ pub fn memory_bounds(
     config: &OffloadConfig,
     depth: usize,
 ) -> Result<MemoryBounds, OffloadError> {
+    if let Some(budget) = config.device_budget {
+        return Err(OffloadError::Budget(Box::new(
+            crate::budget::BudgetError::Unplanned { budget },
+        )));
+    }
     let (plan, partition) = plan_and_partition(pipeline, config)?;
     let total: u64 = partition.all().map(|u| u.bytes).sum();
     let units = partition.all().count() as u64;
@@ -175,7 +180,7 @@ pub fn offloaded_storages(
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => plan
             .stacks
             .iter()
-            .flat_map(|s| s.blocks.iter().skip(s.resident_leading as usize))
+            .flat_map(|s| s.streamed())
             .map(|b| &partition.blocks[&b.module])
             .collect(),
         OffloadStrategy::ModelLevel => swapped_components(pipeline, &plan, &partition)

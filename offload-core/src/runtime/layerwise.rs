@@ -596,6 +596,10 @@ impl<A: Api> ModelHook<ForwardCtx> for BlockHook<A> {
 pub struct LayerwiseBackend<A: Api> {
     config: OffloadConfig,
     depth: usize,
+    /// What the budget planner knows, for a `device_budget` configuration.
+    planner: crate::budget::PlannerInputs,
+    /// The planner's choice at the last enable (budget configurations).
+    planned: Option<crate::budget::BudgetPlan>,
     lifecycle: Lifecycle,
     engine: Arc<Engine<A>>,
     collective: Option<Arc<dyn Collective<A>>>,
@@ -694,6 +698,8 @@ impl<A: Api> LayerwiseBackend<A> {
         Ok(Self {
             config,
             depth: depth.max(1),
+            planner: crate::budget::PlannerInputs::default(),
+            planned: None,
             lifecycle: Lifecycle::new(strategy),
             engine: Arc::new(Engine {
                 shared: Shared::new(handles, bugs),
@@ -706,14 +712,28 @@ impl<A: Api> LayerwiseBackend<A> {
         })
     }
 
-    fn new_state(&self, model: &Model) -> State<A> {
+    /// What the budget planner knows (link, per-block compute, measured
+    /// activations) for a configuration with `device_budget`; without it
+    /// the planner assumes [`crate::budget::PlannerInputs::default`].
+    pub fn with_planner(mut self, inputs: crate::budget::PlannerInputs) -> Self {
+        self.planner = inputs;
+        self
+    }
+
+    /// The budget planner's choice at the last `enable` (a configuration
+    /// with `device_budget`; `None` otherwise).
+    pub fn budget_plan(&self) -> Option<&crate::budget::BudgetPlan> {
+        self.planned.as_ref()
+    }
+
+    fn new_state(&self, model: &Model, depth: usize) -> State<A> {
         State {
             placement: Placement::new(&model.pipeline, self.engine.strategy),
             resident: Vec::new(),
             rings: Vec::new(),
             slots: Vec::new(),
             table: SlotTable::new(0),
-            depth: self.depth,
+            depth,
             gather: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
@@ -722,9 +742,14 @@ impl<A: Api> LayerwiseBackend<A> {
 
     /// Builds host masters, resident units and the slot pool into `st`; on
     /// error, `st` holds what was built, for [`Self::release`].
-    fn build(&self, model: &Model, st: &mut State<A>) -> Result<(), OffloadError> {
+    fn build(
+        &self,
+        model: &Model,
+        config: &OffloadConfig,
+        st: &mut State<A>,
+    ) -> Result<(), OffloadError> {
         let engine = &*self.engine;
-        let (plan, partition) = plan_and_partition(&model.pipeline, &self.config)?;
+        let (plan, partition) = plan_and_partition(&model.pipeline, config)?;
         if plan.strategy() != engine.strategy {
             return Err(OffloadError::Unsupported {
                 platform: format!("{} backend", engine.strategy),
@@ -784,8 +809,13 @@ impl<A: Api> LayerwiseBackend<A> {
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(unit, &buffer)?;
         }
-        // The slot pool: depth + 1 slots of the largest footprint, once.
-        let slots = self.depth + 1 + usize::from(engine.bug(PlantedBug::ExtraSlot));
+        // The slot pool: depth + 1 slots of the largest footprint, once
+        // (none when every block stays resident).
+        let slots = if layout.blocks().next().is_none() {
+            0
+        } else {
+            st.depth + 1 + usize::from(engine.bug(PlantedBug::ExtraSlot))
+        };
         st.table = SlotTable::new(slots);
         for k in 0..slots {
             let buffer = self.alloc(layout.slot_bytes, &format!("slot{k}"))?;
@@ -1033,8 +1063,20 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         if !self.engine.bug(PlantedBug::IgnoreOtherOwner) {
             check_single_owner(model, strategy)?;
         }
-        let mut st = self.new_state(model);
-        if let Err(e) = self.build(model, &mut st) {
+        // A budget is planned before anything is allocated.
+        let (config, depth) = match self.config.device_budget {
+            Some(_) => {
+                let planned = crate::budget::plan(&model.pipeline, &self.config, &self.planner)
+                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                tracing::info!("device budget plan: {planned}");
+                let out = (planned.config.clone(), planned.depth.max(1));
+                self.planned = Some(planned);
+                out
+            }
+            None => (self.config.clone(), self.depth),
+        };
+        let mut st = self.new_state(model, depth);
+        if let Err(e) = self.build(model, &config, &mut st) {
             // Local cleanup only: no collective (a failed peer may never
             // join); a multi-rank backend is then poisoned (CONTRACT §3).
             let _ = self.release(st, true);

@@ -18,6 +18,7 @@ pub struct CorePlatform<A: Api> {
     compute: Arc<A::Stream>,
     weights: Arc<dyn WeightSource>,
     prefetch_depth: usize,
+    planner: crate::budget::PlannerInputs,
     collective: Option<Arc<dyn Collective<A>>>,
     bugs: Vec<PlantedBug>,
 }
@@ -36,6 +37,7 @@ impl<A: Api> CorePlatform<A> {
             compute,
             weights,
             prefetch_depth: 1,
+            planner: crate::budget::PlannerInputs::default(),
             collective: None,
             bugs: Vec::new(),
         }
@@ -57,6 +59,14 @@ impl<A: Api> CorePlatform<A> {
     /// Blocks the layerwise strategy keeps in flight (default 1).
     pub fn with_prefetch_depth(mut self, depth: usize) -> Self {
         self.prefetch_depth = depth.max(1);
+        self
+    }
+
+    /// What the budget planner knows (link bandwidth, per-block compute,
+    /// the activations a warm-up request measured), for configurations
+    /// with `device_budget` ([`crate::budget::plan`]).
+    pub fn with_planner(mut self, inputs: crate::budget::PlannerInputs) -> Self {
+        self.planner = inputs;
         self
     }
 
@@ -84,6 +94,7 @@ impl<A: Api> CorePlatform<A> {
             self.collective.clone(),
             self.bugs(),
         )
+        .map(|b| b.with_planner(self.planner.clone()))
     }
 
     /// The resident baseline (no offload), for comparisons.

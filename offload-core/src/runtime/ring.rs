@@ -1,6 +1,6 @@
 //! The layout of the streaming strategies' rings, as a pure function of the
 //! plan, the partition and the gather group: which blocks stream, which
-//! stay resident (DLO's resident leading layers), which rings all-gather,
+//! stay resident (DLO's resident leading layers, layerwise `resident_blocks`), which rings all-gather,
 //! each rank's shard of each gathered block, and the sizes of the slots
 //! and shard buffers. The ring engine (`layerwise.rs`) builds exactly this;
 //! INV-7's bounds (`bounds.rs`) count exactly this.
@@ -102,11 +102,8 @@ impl RingLayout {
         let mut rings = Vec::new();
         for stack in &plan.stacks {
             let gathered = dlo && group > 1 && stack.weight_transfer == WeightTransfer::Allgather;
-            let lead = stack.resident_leading as usize;
             let blocks = stack
-                .blocks
-                .iter()
-                .skip(lead)
+                .streamed()
                 .map(|b| {
                     let unit = partition.blocks[&b.module].clone();
                     let shard = gathered.then(|| Shard::of(unit.bytes, group, rank));
