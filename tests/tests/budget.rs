@@ -1,0 +1,333 @@
+//! The device-memory budget planner (CONTRACT §7a): property-tested on
+//! arbitrary stacks of blocks, budgets and compute, against checks that do
+//! not trust the planner's report of itself (INV-7's bounds of the
+//! configuration it returns, the resolver's streamed bytes), then run on
+//! the simulated device, whose own allocation counter must stay within the
+//! budget.
+
+use std::collections::BTreeMap;
+
+use offload_core::budget::{BudgetError, BudgetPlan, ByteSize, PlannerInputs, plan};
+use offload_core::model::{DType, Pipeline, PipelineBuilder};
+use offload_core::runtime::memory_bounds;
+use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
+use offload_sim::DeviceProfile;
+use offload_sim::harness::{RunOptions, StrategyChoice, Workload, run};
+use offload_sim::presets::tiny;
+use proptest::prelude::*;
+
+/// A DiT with `double` blocks of width `h1` then `single` of width `h2`,
+/// `extra` bytes of embeddings outside them.
+fn dit(double: usize, h1: u64, single: usize, h2: u64, extra: u64) -> Pipeline {
+    let mut b = PipelineBuilder::new("Budget");
+    {
+        let mut m = b.module("transformer");
+        m.parameter("x_embedder.weight", DType::Bf16, &[extra.max(1), 1]);
+        m.list("transformer_blocks", double, |_, blk| {
+            blk.parameter("qkv.weight", DType::Bf16, &[3 * h1, h1])
+                .parameter("ff.weight", DType::Bf16, &[4 * h1, h1]);
+        });
+        m.list("single_transformer_blocks", single, |_, blk| {
+            blk.parameter("mlp.weight", DType::Bf16, &[5 * h2, h2]);
+        });
+        m.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: vec![],
+        vae: vec![],
+        resident: vec![],
+    });
+    b.build().expect("the test DiT builds")
+}
+
+fn budget_config(bytes: u64) -> OffloadConfig {
+    OffloadConfig {
+        device_budget: Some(ByteSize(bytes)),
+        ..OffloadConfig::default()
+    }
+}
+
+/// Block sizes of the pipeline's one stack, and its non-block bytes.
+fn sizes(p: &Pipeline) -> (Vec<(String, u64)>, u64) {
+    let layerwise = OffloadConfig {
+        enable_layerwise_offload: true,
+        ..OffloadConfig::default()
+    };
+    let plan = resolve(p, &layerwise).unwrap();
+    let blocks: Vec<(String, u64)> = plan.stacks[0]
+        .blocks
+        .iter()
+        .map(|b| (b.path.clone(), b.bytes))
+        .collect();
+    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
+    let in_blocks: u64 = blocks.iter().map(|(_, b)| b).sum();
+    (blocks, total - in_blocks)
+}
+
+/// The least budget, derived here from its definition: over every slot
+/// size σ, the non-block part + blocks above σ (and a lone block at or
+/// below it, which cannot form a ring) + two slots of σ + activations.
+fn least_budget(blocks: &[(String, u64)], non_block: u64, act: u64) -> u64 {
+    blocks
+        .iter()
+        .map(|(_, sigma)| {
+            let small: Vec<u64> = blocks
+                .iter()
+                .map(|(_, b)| *b)
+                .filter(|b| b <= sigma)
+                .collect();
+            let big: u64 = blocks.iter().map(|(_, b)| *b).filter(|b| b > sigma).sum();
+            let (forced, slot) = match small.len() {
+                1 => (big + small[0], 0),
+                _ => (big, small.iter().copied().max().unwrap_or(0)),
+            };
+            non_block + forced + 2 * slot + act
+        })
+        .min()
+        .unwrap()
+}
+
+/// Every promise a plan makes, checked from outside the planner.
+fn check_plan(p: &Pipeline, planned: &BudgetPlan, budget: u64, act: u64) {
+    // INV-7's bound of the configuration it returns, plus activations.
+    let bounds = memory_bounds(p, &planned.config, planned.depth.max(1)).unwrap();
+    assert!(
+        bounds.device_weight_bytes + act <= budget,
+        "over budget: weights {} + activations {act} > {budget}\n{planned}",
+        bounds.device_weight_bytes
+    );
+    assert_eq!(bounds.device_weight_bytes + act, planned.peak_bytes);
+    let resolved = resolve(p, &planned.config).unwrap();
+    assert_eq!(resolved.streamed_bytes(), planned.streamed_bytes);
+    let stack = &resolved.stacks[0];
+    let streamed: Vec<u64> = stack.streamed().map(|b| b.bytes).collect();
+    if streamed.is_empty() {
+        assert_eq!(planned.slots, 0);
+        return;
+    }
+    // Never fewer than two slots; never one streaming block.
+    assert!(planned.slots >= 2 && planned.depth >= 1, "{planned}");
+    assert!(streamed.len() >= 2, "{planned}");
+    assert_eq!(planned.slots, planned.depth + 1);
+    // As much as fits: no streamed block would fit in what is left (or it
+    // would leave a single streamed block).
+    let slot = *streamed.iter().max().unwrap();
+    let room = budget - planned.peak_bytes;
+    for b in &streamed {
+        let lone = streamed.len() == 2;
+        let needed = if lone { streamed.iter().sum() } else { *b };
+        // Making the largest resident could shrink the slots; the planner
+        // tried that slot size too, so only smaller blocks are checked.
+        if *b < slot {
+            assert!(
+                needed > room,
+                "block of {b} B fits in {room} B left\n{planned}"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("OFFLOAD_BUDGET_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn the_planner_never_exceeds_the_budget_and_reports_the_least_one_exactly(
+        double in 0usize..6,
+        h1 in prop::sample::select(vec![8u64, 16, 24]),
+        single in 0usize..10,
+        h2 in prop::sample::select(vec![4u64, 8, 16]),
+        extra in 0u64..4096,
+        act in 0u64..20_000,
+        fraction in 0.0f64..1.3,
+        compute in prop::collection::vec(0.0f64..2e-3, 16),
+        link in 1e3f64..1e6,
+        max_depth in 1usize..4,
+    ) {
+        prop_assume!(double + single >= 2);
+        let p = dit(double, h1, single, h2, extra);
+        let (blocks, non_block) = sizes(&p);
+        let total: u64 = non_block + blocks.iter().map(|(_, b)| b).sum::<u64>();
+        let budget = ((total + act) as f64 * fraction) as u64 + 1;
+        let inputs = PlannerInputs {
+            link_bytes_per_s: link,
+            block_compute_s: blocks
+                .iter()
+                .enumerate()
+                .map(|(i, (path, _))| (path.clone(), compute[i % compute.len()]))
+                .collect::<BTreeMap<_, _>>(),
+            activation_bytes: act,
+            max_depth,
+            ..PlannerInputs::default()
+        };
+        let least = least_budget(&blocks, non_block, act).min(total + act);
+        match plan(&p, &budget_config(budget), &inputs) {
+            Ok(planned) => {
+                prop_assert!(budget >= least, "planned below the least budget {least}: {planned}");
+                prop_assert_eq!(planned.minimum_bytes, least);
+                check_plan(&p, &planned, budget, act);
+            }
+            Err(BudgetError::DoesNotFit { minimum, .. }) => {
+                prop_assert!(budget < least, "refused {budget} ≥ least {least}");
+                prop_assert_eq!(minimum, least);
+            }
+            Err(e) => prop_assert!(false, "unexpected error: {e}"),
+        }
+    }
+}
+
+/// The error names the budget, the least budget and its parts.
+#[test]
+fn a_budget_too_small_names_the_minimum() {
+    let p = dit(2, 16, 4, 8, 100);
+    let e = plan(&p, &budget_config(10), &PlannerInputs::default()).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, BudgetError::DoesNotFit { .. }), "{e:?}");
+    for needle in [
+        "`device_budget` = 10 B does not fit",
+        "allowed: device_budget ≥",
+        "2 slots of",
+    ] {
+        assert!(text.contains(needle), "{text}");
+    }
+}
+
+/// Everything fits: every block stays resident, nothing streams.
+#[test]
+fn a_budget_that_holds_everything_streams_nothing() {
+    let p = dit(2, 16, 4, 8, 100);
+    let planned = plan(&p, &budget_config(1 << 30), &PlannerInputs::default()).unwrap();
+    assert_eq!(planned.streamed_bytes, 0);
+    assert_eq!(planned.resident_blocks, 6);
+    check_plan(&p, &planned, 1 << 30, 0);
+}
+
+/// Bad keys and values are typed errors naming what is allowed.
+#[test]
+fn budget_keys_are_checked() {
+    for (text, needle) in [
+        (r#"{"device_budget": "24 gigs"}"#, "unknown unit `gigs`"),
+        (r#"{"device_budget": 0}"#, "zero bytes"),
+        (r#"{"device_budget": -5}"#, "negative"),
+        (r#"{"device_budget": true}"#, "a positive byte count"),
+    ] {
+        let e = OffloadConfig::from_json_str(text).unwrap_err().to_string();
+        assert!(
+            e.contains(needle) && e.contains("device_budget"),
+            "{text}: {e}"
+        );
+    }
+    let ok = OffloadConfig::from_toml_str("device_budget = \"16GiB\"").unwrap();
+    assert_eq!(ok.device_budget, Some(ByteSize(16 << 30)));
+    assert_eq!(
+        ok.select().unwrap().strategy,
+        offload_core::OffloadStrategy::Layerwise
+    );
+    for (text, needle) in [
+        (
+            r#"{"device_budget": "1GiB", "enable_cpu_offload": true}"#,
+            "conflicts with `enable_cpu_offload`",
+        ),
+        (
+            r#"{"device_budget": "1GiB", "resident_blocks": ["a"]}"#,
+            "set one of them",
+        ),
+        (
+            r#"{"resident_blocks": ["a"], "enable_distributed_layerwise_offload": true}"#,
+            "layerwise offload only",
+        ),
+    ] {
+        let config = OffloadConfig::from_json_str(text).unwrap();
+        let e = config.select().unwrap_err().to_string();
+        assert!(e.contains(needle), "{text}: {e}");
+    }
+    let p = dit(2, 16, 4, 8, 100);
+    let mut config = OffloadConfig {
+        enable_layerwise_offload: true,
+        resident_blocks: vec!["transformer.nope".into()],
+        ..OffloadConfig::default()
+    };
+    let e = resolve(&p, &config).unwrap_err().to_string();
+    assert!(
+        e.contains("`transformer.nope`") && e.contains("allowed:"),
+        "{e}"
+    );
+    config.resident_blocks = (0..2)
+        .map(|i| format!("transformer.transformer_blocks.{i}"))
+        .chain((0..3).map(|i| format!("transformer.single_transformer_blocks.{i}")))
+        .collect();
+    let e = resolve(&p, &config).unwrap_err().to_string();
+    assert!(e.contains("leaving one to stream"), "{e}");
+    // Bounds of an unplanned budget configuration are refused, not guessed.
+    let e = memory_bounds(&p, &budget_config(1 << 20), 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("input of the budget planner"), "{e}");
+}
+
+/// A planned configuration runs on the simulated device at every budget
+/// between the least and everything: output identical to the resident
+/// run, no checker violation, INV-7 within the planned configuration's
+/// bounds, and the device's own peak allocation within the budget.
+#[test]
+fn planned_runs_fit_the_budget_on_the_simulated_device() {
+    let preset = tiny();
+    let w = Workload {
+        tokens: preset.default_tokens,
+        preset: preset.clone(),
+        steps: 3,
+        requests: 2,
+    };
+    let opts = RunOptions::new(DeviceProfile::h200());
+    let resident = run(&w, &StrategyChoice::Resident, &opts).unwrap();
+    let want: Vec<u64> = resident.requests.iter().map(|r| r.output).collect();
+    let total = preset.weight_bytes();
+    let least = match plan(
+        &preset.pipeline,
+        &budget_config(1),
+        &PlannerInputs::default(),
+    ) {
+        Err(BudgetError::DoesNotFit { minimum, .. }) => minimum,
+        other => panic!("a 1-byte budget: {other:?}"),
+    };
+    let mut seen_depths = std::collections::BTreeSet::new();
+    for k in 0..=8 {
+        let budget = least + (total - least) * k / 8;
+        let planned = plan(
+            &preset.pipeline,
+            &budget_config(budget),
+            &PlannerInputs::default(),
+        )
+        .unwrap_or_else(|e| panic!("budget {budget}: {e}"));
+        seen_depths.insert(planned.resident_blocks);
+        let opts = RunOptions {
+            prefetch_depth: planned.depth.max(1),
+            ..opts.clone()
+        };
+        let out = run(&w, &StrategyChoice::Config(planned.config.clone()), &opts)
+            .unwrap_or_else(|f| panic!("budget {budget}: {}", f.error));
+        assert!(out.violations.is_empty(), "{budget}: {:#?}", out.violations);
+        assert_eq!(
+            offload_sim::job::memory_violations(&out),
+            None,
+            "{budget}: INV-7"
+        );
+        let got: Vec<u64> = out.requests.iter().map(|r| r.output).collect();
+        assert_eq!(
+            got, want,
+            "budget {budget}: outputs differ from the resident run"
+        );
+        assert!(
+            out.at_end.device_peak_bytes <= budget,
+            "budget {budget}: the device peaked at {} B\n{planned}",
+            out.at_end.device_peak_bytes
+        );
+    }
+    assert!(
+        seen_depths.len() >= 3,
+        "the budgets chose too few distinct plans: {seen_depths:?}"
+    );
+}
