@@ -334,6 +334,18 @@ impl fmt::Debug for CudaEvent {
     }
 }
 
+impl CudaEvent {
+    /// A new event of `ctx`, made with `flags`.
+    fn create(ctx: &Arc<CudaContext>, flags: sys::CUevent_flags) -> Result<Self, CudaError> {
+        ctx.bind()?;
+        let raw = wrap(result::event::create(flags), || "cuEventCreate".to_owned())?;
+        Ok(Self {
+            raw,
+            _ctx: Arc::clone(ctx),
+        })
+    }
+}
+
 impl Drop for CudaEvent {
     fn drop(&mut self) {
         // SAFETY: the handle is ours and its context is alive (we hold it);
@@ -957,15 +969,7 @@ impl Device<Cuda> for CudaDevice {
     }
 
     fn create_event(&self) -> Result<CudaEvent, CudaError> {
-        self.bind()?;
-        let raw = wrap(
-            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
-            || "cuEventCreate".to_owned(),
-        )?;
-        Ok(CudaEvent {
-            raw,
-            _ctx: Arc::clone(&self.ctx),
-        })
+        CudaEvent::create(&self.ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {
