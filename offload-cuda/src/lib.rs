@@ -26,8 +26,10 @@
 
 mod perturb;
 pub mod proxy;
+mod timeline;
 
 pub use perturb::Perturbation;
+pub use timeline::{SpanId, TimelineSpan};
 
 use std::ffi::c_void;
 use std::fmt;
@@ -317,7 +319,7 @@ impl Drop for CudaStream {
     }
 }
 
-/// An event without timing, destroyed on drop.
+/// An event, destroyed on drop: without timing, except the timeline's own.
 pub struct CudaEvent {
     raw: sys::CUevent,
     _ctx: Arc<CudaContext>,
@@ -331,6 +333,18 @@ unsafe impl Sync for CudaEvent {}
 impl fmt::Debug for CudaEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "CudaEvent({:p})", self.raw)
+    }
+}
+
+impl CudaEvent {
+    /// A new event of `ctx`, made with `flags`.
+    fn create(ctx: &Arc<CudaContext>, flags: sys::CUevent_flags) -> Result<Self, CudaError> {
+        ctx.bind()?;
+        let raw = wrap(result::event::create(flags), || "cuEventCreate".to_owned())?;
+        Ok(Self {
+            raw,
+            _ctx: Arc::clone(ctx),
+        })
     }
 }
 
@@ -543,12 +557,14 @@ impl Drop for CudaRegistration {
     }
 }
 
-/// One GPU: its shared [`CudaContext`], and an optional timing
-/// perturbation (see [`Perturbation`]).
+/// One GPU: its shared [`CudaContext`], an optional timing perturbation
+/// (see [`Perturbation`]) and a timeline recorder (see
+/// [`CudaDevice::timeline_start`]).
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     name: String,
     perturbation: Mutex<Option<Perturber>>,
+    timeline: timeline::Recorder,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -575,6 +591,7 @@ impl CudaDevice {
             ctx,
             name,
             perturbation: Mutex::new(None),
+            timeline: timeline::Recorder::default(),
         })
     }
 
@@ -957,15 +974,7 @@ impl Device<Cuda> for CudaDevice {
     }
 
     fn create_event(&self) -> Result<CudaEvent, CudaError> {
-        self.bind()?;
-        let raw = wrap(
-            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
-            || "cuEventCreate".to_owned(),
-        )?;
-        Ok(CudaEvent {
-            raw,
-            _ctx: Arc::clone(&self.ctx),
-        })
+        CudaEvent::create(&self.ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {
@@ -1049,6 +1058,9 @@ impl Device<Cuda> for CudaDevice {
         }
         self.bind()?;
         self.perturb_raw(stream.raw)?;
+        let span = self.timeline.begin(&self.ctx, stream.raw, || {
+            timeline::h2d_name(bytes, kind, dst.ptr, dst_offset)
+        })?;
         // SAFETY: both ranges are in bounds (checked above; `base` is
         // non-null since `len >= bytes > 0`); the caller guarantees that
         // neither side is freed, and the destination not otherwise touched,
@@ -1061,7 +1073,11 @@ impl Device<Cuda> for CudaDevice {
                 stream.raw,
             )
         };
-        check(code, || format!("cuMemcpyHtoDAsync({bytes} bytes)"))
+        // Ended whether or not the copy was enqueued: a timeline never
+        // holds a copy begun and not ended.
+        let ended = self.timeline.end(&self.ctx, stream.raw, span);
+        check(code, || format!("cuMemcpyHtoDAsync({bytes} bytes)"))?;
+        ended
     }
 
     unsafe fn copy_d2h(
@@ -1087,6 +1103,9 @@ impl Device<Cuda> for CudaDevice {
         }
         self.bind()?;
         self.perturb_raw(stream.raw)?;
+        let span = self.timeline.begin(&self.ctx, stream.raw, || {
+            timeline::d2h_name(bytes, src.ptr, src_offset)
+        })?;
         // SAFETY: as for `copy_h2d`; `dst` is borrowed mutably, so the host
         // does not read it through this handle meanwhile.
         let code = unsafe {
@@ -1097,6 +1116,8 @@ impl Device<Cuda> for CudaDevice {
                 stream.raw,
             )
         };
-        check(code, || format!("cuMemcpyDtoHAsync({bytes} bytes)"))
+        let ended = self.timeline.end(&self.ctx, stream.raw, span);
+        check(code, || format!("cuMemcpyDtoHAsync({bytes} bytes)"))?;
+        ended
     }
 }

@@ -18,6 +18,8 @@
 //!   output differs from resident (or a forward fails) within a bounded
 //!   number of seeds; each prints `planted <name>: caught on seed S after N
 //!   runs`, beside a clean control.
+//! * The timeline recorder puts copies and marked spans on their streams'
+//!   tracks, in order, and refuses a span never ended.
 //! * Dropping an enabled runtime, or panicking inside a forward, leaks no
 //!   device memory and leaves no CUDA error (tests named `drop_`, which the
 //!   bundle also runs under compute-sanitizer memcheck).
@@ -534,6 +536,80 @@ fn device_basics() {
         d.free_pinned(back).unwrap();
     }
     d.synchronize().unwrap();
+}
+
+/// The timeline recorder: two copies on one labelled stream, in issue
+/// order and not overlapping, and a marked span on another; a second
+/// timeline (events from the pool); a span never ended refused by name.
+#[test]
+fn timeline_records_copies_and_marked_spans() {
+    const BYTES: u64 = 64 << 20;
+    let Some(g) = gpu() else { return };
+    let d = &g.device;
+    let (copy, compute) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+    d.label_stream(&copy, "copy");
+    d.label_stream(&compute, "compute");
+    let host = d.alloc_pinned(BYTES).unwrap();
+    let dev = d.alloc_device(2 * BYTES).unwrap();
+    // Off, marking is a no-op and stopping an error.
+    let ignored = d.timeline_begin(&compute, "ignored").unwrap();
+    d.timeline_end(&compute, ignored).unwrap();
+    assert!(d.timeline_stop().is_err());
+    for run in 0..2 {
+        d.timeline_start().unwrap();
+        let block = d.timeline_begin(&compute, "block 0").unwrap();
+        d.spin(&compute, 200_000).unwrap();
+        d.timeline_end(&compute, block).unwrap();
+        for i in 0..2 {
+            // SAFETY: in bounds; `timeline_stop` waits for the copies
+            // before the buffers drop.
+            unsafe { d.copy_h2d(&copy, HostSource::Pinned(&host), 0, &dev, i * BYTES, BYTES) }
+                .unwrap();
+        }
+        let spans = d.timeline_stop().unwrap();
+        let on = |track: &str| {
+            spans
+                .iter()
+                .filter(|s| s.track == track)
+                .collect::<Vec<_>>()
+        };
+        let (copies, marked) = (on("copy"), on("compute"));
+        assert_eq!(
+            (copies.len(), marked.len(), spans.len()),
+            (2, 1, 3),
+            "run {run}: {spans:#?}"
+        );
+        assert_eq!(marked[0].name, "block 0");
+        assert!(marked[0].duration_ns >= 100_000, "run {run}: {spans:#?}");
+        for (i, c) in copies.iter().enumerate() {
+            assert!(
+                c.name.starts_with("h2d 67.1 MB pinned → dev 0x"),
+                "{}",
+                c.name
+            );
+            assert!(
+                c.name.ends_with(&format!("+{}", i as u64 * BYTES)),
+                "{}",
+                c.name
+            );
+            assert!(c.duration_ns > 0, "run {run}: {spans:#?}");
+        }
+        assert!(
+            copies[0].start_ns + copies[0].duration_ns <= copies[1].start_ns,
+            "run {run}: {spans:#?}"
+        );
+    }
+    d.timeline_start().unwrap();
+    let _open = d.timeline_begin(&compute, "left open").unwrap();
+    let e = d.timeline_stop().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("span `left open` on compute was begun but never ended"),
+        "{e}"
+    );
+    // Everything was released: a new timeline starts clean.
+    d.timeline_start().unwrap();
+    assert_eq!(d.timeline_stop().unwrap(), vec![]);
 }
 
 #[test]
