@@ -1,13 +1,24 @@
 //! The layerwise benchmark on one GPU, in one run: a Flux.1-dev-sized DiT
 //! (exact block shapes, 11.9 B parameters, random bf16 weights distinct per
 //! block) at batch 1, its weights already in host memory as a loader leaves
-//! them. Measures the pinned host→device bandwidth, the resident step, the
-//! layerwise step at prefetch depth 1 and 2, the limit `max(resident,
-//! streamed bytes / bandwidth)` and the ratio, peak device weight bytes
-//! (the allocator's high-water mark and cuMemGetInfo), host bytes held for
-//! weights, the time `enable` took, and the output of the chained compute
-//! proxy (a function of every weight byte read, in order), which must equal
-//! the resident run's. Prints a table and writes JSON. Never a timed test.
+//! them. The compute proxy runs each linear on the rows it runs on in Flux
+//! (modulation on one row, text-stream weights on the text tokens,
+//! image-stream weights on the image tokens, single blocks on all tokens)
+//! and attention at Flux's cost.
+//!
+//! Measures: the pinned host→device bandwidth of a fresh buffer and of the
+//! host masters themselves (every block copied back to back, no compute);
+//! the resident step; layerwise at each `--depths`, at the depth the
+//! planner chooses, and under each `--budgets` (the budget planner keeps
+//! as many blocks resident as fit); the limit `max(resident, streamed /
+//! bandwidth)` against both bandwidths and the ratio; the planner's
+//! predicted step; peak device weight bytes (the allocator's high-water
+//! mark and cuMemGetInfo); host bytes for weights; the time `enable` took;
+//! one traced step per row (CUDA events around every copy and every
+//! block's compute, written as a Perfetto trace) read as compute waits and
+//! copy-engine idle; and the output of the chained proxy (a function of
+//! every weight byte read, in order), which must equal the resident run's.
+//! Prints tables and writes JSON. Never a timed test.
 //!
 //! Built with the `planted-bugs` feature, `--plant NAME` plants a core bug
 //! in the layerwise runs: their output then differs from resident.
@@ -18,6 +29,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
+use offload_core::budget::{self, BudgetPlan, ByteSize, PlannerInputs, predict_step};
 use offload_core::device::{Device, HostRegion, HostSource};
 use offload_core::model::{DType, ModuleId, Pipeline, StorageId, TensorId};
 #[cfg(feature = "planted-bugs")]
@@ -27,10 +39,12 @@ use offload_core::{OffloadConfig, resolve};
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
 use offload_sim::harness::blocks_of;
-use offload_sim::presets::flux1_dev_dit;
+use offload_sim::presets::{TokenSplit, flux1_dev_dit, linear_rows};
+use timeline::Analysis;
 use serde::Serialize;
 
 mod dist;
+mod timeline;
 
 /// Attention heads and head width of Flux.1-dev.
 const HEADS: u64 = 24;
@@ -72,6 +86,20 @@ struct Args {
     /// layerwise benchmark.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     ranks: u32,
+    /// Prefetch depths to run layerwise at, comma-separated, each in 1..=8
+    /// (the depth the planner chooses is run besides).
+    #[arg(long, default_value = "1,2")]
+    depths: String,
+    /// Device budgets to plan and run, comma-separated (`16GiB,8GiB`;
+    /// empty for none).
+    #[arg(long, default_value = "16GiB,8GiB")]
+    budgets: String,
+    /// Token counts the budgets run at (each among --tokens).
+    #[arg(long, default_value = "4608")]
+    budget_tokens: String,
+    /// Write each row's traced step here as a Perfetto trace.
+    #[arg(long)]
+    trace_dir: Option<std::path::PathBuf>,
 }
 
 /// The flags, checked.
@@ -79,6 +107,19 @@ struct Settings {
     tokens: Vec<u64>,
     steps: u64,
     warmup: u64,
+    depths: Vec<usize>,
+    budgets: Vec<u64>,
+    budget_tokens: Vec<u64>,
+}
+
+/// A comma-separated list of `flag`, each parsed by `parse`; empty items
+/// are skipped.
+fn list<T>(flag: &str, text: &str, parse: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| parse(s).map_err(|e| anyhow::anyhow!("{flag}: {e}")))
+        .collect()
 }
 
 impl Settings {
@@ -115,10 +156,28 @@ impl Settings {
             "--warmup: {} is outside 0..={MAX_WARMUP}",
             args.warmup
         );
+        let depths = list("--depths", &args.depths, |s| {
+            s.parse::<usize>()
+                .ok()
+                .filter(|d| (1..=8).contains(d))
+                .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
+        })?;
+        let budgets = list("--budgets", &args.budgets, |s| {
+            ByteSize::parse(s).map(|b| b.0)
+        })?;
+        let budget_tokens = list("--budget-tokens", &args.budget_tokens, |s| {
+            s.parse::<u64>()
+                .ok()
+                .filter(|t| tokens.contains(t))
+                .ok_or_else(|| format!("`{s}` is not one of --tokens {tokens:?}"))
+        })?;
         Ok(Self {
             tokens,
             steps: args.steps,
             warmup: args.warmup,
+            depths,
+            budgets,
+            budget_tokens,
         })
     }
 }
@@ -312,9 +371,21 @@ fn scratch_bytes(pipeline: &Pipeline, tokens: u64) -> (u64, u64) {
 }
 
 /// One DiT forward: per block, every weight view folded, a GEMM per 2-D
-/// bf16 weight with its real shape at `tokens` rows, the attention-sized
-/// batched GEMMs, then the chain step.
+/// bf16 weight with its real shape on the rows it runs on in Flux
+/// ([`linear_rows`]), attention at Flux's cost over all tokens, then the
+/// chain step.
 fn step(rt: &Runtime<Cuda>, proxy: &Proxy, tokens: u64) -> Result<()> {
+    step_marked(rt, proxy, tokens, None)
+}
+
+/// [`step`], each block's compute marked on the GPU timeline of `mark`.
+fn step_marked(
+    rt: &Runtime<Cuda>,
+    proxy: &Proxy,
+    tokens: u64,
+    mark: Option<&CudaDevice>,
+) -> Result<()> {
+    let split = flux_split(tokens);
     rt.forward("transformer", |dit| {
         let p = dit.pipeline();
         let module = dit.module();
@@ -325,15 +396,23 @@ fn step(rt: &Runtime<Cuda>, proxy: &Proxy, tokens: u64) -> Result<()> {
             .into_iter()
             .filter(|t| !inner.contains(t))
             .collect();
-        kernels(dit, proxy, &own, tokens)?;
+        kernels(dit, proxy, &own, split)?;
         proxy.chain(dit.stream())?;
         for b in blocks {
-            let rel = p.module(b).path["transformer.".len()..].to_owned();
+            let path = &p.module(b).path;
+            let rel = path["transformer.".len()..].to_owned();
             let tensors = p.subtree_tensors(b);
             dit.child(&rel, |blk| {
-                kernels(blk, proxy, &tensors, tokens)?;
+                let span = match mark {
+                    Some(d) => Some(d.timeline_begin(blk.stream(), path.as_str())?),
+                    None => None,
+                };
+                kernels(blk, proxy, &tensors, split)?;
                 proxy.attention(HEADS, tokens, HEAD_DIM)?;
                 proxy.chain(blk.stream())?;
+                if let (Some(d), Some(span)) = (mark, span) {
+                    d.timeline_end(blk.stream(), span)?;
+                }
                 Ok(())
             })?;
         }
@@ -342,18 +421,27 @@ fn step(rt: &Runtime<Cuda>, proxy: &Proxy, tokens: u64) -> Result<()> {
     Ok(())
 }
 
+/// Flux's split of a token count: 512 text tokens (fewer when the count
+/// is small), the rest image.
+fn flux_split(tokens: u64) -> TokenSplit {
+    offload_sim::presets::flux1_dev().split(tokens)
+}
+
 fn kernels(
     scope: &Scope<'_, Cuda>,
     proxy: &Proxy,
     tensors: &[TensorId],
-    tokens: u64,
+    split: TokenSplit,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let p = scope.pipeline();
     for t in tensors {
         let v = scope.view_id(*t)?;
         let ptr = v.buffer().ptr() + v.byte_range().start;
         let tensor = v.tensor();
         if tensor.dtype == DType::Bf16 && tensor.shape.len() == 2 {
-            proxy.linear(ptr, tensor.shape[0], tensor.shape[1], tokens)?;
+            let path = p.tensor_path(*t);
+            let rows = linear_rows(path.strip_prefix("transformer.").unwrap_or(&path), split);
+            proxy.linear(ptr, tensor.shape[0], tensor.shape[1], rows)?;
         }
         proxy.fold(
             scope.stream(),
@@ -367,19 +455,126 @@ fn kernels(
 /// Builds one run's backend.
 type MakeBackend<'a> = dyn Fn() -> Result<Box<dyn Backend<Cuda>>> + 'a;
 
+/// One row of the tables.
 #[derive(Serialize, Clone)]
 struct Row {
     run: String,
     tokens: u64,
+    /// Prefetch depth (0 for resident).
+    depth: usize,
+    /// The device budget the planner planned for, if any.
+    budget_bytes: Option<u64>,
+    streamed_bytes: u64,
     step_s: f64,
+    /// `max(resident step, streamed / fresh pinned bandwidth)`.
     limit_s: f64,
     ratio: f64,
+    /// `max(resident step, streamed / host-master bandwidth)`.
+    limit_masters_s: f64,
+    ratio_masters: f64,
+    /// The planner's predicted step (its ring recurrence on this run's
+    /// per-block compute and host-master bandwidth).
+    predicted_s: f64,
+    /// The simulator's predicted step (`offload-sim`, the `h200` profile
+    /// with this run's host-master bandwidth).
+    simulated_s: Option<f64>,
     peak_device_weight_bytes: u64,
     peak_cumemgetinfo_bytes: u64,
     host_weight_bytes: u64,
     enable_s: f64,
     output: u64,
     output_equals_resident: bool,
+    /// The traced step.
+    timeline: Analysis,
+}
+
+/// One run: a backend, the token counts it runs, and what the planner
+/// predicted for each.
+struct Spec<'a> {
+    name: String,
+    depth: usize,
+    budget: Option<u64>,
+    streamed: u64,
+    tokens: Vec<u64>,
+    make: Box<MakeBackend<'a>>,
+}
+
+/// Host→device bandwidth of the host masters themselves, GB/s: every block
+/// of the loaded weights registered in place (as layerwise does) and copied
+/// back to back into one device buffer, no compute; the median of three
+/// passes.
+fn master_bandwidth(device: &CudaDevice, stream: &CudaStream, loaded: &Loaded, blocks: &[&Unit]) -> Result<f64> {
+    let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
+    let dev = device.alloc_device(largest)?;
+    let mut regs = Vec::new();
+    for u in blocks {
+        let region = loaded
+            .take_region(u)
+            .with_context(|| format!("no loaded memory for `{}`", u.name))?;
+        regs.push(device.register_host(region).map_err(|e| e.error)?);
+    }
+    let total: u64 = blocks.iter().map(|u| u.bytes).sum();
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        device.synchronize_stream(stream)?;
+        let t = Instant::now();
+        for (u, r) in blocks.iter().zip(&regs) {
+            // SAFETY: each copy reads a whole registered unit into the
+            // start of a buffer at least as large; nothing is freed or
+            // unregistered before the synchronisation below.
+            unsafe { device.copy_h2d(stream, HostSource::Registered(r), 0, &dev, 0, u.bytes) }?;
+        }
+        device.synchronize_stream(stream)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    for r in regs {
+        // SAFETY: the stream is drained: no copy reads it.
+        unsafe { device.unregister_host(r) }?;
+    }
+    // SAFETY: as above.
+    unsafe { device.free_device(dev, &[])? };
+    Ok(total as f64 / median(&mut times).context("no samples")? / 1e9)
+}
+
+/// What the planner knows at `tokens`: the traced resident step's compute
+/// per block, the host masters' bandwidth, the proxy's scratch.
+fn planner_inputs(resident: &Analysis, resident_step: f64, master_gbps: f64, activation_bytes: u64) -> PlannerInputs {
+    let blocks: f64 = resident.per_block_s.values().sum();
+    PlannerInputs {
+        link_bytes_per_s: master_gbps * 1e9,
+        copy_latency_s: 10e-6,
+        block_compute_s: resident.per_block_s.clone(),
+        compute_s_per_byte: 0.0,
+        other_compute_s: (resident_step - blocks).max(0.0),
+        activation_bytes,
+        max_depth: 4,
+    }
+}
+
+/// The planner's predicted step for `config` at `depth` (its recurrence).
+fn predicted(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    depth: usize,
+    inputs: &PlannerInputs,
+) -> Result<f64> {
+    let plan = resolve(pipeline, config)?;
+    let mut total = 0.0;
+    for s in &plan.stacks {
+        let compute: Vec<f64> = s
+            .blocks
+            .iter()
+            .map(|b| inputs.block_compute_s.get(&b.path).copied().unwrap_or(0.0))
+            .collect();
+        let copy: Vec<f64> = s
+            .blocks
+            .iter()
+            .map(|b| b.bytes as f64 / inputs.link_bytes_per_s + inputs.copy_latency_s)
+            .collect();
+        let resident: Vec<bool> = (0..s.blocks.len()).map(|i| s.resident.contains(&i)).collect();
+        total += predict_step(&compute, &copy, &resident, depth, inputs.other_compute_s);
+    }
+    Ok(total)
 }
 
 fn main() -> Result<()> {
@@ -398,6 +593,7 @@ fn main() -> Result<()> {
     }
     let device = Arc::new(CudaDevice::new(0)?);
     let stream = Arc::new(device.create_stream()?);
+    device.label_stream(&stream, timeline::COMPUTE);
     let pipeline = flux1_dev_dit();
     let weight_bytes: u64 = pipeline.storages().map(|(_, s)| s.bytes).sum();
     // The resident run holds every weight and the largest scratch at once.
@@ -433,7 +629,7 @@ fn main() -> Result<()> {
         );
     }
     let bw = bandwidth(&device, &stream)?;
-    eprintln!("pinned host→device: {bw:.1} GB/s");
+    eprintln!("pinned host→device (fresh 1 GiB buffer): {bw:.2} GB/s");
     let t = Instant::now();
     let loaded = Arc::new(load(&pipeline)?);
     eprintln!(
@@ -441,8 +637,31 @@ fn main() -> Result<()> {
         weight_bytes as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
+    let layerwise = OffloadConfig {
+        enable_layerwise_offload: true,
+        ..OffloadConfig::default()
+    };
+    let plan = resolve(&pipeline, &layerwise)?;
+    let streamed_all = plan.streamed_bytes();
+    let (resident_part, largest) = (weight_bytes - streamed_all, plan.largest_block_bytes());
+    let block_units: Vec<Unit> = {
+        let groups: Vec<ModuleId> = plan.components.iter().map(|c| c.module).collect();
+        let part = partition(&pipeline, &plan.stacks, &groups);
+        plan.stacks
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .map(|b| part.blocks[&b.module].clone())
+            .collect()
+    };
+    let master_gbps = master_bandwidth(&device, &stream, &loaded, &block_units.iter().collect::<Vec<_>>())?;
+    eprintln!("host masters → device, back to back: {master_gbps:.2} GB/s");
     let (input_bytes, output_bytes) = scratch_bytes(&pipeline, max_t);
+    device.synchronize_stream(&stream)?;
+    let used_before_proxy = device.pool_used()?.0;
     let proxy = Proxy::new(&device, Arc::clone(&stream), input_bytes, output_bytes)?;
+    // The activation memory of this workload: the proxy's scratch and
+    // cuBLAS's workspace, as the allocator counts them.
+    let activation_bytes = device.pool_used()?.0.saturating_sub(used_before_proxy);
     let platform = |depth, plant: bool| {
         let p = CorePlatform::<Cuda>::new(
             "cuda",
@@ -457,38 +676,17 @@ fn main() -> Result<()> {
         let _ = plant;
         p
     };
-    let layerwise = OffloadConfig {
-        enable_layerwise_offload: true,
-        ..OffloadConfig::default()
-    };
-    let plan = resolve(&pipeline, &layerwise)?;
-    let streamed = plan.streamed_bytes();
-    let (resident_part, largest) = (weight_bytes - streamed, plan.largest_block_bytes());
     let suffix = plant_name
         .as_ref()
         .map_or(String::new(), |n| format!(" (planted {n})"));
-    let runs: Vec<(String, Box<MakeBackend<'_>>)> = vec![
-        (
-            "resident".to_owned(),
-            Box::new(|| Ok(platform(1, false).resident()?)),
-        ),
-        (
-            format!("layerwise depth 1{suffix}"),
-            Box::new(|| {
-                Ok(Box::new(platform(1, true).layerwise(layerwise.clone())?)
-                    as Box<dyn Backend<Cuda>>)
-            }),
-        ),
-        (
-            format!("layerwise depth 2{suffix}"),
-            Box::new(|| {
-                Ok(Box::new(platform(2, true).layerwise(layerwise.clone())?)
-                    as Box<dyn Backend<Cuda>>)
-            }),
-        ),
-    ];
+    let layerwise_at = |config: OffloadConfig, depth: usize| -> Box<MakeBackend<'_>> {
+        Box::new(move || {
+            Ok(Box::new(platform(depth, true).layerwise(config.clone())?) as Box<dyn Backend<Cuda>>)
+        })
+    };
     let mut rows: Vec<Row> = Vec::new();
-    for (name, make) in &runs {
+    let mut traces: BTreeMap<String, offload_sim::trace::Trace> = BTreeMap::new();
+    let mut run = |spec: &Spec<'_>, rows: &mut Vec<Row>| -> Result<()> {
         device.synchronize_stream(&stream)?;
         device.trim_pool()?;
         device.reset_pool_high()?;
@@ -496,11 +694,11 @@ fn main() -> Result<()> {
         let free_before = device.memory_info()?.free_bytes;
         let mut rt = Runtime::new(Arc::clone(&device), Arc::clone(&stream), pipeline.clone());
         let t = Instant::now();
-        rt.enable(make()?).map_err(|(e, _)| e)?;
+        rt.enable((spec.make)()?).map_err(|(e, _)| e)?;
         device.synchronize_stream(&stream)?;
         let enable_s = t.elapsed().as_secs_f64();
         let host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
-        for &tokens in &settings.tokens {
+        for &tokens in &spec.tokens {
             let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
             proxy.reset(&stream)?;
@@ -519,68 +717,179 @@ fn main() -> Result<()> {
             // enable (the proxy's scratch): device bytes held for weights.
             let peak = device.pool_used()?.1.saturating_sub(used_before);
             let output = proxy.read_output()?;
+            // One more step, traced (not timed: the events cost launches).
+            device.timeline_start()?;
+            let traced = step_marked(&rt, &proxy, tokens, Some(&device));
+            let spans = device.timeline_stop()?;
+            traced?;
+            let analysis = timeline::analyse(&spans);
+            traces.insert(
+                format!("{}-{tokens}", slug(&spec.name)),
+                timeline::to_trace(&spans),
+            );
             rows.push(Row {
-                run: name.clone(),
+                run: spec.name.clone(),
                 tokens,
+                depth: spec.depth,
+                budget_bytes: spec.budget,
+                streamed_bytes: spec.streamed,
                 step_s: median(&mut times).context("no timed steps")?,
                 limit_s: 0.0,
                 ratio: 0.0,
+                limit_masters_s: 0.0,
+                ratio_masters: 0.0,
+                predicted_s: 0.0,
+                simulated_s: None,
                 peak_device_weight_bytes: peak,
                 peak_cumemgetinfo_bytes: peak_info,
                 host_weight_bytes,
                 enable_s,
                 output,
                 output_equals_resident: false,
+                timeline: analysis,
             });
+            let r = rows.last().context("pushed")?;
             eprintln!(
-                "{name} at {tokens} tokens: {:.3} s/step, output {output:#018x}",
-                rows.last().map_or(0.0, |r| r.step_s)
+                "{} at {tokens} tokens: {:.4} s/step (traced: compute idle {:.1} ms, copy idle {:.1} ms), output {output:#018x}",
+                spec.name,
+                r.step_s,
+                r.timeline.compute_idle_s * 1e3,
+                r.timeline.copy_idle_s * 1e3
             );
         }
         rt.disable()?;
-    }
-    let resident: BTreeMap<u64, (f64, u64)> = rows
+        Ok(())
+    };
+    // Resident first: its traced steps give the planner each block's compute.
+    run(
+        &Spec {
+            name: "resident".to_owned(),
+            depth: 0,
+            budget: None,
+            streamed: 0,
+            tokens: settings.tokens.clone(),
+            make: Box::new(|| Ok(platform(1, false).resident()?)),
+        },
+        &mut rows,
+    )?;
+    let resident: BTreeMap<u64, (f64, u64, Analysis)> = rows
         .iter()
-        .filter(|r| r.run == "resident")
-        .map(|r| (r.tokens, (r.step_s, r.output)))
+        .map(|r| (r.tokens, (r.step_s, r.output, r.timeline.clone())))
         .collect();
+    let inputs: BTreeMap<u64, PlannerInputs> = resident
+        .iter()
+        .map(|(t, (step_s, _, a))| (*t, planner_inputs(a, *step_s, master_gbps, activation_bytes)))
+        .collect();
+    let mut specs: Vec<Spec<'_>> = Vec::new();
+    for &d in &settings.depths {
+        specs.push(Spec {
+            name: format!("layerwise depth {d}{suffix}"),
+            depth: d,
+            budget: None,
+            streamed: streamed_all,
+            tokens: settings.tokens.clone(),
+            make: layerwise_at(layerwise.clone(), d),
+        });
+    }
+    // The depth the planner chooses with every block streamed: the
+    // shallowest within 0.5% of the best predicted step.
+    let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+    for (&t, inp) in &inputs {
+        let preds: Vec<f64> = (1..=inp.max_depth)
+            .map(|d| predicted(&pipeline, &layerwise, d, inp))
+            .collect::<Result<_>>()?;
+        let best = preds.iter().copied().fold(f64::INFINITY, f64::min);
+        let d = 1 + preds.iter().position(|p| *p <= best * 1.005).unwrap_or(0);
+        by_depth.entry(d).or_default().push(t);
+    }
+    for (d, tokens) in by_depth {
+        specs.push(Spec {
+            name: format!("layerwise planner depth {d}{suffix}"),
+            depth: d,
+            budget: None,
+            streamed: streamed_all,
+            tokens,
+            make: layerwise_at(layerwise.clone(), d),
+        });
+    }
+    let mut plans: Vec<(u64, u64, BudgetPlan)> = Vec::new();
+    for &b in &settings.budgets {
+        for &t in &settings.budget_tokens {
+            let inp = inputs.get(&t).with_context(|| {
+                format!("--budget-tokens: {t} is not among --tokens (the planner needs its resident step)")
+            })?;
+            let config = OffloadConfig {
+                device_budget: Some(ByteSize(b)),
+                ..OffloadConfig::default()
+            };
+            let planned = budget::plan(&pipeline, &config, inp)?;
+            eprintln!("plan for {} at {t} tokens:\n{planned}", ByteSize(b));
+            plans.push((b, t, planned.clone()));
+            specs.push(Spec {
+                name: format!(
+                    "budget {} ({} resident, depth {}){suffix}",
+                    ByteSize(b),
+                    planned.resident_blocks,
+                    planned.depth
+                ),
+                depth: planned.depth,
+                budget: Some(b),
+                streamed: planned.streamed_bytes,
+                tokens: vec![t],
+                make: layerwise_at(planned.config.clone(), planned.depth.max(1)),
+            });
+        }
+    }
+    for spec in &specs {
+        run(spec, &mut rows)?;
+    }
+    drop(run);
+    let budget_configs: BTreeMap<(u64, u64), &BudgetPlan> =
+        plans.iter().map(|(b, t, p)| ((*b, *t), p)).collect();
     for r in &mut rows {
-        let (resident_step, resident_output) = resident
+        let (resident_step, resident_output, _) = resident
             .get(&r.tokens)
-            .copied()
             .context("a resident row per token count")?;
-        let transfer = if r.run == "resident" {
-            0.0
-        } else {
-            streamed as f64 / (bw * 1e9)
-        };
-        r.limit_s = resident_step.max(transfer);
+        let streamed = r.streamed_bytes as f64;
+        r.limit_s = resident_step.max(streamed / (bw * 1e9));
         r.ratio = r.step_s / r.limit_s;
-        r.output_equals_resident = r.output == resident_output;
+        r.limit_masters_s = resident_step.max(streamed / (master_gbps * 1e9));
+        r.ratio_masters = r.step_s / r.limit_masters_s;
+        r.output_equals_resident = r.output == *resident_output;
+        let inp = &inputs[&r.tokens];
+        r.predicted_s = match r.budget_bytes {
+            _ if r.depth == 0 => *resident_step,
+            Some(b) => budget_configs[&(b, r.tokens)].predicted_step_s,
+            None => predicted(&pipeline, &layerwise, r.depth, inp)?,
+        };
     }
     println!(
-        "\nFlux.1-dev DiT, {:.2} B parameters, {:.1} GB bf16; {} ; pinned host→device {bw:.1} GB/s{suffix}",
+        "\nFlux.1-dev DiT, {:.2} B parameters, {:.1} GB bf16; {}; pinned host→device {bw:.2} GB/s (fresh 1 GiB buffer), {master_gbps:.2} GB/s (host masters, back to back){suffix}",
         pipeline.tensors().map(|(_, t)| t.numel()).sum::<u64>() as f64 / 1e9,
         weight_bytes as f64 / 1e9,
         device.name()
     );
     println!(
-        "| run | tokens | s / step | limit s | step / limit | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output | output = resident |"
+        "| run | tokens | s / step | limit s | step / limit | step / limit (masters' bandwidth) | planner predicted s | predicted / measured | compute idle ms | copy idle ms | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in &rows {
         println!(
-            "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {:#018x} | {} |",
+            "| {} | {} | {:.4} | {:.4} | {:.3} | {:.3} | {:.4} | {:.3} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
             r.run,
             r.tokens,
             r.step_s,
             r.limit_s,
             r.ratio,
+            r.ratio_masters,
+            r.predicted_s,
+            r.predicted_s / r.step_s,
+            r.timeline.compute_idle_s * 1e3,
+            r.timeline.copy_idle_s * 1e3,
             r.peak_device_weight_bytes as f64 / 1e9,
             r.peak_cumemgetinfo_bytes as f64 / 1e9,
             r.host_weight_bytes as f64 / 1e9,
             r.enable_s,
-            r.output,
             r.output_equals_resident
         );
     }
@@ -591,18 +900,105 @@ fn main() -> Result<()> {
         (resident_part + 2 * largest) as f64 / 1e9,
         (resident_part + 3 * largest) as f64 / 1e9
     );
+    if !plans.is_empty() {
+        println!(
+            "\nBudgets (activations measured: {:.2} GB of proxy scratch and cuBLAS workspace)",
+            activation_bytes as f64 / 1e9
+        );
+        println!(
+            "| budget | tokens | resident blocks | resident GB | streamed GB | slots × GB | measured peak weights + activations GB | within budget | s / step | planned limit s | step / limit | resident / (budget − non-streamed − activations − slots) |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        for (b, t, p) in &plans {
+            let Some(r) = rows
+                .iter()
+                .find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)
+            else {
+                continue;
+            };
+            let peak = r.peak_device_weight_bytes + activation_bytes;
+            println!(
+                "| {} | {t} | {} of {} | {:.2} | {:.2} | {} × {:.3} | {:.2} | {} | {:.4} | {:.4} | {:.3} | {:.3} |",
+                ByteSize(*b),
+                p.resident_blocks,
+                p.blocks,
+                (p.resident_block_bytes + p.non_streamed_bytes) as f64 / 1e9,
+                p.streamed_bytes as f64 / 1e9,
+                p.slots,
+                p.slot_bytes as f64 / 1e9,
+                peak as f64 / 1e9,
+                peak <= *b,
+                r.step_s,
+                r.limit_s,
+                r.ratio,
+                p.resident_block_bytes as f64 / p.available_for_blocks().max(1) as f64
+            );
+        }
+    }
+    println!("\nTimeline (one traced step per row; mean block compute by container, mean copy by size)");
+    println!("| run | tokens | compute busy ms | compute idle ms | of which waiting for a copy ms | copy busy ms | copy idle ms | copy GB/s | block compute ms | copy ms |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in &rows {
+        let a = &r.timeline;
+        let kinds: Vec<String> = a
+            .block_compute_s
+            .iter()
+            .map(|(k, s)| format!("{k} {:.3}", s * 1e3))
+            .collect();
+        let copies: Vec<String> = a
+            .copy_s_by_bytes
+            .iter()
+            .map(|(b, s)| format!("{:.0} MB {:.3}", *b as f64 / 1e6, s * 1e3))
+            .collect();
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {} |",
+            r.run,
+            r.tokens,
+            a.compute_busy_s * 1e3,
+            a.compute_idle_s * 1e3,
+            a.compute_wait_copy_s * 1e3,
+            a.copy_busy_s * 1e3,
+            a.copy_idle_s * 1e3,
+            a.copy_gbps,
+            kinds.join(", "),
+            copies.join(", ")
+        );
+    }
+    if let Some(dir) = &args.trace_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (name, trace) in &traces {
+            let path = dir.join(format!("timeline-{name}.json"));
+            std::fs::write(&path, serde_json::to_vec(&trace.to_chrome_json())?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
     let doc = serde_json::json!({
         "device": device.name(),
         "pinned_h2d_gbps": bw,
+        "master_h2d_gbps": master_gbps,
         "weight_bytes": weight_bytes,
-        "streamed_bytes": streamed,
+        "streamed_bytes": streamed_all,
+        "activation_bytes": activation_bytes,
         "planted": plant_name,
         "rows": rows,
+        "plans": plans.iter().map(|(b, t, p)| serde_json::json!({"budget": b, "tokens": t, "plan": p})).collect::<Vec<_>>(),
+        "resident_block_compute_s": inputs.iter().map(|(t, i)| (t.to_string(), i.block_compute_s.clone())).collect::<BTreeMap<_, _>>(),
     });
     std::fs::write(&args.json, serde_json::to_vec_pretty(&doc)?)
         .with_context(|| format!("writing {}", args.json.display()))?;
     proxy.free()?;
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
+    let over: Vec<String> = plans
+        .iter()
+        .filter_map(|(b, t, _)| {
+            let r = rows.iter().find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)?;
+            (r.peak_device_weight_bytes + activation_bytes > *b)
+                .then(|| format!("{} at {t} tokens", ByteSize(*b)))
+        })
+        .collect();
+    if !over.is_empty() {
+        bail!("the device held more than the budget: {}", over.join(", "));
+    }
     match &plant_name {
         None if differing > 0 => {
             bail!("{differing} layerwise rows differ from resident: a correctness bug")
@@ -616,6 +1012,17 @@ fn main() -> Result<()> {
         None => println!("every output equals resident"),
     }
     Ok(())
+}
+
+/// A file-name-safe form of a run's name.
+fn slug(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect::<String>()
+        .split('-')
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
 }
 
 #[cfg(test)]

@@ -36,7 +36,9 @@ const RUN_SH: &str = r#"#!/bin/sh
 # Run from the repository root (nextest maps the archive onto it), or set
 # OFFLOAD_ROOT. Logs and JSON go to $OUT (default /tmp/offload-gpu).
 # Timeouts (seconds, each overridable): TESTS_TIMEOUT=140, DROP_TIMEOUT=75,
-# SANITIZE_TIMEOUT=300 (per full-suite sanitizer run), BENCH_TIMEOUT=160,
+# SANITIZE_TIMEOUT=300 (per full-suite sanitizer run), BENCH_TIMEOUT=200
+# (per bench process; BENCH_RUNS=1 processes, BENCH_TOKENS), perf = the
+# bench BENCH_RUNS times + the planted bench + the peer (PEER_TOKENS),
 # PLANTED_TIMEOUT=55, PEER_TIMEOUT=100; NO_PEER=1 leaves the peer out of
 # `all`. `all` = tests + memcheck of the
 # drop tests + bench + planted bench + peer: at most 530 s (expected about
@@ -109,9 +111,23 @@ run_sanitize() {
     return $status
 }
 
+# The single-GPU bench, BENCH_RUNS times (default 1) as separate
+# processes: resident, layerwise at depths 1 and 2 and at the planner's
+# depth, and the 16 GiB and 8 GiB budgets, at four token counts, each row
+# with a traced step (Perfetto traces in $out/traces-N).
 run_bench() {
-    timeout "${BENCH_TIMEOUT:-160}" "$here/offload-bench" --tokens 1024,4608,16896 \
-        --json "$out/bench.json"
+    status=0
+    i=1
+    while [ "$i" -le "${BENCH_RUNS:-1}" ]; do
+        timeout "${BENCH_TIMEOUT:-200}" "$here/offload-bench" \
+            --tokens "${BENCH_TOKENS:-1024,4608,8192,16896}" \
+            --json "$out/bench-$i.json" --trace-dir "$out/traces-$i" \
+            > "$out/bench-$i.log" 2> "$out/bench-$i.err" || status=$?
+        cat "$out/bench-$i.log"
+        tail -3 "$out/bench-$i.err"
+        i=$((i + 1))
+    done
+    return $status
 }
 
 # A planted bug (every fill copies the next block's bytes): the layerwise
@@ -123,7 +139,7 @@ run_planted_bench() {
 
 run_peer() {
     timeout "${PEER_TIMEOUT:-100}" python3 "$here/peers/diffusers_group_offload.py" \
-        --json "$out/peer.json"
+        --tokens "${PEER_TOKENS:-4608,16896}" --json "$out/peer.json"
 }
 
 # Two GPUs and more (`run.sh dlo`, `run.sh dlo-all`). The NCCL checks:
@@ -196,13 +212,25 @@ all)
     tests_line=""
     step "tests" run_tests
     step "memcheck: drop_ tests" run_drop_memcheck
-    step "bench (1024, 4608, 16896 tokens)" run_bench
+    step "bench (${BENCH_RUNS:-1} runs)" run_bench
     step "bench --plant wrong-master" run_planted_bench
     [ -n "${NO_PEER:-}" ] || step "peer (diffusers)" run_peer
     echo
     echo "== summary ($(( $(date +%s) - began )) s; logs and JSON in $out)"
     echo "suite: ${tests_line:-no count}"
     grep -E '^[[:space:]]*planted ' "$out/tests.log" 2>/dev/null | sed 's/^[[:space:]]*//'
+    echo "| step | result | seconds |"
+    echo "| --- | --- | --- |"
+    printf '%s' "$summary"
+    exit $overall
+    ;;
+perf)
+    began=$(date +%s)
+    step "bench (${BENCH_RUNS:-1} runs)" run_bench
+    step "bench --plant wrong-master" run_planted_bench
+    [ -n "${NO_PEER:-}" ] || step "peer (diffusers)" run_peer
+    echo
+    echo "== summary ($(( $(date +%s) - began )) s; logs and JSON in $out)"
     echo "| step | result | seconds |"
     echo "| --- | --- | --- |"
     printf '%s' "$summary"
@@ -229,7 +257,7 @@ dlo-all)
     exit $overall
     ;;
 *)
-    echo "usage: run.sh tests | sanitize | bench | all | dlo | dlo-all | dlo-bench | fsdp2" >&2
+    echo "usage: run.sh tests | sanitize | bench | perf | all | dlo | dlo-all | dlo-bench | fsdp2" >&2
     exit 2
     ;;
 esac
