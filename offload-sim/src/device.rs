@@ -1355,10 +1355,8 @@ impl SimDevice {
     }
 
     /// A kernel on `stream` that reads `inputs` (buffer, byte range) when it
-    /// starts and costs `flops`; it folds a checksum of every byte it read
-    /// (value and position within its range) into `accumulator`, so a run
-    /// that read other bytes, or ran kernels in another order, ends with
-    /// another value.
+    /// starts and costs `flops` at the profile's peak rate
+    /// ([`DeviceProfile::compute_ns`]); otherwise as [`Self::compute_for`].
     pub fn compute(
         &self,
         stream: &SimStream,
@@ -1367,8 +1365,25 @@ impl SimDevice {
         name: &str,
         accumulator: &SimAccumulator,
     ) -> Result<(), SimError> {
+        let duration_ns = self.state().profile.compute_ns(flops);
+        self.compute_for(stream, inputs, duration_ns, name, accumulator)
+    }
+
+    /// A kernel on `stream` that reads `inputs` (buffer, byte range) when it
+    /// starts and runs for `duration_ns` (a duration the caller's model
+    /// computed, e.g. [`DeviceProfile::work_ns`]); it folds a checksum of
+    /// every byte it read (value and position within its range) into
+    /// `accumulator`, so a run that read other bytes, or ran kernels in
+    /// another order, ends with another value.
+    pub fn compute_for(
+        &self,
+        stream: &SimStream,
+        inputs: &[(&SimDeviceBuffer, Range<u64>)],
+        duration_ns: u64,
+        name: &str,
+        accumulator: &SimAccumulator,
+    ) -> Result<(), SimError> {
         let mut st = self.state();
-        let duration = st.profile.compute_ns(flops);
         for (buf, range) in inputs {
             if range.start > range.end {
                 return Err(st.err(
@@ -1385,7 +1400,7 @@ impl SimDevice {
                 buf.len,
             )?;
         }
-        let (op, start, _) = st.enqueue(stream.index, Engine::Compute, duration, name)?;
+        let (op, start, _) = st.enqueue(stream.index, Engine::Compute, duration_ns, name)?;
         st.stats.kernels += 1;
         let stream_name = st.streams[stream.index].name.clone();
         for (buf, range) in inputs {

@@ -188,6 +188,18 @@ pub fn blocks_of(p: &offload_core::Pipeline, module: ModuleId) -> Vec<ModuleId> 
         .collect()
 }
 
+/// The tensors of `component` outside its blocks ([`blocks_of`]).
+pub fn own_tensors(p: &offload_core::Pipeline, component: ModuleId) -> Vec<TensorId> {
+    let in_blocks: BTreeSet<TensorId> = blocks_of(p, component)
+        .iter()
+        .flat_map(|b| p.subtree_tensors(*b))
+        .collect();
+    p.subtree_tensors(component)
+        .into_iter()
+        .filter(|t| !in_blocks.contains(t))
+        .collect()
+}
+
 /// Where a runtime's kernels put their output, and the events that time a
 /// request's denoising phase.
 #[derive(Debug)]
@@ -248,13 +260,7 @@ pub fn component_forward(
         let p = scope.pipeline();
         let module = scope.module();
         let blocks = blocks_of(p, module);
-        let in_blocks: BTreeSet<TensorId> =
-            blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
-        let own: Vec<TensorId> = p
-            .subtree_tensors(module)
-            .into_iter()
-            .filter(|t| !in_blocks.contains(t))
-            .collect();
+        let own = own_tensors(p, module);
         let own_flops =
             2.0 * own.iter().map(|t| p.tensor(*t).numel()).sum::<u64>() as f64 * tokens as f64;
         kernel(

@@ -1,19 +1,210 @@
 //! Workload presets: synthetic diffusion pipelines with the tensor names,
-//! shapes and dtypes of real models, plus the compute each module costs for
-//! a given token count, and a deterministic weight source.
+//! shapes and dtypes of real models, plus the work each DiT block does for a
+//! given token count (which rows each weight's GEMM runs on, the
+//! attention), and a deterministic weight source.
 
 use offload_core::ComponentDeclaration;
-use offload_core::model::StorageId;
 use offload_core::model::{DType, ModuleBuilder, Pipeline, PipelineBuilder};
+use offload_core::model::{ModuleId, StorageId, Tensor, TensorKind};
 use offload_core::runtime::WeightSource;
 
-/// How a block's compute scales with tokens.
+use crate::profile::{BlockWork, LinearWork};
+
+/// How a block's attention scales with tokens (its linears are read off
+/// its weights: [`Preset::block_work`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockCost {
     /// Width of attention.
     pub hidden: u64,
-    /// Whether the block runs self-attention over all tokens.
+    /// Whether the block runs attention over all tokens.
     pub attention: bool,
+}
+
+/// The tokens of one DiT forward, by stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenSplit {
+    /// Image (or video) tokens.
+    pub image: u64,
+    /// Text tokens.
+    pub text: u64,
+}
+
+impl TokenSplit {
+    /// `total` tokens of which the text takes `text_tokens`, but never more
+    /// than half (`total / 2`, rounded down) when the total is small; the
+    /// image takes the rest. So `image + text == total`, and a tiny total
+    /// keeps at least as many image tokens as text tokens.
+    pub fn of(total: u64, text_tokens: u64) -> Self {
+        let text = text_tokens.min(total / 2);
+        Self {
+            image: total - text,
+            text,
+        }
+    }
+
+    /// Image and text tokens together.
+    pub fn total(&self) -> u64 {
+        self.image + self.text
+    }
+}
+
+/// Which rows a linear's GEMM runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// One row: the conditioning vector (modulation, time embedding).
+    One,
+    /// The text tokens.
+    Text,
+    /// The image tokens.
+    Image,
+    /// Every token.
+    All,
+}
+
+impl Rows {
+    /// How many rows that is for `split`.
+    pub fn count(self, split: TokenSplit) -> u64 {
+        match self {
+            Self::One => 1,
+            Self::Text => split.text,
+            Self::Image => split.image,
+            Self::All => split.total(),
+        }
+    }
+}
+
+/// Where a tensor sits in a DiT: in which kind of block, or outside blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// A dual-stream (MMDiT) block: Flux's double blocks, Qwen-Image's
+    /// blocks (`transformer_blocks`).
+    Dual,
+    /// A single-stream block: Flux's single blocks
+    /// (`single_transformer_blocks`).
+    Single,
+    /// A Wan block: self-attention, cross-attention to the text, MLP
+    /// (`blocks`).
+    Wan,
+    /// A block of another container.
+    OtherBlock,
+    /// Outside the blocks.
+    Outside,
+}
+
+/// Block containers by name.
+const CONTAINERS: [(&str, Place); 3] = [
+    ("transformer_blocks", Place::Dual),
+    ("single_transformer_blocks", Place::Single),
+    ("blocks", Place::Wan),
+];
+
+/// The rows each linear runs on: (place, module path within the block or,
+/// outside blocks, within the DiT, rows). A rule matches a tensor whose
+/// path starts with the module path followed by `.`; the first match wins;
+/// a linear no rule matches runs on every token. Wan's blocks have no
+/// modulation linear (their `scale_shift_table` is added, not multiplied).
+const ROW_RULES: &[(Place, &str, Rows)] = &[
+    // Dual-stream blocks: modulations on the conditioning vector, the
+    // text stream's weights on the text, the image stream's on the image.
+    (Place::Dual, "norm1.linear", Rows::One),
+    (Place::Dual, "norm1_context.linear", Rows::One),
+    (Place::Dual, "img_mod", Rows::One),
+    (Place::Dual, "txt_mod", Rows::One),
+    (Place::Dual, "attn.add_q_proj", Rows::Text),
+    (Place::Dual, "attn.add_k_proj", Rows::Text),
+    (Place::Dual, "attn.add_v_proj", Rows::Text),
+    (Place::Dual, "attn.to_add_out", Rows::Text),
+    (Place::Dual, "ff_context", Rows::Text),
+    (Place::Dual, "txt_mlp", Rows::Text),
+    (Place::Dual, "attn.to_q", Rows::Image),
+    (Place::Dual, "attn.to_k", Rows::Image),
+    (Place::Dual, "attn.to_v", Rows::Image),
+    (Place::Dual, "attn.to_out", Rows::Image),
+    (Place::Dual, "ff", Rows::Image),
+    (Place::Dual, "img_mlp", Rows::Image),
+    // Single-stream blocks: the modulation on one row, the rest on all.
+    (Place::Single, "norm.linear", Rows::One),
+    // Wan blocks: cross-attention keys and values on the text.
+    (Place::Wan, "attn2.to_k", Rows::Text),
+    (Place::Wan, "attn2.to_v", Rows::Text),
+    // Outside blocks: embeddings of the conditioning vector, of the text,
+    // of the image; the final modulation and projection.
+    (Place::Outside, "time_text_embed", Rows::One),
+    (
+        Place::Outside,
+        "condition_embedder.time_embedder",
+        Rows::One,
+    ),
+    (Place::Outside, "condition_embedder.time_proj", Rows::One),
+    (Place::Outside, "norm_out.linear", Rows::One),
+    (Place::Outside, "context_embedder", Rows::Text),
+    (Place::Outside, "txt_in", Rows::Text),
+    (
+        Place::Outside,
+        "condition_embedder.text_embedder",
+        Rows::Text,
+    ),
+    (Place::Outside, "x_embedder", Rows::Image),
+    (Place::Outside, "img_in", Rows::Image),
+    (Place::Outside, "proj_out", Rows::Image),
+];
+
+/// Whether `path` is `module` or lies below it.
+fn under(path: &str, module: &str) -> bool {
+    path.strip_prefix(module)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+fn rows_in(place: Place, local: &str) -> Rows {
+    ROW_RULES
+        .iter()
+        .find(|(p, module, _)| *p == place && under(local, module))
+        .map_or(Rows::All, |(_, _, rows)| *rows)
+}
+
+fn place_of_container(name: &str) -> Place {
+    CONTAINERS
+        .iter()
+        .find(|(c, _)| *c == name)
+        .map_or(Place::OtherBlock, |(_, p)| *p)
+}
+
+/// Where a DiT-relative path lies: the first `name.N` pair (N a number)
+/// names its block's container, and the rest is the path within the
+/// block; with none it lies outside blocks.
+fn locate(path: &str) -> (Place, &str) {
+    let mut offset = 0;
+    let mut segments = path.split('.').peekable();
+    while let Some(segment) = segments.next() {
+        offset += segment.len() + 1;
+        if let Some(index) = segments.peek()
+            && !index.is_empty()
+            && index.bytes().all(|b| b.is_ascii_digit())
+        {
+            let local = path.get(offset + index.len() + 1..).unwrap_or("");
+            return (place_of_container(segment), local);
+        }
+    }
+    (Place::Outside, path)
+}
+
+/// Rows of the GEMM of the linear weight at `dit_relative_tensor_path`
+/// (the tensor's path within its DiT, e.g.
+/// `transformer_blocks.3.attn.add_q_proj.weight` or `proj_out.weight`, not
+/// prefixed by the component's own path) for a forward over `split`
+/// (the table `ROW_RULES`: modulations on one row, each stream's weights on
+/// its own tokens, the rest on all tokens). Meaningful for 2-D weights
+/// ([`is_linear_weight`]).
+pub fn linear_rows(dit_relative_tensor_path: &str, split: TokenSplit) -> u64 {
+    let (place, local) = locate(dit_relative_tensor_path);
+    rows_in(place, local).count(split)
+}
+
+/// Whether the work model treats `t` as a linear's weight: a 2-D
+/// parameter (out × in). Every 2-D parameter of the DiT presets is a bf16
+/// linear weight.
+pub fn is_linear_weight(t: &Tensor) -> bool {
+    t.kind == TensorKind::Parameter && t.shape.len() == 2
 }
 
 /// A preset: the pipeline and what its forward costs.
@@ -64,10 +255,111 @@ impl Preset {
     pub fn parameters(&self) -> u64 {
         self.pipeline
             .tensors()
-            .filter(|(_, t)| t.kind == offload_core::model::TensorKind::Parameter)
+            .filter(|(_, t)| t.kind == TensorKind::Parameter)
             .map(|(_, t)| t.numel())
             .sum()
     }
+
+    /// `total_tokens` split between image and text: [`TokenSplit::of`]
+    /// with this preset's [`Self::text_tokens`]. Wan's text is not part of
+    /// its sequence (only cross-attended), so there the split undercounts
+    /// the image by the text tokens; only its final `proj_out` runs on
+    /// image rows (its blocks run on all tokens), a negligible error.
+    pub fn split(&self, total_tokens: u64) -> TokenSplit {
+        TokenSplit::of(total_tokens, self.text_tokens)
+    }
+
+    /// The work of the DiT block `block` of `pipeline` for a forward over
+    /// `split`: each linear on its rows ([`linear_rows`]), the attention
+    /// (`4·T²·hidden` over all tokens, plus `4·T·T_text·hidden` of
+    /// cross-attention in Wan blocks), the other weight bytes.
+    pub fn block_work(&self, pipeline: &Pipeline, block: ModuleId, split: TokenSplit) -> BlockWork {
+        let m = pipeline.module(block);
+        let list = m.parent.map(|l| pipeline.module(l));
+        let place = list.map_or(Place::OtherBlock, |l| place_of_container(&l.name));
+        // The DiT holding the block: one of this preset's, else the
+        // container's parent.
+        let dit = self
+            .dits
+            .iter()
+            .copied()
+            .find(|d| under(&m.path, d))
+            .or_else(|| {
+                list.and_then(|l| l.parent)
+                    .map(|c| pipeline.module(c).path.as_str())
+            })
+            .unwrap_or("");
+        let tensors = pipeline.subtree_tensors(block);
+        let mut work = work_of(pipeline, &tensors, dit, split);
+        work.attention_flops = self.attention_flops(place, split);
+        work
+    }
+
+    /// The work of the DiT `component`'s tensors outside its blocks
+    /// (embeddings, final norm and projection) for a forward over `split`:
+    /// linears only.
+    pub fn non_block_work(
+        &self,
+        pipeline: &Pipeline,
+        component: ModuleId,
+        split: TokenSplit,
+    ) -> BlockWork {
+        let tensors = crate::harness::own_tensors(pipeline, component);
+        work_of(pipeline, &tensors, &pipeline.module(component).path, split)
+    }
+
+    /// Attention FLOPs of one block at `place`: `4·T²·hidden` over all
+    /// `T` tokens (joint attention in dual-stream blocks, self-attention
+    /// elsewhere), and in Wan blocks the cross-attention's
+    /// `4·T·T_text·hidden` (the queries are every token of the sequence,
+    /// the keys the text's). None without [`BlockCost::attention`].
+    fn attention_flops(&self, place: Place, split: TokenSplit) -> f64 {
+        if !self.block_cost.attention {
+            return 0.0;
+        }
+        let (t, text, hidden) = (
+            split.total() as f64,
+            split.text as f64,
+            self.block_cost.hidden as f64,
+        );
+        let cross = if place == Place::Wan {
+            4.0 * t * text * hidden
+        } else {
+            0.0
+        };
+        4.0 * t * t * hidden + cross
+    }
+}
+
+/// The linears (on [`linear_rows`]) and other bytes of `tensors`, which
+/// lie below the DiT at `dit`.
+fn work_of(
+    pipeline: &Pipeline,
+    tensors: &[offload_core::model::TensorId],
+    dit: &str,
+    split: TokenSplit,
+) -> BlockWork {
+    let mut work = BlockWork::default();
+    for &id in tensors {
+        let t = pipeline.tensor(id);
+        let bytes = t.numel() * t.dtype.size_bytes();
+        if !is_linear_weight(t) {
+            work.other_bytes += bytes;
+            continue;
+        }
+        let path = pipeline.tensor_path(id);
+        let relative = path
+            .strip_prefix(dit)
+            .and_then(|p| p.strip_prefix('.'))
+            .unwrap_or(&path);
+        work.linears.push(LinearWork {
+            rows: linear_rows(relative, split),
+            out_features: t.shape[0],
+            in_features: t.shape[1],
+            weight_bytes: bytes,
+        });
+    }
+    work
 }
 
 fn linear(m: &mut ModuleBuilder<'_>, name: &str, out_f: u64, in_f: u64, bias: bool) {
@@ -552,5 +844,205 @@ impl WeightSource for SyntheticWeights {
     /// Every byte can be regenerated: nothing to hand back at disable.
     fn wants_restore(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::blocks_of;
+
+    const D: f64 = 3072.0;
+
+    fn check_split(total: u64, text_tokens: u64, expect: (u64, u64)) {
+        let s = TokenSplit::of(total, text_tokens);
+        assert_eq!(
+            (s.image, s.text),
+            expect,
+            "split of {total} tokens with {text_tokens} text tokens"
+        );
+        assert_eq!(s.total(), total);
+    }
+
+    #[test]
+    fn split_gives_text_its_tokens_but_never_more_than_half() {
+        check_split(4608, 512, (4096, 512));
+        check_split(16_896, 512, (16_384, 512));
+        check_split(1024, 512, (512, 512));
+        check_split(1000, 512, (500, 500));
+        check_split(3, 512, (2, 1));
+        check_split(2, 512, (1, 1));
+        check_split(1, 512, (1, 0));
+        check_split(0, 512, (0, 0));
+        check_split(64, 0, (64, 0));
+        assert_eq!(flux1_dev().split(4608), TokenSplit::of(4608, 512));
+        assert_eq!(
+            tiny().split(64),
+            TokenSplit {
+                image: 48,
+                text: 16
+            }
+        );
+    }
+
+    fn check_rows(path: &str, expect: Rows) {
+        // Every class a different count, so a wrong rule shows.
+        let split = TokenSplit {
+            image: 4000,
+            text: 500,
+        };
+        assert_eq!(
+            linear_rows(path, split),
+            expect.count(split),
+            "rows of `{path}`: expected {expect:?}"
+        );
+    }
+
+    #[test]
+    fn rows_follow_the_stream_each_weight_belongs_to() {
+        use Rows::{All, Image, One, Text};
+        // Flux's double blocks.
+        check_rows("transformer_blocks.0.norm1.linear.weight", One);
+        check_rows("transformer_blocks.18.norm1_context.linear.weight", One);
+        check_rows("transformer_blocks.3.attn.to_q.weight", Image);
+        check_rows("transformer_blocks.3.attn.to_k.weight", Image);
+        check_rows("transformer_blocks.3.attn.to_v.weight", Image);
+        check_rows("transformer_blocks.3.attn.to_out.0.weight", Image);
+        check_rows("transformer_blocks.3.attn.add_q_proj.weight", Text);
+        check_rows("transformer_blocks.3.attn.add_k_proj.weight", Text);
+        check_rows("transformer_blocks.3.attn.add_v_proj.weight", Text);
+        check_rows("transformer_blocks.3.attn.to_add_out.weight", Text);
+        check_rows("transformer_blocks.3.ff.net.0.proj.weight", Image);
+        check_rows("transformer_blocks.3.ff.net.2.weight", Image);
+        check_rows("transformer_blocks.3.ff_context.net.0.proj.weight", Text);
+        check_rows("transformer_blocks.3.ff_context.net.2.weight", Text);
+        // Flux's single blocks: same names, all tokens.
+        check_rows("single_transformer_blocks.0.norm.linear.weight", One);
+        check_rows("single_transformer_blocks.37.attn.to_q.weight", All);
+        check_rows("single_transformer_blocks.37.proj_mlp.weight", All);
+        check_rows("single_transformer_blocks.37.proj_out.weight", All);
+        // Outside blocks.
+        check_rows("time_text_embed.timestep_embedder.linear_1.weight", One);
+        check_rows("time_text_embed.text_embedder.linear_2.weight", One);
+        check_rows("norm_out.linear.weight", One);
+        check_rows("context_embedder.weight", Text);
+        check_rows("x_embedder.weight", Image);
+        check_rows("proj_out.weight", Image);
+        // Qwen-Image.
+        check_rows("transformer_blocks.59.img_mod.1.weight", One);
+        check_rows("transformer_blocks.59.txt_mod.1.weight", One);
+        check_rows("transformer_blocks.59.img_mlp.net.2.weight", Image);
+        check_rows("transformer_blocks.59.txt_mlp.net.0.proj.weight", Text);
+        check_rows("img_in.weight", Image);
+        check_rows("txt_in.weight", Text);
+        // Wan.
+        check_rows("blocks.5.attn2.to_k.weight", Text);
+        check_rows("blocks.5.attn2.to_v.weight", Text);
+        check_rows("blocks.5.attn2.to_q.weight", All);
+        check_rows("blocks.5.attn1.to_k.weight", All);
+        check_rows("blocks.5.ffn.net.0.proj.weight", All);
+        check_rows("condition_embedder.time_proj.weight", One);
+        check_rows("condition_embedder.text_embedder.linear_1.weight", Text);
+        // Names matched by whole segments, unknown names on all tokens.
+        check_rows("transformer_blocks.0.attn.to_qkv.weight", All);
+        check_rows("transformer_blocks.0.ffx.weight", All);
+        check_rows("layers.0.fc.weight", All);
+        check_rows("something_else.weight", All);
+    }
+
+    /// No linear of a dual-stream block falls through to "all tokens": a
+    /// misspelt rule would.
+    #[test]
+    fn every_dual_stream_linear_has_a_rule() {
+        for preset in [flux1_dev(), qwen_image()] {
+            let p = &preset.pipeline;
+            let dit = p.module_id("transformer").expect("a DiT");
+            let split = TokenSplit {
+                image: 4000,
+                text: 500,
+            };
+            for b in blocks_of(p, dit) {
+                if !p
+                    .module(b)
+                    .path
+                    .starts_with("transformer.transformer_blocks.")
+                {
+                    continue;
+                }
+                for t in p.subtree_tensors(b) {
+                    let path = p.tensor_path(t);
+                    if is_linear_weight(p.tensor(t)) {
+                        let rows = linear_rows(&path["transformer.".len()..], split);
+                        assert_ne!(rows, 4500, "{}: `{path}` has no rule", preset.name);
+                    }
+                }
+            }
+        }
+    }
+
+    fn block(preset: &Preset, path: &str) -> ModuleId {
+        preset.pipeline.module_id(path).expect("the block exists")
+    }
+
+    #[test]
+    fn flux_blocks_cost_their_closed_forms() {
+        let flux = flux1_dev();
+        let split = flux.split(4608);
+        let double = flux.block_work(
+            &flux.pipeline,
+            block(&flux, "transformer.transformer_blocks.7"),
+            split,
+        );
+        let d2 = D * D;
+        let double_expect = 2.0 * (12.0 * d2 * 1.0 + 12.0 * d2 * 4096.0 + 12.0 * d2 * 512.0);
+        assert_eq!(double.linear_flops(), double_expect, "double block");
+        assert_eq!(double.linears.len(), 14);
+        assert_eq!(double.attention_flops, 4.0 * 4608.0 * 4608.0 * D);
+        let single = flux.block_work(
+            &flux.pipeline,
+            block(&flux, "transformer.single_transformer_blocks.30"),
+            split,
+        );
+        let single_expect = 2.0 * (3.0 * d2 * 1.0 + 12.0 * d2 * 4608.0);
+        assert_eq!(single.linear_flops(), single_expect, "single block");
+        assert_eq!(single.attention_flops, 4.0 * 4608.0 * 4608.0 * D);
+        // Biases and QK norms are the other bytes, in bf16.
+        let biases = 2.0 * 6.0 * D + 8.0 * D + 2.0 * (4.0 * D + D);
+        let norms = 4.0 * 128.0;
+        assert_eq!(double.other_bytes as f64, 2.0 * (biases + norms));
+    }
+
+    /// Linear FLOPs of the whole DiT (blocks and the rest), and what the old
+    /// model charged: every 2-D weight on every token.
+    fn dit_linear_flops(preset: &Preset, tokens: u64) -> (f64, f64) {
+        let p = &preset.pipeline;
+        let dit = p.module_id("transformer").expect("a DiT");
+        let split = preset.split(tokens);
+        let mut new = preset.non_block_work(p, dit, split).linear_flops();
+        for b in blocks_of(p, dit) {
+            new += preset.block_work(p, b, split).linear_flops();
+        }
+        let all_rows: f64 = p
+            .subtree_tensors(dit)
+            .into_iter()
+            .map(|t| p.tensor(t))
+            .filter(|t| is_linear_weight(t))
+            .map(|t| 2.0 * t.numel() as f64 * tokens as f64)
+            .sum();
+        (new, all_rows)
+    }
+
+    #[test]
+    fn flux_linears_cost_well_below_every_weight_on_every_token() {
+        let flux = flux1_dev();
+        for tokens in [4608, 16_896] {
+            let (new, old) = dit_linear_flops(&flux, tokens);
+            let ratio = new / old;
+            assert!(
+                (0.3..0.8).contains(&ratio),
+                "{tokens} tokens: linear FLOPs {new:.4e} against {old:.4e} on all rows: ratio {ratio:.3} (1/{:.2})",
+                1.0 / ratio
+            );
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Device profiles: the physics the virtual clock uses (link bandwidths and
 //! latencies, compute rate, memory capacity, host launch overhead, and the
-//! GPU-to-GPU link a gather group's all-gathers run over).
+//! GPU-to-GPU link a gather group's all-gathers run over), and the kernel-time
+//! model a DiT block's work ([`BlockWork`]) is charged with.
 
 use serde::Serialize;
 
@@ -29,8 +30,24 @@ pub struct DeviceProfile {
     pub d2h_pinned_gbps: f64,
     /// Fixed cost of one copy, µs.
     pub copy_latency_us: f64,
-    /// Dense bf16 rate, TFLOP/s.
+    /// Dense bf16 rate, TFLOP/s: the peak a large GEMM reaches
+    /// ([`Self::compute_ns`]; [`Self::work_ns`] scales it by the GEMM's
+    /// row efficiency).
     pub compute_tflops: f64,
+    /// Device memory bandwidth, GB/s: the floor of a GEMM that reads its
+    /// weight once (one row, modulation), and of the other bytes a block
+    /// reads ([`Self::work_ns`]).
+    pub hbm_gbps: f64,
+    /// Rows at which a bf16 GEMM reaches half of [`Self::compute_tflops`]:
+    /// a GEMM on `r` rows runs at `compute_tflops · r / (r + gemm_half_rows)`
+    /// ([`Self::gemm_efficiency`]). A one-row GEMM is bound by memory, not by
+    /// this rate, only if `gemm_half_rows + 1` rows of compute take less than
+    /// reading the weight: `gemm_half_rows + 1 ≤ compute_tflops · 1e3 /
+    /// hbm_gbps` for bf16 (about 162 rows on the H200 figures).
+    pub gemm_half_rows: f64,
+    /// Attention rate, TFLOP/s (fused attention over the block's tokens,
+    /// [`Self::work_ns`]).
+    pub attention_tflops: f64,
     /// Fixed cost of one kernel, µs.
     pub kernel_latency_us: f64,
     /// Device memory, bytes.
@@ -48,6 +65,13 @@ pub struct DeviceProfile {
 impl DeviceProfile {
     /// NVIDIA H200 on PCIe Gen5 x16, as measured (PERFORMANCE.md).
     ///
+    /// Kernel model: `compute_tflops` 780 is the measured bf16 8192³ GEMM;
+    /// `hbm_gbps` 4800 is the H200's HBM3e specification (4.8 TB/s), not a
+    /// measurement; `gemm_half_rows` 256 and `attention_tflops` 450 are
+    /// PLACEHOLDER estimates, to be calibrated on the H200 (with 256, a
+    /// one-row GEMM is charged at compute speed, 1.6× its memory floor: see
+    /// [`Self::gemm_half_rows`]).
+    ///
     /// Two of them in one node (18 NVLinks): 246 GB/s bus bandwidth
     /// measured (an all-gather of two 0.34 GB shards in 1.38 ms); the
     /// 10 µs latency is assumed (NCCL's small-message order on NVLink; it
@@ -62,6 +86,9 @@ impl DeviceProfile {
             d2h_pinned_gbps: 55.0,
             copy_latency_us: 8.0,
             compute_tflops: 780.0,
+            hbm_gbps: 4800.0,
+            gemm_half_rows: 256.0,
+            attention_tflops: 450.0,
             kernel_latency_us: 4.0,
             memory_bytes: 141_000_000_000,
             launch_overhead_us: 3.0,
@@ -76,6 +103,11 @@ impl DeviceProfile {
 
     /// An RTX 4090-class card: 24 GB on PCIe 4.
     ///
+    /// Kernel model, estimates: `hbm_gbps` 1008 is the card's GDDR6X
+    /// specification; `gemm_half_rows` 256 as the H200's placeholder;
+    /// `attention_tflops` 100, about 60 % of `compute_tflops` (the H200
+    /// placeholder's 450 / 780), not measured.
+    ///
     /// No NVLink: gathers cross PCIe ([`Self::pcie_link`], an estimate).
     /// Several cards copying at once are assumed to lose what two H200s
     /// lost (52.3 / 55.2 of the single-card rate): each card on its own
@@ -88,6 +120,9 @@ impl DeviceProfile {
             d2h_pinned_gbps: 25.0,
             copy_latency_us: 10.0,
             compute_tflops: 165.0,
+            hbm_gbps: 1008.0,
+            gemm_half_rows: 256.0,
+            attention_tflops: 100.0,
             kernel_latency_us: 4.0,
             memory_bytes: 24_000_000_000,
             launch_overhead_us: 3.0,
@@ -98,6 +133,10 @@ impl DeviceProfile {
 
     /// An L20-class card: 48 GB on PCIe 4. Group figures as for
     /// [`Self::rtx4090`] (estimates).
+    ///
+    /// Kernel model, estimates: `hbm_gbps` 864 is the card's GDDR6
+    /// specification; `gemm_half_rows` 256 as the H200's placeholder;
+    /// `attention_tflops` 70, about 60 % of `compute_tflops`, not measured.
     pub fn l20() -> Self {
         Self {
             name: "l20",
@@ -106,6 +145,9 @@ impl DeviceProfile {
             d2h_pinned_gbps: 25.0,
             copy_latency_us: 10.0,
             compute_tflops: 119.0,
+            hbm_gbps: 864.0,
+            gemm_half_rows: 256.0,
+            attention_tflops: 70.0,
             kernel_latency_us: 4.0,
             memory_bytes: 48_000_000_000,
             launch_overhead_us: 3.0,
@@ -176,9 +218,98 @@ impl DeviceProfile {
         transfer_ns(bytes, self.d2h_pinned_gbps, self.copy_latency_us)
     }
 
-    /// Nanoseconds for `flops` of bf16 work.
+    /// Nanoseconds for `flops` of bf16 work at the peak rate, as one kernel
+    /// (encoders and VAEs; DiT blocks use [`Self::work_ns`]).
     pub fn compute_ns(&self, flops: f64) -> u64 {
         (flops / (self.compute_tflops * 1e3) + self.kernel_latency_us * 1e3).round() as u64
+    }
+
+    /// The fraction of [`Self::compute_tflops`] a GEMM on `rows` rows
+    /// reaches: `rows / (rows + gemm_half_rows)`.
+    pub fn gemm_efficiency(&self, rows: u64) -> f64 {
+        let r = rows as f64;
+        r / (r + self.gemm_half_rows)
+    }
+
+    /// Nanoseconds of one linear's GEMM, its launch included:
+    /// `max(2·rows·out·in / (compute_tflops · efficiency(rows)),
+    /// weight_bytes / hbm_gbps) + kernel latency`. A linear on no rows
+    /// launches nothing: 0.
+    pub fn linear_ns(&self, l: &LinearWork) -> f64 {
+        if l.rows == 0 {
+            return 0.0;
+        }
+        let compute = l.flops() / (self.compute_tflops * 1e3 * self.gemm_efficiency(l.rows));
+        let memory = l.weight_bytes as f64 / self.hbm_gbps;
+        compute.max(memory) + self.kernel_latency_us * 1e3
+    }
+
+    /// Nanoseconds of a block's work (or of a component's non-block part)
+    /// as its kernels run one after another on one stream: every linear
+    /// ([`Self::linear_ns`]), the attention (`attention_flops /
+    /// attention_tflops` + kernel latency, if any), and the other bytes read
+    /// at memory bandwidth (biases and norms, fused into those kernels: no
+    /// launch of their own). At least one kernel latency: a forward
+    /// launches something.
+    pub fn work_ns(&self, w: &BlockWork) -> u64 {
+        let linears: f64 = w.linears.iter().map(|l| self.linear_ns(l)).sum();
+        let attention = if w.attention_flops > 0.0 {
+            w.attention_flops / (self.attention_tflops * 1e3) + self.kernel_latency_us * 1e3
+        } else {
+            0.0
+        };
+        let other = w.other_bytes as f64 / self.hbm_gbps;
+        (linears + attention + other)
+            .max(self.kernel_latency_us * 1e3)
+            .round() as u64
+    }
+}
+
+/// One linear's GEMM: a weight of `out_features × in_features` applied to
+/// `rows` rows (tokens, or one row for a modulation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearWork {
+    /// Rows the GEMM runs on.
+    pub rows: u64,
+    /// The weight's first dimension.
+    pub out_features: u64,
+    /// The weight's second dimension.
+    pub in_features: u64,
+    /// Bytes of the weight (read at least once).
+    pub weight_bytes: u64,
+}
+
+impl LinearWork {
+    /// `2 · rows · out · in`.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.rows as f64 * self.out_features as f64 * self.in_features as f64
+    }
+}
+
+/// What one DiT block's forward does (or a component's tensors outside its
+/// blocks): its linears, its attention, and the other weight bytes it reads.
+/// Built by [`crate::presets::Preset::block_work`]; timed by
+/// [`DeviceProfile::work_ns`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BlockWork {
+    /// Every 2-D weight's GEMM.
+    pub linears: Vec<LinearWork>,
+    /// FLOPs of the attention (`4·T²·hidden` and cross-attention terms).
+    pub attention_flops: f64,
+    /// Bytes of the tensors that are not linear weights (biases, norms,
+    /// tables).
+    pub other_bytes: u64,
+}
+
+impl BlockWork {
+    /// FLOPs of the linears.
+    pub fn linear_flops(&self) -> f64 {
+        self.linears.iter().map(LinearWork::flops).sum()
+    }
+
+    /// FLOPs of the linears and the attention.
+    pub fn flops(&self) -> f64 {
+        self.linear_flops() + self.attention_flops
     }
 }
 
@@ -193,4 +324,114 @@ fn transfer_ns(bytes: u64, gbps: f64, latency_us: f64) -> u64 {
 
 fn transfer_ns_f(bytes: f64, gbps: f64, latency_us: f64) -> u64 {
     (bytes / gbps + latency_us * 1e3).round() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn linear(rows: u64) -> LinearWork {
+        LinearWork {
+            rows,
+            out_features: 6 * 3072,
+            in_features: 3072,
+            weight_bytes: 2 * 6 * 3072 * 3072,
+        }
+    }
+
+    fn one(l: LinearWork) -> BlockWork {
+        BlockWork {
+            linears: vec![l],
+            ..BlockWork::default()
+        }
+    }
+
+    #[test]
+    fn work_grows_with_rows() {
+        for p in DeviceProfile::all() {
+            let mut last = 0;
+            for rows in [
+                0,
+                1,
+                2,
+                16,
+                64,
+                128,
+                255,
+                256,
+                512,
+                4096,
+                4608,
+                16_896,
+                1 << 20,
+            ] {
+                let ns = p.work_ns(&one(linear(rows)));
+                assert!(
+                    ns >= last,
+                    "{}: {rows} rows take {ns} ns, fewer rows took {last}",
+                    p.name
+                );
+                last = ns;
+            }
+        }
+    }
+
+    #[test]
+    fn large_gemms_approach_peak() {
+        let p = DeviceProfile::h200();
+        let l = linear(1 << 20);
+        let peak = l.flops() / (p.compute_tflops * 1e3);
+        let ns = p.work_ns(&one(l)) as f64;
+        assert!(
+            ns > peak && ns < 1.001 * peak,
+            "{ns} ns against {peak} at peak"
+        );
+    }
+
+    /// A one-row linear costs the read of its weight at memory bandwidth,
+    /// where the profile's half-rows lie below its ridge point
+    /// (`gemm_half_rows + 1 ≤ compute_tflops · 1e3 / hbm_gbps`).
+    #[test]
+    fn a_one_row_linear_costs_its_memory_floor() {
+        let l = linear(1);
+        for p in DeviceProfile::all() {
+            let p = DeviceProfile {
+                gemm_half_rows: 100.0,
+                ..p
+            };
+            assert!(p.gemm_half_rows + 1.0 <= p.compute_tflops * 1e3 / p.hbm_gbps);
+            let floor = (l.weight_bytes as f64 / p.hbm_gbps + p.kernel_latency_us * 1e3).round();
+            assert_eq!(p.work_ns(&one(l)) as f64, floor, "{}", p.name);
+        }
+        // The H200's placeholder (256) lies above its ridge (162 rows): one
+        // row is charged (1 + 256) rows of compute at peak.
+        let p = DeviceProfile::h200();
+        let compute = l.flops() * (1.0 + p.gemm_half_rows) / (p.compute_tflops * 1e3);
+        let floor = l.weight_bytes as f64 / p.hbm_gbps;
+        assert!(compute > floor);
+        assert_eq!(
+            p.work_ns(&one(l)) as f64,
+            (compute + p.kernel_latency_us * 1e3).round()
+        );
+    }
+
+    #[test]
+    fn work_adds_its_kernels() {
+        let p = DeviceProfile::h200();
+        let latency = p.kernel_latency_us * 1e3;
+        let w = BlockWork {
+            linears: vec![linear(4096), linear(0), linear(512)],
+            attention_flops: 4.0 * 4608.0 * 4608.0 * 3072.0,
+            other_bytes: 48_000,
+        };
+        let expect = p.linear_ns(&linear(4096))
+            + p.linear_ns(&linear(512))
+            + w.attention_flops / (p.attention_tflops * 1e3)
+            + latency
+            + 48_000.0 / p.hbm_gbps;
+        assert_eq!(p.work_ns(&w), expect.round() as u64);
+        assert_eq!(p.linear_ns(&linear(0)), 0.0, "no rows, no kernel");
+        assert_eq!(p.work_ns(&BlockWork::default()), latency as u64);
+        assert_eq!(w.flops(), w.linear_flops() + w.attention_flops);
+    }
 }
