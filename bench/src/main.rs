@@ -40,8 +40,8 @@ use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::{TokenSplit, flux1_dev_dit, linear_rows};
-use timeline::Analysis;
 use serde::Serialize;
+use timeline::Analysis;
 
 mod dist;
 mod timeline;
@@ -503,7 +503,12 @@ struct Spec<'a> {
 /// of the loaded weights registered in place (as layerwise does) and copied
 /// back to back into one device buffer, no compute; the median of three
 /// passes.
-fn master_bandwidth(device: &CudaDevice, stream: &CudaStream, loaded: &Loaded, blocks: &[&Unit]) -> Result<f64> {
+fn master_bandwidth(
+    device: &CudaDevice,
+    stream: &CudaStream,
+    loaded: &Loaded,
+    blocks: &[&Unit],
+) -> Result<f64> {
     let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
     let dev = device.alloc_device(largest)?;
     let mut regs = Vec::new();
@@ -536,9 +541,81 @@ fn master_bandwidth(device: &CudaDevice, stream: &CudaStream, loaded: &Loaded, b
     Ok(total as f64 / median(&mut times).context("no samples")? / 1e9)
 }
 
+/// Anonymous host memory with or without transparent huge pages, for the
+/// page probe.
+struct Anon(memmap2::MmapMut);
+
+// SAFETY: the mapping is owned here and never remapped or written while
+// registered (only `&self.0` is lent); `bytes` returns the same slice
+// every time.
+unsafe impl HostRegion for Anon {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Host→device bandwidth from 2 GiB registered in place, GB/s: anonymous
+/// memory advised to use huge pages (`huge`) or 4 KiB pages, touched, then
+/// copied whole three times (the median), in 64 MiB pieces (a block's
+/// order of size).
+fn page_probe(device: &CudaDevice, stream: &CudaStream, huge: bool) -> Result<f64> {
+    const BYTES: usize = 2 << 30;
+    const PIECE: u64 = 64 << 20;
+    let mut map = memmap2::MmapOptions::new().len(BYTES).map_anon()?;
+    let advice = if huge {
+        memmap2::Advice::HugePage
+    } else {
+        memmap2::Advice::NoHugePage
+    };
+    map.advise(advice)?;
+    map.fill(0x3c);
+    let reg = device
+        .register_host(Box::new(Anon(map)))
+        .map_err(|e| e.error)?;
+    let dev = device.alloc_device(PIECE)?;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        device.synchronize_stream(stream)?;
+        let t = Instant::now();
+        for k in 0..(BYTES as u64 / PIECE) {
+            // SAFETY: each piece lies inside the registration and the
+            // buffer; nothing is freed before the synchronisation below.
+            unsafe {
+                device.copy_h2d(
+                    stream,
+                    HostSource::Registered(&reg),
+                    k * PIECE,
+                    &dev,
+                    0,
+                    PIECE,
+                )
+            }?;
+        }
+        device.synchronize_stream(stream)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    // SAFETY: the stream is drained.
+    unsafe {
+        device.unregister_host(reg)?;
+        device.free_device(dev, &[])?;
+    }
+    Ok(BYTES as f64 / median(&mut times).context("no samples")? / 1e9)
+}
+
+/// The kernel's transparent-huge-page setting, as it reads.
+fn thp_setting() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map_or_else(|e| format!("unknown ({e})"), |s| s.trim().to_owned())
+}
+
 /// What the planner knows at `tokens`: the traced resident step's compute
 /// per block, the host masters' bandwidth, the proxy's scratch.
-fn planner_inputs(resident: &Analysis, resident_step: f64, master_gbps: f64, activation_bytes: u64) -> PlannerInputs {
+fn planner_inputs(
+    resident: &Analysis,
+    resident_step: f64,
+    master_gbps: f64,
+    activation_bytes: u64,
+) -> PlannerInputs {
     let blocks: f64 = resident.per_block_s.values().sum();
     PlannerInputs {
         link_bytes_per_s: master_gbps * 1e9,
@@ -571,7 +648,9 @@ fn predicted(
             .iter()
             .map(|b| b.bytes as f64 / inputs.link_bytes_per_s + inputs.copy_latency_s)
             .collect();
-        let resident: Vec<bool> = (0..s.blocks.len()).map(|i| s.resident.contains(&i)).collect();
+        let resident: Vec<bool> = (0..s.blocks.len())
+            .map(|i| s.resident.contains(&i))
+            .collect();
         total += predict_step(&compute, &copy, &resident, depth, inputs.other_compute_s);
     }
     Ok(total)
@@ -653,8 +732,19 @@ fn main() -> Result<()> {
             .map(|b| part.blocks[&b.module].clone())
             .collect()
     };
-    let master_gbps = master_bandwidth(&device, &stream, &loaded, &block_units.iter().collect::<Vec<_>>())?;
+    let master_gbps = master_bandwidth(
+        &device,
+        &stream,
+        &loaded,
+        &block_units.iter().collect::<Vec<_>>(),
+    )?;
     eprintln!("host masters → device, back to back: {master_gbps:.2} GB/s");
+    let pages_4k = page_probe(&device, &stream, false)?;
+    let pages_huge = page_probe(&device, &stream, true)?;
+    let thp = thp_setting();
+    eprintln!(
+        "registered 2 GiB in 64 MiB copies: {pages_4k:.2} GB/s (4 KiB pages), {pages_huge:.2} GB/s (huge pages); THP: {thp}"
+    );
     let (input_bytes, output_bytes) = scratch_bytes(&pipeline, max_t);
     device.synchronize_stream(&stream)?;
     let used_before_proxy = device.pool_used()?.0;
@@ -681,7 +771,8 @@ fn main() -> Result<()> {
         .map_or(String::new(), |n| format!(" (planted {n})"));
     let layerwise_at = |config: OffloadConfig, depth: usize| -> Box<MakeBackend<'_>> {
         Box::new(move || {
-            Ok(Box::new(platform(depth, true).layerwise(config.clone())?) as Box<dyn Backend<Cuda>>)
+            Ok(Box::new(platform(depth, true).layerwise(config.clone())?)
+                as Box<dyn Backend<Cuda>>)
         })
     };
     let mut rows: Vec<Row> = Vec::new();
@@ -778,7 +869,12 @@ fn main() -> Result<()> {
         .collect();
     let inputs: BTreeMap<u64, PlannerInputs> = resident
         .iter()
-        .map(|(t, (step_s, _, a))| (*t, planner_inputs(a, *step_s, master_gbps, activation_bytes)))
+        .map(|(t, (step_s, _, a))| {
+            (
+                *t,
+                planner_inputs(a, *step_s, master_gbps, activation_bytes),
+            )
+        })
         .collect();
     let mut specs: Vec<Spec<'_>> = Vec::new();
     for &d in &settings.depths {
@@ -843,7 +939,6 @@ fn main() -> Result<()> {
     for spec in &specs {
         run(spec, &mut rows)?;
     }
-    drop(run);
     let budget_configs: BTreeMap<(u64, u64), &BudgetPlan> =
         plans.iter().map(|(b, t, p)| ((*b, *t), p)).collect();
     for r in &mut rows {
@@ -870,9 +965,14 @@ fn main() -> Result<()> {
         device.name()
     );
     println!(
+        "registered in place, 2 GiB in 64 MiB copies: {pages_4k:.2} GB/s on 4 KiB pages, {pages_huge:.2} GB/s on huge pages (THP {thp})"
+    );
+    println!(
         "| run | tokens | s / step | limit s | step / limit | step / limit (masters' bandwidth) | planner predicted s | predicted / measured | compute idle ms | copy idle ms | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
     for r in &rows {
         println!(
             "| {} | {} | {:.4} | {:.4} | {:.3} | {:.3} | {:.4} | {:.3} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
@@ -935,8 +1035,12 @@ fn main() -> Result<()> {
             );
         }
     }
-    println!("\nTimeline (one traced step per row; mean block compute by container, mean copy by size)");
-    println!("| run | tokens | compute busy ms | compute idle ms | of which waiting for a copy ms | copy busy ms | copy idle ms | copy GB/s | block compute ms | copy ms |");
+    println!(
+        "\nTimeline (one traced step per row; mean block compute by container, mean copy by size)"
+    );
+    println!(
+        "| run | tokens | compute busy ms | compute idle ms | of which waiting for a copy ms | copy busy ms | copy idle ms | copy GB/s | block compute ms | copy ms |"
+    );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in &rows {
         let a = &r.timeline;
@@ -976,6 +1080,9 @@ fn main() -> Result<()> {
         "device": device.name(),
         "pinned_h2d_gbps": bw,
         "master_h2d_gbps": master_gbps,
+        "registered_4k_pages_gbps": pages_4k,
+        "registered_huge_pages_gbps": pages_huge,
+        "transparent_hugepage": thp,
         "weight_bytes": weight_bytes,
         "streamed_bytes": streamed_all,
         "activation_bytes": activation_bytes,
@@ -991,7 +1098,9 @@ fn main() -> Result<()> {
     let over: Vec<String> = plans
         .iter()
         .filter_map(|(b, t, _)| {
-            let r = rows.iter().find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)?;
+            let r = rows
+                .iter()
+                .find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)?;
             (r.peak_device_weight_bytes + activation_bytes > *b)
                 .then(|| format!("{} at {t} tokens", ByteSize(*b)))
         })

@@ -11,13 +11,13 @@ use offload_sim::trace::{Trace, TraceOp};
 use serde::Serialize;
 
 /// The compute track's label.
-pub const COMPUTE: &str = "compute";
+pub(crate) const COMPUTE: &str = "compute";
 /// Every other track carries the engine's copies.
-pub const COPY: &str = "copy";
+pub(crate) const COPY: &str = "copy";
 
 /// Where one traced step spent its time, seconds.
 #[derive(Clone, Debug, Default, Serialize)]
-pub struct Analysis {
+pub(crate) struct Analysis {
     /// First block compute start to last block compute end.
     pub window_s: f64,
     /// Sum of block compute spans.
@@ -52,7 +52,7 @@ fn copy_bytes(name: &str) -> Option<u64> {
 }
 
 /// The spans as a trace, copy tracks named `copy`.
-pub fn to_trace(spans: &[TimelineSpan]) -> Trace {
+pub(crate) fn to_trace(spans: &[TimelineSpan]) -> Trace {
     let mut t = Trace::default();
     for s in spans {
         t.push(TraceOp {
@@ -67,7 +67,7 @@ pub fn to_trace(spans: &[TimelineSpan]) -> Trace {
 
 /// Reads a traced step: block spans are the compute track's spans whose
 /// name is a block path (`transformer.…blocks.N`).
-pub fn analyse(spans: &[TimelineSpan]) -> Analysis {
+pub(crate) fn analyse(spans: &[TimelineSpan]) -> Analysis {
     let blocks: Vec<&TimelineSpan> = spans
         .iter()
         .filter(|s| s.track == COMPUTE && s.name.contains("blocks."))

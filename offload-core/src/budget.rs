@@ -75,7 +75,7 @@ impl ByteSize {
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
-        if b >= 1 << 30 && b % (1 << 20) == 0 {
+        if b >= 1 << 30 && b.is_multiple_of(1 << 20) {
             write!(f, "{} GiB", b as f64 / f64::from(1u32 << 30))
         } else {
             write!(f, "{b} B")
