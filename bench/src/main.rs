@@ -357,16 +357,9 @@ fn scratch_bytes(pipeline: &Pipeline, tokens: u64) -> (u64, u64) {
             widest_in = widest_in.max(t.shape[1]);
         }
     }
-    let qkv = tokens.saturating_mul(HEAD_DIM);
-    let scores = tokens.saturating_mul(tokens);
-    let input = tokens
-        .saturating_mul(widest_in)
-        .max(HEADS.saturating_mul(qkv))
-        .saturating_mul(2);
-    let output = tokens
-        .saturating_mul(widest_out)
-        .max(HEADS.saturating_mul(scores.saturating_add(qkv)))
-        .saturating_mul(2);
+    let (att_in, att_out) = Proxy::attention_scratch(HEADS, tokens, HEAD_DIM);
+    let input = tokens.saturating_mul(widest_in).saturating_mul(2).max(att_in);
+    let output = tokens.saturating_mul(widest_out).saturating_mul(2).max(att_out);
     (input, output)
 }
 
@@ -492,6 +485,9 @@ struct Row {
 /// predicted for each.
 struct Spec<'a> {
     name: String,
+    /// The proxy it computes with (the budgets': one sized for their
+    /// token count, whose scratch is the activations they planned for).
+    proxy: &'a Proxy,
     depth: usize,
     budget: Option<u64>,
     streamed: u64,
@@ -792,11 +788,12 @@ fn main() -> Result<()> {
         for &tokens in &spec.tokens {
             let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
+            let proxy = spec.proxy;
             proxy.reset(&stream)?;
             for i in 0..settings.warmup + settings.steps {
                 device.synchronize_stream(&stream)?;
                 let t = Instant::now();
-                step(&rt, &proxy, tokens)?;
+                step(&rt, proxy, tokens)?;
                 device.synchronize_stream(&stream)?;
                 if i >= settings.warmup {
                     times.push(t.elapsed().as_secs_f64());
@@ -810,7 +807,7 @@ fn main() -> Result<()> {
             let output = proxy.read_output()?;
             // One more step, traced (not timed: the events cost launches).
             device.timeline_start()?;
-            let traced = step_marked(&rt, &proxy, tokens, Some(&device));
+            let traced = step_marked(&rt, proxy, tokens, Some(&device));
             let spans = device.timeline_stop()?;
             traced?;
             let analysis = timeline::analyse(&spans);
@@ -855,6 +852,7 @@ fn main() -> Result<()> {
     run(
         &Spec {
             name: "resident".to_owned(),
+            proxy: &proxy,
             depth: 0,
             budget: None,
             streamed: 0,
@@ -876,10 +874,25 @@ fn main() -> Result<()> {
             )
         })
         .collect();
+    // The budgets' warm-up: a proxy sized for each budget token count; its
+    // scratch, as the allocator counts it, is the activation memory the
+    // planner plans for.
+    let mut budget_proxies: BTreeMap<u64, (Proxy, u64)> = BTreeMap::new();
+    if !settings.budgets.is_empty() {
+        for &t in &settings.budget_tokens {
+            device.synchronize_stream(&stream)?;
+            let before = device.pool_used()?.0;
+            let (i, o) = scratch_bytes(&pipeline, t);
+            let p = Proxy::new(&device, Arc::clone(&stream), i, o)?;
+            let act = device.pool_used()?.0.saturating_sub(before);
+            budget_proxies.insert(t, (p, act));
+        }
+    }
     let mut specs: Vec<Spec<'_>> = Vec::new();
     for &d in &settings.depths {
         specs.push(Spec {
             name: format!("layerwise depth {d}{suffix}"),
+            proxy: &proxy,
             depth: d,
             budget: None,
             streamed: streamed_all,
@@ -901,6 +914,7 @@ fn main() -> Result<()> {
     for (d, tokens) in by_depth {
         specs.push(Spec {
             name: format!("layerwise planner depth {d}{suffix}"),
+            proxy: &proxy,
             depth: d,
             budget: None,
             streamed: streamed_all,
@@ -911,9 +925,12 @@ fn main() -> Result<()> {
     let mut plans: Vec<(u64, u64, BudgetPlan)> = Vec::new();
     for &b in &settings.budgets {
         for &t in &settings.budget_tokens {
-            let inp = inputs.get(&t).with_context(|| {
+            let (budget_proxy, act) = &budget_proxies[&t];
+            let mut inp = inputs.get(&t).cloned().with_context(|| {
                 format!("--budget-tokens: {t} is not among --tokens (the planner needs its resident step)")
             })?;
+            inp.activation_bytes = *act;
+            let inp = &inp;
             let config = OffloadConfig {
                 device_budget: Some(ByteSize(b)),
                 ..OffloadConfig::default()
@@ -922,6 +939,7 @@ fn main() -> Result<()> {
             eprintln!("plan for {} at {t} tokens:\n{planned}", ByteSize(b));
             plans.push((b, t, planned.clone()));
             specs.push(Spec {
+                proxy: budget_proxy,
                 name: format!(
                     "budget {} ({} resident, depth {}){suffix}",
                     ByteSize(b),
@@ -1093,7 +1111,11 @@ fn main() -> Result<()> {
     });
     std::fs::write(&args.json, serde_json::to_vec_pretty(&doc)?)
         .with_context(|| format!("writing {}", args.json.display()))?;
+    drop(specs);
     proxy.free()?;
+    for (p, _) in budget_proxies.into_values() {
+        p.free()?;
+    }
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     let over: Vec<String> = plans
         .iter()

@@ -71,3 +71,24 @@ extern "C" __global__ void chain(u64* state, u64* sum, u16* x, u64 k) {
         x[i] = (u16)(sign | (high << 8) | (unsigned int)(h & 0xffull));
     }
 }
+
+// touch: memory traffic standing for a model's elementwise work (norms,
+//        modulation, activations, residual adds): `passes` times over
+//        dst[0..words) = src[0..words) ^ pass, 16 bytes per access; each
+//        thread rewrites the same words every pass (no two threads write
+//        one word). Moves 2 · 16 · words · passes bytes.
+extern "C" __global__ void touch(const uint4* src, uint4* dst, u64 words, u64 passes) {
+    const u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 p = 0; p < passes; ++p) {
+        const unsigned int k = (unsigned int)p;
+        for (u64 w = tid; w < words; w += stride) {
+            uint4 v = src[w];
+            v.x ^= k;
+            v.y ^= k;
+            v.z ^= k;
+            v.w ^= k;
+            dst[w] = v;
+        }
+    }
+}

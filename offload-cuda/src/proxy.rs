@@ -39,6 +39,13 @@ const KERNELS_SRC: &str = include_str!("kernels.cu");
 /// first output row depends on the state.
 pub const CHAIN_ELEMENTS: u64 = 16384;
 
+/// The most bytes of attention scores one batch of heads holds
+/// ([`Proxy::attention`]): 256 MiB.
+pub const ATTENTION_SCORES_BYTES: u64 = 256 << 20;
+
+/// The most bytes one pass of [`Proxy::traffic`] reads (and writes): 256 MiB.
+pub const TRAFFIC_REGION_BYTES: u64 = 256 << 20;
+
 /// cuBLAS's workspace, ours rather than its own: NVIDIA's recommended size
 /// for Hopper (4 MiB suffices before it). Without one, cuBLAS 12.2+ takes
 /// its workspace from the device's stream-ordered pool on each call, which
@@ -172,6 +179,7 @@ pub struct Proxy {
     module: Module,
     fold: sys::CUfunction,
     chain: sys::CUfunction,
+    touch: sys::CUfunction,
     /// Held, never read: cuBLAS writes it.
     _workspace: CudaBuffer,
     sum: CudaBuffer,
@@ -238,6 +246,11 @@ impl Proxy {
             unsafe { result::module::get_function(module.raw, c"chain".to_owned()) },
             "cuModuleGetFunction(chain)",
         )?;
+        // SAFETY: as above.
+        let touch = driver(
+            unsafe { result::module::get_function(module.raw, c"touch".to_owned()) },
+            "cuModuleGetFunction(touch)",
+        )?;
         let blas_handle = Blas {
             ctx: Arc::clone(&ctx),
             raw: blas(cublas::create_handle(), "cublasCreate")?,
@@ -274,6 +287,7 @@ impl Proxy {
             module,
             fold,
             chain,
+            touch,
             _workspace: workspace,
             sum,
             state,
@@ -509,28 +523,46 @@ impl Proxy {
         self.fold_raw(self.output.ptr(), out_f * 2)
     }
 
-    /// Attention-sized batched GEMMs over the scratch: scores
+    /// Heads per batch of [`Self::attention`] at `tokens`: as many as keep
+    /// one batch's scores within [`ATTENTION_SCORES_BYTES`] (at least one).
+    pub fn attention_heads_per_batch(heads: u64, tokens: u64) -> u64 {
+        let per_head = tokens.saturating_mul(tokens).saturating_mul(2).max(1);
+        (ATTENTION_SCORES_BYTES / per_head).clamp(1, heads.max(1))
+    }
+
+    /// Scratch [`Self::attention`] needs: `(input, output)` bytes (Q, K
+    /// and V share the input; one batch's scores, then every head's O).
+    pub fn attention_scratch(heads: u64, tokens: u64, head_dim: u64) -> (u64, u64) {
+        let qkv = tokens.saturating_mul(head_dim);
+        let g = Self::attention_heads_per_batch(heads, tokens);
+        let input = heads.saturating_mul(qkv).saturating_mul(2);
+        let output = g
+            .saturating_mul(tokens.saturating_mul(tokens))
+            .saturating_add(heads.saturating_mul(qkv))
+            .saturating_mul(2);
+        (input, output)
+    }
+
+    /// Attention at Flux's cost (`4·T²·heads·head_dim` FLOPs) as batched
+    /// GEMMs over the scratch, a batch of heads at a time (so the scores
+    /// of one batch, not of every head, are held): scores
     /// `S[h, t, t] = Q[h, t, d] · K[h, t, d]ᵀ`, then `O[h, t, d] = S · V`
     /// (Q, K and V share the activations), then folds O's first row, which
     /// sums over every token.
     pub fn attention(&self, heads: u64, tokens: u64, head_dim: u64) -> Result<(), ProxyError> {
         let t = Self::dim("attention", "tokens", tokens)?;
         let d = Self::dim("attention", "head_dim", head_dim)?;
-        let h = Self::dim("attention", "heads", heads)?;
+        Self::dim("attention", "heads", heads)?;
         let qkv = tokens.saturating_mul(head_dim);
         let scores = tokens.saturating_mul(tokens);
         let shape = || format!("attention of {heads} heads x {tokens} tokens x {head_dim}");
-        self.fits(shape, "input", heads.saturating_mul(qkv).saturating_mul(2))?;
-        self.fits(
-            shape,
-            "output",
-            heads
-                .saturating_mul(scores.saturating_add(qkv))
-                .saturating_mul(2),
-        )?;
+        let (need_in, need_out) = Self::attention_scratch(heads, tokens, head_dim);
+        self.fits(shape, "input", need_in)?;
+        self.fits(shape, "output", need_out)?;
         if !self.gemms {
             return Ok(());
         }
+        let g = Self::attention_heads_per_batch(heads, tokens);
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.module.ctx.bind()?;
         #[allow(clippy::too_many_arguments)]
@@ -547,7 +579,8 @@ impl Proxy {
                     sb: u64,
                     c: u64,
                     ldc: i32,
-                    sc: u64| {
+                    sc: u64,
+                    batch: i32| {
             // SAFETY: every operand lies within the scratch buffers (sizes
             // checked above; strides fit i64 since the products fit the
             // buffers); cuBLAS launches on the proxy's stream.
@@ -573,7 +606,7 @@ impl Proxy {
                     cublas_sys::cudaDataType::CUDA_R_16BF,
                     ldc,
                     sc as i64,
-                    h,
+                    batch,
                     cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
@@ -582,43 +615,90 @@ impl Proxy {
         };
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let (x, s) = (self.input.ptr(), self.output.ptr());
-        let o = s + heads * scores * 2;
-        // Column-major: S (t×t) = Kᵀ (t×d) · Q (d×t); Q, K and V share the input.
-        gemm(
-            CUBLAS_OP_T,
-            CUBLAS_OP_N,
-            t,
-            t,
-            d,
-            x,
-            d,
-            qkv,
-            x,
-            d,
-            qkv,
-            s,
-            t,
-            scores,
-        )?;
-        // O (d×t) = V (d×t) · S (t×t), after the scores in the output.
-        gemm(
-            CUBLAS_OP_N,
-            CUBLAS_OP_N,
-            d,
-            t,
-            t,
-            x,
-            d,
-            qkv,
-            s,
-            t,
-            scores,
-            o,
-            d,
-            qkv,
-        )?;
+        // Every head's O after one batch's scores.
+        let o = s + g * scores * 2;
+        let mut h0 = 0;
+        while h0 < heads {
+            let batch = g.min(heads - h0);
+            let b = Self::dim("attention", "heads per batch", batch)?;
+            let (xq, oq) = (x + h0 * qkv * 2, o + h0 * qkv * 2);
+            // Column-major: S (t×t) = Kᵀ (t×d) · Q (d×t).
+            gemm(
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                t,
+                t,
+                d,
+                xq,
+                d,
+                qkv,
+                xq,
+                d,
+                qkv,
+                s,
+                t,
+                scores,
+                b,
+            )?;
+            // O (d×t) = V (d×t) · S (t×t).
+            gemm(
+                CUBLAS_OP_N,
+                CUBLAS_OP_N,
+                d,
+                t,
+                t,
+                xq,
+                d,
+                qkv,
+                s,
+                t,
+                scores,
+                oq,
+                d,
+                qkv,
+                b,
+            )?;
+            h0 += batch;
+        }
         // Head 0, token 0: head_dim outputs, each a sum over every token.
         self.fold_raw(o, head_dim * 2)
+    }
+
+    /// Memory traffic of `bytes` (half read from the activations, half
+    /// written to the outputs, in passes over at most
+    /// [`TRAFFIC_REGION_BYTES`]): a model's elementwise work, which moves
+    /// activations at memory bandwidth. It changes no result the output
+    /// depends on (the outputs it writes are rewritten before they are
+    /// read again).
+    pub fn traffic(&self, bytes: u64) -> Result<(), ProxyError> {
+        let region = TRAFFIC_REGION_BYTES
+            .min(self.input.len_bytes())
+            .min(self.output.len_bytes())
+            / 16;
+        if bytes < 32 || region == 0 {
+            return Ok(());
+        }
+        let half_words = bytes / 32;
+        let (mut words, mut passes) = (half_words.min(region), half_words.div_ceil(region));
+        if passes > 1 {
+            // Spread evenly over the passes.
+            words = half_words.div_ceil(passes);
+        }
+        let (mut src, mut dst) = (self.input.ptr(), self.output.ptr());
+        let mut params: [*mut c_void; 4] = [
+            (&raw mut src).cast(),
+            (&raw mut dst).cast(),
+            (&raw mut words).cast(),
+            (&raw mut passes).cast(),
+        ];
+        let blocks = words.div_ceil(256).clamp(1, 132 * 8) as u32;
+        self.launch(
+            self.touch,
+            blocks,
+            256,
+            &mut params,
+            "cuLaunchKernel(touch)",
+        )
     }
 
     /// Waits for the proxy's stream and reads the state: the output.
