@@ -10,7 +10,7 @@
 //! device API: once per request, to read its output back. Phases are timed
 //! with events, never by draining the device.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use offload_core::device::Device;
@@ -25,7 +25,7 @@ use offload_core::{OffloadConfig, OffloadStrategy};
 use crate::device::{Jitter, Sim, SimAccumulator, SimConfig, SimDevice, SimEvent, SimStats};
 use crate::faults::FaultPlan;
 use crate::presets::{Preset, SyntheticWeights};
-use crate::profile::DeviceProfile;
+use crate::profile::{BlockWork, DeviceProfile};
 use crate::trace::Trace;
 
 /// What to run.
@@ -134,8 +134,14 @@ pub struct RequestMeasure {
     pub block_bytes: u64,
     /// Bytes of the distinct DiTs used.
     pub dit_bytes: u64,
-    /// DiT FLOPs of the request.
+    /// DiT FLOPs of the request: each linear on its rows, and attention
+    /// ([`Preset::block_work`]).
     pub dit_flops: f64,
+    /// Compute time of the request's DiT kernels, ns: the sum of the
+    /// durations the device was charged ([`DeviceProfile::work_ns`]), what
+    /// the denoising would take with every weight resident and nothing
+    /// waited for.
+    pub dit_compute_ns: u64,
 }
 
 /// Everything one run measured.
@@ -226,11 +232,25 @@ impl Probe {
     }
 }
 
-/// A kernel reading `tensors` through `scope`, folding into `output`.
+/// A kernel reading `tensors` through `scope`, costing `flops` at the
+/// device's peak rate ([`DeviceProfile::compute_ns`]), folding into `output`.
 pub fn kernel(
     scope: &Scope<'_, Sim>,
     tensors: &[TensorId],
     flops: f64,
+    name: &str,
+    output: &SimAccumulator,
+) -> Result<(), OffloadError> {
+    let duration_ns = scope.device().profile().compute_ns(flops);
+    kernel_for(scope, tensors, duration_ns, name, output)
+}
+
+/// A kernel reading `tensors` through `scope` for `duration_ns`, folding
+/// into `output`.
+pub fn kernel_for(
+    scope: &Scope<'_, Sim>,
+    tensors: &[TensorId],
+    duration_ns: u64,
     name: &str,
     output: &SimAccumulator,
 ) -> Result<(), OffloadError> {
@@ -242,50 +262,115 @@ pub fn kernel(
         views.iter().map(|v| (v.buffer(), v.byte_range())).collect();
     let device: &SimDevice = scope.device();
     device
-        .compute(scope.stream(), &inputs, flops, name, output)
+        .compute_for(scope.stream(), &inputs, duration_ns, name, output)
         .map_err(|e| OffloadError::device(format!("compute `{name}`"), e))
 }
 
-/// The forward of one component: its own tensors, then each block in a
-/// child scope. Returns the block bytes and the flops it ran (zeros when a
-/// hook skipped it).
+/// What one kernel of a forward costs on the device, and the FLOPs it
+/// stands for.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Charge {
+    /// Its duration on the compute engine, ns.
+    pub duration_ns: u64,
+    /// Its FLOPs.
+    pub flops: f64,
+}
+
+impl Charge {
+    /// `flops` at `profile`'s peak rate, as one kernel (encoders, VAEs).
+    pub fn flops(profile: &DeviceProfile, flops: f64) -> Self {
+        Self {
+            duration_ns: profile.compute_ns(flops),
+            flops,
+        }
+    }
+
+    /// `work` on `profile`'s kernel model (DiT blocks).
+    pub fn work(profile: &DeviceProfile, work: &BlockWork) -> Self {
+        Self {
+            duration_ns: profile.work_ns(work),
+            flops: work.flops(),
+        }
+    }
+}
+
+/// What a component's forward ran (nothing for what a hook skipped).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Forwarded {
+    /// Bytes of the blocks forwarded.
+    pub block_bytes: u64,
+    /// FLOPs of the kernels run.
+    pub flops: f64,
+    /// Their durations, ns.
+    pub compute_ns: u64,
+}
+
+/// The forward of one component: its own tensors as one kernel, then each
+/// block as one kernel in a child scope. `charge` says what the kernel of
+/// a module costs: it is asked for the component itself (its tensors
+/// outside blocks) and for each block.
 pub fn component_forward(
     rt: &Runtime<Sim>,
     output: &SimAccumulator,
     path: &str,
-    tokens: u64,
-    block_flops: impl Fn(u64) -> f64,
-) -> Result<(u64, f64), OffloadError> {
+    charge: impl Fn(ModuleId) -> Charge,
+) -> Result<Forwarded, OffloadError> {
     let out = rt.forward(path, |scope| {
         let p = scope.pipeline();
         let module = scope.module();
-        let blocks = blocks_of(p, module);
         let own = own_tensors(p, module);
-        let own_flops =
-            2.0 * own.iter().map(|t| p.tensor(*t).numel()).sum::<u64>() as f64 * tokens as f64;
-        kernel(
+        let c = charge(module);
+        kernel_for(
             scope,
             &own,
-            own_flops,
+            c.duration_ns,
             &format!("{path} (non-block)"),
             output,
         )?;
-        let (mut bytes, mut flops) = (0u64, own_flops);
-        for b in blocks {
+        let mut done = Forwarded {
+            block_bytes: 0,
+            flops: c.flops,
+            compute_ns: c.duration_ns,
+        };
+        for b in blocks_of(p, module) {
             let bpath = p.module(b).path.clone();
             let rel = bpath[path.len() + 1..].to_owned();
-            let params = parameters(p, b);
-            let f = block_flops(params);
+            let c = charge(b);
             let tensors = p.subtree_tensors(b);
-            let r = scope.child(&rel, |blk| Ok(kernel(blk, &tensors, f, &bpath, output)?))?;
+            let r = scope.child(&rel, |blk| {
+                Ok(kernel_for(blk, &tensors, c.duration_ns, &bpath, output)?)
+            })?;
             if r.is_some() {
-                bytes += p.subtree_bytes(b);
-                flops += f;
+                done.block_bytes += p.subtree_bytes(b);
+                done.flops += c.flops;
+                done.compute_ns += c.duration_ns;
             }
         }
-        Ok((bytes, flops))
+        Ok(done)
     })?;
-    Ok(out.unwrap_or((0, 0.0)))
+    Ok(out.unwrap_or_default())
+}
+
+/// What each DiT kernel of `preset` costs for a forward over `tokens` on
+/// `profile` ([`Preset::block_work`] on [`DeviceProfile::work_ns`]), by
+/// module: each DiT (its non-block part) and each of its blocks.
+pub fn dit_charges(
+    preset: &Preset,
+    p: &offload_core::Pipeline,
+    profile: &DeviceProfile,
+    tokens: u64,
+) -> BTreeMap<ModuleId, Charge> {
+    let split = preset.split(tokens);
+    let mut charges = BTreeMap::new();
+    for dit in preset.dits.iter().filter_map(|d| p.module_id(d)) {
+        let own = preset.non_block_work(p, dit, split);
+        charges.insert(dit, Charge::work(profile, &own));
+        for b in blocks_of(p, dit) {
+            let work = preset.block_work(p, b, split);
+            charges.insert(b, Charge::work(profile, &work));
+        }
+    }
+    charges
 }
 
 fn dev_err(operation: &str, e: crate::device::SimError) -> OffloadError {
@@ -332,10 +417,21 @@ fn request_inner(
     device
         .reset_accumulator(compute, out)
         .map_err(|e| dev_err("reset output", e))?;
+    let p = &rt.model().pipeline;
+    let profile = device.profile();
     if encodes {
+        // Every weight on every text token, at the peak rate.
+        let t = preset.text_tokens as f64;
         for enc in &preset.encoders {
-            let t = preset.text_tokens;
-            component_forward(rt, out, enc, t, |params| 2.0 * params as f64 * t as f64)?;
+            let component = p.module_id(enc);
+            component_forward(rt, out, enc, |m| {
+                let elements = if Some(m) == component {
+                    own_tensors(p, m).iter().map(|t| p.tensor(*t).numel()).sum()
+                } else {
+                    parameters(p, m)
+                };
+                Charge::flops(&profile, 2.0 * elements as f64 * t)
+            })?;
         }
     }
     exchange()?;
@@ -343,13 +439,7 @@ fn request_inner(
         .record_event(&probe.start, compute)
         .map_err(|e| dev_err("record_event(denoise start)", e))?;
     let (s0, wait0) = (device.stats(), device.waited_ns(compute));
-    let hidden = preset.block_cost.hidden as f64;
-    let tokens = w.tokens as f64;
-    let attention = if preset.block_cost.attention {
-        4.0 * tokens * tokens * hidden
-    } else {
-        0.0
-    };
+    let charges = dit_charges(preset, p, &profile, w.tokens);
     let mut used = BTreeSet::new();
     for step in 0..w.steps {
         let dit = if preset.dits.len() > 1 && step >= w.steps / 2 {
@@ -358,11 +448,10 @@ fn request_inner(
             preset.dits[0]
         };
         used.insert(dit);
-        let (bytes, flops) = component_forward(rt, out, dit, w.tokens, |params| {
-            2.0 * params as f64 * tokens + attention
-        })?;
-        m.block_bytes += bytes;
-        m.dit_flops += flops;
+        let done = component_forward(rt, out, dit, |module| charges[&module])?;
+        m.block_bytes += done.block_bytes;
+        m.dit_flops += done.flops;
+        m.dit_compute_ns += done.compute_ns;
     }
     device
         .record_event(&probe.end, compute)
@@ -370,7 +459,6 @@ fn request_inner(
     let s1 = device.stats();
     m.denoise_h2d_bytes = s1.h2d_bytes - s0.h2d_bytes;
     m.denoise_wait_ns = device.waited_ns(compute) - wait0;
-    let p = &rt.model().pipeline;
     m.dit_bytes = used
         .iter()
         .filter_map(|d| p.module_id(d))

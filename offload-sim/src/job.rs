@@ -188,7 +188,11 @@ pub struct Report {
     pub step_time_ms: Option<f64>,
     /// The resident baseline's step time (unbounded memory).
     pub resident_step_time_ms: f64,
-    /// `max(resident step, streamed bytes per step / bandwidth)`.
+    /// DiT compute per step by the device's kernel model (the sum of the
+    /// resident baseline's DiT kernel durations,
+    /// [`RequestMeasure::dit_compute_ns`]): the limit's compute term.
+    pub compute_ms: f64,
+    /// `max(compute, streamed bytes per step / bandwidth)`.
     pub limit_ms: Option<f64>,
     /// Step over limit.
     pub ratio_to_limit: Option<f64>,
@@ -307,14 +311,36 @@ fn timed(out: &RunOutcome) -> &[RequestMeasure] {
     }
 }
 
-fn step_ms(out: &RunOutcome, steps: usize) -> f64 {
+/// The median over the timed requests of `ns(request)` per step, ms.
+fn per_step_ms(out: &RunOutcome, steps: usize, ns: impl Fn(&RequestMeasure) -> u64) -> f64 {
     median(
         timed(out)
             .iter()
-            .map(|r| r.denoise_ns as f64 / steps as f64 / 1e6)
+            .map(|r| ns(r) as f64 / steps as f64 / 1e6)
             .collect(),
     )
     .unwrap_or(0.0)
+}
+
+fn step_ms(out: &RunOutcome, steps: usize) -> f64 {
+    per_step_ms(out, steps, |r| r.denoise_ns)
+}
+
+/// What the resident baseline gives every row: its step time, and the
+/// compute the kernel model charged per step (the limit's compute term).
+#[derive(Clone, Copy, Debug)]
+struct Baseline {
+    step_ms: f64,
+    compute_ms: f64,
+}
+
+impl Baseline {
+    fn of(resident: &RunOutcome, steps: usize) -> Self {
+        Self {
+            step_ms: step_ms(resident, steps),
+            compute_ms: per_step_ms(resident, steps, |r| r.dit_compute_ns),
+        }
+    }
 }
 
 /// INV-7 against the device's own counters (peak device bytes; peak pinned
@@ -336,7 +362,7 @@ fn report(
 ) -> Report {
     let steps = w.steps;
     let step = step_ms(out, steps);
-    let resident_step = step_ms(resident, steps);
+    let base = Baseline::of(resident, steps);
     let last = timed(out).last().cloned().unwrap_or_default();
     let ideal_bytes = match out.strategy {
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => last.block_bytes,
@@ -345,7 +371,7 @@ fn report(
     } as f64
         / steps as f64;
     let transfer_ms = ideal_bytes / (profile.h2d_pinned_gbps * 1e9) * 1e3;
-    let limit = resident_step.max(transfer_ms);
+    let limit = base.compute_ms.max(transfer_ms);
     let matches = out
         .requests
         .iter()
@@ -370,7 +396,8 @@ fn report(
         fits: true,
         error: None,
         step_time_ms: Some(step),
-        resident_step_time_ms: resident_step,
+        resident_step_time_ms: base.step_ms,
+        compute_ms: base.compute_ms,
         limit_ms: Some(limit),
         ratio_to_limit: (limit > 0.0).then(|| step / limit),
         peak_device_weight_bytes: Some(out.at_end.device_peak_bytes),
@@ -399,7 +426,7 @@ impl Report {
         w: &Workload,
         profile: &DeviceProfile,
         strategy: String,
-        resident_step: f64,
+        base: Baseline,
         fits: bool,
         error: String,
         violations: Vec<String>,
@@ -413,7 +440,8 @@ impl Report {
             fits,
             error: Some(error),
             step_time_ms: None,
-            resident_step_time_ms: resident_step,
+            resident_step_time_ms: base.step_ms,
+            compute_ms: base.compute_ms,
             limit_ms: None,
             ratio_to_limit: None,
             peak_device_weight_bytes: None,
@@ -611,15 +639,16 @@ fn gather_divisor(args: &JobArgs, w: &Workload, ranks: u32, divisor: u64) -> Res
 }
 
 /// Distributed layerwise's limit per step, ms: `max(compute, streamed
-/// bytes / (G · per-rank bandwidth) + exposed gather)`, where a block's
-/// gather is exposed by what it takes beyond its shard copy (the copy of
-/// the next shard overlaps it). Also returns the exposed part.
+/// bytes / (G · per-rank bandwidth) + exposed gather)` (compute: the kernel
+/// model's, [`Report::compute_ms`]), where a block's gather is exposed by
+/// what it takes beyond its shard copy (the copy of the next shard
+/// overlaps it). Also returns the exposed part.
 fn dlo_limit_ms(
     w: &Workload,
     profile: &DeviceProfile,
     ranks: u32,
     streamed_per_step: f64,
-    resident_step_ms: f64,
+    compute_ms: f64,
 ) -> (f64, f64) {
     let shared = profile.for_ranks(ranks);
     let p = &w.preset.pipeline;
@@ -638,7 +667,7 @@ fn dlo_limit_ms(
     }
     let copy_ms = streamed_per_step / (f64::from(ranks) * shared.h2d_pinned_gbps * 1e9) * 1e3;
     let exposed_ms = exposed_ns / 1e6;
-    (resident_step_ms.max(copy_ms + exposed_ms), exposed_ms)
+    (compute_ms.max(copy_ms + exposed_ms), exposed_ms)
 }
 
 /// Runs distributed layerwise on `ranks` simulated GPUs against a resident
@@ -650,7 +679,7 @@ fn run_dlo(
     choice: &StrategyChoice,
     ranks: u32,
     (opts, unbounded): (&RunOptions, &RunOptions),
-    resident_step: f64,
+    base: Baseline,
 ) -> Result<Report, JobError> {
     let name = OffloadStrategy::DistributedLayerwise.to_string();
     let multi = |run: &RunOptions, faults: Vec<FaultPlan>| MultiOptions {
@@ -686,7 +715,7 @@ fn run_dlo(
                 w,
                 profile,
                 name,
-                resident_step,
+                base,
                 true,
                 format!("rank {}: {}", failed.rank, f.error),
                 violations,
@@ -752,7 +781,7 @@ fn run_dlo(
     let first = out[0].result.as_ref().expect("every rank succeeded");
     let last = timed(first).last().cloned().unwrap_or_default();
     let streamed_per_step = last.block_bytes as f64 / w.steps as f64;
-    let (limit, exposed) = dlo_limit_ms(w, profile, ranks, streamed_per_step, resident_step);
+    let (limit, exposed) = dlo_limit_ms(w, profile, ranks, streamed_per_step, base.compute_ms);
     let step = per_rank.iter().map(|r| r.step_time_ms).fold(0.0, f64::max);
     let matches = per_rank.iter().all(|r| r.output_matches_resident);
     Ok(Report {
@@ -764,7 +793,8 @@ fn run_dlo(
         fits: true,
         error: None,
         step_time_ms: Some(step),
-        resident_step_time_ms: resident_step,
+        resident_step_time_ms: base.step_ms,
+        compute_ms: base.compute_ms,
         limit_ms: Some(limit),
         ratio_to_limit: (limit > 0.0).then(|| step / limit),
         peak_device_weight_bytes: Some(first.at_end.device_peak_bytes),
@@ -829,6 +859,7 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
         strategy: "resident baseline".to_owned(),
         error: f.error,
     })?;
+    let base = Baseline::of(&resident, w.steps);
     let opts = RunOptions {
         faults: args.faults,
         ..opts
@@ -839,7 +870,6 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
         let name = strategy_name(choice);
         if is_dlo(choice) && ranks > 1 {
             progress(&format!("{name} on {ranks} ranks"));
-            let resident_step = step_ms(&resident, w.steps);
             reports.push(run_dlo(
                 args,
                 &w,
@@ -847,7 +877,7 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
                 choice,
                 ranks,
                 (&opts, &unbounded),
-                resident_step,
+                base,
             )?);
             continue;
         }
@@ -855,14 +885,13 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
         let out = match run(&w, choice, &opts) {
             Ok(out) => out,
             Err(f) => {
-                let resident_step = step_ms(&resident, w.steps);
                 let row = |fits: bool, f: &crate::harness::RunFailure| {
                     let violations = f.violations.iter().map(ToString::to_string).collect();
                     Report::without_figures(
                         &w,
                         &profile,
                         name.clone(),
-                        resident_step,
+                        base,
                         fits,
                         f.error.to_string(),
                         violations,

@@ -125,6 +125,7 @@ fn print_table(r: &Report) {
     let rows = [
         ("step time", ms(r.step_time_ms)),
         ("resident step time", ms(Some(r.resident_step_time_ms))),
+        ("compute (kernel model)", ms(Some(r.compute_ms))),
         ("limit max(compute, bytes/bandwidth)", ms(r.limit_ms)),
         (
             "ratio to limit",
