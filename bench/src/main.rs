@@ -358,8 +358,14 @@ fn scratch_bytes(pipeline: &Pipeline, tokens: u64) -> (u64, u64) {
         }
     }
     let (att_in, att_out) = Proxy::attention_scratch(HEADS, tokens, HEAD_DIM);
-    let input = tokens.saturating_mul(widest_in).saturating_mul(2).max(att_in);
-    let output = tokens.saturating_mul(widest_out).saturating_mul(2).max(att_out);
+    let input = tokens
+        .saturating_mul(widest_in)
+        .saturating_mul(2)
+        .max(att_in);
+    let output = tokens
+        .saturating_mul(widest_out)
+        .saturating_mul(2)
+        .max(att_out);
     (input, output)
 }
 
@@ -383,6 +389,10 @@ fn step_marked(
         let p = dit.pipeline();
         let module = dit.module();
         let blocks = blocks_of(p, module);
+        let traffic: Vec<u64> = blocks
+            .iter()
+            .map(|b| flux().block_work(p, *b, split).activation_bytes)
+            .collect();
         let inner: BTreeSet<TensorId> = blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
         let own: Vec<TensorId> = p
             .subtree_tensors(module)
@@ -391,7 +401,7 @@ fn step_marked(
             .collect();
         kernels(dit, proxy, &own, split)?;
         proxy.chain(dit.stream())?;
-        for b in blocks {
+        for (b, traffic) in blocks.into_iter().zip(traffic) {
             let path = &p.module(b).path;
             let rel = path["transformer.".len()..].to_owned();
             let tensors = p.subtree_tensors(b);
@@ -402,6 +412,7 @@ fn step_marked(
                 };
                 kernels(blk, proxy, &tensors, split)?;
                 proxy.attention(HEADS, tokens, HEAD_DIM)?;
+                proxy.traffic(traffic)?;
                 proxy.chain(blk.stream())?;
                 if let (Some(d), Some(span)) = (mark, span) {
                     d.timeline_end(blk.stream(), span)?;
@@ -417,7 +428,28 @@ fn step_marked(
 /// Flux's split of a token count: 512 text tokens (fewer when the count
 /// is small), the rest image.
 fn flux_split(tokens: u64) -> TokenSplit {
-    offload_sim::presets::flux1_dev().split(tokens)
+    flux().split(tokens)
+}
+
+/// The Flux.1-dev preset (its cost model), built once.
+fn flux() -> &'static offload_sim::presets::Preset {
+    static FLUX: std::sync::OnceLock<offload_sim::presets::Preset> = std::sync::OnceLock::new();
+    FLUX.get_or_init(offload_sim::presets::flux1_dev)
+}
+
+/// The proxy's elementwise traffic kernel alone, GB/s moved (8 GB, the
+/// median of three).
+fn traffic_gbps(device: &CudaDevice, stream: &CudaStream, proxy: &Proxy) -> Result<f64> {
+    let bytes = 8_000_000_000u64;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        device.synchronize_stream(stream)?;
+        let t = Instant::now();
+        proxy.traffic(bytes)?;
+        device.synchronize_stream(stream)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(bytes as f64 / median(&mut times).context("no samples")? / 1e9)
 }
 
 fn kernels(
@@ -471,6 +503,9 @@ struct Row {
     /// The simulator's predicted step (`offload-sim`, the `h200` profile
     /// with this run's host-master bandwidth).
     simulated_s: Option<f64>,
+    /// The simulator's step over its own limit (its resident step, the
+    /// streamed bytes over the host-master bandwidth).
+    simulated_ratio: Option<f64>,
     peak_device_weight_bytes: u64,
     peak_cumemgetinfo_bytes: u64,
     host_weight_bytes: u64,
@@ -624,6 +659,42 @@ fn planner_inputs(
     }
 }
 
+/// The simulator's predicted step, s: Flux.1-dev on the simulated `h200`
+/// (its calibrated kernel model) with this run's host-master bandwidth,
+/// `config` at `depth` (`None`: resident), two requests of three steps,
+/// the second timed.
+fn simulate(
+    config: Option<&OffloadConfig>,
+    depth: usize,
+    tokens: u64,
+    master_gbps: f64,
+) -> Result<f64> {
+    use offload_sim::harness::{RunOptions, StrategyChoice, Workload, run};
+    let preset = flux().clone();
+    let divisor = (preset.weight_bytes() / (64 << 20))
+        .max(1)
+        .next_power_of_two();
+    let w = Workload {
+        preset,
+        tokens,
+        steps: 3,
+        requests: 2,
+    };
+    let mut profile = offload_sim::DeviceProfile::h200();
+    profile.h2d_pinned_gbps = master_gbps;
+    let opts = RunOptions {
+        prefetch_depth: depth.max(1),
+        payload_divisor: divisor,
+        ..RunOptions::new(profile)
+    };
+    let choice = config.map_or(StrategyChoice::Resident, |c| {
+        StrategyChoice::Config(c.clone())
+    });
+    let out = run(&w, &choice, &opts).map_err(|f| anyhow::anyhow!("simulating: {}", f.error))?;
+    let last = out.requests.last().context("a simulated request")?;
+    Ok(last.denoise_ns as f64 / w.steps as f64 / 1e9)
+}
+
 /// The planner's predicted step for `config` at `depth` (its recurrence).
 fn predicted(
     pipeline: &Pipeline,
@@ -748,6 +819,8 @@ fn main() -> Result<()> {
     // The activation memory of this workload: the proxy's scratch and
     // cuBLAS's workspace, as the allocator counts them.
     let activation_bytes = device.pool_used()?.0.saturating_sub(used_before_proxy);
+    let elementwise_gbps = traffic_gbps(&device, &stream, &proxy)?;
+    eprintln!("elementwise traffic kernel: {elementwise_gbps:.0} GB/s");
     let platform = |depth, plant: bool| {
         let p = CorePlatform::<Cuda>::new(
             "cuda",
@@ -828,6 +901,7 @@ fn main() -> Result<()> {
                 ratio_masters: 0.0,
                 predicted_s: 0.0,
                 simulated_s: None,
+                simulated_ratio: None,
                 peak_device_weight_bytes: peak,
                 peak_cumemgetinfo_bytes: peak_info,
                 host_weight_bytes,
@@ -975,6 +1049,23 @@ fn main() -> Result<()> {
             Some(b) => budget_configs[&(b, r.tokens)].predicted_step_s,
             None => predicted(&pipeline, &layerwise, r.depth, inp)?,
         };
+        let config = match r.budget_bytes {
+            _ if r.depth == 0 => None,
+            Some(b) => Some(&budget_configs[&(b, r.tokens)].config),
+            None => Some(&layerwise),
+        };
+        r.simulated_s = Some(simulate(config, r.depth, r.tokens, master_gbps)?);
+    }
+    let sim_resident: BTreeMap<u64, f64> = rows
+        .iter()
+        .filter(|r| r.depth == 0)
+        .filter_map(|r| Some((r.tokens, r.simulated_s?)))
+        .collect();
+    for r in &mut rows {
+        let limit = sim_resident
+            .get(&r.tokens)
+            .map(|c| c.max(r.streamed_bytes as f64 / (master_gbps * 1e9)));
+        r.simulated_ratio = r.simulated_s.zip(limit).map(|(s, l)| s / l);
     }
     println!(
         "\nFlux.1-dev DiT, {:.2} B parameters, {:.1} GB bf16; {}; pinned host→device {bw:.2} GB/s (fresh 1 GiB buffer), {master_gbps:.2} GB/s (host masters, back to back){suffix}",
@@ -983,17 +1074,17 @@ fn main() -> Result<()> {
         device.name()
     );
     println!(
-        "registered in place, 2 GiB in 64 MiB copies: {pages_4k:.2} GB/s on 4 KiB pages, {pages_huge:.2} GB/s on huge pages (THP {thp})"
+        "registered in place, 2 GiB in 64 MiB copies: {pages_4k:.2} GB/s on 4 KiB pages, {pages_huge:.2} GB/s on huge pages (THP {thp}); elementwise traffic kernel {elementwise_gbps:.0} GB/s"
     );
     println!(
-        "| run | tokens | s / step | limit s | step / limit | step / limit (masters' bandwidth) | planner predicted s | predicted / measured | compute idle ms | copy idle ms | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
+        "| run | tokens | s / step | limit s | step / limit | step / limit (masters' bandwidth) | planner predicted s | predicted / measured | simulator s | simulated / measured | simulated ratio | compute idle ms | copy idle ms | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
     );
     println!(
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     );
     for r in &rows {
         println!(
-            "| {} | {} | {:.4} | {:.4} | {:.3} | {:.3} | {:.4} | {:.3} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {:.4} | {:.4} | {:.3} | {:.3} | {:.4} | {:.3} | {:.4} | {:.3} | {:.3} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
             r.run,
             r.tokens,
             r.step_s,
@@ -1002,6 +1093,9 @@ fn main() -> Result<()> {
             r.ratio_masters,
             r.predicted_s,
             r.predicted_s / r.step_s,
+            r.simulated_s.unwrap_or(0.0),
+            r.simulated_s.unwrap_or(0.0) / r.step_s,
+            r.simulated_ratio.unwrap_or(0.0),
             r.timeline.compute_idle_s * 1e3,
             r.timeline.copy_idle_s * 1e3,
             r.peak_device_weight_bytes as f64 / 1e9,
@@ -1099,6 +1193,7 @@ fn main() -> Result<()> {
         "pinned_h2d_gbps": bw,
         "master_h2d_gbps": master_gbps,
         "registered_4k_pages_gbps": pages_4k,
+        "elementwise_gbps": elementwise_gbps,
         "registered_huge_pages_gbps": pages_huge,
         "transparent_hugepage": thp,
         "weight_bytes": weight_bytes,

@@ -75,7 +75,7 @@ impl Rows {
 
 /// Where a tensor sits in a DiT: in which kind of block, or outside blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Place {
+pub enum Place {
     /// A dual-stream (MMDiT) block: Flux's double blocks, Qwen-Image's
     /// blocks (`transformer_blocks`).
     Dual,
@@ -89,6 +89,43 @@ enum Place {
     OtherBlock,
     /// Outside the blocks.
     Outside,
+}
+
+/// The elementwise work of one block in diffusers' eager forward, as
+/// passes over `tokens × hidden` activations (each element read or written
+/// counts once; a pass over the MLP's 4·hidden counts 4): counted from
+/// `FluxTransformerBlock` and `FluxSingleTransformerBlock` (Qwen-Image's
+/// dual-stream blocks and Wan's blocks do the same kinds of work and are
+/// charged as the nearest of the two). These ops are memory-bound: they
+/// cost their bytes at memory bandwidth, whatever their FLOPs.
+pub fn elementwise_passes(place: Place) -> &'static [(&'static str, u64)] {
+    const DUAL: &[(&str, u64)] = &[
+        ("norm1: LayerNorm", 2),
+        ("modulation: x·(1 + scale) + shift", 4),
+        ("RMSNorm of q and k", 8),
+        ("rotary embedding of q and k", 8),
+        ("concatenate text and image q, k, v", 6),
+        ("attention reads q, k, v and writes o", 4),
+        ("split the attention output", 2),
+        ("gate · attention + residual", 5),
+        ("norm2 + modulation", 6),
+        ("GELU over 4·hidden", 8),
+        ("gate · MLP + residual", 5),
+    ];
+    const SINGLE: &[(&str, u64)] = &[
+        ("norm + modulation", 6),
+        ("GELU over 4·hidden", 8),
+        ("RMSNorm of q and k", 8),
+        ("rotary embedding of q and k", 8),
+        ("attention reads q, k, v and writes o", 4),
+        ("concatenate attention and MLP (5·hidden)", 10),
+        ("gate · projection + residual", 5),
+    ];
+    match place {
+        Place::Dual | Place::Wan => DUAL,
+        Place::Single => SINGLE,
+        Place::OtherBlock | Place::Outside => &[],
+    }
 }
 
 /// Block containers by name.
@@ -292,7 +329,21 @@ impl Preset {
         let tensors = pipeline.subtree_tensors(block);
         let mut work = work_of(pipeline, &tensors, dit, split);
         work.attention_flops = self.attention_flops(place, split);
+        work.activation_bytes = self.activation_bytes(place, split);
         work
+    }
+
+    /// Bytes of activations one block's elementwise work moves (norms,
+    /// modulation, rotary embedding, concatenations, the attention's own
+    /// inputs and output, activation functions, gates and residual adds):
+    /// [`elementwise_passes`] over `tokens × hidden` bf16 elements. None
+    /// without [`BlockCost::attention`] (the synthetic test presets).
+    fn activation_bytes(&self, place: Place, split: TokenSplit) -> u64 {
+        if !self.block_cost.attention {
+            return 0;
+        }
+        let passes: u64 = elementwise_passes(place).iter().map(|(_, n)| n).sum();
+        passes * split.total() * self.block_cost.hidden * 2
     }
 
     /// The work of the DiT `component`'s tensors outside its blocks

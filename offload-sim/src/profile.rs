@@ -48,6 +48,10 @@ pub struct DeviceProfile {
     /// Attention rate, TFLOP/s (fused attention over the block's tokens,
     /// [`Self::work_ns`]).
     pub attention_tflops: f64,
+    /// Bandwidth of elementwise kernels over activations (a read and a
+    /// write per element), GB/s: what [`BlockWork::activation_bytes`]
+    /// costs.
+    pub elementwise_gbps: f64,
     /// Fixed cost of one kernel, µs.
     pub kernel_latency_us: f64,
     /// Device memory, bytes.
@@ -89,6 +93,7 @@ impl DeviceProfile {
             hbm_gbps: 4800.0,
             gemm_half_rows: 256.0,
             attention_tflops: 450.0,
+            elementwise_gbps: 3000.0,
             kernel_latency_us: 4.0,
             memory_bytes: 141_000_000_000,
             launch_overhead_us: 3.0,
@@ -123,6 +128,7 @@ impl DeviceProfile {
             hbm_gbps: 1008.0,
             gemm_half_rows: 256.0,
             attention_tflops: 100.0,
+            elementwise_gbps: 700.0,
             kernel_latency_us: 4.0,
             memory_bytes: 24_000_000_000,
             launch_overhead_us: 3.0,
@@ -148,6 +154,7 @@ impl DeviceProfile {
             hbm_gbps: 864.0,
             gemm_half_rows: 256.0,
             attention_tflops: 70.0,
+            elementwise_gbps: 600.0,
             kernel_latency_us: 4.0,
             memory_bytes: 48_000_000_000,
             launch_overhead_us: 3.0,
@@ -259,7 +266,8 @@ impl DeviceProfile {
             0.0
         };
         let other = w.other_bytes as f64 / self.hbm_gbps;
-        (linears + attention + other)
+        let elementwise = w.activation_bytes as f64 / self.elementwise_gbps;
+        (linears + attention + other + elementwise)
             .max(self.kernel_latency_us * 1e3)
             .round() as u64
     }
@@ -299,6 +307,10 @@ pub struct BlockWork {
     /// Bytes of the tensors that are not linear weights (biases, norms,
     /// tables).
     pub other_bytes: u64,
+    /// Bytes of activations its elementwise work moves (see
+    /// [`crate::presets::elementwise_passes`]), at
+    /// [`DeviceProfile::elementwise_gbps`].
+    pub activation_bytes: u64,
 }
 
 impl BlockWork {
@@ -423,12 +435,14 @@ mod tests {
             linears: vec![linear(4096), linear(0), linear(512)],
             attention_flops: 4.0 * 4608.0 * 4608.0 * 3072.0,
             other_bytes: 48_000,
+            activation_bytes: 1_000_000_000,
         };
         let expect = p.linear_ns(&linear(4096))
             + p.linear_ns(&linear(512))
             + w.attention_flops / (p.attention_tflops * 1e3)
             + latency
-            + 48_000.0 / p.hbm_gbps;
+            + 48_000.0 / p.hbm_gbps
+            + 1e9 / p.elementwise_gbps;
         assert_eq!(p.work_ns(&w), expect.round() as u64);
         assert_eq!(p.linear_ns(&linear(0)), 0.0, "no rows, no kernel");
         assert_eq!(p.work_ns(&BlockWork::default()), latency as u64);
