@@ -656,6 +656,7 @@ fn planner_inputs(
         other_compute_s: (resident_step - blocks).max(0.0),
         activation_bytes,
         max_depth: 4,
+        copy_interference: offload_sim::DeviceProfile::h200().copy_interference,
     }
 }
 
@@ -718,7 +719,14 @@ fn predicted(
         let resident: Vec<bool> = (0..s.blocks.len())
             .map(|i| s.resident.contains(&i))
             .collect();
-        total += predict_step(&compute, &copy, &resident, depth, inputs.other_compute_s);
+        total += predict_step(
+            &compute,
+            &copy,
+            &resident,
+            depth,
+            inputs.other_compute_s,
+            inputs.copy_interference,
+        );
     }
     Ok(total)
 }
@@ -1114,8 +1122,12 @@ fn main() -> Result<()> {
     );
     if !plans.is_empty() {
         println!(
-            "\nBudgets (activations measured: {:.2} GB of proxy scratch and cuBLAS workspace)",
-            activation_bytes as f64 / 1e9
+            "\nBudgets (activations: the scratch and cuBLAS workspace of a proxy sized for the row's token count, as the allocator counts them: {})",
+            budget_proxies
+                .iter()
+                .map(|(t, (_, a))| format!("{:.3} GB at {t} tokens", *a as f64 / 1e9))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         println!(
             "| budget | tokens | resident blocks | resident GB | streamed GB | slots × GB | measured peak weights + activations GB | within budget | s / step | planned limit s | step / limit | resident / (budget − non-streamed − activations − slots) |"
@@ -1128,7 +1140,7 @@ fn main() -> Result<()> {
             else {
                 continue;
             };
-            let peak = r.peak_device_weight_bytes + activation_bytes;
+            let peak = r.peak_device_weight_bytes + budget_proxies[t].1;
             println!(
                 "| {} | {t} | {} of {} | {:.2} | {:.2} | {} × {:.3} | {:.2} | {} | {:.4} | {:.4} | {:.3} | {:.3} |",
                 ByteSize(*b),
@@ -1208,9 +1220,6 @@ fn main() -> Result<()> {
         .with_context(|| format!("writing {}", args.json.display()))?;
     drop(specs);
     proxy.free()?;
-    for (p, _) in budget_proxies.into_values() {
-        p.free()?;
-    }
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     let over: Vec<String> = plans
         .iter()
@@ -1218,10 +1227,13 @@ fn main() -> Result<()> {
             let r = rows
                 .iter()
                 .find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)?;
-            (r.peak_device_weight_bytes + activation_bytes > *b)
+            (r.peak_device_weight_bytes + budget_proxies[t].1 > *b)
                 .then(|| format!("{} at {t} tokens", ByteSize(*b)))
         })
         .collect();
+    for (p, _) in budget_proxies.into_values() {
+        p.free()?;
+    }
     if !over.is_empty() {
         bail!("the device held more than the budget: {}", over.join(", "));
     }

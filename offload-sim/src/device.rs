@@ -1400,7 +1400,18 @@ impl SimDevice {
                 buf.len,
             )?;
         }
-        let (op, start, _) = st.enqueue(stream.index, Engine::Compute, duration_ns, name)?;
+        // A kernel that starts while a host→device copy runs is slowed by
+        // the copy's memory traffic (the profile's `copy_interference`).
+        let start = st.enqueue_start(stream.index, Engine::Compute, duration_ns, name)?;
+        let duration_ns = if st.engines[Engine::H2d as usize] > start {
+            (duration_ns as f64 * (1.0 + st.profile.copy_interference)).round() as u64
+        } else {
+            duration_ns
+        };
+        let end = start
+            .checked_add(duration_ns)
+            .ok_or_else(|| st.overflow(name, duration_ns))?;
+        let op = st.enqueue_commit(stream.index, Engine::Compute, start, end, name);
         st.stats.kernels += 1;
         let stream_name = st.streams[stream.index].name.clone();
         for (buf, range) in inputs {

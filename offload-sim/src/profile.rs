@@ -48,6 +48,9 @@ pub struct DeviceProfile {
     /// Attention rate, TFLOP/s (fused attention over the block's tokens,
     /// [`Self::work_ns`]).
     pub attention_tflops: f64,
+    /// How much slower a kernel runs while a host→device copy runs beside
+    /// it (0.035: 3.5 %): the copy's traffic competes for device memory.
+    pub copy_interference: f64,
     /// Bandwidth of elementwise kernels over activations (a read and a
     /// write per element), GB/s: what [`BlockWork::activation_bytes`]
     /// costs.
@@ -69,12 +72,22 @@ pub struct DeviceProfile {
 impl DeviceProfile {
     /// NVIDIA H200 on PCIe Gen5 x16, as measured (PERFORMANCE.md).
     ///
-    /// Kernel model: `compute_tflops` 780 is the measured bf16 8192³ GEMM;
-    /// `hbm_gbps` 4800 is the H200's HBM3e specification (4.8 TB/s), not a
-    /// measurement; `gemm_half_rows` 256 and `attention_tflops` 450 are
-    /// PLACEHOLDER estimates, to be calibrated on the H200 (with 256, a
-    /// one-row GEMM is charged at compute speed, 1.6× its memory floor: see
-    /// [`Self::gemm_half_rows`]).
+    /// Kernel model, calibrated on the lent H200 (driver 580.159.04,
+    /// 2026-11-30, `offload-bench` call 2 of that day; BENCHMARKS.md):
+    /// the resident step's traced per-block compute of the Flux proxy
+    /// (double / single block: 1.145 / 0.690 ms at 1024 tokens, 2.931 /
+    /// 2.526 at 4608, 5.650 / 4.994 at 8192, 14.364 / 13.917 at 16896),
+    /// fitted by least squares in log space over `compute_tflops` 840,
+    /// `gemm_half_rows` 600, `attention_tflops` 450 and
+    /// `kernel_latency_us` 6, with `hbm_gbps` 4000 (the fold's read of
+    /// every weight: 23.8 GB in about 6 ms) and `elementwise_gbps` 3900
+    /// (the proxy's traffic kernel measured 3926 GB/s): every fitted block
+    /// within 2.1 %, every resident step within 1 %. The fit's 840 TFLOP/s
+    /// at 8192 rows gives 783, the 8192³ GEMM measured earlier (780).
+    /// `copy_interference` 0.033: with copies running throughout, the
+    /// proxy's compute took 156.5 ms against 151.7 resident at 4608 tokens
+    /// and 307.2 against 297.1 at 8192 (7.7 % at 1024 tokens, where small
+    /// GEMMs are memory-bound; the fit keeps the 4608–8192 figure).
     ///
     /// Two of them in one node (18 NVLinks): 246 GB/s bus bandwidth
     /// measured (an all-gather of two 0.34 GB shards in 1.38 ms); the
@@ -89,12 +102,13 @@ impl DeviceProfile {
             h2d_pageable_gbps: 7.0,
             d2h_pinned_gbps: 55.0,
             copy_latency_us: 8.0,
-            compute_tflops: 780.0,
-            hbm_gbps: 4800.0,
-            gemm_half_rows: 256.0,
+            compute_tflops: 840.0,
+            hbm_gbps: 4000.0,
+            gemm_half_rows: 600.0,
             attention_tflops: 450.0,
-            elementwise_gbps: 3000.0,
-            kernel_latency_us: 4.0,
+            elementwise_gbps: 3900.0,
+            copy_interference: 0.033,
+            kernel_latency_us: 6.0,
             memory_bytes: 141_000_000_000,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 52.3,
@@ -129,6 +143,7 @@ impl DeviceProfile {
             gemm_half_rows: 256.0,
             attention_tflops: 100.0,
             elementwise_gbps: 700.0,
+            copy_interference: 0.0,
             kernel_latency_us: 4.0,
             memory_bytes: 24_000_000_000,
             launch_overhead_us: 3.0,
@@ -155,6 +170,7 @@ impl DeviceProfile {
             gemm_half_rows: 256.0,
             attention_tflops: 70.0,
             elementwise_gbps: 600.0,
+            copy_interference: 0.0,
             kernel_latency_us: 4.0,
             memory_bytes: 48_000_000_000,
             launch_overhead_us: 3.0,
@@ -304,8 +320,9 @@ pub struct BlockWork {
     pub linears: Vec<LinearWork>,
     /// FLOPs of the attention (`4·T²·hidden` and cross-attention terms).
     pub attention_flops: f64,
-    /// Bytes of the tensors that are not linear weights (biases, norms,
-    /// tables).
+    /// Weight bytes read besides the GEMMs: every byte of the block, once,
+    /// by the fold that checks it (the GPU proxy's and the simulator's
+    /// kernels both fold what they read), at [`DeviceProfile::hbm_gbps`].
     pub other_bytes: u64,
     /// Bytes of activations its elementwise work moves (see
     /// [`crate::presets::elementwise_passes`]), at

@@ -172,8 +172,9 @@ fn a_late_rank_delays_every_rank_s_stream() {
             let host = pinned(&d, &vec![c.rank() as u8; s as usize]);
             let out = d.create_accumulator();
             if late && c.rank() == 1 {
-                // About 1 ms of compute ahead of the gather on its stream.
-                d.compute(&comm, &[], 780e9, "busy", &out).unwrap();
+                // About 1.1 ms of compute ahead of the gather on its stream.
+                let flops = DeviceProfile::h200().compute_tflops * 1.1e9;
+                d.compute(&comm, &[], flops, "busy", &out).unwrap();
             }
             let (done, after) = (d.create_event().unwrap(), d.create_event().unwrap());
             // SAFETY: in bounds; all on one stream.
