@@ -6,6 +6,9 @@
 //! offload-sim -- run`) to plan capacity and check the strategies without a
 //! GPU. [`SimGroup`] joins several of them into a gather group whose ranks
 //! run on their own host threads and share one simulated all-gather.
+//! [`plan`] answers the capacity question without running anything
+//! (`offload-sim plan`): the core's budget planner on a device profile and
+//! the kernel model.
 
 pub mod collective;
 pub mod device;
@@ -14,6 +17,7 @@ pub mod harness;
 pub mod job;
 pub mod multi;
 pub mod null;
+pub mod plan;
 pub mod presets;
 pub mod profile;
 pub mod trace;

@@ -2,6 +2,10 @@
 //! flags, runs [`offload_sim::job`], prints tables or JSON. Exit status: 0
 //! when every strategy ran (or did not fit, which its row says) and no rule
 //! was broken; non-zero with the typed error otherwise.
+//!
+//! `offload-sim plan` answers the capacity question without running
+//! anything ([`offload_sim::plan`]): exit status 0 when the model fits the
+//! budget, non-zero with the planner's error when it does not.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,6 +14,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use offload_core::OffloadStrategy;
 use offload_sim::job::{JobArgs, JobOutput, Report, StrategySet, run_job};
+use offload_sim::plan::{Capacity, PlanArgs, capacity};
 
 #[derive(Parser)]
 #[command(
@@ -25,6 +30,36 @@ struct Cli {
 enum Command {
     /// Run a pipeline through the strategies and report time, memory and checks.
     Run(RunArgs),
+    /// Plan a device budget without running: what stays resident, what
+    /// streams, the predicted step (the core's planner on the profile's
+    /// link and the kernel model). Fails when the model does not fit.
+    Plan(PlanCmdArgs),
+}
+
+#[derive(clap::Args)]
+struct PlanCmdArgs {
+    /// Device profile: h200, rtx4090, l20.
+    #[arg(long)]
+    gpu: String,
+    /// Preset: flux1-dev, wan2.2-t2v-a14b, qwen-image, tiny.
+    #[arg(long)]
+    model: String,
+    /// Tokens per DiT forward, 1 to 1048576 (default: the preset's, e.g.
+    /// 4096+512 for Flux).
+    #[arg(long)]
+    tokens: Option<u64>,
+    /// Device budget for weights and activations, e.g. `24GiB`, `16 GB`
+    /// (default: the card's memory less 1 GiB for the CUDA context and the
+    /// allocator).
+    #[arg(long)]
+    budget: Option<String>,
+    /// Activation memory of a forward in GB (10^9 bytes), as a warm-up
+    /// measured it (default: an estimate, tokens × hidden × 2 bytes × 16).
+    #[arg(long, allow_negative_numbers = true)]
+    activation_gb: Option<f64>,
+    /// Also write the plan as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -283,6 +318,110 @@ fn run_cmd(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn print_capacity(c: &Capacity) {
+    let gb = |b: u64| b as f64 / 1e9;
+    let dit = if c.dits > 1 {
+        format!("{:.2} GB in its {} DiTs", gb(c.dit_bytes), c.dits)
+    } else {
+        format!("{:.2} GB in the DiT", gb(c.dit_bytes))
+    };
+    let budget = match c.reserve_bytes {
+        Some(r) => format!(
+            "budget {:.2} GB = the card less {:.2} GB for the CUDA context and allocator",
+            gb(c.budget_bytes),
+            gb(r)
+        ),
+        None => format!("budget {:.2} GB", gb(c.budget_bytes)),
+    };
+    let verdict = match &c.outcome {
+        Ok(_) if c.streams() => "fits with offload".to_owned(),
+        Ok(_) => "fits resident (nothing streams)".to_owned(),
+        Err(_) => match c.minimum_bytes() {
+            Some(m) => format!(
+                "does not fit: needs at least {:.2} GB, the budget is {:.2} GB (the card has {:.2} GB)",
+                gb(m),
+                gb(c.budget_bytes),
+                gb(c.memory_bytes)
+            ),
+            None => "cannot be planned".to_owned(),
+        },
+    };
+    println!(
+        "{} ({:.2} GB of weights, {dit}) on {} ({:.2} GB, {budget}), {} tokens: {verdict}",
+        c.model,
+        gb(c.weight_bytes),
+        c.gpu,
+        gb(c.memory_bytes),
+        c.tokens,
+    );
+    if let Ok(p) = &c.outcome {
+        for line in p.to_string().lines() {
+            println!("  {line}");
+        }
+        println!(
+            "  step: predicted {:.4} s; compute floor (every block resident) {:.4} s; transfer floor ({:.2} GB streamed at {:.0} GB/s) {:.4} s",
+            p.predicted_step_s,
+            c.compute_floor_s,
+            gb(p.streamed_bytes),
+            c.inputs.link_bytes_per_s / 1e9,
+            c.transfer_floor_s().unwrap_or(0.0),
+        );
+    }
+    let parts: Vec<String> = c
+        .resident_outside_blocks
+        .iter()
+        .map(|r| {
+            let what = if r.role == "dit" {
+                " outside its blocks"
+            } else {
+                ""
+            };
+            format!("{}{what} {:.2} GB", r.path, gb(r.bytes))
+        })
+        .collect();
+    println!(
+        "  resident outside the blocks: {} (only the DiT streams; encoders and VAE stay resident and count here)",
+        parts.join(", ")
+    );
+    if c.activation_estimated {
+        println!(
+            "  activations {:.2} GB: an estimate ({} tokens × hidden {} × 2 bytes × 16 live tensors of a block); --activation-gb sets a measured figure",
+            gb(c.inputs.activation_bytes),
+            c.tokens,
+            c.hidden
+        );
+    } else {
+        println!(
+            "  activations {:.2} GB (--activation-gb)",
+            gb(c.inputs.activation_bytes)
+        );
+    }
+    if c.dits > 1 {
+        println!(
+            "  note: the {} DiTs' forwards are summed in the step and floors; a denoising step runs one of them",
+            c.dits
+        );
+    }
+}
+
+fn plan_cmd(args: PlanCmdArgs) -> Result<()> {
+    let c = capacity(&PlanArgs {
+        model: args.model,
+        gpu: args.gpu,
+        tokens: args.tokens,
+        budget: args.budget,
+        activation_gb: args.activation_gb,
+    })?;
+    print_capacity(&c);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&c.to_json())?)
+            .with_context(|| format!("writing plan `{}`", path.display()))?;
+    }
+    c.verdict()
+        .with_context(|| format!("{} on {}", c.model, c.gpu))?;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -292,6 +431,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run_cmd(args),
+        Command::Plan(args) => plan_cmd(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

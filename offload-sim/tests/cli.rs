@@ -309,3 +309,142 @@ fn distributed_layerwise_on_several_ranks_prints_a_row_per_rank() {
         "{out}"
     );
 }
+
+#[test]
+fn plan_fits_flux_on_a_4090_with_offload() {
+    let json = write("plan.json", "");
+    let o = sim(&[
+        "plan",
+        "--gpu",
+        "rtx4090",
+        "--model",
+        "flux1-dev",
+        "--tokens",
+        "4608",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let first = out.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("flux1-dev (") && first.contains("on rtx4090 (24.00 GB"),
+        "{out}"
+    );
+    assert!(first.ends_with("fits with offload"), "{out}");
+    for needle in [
+        "blocks resident",
+        "predicted step",
+        "compute floor",
+        "transfer floor",
+        "text_encoder_2",
+        "an estimate",
+    ] {
+        assert!(out.contains(needle), "`{needle}` missing: {out}");
+    }
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(doc["fits"], true);
+    let plan = &doc["plan"];
+    assert!(plan["streamed_bytes"].as_u64().unwrap() > 0, "{plan}");
+    assert!(plan["peak_bytes"].as_u64() <= plan["budget_bytes"].as_u64());
+    assert_eq!(plan["budget_bytes"], 24_000_000_000u64 - (1 << 30));
+}
+
+#[test]
+fn plan_keeps_flux_resident_on_an_h200() {
+    for budget in [None, Some("141GB")] {
+        let mut args = vec!["plan", "--gpu", "h200", "--model", "flux1-dev"];
+        args.extend(budget.iter().flat_map(|b| ["--budget", *b]));
+        let o = sim(&args);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{args:?}: {out}\n{err}");
+        assert!(out.contains("fits resident (nothing streams)"), "{out}");
+        assert!(out.contains("57 of 57 blocks resident"), "{out}");
+        assert!(out.contains("0.00 GB streamed per forward"), "{out}");
+    }
+}
+
+#[test]
+fn plan_below_the_minimum_fails_and_names_it() {
+    let o = sim(&[
+        "plan",
+        "--gpu",
+        "rtx4090",
+        "--model",
+        "flux1-dev",
+        "--budget",
+        "1GiB",
+    ]);
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        out.contains("does not fit: needs at least") && out.contains("the card has 24.00 GB"),
+        "{out}"
+    );
+    assert!(
+        err.contains("does not fit") && err.contains("allowed: device_budget ≥"),
+        "{err}"
+    );
+}
+
+#[test]
+fn plan_bad_input_exits_non_zero_with_a_typed_error() {
+    let rows: Vec<(Vec<&str>, &[&str])> = vec![
+        (
+            vec!["plan", "--gpu", "a100", "--model", "flux1-dev"],
+            &["--gpu `a100` is not allowed", "h200, rtx4090, l20"],
+        ),
+        (
+            vec!["plan", "--gpu", "h200", "--model", "sdxl"],
+            &["--model `sdxl` is not allowed", "flux1-dev"],
+        ),
+        (
+            vec![
+                "plan",
+                "--gpu",
+                "h200",
+                "--model",
+                "flux1-dev",
+                "--budget",
+                "24 gigs",
+            ],
+            &["--budget `24 gigs` is not allowed", "GiB", "GB"],
+        ),
+        (
+            vec!["plan", "--gpu", "h200", "--model", "tiny", "--budget", "0"],
+            &["--budget `0` is not allowed", "a positive byte count"],
+        ),
+        (
+            vec![
+                "plan", "--gpu", "rtx4090", "--model", "tiny", "--budget", "32GB",
+            ],
+            &["--budget `32GB` is not allowed", "at most the rtx4090's"],
+        ),
+        (
+            vec!["plan", "--gpu", "h200", "--model", "tiny", "--tokens", "0"],
+            &["--tokens `0`", "1 to 1048576"],
+        ),
+        (
+            vec![
+                "plan",
+                "--gpu",
+                "h200",
+                "--model",
+                "tiny",
+                "--activation-gb",
+                "-1",
+            ],
+            &["--activation-gb `-1` is not allowed", "0 to"],
+        ),
+    ];
+    for (args, needles) in rows {
+        let o = sim(&args);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{args:?} must fail");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: `{err}` lacks `{n}`");
+        }
+    }
+}
