@@ -662,8 +662,9 @@ fn planner_inputs(
 
 /// The simulator's predicted step, s: Flux.1-dev on the simulated `h200`
 /// (its calibrated kernel model) with this run's host-master bandwidth,
-/// `config` at `depth` (`None`: resident), two requests of three steps,
-/// the second timed.
+/// `config` at `depth` (`None`: resident), two requests of ten steps,
+/// the second timed (its first block was prefetched before it began: one
+/// block's copy in ten steps).
 fn simulate(
     config: Option<&OffloadConfig>,
     depth: usize,
@@ -678,7 +679,7 @@ fn simulate(
     let w = Workload {
         preset,
         tokens,
-        steps: 3,
+        steps: 10,
         requests: 2,
     };
     let mut profile = offload_sim::DeviceProfile::h200();

@@ -333,8 +333,8 @@ struct PStack {
 /// Fills run in order on one copy stream; the fill of streamed block j
 /// starts after the fill before it and after the compute of streamed block
 /// j − depth − 1 (whose slot it takes); block i computes after block i − 1
-/// and, if streamed, after its fill, `1 + interference` times slower when
-/// a fill is still running as it starts.
+/// and, if streamed, after its fill; the part of it a running fill
+/// overlaps takes `1 + interference` times longer.
 pub fn predict_step(
     compute_s: &[f64],
     copy_s: &[f64],
@@ -394,14 +394,15 @@ pub fn predict_step(
                 let ahead = done.len() + usize::from(!resident[i]) + depth - 1;
                 fill(ahead, &done, &mut filled, &mut starts, &mut t_copy);
             }
+            // The part of this block a running fill overlaps.
             let copying = filled
                 .iter()
                 .zip(&starts)
                 .rev()
                 .take(depth + 2)
-                .any(|(end, s)| *s <= start && start < *end);
-            let slowed = if copying { 1.0 + interference } else { 1.0 };
-            t_compute = start + compute_s[i] * slowed;
+                .find(|(end, s)| **s <= start && start < **end)
+                .map_or(0.0, |(end, _)| (end - start).min(compute_s[i]));
+            t_compute = start + compute_s[i] + copying * interference;
             if !resident[i] {
                 done.push(t_compute);
             }

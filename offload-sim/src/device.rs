@@ -1403,8 +1403,12 @@ impl SimDevice {
         // A kernel that starts while a host→device copy runs is slowed by
         // the copy's memory traffic (the profile's `copy_interference`).
         let start = st.enqueue_start(stream.index, Engine::Compute, duration_ns, name)?;
-        let duration_ns = if st.engines[Engine::H2d as usize] > start {
-            (duration_ns as f64 * (1.0 + st.profile.copy_interference)).round() as u64
+        // For the part of it the copy engine is still busy.
+        let copying = st.engines[Engine::H2d as usize].saturating_sub(start);
+        let duration_ns = if copying > 0 {
+            let k = st.profile.copy_interference;
+            let overlap = copying.min(duration_ns) as f64;
+            (duration_ns as f64 + overlap * k).round() as u64
         } else {
             duration_ns
         };

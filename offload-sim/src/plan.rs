@@ -274,6 +274,7 @@ pub fn capacity(args: &PlanArgs) -> Result<Capacity, JobError> {
         other_compute_s,
         activation_bytes,
         max_depth: MAX_DEPTH,
+        copy_interference: profile.copy_interference,
     };
     let config = OffloadConfig {
         device_budget: Some(ByteSize(budget_bytes)),

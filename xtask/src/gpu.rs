@@ -114,14 +114,14 @@ run_sanitize() {
 # The single-GPU bench, BENCH_RUNS times (default 1) as separate
 # processes: resident, layerwise at depths 1 and 2 and at the planner's
 # depth, and the 16 GiB and 8 GiB budgets, at four token counts, each row
-# with a traced step (Perfetto traces in $out/traces-N).
+# with a traced step (the first run's Perfetto traces in $out/traces).
 run_bench() {
     status=0
     i=1
     while [ "$i" -le "${BENCH_RUNS:-1}" ]; do
         timeout "${BENCH_TIMEOUT:-200}" "$here/offload-bench" \
             --tokens "${BENCH_TOKENS:-1024,4608,8192,16896}" \
-            --json "$out/bench-$i.json" --trace-dir "$out/traces-$i" \
+            --json "$out/bench-$i.json" $([ "$i" -eq 1 ] && echo --trace-dir "$out/traces") \
             > "$out/bench-$i.log" 2> "$out/bench-$i.err" || status=$?
         cat "$out/bench-$i.log"
         tail -3 "$out/bench-$i.err"
