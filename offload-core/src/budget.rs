@@ -597,7 +597,17 @@ fn plan_resolved(
             }
         }
     }
-    let best = best.expect("the minimal schedule fits: budget ≥ minimum");
+    // Some slot size at depth 1 fits whenever budget ≥ minimum (the same
+    // sum); refuse rather than panic if that ever stops holding.
+    let best = best.ok_or(BudgetError::DoesNotFit {
+        budget,
+        minimum: minimum.0,
+        minimum_gib: minimum.0 as f64 / f64::from(1u32 << 30),
+        non_streamed,
+        forced_resident: minimum.1,
+        slot_bytes: minimum.2,
+        activation_bytes: act,
+    })?;
     let mut resident_paths = Vec::new();
     let (mut resident_block_bytes, mut streamed, mut slot, mut resident_count) = (0, 0, 0, 0);
     let mut compute = 0.0;
@@ -716,7 +726,25 @@ fn fill_greedy(
             r[left[0]] = true;
         }
     }
-    let slots_bytes = (depth as u64 + 1) * sigma;
+    // The slot: the largest block left streaming (σ, unless a lone block
+    // at σ went resident).
+    let slot = stacks
+        .iter()
+        .zip(&resident)
+        .flat_map(|(s, r)| {
+            s.blocks
+                .iter()
+                .zip(r)
+                .filter(|(_, r)| !**r)
+                .map(|(b, _)| b.bytes)
+        })
+        .max()
+        .unwrap_or(0);
+    let slots_bytes = if slot == 0 {
+        0
+    } else {
+        (depth as u64 + 1) * slot
+    };
     let used = |res: &Vec<Vec<bool>>| -> u64 {
         stacks
             .iter()

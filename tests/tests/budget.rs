@@ -19,7 +19,28 @@ use proptest::prelude::*;
 /// A DiT with `double` blocks of width `h1` then `single` of width `h2`,
 /// `extra` bytes of embeddings outside them.
 fn dit(double: usize, h1: u64, single: usize, h2: u64, extra: u64) -> Pipeline {
+    with_encoder(double, h1, single, h2, extra, 0, 0)
+}
+
+/// [`dit`] plus a text encoder of `layers` blocks of width `he` (none for 0).
+fn with_encoder(
+    double: usize,
+    h1: u64,
+    single: usize,
+    h2: u64,
+    extra: u64,
+    layers: usize,
+    he: u64,
+) -> Pipeline {
     let mut b = PipelineBuilder::new("Budget");
+    if layers > 0 {
+        let mut e = b.module("text_encoder");
+        e.parameter("embed.weight", DType::Bf16, &[64, 4]);
+        e.list("layers", layers, |_, l| {
+            l.parameter("fc.weight", DType::Bf16, &[3 * he, he]);
+        });
+        e.block_containers(&["layers"]);
+    }
     {
         let mut m = b.module("transformer");
         m.parameter("x_embedder.weight", DType::Bf16, &[extra.max(1), 1]);
@@ -34,7 +55,11 @@ fn dit(double: usize, h1: u64, single: usize, h2: u64, extra: u64) -> Pipeline {
     }
     b.declare_components(ComponentDeclaration {
         dit: vec!["transformer".into()],
-        encoder: vec![],
+        encoder: if layers > 0 {
+            vec!["text_encoder".into()]
+        } else {
+            vec![]
+        },
         vae: vec![],
         resident: vec![],
     });
@@ -48,40 +73,58 @@ fn budget_config(bytes: u64) -> OffloadConfig {
     }
 }
 
-/// Block sizes of the pipeline's one stack, and its non-block bytes.
-fn sizes(p: &Pipeline) -> (Vec<(String, u64)>, u64) {
-    let layerwise = OffloadConfig {
-        enable_layerwise_offload: true,
-        ..OffloadConfig::default()
-    };
+/// A budget that streams the DiT and the text encoder (the compact form).
+fn budget_config_both(bytes: u64) -> OffloadConfig {
+    OffloadConfig::from_json_str(&format!(
+        r#"{{"device_budget": {bytes}, "diffusion_offload_config": {{"mode": "layer", "components": ["dit", "text_encoder"]}}}}"#
+    ))
+    .unwrap()
+}
+
+/// Block sizes of each stack `config` streams, and the non-block bytes.
+fn sizes(p: &Pipeline, config: &OffloadConfig) -> (Vec<Vec<(String, u64)>>, u64) {
+    let mut layerwise = config.clone();
+    layerwise.device_budget = None;
+    if layerwise.diffusion_offload_config.is_none() {
+        layerwise.enable_layerwise_offload = true;
+    }
     let plan = resolve(p, &layerwise).unwrap();
-    let blocks: Vec<(String, u64)> = plan.stacks[0]
-        .blocks
+    let stacks: Vec<Vec<(String, u64)>> = plan
+        .stacks
         .iter()
-        .map(|b| (b.path.clone(), b.bytes))
+        .map(|s| s.blocks.iter().map(|b| (b.path.clone(), b.bytes)).collect())
         .collect();
     let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
-    let in_blocks: u64 = blocks.iter().map(|(_, b)| b).sum();
-    (blocks, total - in_blocks)
+    let in_blocks: u64 = stacks.iter().flatten().map(|(_, b)| b).sum();
+    (stacks, total - in_blocks)
 }
 
 /// The least budget, derived here from its definition: over every slot
-/// size σ, the non-block part + blocks above σ (and a lone block at or
-/// below it, which cannot form a ring) + two slots of σ + activations.
-fn least_budget(blocks: &[(String, u64)], non_block: u64, act: u64) -> u64 {
-    blocks
+/// size σ, the non-block part + blocks above σ (and, per stack, a lone
+/// block at or below it, which cannot form a ring) + two slots of the
+/// largest block left streaming + activations.
+fn least_budget(stacks: &[Vec<(String, u64)>], non_block: u64, act: u64) -> u64 {
+    stacks
         .iter()
+        .flatten()
         .map(|(_, sigma)| {
-            let small: Vec<u64> = blocks
-                .iter()
-                .map(|(_, b)| *b)
-                .filter(|b| b <= sigma)
-                .collect();
-            let big: u64 = blocks.iter().map(|(_, b)| *b).filter(|b| b > sigma).sum();
-            let (forced, slot) = match small.len() {
-                1 => (big + small[0], 0),
-                _ => (big, small.iter().copied().max().unwrap_or(0)),
-            };
+            let (mut forced, mut slot) = (0, 0);
+            for blocks in stacks {
+                let small: Vec<u64> = blocks
+                    .iter()
+                    .map(|(_, b)| *b)
+                    .filter(|b| b <= sigma)
+                    .collect();
+                forced += blocks
+                    .iter()
+                    .map(|(_, b)| *b)
+                    .filter(|b| b > sigma)
+                    .sum::<u64>();
+                match small.len() {
+                    1 => forced += small[0],
+                    _ => slot = slot.max(small.iter().copied().max().unwrap_or(0)),
+                }
+            }
             non_block + forced + 2 * slot + act
         })
         .min()
@@ -100,30 +143,39 @@ fn check_plan(p: &Pipeline, planned: &BudgetPlan, budget: u64, act: u64) {
     assert_eq!(bounds.device_weight_bytes + act, planned.peak_bytes);
     let resolved = resolve(p, &planned.config).unwrap();
     assert_eq!(resolved.streamed_bytes(), planned.streamed_bytes);
-    let stack = &resolved.stacks[0];
-    let streamed: Vec<u64> = stack.streamed().map(|b| b.bytes).collect();
-    if streamed.is_empty() {
+    let all: Vec<u64> = resolved
+        .stacks
+        .iter()
+        .flat_map(|s| s.streamed().map(|b| b.bytes))
+        .collect();
+    if all.is_empty() {
         assert_eq!(planned.slots, 0);
         return;
     }
-    // Never fewer than two slots; never one streaming block.
+    // Never fewer than two slots; never one streaming block in a ring.
     assert!(planned.slots >= 2 && planned.depth >= 1, "{planned}");
-    assert!(streamed.len() >= 2, "{planned}");
     assert_eq!(planned.slots, planned.depth + 1);
-    // As much as fits: no streamed block would fit in what is left (or it
-    // would leave a single streamed block).
-    let slot = *streamed.iter().max().unwrap();
+    let slot = *all.iter().max().unwrap();
     let room = budget - planned.peak_bytes;
-    for b in &streamed {
-        let lone = streamed.len() == 2;
-        let needed = if lone { streamed.iter().sum() } else { *b };
-        // Making the largest resident could shrink the slots; the planner
-        // tried that slot size too, so only smaller blocks are checked.
-        if *b < slot {
-            assert!(
-                needed > room,
-                "block of {b} B fits in {room} B left\n{planned}"
-            );
+    for stack in &resolved.stacks {
+        let streamed: Vec<u64> = stack.streamed().map(|b| b.bytes).collect();
+        assert!(streamed.len() != 1, "a ring of one\n{planned}");
+        // As much as fits: no streamed block below the slot size would fit
+        // in what is left (or it would leave a single streamed block);
+        // making the largest resident could shrink the slots, and the
+        // planner tried that slot size too.
+        for b in &streamed {
+            let needed = if streamed.len() == 2 {
+                streamed.iter().sum()
+            } else {
+                *b
+            };
+            if *b < slot {
+                assert!(
+                    needed > room,
+                    "block of {b} B fits in {room} B left\n{planned}"
+                );
+            }
         }
     }
 }
@@ -146,10 +198,14 @@ proptest! {
         compute in prop::collection::vec(0.0f64..2e-3, 16),
         link in 1e3f64..1e6,
         max_depth in 1usize..4,
+        layers in prop::sample::select(vec![0usize, 0, 2, 3]),
+        he in prop::sample::select(vec![4u64, 12, 40]),
     ) {
         prop_assume!(double + single >= 2);
-        let p = dit(double, h1, single, h2, extra);
-        let (blocks, non_block) = sizes(&p);
+        let p = with_encoder(double, h1, single, h2, extra, layers, he);
+        let config_of = |b: u64| if layers > 0 { budget_config_both(b) } else { budget_config(b) };
+        let (stacks, non_block) = sizes(&p, &config_of(1));
+        let blocks: Vec<(String, u64)> = stacks.iter().flatten().cloned().collect();
         let total: u64 = non_block + blocks.iter().map(|(_, b)| b).sum::<u64>();
         let budget = ((total + act) as f64 * fraction) as u64 + 1;
         let inputs = PlannerInputs {
@@ -163,8 +219,8 @@ proptest! {
             max_depth,
             ..PlannerInputs::default()
         };
-        let least = least_budget(&blocks, non_block, act).min(total + act);
-        match plan(&p, &budget_config(budget), &inputs) {
+        let least = least_budget(&stacks, non_block, act).min(total + act);
+        match plan(&p, &config_of(budget), &inputs) {
             Ok(planned) => {
                 prop_assert!(budget >= least, "planned below the least budget {least}: {planned}");
                 prop_assert_eq!(planned.minimum_bytes, least);
