@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
-use offload_core::budget::{self, BudgetPlan, ByteSize, PlannerInputs, predict_step};
+use offload_core::budget::{self, BudgetPlan, ByteSize, PlannerInputs};
 use offload_core::device::{Device, HostRegion, HostSource};
 use offload_core::model::{DType, ModuleId, Pipeline, StorageId, TensorId};
 #[cfg(feature = "planted-bugs")]
@@ -704,32 +704,7 @@ fn predicted(
     depth: usize,
     inputs: &PlannerInputs,
 ) -> Result<f64> {
-    let plan = resolve(pipeline, config)?;
-    let mut total = 0.0;
-    for s in &plan.stacks {
-        let compute: Vec<f64> = s
-            .blocks
-            .iter()
-            .map(|b| inputs.block_compute_s.get(&b.path).copied().unwrap_or(0.0))
-            .collect();
-        let copy: Vec<f64> = s
-            .blocks
-            .iter()
-            .map(|b| b.bytes as f64 / inputs.link_bytes_per_s + inputs.copy_latency_s)
-            .collect();
-        let resident: Vec<bool> = (0..s.blocks.len())
-            .map(|i| s.resident.contains(&i))
-            .collect();
-        total += predict_step(
-            &compute,
-            &copy,
-            &resident,
-            depth,
-            inputs.other_compute_s,
-            inputs.copy_interference,
-        );
-    }
-    Ok(total)
+    Ok(budget::predict_config(pipeline, config, depth, inputs)?)
 }
 
 fn main() -> Result<()> {
@@ -890,8 +865,9 @@ fn main() -> Result<()> {
             // One more step, traced (not timed: the events cost launches).
             device.timeline_start()?;
             let traced = step_marked(&rt, proxy, tokens, Some(&device));
-            let spans = device.timeline_stop()?;
+            let spans = device.timeline_stop();
             traced?;
+            let spans = spans?;
             let analysis = timeline::analyse(&spans);
             traces.insert(
                 format!("{}-{tokens}", slug(&spec.name)),
@@ -1131,7 +1107,7 @@ fn main() -> Result<()> {
                 .join(", ")
         );
         println!(
-            "| budget | tokens | resident blocks | resident GB | streamed GB | slots × GB | measured peak weights + activations GB | within budget | s / step | planned limit s | step / limit | resident / (budget − non-streamed − activations − slots) |"
+            "| budget | tokens | resident blocks | resident GB (blocks + outside blocks) | streamed GB | slots × GB | measured peak weights + activations GB | within budget | s / step | limit s | step / limit | resident / (budget − non-streamed − activations − slots) |"
         );
         println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
         for (b, t, p) in &plans {

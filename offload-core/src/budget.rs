@@ -199,6 +199,15 @@ pub enum BudgetError {
         /// The budget.
         budget: ByteSize,
     },
+    /// A backend was given a `device_budget` configuration but nothing to
+    /// plan it with.
+    #[error(
+        "`device_budget` = {budget} needs what the planner knows; allowed: CorePlatform::with_planner(PlannerInputs) with the link, each block's compute and the activations a warm-up measured, or a configuration budget::plan returned"
+    )]
+    NoPlannerInputs {
+        /// The budget.
+        budget: ByteSize,
+    },
     /// An input the planner cannot use.
     #[error("planner input `{input}` = {value} is not allowed; allowed: {allowed}")]
     Input {
@@ -412,6 +421,54 @@ pub fn predict_step(
     ends[FORWARDS - 1] - ends[FORWARDS - 2]
 }
 
+/// The predicted forward time of every stack `config` streams (a layerwise
+/// configuration, `resident_blocks` honoured) at `depth`, from `inputs`:
+/// what [`plan`] minimises, for a configuration chosen elsewhere.
+pub fn predict_config(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    depth: usize,
+    inputs: &PlannerInputs,
+) -> Result<f64, BudgetError> {
+    check_inputs(inputs)?;
+    let resolved = resolve(pipeline, config)?;
+    let (stacks, resident) = planner_stacks(&resolved, inputs);
+    Ok(predict_all(&stacks, &resident, depth.max(1), inputs))
+}
+
+/// The planner's view of `resolved`'s stacks, and which blocks it keeps
+/// resident.
+fn planner_stacks(
+    resolved: &ResolvedPlan,
+    inputs: &PlannerInputs,
+) -> (Vec<PStack>, Vec<Vec<bool>>) {
+    let stacks = resolved
+        .stacks
+        .iter()
+        .map(|s| PStack {
+            blocks: s
+                .blocks
+                .iter()
+                .map(|b| PBlock {
+                    path: b.path.clone(),
+                    bytes: b.bytes,
+                    compute_s: inputs.compute_s(&b.path, b.bytes),
+                })
+                .collect(),
+        })
+        .collect();
+    let resident = resolved
+        .stacks
+        .iter()
+        .map(|s| {
+            (0..s.blocks.len())
+                .map(|i| s.resident.contains(&i))
+                .collect()
+        })
+        .collect();
+    (stacks, resident)
+}
+
 /// Plans `config`'s `device_budget` for `pipeline`: see the module docs.
 ///
 /// Fails before anything is allocated: when the configuration does not
@@ -425,6 +482,11 @@ pub fn plan(
     let budget = config.device_budget.ok_or(BudgetError::NoBudget {
         forms: crate::budget::BYTE_SIZE_FORMS,
     })?;
+    // The configuration's own rules first (a budget with another strategy,
+    // with resident_layers, with resident_blocks).
+    config
+        .select()
+        .map_err(|e| BudgetError::Plan(PlanError::Config(e)))?;
     check_inputs(inputs)?;
     let mut base = config.clone();
     base.device_budget = None;
@@ -471,15 +533,36 @@ fn check_inputs(inputs: &PlannerInputs) -> Result<(), BudgetError> {
             allowed: "a finite number ≥ 0 per block",
         });
     }
-    if inputs.max_depth == 0 {
+    if !(1..=MAX_DEPTH).contains(&inputs.max_depth) {
         return Err(BudgetError::Input {
             input: "max_depth",
-            value: "0".to_owned(),
-            allowed: "≥ 1",
+            value: inputs.max_depth.to_string(),
+            allowed: "1..=64",
+        });
+    }
+    if !(non_negative(inputs.copy_interference) && inputs.copy_interference <= 1.0) {
+        return Err(BudgetError::Input {
+            input: "copy_interference",
+            value: inputs.copy_interference.to_string(),
+            allowed: "a finite number in 0..=1 (0.035: kernels 3.5 % slower beside a copy)",
+        });
+    }
+    if inputs.activation_bytes > MAX_ACTIVATION_BYTES {
+        return Err(BudgetError::Input {
+            input: "activation_bytes",
+            value: inputs.activation_bytes.to_string(),
+            allowed: "at most 2^60 bytes",
         });
     }
     Ok(())
 }
+
+/// The deepest prefetch the planner considers.
+pub const MAX_DEPTH: usize = 64;
+
+/// The most activation bytes the planner accepts (sums stay far from
+/// `u64::MAX`).
+const MAX_ACTIVATION_BYTES: u64 = 1 << 60;
 
 /// Rounds of the planner's local search (each moves one block's residency
 /// to a block of the same size).
@@ -501,21 +584,18 @@ fn plan_resolved(
     budget: ByteSize,
     inputs: &PlannerInputs,
 ) -> Result<BudgetPlan, BudgetError> {
-    let stacks: Vec<PStack> = resolved
-        .stacks
-        .iter()
-        .map(|s| PStack {
-            blocks: s
-                .blocks
-                .iter()
-                .map(|b| PBlock {
-                    path: b.path.clone(),
-                    bytes: b.bytes,
-                    compute_s: inputs.compute_s(&b.path, b.bytes),
-                })
-                .collect(),
-        })
-        .collect();
+    let (stacks, _) = planner_stacks(resolved, inputs);
+    if let Some(path) = inputs
+        .block_compute_s
+        .keys()
+        .find(|k| !stacks.iter().flat_map(|s| &s.blocks).any(|b| &b.path == *k))
+    {
+        return Err(BudgetError::Input {
+            input: "block_compute_s",
+            value: format!("a time for `{path}`"),
+            allowed: "times for blocks of the streamed stacks, by path",
+        });
+    }
     let total: u64 = pipeline.storages().map(|(_, s)| s.bytes).sum();
     let block_bytes: u64 = stacks.iter().flat_map(|s| &s.blocks).map(|b| b.bytes).sum();
     let non_streamed = total - block_bytes;
@@ -895,6 +975,17 @@ mod tests {
         let d2 = predict_step(&compute, &copy, &res, 2, 0.0, 0.0);
         assert!(d1 > 10.0 + 1e-9, "depth 1: {d1}");
         assert!(d2 < d1, "depth 2 {d2} vs depth 1 {d1}");
+    }
+
+    /// A kernel that starts beside a running fill is slowed for the part
+    /// the fill overlaps: compute-bound blocks of 10 s whose next fill
+    /// (1 s) starts with them take 10 + 0.5 × 1 s at interference 0.5.
+    #[test]
+    fn copies_slow_the_kernels_they_overlap() {
+        let t = predict_step(&[10.0; 2], &[1.0; 2], &[false; 2], 1, 0.0, 0.5);
+        assert!((t - 21.0).abs() < 1e-9, "{t}");
+        let none = predict_step(&[10.0; 2], &[1.0; 2], &[false; 2], 1, 0.0, 0.0);
+        assert!((none - 20.0).abs() < 1e-9, "{none}");
     }
 
     /// Resident blocks take their compute but no copy.

@@ -668,6 +668,13 @@ fn check_residency_keys(config: &OffloadConfig, selection: &Selection) -> Result
     let Some((key, value)) = keys.first() else {
         return Ok(());
     };
+    if selection.source == SelectionSource::Default {
+        return Err(invalid(
+            *key,
+            value,
+            "with a layerwise strategy: set enable_layerwise_offload = true (or mode = \"layer\")",
+        ));
+    }
     if selection.strategy != OffloadStrategy::Layerwise {
         let (other, other_value) = match selection.source {
             SelectionSource::Compact => (

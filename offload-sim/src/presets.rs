@@ -1037,6 +1037,36 @@ mod tests {
         preset.pipeline.module_id(path).expect("the block exists")
     }
 
+    /// The `h200` kernel model against what it was calibrated on: the
+    /// H200's traced resident per-block compute of the Flux proxy
+    /// (2026-11-30; the figures in `DeviceProfile::h200`'s docs), within
+    /// 3 % for every block kind and token count.
+    #[test]
+    fn the_h200_model_matches_the_traced_blocks() {
+        let flux = flux1_dev();
+        let p = crate::DeviceProfile::h200();
+        let measured_ms = [
+            (1024, 1.145, 0.690),
+            (4608, 2.931, 2.526),
+            (8192, 5.650, 4.994),
+            (16896, 14.364, 13.917),
+        ];
+        for (tokens, double, single) in measured_ms {
+            let split = flux.split(tokens);
+            for (path, want) in [
+                ("transformer.transformer_blocks.3", double),
+                ("transformer.single_transformer_blocks.3", single),
+            ] {
+                let w = flux.block_work(&flux.pipeline, block(&flux, path), split);
+                let got = p.work_ns(&w) as f64 / 1e6;
+                assert!(
+                    (got / want - 1.0).abs() <= 0.03,
+                    "{path} at {tokens} tokens: model {got:.3} ms, measured {want:.3} ms"
+                );
+            }
+        }
+    }
+
     #[test]
     fn flux_blocks_cost_their_closed_forms() {
         let flux = flux1_dev();

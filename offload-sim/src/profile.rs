@@ -43,7 +43,8 @@ pub struct DeviceProfile {
     /// ([`Self::gemm_efficiency`]). A one-row GEMM is bound by memory, not by
     /// this rate, only if `gemm_half_rows + 1` rows of compute take less than
     /// reading the weight: `gemm_half_rows + 1 ≤ compute_tflops · 1e3 /
-    /// hbm_gbps` for bf16 (about 162 rows on the H200 figures).
+    /// hbm_gbps` for bf16 (about 210 rows on the calibrated H200 figures, whose
+    /// fitted 600 lies above it: a one-row GEMM is charged as compute).
     pub gemm_half_rows: f64,
     /// Attention rate, TFLOP/s (fused attention over the block's tokens,
     /// [`Self::work_ns`]).
@@ -123,9 +124,8 @@ impl DeviceProfile {
     /// An RTX 4090-class card: 24 GB on PCIe 4.
     ///
     /// Kernel model, estimates: `hbm_gbps` 1008 is the card's GDDR6X
-    /// specification; `gemm_half_rows` 256 as the H200's placeholder;
-    /// `attention_tflops` 100, about 60 % of `compute_tflops` (the H200
-    /// placeholder's 450 / 780), not measured.
+    /// specification; `gemm_half_rows` 256 (an estimate);
+    /// `attention_tflops` 100, about 60 % of `compute_tflops`, not measured.
     ///
     /// No NVLink: gathers cross PCIe ([`Self::pcie_link`], an estimate).
     /// Several cards copying at once are assumed to lose what two H200s
@@ -156,7 +156,7 @@ impl DeviceProfile {
     /// [`Self::rtx4090`] (estimates).
     ///
     /// Kernel model, estimates: `hbm_gbps` 864 is the card's GDDR6
-    /// specification; `gemm_half_rows` 256 as the H200's placeholder;
+    /// specification; `gemm_half_rows` 256 (an estimate);
     /// `attention_tflops` 70, about 60 % of `compute_tflops`, not measured.
     pub fn l20() -> Self {
         Self {
@@ -432,8 +432,8 @@ mod tests {
             let floor = (l.weight_bytes as f64 / p.hbm_gbps + p.kernel_latency_us * 1e3).round();
             assert_eq!(p.work_ns(&one(l)) as f64, floor, "{}", p.name);
         }
-        // The H200's placeholder (256) lies above its ridge (162 rows): one
-        // row is charged (1 + 256) rows of compute at peak.
+        // The H200's fitted half-rows (600) lie above its ridge (210 rows):
+        // one row is charged (1 + 600) rows of compute at peak.
         let p = DeviceProfile::h200();
         let compute = l.flops() * (1.0 + p.gemm_half_rows) / (p.compute_tflops * 1e3);
         let floor = l.weight_bytes as f64 / p.hbm_gbps;

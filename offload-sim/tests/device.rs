@@ -288,3 +288,49 @@ fn a_kernel_reads_its_inputs_when_it_starts() {
         "the second pattern landed"
     );
 }
+
+/// A kernel that starts while a host→device copy runs takes longer by the
+/// profile's `copy_interference` times the part the copy overlaps; one that
+/// starts on an idle copy engine takes its own time.
+#[test]
+fn a_copy_slows_the_kernel_it_overlaps() {
+    let d = device(FaultPlan::none());
+    let p = DeviceProfile::h200();
+    let (copy, compute) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+    let bytes = 64u64 << 20;
+    let host = d.alloc_pinned(bytes).unwrap();
+    let buf = d.alloc_device(bytes).unwrap();
+    let out = d.create_accumulator();
+    let (a, b) = (d.create_event().unwrap(), d.create_event().unwrap());
+    // A kernel of about 10 ms, alone.
+    let flops = p.compute_tflops * 1e10;
+    d.record_event(&a, &compute).unwrap();
+    d.compute(&compute, &[], flops, "alone", &out).unwrap();
+    d.record_event(&b, &compute).unwrap();
+    d.synchronize_stream(&compute).unwrap();
+    let alone = d.event_time_ns(&b) - d.event_time_ns(&a);
+    assert!(alone >= p.compute_ns(flops) && alone < p.compute_ns(flops) + 20_000);
+    // The same kernel beside a 64 MiB copy (about 1.2 ms) issued first.
+    // SAFETY: in bounds; synchronised before the buffers are freed.
+    unsafe { d.copy_h2d(&copy, HostSource::Pinned(&host), 0, &buf, 0, bytes) }.unwrap();
+    d.record_event(&a, &compute).unwrap();
+    d.compute(&compute, &[], flops, "beside a copy", &out)
+        .unwrap();
+    d.record_event(&b, &compute).unwrap();
+    d.synchronize_stream(&compute).unwrap();
+    d.synchronize_stream(&copy).unwrap();
+    let slowed = (d.event_time_ns(&b) - d.event_time_ns(&a)) as f64 - alone as f64;
+    let most = p.copy_interference * p.h2d_ns(bytes) as f64;
+    assert!(p.copy_interference > 0.0);
+    assert!(
+        slowed >= 0.9 * most && slowed <= most + 20_000.0,
+        "slowed by {slowed} ns beside a {} ns copy (interference {})",
+        p.h2d_ns(bytes),
+        p.copy_interference
+    );
+    // SAFETY: both streams are drained.
+    unsafe {
+        d.free_pinned(host).unwrap();
+        d.free_device(buf, &[]).unwrap();
+    }
+}

@@ -597,7 +597,7 @@ pub struct LayerwiseBackend<A: Api> {
     config: OffloadConfig,
     depth: usize,
     /// What the budget planner knows, for a `device_budget` configuration.
-    planner: crate::budget::PlannerInputs,
+    planner: Option<crate::budget::PlannerInputs>,
     /// The planner's choice at the last enable (budget configurations).
     planned: Option<crate::budget::BudgetPlan>,
     lifecycle: Lifecycle,
@@ -698,7 +698,7 @@ impl<A: Api> LayerwiseBackend<A> {
         Ok(Self {
             config,
             depth: depth.max(1),
-            planner: crate::budget::PlannerInputs::default(),
+            planner: None,
             planned: None,
             lifecycle: Lifecycle::new(strategy),
             engine: Arc::new(Engine {
@@ -714,9 +714,9 @@ impl<A: Api> LayerwiseBackend<A> {
 
     /// What the budget planner knows (link, per-block compute, measured
     /// activations) for a configuration with `device_budget`; without it
-    /// the planner assumes [`crate::budget::PlannerInputs::default`].
+    /// such a configuration fails to enable ([`crate::budget::BudgetError::NoPlannerInputs`]).
     pub fn with_planner(mut self, inputs: crate::budget::PlannerInputs) -> Self {
-        self.planner = inputs;
+        self.planner = Some(inputs);
         self
     }
 
@@ -1065,8 +1065,13 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         }
         // A budget is planned before anything is allocated.
         let (config, depth) = match self.config.device_budget {
-            Some(_) => {
-                let planned = crate::budget::plan(&model.pipeline, &self.config, &self.planner)
+            Some(budget) => {
+                let inputs = self.planner.as_ref().ok_or_else(|| {
+                    OffloadError::Budget(Box::new(crate::budget::BudgetError::NoPlannerInputs {
+                        budget,
+                    }))
+                })?;
+                let planned = crate::budget::plan(&model.pipeline, &self.config, inputs)
                     .map_err(|e| OffloadError::Budget(Box::new(e)))?;
                 tracing::info!("device budget plan: {planned}");
                 let out = (planned.config.clone(), planned.depth.max(1));

@@ -18,7 +18,7 @@ pub struct CorePlatform<A: Api> {
     compute: Arc<A::Stream>,
     weights: Arc<dyn WeightSource>,
     prefetch_depth: usize,
-    planner: crate::budget::PlannerInputs,
+    planner: Option<crate::budget::PlannerInputs>,
     collective: Option<Arc<dyn Collective<A>>>,
     bugs: Vec<PlantedBug>,
 }
@@ -37,7 +37,7 @@ impl<A: Api> CorePlatform<A> {
             compute,
             weights,
             prefetch_depth: 1,
-            planner: crate::budget::PlannerInputs::default(),
+            planner: None,
             collective: None,
             bugs: Vec::new(),
         }
@@ -66,7 +66,7 @@ impl<A: Api> CorePlatform<A> {
     /// the activations a warm-up request measured), for configurations
     /// with `device_budget` ([`crate::budget::plan`]).
     pub fn with_planner(mut self, inputs: crate::budget::PlannerInputs) -> Self {
-        self.planner = inputs;
+        self.planner = Some(inputs);
         self
     }
 
@@ -94,7 +94,10 @@ impl<A: Api> CorePlatform<A> {
             self.collective.clone(),
             self.bugs(),
         )
-        .map(|b| b.with_planner(self.planner.clone()))
+        .map(|b| match &self.planner {
+            Some(p) => b.with_planner(p.clone()),
+            None => b,
+        })
     }
 
     /// The resident baseline (no offload), for comparisons.
