@@ -132,3 +132,44 @@ fn loader_memory_is_registered_in_place() {
         rig.device.violations()
     );
 }
+
+/// A forward's error names its module once, however deep it arose (a child
+/// scope's error passes through its parents unchanged), and an error of
+/// the caller's own names the module that ran it.
+#[test]
+fn forward_errors_name_their_module_once() {
+    use offload_sim::harness::Rig;
+    let preset = tiny();
+    let mut rig = Rig::new(
+        preset.pipeline.clone(),
+        &RunOptions::new(DeviceProfile::h200()),
+    )
+    .unwrap();
+    let backend = rig.platform.resident().unwrap();
+    rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
+    let e = rig
+        .runtime
+        .forward("transformer", |dit| {
+            dit.child("transformer_blocks.0", |blk| {
+                blk.view("nope")?;
+                Ok(())
+            })?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e.matches("forward of").count(), 1, "{e}");
+    assert!(
+        e.contains("`transformer.transformer_blocks.0`") && e.contains("no tensor `nope`"),
+        "{e}"
+    );
+    let e = rig
+        .runtime
+        .forward("transformer", |_| -> Result<(), _> {
+            Err("the caller's own failure".into())
+        })
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "forward of `transformer`: the caller's own failure");
+    rig.runtime.disable().unwrap();
+}

@@ -535,10 +535,22 @@ impl<'rt, A: Api> Scope<'rt, A> {
         &self.rt.compute
     }
 
+    /// The error a forward closure returned, naming this module once: an
+    /// error of a forward scope (this one's, or a child's, whose path
+    /// contains this one's) already names its module and passes as it is.
     fn failed(&self, e: BoxError) -> OffloadError {
-        OffloadError::Forward {
-            module: self.path().to_owned(),
-            reason: e.to_string(),
+        match e.downcast::<OffloadError>() {
+            Ok(inner) => match *inner {
+                named @ OffloadError::Forward { .. } => named,
+                other => OffloadError::Forward {
+                    module: self.path().to_owned(),
+                    reason: other.to_string(),
+                },
+            },
+            Err(e) => OffloadError::Forward {
+                module: self.path().to_owned(),
+                reason: e.to_string(),
+            },
         }
     }
 
