@@ -571,6 +571,24 @@ impl Selection {
             .any(|l| l.weight_transfer == WeightTransfer::Allgather)
     }
 
+    /// Refuses unpinned host masters, which no backend streams from: a
+    /// pageable host→device copy runs at 6–8 GB/s against 55 GB/s pinned
+    /// on the lent H200 (8× slower), and would stage through the driver.
+    pub fn require_pinned(&self) -> Result<(), ConfigError> {
+        if self.pin_memory {
+            return Ok(());
+        }
+        let key = match self.source {
+            SelectionSource::Compact => "diffusion_offload_config.pin_memory",
+            _ => "pin_cpu_memory",
+        };
+        Err(invalid(
+            key,
+            false,
+            "true: host masters are pinned once at enable; streaming from pageable memory (6–8 GB/s against 55 GB/s pinned) is not supported",
+        ))
+    }
+
     /// Leading resident layers for the DiT (0 unless set).
     pub fn dit_resident_layers(&self) -> u32 {
         self.layer

@@ -173,3 +173,39 @@ fn forward_errors_name_their_module_once() {
     assert_eq!(e, "forward of `transformer`: the caller's own failure");
     rig.runtime.disable().unwrap();
 }
+
+/// `pin_cpu_memory = false` (or the compact `pin_memory = false`) is
+/// refused by every offloading backend with a reason, never ignored;
+/// without offload it changes nothing.
+#[test]
+fn unpinned_host_masters_are_refused_not_ignored() {
+    use offload_core::{OffloadConfig, get_offload_backend};
+    use offload_sim::harness::Rig;
+    let rig = Rig::new(tiny().pipeline, &RunOptions::new(DeviceProfile::h200())).unwrap();
+    for (text, key) in [
+        (
+            r#"{"enable_layerwise_offload": true, "pin_cpu_memory": false}"#,
+            "`pin_cpu_memory` = false",
+        ),
+        (
+            r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#,
+            "`pin_cpu_memory` = false",
+        ),
+        (
+            r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "pin_memory": false}}"#,
+            "`diffusion_offload_config.pin_memory` = false",
+        ),
+    ] {
+        let config = OffloadConfig::from_json_str(text).unwrap();
+        let e = get_offload_backend(&config, &rig.platform)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(key) && e.contains("pageable memory"),
+            "{text}: {e}"
+        );
+    }
+    let config = OffloadConfig::from_json_str(r#"{"pin_cpu_memory": false}"#).unwrap();
+    assert!(get_offload_backend(&config, &rig.platform).is_ok());
+}

@@ -657,6 +657,7 @@ impl<A: Api> LayerwiseBackend<A> {
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
         let selection = config.select()?;
+        selection.require_pinned()?;
         let strategy = match selection.strategy {
             s @ (OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise) => s,
             other => {

@@ -264,6 +264,7 @@ impl<A: Api> ModelLevelBackend<A> {
         config: OffloadConfig,
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
+        config.select()?.require_pinned()?;
         Ok(Self {
             config,
             lifecycle: Lifecycle::new(OffloadStrategy::ModelLevel),
