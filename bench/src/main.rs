@@ -437,6 +437,21 @@ fn flux() -> &'static offload_sim::presets::Preset {
     FLUX.get_or_init(offload_sim::presets::flux1_dev)
 }
 
+/// A proxy sized for `tokens`, and the activation memory of that workload:
+/// its scratch and cuBLAS's workspace, as the allocator counts them.
+fn measured_proxy(
+    device: &CudaDevice,
+    stream: &Arc<CudaStream>,
+    pipeline: &Pipeline,
+    tokens: u64,
+) -> Result<(Proxy, u64)> {
+    let (input_bytes, output_bytes) = scratch_bytes(pipeline, tokens);
+    device.synchronize_stream(stream)?;
+    let before = device.pool_used()?.0;
+    let proxy = Proxy::new(device, Arc::clone(stream), input_bytes, output_bytes)?;
+    Ok((proxy, device.pool_used()?.0.saturating_sub(before)))
+}
+
 /// The proxy's elementwise traffic kernel alone, GB/s moved (8 GB, the
 /// median of three).
 fn traffic_gbps(device: &CudaDevice, stream: &CudaStream, proxy: &Proxy) -> Result<f64> {
@@ -650,13 +665,11 @@ fn planner_inputs(
     let blocks: f64 = resident.per_block_s.values().sum();
     PlannerInputs {
         link_bytes_per_s: master_gbps * 1e9,
-        copy_latency_s: 10e-6,
         block_compute_s: resident.per_block_s.clone(),
-        compute_s_per_byte: 0.0,
         other_compute_s: (resident_step - blocks).max(0.0),
         activation_bytes,
-        max_depth: 4,
         copy_interference: offload_sim::DeviceProfile::h200().copy_interference,
+        ..PlannerInputs::default()
     }
 }
 
@@ -695,16 +708,6 @@ fn simulate(
     let out = run(&w, &choice, &opts).map_err(|f| anyhow::anyhow!("simulating: {}", f.error))?;
     let last = out.requests.last().context("a simulated request")?;
     Ok(last.denoise_ns as f64 / w.steps as f64 / 1e9)
-}
-
-/// The planner's predicted step for `config` at `depth` (its recurrence).
-fn predicted(
-    pipeline: &Pipeline,
-    config: &OffloadConfig,
-    depth: usize,
-    inputs: &PlannerInputs,
-) -> Result<f64> {
-    Ok(budget::predict_config(pipeline, config, depth, inputs)?)
 }
 
 fn main() -> Result<()> {
@@ -796,13 +799,7 @@ fn main() -> Result<()> {
     eprintln!(
         "registered 2 GiB in 64 MiB copies: {pages_4k:.2} GB/s (4 KiB pages), {pages_huge:.2} GB/s (huge pages); THP: {thp}"
     );
-    let (input_bytes, output_bytes) = scratch_bytes(&pipeline, max_t);
-    device.synchronize_stream(&stream)?;
-    let used_before_proxy = device.pool_used()?.0;
-    let proxy = Proxy::new(&device, Arc::clone(&stream), input_bytes, output_bytes)?;
-    // The activation memory of this workload: the proxy's scratch and
-    // cuBLAS's workspace, as the allocator counts them.
-    let activation_bytes = device.pool_used()?.0.saturating_sub(used_before_proxy);
+    let (proxy, activation_bytes) = measured_proxy(&device, &stream, &pipeline, max_t)?;
     let elementwise_gbps = traffic_gbps(&device, &stream, &proxy)?;
     eprintln!("elementwise traffic kernel: {elementwise_gbps:.0} GB/s");
     let platform = |depth, plant: bool| {
@@ -939,12 +936,7 @@ fn main() -> Result<()> {
     let mut budget_proxies: BTreeMap<u64, (Proxy, u64)> = BTreeMap::new();
     if !settings.budgets.is_empty() {
         for &t in &settings.budget_tokens {
-            device.synchronize_stream(&stream)?;
-            let before = device.pool_used()?.0;
-            let (i, o) = scratch_bytes(&pipeline, t);
-            let p = Proxy::new(&device, Arc::clone(&stream), i, o)?;
-            let act = device.pool_used()?.0.saturating_sub(before);
-            budget_proxies.insert(t, (p, act));
+            budget_proxies.insert(t, measured_proxy(&device, &stream, &pipeline, t)?);
         }
     }
     let mut specs: Vec<Spec<'_>> = Vec::new();
@@ -964,8 +956,8 @@ fn main() -> Result<()> {
     let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
     for (&t, inp) in &inputs {
         let preds: Vec<f64> = (1..=inp.max_depth)
-            .map(|d| predicted(&pipeline, &layerwise, d, inp))
-            .collect::<Result<_>>()?;
+            .map(|d| budget::predict_config(&pipeline, &layerwise, d, inp))
+            .collect::<Result<_, _>>()?;
         let best = preds.iter().copied().fold(f64::INFINITY, f64::min);
         let d = 1 + preds.iter().position(|p| *p <= best * 1.005).unwrap_or(0);
         by_depth.entry(d).or_default().push(t);
@@ -1032,7 +1024,7 @@ fn main() -> Result<()> {
         r.predicted_s = match r.budget_bytes {
             _ if r.depth == 0 => *resident_step,
             Some(b) => budget_configs[&(b, r.tokens)].predicted_step_s,
-            None => predicted(&pipeline, &layerwise, r.depth, inp)?,
+            None => budget::predict_config(&pipeline, &layerwise, r.depth, inp)?,
         };
         let config = match r.budget_bytes {
             _ if r.depth == 0 => None,

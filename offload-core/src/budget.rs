@@ -643,16 +643,17 @@ fn plan_resolved(
             minimum_bytes: minimum.0.min(all_resident),
         });
     }
+    let does_not_fit = || BudgetError::DoesNotFit {
+        budget,
+        minimum: minimum.0,
+        minimum_gib: minimum.0 as f64 / f64::from(1u32 << 30),
+        non_streamed,
+        forced_resident: minimum.1,
+        slot_bytes: minimum.2,
+        activation_bytes: act,
+    };
     if budget_b < minimum.0 {
-        return Err(BudgetError::DoesNotFit {
-            budget,
-            minimum: minimum.0,
-            minimum_gib: minimum.0 as f64 / f64::from(1u32 << 30),
-            non_streamed,
-            forced_resident: minimum.1,
-            slot_bytes: minimum.2,
-            activation_bytes: act,
-        });
+        return Err(does_not_fit());
     }
     let mut best: Option<Candidate> = None;
     for &sigma in &sizes {
@@ -679,15 +680,7 @@ fn plan_resolved(
     }
     // Some slot size at depth 1 fits whenever budget ≥ minimum (the same
     // sum); refuse rather than panic if that ever stops holding.
-    let best = best.ok_or(BudgetError::DoesNotFit {
-        budget,
-        minimum: minimum.0,
-        minimum_gib: minimum.0 as f64 / f64::from(1u32 << 30),
-        non_streamed,
-        forced_resident: minimum.1,
-        slot_bytes: minimum.2,
-        activation_bytes: act,
-    })?;
+    let best = best.ok_or_else(does_not_fit)?;
     let mut resident_paths = Vec::new();
     let (mut resident_block_bytes, mut streamed, mut slot, mut resident_count) = (0, 0, 0, 0);
     let mut compute = 0.0;
@@ -757,6 +750,27 @@ fn minimum_bytes(stacks: &[PStack], sizes: &[u64], non_streamed: u64, act: u64) 
         .unwrap_or((non_streamed + act, 0, 0))
 }
 
+/// Makes block `i` of a ring resident, and with it the ring's last
+/// streamed block if only that one would be left; returns the bytes made
+/// resident.
+fn make_resident(blocks: &[PBlock], ring: &mut [bool], i: usize) -> u64 {
+    ring[i] = true;
+    blocks[i].bytes + keep_no_lone_block(blocks, ring)
+}
+
+/// One streaming block cannot form a ring: if a ring has exactly one
+/// streamed block, it stays resident too. Returns the bytes that adds.
+fn keep_no_lone_block(blocks: &[PBlock], ring: &mut [bool]) -> u64 {
+    let mut left = (0..ring.len()).filter(|&j| !ring[j]);
+    match (left.next(), left.next()) {
+        (Some(lone), None) => {
+            ring[lone] = true;
+            blocks[lone].bytes
+        }
+        _ => 0,
+    }
+}
+
 /// The predicted time of every stack under `resident` at `depth`.
 fn predict_all(
     stacks: &[PStack],
@@ -799,12 +813,8 @@ fn fill_greedy(
         .iter()
         .map(|s| s.blocks.iter().map(|b| b.bytes > sigma).collect())
         .collect();
-    // A ring left with one streamed block keeps it resident too.
     for (s, r) in stacks.iter().zip(resident.iter_mut()) {
-        let left: Vec<usize> = (0..s.blocks.len()).filter(|&i| !r[i]).collect();
-        if left.len() == 1 {
-            r[left[0]] = true;
-        }
+        keep_no_lone_block(&s.blocks, r);
     }
     // The slot: the largest block left streaming (σ, unless a lone block
     // at σ went resident).
@@ -847,28 +857,13 @@ fn fill_greedy(
         let room = budget - fixed - used(&resident);
         let mut pick: Option<(usize, usize, f64, u64)> = None;
         for (si, s) in stacks.iter().enumerate() {
-            let streamed_left = resident[si].iter().filter(|r| !**r).count();
             for (bi, b) in s.blocks.iter().enumerate() {
                 if resident[si][bi] || b.bytes > room {
                     continue;
                 }
-                // Never leave a ring with exactly one streamed block.
-                if streamed_left == 2 {
-                    let other: u64 = s
-                        .blocks
-                        .iter()
-                        .enumerate()
-                        .filter(|(j, _)| *j != bi && !resident[si][*j])
-                        .map(|(_, o)| o.bytes)
-                        .sum();
-                    if b.bytes + other > room {
-                        continue;
-                    }
-                }
                 let mut trial = resident.clone();
-                trial[si][bi] = true;
-                if streamed_left == 2 {
-                    trial[si].iter_mut().for_each(|r| *r = true);
+                if make_resident(&s.blocks, &mut trial[si], bi) > room {
+                    continue;
                 }
                 let t = predict_all(stacks, &trial, depth, inputs);
                 let better = match pick {
@@ -883,11 +878,7 @@ fn fill_greedy(
             }
         }
         let Some((si, bi, t, _)) = pick else { break };
-        let streamed_left = resident[si].iter().filter(|r| !**r).count();
-        resident[si][bi] = true;
-        if streamed_left == 2 {
-            resident[si].iter_mut().for_each(|r| *r = true);
-        }
+        make_resident(&stacks[si].blocks, &mut resident[si], bi);
         step = t;
     }
     // Then move residency between blocks of one size (memory unchanged)

@@ -38,9 +38,6 @@ pub const CONTEXT_RESERVE_BYTES: u64 = 1 << 30;
 /// tokens, where this gives 0.45 GB.
 pub const ACTIVATION_TENSORS: u64 = 16;
 
-/// The deepest prefetch the planner may choose.
-pub const MAX_DEPTH: usize = 4;
-
 /// The most `--activation-gb` accepts, GB (a petabyte: beyond any card).
 pub const MAX_ACTIVATION_GB: f64 = 1e6;
 
@@ -273,7 +270,7 @@ pub fn capacity(args: &PlanArgs) -> Result<Capacity, JobError> {
         compute_s_per_byte: 0.0,
         other_compute_s,
         activation_bytes,
-        max_depth: MAX_DEPTH,
+        max_depth: PlannerInputs::default().max_depth,
         copy_interference: profile.copy_interference,
     };
     let config = OffloadConfig {

@@ -324,31 +324,40 @@ fn budget_keys_are_checked() {
     assert!(e.contains("input of the budget planner"), "{e}");
 }
 
-/// A planned configuration runs on the simulated device at every budget
-/// between the least and everything: output identical to the resident
-/// run, no checker violation, INV-7 within the planned configuration's
-/// bounds, and the device's own peak allocation within the budget.
-#[test]
-fn planned_runs_fit_the_budget_on_the_simulated_device() {
+/// The `tiny` preset's workload (`requests` requests of three steps) on
+/// the simulated H200, its resident outputs, and the least budget the
+/// planner accepts for it.
+fn tiny_baseline(requests: usize) -> (Workload, RunOptions, Vec<u64>, u64) {
     let preset = tiny();
     let w = Workload {
         tokens: preset.default_tokens,
-        preset: preset.clone(),
+        preset,
         steps: 3,
-        requests: 2,
+        requests,
     };
     let opts = RunOptions::new(DeviceProfile::h200());
     let resident = run(&w, &StrategyChoice::Resident, &opts).unwrap();
-    let want: Vec<u64> = resident.requests.iter().map(|r| r.output).collect();
-    let total = preset.weight_bytes();
+    let want = resident.requests.iter().map(|r| r.output).collect();
     let least = match plan(
-        &preset.pipeline,
+        &w.preset.pipeline,
         &budget_config(1),
         &PlannerInputs::default(),
     ) {
         Err(BudgetError::DoesNotFit { minimum, .. }) => minimum,
         other => panic!("a 1-byte budget: {other:?}"),
     };
+    (w, opts, want, least)
+}
+
+/// A planned configuration runs on the simulated device at every budget
+/// between the least and everything: output identical to the resident
+/// run, no checker violation, INV-7 within the planned configuration's
+/// bounds, and the device's own peak allocation within the budget.
+#[test]
+fn planned_runs_fit_the_budget_on_the_simulated_device() {
+    let (w, opts, want, least) = tiny_baseline(2);
+    let preset = &w.preset;
+    let total = preset.weight_bytes();
     let mut seen_depths = std::collections::BTreeSet::new();
     for k in 0..=8 {
         let budget = least + (total - least) * k / 8;
@@ -478,23 +487,9 @@ fn the_planner_finds_the_best_schedule_on_small_stacks() {
 fn a_backend_plans_its_budget_at_enable() {
     use offload_core::runtime::Backend;
     use offload_sim::harness::Rig;
-    let preset = tiny();
-    let w = Workload {
-        tokens: preset.default_tokens,
-        preset: preset.clone(),
-        steps: 3,
-        requests: 1,
-    };
-    let opts = RunOptions::new(DeviceProfile::h200());
-    let want = run(&w, &StrategyChoice::Resident, &opts).unwrap().requests[0].output;
-    let least = match plan(
-        &preset.pipeline,
-        &budget_config(1),
-        &PlannerInputs::default(),
-    ) {
-        Err(BudgetError::DoesNotFit { minimum, .. }) => minimum,
-        other => panic!("a 1-byte budget: {other:?}"),
-    };
+    let (w, opts, want, least) = tiny_baseline(1);
+    let want = want[0];
+    let preset = &w.preset;
     let budget = least + (preset.weight_bytes() - least) / 2;
     let config = budget_config(budget);
     // Without planner inputs: a typed error, nothing allocated.
