@@ -142,6 +142,23 @@ pub trait HostBuffer: fmt::Debug + Send + Sync {
 pub unsafe trait HostRegion: Send + Sync + 'static {
     /// The bytes.
     fn bytes(&self) -> &[u8];
+
+    /// The larger memory this region is a window of, when a backend should
+    /// register that memory once for all its windows (a mapped file, whose
+    /// windows may share pages, which a device cannot register twice). The
+    /// same slice on every call, containing [`HostRegion::bytes`], and
+    /// neither moved nor unmapped while this region lives. `None` (the
+    /// default): the region is registered alone.
+    fn enclosing(&self) -> Option<&[u8]> {
+        None
+    }
+
+    /// Whether the memory may only be read (a read-only file mapping): a
+    /// backend registers it read-only (CUDA refuses a read-only mapping
+    /// registered otherwise). Default `false`.
+    fn read_only(&self) -> bool {
+        false
+    }
 }
 
 // SAFETY: an owned Vec's buffer moves or changes only through `&mut`, which

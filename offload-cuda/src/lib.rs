@@ -507,6 +507,95 @@ pub struct CudaRegistration {
     len: usize,
     /// `None` once given back by `unregister_host`.
     region: Option<Box<dyn HostRegion>>,
+    /// The enclosing mapping this window's registration belongs to (see
+    /// [`HostRegion::enclosing`]), counted in the device's table; `None`
+    /// for memory registered alone.
+    shared: Option<(Arc<SharedRegistrations>, usize)>,
+}
+
+impl CudaRegistration {
+    /// Ends this registration: unregisters the memory, or, for a window of
+    /// a shared mapping, drops its count and unregisters the mapping with
+    /// the last window.
+    fn end(&self) -> Result<(), CudaError> {
+        match &self.shared {
+            Some((table, base)) => table.release(*base),
+            None => {
+                // SAFETY: registered in `register_host` at this captured
+                // address; callers guarantee no copy reads it now.
+                let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+                check(code, || format!("cuMemHostUnregister({} bytes)", self.len))
+            }
+        }
+    }
+}
+
+/// Mappings registered once for all their windows (a mapped checkpoint
+/// file): base address → (length, windows registered). The mapping is
+/// unregistered when its last window is; the windows keep it mapped
+/// (CONTRACT of [`HostRegion::enclosing`]), so its address cannot be reused
+/// while it is in the table.
+#[derive(Debug, Default)]
+struct SharedRegistrations(Mutex<std::collections::HashMap<usize, (usize, usize)>>);
+
+impl SharedRegistrations {
+    fn table(&self) -> MutexGuard<'_, std::collections::HashMap<usize, (usize, usize)>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts one more window of `mapping`, registering it with the first.
+    fn acquire(&self, mapping: &[u8], read_only: bool) -> Result<usize, CudaError> {
+        let (base, len) = (mapping.as_ptr() as usize, mapping.len());
+        let mut table = self.table();
+        if let Some((known, count)) = table.get_mut(&base) {
+            if *known != len {
+                return Err(invalid(
+                    sys::cudaError_enum::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+                    format!("a mapping at {base:#x} is registered with {known} bytes, not {len}"),
+                ));
+            }
+            *count += 1;
+            return Ok(base);
+        }
+        let flags = if read_only {
+            sys::CU_MEMHOSTREGISTER_READ_ONLY
+        } else {
+            0
+        };
+        // SAFETY: `mapping` stays mapped and unmoved while any window of it
+        // lives (HostRegion::enclosing's contract); the table unregisters it
+        // when the last window's registration ends.
+        let code = unsafe { sys::cuMemHostRegister_v2(base as *mut c_void, len, flags) };
+        check(code, || {
+            format!("cuMemHostRegister({len} bytes, flags {flags:#x}) of a shared mapping")
+        })?;
+        tracing::debug!(bytes = len, read_only, "registered a shared mapping");
+        table.insert(base, (len, 1));
+        Ok(base)
+    }
+
+    /// One window of the mapping at `base` is done; the last unregisters it.
+    fn release(&self, base: usize) -> Result<(), CudaError> {
+        let mut table = self.table();
+        let Some((len, count)) = table.get_mut(&base) else {
+            return Err(invalid(
+                sys::cudaError_enum::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+                format!("no shared mapping at {base:#x}"),
+            ));
+        };
+        *count -= 1;
+        if *count > 0 {
+            return Ok(());
+        }
+        let len = *len;
+        table.remove(&base);
+        // SAFETY: registered by `acquire` at this address; its last window
+        // is ending and callers guarantee no copy reads it now.
+        let code = unsafe { sys::cuMemHostUnregister(base as *mut c_void) };
+        check(code, || {
+            format!("cuMemHostUnregister({len} bytes) of a shared mapping")
+        })
+    }
 }
 
 // SAFETY: the region is `Send`; `ptr` is its address, read only by the
@@ -545,13 +634,9 @@ impl Drop for CudaRegistration {
             std::mem::forget(region);
             return;
         }
-        // SAFETY: registered in `register_host` at this address; every
-        // stream has drained, so no copy reads it.
-        let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
-        if code != sys::cudaError_enum::CUDA_SUCCESS {
-            tracing::error!(
-                "dropping a {len}-byte registration: cuMemHostUnregister: {code:?}; leaking the memory"
-            );
+        // Every stream has drained, so no copy reads it.
+        if let Err(e) = self.end() {
+            tracing::error!("dropping a {len}-byte registration: {e}; leaking the memory");
             std::mem::forget(region);
         }
     }
@@ -565,6 +650,7 @@ pub struct CudaDevice {
     name: String,
     perturbation: Mutex<Option<Perturber>>,
     timeline: timeline::Recorder,
+    shared: Arc<SharedRegistrations>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -592,6 +678,7 @@ impl CudaDevice {
             name,
             perturbation: Mutex::new(None),
             timeline: timeline::Recorder::default(),
+            shared: Arc::default(),
         })
     }
 
@@ -909,22 +996,48 @@ impl Device<Cuda> for CudaDevice {
             let bytes = region.bytes();
             (bytes.as_ptr(), bytes.len())
         };
-        let registration = |region| CudaRegistration {
+        let registration = |region, shared| CudaRegistration {
             ctx: Arc::clone(&self.ctx),
             ptr,
             len,
             region: Some(region),
+            shared,
         };
         if len == 0 {
-            return Ok(registration(region));
+            return Ok(registration(region, None));
         }
+        if let Some(mapping) = region.enclosing() {
+            let (base, end) = (
+                mapping.as_ptr() as usize,
+                mapping.as_ptr() as usize + mapping.len(),
+            );
+            let acquired = if base <= ptr as usize && ptr as usize + len <= end {
+                self.shared.acquire(mapping, region.read_only())
+            } else {
+                Err(invalid(
+                    sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+                    format!(
+                        "register_host: a {len}-byte window lies outside its enclosing mapping"
+                    ),
+                ))
+            };
+            return match acquired {
+                Ok(base) => Ok(registration(region, Some((Arc::clone(&self.shared), base)))),
+                Err(error) => Err(RegisterError { error, region }),
+            };
+        }
+        let flags = if region.read_only() {
+            sys::CU_MEMHOSTREGISTER_READ_ONLY
+        } else {
+            0
+        };
         // SAFETY: `ptr..ptr + len` is the region's memory, which the
         // registration owns and which stays put while it lives (HostRegion
         // is an unsafe trait with that contract); it is unregistered before
         // the region is given back or dropped.
-        let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, 0) };
+        let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
         match check(code, || format!("cuMemHostRegister({len} bytes)")) {
-            Ok(()) => Ok(registration(region)),
+            Ok(()) => Ok(registration(region, None)),
             Err(error) => Err(RegisterError { error, region }),
         }
     }
@@ -937,12 +1050,8 @@ impl Device<Cuda> for CudaDevice {
         // (its Drop drains, then unregisters or leaks).
         if registration.len > 0 {
             registration.ctx.bind()?;
-            // SAFETY: registered in `register_host` at this captured
-            // address; the caller guarantees no copy reads it now.
-            let code = unsafe { sys::cuMemHostUnregister(registration.ptr as *mut c_void) };
-            check(code, || {
-                format!("cuMemHostUnregister({} bytes)", registration.len)
-            })?;
+            // The caller guarantees no copy reads it now.
+            registration.end()?;
         }
         registration.region.take().ok_or_else(|| {
             invalid(

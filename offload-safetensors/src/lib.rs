@@ -1,0 +1,771 @@
+//! `offload-safetensors`: host masters straight from safetensors checkpoints.
+//!
+//! A [`Checkpoint`] maps one `.safetensors` file, or a diffusers shard set
+//! (`diffusion_pytorch_model-0000N-of-0000M.safetensors` with its
+//! `….safetensors.index.json`), read-only and shared, with memmap2: nothing
+//! is read until a page is touched, and the bytes live in the page cache,
+//! not in this process's heap.
+//!
+//! A [`SafetensorsSource`] binds a [`Pipeline`]'s tensors to checkpoint
+//! tensors through a [`NameMap`] (prefix rules, data not code: JSON such as
+//! `[{"pipeline": "transformer.", "checkpoint": ""}]`), validating name,
+//! dtype and shape up front (a typed [`CheckpointError`] naming the tensor
+//! and the file). It is a [`WeightSource`]: when a block's tensors lie in
+//! one file back to back in the order the strategy packs them (what
+//! [`Checkpoint::declare`] produces), [`WeightSource::take_region`] hands
+//! out that window of the mapping, which the device registers in place
+//! (read-only; on CUDA with `CU_MEMHOSTREGISTER_READ_ONLY`, the whole file
+//! once for all its windows) and copies from: no second host copy. A block
+//! that is not one window (split across shards, another order, a tied or
+//! strided tensor) is filled into an exact-size pinned master instead, and
+//! the log says so.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::Mmap;
+use offload_core::Pipeline;
+use offload_core::device::HostRegion;
+use offload_core::model::{DType, ModuleBuilder, StorageId, TensorKind};
+use offload_core::runtime::{Unit, WeightSource};
+use serde::Deserialize;
+
+/// What went wrong reading or binding a checkpoint. Every variant names the
+/// file or tensor at fault and what was expected.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be opened, read or mapped.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A `.safetensors` header is malformed.
+    #[error("{}: not a valid safetensors file: {reason}", path.display())]
+    Header {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        reason: String,
+    },
+    /// A shard index is malformed or names a tensor its shard lacks.
+    #[error("{}: {reason}", path.display())]
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A directory holds no checkpoint, or several without an index.
+    #[error("{}: {reason}", path.display())]
+    NotACheckpoint {
+        /// The path given.
+        path: PathBuf,
+        /// What was found there, and what is accepted.
+        reason: String,
+    },
+    /// One tensor name appears in two files of a shard set.
+    #[error("tensor `{name}` appears in both {} and {}", first.display(), second.display())]
+    Duplicate {
+        /// The checkpoint name.
+        name: String,
+        /// One file.
+        first: PathBuf,
+        /// The other.
+        second: PathBuf,
+    },
+    /// A dtype offload does not model.
+    #[error("tensor `{name}` in {} has dtype {dtype}, which offload does not support (bf16, f16, f32, f64, f8e4m3, f8e5m2, i64, i32, u8, bool)", file.display())]
+    UnsupportedDType {
+        /// The checkpoint name.
+        name: String,
+        /// Its file.
+        file: PathBuf,
+        /// The safetensors dtype.
+        dtype: String,
+    },
+    /// No rule of the name map covers a pipeline tensor.
+    #[error(
+        "tensor `{tensor}` of the pipeline is not covered by any name-map rule (rules map pipeline prefixes {prefixes:?})"
+    )]
+    Unmapped {
+        /// The pipeline path.
+        tensor: String,
+        /// The rules' pipeline prefixes.
+        prefixes: Vec<String>,
+    },
+    /// A pipeline tensor's checkpoint name is in no file.
+    #[error("tensor `{tensor}` of the pipeline: no tensor `{name}` in {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "))]
+    Missing {
+        /// The pipeline path.
+        tensor: String,
+        /// The checkpoint name it maps to.
+        name: String,
+        /// The files searched.
+        files: Vec<PathBuf>,
+    },
+    /// Dtypes differ.
+    #[error("tensor `{tensor}` of the pipeline is {expected}, but `{name}` in {} is {found}", file.display())]
+    DType {
+        /// The pipeline path.
+        tensor: String,
+        /// The checkpoint name.
+        name: String,
+        /// Its file.
+        file: PathBuf,
+        /// The pipeline's dtype.
+        expected: DType,
+        /// The checkpoint's dtype.
+        found: DType,
+    },
+    /// Shapes differ.
+    #[error("tensor `{tensor}` of the pipeline has shape {expected:?}, but `{name}` in {} has {found:?}", file.display())]
+    Shape {
+        /// The pipeline path.
+        tensor: String,
+        /// The checkpoint name.
+        name: String,
+        /// Its file.
+        file: PathBuf,
+        /// The pipeline's shape.
+        expected: Vec<u64>,
+        /// The checkpoint's shape.
+        found: Vec<u64>,
+    },
+    /// A pipeline tensor is not the whole of its storage (a strided or
+    /// offset view): a checkpoint tensor fills a whole storage.
+    #[error(
+        "tensor `{tensor}` of the pipeline views bytes {span:?} of a {storage_bytes}-byte storage; a checkpoint tensor must fill its storage exactly"
+    )]
+    PartialStorage {
+        /// The pipeline path.
+        tensor: String,
+        /// The bytes it views.
+        span: Range<u64>,
+        /// The storage's size.
+        storage_bytes: u64,
+    },
+    /// A name map that does not parse.
+    #[error("name map: {0}")]
+    NameMap(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// One tensor of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Index of its file in [`Checkpoint::files`].
+    pub file: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Its bytes within the file (header included in the offsets).
+    pub range: Range<usize>,
+}
+
+/// One mapped file.
+struct Mapped {
+    path: PathBuf,
+    map: Arc<Mmap>,
+}
+
+/// A safetensors checkpoint: one file or a shard set, memory-mapped.
+pub struct Checkpoint {
+    files: Vec<Mapped>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+impl fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("files", &self.files().collect::<Vec<_>>())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+/// The shard index diffusers and transformers write beside a shard set.
+#[derive(Deserialize)]
+struct Index {
+    weight_map: BTreeMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Opens `path`: a `.safetensors` file, a `.safetensors.index.json`
+    /// shard index, or a directory holding exactly one of either (an index
+    /// preferred).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, CheckpointError> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            return Self::open_dir(path);
+        }
+        if path.to_string_lossy().ends_with(".json") {
+            return Self::open_index(path);
+        }
+        Self::open_files(&[path.to_owned()])
+    }
+
+    fn open_dir(dir: &Path) -> Result<Self, CheckpointError> {
+        let mut indexes = Vec::new();
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+            let p = entry.map_err(io(dir))?.path();
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if name.ends_with(".safetensors.index.json") {
+                indexes.push(p);
+            } else if name.ends_with(".safetensors") {
+                files.push(p);
+            }
+        }
+        indexes.sort();
+        files.sort();
+        match (indexes.as_slice(), files.as_slice()) {
+            ([index], _) => Self::open_index(index),
+            ([], [file]) => Self::open_files(std::slice::from_ref(file)),
+            ([], []) => Err(CheckpointError::NotACheckpoint {
+                path: dir.to_owned(),
+                reason: "no `.safetensors` file and no `.safetensors.index.json` in this directory"
+                    .into(),
+            }),
+            ([], many) => Err(CheckpointError::NotACheckpoint {
+                path: dir.to_owned(),
+                reason: format!(
+                    "{} `.safetensors` files and no index: name one file, or the `.safetensors.index.json`",
+                    many.len()
+                ),
+            }),
+            (many, _) => Err(CheckpointError::NotACheckpoint {
+                path: dir.to_owned(),
+                reason: format!("{} shard indexes: name the one to open", many.len()),
+            }),
+        }
+    }
+
+    fn open_index(index: &Path) -> Result<Self, CheckpointError> {
+        let text = std::fs::read_to_string(index).map_err(io(index))?;
+        let parsed: Index = serde_json::from_str(&text).map_err(|e| CheckpointError::Index {
+            path: index.to_owned(),
+            reason: format!("not a shard index (`{{\"weight_map\": {{name: file}}}}`): {e}"),
+        })?;
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let shards: BTreeSet<&String> = parsed.weight_map.values().collect();
+        let mut paths = Vec::new();
+        for s in shards {
+            if s.contains('/') || s.contains('\\') || s == ".." {
+                return Err(CheckpointError::Index {
+                    path: index.to_owned(),
+                    reason: format!("shard `{s}` is not a file name beside the index"),
+                });
+            }
+            let p = dir.join(s);
+            if !p.is_file() {
+                return Err(CheckpointError::Index {
+                    path: index.to_owned(),
+                    reason: format!("shard `{s}` is not a file beside the index"),
+                });
+            }
+            paths.push(p);
+        }
+        let ckpt = Self::open_files(&paths)?;
+        for (name, shard) in &parsed.weight_map {
+            let in_file = ckpt.tensors.get(name).map(|t| &ckpt.files[t.file].path);
+            if in_file.and_then(|p| p.file_name()) != Some(std::ffi::OsStr::new(shard)) {
+                return Err(CheckpointError::Index {
+                    path: index.to_owned(),
+                    reason: format!(
+                        "the index puts `{name}` in `{shard}`, but {}",
+                        match in_file {
+                            Some(p) => format!("it is in {}", p.display()),
+                            None => "no shard holds it".to_owned(),
+                        }
+                    ),
+                });
+            }
+        }
+        Ok(ckpt)
+    }
+
+    fn open_files(paths: &[PathBuf]) -> Result<Self, CheckpointError> {
+        let mut files = Vec::new();
+        let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
+        for path in paths {
+            let file = File::open(path).map_err(io(path))?;
+            // SAFETY: a read-only shared mapping. As every mmap-based
+            // checkpoint loader, this relies on the file not being truncated
+            // or rewritten while it is mapped (documented on `Checkpoint`).
+            let map = unsafe { Mmap::map(&file) }.map_err(io(path))?;
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
+                CheckpointError::Header {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            let data_start = 8 + n;
+            let index = files.len();
+            for (name, info) in meta.tensors() {
+                let dtype = dtype(info.dtype).ok_or_else(|| CheckpointError::UnsupportedDType {
+                    name: name.clone(),
+                    file: path.clone(),
+                    dtype: format!("{:?}", info.dtype),
+                })?;
+                let entry = TensorEntry {
+                    file: index,
+                    dtype,
+                    shape: info.shape.iter().map(|&d| d as u64).collect(),
+                    range: data_start + info.data_offsets.0..data_start + info.data_offsets.1,
+                };
+                if let Some(prev) = tensors.insert(name.clone(), entry) {
+                    return Err(CheckpointError::Duplicate {
+                        name,
+                        first: paths[prev.file].clone(),
+                        second: path.clone(),
+                    });
+                }
+            }
+            files.push(Mapped {
+                path: path.clone(),
+                map: Arc::new(map),
+            });
+        }
+        Ok(Self { files, tensors })
+    }
+
+    /// The files, in the order [`TensorEntry::file`] indexes them.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|f| f.path.as_path())
+    }
+
+    /// Every tensor by name.
+    pub fn tensors(&self) -> &BTreeMap<String, TensorEntry> {
+        &self.tensors
+    }
+
+    /// A tensor's bytes (from the mapping: touching them reads the file).
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        let t = self.tensors.get(name)?;
+        Some(&self.files[t.file].map[t.range.clone()])
+    }
+
+    /// Total tensor bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.values().map(|t| t.range.len() as u64).sum()
+    }
+
+    /// Declares in `module` every tensor whose name starts with `prefix`
+    /// (stripped), as a parameter of the checkpoint's dtype and shape, in
+    /// file order: a block's tensors are then packed as the file lays them
+    /// out, and its master is a window of the mapping. Numbered children
+    /// (`transformer_blocks.7`) become module lists, created in numeric
+    /// order. Returns how many tensors were declared.
+    pub fn declare(&self, module: &mut ModuleBuilder<'_>, prefix: &str) -> usize {
+        let mut ordered: Vec<(&String, &TensorEntry)> = self
+            .tensors
+            .iter()
+            .filter(|(n, _)| n.starts_with(prefix) && n.len() > prefix.len())
+            .collect();
+        ordered.sort_by_key(|(_, t)| (t.file, t.range.start));
+        // Every list and its length, so children exist in numeric order
+        // before the file's order (10 before 2) adds their tensors.
+        let mut lists: BTreeMap<String, usize> = BTreeMap::new();
+        for (name, _) in &ordered {
+            let segs: Vec<&str> = name[prefix.len()..].split('.').collect();
+            for (i, s) in segs.iter().enumerate().take(segs.len() - 1).skip(1) {
+                if let Ok(k) = s.parse::<usize>() {
+                    let list = segs[..i].join(".");
+                    let len = lists.entry(list).or_default();
+                    *len = (*len).max(k + 1);
+                }
+            }
+        }
+        let mut created = BTreeSet::new();
+        for (name, t) in &ordered {
+            let rel = &name[prefix.len()..];
+            let segs: Vec<&str> = rel.split('.').collect();
+            for i in 1..segs.len() {
+                let list = segs[..i].join(".");
+                if let Some(&len) = lists.get(&list)
+                    && created.insert(list.clone())
+                {
+                    module.list(&list, len, |_, _| {});
+                }
+            }
+            module.parameter(rel, t.dtype, &t.shape);
+        }
+        ordered.len()
+    }
+}
+
+fn dtype(d: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as S;
+    Some(match d {
+        S::BF16 => DType::Bf16,
+        S::F16 => DType::F16,
+        S::F32 => DType::F32,
+        S::F64 => DType::F64,
+        S::F8_E4M3 => DType::F8E4M3,
+        S::F8_E5M2 => DType::F8E5M2,
+        S::I64 => DType::I64,
+        S::I32 => DType::I32,
+        S::U8 => DType::U8,
+        S::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// One rule of a [`NameMap`]: a pipeline path starting with `pipeline` is
+/// the checkpoint name `checkpoint` + the rest.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// A prefix of pipeline tensor paths (`transformer.`).
+    pub pipeline: String,
+    /// What replaces it in the checkpoint's names (often empty).
+    pub checkpoint: String,
+}
+
+/// How a checkpoint names the pipeline's tensors: prefix rules, the first
+/// that matches wins. Data, not code: read it from JSON.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct NameMap {
+    /// The rules, in order.
+    pub rules: Vec<Rule>,
+}
+
+impl NameMap {
+    /// One rule: pipeline paths under `pipeline` are checkpoint names under
+    /// `checkpoint`.
+    pub fn prefix(pipeline: &str, checkpoint: &str) -> Self {
+        Self {
+            rules: vec![Rule {
+                pipeline: pipeline.to_owned(),
+                checkpoint: checkpoint.to_owned(),
+            }],
+        }
+    }
+
+    /// Parses `[{"pipeline": "transformer.", "checkpoint": ""}, …]`.
+    pub fn from_json(text: &str) -> Result<Self, CheckpointError> {
+        serde_json::from_str(text).map_err(|e| {
+            CheckpointError::NameMap(format!(
+                "{e}; expected a list of {{\"pipeline\": prefix, \"checkpoint\": prefix}}"
+            ))
+        })
+    }
+
+    /// The checkpoint name of the pipeline tensor at `path`, if a rule
+    /// covers it.
+    pub fn checkpoint_name(&self, path: &str) -> Option<String> {
+        self.rules.iter().find_map(|r| {
+            path.strip_prefix(r.pipeline.as_str())
+                .map(|rest| format!("{}{rest}", r.checkpoint))
+        })
+    }
+}
+
+/// Where one storage's bytes are.
+#[derive(Clone, Debug)]
+struct Bound {
+    checkpoint: usize,
+    file: usize,
+    range: Range<usize>,
+}
+
+/// A [`WeightSource`] over safetensors checkpoints (see the crate docs).
+pub struct SafetensorsSource {
+    checkpoints: Vec<Arc<Checkpoint>>,
+    /// Per storage: its bytes in a checkpoint, or `None` for a
+    /// non-persistent buffer no checkpoint holds (read as zeros).
+    storages: Vec<Option<Bound>>,
+    in_place: bool,
+    windows: AtomicU64,
+    copied: AtomicU64,
+}
+
+impl fmt::Debug for SafetensorsSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SafetensorsSource")
+            .field("checkpoints", &self.checkpoints)
+            .field("in_place", &self.in_place)
+            .finish()
+    }
+}
+
+impl SafetensorsSource {
+    /// Binds every tensor of `pipeline` to a tensor of one of `parts` (a
+    /// checkpoint and the name map of the pipeline tensors it holds; the
+    /// first part whose map covers a tensor is the one read), checking
+    /// names, dtypes and shapes. A non-persistent buffer may be absent (it
+    /// reads as zeros); tied tensors share one checkpoint tensor.
+    pub fn new(
+        pipeline: &Pipeline,
+        parts: Vec<(Arc<Checkpoint>, NameMap)>,
+    ) -> Result<Self, CheckpointError> {
+        let mut storages: Vec<Option<Bound>> = vec![None; pipeline.storages().count()];
+        for (id, t) in pipeline.tensors() {
+            let path = pipeline.tensor_path(id);
+            let storage = t.storage.index();
+            if storages[storage].is_some() {
+                continue; // tied: the storage is bound already
+            }
+            let part = parts
+                .iter()
+                .enumerate()
+                .find_map(|(i, (c, m))| m.checkpoint_name(&path).map(|n| (i, c, n)));
+            let Some((ci, ckpt, name)) = part else {
+                return Err(CheckpointError::Unmapped {
+                    tensor: path,
+                    prefixes: parts
+                        .iter()
+                        .flat_map(|(_, m)| m.rules.iter().map(|r| r.pipeline.clone()))
+                        .collect(),
+                });
+            };
+            let Some(entry) = ckpt.tensors.get(&name) else {
+                if matches!(t.kind, TensorKind::Buffer { persistent: false }) {
+                    continue;
+                }
+                let tied_elsewhere = pipeline
+                    .tensors()
+                    .any(|(o, ot)| o != id && ot.storage == t.storage);
+                if tied_elsewhere {
+                    continue; // another tensor of the storage may name it
+                }
+                return Err(CheckpointError::Missing {
+                    tensor: path,
+                    name,
+                    files: ckpt.files().map(Path::to_owned).collect(),
+                });
+            };
+            let file = || ckpt.files[entry.file].path.clone();
+            if entry.dtype != t.dtype {
+                return Err(CheckpointError::DType {
+                    tensor: path,
+                    name,
+                    file: file(),
+                    expected: t.dtype,
+                    found: entry.dtype,
+                });
+            }
+            if entry.shape != t.shape {
+                return Err(CheckpointError::Shape {
+                    tensor: path,
+                    name,
+                    file: file(),
+                    expected: t.shape.clone(),
+                    found: entry.shape.clone(),
+                });
+            }
+            let storage_bytes = pipeline.storage(t.storage).bytes;
+            let span = t.span_bytes();
+            if span != (0..storage_bytes) || entry.range.len() as u64 != storage_bytes {
+                return Err(CheckpointError::PartialStorage {
+                    tensor: path,
+                    span,
+                    storage_bytes,
+                });
+            }
+            storages[storage] = Some(Bound {
+                checkpoint: ci,
+                file: entry.file,
+                range: entry.range.clone(),
+            });
+        }
+        // A storage left unbound must be a non-persistent buffer's.
+        for (id, t) in pipeline.tensors() {
+            if storages[t.storage.index()].is_none()
+                && !matches!(t.kind, TensorKind::Buffer { persistent: false })
+            {
+                let path = pipeline.tensor_path(id);
+                let (ckpt, name) = parts
+                    .iter()
+                    .find_map(|(c, m)| m.checkpoint_name(&path).map(|n| (c, n)))
+                    .expect("every tensor was mapped above");
+                return Err(CheckpointError::Missing {
+                    tensor: path,
+                    name,
+                    files: ckpt.files().map(Path::to_owned).collect(),
+                });
+            }
+        }
+        Ok(Self {
+            checkpoints: parts.into_iter().map(|(c, _)| c).collect(),
+            storages,
+            in_place: true,
+            windows: AtomicU64::new(0),
+            copied: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether blocks that are one window of a file are handed out for
+    /// registration in place (default `true`); `false` fills pinned copies
+    /// of everything (for comparison, or where registration is unwanted).
+    pub fn with_in_place(mut self, in_place: bool) -> Self {
+        self.in_place = in_place;
+        self
+    }
+
+    /// How many units were handed out as windows of a mapping, and how many
+    /// were declined (their masters are filled by copying).
+    pub fn windows_and_copies(&self) -> (u64, u64) {
+        (
+            self.windows.load(Ordering::Relaxed),
+            self.copied.load(Ordering::Relaxed),
+        )
+    }
+
+    fn mapped(&self, b: &Bound) -> &Mapped {
+        &self.checkpoints[b.checkpoint].files[b.file]
+    }
+
+    /// The window of a mapping that holds `unit` exactly as it is packed,
+    /// or why not.
+    fn window(&self, unit: &Unit) -> Result<Window, String> {
+        let mut first: Option<(&Bound, u64)> = None;
+        for e in &unit.entries {
+            let b = self.storages[e.storage.index()]
+                .as_ref()
+                .ok_or_else(|| "a buffer no checkpoint holds".to_owned())?;
+            match first {
+                None => first = Some((b, b.range.start as u64 - e.offset)),
+                Some((f, base)) => {
+                    if (f.checkpoint, f.file) != (b.checkpoint, b.file) {
+                        return Err(format!(
+                            "its tensors lie in two files ({} and {})",
+                            self.mapped(f).path.display(),
+                            self.mapped(b).path.display()
+                        ));
+                    }
+                    if b.range.start as u64 != base + e.offset {
+                        return Err("its tensors are not back to back in packing order".to_owned());
+                    }
+                }
+            }
+        }
+        let (f, base) = first.ok_or_else(|| "no tensors".to_owned())?;
+        let start = base as usize;
+        let range = start..start + unit.bytes as usize;
+        let map = Arc::clone(&self.mapped(f).map);
+        if range.end > map.len() {
+            return Err("its window runs past the end of the file".to_owned());
+        }
+        Ok(Window { map, range })
+    }
+}
+
+impl WeightSource for SafetensorsSource {
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        match &self.storages[storage.index()] {
+            Some(b) => {
+                let src = &self.mapped(b).map[b.range.clone()];
+                let p = position as usize;
+                dst.copy_from_slice(&src[p..p + dst.len()]);
+            }
+            None => dst.fill(0),
+        }
+    }
+
+    fn take_region(&self, unit: &Unit) -> Option<Box<dyn HostRegion>> {
+        if !self.in_place {
+            self.copied.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        match self.window(unit) {
+            Ok(w) => {
+                self.windows.fetch_add(1, Ordering::Relaxed);
+                Some(Box::new(w))
+            }
+            Err(why) => {
+                self.copied.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    unit = %unit.name,
+                    bytes = unit.bytes,
+                    "`{}` is not one window of the checkpoint ({why}): its master is a pinned copy",
+                    unit.name
+                );
+                None
+            }
+        }
+    }
+
+    fn wants_restore(&self) -> bool {
+        false // the file still holds every byte
+    }
+}
+
+/// A window of a read-only file mapping, holding the mapping alive.
+struct Window {
+    map: Arc<Mmap>,
+    range: Range<usize>,
+}
+
+// SAFETY: the mapping is read-only, never remapped or unmapped while an
+// `Arc` to it lives, so `bytes` and `enclosing` return the same slices on
+// every call and nothing writes them through this process (the checkpoint
+// file must not be rewritten while mapped, as `Checkpoint` documents).
+unsafe impl HostRegion for Window {
+    fn bytes(&self) -> &[u8] {
+        &self.map[self.range.clone()]
+    }
+
+    fn enclosing(&self) -> Option<&[u8]> {
+        Some(&self.map[..])
+    }
+
+    fn read_only(&self) -> bool {
+        true
+    }
+}
+
+/// Writes `tensors` (name, dtype, shape, bytes) as one `.safetensors` file
+/// at `path`: for tests and tools that make checkpoints.
+pub fn write_file(
+    path: &Path,
+    tensors: &[(String, DType, Vec<u64>, Vec<u8>)],
+) -> Result<(), CheckpointError> {
+    let views = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            let dt = match d {
+                DType::Bf16 => safetensors::Dtype::BF16,
+                DType::F16 => safetensors::Dtype::F16,
+                DType::F32 => safetensors::Dtype::F32,
+                DType::F64 => safetensors::Dtype::F64,
+                DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
+                DType::F8E5M2 => safetensors::Dtype::F8_E5M2,
+                DType::I64 => safetensors::Dtype::I64,
+                DType::I32 => safetensors::Dtype::I32,
+                DType::U8 => safetensors::Dtype::U8,
+                DType::Bool => safetensors::Dtype::BOOL,
+            };
+            let shape: Vec<usize> = s.iter().map(|&d| d as usize).collect();
+            safetensors::tensor::TensorView::new(dt, shape, b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| CheckpointError::Header {
+                    path: path.to_owned(),
+                    reason: format!("tensor `{n}`: {e}"),
+                })
+        })
+        .collect::<Result<HashMap<_, _>, _>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| CheckpointError::Header {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })
+}

@@ -1,0 +1,452 @@
+//! A checkpoint on disk as the host masters of a simulated run: the bytes
+//! the device computes with are the file's, streamed blocks are windows of
+//! the mapping registered in place (no pinned copy), and every bad input is
+//! a typed error naming the tensor and the file.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use offload_core::model::{DType, PipelineBuilder, StorageId};
+use offload_core::runtime::{CorePlatform, Runtime, WeightSource};
+use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
+use offload_safetensors::{Checkpoint, CheckpointError, NameMap, SafetensorsSource, write_file};
+use offload_sim::DeviceProfile;
+use offload_sim::harness::{Probe, RunOptions, Workload, request};
+use offload_sim::presets::{Preset, tiny};
+
+type Tensors = Vec<(String, DType, Vec<u64>, Vec<u8>)>;
+
+fn bytes(seed: u64, n: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A small DiT: two block lists (3 double, 4 single), an embedder and an
+/// output projection, every tensor bf16 but one f32 gate per single block.
+fn dit_tensors() -> Tensors {
+    let mut t: Tensors = Vec::new();
+    let mut add = |name: String, dtype: DType, shape: Vec<u64>| {
+        let n = shape.iter().product::<u64>() * dtype.size_bytes();
+        let seed = t.len() as u64 + 1;
+        t.push((name, dtype, shape, bytes(seed, n)));
+    };
+    add("x_embedder.weight".into(), DType::Bf16, vec![32, 16]);
+    add("x_embedder.bias".into(), DType::Bf16, vec![32]);
+    for i in 0..3 {
+        add(
+            format!("transformer_blocks.{i}.attn.to_q.weight"),
+            DType::Bf16,
+            vec![32, 32],
+        );
+        add(
+            format!("transformer_blocks.{i}.attn.to_out.0.weight"),
+            DType::Bf16,
+            vec![32, 32],
+        );
+        add(
+            format!("transformer_blocks.{i}.ff.net.0.proj.weight"),
+            DType::Bf16,
+            vec![64, 32],
+        );
+        add(
+            format!("transformer_blocks.{i}.ff.net.2.weight"),
+            DType::Bf16,
+            vec![32, 64],
+        );
+    }
+    for i in 0..4 {
+        add(
+            format!("single_transformer_blocks.{i}.proj_mlp.weight"),
+            DType::Bf16,
+            vec![64, 32],
+        );
+        add(
+            format!("single_transformer_blocks.{i}.norm.linear.bias"),
+            DType::Bf16,
+            vec![96],
+        );
+    }
+    add("proj_out.weight".into(), DType::Bf16, vec![16, 32]);
+    t
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("offload-st-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn pipeline_from(ckpt: &Checkpoint) -> Pipeline {
+    let mut b = PipelineBuilder::new("CheckpointPipeline");
+    {
+        let mut t = b.module("transformer");
+        assert_eq!(ckpt.declare(&mut t, ""), ckpt.tensors().len());
+        t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        ..Default::default()
+    });
+    b.build().unwrap()
+}
+
+fn workload(pipeline: Pipeline) -> Workload {
+    let base = tiny();
+    Workload {
+        tokens: base.default_tokens,
+        preset: Preset {
+            name: "checkpoint",
+            pipeline,
+            dits: vec!["transformer"],
+            encoders: vec![],
+            vaes: vec![],
+            ..base
+        },
+        steps: 2,
+        requests: 2,
+    }
+}
+
+/// The same bytes held in memory, keyed by the pipeline's storages: the
+/// reference a run from the file must match.
+struct InMemory(Vec<Vec<u8>>);
+
+impl WeightSource for InMemory {
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        let p = position as usize;
+        dst.copy_from_slice(&self.0[storage.index()][p..p + dst.len()]);
+    }
+}
+
+struct Run {
+    outputs: Vec<u64>,
+    pinned_peak: u64,
+    registered: u64,
+    streamed: u64,
+}
+
+fn run(pipeline: &Pipeline, weights: Arc<dyn WeightSource>, layerwise: bool) -> Run {
+    let w = workload(pipeline.clone());
+    let opts = RunOptions::new(DeviceProfile::h200());
+    let rig =
+        offload_sim::harness::Rig::with_weights(pipeline.clone(), &opts, Arc::clone(&weights))
+            .unwrap();
+    let device = Arc::new(rig.device.clone());
+    let compute = Arc::clone(rig.runtime.compute_stream());
+    let platform = CorePlatform::<offload_sim::Sim>::new(
+        "sim",
+        Arc::clone(&device),
+        Arc::clone(&compute),
+        weights,
+    );
+    let mut rt = Runtime::new(device, compute, pipeline.clone());
+    let backend = if layerwise {
+        Box::new(
+            platform
+                .layerwise(OffloadConfig {
+                    enable_layerwise_offload: true,
+                    ..Default::default()
+                })
+                .unwrap(),
+        )
+    } else {
+        platform.resident().unwrap()
+    };
+    rt.enable(backend).map_err(|(e, _)| e).unwrap();
+    let stats = rig.device.stats();
+    let streamed = rt.backend().unwrap().host_weight_bytes();
+    let probe = Probe::new(&rig.device).unwrap();
+    let outputs = (0..w.requests)
+        .map(|_| request(&rt, &rig.device, &probe, &w).unwrap().output)
+        .collect();
+    rt.disable().unwrap();
+    assert!(
+        rig.device.violations().is_empty(),
+        "{:?}",
+        rig.device.violations()
+    );
+    assert_eq!(
+        rig.device.stats().registered_bytes,
+        0,
+        "unregistered at disable"
+    );
+    Run {
+        outputs,
+        pinned_peak: stats.pinned_peak_bytes,
+        registered: stats.registered_bytes,
+        streamed,
+    }
+}
+
+fn in_memory(pipeline: &Pipeline, tensors: &Tensors) -> InMemory {
+    let mut by_storage = vec![Vec::new(); pipeline.storages().count()];
+    for (id, t) in pipeline.tensors() {
+        let path = pipeline.tensor_path(id);
+        let name = path.strip_prefix("transformer.").unwrap();
+        let (_, _, _, b) = tensors.iter().find(|(n, ..)| n == name).unwrap();
+        by_storage[t.storage.index()] = b.clone();
+    }
+    InMemory(by_storage)
+}
+
+#[test]
+fn streamed_blocks_are_windows_of_the_file_and_compute_its_bytes() {
+    let dir = scratch("single");
+    let tensors = dit_tensors();
+    let file = dir.join("diffusion_pytorch_model.safetensors");
+    write_file(&file, &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&dir).unwrap());
+    let pipeline = pipeline_from(&ckpt);
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+
+    let source = Arc::new(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::clone(&ckpt), NameMap::prefix("transformer.", ""))],
+        )
+        .unwrap(),
+    );
+    let resident = run(
+        &pipeline,
+        Arc::clone(&source) as Arc<dyn WeightSource>,
+        false,
+    );
+    assert_eq!(
+        resident.outputs, reference.outputs,
+        "the file's bytes, resident"
+    );
+
+    let before = source.windows_and_copies();
+    let streamed = run(
+        &pipeline,
+        Arc::clone(&source) as Arc<dyn WeightSource>,
+        true,
+    );
+    assert_eq!(
+        streamed.outputs, reference.outputs,
+        "the file's bytes, streamed"
+    );
+    let (windows, copies) = source.windows_and_copies();
+    assert_eq!(windows - before.0, 7, "every block a window of the mapping");
+    assert_eq!(
+        copies - before.1,
+        1,
+        "only the rest (embedder + projection, apart in the file) copied"
+    );
+    // Observed on the device: the streamed masters are registrations of the
+    // file's windows; pinned memory held only the staging of the rest.
+    assert_eq!(streamed.registered, streamed.streamed);
+    let rest: u64 = ["x_embedder.weight", "x_embedder.bias", "proj_out.weight"]
+        .iter()
+        .map(|n| ckpt.bytes(n).unwrap().len() as u64)
+        .sum();
+    assert_eq!(
+        streamed.pinned_peak, rest,
+        "no pinned copy of a streamed block"
+    );
+
+    // Registration in place turned off: the same outputs from pinned copies.
+    let copied = Arc::new(
+        SafetensorsSource::new(&pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))])
+            .unwrap()
+            .with_in_place(false),
+    );
+    let pinned = run(&pipeline, copied as Arc<dyn WeightSource>, true);
+    assert_eq!(pinned.outputs, reference.outputs);
+    assert_eq!(pinned.registered, 0);
+}
+
+/// Splits `tensors` over two shard files with an index, as diffusers'
+/// `save_pretrained` does: in module order, the second shard starting in
+/// the middle of double block 1.
+fn write_shards(dir: &Path, tensors: &Tensors) -> PathBuf {
+    let cut = tensors
+        .iter()
+        .position(|(n, ..)| n == "transformer_blocks.1.ff.net.0.proj.weight")
+        .unwrap();
+    let names = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
+    write_file(&dir.join(names[0]), &tensors[..cut]).unwrap();
+    write_file(&dir.join(names[1]), &tensors[cut..]).unwrap();
+    let weight_map: serde_json::Map<String, serde_json::Value> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (n, ..))| (n.clone(), names[usize::from(i >= cut)].into()))
+        .collect();
+    let index = dir.join("model.safetensors.index.json");
+    std::fs::write(
+        &index,
+        serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    index
+}
+
+#[test]
+fn a_shard_set_opens_from_its_index_and_a_split_block_is_copied() {
+    let dir = scratch("shards");
+    let tensors = dit_tensors();
+    let index = write_shards(&dir, &tensors);
+    let ckpt = Arc::new(Checkpoint::open(&index).unwrap());
+    assert_eq!(ckpt.files().count(), 2);
+    assert_eq!(
+        Checkpoint::open(&dir).unwrap().tensors(),
+        ckpt.tensors(),
+        "the directory finds the index"
+    );
+    let pipeline = pipeline_from(&ckpt);
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+    let source = Arc::new(
+        SafetensorsSource::new(&pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))])
+            .unwrap(),
+    );
+    let streamed = run(
+        &pipeline,
+        Arc::clone(&source) as Arc<dyn WeightSource>,
+        true,
+    );
+    assert_eq!(streamed.outputs, reference.outputs);
+    let (windows, copies) = source.windows_and_copies();
+    assert_eq!(
+        (windows, copies),
+        (6, 2),
+        "block 1 spans both shards: copied, as the rest"
+    );
+}
+
+fn expect_err(
+    r: Result<impl std::fmt::Debug, CheckpointError>,
+    needles: &[&str],
+) -> CheckpointError {
+    let e = r.expect_err("bad input must fail");
+    let text = e.to_string();
+    for n in needles {
+        assert!(text.contains(n), "`{text}` should name `{n}`");
+    }
+    e
+}
+
+#[test]
+fn bad_checkpoints_and_mismatches_are_typed_errors_naming_tensor_and_file() {
+    let dir = scratch("errors");
+    let tensors = dit_tensors();
+    let file = dir.join("a.safetensors");
+    write_file(&file, &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&file).unwrap());
+    let pipeline = pipeline_from(&ckpt);
+    let map = || NameMap::prefix("transformer.", "");
+
+    // The pipeline expects what the file does not hold.
+    let mut wrong = tensors.clone();
+    wrong[0].1 = DType::F16;
+    let f16 = dir.join("f16.safetensors");
+    write_file(&f16, &wrong).unwrap();
+    let e = expect_err(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::new(Checkpoint::open(&f16).unwrap()), map())],
+        ),
+        &[
+            "transformer.x_embedder.weight",
+            "f16.safetensors",
+            "bf16",
+            "f16",
+        ],
+    );
+    assert!(matches!(e, CheckpointError::DType { .. }));
+    let mut wrong = tensors.clone();
+    wrong[1].2 = vec![16, 2];
+    let shape = dir.join("shape.safetensors");
+    write_file(&shape, &wrong).unwrap();
+    expect_err(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::new(Checkpoint::open(&shape).unwrap()), map())],
+        ),
+        &[
+            "transformer.x_embedder.bias",
+            "shape.safetensors",
+            "[32]",
+            "[16, 2]",
+        ],
+    );
+    let missing = dir.join("missing.safetensors");
+    write_file(&missing, &tensors[1..]).unwrap();
+    expect_err(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::new(Checkpoint::open(&missing).unwrap()), map())],
+        ),
+        &["transformer.x_embedder.weight", "missing.safetensors"],
+    );
+    expect_err(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::clone(&ckpt), NameMap::prefix("text_encoder.", ""))],
+        ),
+        &["transformer.proj_out.weight", "text_encoder."],
+    );
+    // Files and indexes that are not what they claim.
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
+    assert!(matches!(
+        expect_err(Checkpoint::open(&garbage), &["garbage.safetensors"]),
+        CheckpointError::Header { .. }
+    ));
+    expect_err(
+        Checkpoint::open(dir.join("absent.safetensors")),
+        &["absent.safetensors"],
+    );
+    let index = dir.join("x.safetensors.index.json");
+    std::fs::write(
+        &index,
+        r#"{"weight_map": {"x_embedder.weight": "nope.safetensors"}}"#,
+    )
+    .unwrap();
+    expect_err(
+        Checkpoint::open(&index),
+        &["x.safetensors.index.json", "nope.safetensors"],
+    );
+    std::fs::write(
+        &index,
+        r#"{"weight_map": {"proj_out.weight": "a.safetensors", "lost": "a.safetensors"}}"#,
+    )
+    .unwrap();
+    expect_err(
+        Checkpoint::open(&index),
+        &["x.safetensors.index.json", "lost"],
+    );
+    std::fs::write(&index, r#"{"weight_map": {"x_embedder.weight": "a.safetensors", "proj_out.weight": "f16.safetensors"}}"#).unwrap();
+    assert!(matches!(
+        expect_err(
+            Checkpoint::open(&index),
+            &["a.safetensors", "f16.safetensors"]
+        ),
+        CheckpointError::Duplicate { .. }
+    ));
+    std::fs::write(&index, r#"{"weights": {}}"#).unwrap();
+    expect_err(Checkpoint::open(&index), &["weight_map"]);
+    let empty = scratch("empty");
+    expect_err(Checkpoint::open(&empty), &["no `.safetensors` file"]);
+    expect_err(
+        NameMap::from_json(r#"[{"pipeline": "a."}]"#),
+        &["checkpoint"],
+    );
+    assert_eq!(
+        NameMap::from_json(r#"[{"pipeline": "transformer.", "checkpoint": "model."}]"#)
+            .unwrap()
+            .checkpoint_name("transformer.proj_out.weight")
+            .as_deref(),
+        Some("model.proj_out.weight")
+    );
+}
