@@ -206,8 +206,9 @@ struct Index {
 
 impl Checkpoint {
     /// Opens `path`: a `.safetensors` file, a `.safetensors.index.json`
-    /// shard index, or a directory holding exactly one of either (an index
-    /// preferred).
+    /// shard index, or a directory holding one shard index, or else one
+    /// `diffusion_pytorch_model.safetensors` or `model.safetensors`, or else
+    /// exactly one `.safetensors` file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, CheckpointError> {
         let path = path.as_ref();
         if path.is_dir() {
@@ -236,6 +237,20 @@ impl Checkpoint {
         }
         indexes.sort();
         files.sort();
+        // diffusers' and transformers' own names win over other files (a
+        // saved input beside the weights).
+        let named: Vec<PathBuf> = files
+            .iter()
+            .filter(|p| {
+                p.file_name().is_some_and(|n| {
+                    n == "diffusion_pytorch_model.safetensors" || n == "model.safetensors"
+                })
+            })
+            .cloned()
+            .collect();
+        if indexes.is_empty() && named.len() == 1 {
+            return Self::open_files(&named);
+        }
         match (indexes.as_slice(), files.as_slice()) {
             ([index], _) => Self::open_index(index),
             ([], [file]) => Self::open_files(std::slice::from_ref(file)),

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""diffusers' FluxTransformer2DModel as the reference for offload-candle's Flux DiT.
+
+  make-checkpoint --out DIR [--seed S]     a random-weight Flux.1-dev transformer, bf16,
+                                           written with save_pretrained (GPU if present)
+  forward --ckpt DIR --inputs F --out F    one forward of the checkpoint on the inputs
+                                           (a .safetensors of hidden_states, encoder_hidden_states,
+                                           pooled_projections, timestep, guidance, img_ids, txt_ids);
+                                           writes `output` (bf16)
+  bench --ckpt DIR --inputs F --out F      forward as above on the GPU, then: from_pretrained time
+                                           (page cache warm), block-level group offload set-up time
+                                           and step time, resident step time; one JSON line last
+
+Inputs and outputs are safetensors so that the Rust side reads the same bytes.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def load_inputs(path, dev):
+    t = load_file(path, device=dev)
+    return dict(
+        hidden_states=t["hidden_states"],
+        encoder_hidden_states=t["encoder_hidden_states"],
+        pooled_projections=t["pooled_projections"],
+        timestep=t["timestep"],
+        guidance=t["guidance"],
+        img_ids=t["img_ids"],
+        txt_ids=t["txt_ids"],
+        return_dict=False,
+    )
+
+
+def forward(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def cmd_make_checkpoint(a):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(a.seed)
+    t0 = time.perf_counter()
+    with torch.device(device()):
+        model = FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16)
+    sync()
+    t1 = time.perf_counter()
+    model.save_pretrained(a.out)
+    t2 = time.perf_counter()
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"checkpoint": a.out, "bytes": n, "init_s": t1 - t0, "save_s": t2 - t1}))
+
+
+def cmd_forward(a):
+    from diffusers import FluxTransformer2DModel
+
+    dev = device()
+    model = FluxTransformer2DModel.from_pretrained(a.ckpt, torch_dtype=torch.bfloat16).to(dev)
+    out = forward(model, load_inputs(a.inputs, dev))
+    save_file({"output": out.contiguous().cpu()}, a.out)
+    print(json.dumps({"output": a.out, "shape": list(out.shape)}))
+
+
+def timed_steps(model, inputs, steps):
+    forward(model, inputs)  # warm-up
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        forward(model, inputs)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def cmd_bench(a):
+    from diffusers import FluxTransformer2DModel
+
+    inputs = load_inputs(a.inputs, "cuda")
+    r = {}
+    # Set-up from the checkpoint (page cache warm: the caller read it once).
+    t0 = time.perf_counter()
+    model = FluxTransformer2DModel.from_pretrained(a.ckpt, torch_dtype=torch.bfloat16)
+    t1 = time.perf_counter()
+    model.enable_group_offload(
+        onload_device=torch.device("cuda"),
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=True,
+    )
+    sync()
+    t2 = time.perf_counter()
+    r["from_pretrained_s"] = t1 - t0
+    r["group_offload_setup_s"] = t2 - t1
+    r["group_offload_step_s"] = timed_steps(model, inputs, a.steps)
+    del model
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    model = FluxTransformer2DModel.from_pretrained(a.ckpt, torch_dtype=torch.bfloat16).to("cuda")
+    sync()
+    r["resident_load_s"] = time.perf_counter() - t0
+    out = forward(model, inputs)
+    save_file({"output": out.contiguous().cpu()}, a.out)
+    r["resident_step_s"] = timed_steps(model, inputs, a.steps)
+    r["tokens"] = int(inputs["hidden_states"].shape[1] + inputs["encoder_hidden_states"].shape[1])
+    r["diffusers"] = __import__("diffusers").__version__
+    r["torch"] = torch.__version__
+    print(json.dumps(r))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make-checkpoint")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("forward")
+    b = sub.add_parser("bench")
+    for s in (f, b):
+        s.add_argument("--ckpt", required=True)
+        s.add_argument("--inputs", required=True)
+        s.add_argument("--out", required=True)
+    b.add_argument("--steps", type=int, default=3)
+    a = p.parse_args()
+    {"make-checkpoint": cmd_make_checkpoint, "forward": cmd_forward, "bench": cmd_bench}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,665 @@
+//! Flux.1's DiT (`FluxTransformer2DModel` as diffusers names it) written with
+//! candle operations, block by block, reading each block's weights through
+//! a [`ModuleWeights`] scope: a map of resident tensors, or an offload
+//! forward scope whose views are the streamed slots.
+//!
+//! The numerics follow diffusers 0.3x–0.4x: timestep and guidance scaled by
+//! 1000 in bf16, sinusoidal projections in f32 (`flip_sin_to_cos`), RoPE
+//! over axes (16, 56, 56) with θ = 10000 computed in f64 and applied in f32,
+//! RMS-normalised queries and keys, attention scores and softmax in f32 with
+//! probabilities in bf16 (as a flash kernel keeps them), layer norms without
+//! affine parameters (ε = 1e-6), GELU with the tanh approximation, and
+//! AdaLayerNormContinuous's (scale, shift) order at the output.
+
+use candle_core::{D, DType, Device, Module as _, Result, Tensor};
+
+/// The transformer's shape: diffusers' `config.json` of
+/// `FluxTransformer2DModel`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+pub struct FluxConfig {
+    /// Latent channels in and out (64: 16 channels × 2 × 2 patches).
+    #[serde(default = "d_in_channels")]
+    pub in_channels: usize,
+    /// Double-stream blocks (19).
+    #[serde(default = "d_num_layers")]
+    pub num_layers: usize,
+    /// Single-stream blocks (38).
+    #[serde(default = "d_num_single_layers")]
+    pub num_single_layers: usize,
+    /// Width of one head (128).
+    #[serde(default = "d_head_dim")]
+    pub attention_head_dim: usize,
+    /// Heads (24).
+    #[serde(default = "d_heads")]
+    pub num_attention_heads: usize,
+    /// Width of the text encoder's states (4096).
+    #[serde(default = "d_joint")]
+    pub joint_attention_dim: usize,
+    /// Width of the pooled text embedding (768).
+    #[serde(default = "d_pooled")]
+    pub pooled_projection_dim: usize,
+    /// Whether the guidance scale is embedded (Flux.1-dev).
+    #[serde(default = "d_guidance")]
+    pub guidance_embeds: bool,
+    /// RoPE widths per position axis; they sum to the head width.
+    #[serde(default = "d_axes")]
+    pub axes_dims_rope: Vec<usize>,
+}
+
+fn d_in_channels() -> usize {
+    64
+}
+fn d_num_layers() -> usize {
+    19
+}
+fn d_num_single_layers() -> usize {
+    38
+}
+fn d_head_dim() -> usize {
+    128
+}
+fn d_heads() -> usize {
+    24
+}
+fn d_joint() -> usize {
+    4096
+}
+fn d_pooled() -> usize {
+    768
+}
+fn d_guidance() -> bool {
+    true
+}
+fn d_axes() -> Vec<usize> {
+    vec![16, 56, 56]
+}
+
+impl FluxConfig {
+    /// Flux.1-dev.
+    pub fn dev() -> Self {
+        Self {
+            in_channels: 64,
+            num_layers: 19,
+            num_single_layers: 38,
+            attention_head_dim: 128,
+            num_attention_heads: 24,
+            joint_attention_dim: 4096,
+            pooled_projection_dim: 768,
+            guidance_embeds: true,
+            axes_dims_rope: vec![16, 56, 56],
+        }
+    }
+
+    /// The model width (heads × head width).
+    pub fn hidden(&self) -> usize {
+        self.attention_head_dim * self.num_attention_heads
+    }
+}
+
+/// One forward's inputs, as diffusers' `FluxTransformer2DModel.forward`
+/// takes them (batch `B`, image tokens `S`, text tokens `T`).
+#[derive(Clone, Debug)]
+pub struct FluxInputs {
+    /// Packed latents `[B, S, in_channels]`, bf16.
+    pub hidden_states: Tensor,
+    /// Text encoder states `[B, T, joint_attention_dim]`, bf16.
+    pub encoder_hidden_states: Tensor,
+    /// Pooled text embedding `[B, pooled_projection_dim]`, bf16.
+    pub pooled_projections: Tensor,
+    /// Timestep in `[0, 1]`, `[B]`, f32.
+    pub timestep: Tensor,
+    /// Guidance scale, `[B]`, f32 (ignored without guidance embeds).
+    pub guidance: Tensor,
+    /// Image token positions `[S, 3]`, f32.
+    pub img_ids: Tensor,
+    /// Text token positions `[T, 3]`, f32.
+    pub txt_ids: Tensor,
+}
+
+/// The weights of one module, by name relative to it.
+pub trait Weights {
+    /// The tensor `name` (dotted, relative to the module).
+    fn get(&self, name: &str) -> Result<Tensor>;
+}
+
+impl<F: Fn(&str) -> Result<Tensor>> Weights for F {
+    fn get(&self, name: &str) -> Result<Tensor> {
+        self(name)
+    }
+}
+
+/// Runs parts of a forward with the weights of a module: the DiT's own
+/// (path `""`), or a block's (`transformer_blocks.3`). Resident maps and
+/// offload forward scopes implement it.
+pub trait ModuleWeights {
+    /// Runs `f` with the weights of the module at `path` (relative to the
+    /// DiT) readable through its argument.
+    fn with_module<R>(&self, path: &str, f: &mut dyn FnMut(&dyn Weights) -> Result<R>)
+    -> Result<R>;
+}
+
+/// Weights held by name (relative to the DiT): the resident baseline.
+impl ModuleWeights for std::collections::HashMap<String, Tensor> {
+    fn with_module<R>(
+        &self,
+        path: &str,
+        f: &mut dyn FnMut(&dyn Weights) -> Result<R>,
+    ) -> Result<R> {
+        let get = |name: &str| {
+            let full = if path.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{path}.{name}")
+            };
+            self.get(&full)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg(format!("no weight `{full}`")))
+        };
+        f(&get)
+    }
+}
+
+fn linear(w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+    let weight = w.get(&format!("{name}.weight"))?;
+    let bias = w.get(&format!("{name}.bias")).ok();
+    candle_nn::Linear::new(weight, bias).forward(x)
+}
+
+/// The model, its shape and the constants its norms use.
+#[derive(Debug)]
+pub struct Flux {
+    cfg: FluxConfig,
+    ones: Tensor,
+    zeros: Tensor,
+}
+
+/// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32.
+#[derive(Debug)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Flux {
+    /// The model of `cfg` computing on `device`.
+    pub fn new(cfg: FluxConfig, device: &Device) -> Result<Self> {
+        let h = cfg.hidden();
+        Ok(Self {
+            ones: Tensor::ones(h, DType::BF16, device)?,
+            zeros: Tensor::zeros(h, DType::BF16, device)?,
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FluxConfig {
+        &self.cfg
+    }
+
+    /// The paths of the blocks, in the order a forward runs them.
+    pub fn block_paths(&self) -> Vec<String> {
+        (0..self.cfg.num_layers)
+            .map(|i| format!("transformer_blocks.{i}"))
+            .chain(
+                (0..self.cfg.num_single_layers).map(|i| format!("single_transformer_blocks.{i}")),
+            )
+            .collect()
+    }
+
+    /// One forward: the noise prediction `[B, S, in_channels]`, bf16.
+    pub fn forward(&self, x: &FluxInputs, weights: &impl ModuleWeights) -> Result<Tensor> {
+        let dev = x.hidden_states.device();
+        let (img, txt, temb) = weights.with_module("", &mut |w| {
+            let img = linear(w, "x_embedder", &x.hidden_states)?;
+            let t = timestep_embedding(&x.timestep, dev)?;
+            let mut temb = mlp(w, "time_text_embed.timestep_embedder", &t)?;
+            if self.cfg.guidance_embeds {
+                let g = timestep_embedding(&x.guidance, dev)?;
+                temb = (temb + mlp(w, "time_text_embed.guidance_embedder", &g)?)?;
+            }
+            let pooled = mlp(w, "time_text_embed.text_embedder", &x.pooled_projections)?;
+            let temb = (temb + pooled)?;
+            let txt = linear(w, "context_embedder", &x.encoder_hidden_states)?;
+            Ok((img, txt, temb))
+        })?;
+        let rope = self.rope(&x.txt_ids, &x.img_ids)?;
+        let (mut img, mut txt) = (img, txt);
+        for i in 0..self.cfg.num_layers {
+            (txt, img) = weights.with_module(&format!("transformer_blocks.{i}"), &mut |w| {
+                self.double_block(w, &img, &txt, &temb, &rope)
+            })?;
+        }
+        let t_len = txt.dim(1)?;
+        let mut hs = Tensor::cat(&[&txt, &img], 1)?;
+        for i in 0..self.cfg.num_single_layers {
+            hs = weights.with_module(&format!("single_transformer_blocks.{i}"), &mut |w| {
+                self.single_block(w, &hs, &temb, &rope)
+            })?;
+        }
+        let img = hs.narrow(1, t_len, hs.dim(1)? - t_len)?;
+        weights.with_module("", &mut |w| {
+            let emb = linear(w, "norm_out.linear", &temb.silu()?)?;
+            let chunks = emb.chunk(2, 1)?;
+            let (scale, shift) = (&chunks[0], &chunks[1]);
+            let y = self.modulate(&self.norm(&img)?, shift, scale)?;
+            linear(w, "proj_out", &y)
+        })
+    }
+
+    fn norm(&self, x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::layer_norm(x, &self.ones, &self.zeros, 1e-6)
+    }
+
+    /// `x · (1 + scale) + shift`, scale and shift `[B, H]`.
+    fn modulate(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+        let scale = (scale.unsqueeze(1)? + 1.0)?;
+        x.broadcast_mul(&scale)?.broadcast_add(&shift.unsqueeze(1)?)
+    }
+
+    fn rope(&self, txt_ids: &Tensor, img_ids: &Tensor) -> Result<Rope> {
+        let dev = img_ids.device();
+        let ids = Tensor::cat(&[txt_ids, img_ids], 0)?.to_dtype(DType::F32)?;
+        let ids: Vec<Vec<f32>> = ids.to_vec2()?;
+        let half: usize = self.cfg.axes_dims_rope.iter().sum::<usize>() / 2;
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(ids.len() * half),
+            Vec::with_capacity(ids.len() * half),
+        );
+        for pos in &ids {
+            for (axis, &dim) in self.cfg.axes_dims_rope.iter().enumerate() {
+                let p = f64::from(pos[axis]);
+                for k in 0..dim / 2 {
+                    let freq = 1.0 / 10000f64.powf((2 * k) as f64 / dim as f64);
+                    let angle = p * freq;
+                    cos.push(angle.cos() as f32);
+                    sin.push(angle.sin() as f32);
+                }
+            }
+        }
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, (ids.len(), half), dev)?,
+            sin: Tensor::from_vec(sin, (ids.len(), half), dev)?,
+        })
+    }
+
+    /// `[B, L, H·D]` → `[B, heads, L, D]`, RMS-normalised by `norm`.
+    fn heads(&self, w: &dyn Weights, x: &Tensor, norm: &str) -> Result<Tensor> {
+        let (b, l, _) = x.dims3()?;
+        let x = x.reshape((
+            b,
+            l,
+            self.cfg.num_attention_heads,
+            self.cfg.attention_head_dim,
+        ))?;
+        let x =
+            candle_nn::ops::rms_norm(&x.contiguous()?, &w.get(&format!("{norm}.weight"))?, 1e-6)?;
+        x.transpose(1, 2)?.contiguous()
+    }
+
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Tensor> {
+        let rot = |x: &Tensor| -> Result<Tensor> {
+            candle_nn::rotary_emb::rope_i(&x.to_dtype(DType::F32)?, &rope.cos, &rope.sin)?
+                .to_dtype(DType::BF16)
+        };
+        let (q, k) = (rot(q)?, rot(k)?);
+        let scale = 1.0 / (self.cfg.attention_head_dim as f64).sqrt();
+        let scores = q
+            .to_dtype(DType::F32)?
+            .matmul(&k.to_dtype(DType::F32)?.t()?)?
+            .affine(scale, 0.0)?;
+        let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(DType::BF16)?;
+        let out = p.matmul(v)?; // [B, heads, L, D]
+        let (b, h, l, d) = out.dims4()?;
+        out.transpose(1, 2)?.reshape((b, l, h * d))
+    }
+
+    fn qkv(
+        &self,
+        w: &dyn Weights,
+        x: &Tensor,
+        names: [&str; 3],
+        norms: [&str; 2],
+    ) -> Result<[Tensor; 3]> {
+        let q = self.heads(w, &linear(w, names[0], x)?, norms[0])?;
+        let k = self.heads(w, &linear(w, names[1], x)?, norms[1])?;
+        let v = linear(w, names[2], x)?;
+        let (b, l, _) = v.dims3()?;
+        let v = v
+            .reshape((
+                b,
+                l,
+                self.cfg.num_attention_heads,
+                self.cfg.attention_head_dim,
+            ))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        Ok([q, k, v])
+    }
+
+    fn double_block(
+        &self,
+        w: &dyn Weights,
+        img: &Tensor,
+        txt: &Tensor,
+        temb: &Tensor,
+        rope: &Rope,
+    ) -> Result<(Tensor, Tensor)> {
+        let silu = temb.silu()?;
+        let m = linear(w, "norm1.linear", &silu)?.chunk(6, 1)?;
+        let c = linear(w, "norm1_context.linear", &silu)?.chunk(6, 1)?;
+        let img_n = self.modulate(&self.norm(img)?, &m[0], &m[1])?;
+        let txt_n = self.modulate(&self.norm(txt)?, &c[0], &c[1])?;
+        let [q, k, v] = self.qkv(
+            w,
+            &img_n,
+            ["attn.to_q", "attn.to_k", "attn.to_v"],
+            ["attn.norm_q", "attn.norm_k"],
+        )?;
+        let [cq, ck, cv] = self.qkv(
+            w,
+            &txt_n,
+            ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+            ["attn.norm_added_q", "attn.norm_added_k"],
+        )?;
+        let q = Tensor::cat(&[&cq, &q], 2)?;
+        let k = Tensor::cat(&[&ck, &k], 2)?;
+        let v = Tensor::cat(&[&cv, &v], 2)?;
+        let attn = self.attention(&q, &k, &v, rope)?;
+        let t_len = txt.dim(1)?;
+        let txt_attn = attn.narrow(1, 0, t_len)?;
+        let img_attn = attn.narrow(1, t_len, attn.dim(1)? - t_len)?;
+        let img_attn = linear(w, "attn.to_out.0", &img_attn)?;
+        let txt_attn = linear(w, "attn.to_add_out", &txt_attn)?;
+
+        let gate = |g: &Tensor, x: &Tensor| x.broadcast_mul(&g.unsqueeze(1)?);
+        let img = (img + gate(&m[2], &img_attn)?)?;
+        let img_n = self.modulate(&self.norm(&img)?, &m[3], &m[4])?;
+        let ff = linear(w, "ff.net.2", &linear(w, "ff.net.0.proj", &img_n)?.gelu()?)?;
+        let img = (img + gate(&m[5], &ff)?)?;
+
+        let txt = (txt + gate(&c[2], &txt_attn)?)?;
+        let txt_n = self.modulate(&self.norm(&txt)?, &c[3], &c[4])?;
+        let ff = linear(
+            w,
+            "ff_context.net.2",
+            &linear(w, "ff_context.net.0.proj", &txt_n)?.gelu()?,
+        )?;
+        let txt = (txt + gate(&c[5], &ff)?)?;
+        Ok((txt, img))
+    }
+
+    fn single_block(
+        &self,
+        w: &dyn Weights,
+        hs: &Tensor,
+        temb: &Tensor,
+        rope: &Rope,
+    ) -> Result<Tensor> {
+        let m = linear(w, "norm.linear", &temb.silu()?)?.chunk(3, 1)?;
+        let x = self.modulate(&self.norm(hs)?, &m[0], &m[1])?;
+        let mlp = linear(w, "proj_mlp", &x)?.gelu()?;
+        let [q, k, v] = self.qkv(
+            w,
+            &x,
+            ["attn.to_q", "attn.to_k", "attn.to_v"],
+            ["attn.norm_q", "attn.norm_k"],
+        )?;
+        let attn = self.attention(&q, &k, &v, rope)?;
+        let out = linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
+        hs + out.broadcast_mul(&m[2].unsqueeze(1)?)?
+    }
+}
+
+/// diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`
+/// of `t · 1000` (scaled in bf16, as diffusers does), as bf16 `[B, 256]`.
+fn timestep_embedding(t: &Tensor, dev: &Device) -> Result<Tensor> {
+    let t: Vec<f32> = (t.to_dtype(DType::BF16)? * 1000.0)?
+        .to_dtype(DType::F32)?
+        .to_vec1()?;
+    let half = 128usize;
+    let mut out = Vec::with_capacity(t.len() * 2 * half);
+    for &ti in &t {
+        let freqs = (0..half).map(|k| (-(10000f32.ln()) * k as f32 / half as f32).exp());
+        let angles: Vec<f32> = freqs.map(|f| ti * f).collect();
+        out.extend(angles.iter().map(|a| a.cos()));
+        out.extend(angles.iter().map(|a| a.sin()));
+    }
+    Tensor::from_vec(out, (t.len(), 2 * half), dev)?.to_dtype(DType::BF16)
+}
+
+/// `linear_2(silu(linear_1(x)))` (diffusers' `TimestepEmbedding` and
+/// `PixArtAlphaTextProjection` with SiLU).
+fn mlp(w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+    let h = linear(w, &format!("{name}.linear_1"), x)?.silu()?;
+    linear(w, &format!("{name}.linear_2"), &h)
+}
+
+/// Every tensor of diffusers' `FluxTransformer2DModel` of `cfg`: name and
+/// shape (all bf16 in a bf16 checkpoint), in diffusers' module order.
+pub fn weight_shapes(cfg: &FluxConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, d) = (cfg.hidden(), cfg.attention_head_dim);
+    let mut out = Vec::new();
+    let mut lin = |name: String, o: usize, i: usize| {
+        out.push((format!("{name}.weight"), vec![o, i]));
+        out.push((format!("{name}.bias"), vec![o]));
+    };
+    lin("x_embedder".into(), h, cfg.in_channels);
+    lin("context_embedder".into(), h, cfg.joint_attention_dim);
+    let mut embedders = vec![("timestep_embedder", 256)];
+    if cfg.guidance_embeds {
+        embedders.push(("guidance_embedder", 256));
+    }
+    embedders.push(("text_embedder", cfg.pooled_projection_dim));
+    for (e, width) in embedders {
+        lin(format!("time_text_embed.{e}.linear_1"), h, width);
+        lin(format!("time_text_embed.{e}.linear_2"), h, h);
+    }
+    for i in 0..cfg.num_layers {
+        let p = format!("transformer_blocks.{i}");
+        lin(format!("{p}.norm1.linear"), 6 * h, h);
+        lin(format!("{p}.norm1_context.linear"), 6 * h, h);
+        for n in [
+            "to_q",
+            "to_k",
+            "to_v",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_out.0",
+            "to_add_out",
+        ] {
+            lin(format!("{p}.attn.{n}"), h, h);
+        }
+        for ff in ["ff", "ff_context"] {
+            lin(format!("{p}.{ff}.net.0.proj"), 4 * h, h);
+            lin(format!("{p}.{ff}.net.2"), h, 4 * h);
+        }
+    }
+    for i in 0..cfg.num_single_layers {
+        let p = format!("single_transformer_blocks.{i}");
+        lin(format!("{p}.norm.linear"), 3 * h, h);
+        lin(format!("{p}.proj_mlp"), 4 * h, h);
+        lin(format!("{p}.proj_out"), h, 5 * h);
+        for n in ["to_q", "to_k", "to_v"] {
+            lin(format!("{p}.attn.{n}"), h, h);
+        }
+    }
+    lin("norm_out.linear".into(), 2 * h, h);
+    lin("proj_out".into(), cfg.in_channels, h);
+    for i in 0..cfg.num_layers {
+        for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
+            out.push((format!("transformer_blocks.{i}.attn.{n}.weight"), vec![d]));
+        }
+    }
+    for i in 0..cfg.num_single_layers {
+        for n in ["norm_q", "norm_k"] {
+            out.push((
+                format!("single_transformer_blocks.{i}.attn.{n}.weight"),
+                vec![d],
+            ));
+        }
+    }
+    out
+}
+
+/// A seeded stream of uniform numbers in `[-1, 1)` (xorshift64*), so that
+/// tests and tools make the same random checkpoint everywhere.
+#[derive(Debug)]
+pub struct Uniform(u64);
+
+impl Uniform {
+    /// The stream of `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// The next number.
+    pub fn next_f32(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
+        (x as f32 / (1u64 << 23) as f32) - 1.0
+    }
+}
+
+fn bf16_bytes(values: impl Iterator<Item = f32>) -> Vec<u8> {
+    values
+        .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+        .collect()
+}
+
+impl FluxConfig {
+    /// diffusers' `config.json` for this shape.
+    pub fn to_diffusers_json(&self) -> String {
+        serde_json::json!({
+            "_class_name": "FluxTransformer2DModel",
+            "patch_size": 1,
+            "in_channels": self.in_channels,
+            "num_layers": self.num_layers,
+            "num_single_layers": self.num_single_layers,
+            "attention_head_dim": self.attention_head_dim,
+            "num_attention_heads": self.num_attention_heads,
+            "joint_attention_dim": self.joint_attention_dim,
+            "pooled_projection_dim": self.pooled_projection_dim,
+            "guidance_embeds": self.guidance_embeds,
+            "axes_dims_rope": self.axes_dims_rope,
+        })
+        .to_string()
+    }
+}
+
+/// Writes a random bf16 checkpoint of `cfg` into `dir` as diffusers lays
+/// one out (`config.json`, `diffusion_pytorch_model.safetensors`):
+/// weights and biases uniform in ±1/√fan-in (PyTorch's default `Linear`
+/// initialisation), RMS norm weights 1 ± 0.1.
+pub fn write_random_checkpoint(
+    dir: &std::path::Path,
+    cfg: &FluxConfig,
+    seed: u64,
+) -> std::result::Result<(), offload_safetensors::CheckpointError> {
+    let io = |e| offload_safetensors::CheckpointError::Io {
+        path: dir.to_owned(),
+        source: e,
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    std::fs::write(dir.join("config.json"), cfg.to_diffusers_json()).map_err(io)?;
+    let mut rng = Uniform::new(seed);
+    let mut tensors = Vec::new();
+    let shapes = weight_shapes(cfg);
+    for (name, shape) in &shapes {
+        let n: usize = shape.iter().product();
+        let bytes = if name.contains(".norm_") {
+            bf16_bytes((0..n).map(|_| 1.0 + 0.1 * rng.next_f32()))
+        } else {
+            // A bias has the fan-in of its weight.
+            let fan_in = shapes
+                .iter()
+                .find(|(w, _)| *w == name.replace(".bias", ".weight"))
+                .map_or(1, |(_, s)| s.get(1).copied().unwrap_or(1));
+            let bound = 1.0 / (fan_in as f32).sqrt();
+            bf16_bytes((0..n).map(|_| bound * rng.next_f32()))
+        };
+        let shape = shape.iter().map(|&d| d as u64).collect();
+        tensors.push((name.clone(), offload_core::model::DType::Bf16, shape, bytes));
+    }
+    offload_safetensors::write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors)
+}
+
+/// Random inputs for a `side × side` latent grid (`side²` image tokens)
+/// and `text` tokens, on `device`: latents and text states uniform in ±1,
+/// timestep 0.5, guidance 3.5, image ids `(0, row, col)`, text ids 0.
+pub fn random_inputs(
+    cfg: &FluxConfig,
+    side: usize,
+    text: usize,
+    seed: u64,
+    device: &Device,
+) -> Result<FluxInputs> {
+    let mut rng = Uniform::new(seed);
+    let mut uniform = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.next_f32()).collect() };
+    let s = side * side;
+    let bf16 =
+        |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, device)?.to_dtype(DType::BF16);
+    let img_ids: Vec<f32> = (0..s)
+        .flat_map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+        .collect();
+    Ok(FluxInputs {
+        hidden_states: bf16(uniform(s * cfg.in_channels), &[1, s, cfg.in_channels])?,
+        encoder_hidden_states: bf16(
+            uniform(text * cfg.joint_attention_dim),
+            &[1, text, cfg.joint_attention_dim],
+        )?,
+        pooled_projections: bf16(
+            uniform(cfg.pooled_projection_dim),
+            &[1, cfg.pooled_projection_dim],
+        )?,
+        timestep: Tensor::new(&[0.5f32], device)?,
+        guidance: Tensor::new(&[3.5f32], device)?,
+        img_ids: Tensor::from_vec(img_ids, (s, 3), device)?,
+        txt_ids: Tensor::zeros((text, 3), DType::F32, device)?,
+    })
+}
+
+impl FluxInputs {
+    /// The inputs by name, as the reference script reads and writes them.
+    pub fn to_map(&self) -> std::collections::HashMap<String, Tensor> {
+        [
+            ("hidden_states", &self.hidden_states),
+            ("encoder_hidden_states", &self.encoder_hidden_states),
+            ("pooled_projections", &self.pooled_projections),
+            ("timestep", &self.timestep),
+            ("guidance", &self.guidance),
+            ("img_ids", &self.img_ids),
+            ("txt_ids", &self.txt_ids),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.clone()))
+        .collect()
+    }
+
+    /// The inputs from a `.safetensors` file written by [`Self::save`] or
+    /// the reference script, on `device`.
+    pub fn load(path: &std::path::Path, device: &Device) -> Result<Self> {
+        let mut m = candle_core::safetensors::load(path, device)?;
+        let mut take = |k: &str| {
+            m.remove(k).ok_or_else(|| {
+                candle_core::Error::Msg(format!("{}: no tensor `{k}`", path.display()))
+            })
+        };
+        Ok(Self {
+            hidden_states: take("hidden_states")?,
+            encoder_hidden_states: take("encoder_hidden_states")?,
+            pooled_projections: take("pooled_projections")?,
+            timestep: take("timestep")?,
+            guidance: take("guidance")?,
+            img_ids: take("img_ids")?,
+            txt_ids: take("txt_ids")?,
+        })
+    }
+
+    /// Writes the inputs to a `.safetensors` file.
+    pub fn save(&self, path: &std::path::Path) -> Result<()> {
+        candle_core::safetensors::save(&self.to_map(), path)
+    }
+}
