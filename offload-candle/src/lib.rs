@@ -24,6 +24,9 @@ use offload_core::runtime::{Scope, View};
 
 pub mod flux;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 pub use flux::{Flux, FluxConfig, FluxInputs, ModuleWeights, Weights};
 
 /// candle's element type for offload's, where candle has one.
@@ -54,6 +57,22 @@ pub trait ViewTensors<A: Api> {
     /// The tensor `view` holds, readable by candle operations issued while
     /// the scope that lent it runs (a copy, or the slot itself).
     fn tensor(&self, scope: &Scope<'_, A>, view: &View<'_, A>) -> Result<Tensor>;
+
+    /// Called when a module's scope opens, before its first candle
+    /// operation: orders candle's work after what the scope's stream holds
+    /// (the slot's fill). Default: nothing (copies are already ordered).
+    fn enter(&self, scope: &Scope<'_, A>) -> Result<()> {
+        let _ = scope;
+        Ok(())
+    }
+
+    /// Called when a module's scope closes, after its last candle operation
+    /// was issued: orders the scope's stream (and so the slot's reuse) after
+    /// candle's work. Default: nothing.
+    fn exit(&self, scope: &Scope<'_, A>) -> Result<()> {
+        let _ = scope;
+        Ok(())
+    }
 }
 
 /// Copies each view to the host through the device traits (a pinned
@@ -134,20 +153,23 @@ impl<A: Api, V: ViewTensors<A>> ModuleWeights for OffloadScope<'_, '_, A, V> {
         path: &str,
         f: &mut dyn FnMut(&dyn Weights) -> Result<R>,
     ) -> Result<R> {
-        if path.is_empty() {
-            let scope = self.scope;
+        let run = |scope: &Scope<'_, A>, f: &mut dyn FnMut(&dyn Weights) -> Result<R>| {
             let get = |name: &str| -> Result<Tensor> {
                 let view = scope.view(name).map_err(candle_core::Error::wrap)?;
                 self.views.tensor(scope, &view)
             };
-            return f(&get);
+            self.views.enter(scope)?;
+            let out = f(&get);
+            // Ordered even when `f` failed: its issued work may still read
+            // the slot.
+            self.views.exit(scope)?;
+            out
+        };
+        if path.is_empty() {
+            return run(self.scope, f);
         }
         let ran = self.scope.child(path, |blk| {
-            let get = |name: &str| -> Result<Tensor> {
-                let view = blk.view(name).map_err(candle_core::Error::wrap)?;
-                self.views.tensor(blk, &view)
-            };
-            f(&get).map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            run(blk, &mut *f).map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
         });
         match ran {
             Ok(Some(r)) => Ok(r),

@@ -1,0 +1,348 @@
+//! The candle Flux DiT on a GPU, streamed by offload from a safetensors
+//! checkpoint, against itself resident and against diffusers.
+//!
+//! ```sh
+//! offload-flux-bench --ckpt DIR --inputs inputs.safetensors --reference diffusers_out.safetensors
+//! ```
+//!
+//! In one process: the host→device bandwidth of pinned memory; `enable`
+//! from the checkpoint (mapping, validation, registration in place, the
+//! resident rest) with the host memory it added; the offloaded step (median
+//! of `--steps`) and its output; the resident candle step (every weight
+//! loaded by candle's own safetensors reader) and its output; the two
+//! outputs compared bit for bit, and against diffusers' (cosine, max abs
+//! error); step / limit with limit = max(resident step, streamed bytes /
+//! bandwidth); then `--growth-steps` offloaded steps at a small size with
+//! host and device memory read after the warm-up and at the end. One JSON
+//! object last.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use offload_candle::cuda::ZeroCopy;
+use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
+use offload_candle::OffloadScope;
+use offload_core::device::{Device as _, HostBuffer as _, HostSource};
+use offload_core::model::PipelineBuilder;
+use offload_core::runtime::{Backend, CorePlatform, Runtime, WeightSource};
+use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
+use offload_cuda::{Cuda, CudaDevice};
+use offload_safetensors::{Checkpoint, NameMap, SafetensorsSource};
+
+#[derive(Parser, Debug)]
+#[command(about = "candle Flux DiT streamed by offload from a safetensors checkpoint")]
+struct Args {
+    /// diffusers checkpoint directory (config.json + safetensors shards).
+    #[arg(long)]
+    ckpt: PathBuf,
+    /// Inputs (.safetensors written by flux_reference.py or FluxInputs::save).
+    #[arg(long)]
+    inputs: PathBuf,
+    /// diffusers' output on the same inputs (.safetensors with `output`).
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// Timed steps per figure (median reported).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    steps: u32,
+    /// Offloaded steps of the memory-growth run.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    growth_steps: u32,
+    /// Blocks left streaming in the growth run (the rest resident, so that
+    /// 1,000 steps take seconds, not minutes).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=57))]
+    growth_streamed: u32,
+    /// Layerwise prefetch depth.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
+    depth: u32,
+    /// Write the JSON here as well.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn pipeline(ckpt: &Checkpoint) -> Result<Pipeline> {
+    let mut b = PipelineBuilder::new("FluxPipeline");
+    {
+        let mut t = b.module("transformer");
+        ckpt.declare(&mut t, "");
+        t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        ..Default::default()
+    });
+    Ok(b.build()?)
+}
+
+/// (VmRSS, RssAnon) in bytes.
+fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("RssAnon:"))
+}
+
+/// Host→device GB/s of a fresh 1 GiB pinned buffer, best of 5 copies.
+fn bandwidth(dev: &CudaDevice) -> Result<f64> {
+    let bytes = 1u64 << 30;
+    let mut host = dev.alloc_pinned(bytes)?;
+    host.write_from(0, bytes, &vec![1u8; bytes as usize]);
+    let buf = dev.alloc_device(bytes)?;
+    let stream = dev.create_stream()?;
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        // SAFETY: whole buffers of `bytes`; the stream is synchronised
+        // before either is freed.
+        unsafe { dev.copy_h2d(&stream, HostSource::Pinned(&host), 0, &buf, 0, bytes)? };
+        dev.synchronize_stream(&stream)?;
+        best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    // SAFETY: the stream that used both is synchronised above.
+    unsafe {
+        dev.free_device(buf, &[])?;
+        dev.free_pinned(host)?;
+    }
+    Ok(best)
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u16>> {
+    Ok(t.flatten_all()?
+        .to_dtype(DType::BF16)?
+        .to_vec1::<half::bf16>()?
+        .into_iter()
+        .map(half::bf16::to_bits)
+        .collect())
+}
+
+/// Cosine similarity and the largest absolute difference.
+fn compare(a: &Tensor, b: &Tensor) -> Result<(f64, f32)> {
+    let a: Vec<f32> = a.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+    let b: Vec<f32> = b.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+    if a.len() != b.len() {
+        bail!("outputs of {} and {} elements", a.len(), b.len());
+    }
+    let dot: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+    let na = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let nb = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let max = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    Ok((dot / (na * nb), max))
+}
+
+struct Offloaded {
+    rt: Runtime<Cuda>,
+    views: ZeroCopy,
+}
+
+impl Offloaded {
+    fn step(&self, model: &Flux, inputs: &FluxInputs) -> Result<Tensor> {
+        let out = self
+            .rt
+            .forward("transformer", |dit| {
+                let scope = OffloadScope::new(dit, &self.views);
+                model.forward(inputs, &scope).map_err(|e| match scope.take_error() {
+                    Some(offload) => Box::new(offload) as Box<dyn std::error::Error + Send + Sync>,
+                    None => Box::new(e),
+                })
+            })?
+            .ok_or_else(|| anyhow!("the DiT's forward was skipped"))?;
+        Ok(out)
+    }
+}
+
+fn sync(candle: &Device, dev: &CudaDevice, compute: &offload_cuda::CudaStream) -> Result<()> {
+    candle.synchronize()?;
+    dev.synchronize_stream(compute)?;
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing::Level::INFO)
+        .init();
+    let args = Args::parse();
+    if !offload_cuda::driver_present() {
+        println!("SKIP: no CUDA driver found; offload-flux-bench needs a GPU");
+        return Ok(());
+    }
+    let cfg: FluxConfig = serde_json::from_str(
+        &std::fs::read_to_string(args.ckpt.join("config.json")).context("config.json")?,
+    )
+    .context("config.json is not a FluxTransformer2DModel configuration")?;
+    let mut report = serde_json::Map::new();
+    let dev = Arc::new(CudaDevice::new(0)?);
+    report.insert("device".into(), dev.name().into());
+    let gbps = bandwidth(&dev)?;
+    report.insert("pinned_h2d_gb_s".into(), gbps.into());
+
+    // enable from the checkpoint.
+    let (rss0, anon0) = rss();
+    let t = Instant::now();
+    let ckpt = Arc::new(Checkpoint::open(&args.ckpt)?);
+    let pipe = pipeline(&ckpt)?;
+    let source = Arc::new(SafetensorsSource::new(
+        &pipe,
+        vec![(Arc::clone(&ckpt), NameMap::prefix("transformer.", ""))],
+    )?);
+    let compute = Arc::new(dev.create_stream()?);
+    let platform = CorePlatform::<Cuda>::new(
+        "cuda",
+        Arc::clone(&dev),
+        Arc::clone(&compute),
+        Arc::clone(&source) as Arc<dyn WeightSource>,
+    )
+    .with_prefetch_depth(args.depth as usize);
+    let layerwise = OffloadConfig {
+        enable_layerwise_offload: true,
+        ..Default::default()
+    };
+    let mut rt = Runtime::new(Arc::clone(&dev), Arc::clone(&compute), pipe.clone());
+    rt.enable(Box::new(platform.layerwise(layerwise)?) as Box<dyn Backend<Cuda>>)
+        .map_err(|(e, _)| e)?;
+    let enable_s = t.elapsed().as_secs_f64();
+    let (rss1, anon1) = rss();
+    let (windows, copies) = source.windows_and_copies();
+    let streamed = rt.backend().map_or(0, |b| b.host_weight_bytes());
+    report.insert("checkpoint_bytes".into(), ckpt.total_bytes().into());
+    report.insert("checkpoint_files".into(), ckpt.files().count().into());
+    report.insert("enable_s".into(), enable_s.into());
+    report.insert("enable_rss_added_bytes".into(), rss1.saturating_sub(rss0).into());
+    report.insert("enable_anon_added_bytes".into(), anon1.saturating_sub(anon0).into());
+    report.insert("units_registered_in_place".into(), windows.into());
+    report.insert("units_copied_to_pinned".into(), copies.into());
+    report.insert("streamed_bytes".into(), streamed.into());
+
+    // The offloaded steps.
+    let candle = Device::Cuda(candle_core::CudaDevice::new_with_stream(0)?);
+    let inputs = FluxInputs::load(&args.inputs, &candle)?;
+    let tokens = inputs.hidden_states.dim(1)? + inputs.encoder_hidden_states.dim(1)?;
+    report.insert("tokens".into(), tokens.into());
+    let model = Flux::new(cfg.clone(), &candle)?;
+    // SAFETY: Flux returns freshly computed tensors; the views are used only
+    // inside their scopes; `off` (the backend) outlives every step below,
+    // each synchronised.
+    let views = unsafe { ZeroCopy::new(&candle)? };
+    let off = Offloaded { rt, views };
+    let first = off.step(&model, &inputs)?;
+    sync(&candle, &dev, &compute)?;
+    let mut times = Vec::new();
+    for _ in 0..args.steps {
+        let t = Instant::now();
+        let out = off.step(&model, &inputs)?;
+        sync(&candle, &dev, &compute)?;
+        times.push(t.elapsed().as_secs_f64());
+        if bits(&out)? != bits(&first)? {
+            bail!("two offloaded steps on the same inputs differ");
+        }
+    }
+    let offload_step = median(times.clone());
+    report.insert("offload_step_s".into(), offload_step.into());
+    report.insert("offload_steps_s".into(), times.into());
+    report.insert("zero_copy_views_cached".into(), off.views.cached().into());
+    let Offloaded { mut rt, views } = off;
+    drop(views);
+    rt.disable()?;
+    drop(rt);
+
+    // candle resident: every weight loaded by candle's own reader.
+    let t = Instant::now();
+    let files: Vec<PathBuf> = ckpt.files().map(Path::to_owned).collect();
+    // SAFETY: candle maps the same read-only files; nothing rewrites them.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files)? };
+    let mut weights: HashMap<String, Tensor> = HashMap::new();
+    for (name, _) in st.tensors() {
+        weights.insert(name.clone(), st.load(&name, &candle)?);
+    }
+    candle.synchronize()?;
+    report.insert("candle_resident_load_s".into(), t.elapsed().as_secs_f64().into());
+    let resident_out = model.forward(&inputs, &weights)?;
+    candle.synchronize()?;
+    let mut times = Vec::new();
+    for _ in 0..args.steps {
+        let t = Instant::now();
+        model.forward(&inputs, &weights)?;
+        candle.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let resident_step = median(times);
+    drop(weights);
+    let identical = bits(&resident_out)? == bits(&first)?;
+    report.insert("resident_step_s".into(), resident_step.into());
+    report.insert("offload_equals_resident".into(), identical.into());
+    let limit = resident_step.max(streamed as f64 / (gbps * 1e9));
+    report.insert("limit_s".into(), limit.into());
+    report.insert("step_over_limit".into(), (offload_step / limit).into());
+    if let Some(r) = &args.reference {
+        let reference = candle_core::safetensors::load(r, &Device::Cpu)?;
+        let theirs = reference.get("output").ok_or_else(|| anyhow!("{}: no `output`", r.display()))?;
+        let (cos, max_abs) = compare(&first.to_device(&Device::Cpu)?, theirs)?;
+        report.insert("cosine_vs_diffusers".into(), cos.into());
+        report.insert("max_abs_vs_diffusers".into(), f64::from(max_abs).into());
+        let (cos_r, _) = compare(&resident_out.to_device(&Device::Cpu)?, theirs)?;
+        report.insert("cosine_resident_vs_diffusers".into(), cos_r.into());
+    }
+
+    // Memory growth over many steps: most blocks resident, the last
+    // `growth_streamed` blocks streaming, a small request.
+    if args.growth_steps > 0 {
+        let blocks = Flux::new(cfg.clone(), &candle)?.block_paths();
+        let keep = blocks.len().saturating_sub(args.growth_streamed as usize);
+        let config = OffloadConfig {
+            enable_layerwise_offload: true,
+            resident_blocks: blocks[..keep].iter().map(|b| format!("transformer.{b}")).collect(),
+            ..Default::default()
+        };
+        let mut rt = Runtime::new(Arc::clone(&dev), Arc::clone(&compute), pipe.clone());
+        rt.enable(Box::new(platform.layerwise(config)?) as Box<dyn Backend<Cuda>>)
+            .map_err(|(e, _)| e)?;
+        // SAFETY: as above.
+        let views = unsafe { ZeroCopy::new(&candle)? };
+        let off = Offloaded { rt, views };
+        let small = flux::random_inputs(&cfg, 16, 64, 3, &candle)?;
+        let warm = 10.min(args.growth_steps);
+        let mut at_warm = None;
+        let t = Instant::now();
+        for i in 0..args.growth_steps {
+            off.step(&model, &small)?;
+            if i + 1 == warm {
+                sync(&candle, &dev, &compute)?;
+                at_warm = Some((rss(), dev.memory_info()?.free_bytes));
+            }
+        }
+        sync(&candle, &dev, &compute)?;
+        let elapsed = t.elapsed().as_secs_f64();
+        let ((rss_w, anon_w), free_w) = at_warm.expect("at least one step");
+        let ((rss_e, anon_e), free_e) = (rss(), dev.memory_info()?.free_bytes);
+        report.insert("growth_steps".into(), args.growth_steps.into());
+        report.insert("growth_step_s".into(), (elapsed / f64::from(args.growth_steps)).into());
+        report.insert("growth_rss_bytes".into(), (rss_e as i64 - rss_w as i64).into());
+        report.insert("growth_anon_bytes".into(), (anon_e as i64 - anon_w as i64).into());
+        report.insert("growth_device_bytes".into(), (free_w as i64 - free_e as i64).into());
+        report.insert("growth_views_cached".into(), off.views.cached().into());
+        let Offloaded { mut rt, views } = off;
+        drop(views);
+        rt.disable()?;
+    }
+    let json = serde_json::Value::Object(report);
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_string_pretty(&json)?)?;
+    }
+    println!("{json}");
+    Ok(())
+}
