@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use offload_core::device::Device;
 use offload_core::invariants::Violation;
-use offload_core::lifecycle::{LifecycleState, OffloadError, get_offload_backend};
+use offload_core::lifecycle::{LifecycleState, OffloadError};
 use offload_core::model::{ModuleId, StorageId, TensorId, TensorKind};
 use offload_core::runtime::{
     Backend, CorePlatform, MemoryBounds, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
@@ -557,10 +557,7 @@ impl Rig {
     pub fn backend(&self, choice: &StrategyChoice) -> Result<Box<dyn Backend<Sim>>, OffloadError> {
         match choice {
             StrategyChoice::Resident => self.platform.resident(),
-            StrategyChoice::Config(config) => match get_offload_backend(config, &self.platform)? {
-                Some(b) => Ok(b),
-                None => self.platform.resident(),
-            },
+            StrategyChoice::Config(config) => self.platform.backend_for(config),
         }
     }
 
