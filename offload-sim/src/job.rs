@@ -522,9 +522,7 @@ fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> 
                 "allowed: a power of two (1, 2, 4, …)",
             ));
         }
-        None => (preset.weight_bytes() / (64 << 20))
-            .max(1)
-            .next_power_of_two(),
+        None => crate::harness::default_payload_divisor(preset.weight_bytes()),
     };
     Ok((
         Workload {
