@@ -264,3 +264,26 @@ fn a_configuration_selecting_no_offload_runs_resident() {
     );
     rig.runtime.disable().unwrap();
 }
+
+/// `Rig::quick` on a real model's description: it keeps one payload byte
+/// in `d` (under 64 MiB in all), so Flux.1-dev (23.8 GB of weights) runs
+/// layerwise in a debug test, and the tiny preset keeps every byte.
+#[test]
+fn the_quick_rig_samples_big_pipelines_only() {
+    use offload_core::OffloadConfig;
+    use offload_sim::harness::{Rig, component_forward, default_payload_divisor};
+    use offload_sim::presets::flux1_dev;
+    let flux = flux1_dev();
+    assert_eq!(default_payload_divisor(tiny().weight_bytes()), 1);
+    assert!(flux.weight_bytes() / default_payload_divisor(flux.weight_bytes()) <= 64 << 20);
+    let mut rig = Rig::quick(flux.pipeline.clone()).unwrap();
+    let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
+    rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+    let done = component_forward(&rig.runtime, &rig.probe.output, "transformer", |_| {
+        offload_sim::harness::Charge::default()
+    })
+    .unwrap();
+    assert!(done.block_bytes > 20_000_000_000, "{done:?}");
+    rig.runtime.disable().unwrap();
+    assert!(rig.device.violations().is_empty());
+}
