@@ -27,5 +27,8 @@ fn the_readme_configuration_parses_and_selects_layerwise() {
     let blocks = toml_blocks(readme);
     assert_eq!(blocks.len(), 1, "one TOML block in the README");
     let config = OffloadConfig::from_toml_str(&blocks[0]).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(config.select().unwrap().strategy, OffloadStrategy::Layerwise);
+    assert_eq!(
+        config.select().unwrap().strategy,
+        OffloadStrategy::Layerwise
+    );
 }

@@ -229,7 +229,11 @@ fn a_configuration_selecting_no_offload_runs_resident() {
     ] {
         let config = OffloadConfig::from_json_str(text).unwrap();
         let mut rig = Rig::new(w.preset.pipeline.clone(), &opts).unwrap();
-        assert!(get_offload_backend(&config, &rig.platform).unwrap().is_none());
+        assert!(
+            get_offload_backend(&config, &rig.platform)
+                .unwrap()
+                .is_none()
+        );
         let e = rig
             .runtime
             .forward("transformer", |dit| Ok(dit.views()?.len()))

@@ -170,7 +170,9 @@ fn spans_name_each_enable_transfer_and_collective() {
     }
     let collectives: Vec<&Seen> = seen
         .iter()
-        .filter(|s| s.name == "offload.collective" && s.parent.as_deref() == Some("offload.transfer"))
+        .filter(|s| {
+            s.name == "offload.collective" && s.parent.as_deref() == Some("offload.transfer")
+        })
         .collect();
     assert_eq!(collectives.len(), gathers.len(), "{seen:#?}");
     let mut by_size: Vec<u64> = gathers.iter().map(|g| g.bytes()).collect();

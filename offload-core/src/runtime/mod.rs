@@ -606,18 +606,14 @@ impl<'rt, A: Api> Scope<'rt, A> {
             module: self.path().to_owned(),
             reason: format!("tensor `{}` is not on the device: {why}", p.tensor_path(id)),
         };
-        let backend = self
-            .rt
-            .backend
-            .as_ref()
-            .ok_or_else(|| {
-                not_resident(
-                    "no backend is enabled; enable one before the first forward: \
+        let backend = self.rt.backend.as_ref().ok_or_else(|| {
+            not_resident(
+                "no backend is enabled; enable one before the first forward: \
                      `Runtime::enable_selected(&config, &platform)` enables the backend the \
                      configuration selects, or the resident one when it selects no offload"
-                        .to_owned(),
-                )
-            })?;
+                    .to_owned(),
+            )
+        })?;
         let loc = backend.locate(tensor.storage).ok_or_else(|| {
             not_resident(match backend.residency(tensor.storage) {
                 Some(r) => format!("its storage is {r:?}"),
