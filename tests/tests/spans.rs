@@ -145,8 +145,10 @@ fn spans_name_each_enable_transfer_and_collective() {
 
     // Distributed layerwise on two ranks: each block's gather is a transfer
     // on the communication stream with the collective's span inside it.
-    let mut dlo = OffloadConfig::default();
-    dlo.enable_distributed_layerwise_offload = true;
+    let dlo = OffloadConfig {
+        enable_distributed_layerwise_offload: true,
+        ..OffloadConfig::default()
+    };
     let m = MultiOptions {
         ranks: 2,
         run: RunOptions::new(DeviceProfile::h200()),

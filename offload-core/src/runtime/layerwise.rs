@@ -333,13 +333,8 @@ impl Transport {
                 } else {
                     shard.bytes
                 };
-                let _span = transfer_span(
-                    name,
-                    shard_bytes * u64::from(shard.group),
-                    "comm",
-                    "all-gather",
-                )
-                .entered();
+                let _span =
+                    transfer_span(name, shard_bytes * shard.group, "comm", "all-gather").entered();
                 // SAFETY: `shard_bytes` ≤ the shard buffer (it holds the
                 // largest shard, and a slot holds G of them) and G ×
                 // `shard_bytes` ≤ the slot; the communication stream waits
