@@ -540,6 +540,17 @@ pub struct DisabledFlag {
     pub by: OffloadStrategy,
 }
 
+impl fmt::Display for DisabledFlag {
+    /// The line selection logs for it (and the main job prints).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "offload flag `{}` disabled: `{}` offload has priority",
+            self.flag, self.by
+        )
+    }
+}
+
 /// The outcome of [`select`]: one strategy and everything it needs from the
 /// configuration.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -651,13 +662,7 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
     }
 
     for disabled in &selection.disabled_flags {
-        tracing::info!(
-            flag = disabled.flag,
-            selected = %disabled.by,
-            "offload flag `{}` disabled: `{}` offload has priority",
-            disabled.flag,
-            disabled.by
-        );
+        tracing::info!(flag = disabled.flag, selected = %disabled.by, "{disabled}");
     }
     Ok(selection)
 }

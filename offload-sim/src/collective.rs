@@ -204,6 +204,18 @@ impl Collective<Sim> for SimCollective {
         dst_offset: u64,
     ) -> Result<(), SimError> {
         let (group, r) = (&self.rank.group, self.rank.index);
+        // As NCCL's (offload-dist): one debug span per collective, inside
+        // the strategy's `offload.transfer` span naming the block.
+        let _span = tracing::debug_span!(
+            "offload.collective",
+            op = "all-gather",
+            bytes = shard_bytes * u64::from(group.size),
+            shard_bytes,
+            rank = r,
+            ranks = group.size,
+            stream = stream.id(),
+        )
+        .entered();
         let n = group.issue(r)?;
         let call = GatherCall {
             stream,

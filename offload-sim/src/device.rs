@@ -86,6 +86,13 @@ pub struct SimStream {
     index: usize,
 }
 
+impl SimStream {
+    /// The stream's id on its device (0 is the host's; never reused).
+    pub fn id(&self) -> usize {
+        self.index
+    }
+}
+
 /// A simulated event.
 #[derive(Debug)]
 pub struct SimEvent {

@@ -184,8 +184,21 @@ pub struct Report {
     pub fits: bool,
     /// Why it did not fit.
     pub error: Option<String>,
+    /// The device's memory: the profile's, or `--device-memory-gb`.
+    pub device_memory_bytes: u64,
+    /// What the device lacks for this strategy: INV-7's device bound less
+    /// the device's memory (null when it fits).
+    pub needs_more_bytes: Option<u64>,
+    /// `fits on h200 (141.00 GB)`, or `does not fit on rtx4090 (24.00 GB):
+    /// needs 12.34 GB more` ([`fit_line`]).
+    pub fit: String,
+    /// The configuration's selection notes, as its log lines say them
+    /// (each flag disabled by priority); empty without a configuration.
+    pub selection_notes: Vec<String>,
     /// Median step time of the timed requests.
     pub step_time_ms: Option<f64>,
+    /// Time per image: steps × step time (one request's denoising).
+    pub image_time_ms: Option<f64>,
     /// The resident baseline's step time (unbounded memory).
     pub resident_step_time_ms: f64,
     /// DiT compute per step by the device's kernel model (the sum of the
@@ -286,6 +299,44 @@ impl JobOutput {
             return Err(JobError::Violations { count });
         }
         Ok(())
+    }
+}
+
+/// The row's verdict on the device: `fits on h200 (141.00 GB)`, or, when
+/// the strategy needs `needs_more` bytes beyond the device's memory,
+/// `does not fit on rtx4090 (24.00 GB): needs 12.34 GB more`.
+pub fn fit_line(profile: &DeviceProfile, needs_more: Option<u64>) -> String {
+    let device = format!("{} ({})", profile.name, bytes_text(profile.memory_bytes));
+    match needs_more {
+        None => format!("fits on {device}"),
+        Some(more) => format!("does not fit on {device}: needs {} more", bytes_text(more)),
+    }
+}
+
+/// Bytes for people: `141.00 GB`, `12.50 MB`, `4.42 kB`, `12 bytes` (powers
+/// of ten).
+pub fn bytes_text(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.2} kB", b / 1e3)
+    } else {
+        format!("{bytes} bytes")
+    }
+}
+
+/// The selection's log lines for `choice` (what `select` logs at `info`),
+/// so that the job shows them once beside its rows.
+fn selection_notes(choice: &StrategyChoice) -> Vec<String> {
+    match choice {
+        StrategyChoice::Config(c) => c
+            .select()
+            .map(|s| s.disabled_flags.iter().map(ToString::to_string).collect())
+            .unwrap_or_default(),
+        StrategyChoice::Resident => Vec::new(),
     }
 }
 
@@ -395,7 +446,12 @@ fn report(
         tokens: w.tokens,
         fits: true,
         error: None,
+        device_memory_bytes: profile.memory_bytes,
+        needs_more_bytes: None,
+        fit: fit_line(profile, None),
+        selection_notes: Vec::new(),
         step_time_ms: Some(step),
+        image_time_ms: Some(step * steps as f64),
         resident_step_time_ms: base.step_ms,
         compute_ms: base.compute_ms,
         limit_ms: Some(limit),
@@ -439,7 +495,12 @@ impl Report {
             tokens: w.tokens,
             fits,
             error: Some(error),
+            device_memory_bytes: profile.memory_bytes,
+            needs_more_bytes: None,
+            fit: fit_line(profile, None),
+            selection_notes: Vec::new(),
             step_time_ms: None,
+            image_time_ms: None,
             resident_step_time_ms: base.step_ms,
             compute_ms: base.compute_ms,
             limit_ms: None,
@@ -522,9 +583,7 @@ fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> 
                 "allowed: a power of two (1, 2, 4, …)",
             ));
         }
-        None => (preset.weight_bytes() / (64 << 20))
-            .max(1)
-            .next_power_of_two(),
+        None => crate::harness::default_payload_divisor(preset.weight_bytes()),
     };
     Ok((
         Workload {
@@ -792,7 +851,12 @@ fn run_dlo(
         tokens: w.tokens,
         fits: true,
         error: None,
+        device_memory_bytes: profile.memory_bytes,
+        needs_more_bytes: None,
+        fit: fit_line(profile, None),
+        selection_notes: Vec::new(),
         step_time_ms: Some(step),
+        image_time_ms: Some(step * w.steps as f64),
         resident_step_time_ms: base.step_ms,
         compute_ms: base.compute_ms,
         limit_ms: Some(limit),
@@ -826,11 +890,24 @@ fn strategy_name(choice: &StrategyChoice) -> String {
     }
 }
 
-/// Runs the job. `progress` is told which strategy starts (the binary
-/// prints it, so a long run is not silent).
-pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutput, JobError> {
+/// Where the job is: run `index` of `total` (the resident baseline, then
+/// each strategy) starts, doing `what`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stage<'a> {
+    /// Runs finished before this one.
+    pub index: usize,
+    /// Runs in all.
+    pub total: usize,
+    /// What this run is (`resident baseline`, `layerwise`, …).
+    pub what: &'a str,
+}
+
+/// Runs the job. `progress` is told when each run starts (the binary
+/// draws a progress bar from it on a terminal).
+pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<JobOutput, JobError> {
     let (w, profile, divisor) = workload(args)?;
     let choices = choices(args)?;
+    let total = 1 + choices.len();
     let ranks = ranks_of(args, &choices)?;
     let divisor = gather_divisor(args, &w, ranks, divisor)?;
     let opts = RunOptions {
@@ -854,7 +931,11 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
         faults: FaultPlan::none(),
         ..opts.clone()
     };
-    progress("resident baseline");
+    progress(Stage {
+        index: 0,
+        total,
+        what: "resident baseline",
+    });
     let resident = run(&w, &StrategyChoice::Resident, &unbounded).map_err(|f| JobError::Run {
         strategy: "resident baseline".to_owned(),
         error: f.error,
@@ -869,19 +950,21 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
     for (i, choice) in choices.iter().enumerate() {
         let name = strategy_name(choice);
         if is_dlo(choice) && ranks > 1 {
-            progress(&format!("{name} on {ranks} ranks"));
-            reports.push(run_dlo(
-                args,
-                &w,
-                &profile,
-                choice,
-                ranks,
-                (&opts, &unbounded),
-                base,
-            )?);
+            progress(Stage {
+                index: i + 1,
+                total,
+                what: &format!("{name} on {ranks} ranks"),
+            });
+            let mut r = run_dlo(args, &w, &profile, choice, ranks, (&opts, &unbounded), base)?;
+            r.selection_notes = selection_notes(choice);
+            reports.push(r);
             continue;
         }
-        progress(&name);
+        progress(Stage {
+            index: i + 1,
+            total,
+            what: &name,
+        });
         let out = match run(&w, choice, &opts) {
             Ok(out) => out,
             Err(f) => {
@@ -898,7 +981,9 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
                     )
                 };
                 if args.faults.any() {
-                    reports.push(row(true, &f));
+                    let mut r = row(true, &f);
+                    r.selection_notes = selection_notes(choice);
+                    reports.push(r);
                     continue;
                 }
                 if f.error.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) {
@@ -907,6 +992,9 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
                             .map_or(u64::MAX, |b| b.device_weight_bytes);
                     if bound > profile.memory_bytes {
                         let mut r = row(false, &f);
+                        r.needs_more_bytes = Some(bound - profile.memory_bytes);
+                        r.fit = fit_line(&profile, r.needs_more_bytes);
+                        r.selection_notes = selection_notes(choice);
                         r.error = Some(format!(
                             "needs {:.2} GB of weights on the device at once (INV-7's bound), the device has {:.2} GB ({})",
                             bound as f64 / 1e9,
@@ -929,7 +1017,8 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(&str)) -> Result<JobOutp
                 });
             }
         };
-        let r = report(&w, &profile, &out, &resident);
+        let mut r = report(&w, &profile, &out, &resident);
+        r.selection_notes = selection_notes(choice);
         if args.trace {
             let chrome = out.trace.to_chrome_json();
             for mut e in chrome["traceEvents"]

@@ -7,14 +7,133 @@
 //! anything ([`offload_sim::plan`]): exit status 0 when the model fits the
 //! budget, non-zero with the planner's error when it does not.
 
+use std::collections::HashSet;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use offload_core::OffloadStrategy;
-use offload_sim::job::{JobArgs, JobOutput, Report, StrategySet, run_job};
+use offload_sim::job::{JobArgs, JobOutput, Report, Stage, StrategySet, run_job};
 use offload_sim::plan::{Capacity, PlanArgs, capacity};
+
+/// How long a job runs before its progress bar appears: shorter jobs draw
+/// nothing.
+const SHOW_PROGRESS_AFTER: Duration = Duration::from_secs(1);
+
+/// The job's progress bar (indicatif, on stderr): drawn only when stderr
+/// is a terminal and only once the job has run for
+/// [`SHOW_PROGRESS_AFTER`]; otherwise nothing is drawn and no progress line
+/// is printed (tests, CI and pipes see only the results and the log).
+struct Progress {
+    bar: ProgressBar,
+    /// Set when the job is over; the timer thread draws nothing after it.
+    finished: Arc<Mutex<bool>>,
+}
+
+impl Progress {
+    fn new() -> Self {
+        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:24} {pos}/{len} runs: {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Self {
+            bar,
+            finished: Arc::new(Mutex::new(false)),
+        }
+    }
+
+    /// Draws the bar after [`SHOW_PROGRESS_AFTER`] if `terminal` (stderr
+    /// is one) and the job is still running then.
+    fn start(&self, terminal: bool) {
+        if !terminal {
+            return;
+        }
+        let (bar, finished) = (self.bar.clone(), Arc::clone(&self.finished));
+        std::thread::spawn(move || {
+            std::thread::sleep(SHOW_PROGRESS_AFTER);
+            let finished = finished.lock().unwrap_or_else(PoisonError::into_inner);
+            if !*finished {
+                bar.set_draw_target(ProgressDrawTarget::stderr());
+                bar.enable_steady_tick(Duration::from_millis(100));
+            }
+        });
+    }
+
+    fn stage(&self, stage: Stage<'_>) {
+        self.bar.set_length(stage.total as u64);
+        self.bar.set_position(stage.index as u64);
+        self.bar.set_message(stage.what.to_owned());
+    }
+
+    fn finish(&self) {
+        let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        *finished = true;
+        self.bar.finish_and_clear();
+    }
+}
+
+/// Where log lines go: stderr, each distinct line once (the strategy
+/// selection logs its notes each time a configuration is selected, which
+/// the job does several times), and around the progress bar, not through
+/// it.
+#[derive(Clone)]
+struct LogWriter {
+    seen: Arc<Mutex<HashSet<Vec<u8>>>>,
+    bar: ProgressBar,
+}
+
+/// One log line being formatted; written when complete.
+struct LogLine {
+    line: Vec<u8>,
+    to: LogWriter,
+}
+
+impl Write for LogLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.line.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        let line = std::mem::take(&mut self.line);
+        let new = self
+            .to
+            .seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(line.clone());
+        if new {
+            self.to.bar.suspend(|| {
+                let _ = std::io::stderr().write_all(&line);
+            });
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogWriter {
+    type Writer = LogLine;
+
+    fn make_writer(&'a self) -> LogLine {
+        LogLine {
+            line: Vec::new(),
+            to: self.clone(),
+        }
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -146,6 +265,10 @@ fn print_table(r: &Report) {
         "── {} ── {} on {}, {} tokens, {} steps",
         r.strategy, r.model, r.gpu, r.tokens, r.steps
     );
+    println!("  {}", r.fit);
+    for note in &r.selection_notes {
+        println!("  configuration: {note}");
+    }
     if let Some(e) = &r.error {
         if r.fits {
             println!("  failed: {e}");
@@ -157,8 +280,10 @@ fn print_table(r: &Report) {
         }
         return;
     }
+    let per_image = format!("time per image ({} steps)", r.steps);
     let rows = [
         ("step time", ms(r.step_time_ms)),
+        (per_image.as_str(), ms(r.image_time_ms)),
         ("resident step time", ms(Some(r.resident_step_time_ms))),
         ("compute (kernel model)", ms(Some(r.compute_ms))),
         ("limit max(compute, bytes/bandwidth)", ms(r.limit_ms)),
@@ -310,9 +435,12 @@ fn print(args: &RunArgs, out: &JobOutput) -> Result<()> {
     Ok(())
 }
 
-fn run_cmd(args: RunArgs) -> Result<()> {
+fn run_cmd(args: RunArgs, progress: &Progress) -> Result<()> {
     let job = job_args(&args)?;
-    let out = run_job(&job, &mut |what| eprintln!("running {what}…"))?;
+    progress.start(std::io::stderr().is_terminal());
+    let out = run_job(&job, &mut |stage| progress.stage(stage));
+    progress.finish();
+    let out = out?;
     print(&args, &out)?;
     out.verdict()?;
     Ok(())
@@ -423,14 +551,18 @@ fn plan_cmd(args: PlanCmdArgs) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    let progress = Progress::new();
     tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+        .with_writer(LogWriter {
+            seen: Arc::default(),
+            bar: progress.bar.clone(),
+        })
         .with_target(false)
         .without_time()
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run_cmd(args),
+        Command::Run(args) => run_cmd(args, &progress),
         Command::Plan(args) => plan_cmd(args),
     };
     match result {

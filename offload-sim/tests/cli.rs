@@ -4,10 +4,21 @@
 use std::process::{Command, Output};
 
 fn sim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_offload-sim"))
+    let o = Command::new(env!("CARGO_BIN_EXE_offload-sim"))
         .args(args)
         .output()
-        .expect("the binary runs")
+        .expect("the binary runs");
+    // Not a terminal: no progress bar (its redraws, escapes, template), no
+    // progress lines (`running …`, as the job printed before it had a bar).
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !err.contains('\r')
+            && !err.contains('\u{1b}')
+            && !err.contains(" runs: ")
+            && !err.contains("running "),
+        "a progress display on a pipe: {err:?}"
+    );
+    o
 }
 
 fn text(o: &Output) -> (String, String) {
@@ -110,6 +121,90 @@ fn tables_by_default() {
         out.contains("ratio to limit") && out.contains("rules broken"),
         "{out}"
     );
+}
+
+/// Each row says whether the strategy fits the device, naming it and its
+/// memory, or how much more it needs; and the time per image (steps ×
+/// step time), null where the strategy did not run.
+#[test]
+fn rows_say_whether_they_fit_and_the_time_per_image() {
+    let o = sim(&["run", "--model", "tiny", "--steps", "3", "--json"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for r in rows.as_array().unwrap() {
+        assert_eq!(r["fit"], "fits on h200 (141.00 GB)", "{r}");
+        assert_eq!(r["device_memory_bytes"], 141_000_000_000u64, "{r}");
+        assert!(r["needs_more_bytes"].is_null(), "{r}");
+        let step = r["step_time_ms"].as_f64().unwrap();
+        let image = r["image_time_ms"].as_f64().unwrap();
+        assert!((image - 3.0 * step).abs() <= 1e-9 * image, "{r}");
+    }
+    // A device of 50 kB: nothing fits, and each row says by how much.
+    let o = sim(&[
+        "run",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--json",
+        "--device-memory-gb",
+        "0.00005",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for r in rows.as_array().unwrap() {
+        assert_eq!(r["fits"], false, "{r}");
+        let more = r["needs_more_bytes"].as_u64().expect("bytes needed");
+        assert!(more > 0, "{r}");
+        let fit = r["fit"].as_str().unwrap();
+        assert!(
+            fit.starts_with("does not fit on h200 (50.00 kB): needs ") && fit.ends_with(" more"),
+            "{fit}"
+        );
+        assert!(r["image_time_ms"].is_null(), "{r}");
+    }
+    // The tables say the same.
+    let o = sim(&[
+        "run",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--strategy",
+        "layerwise",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("  fits on h200 (141.00 GB)\n"), "{out}");
+    assert!(out.contains("time per image (3 steps)"), "{out}");
+}
+
+/// Two enabling flags: the selection's note (the lower flag disabled) is
+/// in the row, printed with the table, and logged once, not once per
+/// selection the job makes.
+#[test]
+fn the_selection_notes_are_shown_once() {
+    let toml = write(
+        "two-flags.toml",
+        "enable_layerwise_offload = true\nenable_cpu_offload = true\n",
+    );
+    let note = "offload flag `enable_cpu_offload` disabled: `layerwise` offload has priority";
+    let config = toml.to_str().unwrap();
+    let o = sim(&[
+        "run", "--model", "tiny", "--steps", "2", "--json", "--config", config,
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows[0]["strategy"], "layerwise");
+    assert_eq!(rows[0]["selection_notes"], serde_json::json!([note]));
+    assert_eq!(err.matches(note).count(), 1, "{err}");
+    let o = sim(&["run", "--model", "tiny", "--steps", "2", "--config", config]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains(&format!("  configuration: {note}\n")), "{out}");
 }
 
 #[test]

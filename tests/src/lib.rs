@@ -4,6 +4,12 @@
 
 pub mod scenario;
 
+/// The README, whose every ```` ```rust ```` block is a doctest of this
+/// crate: `cargo test --workspace` compiles each one and runs those not
+/// marked `no_run` (issue 10: the snippets a newcomer copies must work).
+#[doc = include_str!("../../README.md")]
+mod readme {}
+
 use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Arc, Mutex};

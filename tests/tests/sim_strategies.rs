@@ -209,3 +209,85 @@ fn unpinned_host_masters_are_refused_not_ignored() {
     let config = OffloadConfig::from_json_str(r#"{"pin_cpu_memory": false}"#).unwrap();
     assert!(get_offload_backend(&config, &rig.platform).is_ok());
 }
+
+/// `None` from `get_offload_backend` (a configuration that selects no
+/// offload) means the pipeline runs as it is, resident:
+/// `Runtime::enable_selected` enables the resident backend in its place,
+/// and the outputs equal a resident run's. A forward with no backend at all
+/// fails with an error that says how to enable one.
+#[test]
+fn a_configuration_selecting_no_offload_runs_resident() {
+    use offload_core::{OffloadConfig, OffloadStrategy, get_offload_backend};
+    use offload_sim::harness::Rig;
+    let w = workload(3, 2);
+    let opts = RunOptions::new(DeviceProfile::h200());
+    let resident = run(&w, &StrategyChoice::Resident, &opts).unwrap();
+    for text in [
+        "{}",
+        r#"{"pin_cpu_memory": false}"#,
+        r#"{"enable_layerwise_offload": false, "enable_cpu_offload": false}"#,
+    ] {
+        let config = OffloadConfig::from_json_str(text).unwrap();
+        let mut rig = Rig::new(w.preset.pipeline.clone(), &opts).unwrap();
+        assert!(
+            get_offload_backend(&config, &rig.platform)
+                .unwrap()
+                .is_none()
+        );
+        let e = rig
+            .runtime
+            .forward("transformer", |dit| Ok(dit.views()?.len()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no backend is enabled") && e.contains("enable_selected"),
+            "{e}"
+        );
+        rig.runtime
+            .enable_selected(&config, &rig.platform)
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(
+            rig.runtime.backend().map(|b| b.strategy()),
+            Some(OffloadStrategy::None)
+        );
+        let outputs: Vec<u64> = (0..w.requests)
+            .map(|_| rig.request(&w).unwrap().output)
+            .collect();
+        let expected: Vec<u64> = resident.requests.iter().map(|r| r.output).collect();
+        assert_eq!(outputs, expected, "{text}");
+        rig.runtime.disable().unwrap();
+        assert!(rig.device.violations().is_empty(), "{text}");
+    }
+    // A configuration that selects a strategy gets that strategy.
+    let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
+    let mut rig = Rig::new(w.preset.pipeline.clone(), &opts).unwrap();
+    rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+    assert_eq!(
+        rig.runtime.backend().map(|b| b.strategy()),
+        Some(OffloadStrategy::Layerwise)
+    );
+    rig.runtime.disable().unwrap();
+}
+
+/// `Rig::quick` on a real model's description: it keeps one payload byte
+/// in `d` (under 64 MiB in all), so Flux.1-dev (23.8 GB of weights) runs
+/// layerwise in a debug test, and the tiny preset keeps every byte.
+#[test]
+fn the_quick_rig_samples_big_pipelines_only() {
+    use offload_core::OffloadConfig;
+    use offload_sim::harness::{Rig, component_forward, default_payload_divisor};
+    use offload_sim::presets::flux1_dev;
+    let flux = flux1_dev();
+    assert_eq!(default_payload_divisor(tiny().weight_bytes()), 1);
+    assert!(flux.weight_bytes() / default_payload_divisor(flux.weight_bytes()) <= 64 << 20);
+    let mut rig = Rig::quick(flux.pipeline.clone()).unwrap();
+    let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
+    rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+    let done = component_forward(&rig.runtime, &rig.probe.output, "transformer", |_| {
+        offload_sim::harness::Charge::default()
+    })
+    .unwrap();
+    assert!(done.block_bytes > 20_000_000_000, "{done:?}");
+    rig.runtime.disable().unwrap();
+    assert!(rig.device.violations().is_empty());
+}

@@ -57,7 +57,7 @@ use crate::runtime::layout::Unit;
 use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
     Handles, HostMaster, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
-    install_hooks, plan_and_partition, remove_hooks,
+    enable_span, install_hooks, plan_and_partition, remove_hooks, transfer_span,
 };
 use crate::runtime::slots::SlotTable;
 use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
@@ -259,10 +259,12 @@ impl Transport {
             .bytes
             .min(st.rings[ring].blocks[block].unit.bytes);
         let slot = &st.slots[k];
+        let name = &st.rings[ring].blocks[block].unit.name;
         match self {
             Transport::Copy => {
                 wait(&h.copy, "copy")?;
                 if !stale {
+                    let _span = transfer_span(name, bytes, "copy", "h2d").entered();
                     // SAFETY: the master is exactly `unit.bytes` and the slot
                     // holds the largest block, so both ranges are in bounds;
                     // the copy stream waits for the slot's last use (nothing
@@ -295,6 +297,7 @@ impl Transport {
                         .map_err(|e| dev_err("stream_wait_event(copy, shard consumed)", e))?;
                 }
                 if !stale {
+                    let _span = transfer_span(name, shard.bytes, "copy", "h2d shard").entered();
                     // SAFETY: the master is exactly `shard.bytes` and the
                     // shard buffer holds the largest shard; the copy stream
                     // waits above for the gather that last read the buffer,
@@ -330,6 +333,8 @@ impl Transport {
                 } else {
                     shard.bytes
                 };
+                let _span =
+                    transfer_span(name, shard_bytes * shard.group, "comm", "all-gather").entered();
                 // SAFETY: `shard_bytes` ≤ the shard buffer (it holds the
                 // largest shard, and a slot holds G of them) and G ×
                 // `shard_bytes` ≤ the slot; the communication stream waits
@@ -923,6 +928,7 @@ impl<A: Api> LayerwiseBackend<A> {
                     h.device
                         .stream_wait_event(&h.copy, &st.slots[k].ready)
                         .map_err(|e| dev_err("stream_wait_event(copy, ready)", e))?;
+                    let _span = transfer_span(&unit.name, unit.bytes, "copy", "d2h").entered();
                     // SAFETY: the slot holds at least `unit.bytes` and the
                     // staging buffer the largest gathered block; the copy
                     // stream waits for the gather (ready) and is synchronised
@@ -1056,6 +1062,7 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
     }
 
     fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        let _span = enable_span(self.engine.strategy, model).entered();
         self.sync_poison();
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());

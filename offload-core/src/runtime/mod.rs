@@ -409,6 +409,20 @@ impl<A: Api> Runtime<A> {
         }
     }
 
+    /// Enables the backend `config` selects on `platform`, or the resident
+    /// backend where it selects no offload ([`CorePlatform::backend_for`]):
+    /// after it, forwards run whatever the configuration says. On failure
+    /// the model is as it was and the backend is dropped (use
+    /// [`Self::enable`] to keep it, e.g. to ask a poisoned one its state).
+    pub fn enable_selected(
+        &mut self,
+        config: &crate::config::OffloadConfig,
+        platform: &CorePlatform<A>,
+    ) -> Result<(), OffloadError> {
+        let backend = platform.backend_for(config)?;
+        self.enable(backend).map_err(|(e, _)| e)
+    }
+
     /// Disables and returns the backend (every step runs; the first error is
     /// returned, and the backend dropped).
     pub fn disable(&mut self) -> Result<Option<Box<dyn Backend<A>>>, OffloadError> {
@@ -592,11 +606,14 @@ impl<'rt, A: Api> Scope<'rt, A> {
             module: self.path().to_owned(),
             reason: format!("tensor `{}` is not on the device: {why}", p.tensor_path(id)),
         };
-        let backend = self
-            .rt
-            .backend
-            .as_ref()
-            .ok_or_else(|| not_resident("no backend is enabled".to_owned()))?;
+        let backend = self.rt.backend.as_ref().ok_or_else(|| {
+            not_resident(
+                "no backend is enabled; enable one before the first forward: \
+                     `Runtime::enable_selected(&config, &platform)` enables the backend the \
+                     configuration selects, or the resident one when it selects no offload"
+                    .to_owned(),
+            )
+        })?;
         let loc = backend.locate(tensor.storage).ok_or_else(|| {
             not_resident(match backend.residency(tensor.storage) {
                 Some(r) => format!("its storage is {r:?}"),

@@ -102,6 +102,8 @@ impl<A: Api> Shared<A, State<A>> {
                 h.device.name_buffer(&buffer, &unit.name);
                 let buffer = Arc::new(buffer);
                 buffers.push(Arc::clone(&buffer));
+                let _span =
+                    super::shared::transfer_span(&unit.name, unit.bytes, "copy", "h2d").entered();
                 // SAFETY: the buffer is new and exactly `unit.bytes`, as is
                 // the master; compute waits for `ready` (recorded below,
                 // after every copy) before reading it; it is freed only
@@ -363,6 +365,7 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
     }
 
     fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        let _span = super::shared::enable_span(OffloadStrategy::ModelLevel, model).entered();
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());
         }

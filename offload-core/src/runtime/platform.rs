@@ -6,7 +6,7 @@ use crate::sync::Arc;
 
 use crate::config::{OffloadStrategy, ParallelConfig};
 use crate::device::{Api, Collective};
-use crate::lifecycle::{BackendRequest, DeviceSpec, OffloadError, Platform};
+use crate::lifecycle::{BackendRequest, DeviceSpec, OffloadError, Platform, get_offload_backend};
 use crate::runtime::{
     Backend, Bugs, LayerwiseBackend, ModelLevelBackend, PlantedBug, ResidentBackend, WeightSource,
 };
@@ -98,6 +98,21 @@ impl<A: Api> CorePlatform<A> {
             Some(p) => b.with_planner(p.clone()),
             None => b,
         })
+    }
+
+    /// The backend `config` selects, or, where it selects no offload (or
+    /// [`get_offload_backend`] returns `None` for another reason), the
+    /// resident backend: `None` means the pipeline runs as it is, every
+    /// weight on the device (CONTRACT §3). A rejected configuration is an
+    /// `Err`, as from [`get_offload_backend`]. Nothing is installed here.
+    pub fn backend_for(
+        &self,
+        config: &crate::config::OffloadConfig,
+    ) -> Result<Box<dyn Backend<A>>, OffloadError> {
+        match get_offload_backend(config, self)? {
+            Some(backend) => Ok(backend),
+            None => self.resident(),
+        }
     }
 
     /// The resident baseline (no offload), for comparisons.

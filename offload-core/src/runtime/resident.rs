@@ -79,6 +79,7 @@ impl<A: Api> OffloadBackend for ResidentBackend<A> {
     }
 
     fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        let _span = super::shared::enable_span(OffloadStrategy::None, model).entered();
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());
         }

@@ -342,6 +342,7 @@ impl<A: Api> Handles<A> {
             )
         })?;
         self.device.name_buffer(&buffer, &unit.name);
+        let span = transfer_span(&unit.name, unit.bytes, "copy", "h2d").entered();
         // SAFETY: both ranges are the whole of buffers of exactly
         // `unit.bytes`; the copy stream is synchronised below before the
         // staging buffer is freed or the device buffer is lent.
@@ -349,8 +350,9 @@ impl<A: Api> Handles<A> {
             self.device
                 .copy_h2d(&self.copy, staging.source(), 0, &buffer, 0, unit.bytes)
         }
-        .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))
-        .and_then(|()| {
+        .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e));
+        drop(span);
+        let copied = copied.and_then(|()| {
             self.device
                 .synchronize_stream(&self.copy)
                 .map_err(|e| dev_err("synchronize_stream(copy)", e))
@@ -423,6 +425,28 @@ impl ByteSource for Zeros {
     fn read_at(&self, _: u64, dst: &mut [u8]) {
         dst.fill(0);
     }
+}
+
+/// The span around one transfer the strategies issue (`tracing`, debug
+/// level, so a runtime's own subscriber sees each one and a disabled level
+/// costs a cached check): `offload.transfer` with the unit moved (`block`:
+/// a block's path, or a component's), its `bytes`, the `stream` it is
+/// issued on (`copy`, or `comm` for a gather) and its `kind` (`h2d`,
+/// `h2d shard`, `all-gather`, `d2h`). A collective's own span
+/// (`offload.collective`, from the `Collective`) nests inside the gather's.
+pub(crate) fn transfer_span(block: &str, bytes: u64, stream: &str, kind: &str) -> tracing::Span {
+    tracing::debug_span!("offload.transfer", block, bytes, stream, kind)
+}
+
+/// The span around a backend's `enable` (`offload.enable`, debug level):
+/// its `strategy` and the pipeline's type; the transfers `enable` issues
+/// nest inside it.
+pub(crate) fn enable_span(strategy: OffloadStrategy, model: &Model) -> tracing::Span {
+    tracing::debug_span!(
+        "offload.enable",
+        strategy = %strategy,
+        pipeline = model.pipeline.type_name()
+    )
 }
 
 pub(crate) fn dev_err(

@@ -639,6 +639,18 @@ impl Collective<Cuda> for NcclCollective {
         dst_offset: u64,
     ) -> Result<(), CudaError> {
         let shared = &*self.shared;
+        // One debug span per collective (a runtime's subscriber sees it
+        // inside the strategy's `offload.transfer` span naming the block).
+        let _span = tracing::debug_span!(
+            "offload.collective",
+            op = "all-gather",
+            bytes = shard_bytes.saturating_mul(u64::from(shared.size)),
+            shard_bytes,
+            rank = shared.rank,
+            ranks = shared.size,
+            stream = ?stream.raw(),
+        )
+        .entered();
         let what = || {
             format!(
                 "ncclAllGather({shard_bytes} bytes from each of {} ranks)",
