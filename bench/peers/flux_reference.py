@@ -3,6 +3,7 @@
 
   make-checkpoint --out DIR [--seed S]     a random-weight Flux.1-dev transformer, bf16,
                                            written with save_pretrained (GPU if present)
+  make-inputs --out F [--side N --text T]  random inputs: N×N latent tokens, T text tokens (seeded)
   forward --ckpt DIR --inputs F --out F    one forward of the checkpoint on the inputs
                                            (a .safetensors of hidden_states, encoder_hidden_states,
                                            pooled_projections, timestep, guidance, img_ids, txt_ids);
@@ -63,6 +64,25 @@ def cmd_make_checkpoint(a):
     t2 = time.perf_counter()
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({"checkpoint": a.out, "bytes": n, "init_s": t1 - t0, "save_s": t2 - t1}))
+
+
+def cmd_make_inputs(a):
+    g = torch.Generator().manual_seed(a.seed)
+    s = a.side * a.side
+    rand = lambda *shape: (torch.rand(*shape, generator=g) * 2 - 1).to(torch.bfloat16)
+    rows = torch.arange(s) // a.side
+    cols = torch.arange(s) % a.side
+    t = {
+        "hidden_states": rand(1, s, 64),
+        "encoder_hidden_states": rand(1, a.text, 4096),
+        "pooled_projections": rand(1, 768),
+        "timestep": torch.tensor([0.5], dtype=torch.float32),
+        "guidance": torch.tensor([3.5], dtype=torch.float32),
+        "img_ids": torch.stack([torch.zeros(s), rows.float(), cols.float()], dim=1).contiguous(),
+        "txt_ids": torch.zeros(a.text, 3),
+    }
+    save_file(t, a.out)
+    print(json.dumps({"inputs": a.out, "tokens": s + a.text}))
 
 
 def cmd_forward(a):
@@ -129,6 +149,11 @@ def main():
     m = sub.add_parser("make-checkpoint")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
+    i = sub.add_parser("make-inputs")
+    i.add_argument("--out", required=True)
+    i.add_argument("--side", type=int, default=64)
+    i.add_argument("--text", type=int, default=512)
+    i.add_argument("--seed", type=int, default=1)
     f = sub.add_parser("forward")
     b = sub.add_parser("bench")
     for s in (f, b):
@@ -137,7 +162,12 @@ def main():
         s.add_argument("--out", required=True)
     b.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
-    {"make-checkpoint": cmd_make_checkpoint, "forward": cmd_forward, "bench": cmd_bench}[a.cmd](a)
+    {
+        "make-checkpoint": cmd_make_checkpoint,
+        "make-inputs": cmd_make_inputs,
+        "forward": cmd_forward,
+        "bench": cmd_bench,
+    }[a.cmd](a)
 
 
 if __name__ == "__main__":

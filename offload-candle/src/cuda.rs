@@ -72,11 +72,17 @@ pub struct ZeroCopy {
     cache: Mutex<HashMap<Key, Tensor>>,
     enter: Event,
     exit: Event,
+    /// Planted bug: `exit` orders nothing (the slot's last use is recorded
+    /// before candle's kernels that read it ran).
+    #[cfg(feature = "planted-bugs")]
+    skip_exit: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ZeroCopy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZeroCopy").field("cached", &self.cached()).finish()
+        f.debug_struct("ZeroCopy")
+            .field("cached", &self.cached())
+            .finish()
     }
 }
 
@@ -93,14 +99,27 @@ impl ZeroCopy {
     /// offload backend must outlive every operation issued on them.
     pub unsafe fn new(device: &Device) -> Result<Self> {
         let Device::Cuda(device) = device else {
-            return Err(candle_core::Error::Msg(format!("ZeroCopy needs a CUDA device, not {device:?}")));
+            return Err(candle_core::Error::Msg(format!(
+                "ZeroCopy needs a CUDA device, not {device:?}"
+            )));
         };
         Ok(Self {
             device: device.clone(),
             cache: Mutex::new(HashMap::new()),
             enter: Event::new()?,
             exit: Event::new()?,
+            #[cfg(feature = "planted-bugs")]
+            skip_exit: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Plants the bug the scope bridge guards against: closing a scope no
+    /// longer makes offload's compute stream wait for candle's kernels, so a
+    /// slot may be refilled while they still read it (tests only).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant_skip_exit(&self) {
+        self.skip_exit
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Distinct views wrapped so far (bounded by the slots' layouts).
@@ -108,12 +127,20 @@ impl ZeroCopy {
         self.cache.lock().map_or(0, |c| c.len())
     }
 
-    fn wrap(&self, ptr: u64, bytes: u64, dtype: candle_core::DType, shape: &[usize]) -> Result<Tensor> {
+    fn wrap(
+        &self,
+        ptr: u64,
+        bytes: u64,
+        dtype: candle_core::DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
         use candle_core::DType as D;
         let stream = self.device.cuda_stream();
         let n = shape.iter().product::<usize>();
         if n as u64 * dtype.size_in_bytes() as u64 != bytes {
-            return Err(candle_core::Error::Msg(format!("a {bytes}-byte view is not {shape:?} of {dtype:?}")));
+            return Err(candle_core::Error::Msg(format!(
+                "a {bytes}-byte view is not {shape:?} of {dtype:?}"
+            )));
         }
         macro_rules! slice {
             ($t:ty) => {{
@@ -132,9 +159,18 @@ impl ZeroCopy {
             D::F64 => slice!(f64),
             D::I64 => slice!(i64),
             D::U8 => slice!(u8),
-            other => return Err(candle_core::Error::Msg(format!("ZeroCopy does not wrap {other:?}"))),
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "ZeroCopy does not wrap {other:?}"
+                )));
+            }
         };
-        Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
     }
 }
 
@@ -145,7 +181,10 @@ impl ViewTensors<Cuda> for ZeroCopy {
         let shape: Vec<usize> = view.tensor().shape.iter().map(|&d| d as usize).collect();
         let ptr = view.buffer().ptr() + range.start;
         let key = (ptr, range.end - range.start, dtype, shape);
-        let mut cache = self.cache.lock().map_err(|_| candle_core::Error::Msg("ZeroCopy cache poisoned".into()))?;
+        let mut cache = self
+            .cache
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("ZeroCopy cache poisoned".into()))?;
         if let Some(t) = cache.get(&key) {
             return Ok(t.clone());
         }
@@ -155,11 +194,17 @@ impl ViewTensors<Cuda> for ZeroCopy {
     }
 
     fn enter(&self, scope: &Scope<'_, Cuda>) -> Result<()> {
-        self.enter.order(scope.stream().raw(), self.device.cuda_stream().cu_stream())
+        self.enter
+            .order(scope.stream().raw(), self.device.cuda_stream().cu_stream())
     }
 
     fn exit(&self, scope: &Scope<'_, Cuda>) -> Result<()> {
-        self.exit.order(self.device.cuda_stream().cu_stream(), scope.stream().raw())
+        #[cfg(feature = "planted-bugs")]
+        if self.skip_exit.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.exit
+            .order(self.device.cuda_stream().cu_stream(), scope.stream().raw())
     }
 }
 

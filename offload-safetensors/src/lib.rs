@@ -512,6 +512,7 @@ pub struct SafetensorsSource {
     in_place: bool,
     windows: AtomicU64,
     copied: AtomicU64,
+    copied_bytes: AtomicU64,
 }
 
 impl fmt::Debug for SafetensorsSource {
@@ -626,6 +627,7 @@ impl SafetensorsSource {
             in_place: true,
             windows: AtomicU64::new(0),
             copied: AtomicU64::new(0),
+            copied_bytes: AtomicU64::new(0),
         })
     }
 
@@ -644,6 +646,11 @@ impl SafetensorsSource {
             self.windows.load(Ordering::Relaxed),
             self.copied.load(Ordering::Relaxed),
         )
+    }
+
+    /// Bytes of the units declined (filled into pinned memory instead).
+    pub fn copied_bytes(&self) -> u64 {
+        self.copied_bytes.load(Ordering::Relaxed)
     }
 
     fn mapped(&self, b: &Bound) -> &Mapped {
@@ -700,6 +707,7 @@ impl WeightSource for SafetensorsSource {
     fn take_region(&self, unit: &Unit) -> Option<Box<dyn HostRegion>> {
         if !self.in_place {
             self.copied.fetch_add(1, Ordering::Relaxed);
+            self.copied_bytes.fetch_add(unit.bytes, Ordering::Relaxed);
             return None;
         }
         match self.window(unit) {
@@ -709,6 +717,7 @@ impl WeightSource for SafetensorsSource {
             }
             Err(why) => {
                 self.copied.fetch_add(1, Ordering::Relaxed);
+                self.copied_bytes.fetch_add(unit.bytes, Ordering::Relaxed);
                 tracing::info!(
                     unit = %unit.name,
                     bytes = unit.bytes,

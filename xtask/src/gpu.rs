@@ -430,3 +430,168 @@ fn make_executable(path: &Path) -> Result<()> {
     std::fs::set_permissions(path, perms)?;
     Ok(())
 }
+
+/// The candle build's one change to candle-core: cudarc's linking and
+/// version features. candle-core 0.11.1 asks for `dynamic-linking` and
+/// `cuda-version-from-build-system`; `offload-cuda` for `dynamic-loading`
+/// and `cuda-13000`; cudarc's build script refuses the two linkings
+/// together. The copy asks for what `offload-cuda` asks for.
+const CANDLE_CUDARC_FROM: &str =
+    "    \"cuda-version-from-build-system\",\n    \"dynamic-linking\",\n";
+const CANDLE_CUDARC_TO: &str = "    \"cuda-13000\",\n    \"dynamic-loading\",\n";
+
+/// Builds `offload-flux-bench` (offload-candle with candle's CUDA backend)
+/// into `dir` with the Flux reference script and `run-candle.sh`.
+///
+/// Needs nvcc (for candle's kernels): `$CUDA_TK` or the `nvcc` on `PATH`;
+/// the NVIDIA wheels carry one (`python3 -m pip install --target T
+/// nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm
+/// nvidia-cuda-cccl`, then `CUDA_TK=T/nvidia/cu13`). The build patches
+/// candle-core (see [`CANDLE_CUDARC_FROM`]) through `--config`, from a copy
+/// made under `target/candle-cuda`, links candle's `-lcudart` against the
+/// static runtime (no libcudart needed where it runs), and restores
+/// `Cargo.lock` afterwards.
+pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .canonicalize()
+        .context("the workspace root")?;
+    let tk = match std::env::var_os("CUDA_TK") {
+        Some(t) => PathBuf::from(t),
+        None => {
+            let out = Command::new("sh")
+                .args(["-c", "command -v nvcc"])
+                .output()
+                .context("looking for nvcc")?;
+            let nvcc = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            if nvcc.is_empty() {
+                anyhow::bail!(
+                    "candle's CUDA kernels need nvcc: set CUDA_TK to a CUDA 13 toolkit (the NVIDIA wheels carry one: \
+                     python3 -m pip install --target T nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm \
+                     nvidia-cuda-cccl; CUDA_TK=T/nvidia/cu13)"
+                );
+            }
+            Path::new(&nvcc)
+                .parent()
+                .and_then(Path::parent)
+                .context("nvcc's toolkit")?
+                .to_owned()
+        }
+    };
+    let cudart = tk.join("lib/libcudart_static.a");
+    if !cudart.is_file() {
+        anyhow::bail!(
+            "{} not found: the toolkit at {} has no static CUDA runtime",
+            cudart.display(),
+            tk.display()
+        );
+    }
+    // The patched candle-core, from the registry's copy cargo resolved.
+    let meta = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .current_dir(&root)
+        .output()
+        .context("cargo metadata")?;
+    let meta: Value = serde_json::from_slice(&meta.stdout).context("cargo metadata's output")?;
+    let manifest = meta["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "candle-core"))
+        .and_then(|p| p["manifest_path"].as_str())
+        .context("candle-core in the workspace's dependencies")?;
+    let src = Path::new(manifest)
+        .parent()
+        .context("candle-core's source")?;
+    let work = root.join("target/candle-cuda");
+    let vendored = work.join("candle-core");
+    let toml_path = vendored.join("Cargo.toml");
+    let original = std::fs::read_to_string(src.join("Cargo.toml"))?;
+    if original.matches(CANDLE_CUDARC_FROM).count() != 1 {
+        anyhow::bail!(
+            "{}: cudarc's features are not what this patch expects; update CANDLE_CUDARC_FROM",
+            src.join("Cargo.toml").display()
+        );
+    }
+    let patched = original.replace(CANDLE_CUDARC_FROM, CANDLE_CUDARC_TO);
+    // An up-to-date copy is kept (a fresh one would rebuild candle).
+    if std::fs::read_to_string(&toml_path).ok().as_deref() != Some(patched.as_str()) {
+        let _ = std::fs::remove_dir_all(&vendored);
+        copy_tree(src, &vendored)?;
+        std::fs::write(&toml_path, patched)?;
+    }
+    let lib = work.join("lib");
+    std::fs::create_dir_all(&lib)?;
+    std::fs::write(
+        lib.join("libcudart.so"),
+        format!("INPUT({})\n", cudart.display()),
+    )?;
+
+    let lock = std::fs::read(root.join("Cargo.lock"))?;
+    let path = format!(
+        "{}:{}",
+        tk.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let patch = format!(
+        "patch.crates-io.candle-core.path={:?}",
+        vendored.display().to_string()
+    );
+    let env = [
+        ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
+        ("CARGO_PROFILE_RELEASE_STRIP", "true"),
+        ("CUDA_COMPUTE_CAP", "90"),
+        ("CUDA_HOME", tk.to_str().context("toolkit path")?),
+        ("PATH", &path),
+        ("LIBRARY_PATH", lib.to_str().context("lib path")?),
+    ];
+    std::fs::create_dir_all(dir)?;
+    // Each build is copied before the next: both write the same path.
+    let mut built = Ok(());
+    for (features, name) in [
+        ("cuda", "offload-flux-bench"),
+        ("cuda,planted-bugs", "offload-flux-bench-planted"),
+    ] {
+        let args = [
+            "build",
+            "--release",
+            "-p",
+            "offload-candle",
+            "--features",
+            features,
+            "--bin",
+            "offload-flux-bench",
+            "--config",
+            &patch,
+        ];
+        built =
+            executable(&args, &env, "offload-flux-bench").and_then(|b| copy(&b, &dir.join(name)));
+        if built.is_err() {
+            break;
+        }
+    }
+    std::fs::write(root.join("Cargo.lock"), lock)?;
+    built?;
+    copy(
+        &root.join("bench/peers/flux_reference.py"),
+        &dir.join("flux_reference.py"),
+    )?;
+    copy(
+        &root.join("bench/run-candle.sh"),
+        &dir.join("run-candle.sh"),
+    )?;
+    eprintln!("xtask: candle bundle in {}", dir.display());
+    Ok(())
+}
+
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            copy(&entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}

@@ -36,6 +36,13 @@ enum Cmd {
         #[arg(long)]
         bundle: Option<std::path::PathBuf>,
     },
+    /// Build `offload-flux-bench` (the candle Flux DiT with candle's CUDA
+    /// backend) into a folder with the reference script and `run-candle.sh`
+    /// (needs nvcc: `$CUDA_TK`, or `nvcc` on `PATH`).
+    CandleBundle {
+        /// The folder.
+        dir: std::path::PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -57,6 +64,7 @@ fn main() -> Result<()> {
             "--nocapture",
         ]),
         Cmd::GpuTest { bundle: Some(dir) } => gpu::bundle(&dir),
+        Cmd::CandleBundle { dir } => gpu::candle_bundle(&dir),
     }
 }
 

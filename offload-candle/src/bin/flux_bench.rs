@@ -24,9 +24,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+use offload_candle::OffloadScope;
 use offload_candle::cuda::ZeroCopy;
 use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
-use offload_candle::OffloadScope;
 use offload_core::device::{Device as _, HostBuffer as _, HostSource};
 use offload_core::model::PipelineBuilder;
 use offload_core::runtime::{Backend, CorePlatform, Runtime, WeightSource};
@@ -59,6 +59,15 @@ struct Args {
     /// Layerwise prefetch depth.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
     depth: u32,
+    /// Plant a bug (`skip-exit`: closing a scope does not order the slot's
+    /// reuse after candle's kernels); needs the `planted-bugs` build. The
+    /// run then reports whether the offloaded output still equals resident.
+    #[arg(long)]
+    plant: Option<String>,
+    /// f32 GEMMs (the attention scores, of bf16 values) on TF32 tensor
+    /// cores: exact products of bf16-valued inputs, f32 accumulation.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    tf32: bool,
     /// Write the JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -132,10 +141,18 @@ fn compare(a: &Tensor, b: &Tensor) -> Result<(f64, f32)> {
     if a.len() != b.len() {
         bail!("outputs of {} and {} elements", a.len(), b.len());
     }
-    let dot: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+    let dot: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum();
     let na = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
     let nb = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    let max = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let max = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
     Ok((dot / (na * nb), max))
 }
 
@@ -150,10 +167,14 @@ impl Offloaded {
             .rt
             .forward("transformer", |dit| {
                 let scope = OffloadScope::new(dit, &self.views);
-                model.forward(inputs, &scope).map_err(|e| match scope.take_error() {
-                    Some(offload) => Box::new(offload) as Box<dyn std::error::Error + Send + Sync>,
-                    None => Box::new(e),
-                })
+                model
+                    .forward(inputs, &scope)
+                    .map_err(|e| match scope.take_error() {
+                        Some(offload) => {
+                            Box::new(offload) as Box<dyn std::error::Error + Send + Sync>
+                        }
+                        None => Box::new(e),
+                    })
             })?
             .ok_or_else(|| anyhow!("the DiT's forward was skipped"))?;
         Ok(out)
@@ -222,14 +243,31 @@ fn main() -> Result<()> {
     report.insert("checkpoint_bytes".into(), ckpt.total_bytes().into());
     report.insert("checkpoint_files".into(), ckpt.files().count().into());
     report.insert("enable_s".into(), enable_s.into());
-    report.insert("enable_rss_added_bytes".into(), rss1.saturating_sub(rss0).into());
-    report.insert("enable_anon_added_bytes".into(), anon1.saturating_sub(anon0).into());
+    report.insert(
+        "enable_rss_added_bytes".into(),
+        rss1.saturating_sub(rss0).into(),
+    );
+    report.insert(
+        "enable_anon_added_bytes".into(),
+        anon1.saturating_sub(anon0).into(),
+    );
     report.insert("units_registered_in_place".into(), windows.into());
     report.insert("units_copied_to_pinned".into(), copies.into());
+    report.insert(
+        "bytes_copied_to_pinned".into(),
+        source.copied_bytes().into(),
+    );
     report.insert("streamed_bytes".into(), streamed.into());
 
     // The offloaded steps.
-    let candle = Device::Cuda(candle_core::CudaDevice::new_with_stream(0)?);
+    let cuda = candle_core::CudaDevice::new_with_stream(0)?;
+    // SAFETY: candle's tensors all live on this device's one stream; the
+    // only other stream, offload's compute stream, is ordered against it by
+    // ZeroCopy's events around every scope.
+    unsafe { cuda.disable_event_tracking() };
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
+    report.insert("tf32".into(), args.tf32.into());
+    let candle = Device::Cuda(cuda);
     let inputs = FluxInputs::load(&args.inputs, &candle)?;
     let tokens = inputs.hidden_states.dim(1)? + inputs.encoder_hidden_states.dim(1)?;
     report.insert("tokens".into(), tokens.into());
@@ -238,6 +276,15 @@ fn main() -> Result<()> {
     // inside their scopes; `off` (the backend) outlives every step below,
     // each synchronised.
     let views = unsafe { ZeroCopy::new(&candle)? };
+    match args.plant.as_deref() {
+        None => {}
+        #[cfg(feature = "planted-bugs")]
+        Some("skip-exit") => views.plant_skip_exit(),
+        Some(other) => bail!(
+            "--plant {other}: this build plants `skip-exit` only with the planted-bugs feature"
+        ),
+    }
+    report.insert("planted".into(), args.plant.clone().into());
     let off = Offloaded { rt, views };
     let first = off.step(&model, &inputs)?;
     sync(&candle, &dev, &compute)?;
@@ -247,7 +294,7 @@ fn main() -> Result<()> {
         let out = off.step(&model, &inputs)?;
         sync(&candle, &dev, &compute)?;
         times.push(t.elapsed().as_secs_f64());
-        if bits(&out)? != bits(&first)? {
+        if bits(&out)? != bits(&first)? && args.plant.is_none() {
             bail!("two offloaded steps on the same inputs differ");
         }
     }
@@ -270,7 +317,10 @@ fn main() -> Result<()> {
         weights.insert(name.clone(), st.load(&name, &candle)?);
     }
     candle.synchronize()?;
-    report.insert("candle_resident_load_s".into(), t.elapsed().as_secs_f64().into());
+    report.insert(
+        "candle_resident_load_s".into(),
+        t.elapsed().as_secs_f64().into(),
+    );
     let resident_out = model.forward(&inputs, &weights)?;
     candle.synchronize()?;
     let mut times = Vec::new();
@@ -281,6 +331,20 @@ fn main() -> Result<()> {
         times.push(t.elapsed().as_secs_f64());
     }
     let resident_step = median(times);
+    // The same with the other f32 GEMM precision, for the record.
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(!args.tf32);
+    let mut times = Vec::new();
+    for _ in 0..args.steps.min(3) {
+        let t = Instant::now();
+        model.forward(&inputs, &weights)?;
+        candle.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
+    report.insert(
+        "resident_step_other_f32_gemm_s".into(),
+        median(times).into(),
+    );
     drop(weights);
     let identical = bits(&resident_out)? == bits(&first)?;
     report.insert("resident_step_s".into(), resident_step.into());
@@ -290,7 +354,9 @@ fn main() -> Result<()> {
     report.insert("step_over_limit".into(), (offload_step / limit).into());
     if let Some(r) = &args.reference {
         let reference = candle_core::safetensors::load(r, &Device::Cpu)?;
-        let theirs = reference.get("output").ok_or_else(|| anyhow!("{}: no `output`", r.display()))?;
+        let theirs = reference
+            .get("output")
+            .ok_or_else(|| anyhow!("{}: no `output`", r.display()))?;
         let (cos, max_abs) = compare(&first.to_device(&Device::Cpu)?, theirs)?;
         report.insert("cosine_vs_diffusers".into(), cos.into());
         report.insert("max_abs_vs_diffusers".into(), f64::from(max_abs).into());
@@ -305,7 +371,10 @@ fn main() -> Result<()> {
         let keep = blocks.len().saturating_sub(args.growth_streamed as usize);
         let config = OffloadConfig {
             enable_layerwise_offload: true,
-            resident_blocks: blocks[..keep].iter().map(|b| format!("transformer.{b}")).collect(),
+            resident_blocks: blocks[..keep]
+                .iter()
+                .map(|b| format!("transformer.{b}"))
+                .collect(),
             ..Default::default()
         };
         let mut rt = Runtime::new(Arc::clone(&dev), Arc::clone(&compute), pipe.clone());
@@ -330,10 +399,22 @@ fn main() -> Result<()> {
         let ((rss_w, anon_w), free_w) = at_warm.expect("at least one step");
         let ((rss_e, anon_e), free_e) = (rss(), dev.memory_info()?.free_bytes);
         report.insert("growth_steps".into(), args.growth_steps.into());
-        report.insert("growth_step_s".into(), (elapsed / f64::from(args.growth_steps)).into());
-        report.insert("growth_rss_bytes".into(), (rss_e as i64 - rss_w as i64).into());
-        report.insert("growth_anon_bytes".into(), (anon_e as i64 - anon_w as i64).into());
-        report.insert("growth_device_bytes".into(), (free_w as i64 - free_e as i64).into());
+        report.insert(
+            "growth_step_s".into(),
+            (elapsed / f64::from(args.growth_steps)).into(),
+        );
+        report.insert(
+            "growth_rss_bytes".into(),
+            (rss_e as i64 - rss_w as i64).into(),
+        );
+        report.insert(
+            "growth_anon_bytes".into(),
+            (anon_e as i64 - anon_w as i64).into(),
+        );
+        report.insert(
+            "growth_device_bytes".into(),
+            (free_w as i64 - free_e as i64).into(),
+        );
         report.insert("growth_views_cached".into(), off.views.cached().into());
         let Offloaded { mut rt, views } = off;
         drop(views);
