@@ -42,9 +42,28 @@ fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/flux_tiny_diffusers.safetensors")
 }
 
+/// A scratch directory, removed when dropped (kept when it is
+/// `OFFLOAD_FLUX_FIXTURE_DIR`, for the reference script to read).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::env::var_os("OFFLOAD_FLUX_FIXTURE_DIR").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
 /// The seeded checkpoint and inputs in a fresh directory (or in
 /// `OFFLOAD_FLUX_FIXTURE_DIR`, for the reference script to read).
-fn setup(name: &str) -> (PathBuf, FluxInputs) {
+fn setup(name: &str) -> (Scratch, FluxInputs) {
     let dir = match std::env::var_os("OFFLOAD_FLUX_FIXTURE_DIR") {
         Some(d) => PathBuf::from(d),
         None => std::env::temp_dir().join(format!("offload-candle-{}-{name}", std::process::id())),
@@ -52,7 +71,7 @@ fn setup(name: &str) -> (PathBuf, FluxInputs) {
     flux::write_random_checkpoint(&dir, &tiny(), SEED).unwrap();
     let inputs = flux::random_inputs(&tiny(), SIDE, TEXT, SEED + 1, &Device::Cpu).unwrap();
     inputs.save(&dir.join("inputs.safetensors")).unwrap();
-    (dir, inputs)
+    (Scratch(dir), inputs)
 }
 
 fn resident(dir: &Path, inputs: &FluxInputs) -> Tensor {

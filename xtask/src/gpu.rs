@@ -440,13 +440,16 @@ const CANDLE_CUDARC_FROM: &str =
     "    \"cuda-version-from-build-system\",\n    \"dynamic-linking\",\n";
 const CANDLE_CUDARC_TO: &str = "    \"cuda-13000\",\n    \"dynamic-loading\",\n";
 
+/// A CUDA 13.0 nvcc from PyPI, into a folder `T`. 13.0 exactly: a newer
+/// nvcc writes PTX the 580 driver (CUDA 13.0) cannot load.
+const WHEELS: &str = "python3 -m pip install --no-deps --target T nvidia-cuda-nvcc==13.0.88 \
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85";
+
 /// Builds `offload-flux-bench` (offload-candle with candle's CUDA backend)
 /// into `dir` with the Flux reference script and `run-candle.sh`.
 ///
 /// Needs nvcc (for candle's kernels): `$CUDA_TK` or the `nvcc` on `PATH`;
-/// the NVIDIA wheels carry one (`python3 -m pip install --target T
-/// nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm
-/// nvidia-cuda-cccl`, then `CUDA_TK=T/nvidia/cu13`). The build patches
+/// the NVIDIA wheels carry one ([`WHEELS`], then `CUDA_TK=T/nvidia/cu13`). The build patches
 /// candle-core (see [`CANDLE_CUDARC_FROM`]) through `--config`, from a copy
 /// made under `target/candle-cuda`, links candle's `-lcudart` against the
 /// static runtime (no libcudart needed where it runs), and restores
@@ -466,9 +469,8 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
             let nvcc = String::from_utf8_lossy(&out.stdout).trim().to_owned();
             if nvcc.is_empty() {
                 anyhow::bail!(
-                    "candle's CUDA kernels need nvcc: set CUDA_TK to a CUDA 13 toolkit (the NVIDIA wheels carry one: \
-                     python3 -m pip install --target T nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm \
-                     nvidia-cuda-cccl; CUDA_TK=T/nvidia/cu13)"
+                    "candle's CUDA kernels need nvcc: set CUDA_TK to a CUDA 13.0 toolkit (the NVIDIA wheels carry one: \
+                     {WHEELS}; then CUDA_TK=T/nvidia/cu13)"
                 );
             }
             Path::new(&nvcc)
