@@ -72,6 +72,9 @@ pub struct ZeroCopy {
     cache: Mutex<HashMap<Key, Tensor>>,
     enter: Event,
     exit: Event,
+    /// Held across each record + wait: the two events are shared, and a
+    /// record by another thread between them would retarget the wait.
+    bridge: Mutex<()>,
     /// Planted bug: `exit` orders nothing (the slot's last use is recorded
     /// before candle's kernels that read it ran).
     #[cfg(feature = "planted-bugs")]
@@ -108,6 +111,7 @@ impl ZeroCopy {
             cache: Mutex::new(HashMap::new()),
             enter: Event::new()?,
             exit: Event::new()?,
+            bridge: Mutex::new(()),
             #[cfg(feature = "planted-bugs")]
             skip_exit: std::sync::atomic::AtomicBool::new(false),
         })
@@ -176,6 +180,7 @@ impl ZeroCopy {
 
 impl ViewTensors<Cuda> for ZeroCopy {
     fn tensor(&self, _scope: &Scope<'_, Cuda>, view: &View<'_, Cuda>) -> Result<Tensor> {
+        crate::require_contiguous(view)?;
         let range = view.byte_range();
         let dtype = candle_dtype(view.tensor().dtype)?;
         let shape: Vec<usize> = view.tensor().shape.iter().map(|&d| d as usize).collect();

@@ -48,6 +48,33 @@ pub fn candle_dtype(d: DType) -> Result<candle_core::DType> {
     })
 }
 
+/// Refuses a view that is not its shape laid out contiguously (a strided or
+/// transposed alias): a tensor made from its bytes would read the wrong
+/// elements.
+pub(crate) fn require_contiguous(view: &View<'_, impl Api>) -> Result<()> {
+    let t = view.tensor();
+    let mut expected = vec![0u64; t.shape.len()];
+    let mut acc = 1u64;
+    for (i, d) in t.shape.iter().enumerate().rev() {
+        expected[i] = acc;
+        acc = acc.saturating_mul(*d);
+    }
+    let dims_of_one_ok = t
+        .strides
+        .iter()
+        .zip(&expected)
+        .zip(&t.shape)
+        .all(|((s, e), d)| s == e || *d == 1);
+    if dims_of_one_ok {
+        Ok(())
+    } else {
+        Err(candle_core::Error::Msg(format!(
+            "tensor `{}` has strides {:?} for shape {:?}: only contiguous views become candle tensors",
+            t.name, t.strides, t.shape
+        )))
+    }
+}
+
 fn shape_of(view: &View<'_, impl Api>) -> Vec<usize> {
     view.tensor().shape.iter().map(|&d| d as usize).collect()
 }
@@ -87,6 +114,7 @@ pub struct HostCopy {
 
 impl<A: Api> ViewTensors<A> for HostCopy {
     fn tensor(&self, scope: &Scope<'_, A>, view: &View<'_, A>) -> Result<Tensor> {
+        require_contiguous(view)?;
         let range = view.byte_range();
         let bytes = range.end - range.start;
         let dev = scope.device();

@@ -682,6 +682,14 @@ impl CudaDevice {
         })
     }
 
+    /// Mappings registered now for their windows ([`HostRegion::enclosing`]),
+    /// each with the number of windows registered: what a test reads to see
+    /// a checkpoint's files registered once and unregistered with their
+    /// last window.
+    pub fn shared_registrations(&self) -> Vec<(usize, usize)> {
+        self.shared.table().values().copied().collect()
+    }
+
     /// The device's name (e.g. `NVIDIA H200`).
     pub fn name(&self) -> &str {
         &self.name

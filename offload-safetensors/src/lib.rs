@@ -152,9 +152,24 @@ pub enum CheckpointError {
         /// The storage's size.
         storage_bytes: u64,
     },
-    /// A name map that does not parse.
+    /// A name map that does not parse, or a rule that would match inside a
+    /// path segment.
     #[error("name map: {0}")]
     NameMap(String),
+    /// A checkpoint whose names do not describe a module tree.
+    #[error("checkpoint tensor `{name}`: {reason}")]
+    Layout {
+        /// The checkpoint name.
+        name: String,
+        /// What is wrong, and what is allowed.
+        reason: String,
+    },
+}
+
+/// A prefix that can only match whole dotted segments: empty, or ending in
+/// `.`.
+fn segment_prefix(prefix: &str) -> bool {
+    prefix.is_empty() || prefix.ends_with('.')
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -384,12 +399,25 @@ impl Checkpoint {
     }
 
     /// Declares in `module` every tensor whose name starts with `prefix`
-    /// (stripped), as a parameter of the checkpoint's dtype and shape, in
-    /// file order: a block's tensors are then packed as the file lays them
-    /// out, and its master is a window of the mapping. Numbered children
-    /// (`transformer_blocks.7`) become module lists, created in numeric
-    /// order. Returns how many tensors were declared.
-    pub fn declare(&self, module: &mut ModuleBuilder<'_>, prefix: &str) -> usize {
+    /// (empty, or ending in `.`; stripped), as a parameter of the
+    /// checkpoint's dtype and shape, in file order: a block's tensors are
+    /// then packed as the file lays them out, and its master is a window of
+    /// the mapping. Numbered children (`transformer_blocks.7`) become module
+    /// lists, created in numeric order; an index must be below the number
+    /// of tensors declared (a crafted `blocks.1000000000.w` is an error, not
+    /// a billion modules). Returns how many tensors were declared.
+    pub fn declare(
+        &self,
+        module: &mut ModuleBuilder<'_>,
+        prefix: &str,
+    ) -> Result<usize, CheckpointError> {
+        if !segment_prefix(prefix) {
+            return Err(CheckpointError::Layout {
+                name: prefix.to_owned(),
+                reason: "a prefix to declare is empty or ends in `.` (it names whole segments)"
+                    .into(),
+            });
+        }
         let mut ordered: Vec<(&String, &TensorEntry)> = self
             .tensors
             .iter()
@@ -401,8 +429,23 @@ impl Checkpoint {
         let mut lists: BTreeMap<String, usize> = BTreeMap::new();
         for (name, _) in &ordered {
             let segs: Vec<&str> = name[prefix.len()..].split('.').collect();
+            if segs.iter().any(|s| s.is_empty()) {
+                return Err(CheckpointError::Layout {
+                    name: (*name).clone(),
+                    reason: "an empty path segment".into(),
+                });
+            }
             for (i, s) in segs.iter().enumerate().take(segs.len() - 1).skip(1) {
                 if let Ok(k) = s.parse::<usize>() {
+                    if k >= ordered.len() {
+                        return Err(CheckpointError::Layout {
+                            name: (*name).clone(),
+                            reason: format!(
+                                "list index {k} is not below the {} tensors declared",
+                                ordered.len()
+                            ),
+                        });
+                    }
                     let list = segs[..i].join(".");
                     let len = lists.entry(list).or_default();
                     *len = (*len).max(k + 1);
@@ -423,7 +466,7 @@ impl Checkpoint {
             }
             module.parameter(rel, t.dtype, &t.shape);
         }
-        ordered.len()
+        Ok(ordered.len())
     }
 }
 
@@ -478,11 +521,28 @@ impl NameMap {
 
     /// Parses `[{"pipeline": "transformer.", "checkpoint": ""}, …]`.
     pub fn from_json(text: &str) -> Result<Self, CheckpointError> {
-        serde_json::from_str(text).map_err(|e| {
+        let map: Self = serde_json::from_str(text).map_err(|e| {
             CheckpointError::NameMap(format!(
                 "{e}; expected a list of {{\"pipeline\": prefix, \"checkpoint\": prefix}}"
             ))
-        })
+        })?;
+        map.validate()?;
+        Ok(map)
+    }
+
+    /// Every prefix names whole segments: empty, or ending in `.` (a rule
+    /// `transformer` would also match `transformer_2.…`).
+    pub fn validate(&self) -> Result<(), CheckpointError> {
+        for r in &self.rules {
+            for (side, p) in [("pipeline", &r.pipeline), ("checkpoint", &r.checkpoint)] {
+                if !segment_prefix(p) {
+                    return Err(CheckpointError::NameMap(format!(
+                        "{side} prefix `{p}` must be empty or end in `.` (it names whole segments)"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The checkpoint name of the pipeline tensor at `path`, if a rule
@@ -534,6 +594,9 @@ impl SafetensorsSource {
         pipeline: &Pipeline,
         parts: Vec<(Arc<Checkpoint>, NameMap)>,
     ) -> Result<Self, CheckpointError> {
+        for (_, map) in &parts {
+            map.validate()?;
+        }
         let mut storages: Vec<Option<Bound>> = vec![None; pipeline.storages().count()];
         for (id, t) in pipeline.tensors() {
             let path = pipeline.tensor_path(id);
@@ -681,6 +744,8 @@ impl SafetensorsSource {
                 }
             }
         }
+        // `base` is the file offset of packing offset 0 (`Unit::pack` starts
+        // its first entry at 0, so the subtraction above cannot underflow).
         let (f, base) = first.ok_or_else(|| "no tensors".to_owned())?;
         let start = base as usize;
         let range = start..start + unit.bytes as usize;

@@ -88,7 +88,7 @@ fn pipeline_from(ckpt: &Checkpoint) -> Pipeline {
     let mut b = PipelineBuilder::new("CheckpointPipeline");
     {
         let mut t = b.module("transformer");
-        assert_eq!(ckpt.declare(&mut t, ""), ckpt.tensors().len());
+        assert_eq!(ckpt.declare(&mut t, "").unwrap(), ckpt.tensors().len());
         t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
     }
     b.declare_components(ComponentDeclaration {
@@ -436,6 +436,40 @@ fn bad_checkpoints_and_mismatches_are_typed_errors_naming_tensor_and_file() {
     ));
     std::fs::write(&index, r#"{"weights": {}}"#).unwrap();
     expect_err(Checkpoint::open(&index), &["weight_map"]);
+    // Names that do not describe a module tree, and prefixes that would
+    // match inside a segment.
+    let crafted = dir.join("crafted.safetensors");
+    write_file(
+        &crafted,
+        &[(
+            "blocks.1000000000.w".into(),
+            DType::Bf16,
+            vec![2],
+            vec![0; 4],
+        )],
+    )
+    .unwrap();
+    let mut b = PipelineBuilder::new("Crafted");
+    let e = expect_err(
+        Checkpoint::open(&crafted)
+            .unwrap()
+            .declare(&mut b.module("m"), ""),
+        &["blocks.1000000000.w", "1000000000"],
+    );
+    assert!(matches!(e, CheckpointError::Layout { .. }));
+    let mut b = PipelineBuilder::new("Prefix");
+    expect_err(ckpt.declare(&mut b.module("m"), "transformer"), &["`.`"]);
+    expect_err(
+        NameMap::from_json(r#"[{"pipeline": "transformer", "checkpoint": ""}]"#),
+        &["transformer", "`.`"],
+    );
+    expect_err(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::clone(&ckpt), NameMap::prefix("transformer", ""))],
+        ),
+        &["pipeline prefix `transformer`"],
+    );
     let empty = scratch("empty");
     expect_err(Checkpoint::open(&empty), &["no `.safetensors` file"]);
     expect_err(

@@ -1095,3 +1095,116 @@ fn seeded_scenarios_on_cuda_under_perturbation() {
         d.synchronize().expect("no CUDA error");
     }
 }
+
+/// A safetensors checkpoint streamed by layerwise offload on the GPU: every
+/// block is a window of the file's mapping, and the file is registered
+/// once (read-only) for all of them, whatever pages the windows share;
+/// every view the device lends holds the file's bytes; `disable`
+/// unregisters the file with its last window, so a second `enable`
+/// registers it again in place.
+#[test]
+fn checkpoint_windows_register_once_and_lend_the_files_bytes() {
+    use offload_safetensors::{Checkpoint, NameMap, SafetensorsSource};
+    let Some(g) = gpu() else { return };
+    let d = Arc::clone(&g.device);
+    // Blocks of odd sizes, so that neighbours share pages.
+    let dir = std::env::temp_dir().join(format!("offload-gpu-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("model.safetensors");
+    let mut tensors = Vec::new();
+    for i in 0..6u64 {
+        for (name, n) in [("a", 1_000_003u64), ("b", 77_777)] {
+            let bytes: Vec<u8> = (0..n * 2).map(|k| (k * 31 + i * 7 + n) as u8).collect();
+            tensors.push((format!("blocks.{i}.{name}"), DType::Bf16, vec![n], bytes));
+        }
+    }
+    tensors.push((
+        "head.w".to_owned(),
+        DType::Bf16,
+        vec![4099],
+        vec![5u8; 8198],
+    ));
+    offload_safetensors::write_file(&file, &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&file).unwrap());
+    let mut b = PipelineBuilder::new("Checkpoint");
+    {
+        let mut m = b.module("dit");
+        ckpt.declare(&mut m, "").unwrap();
+        m.block_containers(&["blocks"]);
+    }
+    b.declare_components(offload_core::ComponentDeclaration {
+        dit: vec!["dit".into()],
+        ..Default::default()
+    });
+    let pipeline = b.build().unwrap();
+    let source = Arc::new(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::clone(&ckpt), NameMap::prefix("dit.", ""))],
+        )
+        .unwrap(),
+    );
+    let compute = Arc::new(d.create_stream().unwrap());
+    let platform = CorePlatform::<Cuda>::new(
+        "cuda",
+        Arc::clone(&d),
+        Arc::clone(&compute),
+        Arc::clone(&source) as Arc<dyn offload_core::runtime::WeightSource>,
+    );
+    let config = OffloadConfig {
+        enable_layerwise_offload: true,
+        ..Default::default()
+    };
+    let mut rt = Runtime::new(Arc::clone(&d), Arc::clone(&compute), pipeline);
+    for round in 0..2 {
+        rt.enable(Box::new(platform.layerwise(config.clone()).unwrap()))
+            .map_err(|(e, _)| e)
+            .unwrap();
+        let file_len = std::fs::metadata(&file).unwrap().len() as usize;
+        assert_eq!(
+            d.shared_registrations(),
+            vec![(file_len, 6)],
+            "round {round}: the file registered once, for its 6 block windows"
+        );
+        // Every lent view holds the file's bytes (copied back through the device).
+        rt.forward("dit", |dit| {
+            for i in 0..6 {
+                dit.child(&format!("blocks.{i}"), |blk| {
+                    for view in blk.views()? {
+                        let range = view.byte_range();
+                        let n = range.end - range.start;
+                        let mut host = d.alloc_pinned(n)?;
+                        // SAFETY: the view's range in its buffer, lent for this scope; the
+                        // stream is synchronised before `host` is read or freed.
+                        unsafe {
+                            d.copy_d2h(blk.stream(), view.buffer(), range.start, &mut host, 0, n)?
+                        };
+                        d.synchronize_stream(blk.stream())?;
+                        let mut got = vec![0u8; n as usize];
+                        host.read_into(0, &mut got);
+                        // SAFETY: synchronised above.
+                        unsafe { d.free_pinned(host)? };
+                        let name = format!("blocks.{i}.{}", view.tensor().name);
+                        assert_eq!(Some(&got[..]), ckpt.bytes(&name), "round {round}: `{name}`");
+                    }
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        rt.disable().unwrap();
+        assert_eq!(
+            d.shared_registrations(),
+            vec![],
+            "round {round}: disable unregisters the file with its last window"
+        );
+    }
+    let (windows, copies) = source.windows_and_copies();
+    assert_eq!(
+        (windows, copies),
+        (14, 0),
+        "per enable, 6 block windows and the head's, registered to stage its upload"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -77,7 +77,7 @@ fn pipeline(ckpt: &Checkpoint) -> Result<Pipeline> {
     let mut b = PipelineBuilder::new("FluxPipeline");
     {
         let mut t = b.module("transformer");
-        ckpt.declare(&mut t, "");
+        ckpt.declare(&mut t, "")?;
         t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
     }
     b.declare_components(ComponentDeclaration {
