@@ -199,6 +199,10 @@ impl ViewTensors<Cuda> for ZeroCopy {
     }
 
     fn enter(&self, scope: &Scope<'_, Cuda>) -> Result<()> {
+        let _bridge = self
+            .bridge
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("ZeroCopy bridge poisoned".into()))?;
         self.enter
             .order(scope.stream().raw(), self.device.cuda_stream().cu_stream())
     }
@@ -208,8 +212,24 @@ impl ViewTensors<Cuda> for ZeroCopy {
         if self.skip_exit.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }
-        self.exit
-            .order(self.device.cuda_stream().cu_stream(), scope.stream().raw())
+        let ordered = match self.bridge.lock() {
+            Ok(_bridge) => self
+                .exit
+                .order(self.device.cuda_stream().cu_stream(), scope.stream().raw()),
+            Err(_) => Err(candle_core::Error::Msg("ZeroCopy bridge poisoned".into())),
+        };
+        if let Err(e) = ordered {
+            // Nothing orders the slot's reuse after candle's kernels: wait
+            // for them here instead (the host blocks; the slot is safe).
+            return Err(match self.device.cuda_stream().synchronize() {
+                Ok(()) => e,
+                Err(d) => err(
+                    "exit: ordering failed, then draining candle's stream failed",
+                    (e, d),
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
