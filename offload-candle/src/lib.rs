@@ -148,6 +148,25 @@ impl<A: Api> ViewTensors<A> for HostCopy {
     }
 }
 
+/// Runs the forward of the module at `path` on `rt` with `f` reading its
+/// weights through an [`OffloadScope`]: an offload error inside a block's
+/// scope comes back as itself (typed), any other as the module's forward
+/// error. `None` when a hook skipped the forward.
+pub fn forward_in<A: Api, V: ViewTensors<A>, R>(
+    rt: &offload_core::runtime::Runtime<A>,
+    path: &str,
+    views: &V,
+    f: impl FnOnce(&OffloadScope<'_, '_, A, V>) -> Result<R>,
+) -> std::result::Result<Option<R>, offload_core::OffloadError> {
+    rt.forward(path, |scope| {
+        let weights = OffloadScope::new(scope, views);
+        f(&weights).map_err(|e| match weights.take_error() {
+            Some(offload) => Box::new(offload) as Box<dyn std::error::Error + Send + Sync>,
+            None => Box::new(e),
+        })
+    })
+}
+
 /// An offload forward scope of the DiT as a [`ModuleWeights`]: path `""`
 /// reads the DiT's own (resident) tensors, a block path runs that block's
 /// forward scope (its hooks stream it in, its views are the slot) and reads

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
-use offload_candle::{HostCopy, OffloadScope};
+use offload_candle::HostCopy;
 use offload_core::model::PipelineBuilder;
 use offload_core::runtime::{Backend, PlantedBug, WeightSource};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
@@ -136,20 +136,10 @@ fn offloaded(
     };
     let mut outs = Vec::new();
     for _ in 0..2 {
-        let out = rt
-            .forward("transformer", |dit| {
-                let scope = OffloadScope::new(dit, &views);
-                model
-                    .forward(inputs, &scope)
-                    .map_err(|e| match scope.take_error() {
-                        Some(offload) => {
-                            Box::new(offload) as Box<dyn std::error::Error + Send + Sync>
-                        }
-                        None => Box::new(e),
-                    })
-            })
-            .unwrap()
-            .unwrap();
+        let out =
+            offload_candle::forward_in(&rt, "transformer", &views, |w| model.forward(inputs, w))
+                .unwrap()
+                .unwrap();
         outs.push(out);
     }
     rt.disable().unwrap();

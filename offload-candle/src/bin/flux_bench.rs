@@ -24,7 +24,6 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use offload_candle::OffloadScope;
 use offload_candle::cuda::ZeroCopy;
 use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
 use offload_core::device::{Device as _, HostBuffer as _, HostSource};
@@ -163,20 +162,10 @@ struct Offloaded {
 
 impl Offloaded {
     fn step(&self, model: &Flux, inputs: &FluxInputs) -> Result<Tensor> {
-        let out = self
-            .rt
-            .forward("transformer", |dit| {
-                let scope = OffloadScope::new(dit, &self.views);
-                model
-                    .forward(inputs, &scope)
-                    .map_err(|e| match scope.take_error() {
-                        Some(offload) => {
-                            Box::new(offload) as Box<dyn std::error::Error + Send + Sync>
-                        }
-                        None => Box::new(e),
-                    })
-            })?
-            .ok_or_else(|| anyhow!("the DiT's forward was skipped"))?;
+        let out = offload_candle::forward_in(&self.rt, "transformer", &self.views, |w| {
+            model.forward(inputs, w)
+        })?
+        .ok_or_else(|| anyhow!("the DiT's forward was skipped"))?;
         Ok(out)
     }
 }
