@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
 use offload_candle::HostCopy;
+use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
 use offload_core::model::PipelineBuilder;
 use offload_core::runtime::{Backend, PlantedBug, WeightSource};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
