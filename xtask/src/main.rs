@@ -21,7 +21,9 @@ struct Cli {
 enum Cmd {
     /// fmt --check, clippy -D warnings, the tests, the architecture check.
     Ci,
-    /// Only the architecture check (INV-6: neutral crates name no device library).
+    /// Only the architecture check (INV-6: neutral crates name no device
+    /// library; offload-sim reads no wall clock; offload-core's files import
+    /// in layers).
     Arch,
     /// The loom models (release, `--cfg loom`, LOOM_MAX_PREEMPTIONS=2).
     Loom,
