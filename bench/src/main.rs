@@ -983,7 +983,7 @@ fn main() -> Result<()> {
             inp.activation_bytes = *act;
             let inp = &inp;
             let config = OffloadConfig {
-                device_budget: Some(ByteSize(b)),
+                device_budget: Some(ByteSize(b).into()),
                 ..OffloadConfig::default()
             };
             let planned = budget::plan(&pipeline, &config, inp)?;

@@ -20,106 +20,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::Serialize;
+
+pub use crate::bytes::{BYTE_SIZE_FORMS, ByteSize, DeviceBudget};
 
 use crate::config::OffloadConfig;
 use crate::model::Pipeline;
 use crate::plan::{PlanError, ResolvedPlan, resolve};
-
-/// A byte count written as `24GiB`, `16 GB`, `512MiB`, `1.5TiB` or a plain
-/// integer of bytes (the `device_budget` key).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ByteSize(pub u64);
-
-/// What [`ByteSize`] accepts, for error messages.
-pub const BYTE_SIZE_FORMS: &str = "a positive byte count: an integer of bytes, or a number with a unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. \"24GiB\" or \"16 GB\"";
-
-impl ByteSize {
-    /// Parses `text` (see [`BYTE_SIZE_FORMS`]); zero is refused.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let t = text.trim();
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (number, unit) = (&t[..split], t[split..].trim());
-        let scale: f64 = match unit {
-            "" | "B" => 1.0,
-            "KB" => 1e3,
-            "MB" => 1e6,
-            "GB" => 1e9,
-            "TB" => 1e12,
-            "KiB" => 1024.0,
-            "MiB" => 1024f64.powi(2),
-            "GiB" => 1024f64.powi(3),
-            "TiB" => 1024f64.powi(4),
-            other => {
-                return Err(format!(
-                    "`{text}`: unknown unit `{other}`; allowed: {BYTE_SIZE_FORMS}"
-                ));
-            }
-        };
-        let value: f64 = number
-            .parse()
-            .map_err(|_| format!("`{text}` is not a byte count; allowed: {BYTE_SIZE_FORMS}"))?;
-        let bytes = (value * scale).round();
-        if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
-            return Err(format!(
-                "`{text}` is {} bytes; allowed: {BYTE_SIZE_FORMS}",
-                if bytes < 1.0 { "zero" } else { "too many" }
-            ));
-        }
-        Ok(Self(bytes as u64))
-    }
-}
-
-impl fmt::Display for ByteSize {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = self.0;
-        if b >= 1 << 30 && b.is_multiple_of(1 << 20) {
-            write!(f, "{} GiB", b as f64 / f64::from(1u32 << 30))
-        } else {
-            write!(f, "{b} B")
-        }
-    }
-}
-
-impl Serialize for ByteSize {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for ByteSize {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = ByteSize;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(BYTE_SIZE_FORMS)
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ByteSize, E> {
-                if v == 0 {
-                    Err(E::custom(format!(
-                        "`0` is zero bytes; allowed: {BYTE_SIZE_FORMS}"
-                    )))
-                } else {
-                    Ok(ByteSize(v))
-                }
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ByteSize, E> {
-                u64::try_from(v)
-                    .map_err(|_| {
-                        E::custom(format!("`{v}` is negative; allowed: {BYTE_SIZE_FORMS}"))
-                    })
-                    .and_then(|v| self.visit_u64(v))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ByteSize, E> {
-                ByteSize::parse(v).map_err(E::custom)
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
 
 /// What the planner knows of the device and the workload.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -197,7 +104,7 @@ pub enum BudgetError {
     )]
     Unplanned {
         /// The budget.
-        budget: ByteSize,
+        budget: DeviceBudget,
     },
     /// A backend was given a `device_budget` configuration but nothing to
     /// plan it with.
@@ -206,7 +113,7 @@ pub enum BudgetError {
     )]
     NoPlannerInputs {
         /// The budget.
-        budget: ByteSize,
+        budget: DeviceBudget,
     },
     /// An input the planner cannot use.
     #[error("planner input `{input}` = {value} is not allowed; allowed: {allowed}")]
@@ -479,9 +386,19 @@ pub fn plan(
     config: &OffloadConfig,
     inputs: &PlannerInputs,
 ) -> Result<BudgetPlan, BudgetError> {
-    let budget = config.device_budget.ok_or(BudgetError::NoBudget {
-        forms: crate::budget::BYTE_SIZE_FORMS,
-    })?;
+    let budget = match config.device_budget {
+        None => {
+            return Err(BudgetError::NoBudget {
+                forms: crate::budget::BYTE_SIZE_FORMS,
+            });
+        }
+        Some(DeviceBudget::Bytes(b)) => b,
+        Some(DeviceBudget::Auto) => {
+            return Err(BudgetError::Unplanned {
+                budget: DeviceBudget::Auto,
+            });
+        }
+    };
     // The configuration's own rules first (a budget with another strategy,
     // with resident_layers, with resident_blocks).
     config
@@ -922,19 +839,6 @@ fn fill_greedy(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn byte_sizes_parse_and_refuse() {
-        assert_eq!(ByteSize::parse("24GiB"), Ok(ByteSize(24 << 30)));
-        assert_eq!(ByteSize::parse("16 GB"), Ok(ByteSize(16_000_000_000)));
-        assert_eq!(ByteSize::parse("512MiB"), Ok(ByteSize(512 << 20)));
-        assert_eq!(ByteSize::parse("1.5 KiB"), Ok(ByteSize(1536)));
-        assert_eq!(ByteSize::parse("1000"), Ok(ByteSize(1000)));
-        for bad in ["", "0", "0GiB", "24 gigs", "GiB", "-3GB", "1e3"] {
-            let e = ByteSize::parse(bad).unwrap_err();
-            assert!(e.contains("allowed"), "{bad}: {e}");
-        }
-    }
 
     /// Transfer-bound, uniform blocks, depth 1: the step is the copies.
     #[test]

@@ -375,7 +375,7 @@ pub struct OffloadConfig {
     /// ([`crate::budget::plan`]) keeps as many blocks resident as fit and
     /// streams the rest. Layerwise only; set alone, it selects layerwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device_budget: Option<crate::budget::ByteSize>,
+    pub device_budget: Option<crate::bytes::DeviceBudget>,
     /// Blocks (by path) that stay on the device while the rest of their
     /// stack streams: what the budget planner writes (layerwise only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -12,8 +12,11 @@
 //! `offload-cuda`, `offload-dist`) implement [`device::Api`] and stay thin.
 
 pub mod budget;
+pub mod bytes;
 pub mod config;
+pub mod declaration;
 pub mod device;
+pub mod diagnostics;
 pub mod discovery;
 pub mod invariants;
 pub mod lifecycle;
@@ -21,6 +24,7 @@ pub mod model;
 pub mod plan;
 pub mod residency;
 pub mod runtime;
+pub mod schema;
 mod sync;
 
 pub use config::{

@@ -6,7 +6,7 @@ use std::fmt;
 
 use crate::config::{ConfigError, OffloadConfig, OffloadStrategy, ParallelConfig, Selection};
 use crate::plan::PlanError;
-use crate::runtime::Model;
+use crate::runtime::hooks::Model;
 
 /// Where a backend is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -12,8 +12,8 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::discovery::ComponentDeclaration;
-use crate::plan::OffloadPlan;
+use crate::declaration::ComponentDeclaration;
+use crate::schema::OffloadPlan;
 
 /// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -274,7 +274,7 @@ pub fn capacity(args: &PlanArgs) -> Result<Capacity, JobError> {
         copy_interference: profile.copy_interference,
     };
     let config = OffloadConfig {
-        device_budget: Some(ByteSize(budget_bytes)),
+        device_budget: Some(ByteSize(budget_bytes).into()),
         ..OffloadConfig::default()
     };
     let outcome = budget::plan(p, &config, &inputs);
@@ -356,7 +356,7 @@ mod tests {
             let c = capacity(&args(model, "h200")).unwrap();
             let preset = Preset::by_name(model).unwrap();
             let config = OffloadConfig {
-                device_budget: Some(ByteSize(c.budget_bytes)),
+                device_budget: Some(ByteSize(c.budget_bytes).into()),
                 ..OffloadConfig::default()
             };
             let resolved = resolve(&preset.pipeline, &config).unwrap();

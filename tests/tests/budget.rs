@@ -68,7 +68,7 @@ fn with_encoder(
 
 fn budget_config(bytes: u64) -> OffloadConfig {
     OffloadConfig {
-        device_budget: Some(ByteSize(bytes)),
+        device_budget: Some(ByteSize(bytes).into()),
         ..OffloadConfig::default()
     }
 }
@@ -277,7 +277,7 @@ fn budget_keys_are_checked() {
         );
     }
     let ok = OffloadConfig::from_toml_str("device_budget = \"16GiB\"").unwrap();
-    assert_eq!(ok.device_budget, Some(ByteSize(16 << 30)));
+    assert_eq!(ok.device_budget, Some(ByteSize(16 << 30).into()));
     assert_eq!(
         ok.select().unwrap().strategy,
         offload_core::OffloadStrategy::Layerwise

@@ -67,7 +67,7 @@ pub fn memory_bounds(
     let units = partition.all().count() as u64;
     let strategy = plan.strategy();
     let depth = depth.max(1) as u64;
-    let largest_unit = |offloaded: &dyn Fn(&crate::runtime::Unit) -> bool| {
+    let largest_unit = |offloaded: &dyn Fn(&crate::runtime::layout::Unit) -> bool| {
         partition
             .all()
             .filter(|u| !offloaded(u))
@@ -111,7 +111,8 @@ pub fn memory_bounds(
                 .flat_map(|(_, us)| us.iter().map(|u| u.name.as_str()))
                 .collect();
             let staging = largest_unit(&|u| swapped_names.contains(u.name.as_str()));
-            let bytes = |us: &[&crate::runtime::Unit]| us.iter().map(|u| u.bytes).sum::<u64>();
+            let bytes =
+                |us: &[&crate::runtime::layout::Unit]| us.iter().map(|u| u.bytes).sum::<u64>();
             let swapped_bytes: u64 = swapped.iter().map(|(_, us)| bytes(us)).sum();
             let swapped_units: u64 = swapped.iter().map(|(_, us)| us.len() as u64).sum();
             let largest = swapped.iter().map(|(_, us)| bytes(us)).max().unwrap_or(0);
@@ -176,7 +177,7 @@ pub fn offloaded_storages(
     config: &OffloadConfig,
 ) -> Result<std::collections::BTreeSet<StorageId>, OffloadError> {
     let (plan, partition) = plan_and_partition(pipeline, config)?;
-    let units: Vec<&crate::runtime::Unit> = match plan.strategy() {
+    let units: Vec<&crate::runtime::layout::Unit> = match plan.strategy() {
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => plan
             .stacks
             .iter()

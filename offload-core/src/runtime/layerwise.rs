@@ -53,6 +53,9 @@ use crate::lifecycle::{
 };
 use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
+use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
+use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
@@ -60,7 +63,6 @@ use crate::runtime::shared::{
     enable_span, install_hooks, plan_and_partition, remove_hooks, transfer_span,
 };
 use crate::runtime::slots::SlotTable;
-use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
 /// One block's host master: the whole unit, or this rank's shard of it.
 struct Master<A: Api> {

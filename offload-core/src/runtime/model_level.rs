@@ -17,12 +17,14 @@ use crate::lifecycle::{
 };
 use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
+use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
+use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
     Handles, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
     install_hooks, plan_and_partition, remove_hooks, swapped_components,
 };
-use crate::runtime::{Backend, Bugs, DeviceLocation, ForwardCtx, Model, PlantedBug, WeightSource};
 
 struct Component<A: Api> {
     path: String,
@@ -103,7 +105,8 @@ impl<A: Api> Shared<A, State<A>> {
                 let buffer = Arc::new(buffer);
                 buffers.push(Arc::clone(&buffer));
                 let _span =
-                    super::shared::transfer_span(&unit.name, unit.bytes, "copy", "h2d").entered();
+                    crate::runtime::shared::transfer_span(&unit.name, unit.bytes, "copy", "h2d")
+                        .entered();
                 // SAFETY: the buffer is new and exactly `unit.bytes`, as is
                 // the master; compute waits for `ready` (recorded below,
                 // after every copy) before reading it; it is freed only
@@ -365,7 +368,8 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
     }
 
     fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
-        let _span = super::shared::enable_span(OffloadStrategy::ModelLevel, model).entered();
+        let _span =
+            crate::runtime::shared::enable_span(OffloadStrategy::ModelLevel, model).entered();
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());
         }

@@ -7,9 +7,11 @@ use crate::sync::Arc;
 use crate::config::{OffloadStrategy, ParallelConfig};
 use crate::device::{Api, Collective};
 use crate::lifecycle::{BackendRequest, DeviceSpec, OffloadError, Platform, get_offload_backend};
-use crate::runtime::{
-    Backend, Bugs, LayerwiseBackend, ModelLevelBackend, PlantedBug, ResidentBackend, WeightSource,
-};
+use crate::runtime::backend::{Backend, WeightSource};
+use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::layerwise::LayerwiseBackend;
+use crate::runtime::model_level::ModelLevelBackend;
+use crate::runtime::resident::ResidentBackend;
 
 /// Builds core backends on one device.
 pub struct CorePlatform<A: Api> {

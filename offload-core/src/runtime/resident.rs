@@ -11,8 +11,10 @@ use crate::lifecycle::{
 };
 use crate::model::StorageId;
 use crate::residency::Residency;
+use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
+use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::hooks::Model;
 use crate::runtime::shared::{Handles, Placement, bytes_of, plan_and_partition};
-use crate::runtime::{Backend, Bugs, DeviceLocation, Model, PlantedBug, WeightSource};
 
 /// Uploads every weight once; keeps them resident until `disable` (or a
 /// drop, which drains the streams first).
@@ -79,7 +81,7 @@ impl<A: Api> OffloadBackend for ResidentBackend<A> {
     }
 
     fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
-        let _span = super::shared::enable_span(OffloadStrategy::None, model).entered();
+        let _span = crate::runtime::shared::enable_span(OffloadStrategy::None, model).entered();
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());
         }

@@ -12,8 +12,10 @@ use crate::lifecycle::OffloadError;
 use crate::model::{Pipeline, StorageId};
 use crate::plan::{ResolvedPlan, resolve};
 use crate::residency::{Owner, Residency, ResidencyTable, Transition};
+use crate::runtime::backend::{DeviceLocation, WeightSource};
+use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::hooks::Model;
 use crate::runtime::layout::{Partition, Unit, partition};
-use crate::runtime::{Bugs, DeviceLocation, Model, PlantedBug, WeightSource};
 
 /// One host master: pinned memory we filled, or the loader's memory
 /// registered in place.
@@ -630,7 +632,7 @@ pub(crate) fn install_hooks(
     strategy: OffloadStrategy,
     hooks: Vec<(
         crate::model::ModuleId,
-        Box<dyn offload_hooks::ModelHook<crate::runtime::ForwardCtx>>,
+        Box<dyn offload_hooks::ModelHook<crate::runtime::hooks::ForwardCtx>>,
     )>,
     rollback: bool,
 ) -> Result<Vec<crate::model::ModuleId>, OffloadError> {

@@ -1,0 +1,160 @@
+//! The planted-bug switches ([`PlantedBug`]): test-only mutations of the
+//! strategies, read only where the `planted-bugs` feature is compiled in.
+
+/// Bugs a test can plant in a backend (with the `planted-bugs` feature) to
+/// see that the invariant checkers catch them. Never set otherwise: the
+/// switches are read only where the feature is compiled in
+/// ([`CorePlatform::with_planted_bugs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum PlantedBug {
+    /// INV-3 (layerwise): no fill's copy waits for its slot's last use.
+    SkipLastUseWait,
+    /// INV-3 (layerwise): compute does not wait for a slot's ready event.
+    SkipReadyWait,
+    /// INV-3 (layerwise): disable frees slots and masters without draining.
+    FreeWithoutDrain,
+    /// INV-8 (layerwise): views point into the wrong slot.
+    WrongSlot,
+    /// INV-7 (layerwise): one slot more than depth + 1.
+    ExtraSlot,
+    /// INV-2 (layerwise): a second pinned host copy of every block.
+    SecondHostCopy,
+    /// INV-7 (layerwise): host masters leak at disable.
+    LeakHostMasters,
+    /// INV-5 (layerwise): a failed enable leaves its hooks installed.
+    NoRollback,
+    /// INV-1 (layerwise): enable does not check for another strategy's hooks.
+    IgnoreOtherOwner,
+    /// INV-4 (layerwise): non-persistent buffers are not loaded.
+    SkipNonPersistent,
+    /// INV-3 (layerwise): a block's last use is recorded in its pre-forward,
+    /// before its kernels, so the next fill of its slot does not wait for them.
+    LastUseBeforeCompute,
+    /// INV-3 (layerwise): the slot is chosen statically (block index modulo
+    /// the slot count) instead of the least recently filled free slot; an
+    /// odd ring wraps onto the slot compute is reading.
+    StaticSlot,
+    /// INV-3 (layerwise): the on-demand refill (a skipped predecessor) does
+    /// not wait for the victim slot's last use.
+    OnDemandSkipLastUseWait,
+    /// INV-3 (layerwise): the wrap-around prefetch (the last block fetching
+    /// block 0) does not wait for the victim slot's last use.
+    WrapAroundSkipLastUseWait,
+    /// INV-8 (layerwise): a fill copies the next block's host master.
+    WrongMaster,
+    /// INV-8 (layerwise): a prefetch stamps its slot and records ready
+    /// without copying, so the slot keeps the bytes of what it held before.
+    StaleSlot,
+    /// INV-8 (layerwise): slot stamps ignore the ring, so a block of a
+    /// second ring reads the slot of the first ring's block with its index.
+    IgnoreRingStamp,
+    /// INV-4 (layerwise): the second storage of each streamed block is
+    /// placed two bytes off, overlapping its neighbour.
+    ShiftedPlacement,
+    /// INV-3 (model level): eviction frees after the bring-in's ready event
+    /// only, not after the component's last use.
+    EvictWithoutLastUse,
+    /// INV-3 (model level): compute does not wait for a bring-in.
+    BringInWithoutReady,
+    /// INV-7 (model level): a component is brought in before the others
+    /// are evicted.
+    BringInBeforeEvict,
+    /// INV-3 (model level): a failed bring-in frees what it allocated
+    /// without waiting for the copies already enqueued.
+    FailedBringInFreeWithoutWait,
+    /// INV-3 (every strategy): dropping an enabled backend frees without
+    /// draining.
+    DropWithoutDrain,
+    /// INV-9 (distributed layerwise): ranks of odd index issue the
+    /// prefetches of one pre-forward farthest first, so their collectives
+    /// run in another order than the even ranks'.
+    DivergentCollectiveOrder,
+    /// INV-9/INV-8 (distributed layerwise): the all-gather writes the whole
+    /// slot (G × the largest shard) instead of the slot narrowed to this
+    /// block's G·s bytes.
+    WholeSlotGather,
+    /// INV-3 (distributed layerwise): a shard copy does not wait for the
+    /// gather that last read its shard buffer.
+    ShardReuseBeforeGather,
+    /// INV-9 (distributed layerwise): `enable` fills block 0 of its first
+    /// ring (as layerwise does) instead of deferring every ring's first fill
+    /// to its first forward; a rank whose first ring gathers then issues a
+    /// collective at enable that a rank whose first ring is rank-local (an
+    /// encoder only it runs) does not.
+    EagerFirstFill,
+}
+
+impl PlantedBug {
+    /// Every planted bug.
+    pub const ALL: [PlantedBug; 27] = [
+        PlantedBug::SkipLastUseWait,
+        PlantedBug::SkipReadyWait,
+        PlantedBug::FreeWithoutDrain,
+        PlantedBug::WrongSlot,
+        PlantedBug::ExtraSlot,
+        PlantedBug::SecondHostCopy,
+        PlantedBug::LeakHostMasters,
+        PlantedBug::NoRollback,
+        PlantedBug::IgnoreOtherOwner,
+        PlantedBug::SkipNonPersistent,
+        PlantedBug::LastUseBeforeCompute,
+        PlantedBug::StaticSlot,
+        PlantedBug::OnDemandSkipLastUseWait,
+        PlantedBug::WrapAroundSkipLastUseWait,
+        PlantedBug::WrongMaster,
+        PlantedBug::StaleSlot,
+        PlantedBug::IgnoreRingStamp,
+        PlantedBug::ShiftedPlacement,
+        PlantedBug::EvictWithoutLastUse,
+        PlantedBug::BringInWithoutReady,
+        PlantedBug::BringInBeforeEvict,
+        PlantedBug::FailedBringInFreeWithoutWait,
+        PlantedBug::DropWithoutDrain,
+        PlantedBug::DivergentCollectiveOrder,
+        PlantedBug::WholeSlotGather,
+        PlantedBug::ShardReuseBeforeGather,
+        PlantedBug::EagerFirstFill,
+    ];
+
+    /// The bug's name on command lines (`skip-last-use-wait`).
+    pub fn name(self) -> String {
+        let mut out = String::new();
+        for (i, c) in format!("{self:?}").chars().enumerate() {
+            if c.is_ascii_uppercase() {
+                if i > 0 {
+                    out.push('-');
+                }
+                out.push(c.to_ascii_lowercase());
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// The bug called `name` (as [`Self::name`] spells it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.name() == name)
+    }
+}
+
+/// The planted bugs a backend carries: empty unless the `planted-bugs`
+/// feature is compiled in and a test asked for some.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Bugs(Vec<PlantedBug>);
+
+impl Bugs {
+    pub(crate) fn new(bugs: &[PlantedBug]) -> Self {
+        Self(if cfg!(feature = "planted-bugs") {
+            bugs.to_vec()
+        } else {
+            Vec::new()
+        })
+    }
+
+    /// Whether `bug` is planted.
+    pub(crate) fn has(&self, bug: PlantedBug) -> bool {
+        cfg!(feature = "planted-bugs") && self.0.contains(&bug)
+    }
+}

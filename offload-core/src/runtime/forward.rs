@@ -1,0 +1,352 @@
+//! The forward API: the [`Runtime`] (a pipeline on one device with at
+//! most one backend), the forward [`Scope`] and the borrow-checked
+//! [`View`]s it lends.
+
+use crate::sync::Arc;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use offload_hooks::{BoxError, Forwarded};
+
+use crate::device::Api;
+use crate::lifecycle::{LifecycleState, OffloadError};
+use crate::model::{ModuleId, Pipeline, Tensor, TensorId};
+use crate::runtime::backend::{Backend, Disabled};
+use crate::runtime::hooks::{ForwardCtx, Model};
+use crate::runtime::platform::CorePlatform;
+
+/// A pipeline on one device, with at most one backend enabled.
+pub struct Runtime<A: Api> {
+    device: Arc<A::Device>,
+    compute: Arc<A::Stream>,
+    model: Model,
+    backend: Option<Box<dyn Backend<A>>>,
+}
+
+impl<A: Api> Runtime<A> {
+    /// A runtime for `pipeline` on `device`, launching on `compute`.
+    pub fn new(device: Arc<A::Device>, compute: Arc<A::Stream>, pipeline: Pipeline) -> Self {
+        Self {
+            device,
+            compute,
+            model: Model::new(pipeline),
+            backend: None,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<A::Device> {
+        &self.device
+    }
+
+    /// The compute stream.
+    pub fn compute_stream(&self) -> &Arc<A::Stream> {
+        &self.compute
+    }
+
+    /// The model (description and hooks).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The model, to install hooks of one's own (a block cache, a timer).
+    pub fn model_mut(&mut self) -> &mut Model {
+        &mut self.model
+    }
+
+    /// The enabled backend.
+    pub fn backend(&self) -> Option<&dyn Backend<A>> {
+        self.backend.as_deref()
+    }
+
+    /// Enables `backend`. On failure the backend is returned with the error
+    /// and the model is as it was.
+    pub fn enable(
+        &mut self,
+        mut backend: Box<dyn Backend<A>>,
+    ) -> Result<(), (OffloadError, Box<dyn Backend<A>>)> {
+        if let Some(current) = &self.backend {
+            let err = OffloadError::Forward {
+                module: String::new(),
+                reason: format!(
+                    "a {} backend is already enabled; disable it first (one strategy per pipeline)",
+                    current.strategy()
+                ),
+            };
+            return Err((err, backend));
+        }
+        match backend.enable(&mut self.model) {
+            Ok(()) => {
+                self.backend = Some(backend);
+                Ok(())
+            }
+            Err(e) => Err((e, backend)),
+        }
+    }
+
+    /// Enables the backend `config` selects on `platform`, or the resident
+    /// backend where it selects no offload ([`CorePlatform::backend_for`]):
+    /// after it, forwards run whatever the configuration says. On failure
+    /// the model is as it was and the backend is dropped (use
+    /// [`Self::enable`] to keep it, e.g. to ask a poisoned one its state).
+    pub fn enable_selected(
+        &mut self,
+        config: &crate::config::OffloadConfig,
+        platform: &CorePlatform<A>,
+    ) -> Result<(), OffloadError> {
+        let backend = platform.backend_for(config)?;
+        self.enable(backend).map_err(|(e, _)| e)
+    }
+
+    /// Disables and returns the backend (every step runs; the first error is
+    /// returned, and the backend dropped).
+    pub fn disable(&mut self) -> Result<Option<Box<dyn Backend<A>>>, OffloadError> {
+        match self.disable_backend() {
+            None => Ok(None),
+            Some((b, result)) => result.map(|()| Some(b)),
+        }
+    }
+
+    /// Disables the backend, if any, and returns it with the outcome, so a
+    /// caller can still ask a backend whose `disable` failed for its state
+    /// (poisoned?).
+    pub fn disable_backend(&mut self) -> Option<Disabled<A>> {
+        let mut b = self.backend.take()?;
+        let result = b.disable(&mut self.model);
+        Some((b, result))
+    }
+
+    /// Tells the backend this rank failed outside its hooks (see
+    /// [`OffloadBackend::poison`]): call it before `disable` when a request
+    /// failed on a rank of a gather group.
+    pub fn poison(&mut self, reason: &str) {
+        if let Some(b) = self.backend.as_mut() {
+            b.poison(reason);
+        }
+    }
+
+    /// The lifecycle state of the backend, if any.
+    pub fn state(&self) -> Option<LifecycleState> {
+        self.backend.as_ref().map(|b| b.state())
+    }
+
+    /// Runs one forward of the module at `path`: its hooks, then `f` with a
+    /// scope lending device views of its tensors. Returns `None` when a hook
+    /// skipped the forward.
+    pub fn forward<R>(
+        &self,
+        path: &str,
+        f: impl FnOnce(&Scope<'_, A>) -> Result<R, BoxError>,
+    ) -> Result<Option<R>, OffloadError> {
+        let module = self
+            .model
+            .pipeline
+            .module_id(path)
+            .ok_or_else(|| OffloadError::Forward {
+                module: path.to_owned(),
+                reason: "no such module".to_owned(),
+            })?;
+        self.dispatch(module, f)
+    }
+
+    fn dispatch<R>(
+        &self,
+        module: ModuleId,
+        f: impl FnOnce(&Scope<'_, A>) -> Result<R, BoxError>,
+    ) -> Result<Option<R>, OffloadError> {
+        let scope = Scope {
+            rt: self,
+            module,
+            _not_send: PhantomData,
+        };
+        let Some(cell) = self.model.hooks.get(&module) else {
+            return f(&scope).map(Some).map_err(|e| scope.failed(e));
+        };
+        let mut registry = cell.try_borrow_mut().map_err(|_| OffloadError::Forward {
+            module: scope.path().to_owned(),
+            reason: "forward re-entered while its own forward runs".to_owned(),
+        })?;
+        let mut out = None;
+        let mut ctx = ForwardCtx { module };
+        let forwarded = registry.dispatch(&mut ctx, |_| {
+            out = Some(f(&scope)?);
+            Ok(())
+        })?;
+        match forwarded {
+            Forwarded::Ran => Ok(out),
+            Forwarded::Skipped { .. } | Forwarded::Failed => Ok(None),
+        }
+    }
+}
+
+impl<A: Api> Drop for Runtime<A> {
+    /// Dropping a runtime with a backend enabled (a `?` past it, a panic
+    /// unwinding through a forward) drops the backend first, whose own
+    /// `Drop` drains its streams before any memory they may touch is freed
+    /// (memory the device may still touch after a failed drain is leaked,
+    /// never freed); the hooks go with the model.
+    fn drop(&mut self) {
+        drop(self.backend.take());
+    }
+}
+
+/// One module's forward: the stream to launch on and device views of the
+/// module's tensors, lent until the closure returns.
+pub struct Scope<'rt, A: Api> {
+    rt: &'rt Runtime<A>,
+    module: ModuleId,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl<'rt, A: Api> Scope<'rt, A> {
+    /// The module's path.
+    pub fn path(&self) -> &str {
+        &self.rt.model.pipeline.module(self.module).path
+    }
+
+    /// The module.
+    pub fn module(&self) -> ModuleId {
+        self.module
+    }
+
+    /// The pipeline.
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.rt.model.pipeline
+    }
+
+    /// The device.
+    pub fn device(&self) -> &A::Device {
+        &self.rt.device
+    }
+
+    /// The stream to launch kernels on.
+    pub fn stream(&self) -> &A::Stream {
+        &self.rt.compute
+    }
+
+    /// The error a forward closure returned, naming this module once: an
+    /// error of a forward scope (this one's, or a child's, whose path
+    /// contains this one's) already names its module and passes as it is.
+    fn failed(&self, e: BoxError) -> OffloadError {
+        match e.downcast::<OffloadError>() {
+            Ok(inner) => match *inner {
+                named @ OffloadError::Forward { .. } => named,
+                other => OffloadError::Forward {
+                    module: self.path().to_owned(),
+                    reason: other.to_string(),
+                },
+            },
+            Err(e) => OffloadError::Forward {
+                module: self.path().to_owned(),
+                reason: e.to_string(),
+            },
+        }
+    }
+
+    /// A view of the tensor at `name`, relative to this module (dotted).
+    pub fn view(&self, name: &str) -> Result<View<'_, A>, OffloadError> {
+        let p = &self.rt.model.pipeline;
+        let full = crate::model::join(self.path(), name);
+        let id = p
+            .tensors()
+            .find(|(id, _)| p.tensor_path(*id) == full)
+            .map(|(id, _)| id)
+            .ok_or_else(|| OffloadError::Forward {
+                module: self.path().to_owned(),
+                reason: format!("no tensor `{name}`"),
+            })?;
+        self.view_of(id)
+    }
+
+    /// Views of every tensor of this module's subtree, in declaration order.
+    pub fn views(&self) -> Result<Vec<View<'_, A>>, OffloadError> {
+        self.rt
+            .model
+            .pipeline
+            .subtree_tensors(self.module)
+            .into_iter()
+            .map(|t| self.view_of(t))
+            .collect()
+    }
+
+    /// A view of the tensor `id` (anywhere in the pipeline, if resident).
+    pub fn view_id(&self, id: TensorId) -> Result<View<'_, A>, OffloadError> {
+        self.view_of(id)
+    }
+
+    fn view_of(&self, id: TensorId) -> Result<View<'_, A>, OffloadError> {
+        let p = &self.rt.model.pipeline;
+        let tensor = p.tensor(id);
+        let not_resident = |why: String| OffloadError::Forward {
+            module: self.path().to_owned(),
+            reason: format!("tensor `{}` is not on the device: {why}", p.tensor_path(id)),
+        };
+        let backend = self.rt.backend.as_ref().ok_or_else(|| {
+            not_resident(
+                "no backend is enabled; enable one before the first forward: \
+                     `Runtime::enable_selected(&config, &platform)` enables the backend the \
+                     configuration selects, or the resident one when it selects no offload"
+                    .to_owned(),
+            )
+        })?;
+        let loc = backend.locate(tensor.storage).ok_or_else(|| {
+            not_resident(match backend.residency(tensor.storage) {
+                Some(r) => format!("its storage is {r:?}"),
+                None => "its storage is not managed".to_owned(),
+            })
+        })?;
+        let span = tensor.span_bytes();
+        Ok(View {
+            buffer: loc.buffer,
+            range: loc.offset + span.start..loc.offset + span.end,
+            tensor,
+            _scope: PhantomData,
+        })
+    }
+
+    /// Runs the forward of the child at `name` (dotted, relative) inside this
+    /// one: its hooks, then `f` with its scope.
+    pub fn child<R>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&Scope<'_, A>) -> Result<R, BoxError>,
+    ) -> Result<Option<R>, OffloadError> {
+        let full = crate::model::join(self.path(), name);
+        self.rt.forward(&full, f)
+    }
+}
+
+/// A device view of one tensor, lent by a [`Scope`].
+pub struct View<'s, A: Api> {
+    buffer: Arc<A::DeviceBuffer>,
+    range: Range<u64>,
+    tensor: &'s Tensor,
+    _scope: PhantomData<&'s ()>,
+}
+
+impl<A: Api> View<'_, A> {
+    /// The device buffer holding the tensor.
+    pub fn buffer(&self) -> &A::DeviceBuffer {
+        &self.buffer
+    }
+
+    /// The bytes of the buffer the tensor's view touches.
+    pub fn byte_range(&self) -> Range<u64> {
+        self.range.clone()
+    }
+
+    /// The tensor's description (dtype, shape, strides).
+    pub fn tensor(&self) -> &Tensor {
+        self.tensor
+    }
+}
+
+impl<A: Api> fmt::Debug for View<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("View")
+            .field("tensor", &self.tensor.name)
+            .field("range", &self.range)
+            .finish()
+    }
+}
