@@ -15,18 +15,20 @@ Every component has random weights that look trained (per tensor normal_(0, 1/sq
 built on the meta device, materialised in bf16 on the host.
 
 Runs (each a set of requests over the same components):
-  group offload  diffusers.hooks.apply_group_offloading(component, onload_device=cuda,
-                 offload_device=cpu, offload_type="block_level", num_blocks_per_group=1,
-                 use_stream=True) on the transformer, T5, CLIP and the VAE. block_modules
-                 (an apply_group_offloading argument) makes block_level reach the encoders'
-                 ModuleLists: T5 ["encoder"] -> encoder.block.*, CLIP ["text_model", "encoder"] ->
-                 text_model.encoder.layers.*; the VAE uses its own _group_offload_block_modules
-                 (decoder.up_blocks.* ...), exactly what vae.enable_group_offload() passes.
-                 --plain-block-level passes no block_modules, exactly what
-                 pipe.enable_group_offload() does: then each text encoder is ONE synchronous
-                 group (the whole encoder onloaded at its forward, no stream). A component on which
-                 block_level raises falls back to offload_type="leaf_level", use_stream=True; the
-                 recipe each component got is recorded, with its groups (streamed / synchronous).
+  group offload  diffusers.hooks.apply_group_offloading(..., onload_device=cuda, offload_device=cpu,
+                 offload_type="block_level", num_blocks_per_group=1, use_stream=True) on every
+                 component. Plain block_level only streams a module's direct ModuleList children,
+                 so it is pointed at each one's blocks: the transformer as is (transformer_blocks.*,
+                 single_transformer_blocks.*); T5 on its T5Stack t5.encoder, which holds all its
+                 weights (block.*; embed_tokens is the tied `shared`); CLIP with
+                 block_modules=["encoder"] (encoder.layers.*); the VAE with its own
+                 _group_offload_block_modules (decoder.up_blocks.* ...; what vae.enable_group_offload()
+                 passes too). --plain-block-level applies it to each whole component with no
+                 block_modules, exactly as pipe.enable_group_offload() does: then each text encoder is
+                 ONE synchronous group (all of it copied in at its forward and out after, no stream).
+                 A component on which block_level raises falls back to offload_type="leaf_level",
+                 use_stream=True. The recipe each component got is recorded with its groups
+                 (streamed / synchronous, GB).
   resident       (--resident) every component .to("cuda"): the compute floor.
   --device cpu   the CPU smoke test: streams need CUDA, so the offload run applies the same
                  recipe with onload = offload = cpu and use_stream=False (it checks the hooks and
@@ -79,8 +81,13 @@ GB = 1e9
 
 COMPONENTS = ("transformer", "t5", "clip", "vae")
 SHORT = {"transformer": "DiT", "t5": "T5", "clip": "CLIP", "vae": "VAE"}
-# block_modules that make block_level reach each text encoder's ModuleList of layers
-ENCODER_BLOCK_MODULES = {"t5": ["encoder"], "clip": ["text_model", "encoder"]}
+# Where block_level is applied so that it reaches each text encoder's ModuleList of layers:
+# (submodule, block_modules). T5: its T5Stack `encoder` holds every weight (embed_tokens is the tied
+# `shared`) and has the ModuleList `block`; block_modules=["encoder"] on T5EncoderModel would leave
+# `shared` in a second synchronous group whose prefetch tracer collides with the stack's.
+# CLIP: CLIPTextModel -> encoder -> layers (transformers 5; 4.x had text_model -> encoder -> layers),
+# reached by block_modules, its embeddings and final_layer_norm in the one synchronous group.
+ENCODER_TARGETS = {"t5": ("encoder", None), "clip": ("", ["encoder"])}
 
 
 def parse_args(argv=None):
@@ -159,8 +166,6 @@ def die(msg, code=2):
     sys.exit(code)
 
 
-args, _parser = parse_args()
-
 try:
     import torch
 except ImportError as e:  # pragma: no cover - depends on the machine
@@ -203,7 +208,7 @@ def configs(tiny):
                     num_hidden_layers=12, num_attention_heads=12)
         vae = dict(block_out_channels=[128, 256, 512, 512], layers_per_block=2, sample_size=1024)
     t5.update(relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
-              layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+              layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu",
               is_encoder_decoder=False, use_cache=False)
     # legacy eos_token_id=2 as in the CLIP-L config: pooling takes the argmax id, the EOS (49407)
     clip.update(max_position_embeddings=CLIP_TOKENS, hidden_act="quick_gelu", layer_norm_eps=1e-5,
@@ -272,10 +277,14 @@ def materialise(model, seed, workers):
                     jobs.append((f"{mname}.{pname}" if mname else pname, new.data))
                 memo[id(p)] = new
             mod._parameters[pname] = memo[id(p)]
-    for name, b in model.named_buffers():
-        if b.is_meta:
-            raise RuntimeError(f"buffer {name} is still on the meta device")
-    model.to(torch.bfloat16)  # floating buffers, as from_pretrained(torch_dtype=torch.bfloat16)
+    for mod in model.modules():  # floating buffers to bf16, as from_pretrained(torch_dtype=torch.bfloat16)
+        for bname, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if b.is_meta:
+                raise RuntimeError(f"buffer {bname} of {type(mod).__name__} is still on the meta device")
+            if b.is_floating_point() and b.dtype != torch.bfloat16:
+                mod._buffers[bname] = b.to(torch.bfloat16)
     jobs.sort(key=lambda j: -j[1].numel())
     with ThreadPoolExecutor(max_workers=workers) as ex:
         list(ex.map(lambda ij: fill(ij[1][0], ij[1][1], seed * 1_000_003 + ij[0]), enumerate(jobs)))
@@ -294,6 +303,8 @@ def build(name, cfg, seed, workers):
             m = AutoencoderKL(**cfg)
         else:
             raise ValueError(name)
+    if isinstance(m, transformers.PreTrainedModel):
+        m.tie_weights()  # post_init does not tie on the meta device: T5's encoder.embed_tokens is `shared`
     return materialise(m, seed, workers)
 
 
@@ -356,7 +367,11 @@ def apply_recipe(name, module, onload, use_stream, record_stream, plain):
     """block_level, one block per group, streams; leaf_level with streams where block_level fails."""
     common = dict(onload_device=onload, offload_device=torch.device("cpu"), use_stream=use_stream,
                   record_stream=record_stream and use_stream)
-    block_modules = None if plain else ENCODER_BLOCK_MODULES.get(name)
+    sub, block_modules = (("", None) if plain else ENCODER_TARGETS.get(name, ("", None)))
+    if block_modules is not None and name == "clip" and hasattr(module, "text_model"):
+        block_modules = ["text_model"] + block_modules  # transformers 4.x layout
+    target = module.get_submodule(sub) if sub else module
+    where = f"{name}.{sub} ({type(target).__name__})" if sub else f"{name} ({type(module).__name__})"
     stream_txt = "use_stream=True" if use_stream else "use_stream=False (cpu check)"
     if common["record_stream"]:
         stream_txt += ", record_stream=True"
@@ -364,19 +379,24 @@ def apply_recipe(name, module, onload, use_stream, record_stream, plain):
         kw = dict(common, offload_type="block_level", num_blocks_per_group=1)
         if block_modules is not None:
             kw["block_modules"] = block_modules
-        apply_group_offloading(module, **kw)
-        eff = block_modules if block_modules is not None else getattr(module, "_group_offload_block_modules", None)
-        recipe = "block_level, num_blocks_per_group=1, " + stream_txt
+        apply_group_offloading(target, **kw)
+        eff = block_modules if block_modules is not None else getattr(target, "_group_offload_block_modules", None)
+        if eff:  # those that exist (Flux's VAE has no quant_conv / post_quant_conv)
+            eff = [n for n in eff if getattr(target, n, None) is not None]
+        recipe = f"apply_group_offloading({where}, block_level, num_blocks_per_group=1, {stream_txt}"
         if eff:
             recipe += f", block_modules={eff}" + ("" if block_modules is not None else " (the model's own)")
-        short = "block" + (f"[{','.join(eff)}]" if eff else "") + ("/stream" if use_stream else "/no-stream")
+        recipe += ")"
+        short = "block" + (f"@{sub}" if sub else "") + (f"[{','.join(eff)}]" if eff else "")
+        short += "/stream" if use_stream else "/no-stream"
         fallback = None
     except Exception as e:
         fallback = f"{type(e).__name__}: {e}"
         print(f"  {name}: block_level failed ({fallback}); falling back to leaf_level", flush=True)
         remove_group_offloading(module)
         apply_group_offloading(module, **dict(common, offload_type="leaf_level"))
-        recipe = "leaf_level, " + stream_txt + f" (block_level failed: {fallback})"
+        recipe = (f"apply_group_offloading({name} ({type(module).__name__}), leaf_level, {stream_txt}) "
+                  f"(block_level failed: {fallback})")
         short = "leaf" + ("/stream" if use_stream else "/no-stream")
     return dict(recipe=recipe, short=short, block_level_error=fallback, **describe_groups(module))
 
@@ -489,7 +509,11 @@ def request(c, spec, dev, instrument=False):
     image = c["vae"].decode(z, return_dict=False)[0]
     image = (image.float() / 2 + 0.5).clamp(0, 1).mul(255).round().to(torch.uint8).cpu()
     clock.mark("decode")
-    return clock.total(), image, clock
+    total = clock.total()
+    if instrument:  # after the clock: a check, not part of the request
+        clock.latents_finite = bool(torch.isfinite(latents).all())
+        clock.latents_std = float(latents.float().std())
+    return total, image, clock
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -518,7 +542,6 @@ def run_requests(label, c, spec, dev, grad_ctx, setup_s, setup_per, recipes):
     print(f"  {label}: instrumented request {t_inst:.3f} s "
           f"(encode {clock.phases['encode']:.3f}, denoise {clock.phases['denoise']:.3f}, "
           f"decode {clock.phases['decode']:.3f})", flush=True)
-    finite = bool(torch.isfinite(image.float()).all())  # uint8 is always finite; kept for the record
     return dict(
         run=label,
         time_per_image_s=statistics.median(times),
@@ -541,13 +564,16 @@ def run_requests(label, c, spec, dev, grad_ctx, setup_s, setup_per, recipes):
         host_peak_rss_gb=host_peak_gb(),
         image_mean=float(image.float().mean()),
         image_std=float(image.float().std()),
-        image_finite=finite,
+        latents_finite=clock.latents_finite,
+        latents_std=clock.latents_std,
         instrumented_equals_timed=bool(torch.equal(image, image_inst)),
         _image=image,
     )
 
 
 def main():
+    global args
+    args, _ = parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         die("--device cuda, but torch.cuda.is_available() is False; use --device cpu (the CPU check)")
@@ -580,6 +606,37 @@ def main():
                 sigmas=flux_sigmas(args.steps, args.image_tokens), seed=args.seed,
                 warmup=args.warmup, requests=args.requests)
     rows = []
+    try:
+        import accelerate
+        acc = accelerate.__version__
+    except ImportError:
+        acc = None
+
+    def dump(complete):
+        """--json after every run (a run cut short by a time limit still leaves the ones before)."""
+        if not args.json:
+            return
+        out = dict(
+            complete=complete,
+            config=dict(steps=args.steps, tokens=args.tokens, text_tokens=TEXT_TOKENS,
+                        image_tokens=args.image_tokens, grid=[args.grid_h, args.grid_w],
+                        latent=[LATENT_CHANNELS, 2 * args.grid_h, 2 * args.grid_w],
+                        height=args.height, width=args.width, requests=args.requests, warmup=args.warmup,
+                        tiny=args.tiny, device=args.device, seed=args.seed, guidance=GUIDANCE,
+                        plain_block_level=args.plain_block_level, record_stream=args.record_stream,
+                        grad_mode="no_grad" if args.no_inference_mode else "inference_mode",
+                        sigmas=spec["sigmas"]),
+            components={n: dict(info[n], config=cfgs[n]) for n in COMPONENTS},
+            total_bytes=sum(info[n]["bytes"] for n in COMPONENTS),
+            versions=dict(python=platform.python_version(), torch=torch.__version__,
+                          torch_cuda=torch.version.cuda, diffusers=diffusers.__version__,
+                          transformers=transformers.__version__, accelerate=acc),
+            gpu=gpu,
+            host=dict(cpus=os.cpu_count(), machine=platform.machine(), peak_rss_gb=host_peak_gb()),
+            rows=[{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+        )
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
     if args.resident:
         label = "resident" if dev.type == "cuda" else "resident (cpu)"
@@ -594,6 +651,7 @@ def main():
         setup = time.perf_counter() - t_all
         recipes = {n: dict(recipe=f'.to("{dev.type}")', short="resident") for n in COMPONENTS}
         rows.append(run_requests(label, comps, spec, dev, grad_ctx, setup, per, recipes))
+        dump(complete=False)
         if not args.no_offload and dev.type == "cuda":
             for name in COMPONENTS:
                 comps[name].to("cpu")
@@ -618,6 +676,7 @@ def main():
                   f"({g.get('sync_gb', 0):.2f} GB); set-up {per[name]:.1f} s", flush=True)
         setup = time.perf_counter() - t_all
         rows.append(run_requests(label, comps, spec, dev, grad_ctx, setup, per, recipes))
+        dump(complete=False)
 
     # outputs must agree across runs (same weights, ids, noise): offloading moves bytes, not math
     ref = rows[0]["_image"]
@@ -635,6 +694,8 @@ def main():
                 extra = (f" -> {g['streamed_groups']} streamed groups ({g['streamed_gb']:.2f} GB), "
                          f"{g['sync_groups']} synchronous ({g['sync_gb']:.2f} GB), largest {g['largest_group_gb']:.2f} GB")
             print(f"  {name}: {r['recipe'][name]}{extra}")
+        if not r["latents_finite"]:
+            print("  WARNING: the final latents are not finite")
         if r["max_abs_diff_vs_first_run"]:
             print(f"  WARNING: image differs from the {rows[0]['run']} run's by up to "
                   f"{r['max_abs_diff_vs_first_run']} / 255")
@@ -650,33 +711,7 @@ def main():
         print(f"| {r['run']} | {r['time_per_image_s']:.3f} | {r['encode_s']:.3f} | {r['denoise_s']:.3f} "
               f"({r['step_s']:.3f}) | {r['decode_s']:.3f} | {fmt(r['peak_allocated_gb'])} | "
               f"{fmt(r['peak_reserved_gb'])} | {r['setup_s']:.1f} | {rec} |")
-
-    if args.json:
-        try:
-            import accelerate
-            acc = accelerate.__version__
-        except ImportError:
-            acc = None
-        out = dict(
-            config=dict(steps=args.steps, tokens=args.tokens, text_tokens=TEXT_TOKENS,
-                        image_tokens=args.image_tokens, grid=[args.grid_h, args.grid_w],
-                        latent=[LATENT_CHANNELS, 2 * args.grid_h, 2 * args.grid_w],
-                        height=args.height, width=args.width, requests=args.requests, warmup=args.warmup,
-                        tiny=args.tiny, device=args.device, seed=args.seed, guidance=GUIDANCE,
-                        plain_block_level=args.plain_block_level, record_stream=args.record_stream,
-                        grad_mode="no_grad" if args.no_inference_mode else "inference_mode",
-                        sigmas=spec["sigmas"]),
-            components={n: dict(info[n], config=cfgs[n]) for n in COMPONENTS},
-            total_bytes=sum(info[n]["bytes"] for n in COMPONENTS),
-            versions=dict(python=platform.python_version(), torch=torch.__version__,
-                          torch_cuda=torch.version.cuda, diffusers=diffusers.__version__,
-                          transformers=transformers.__version__, accelerate=acc),
-            gpu=gpu,
-            host=dict(cpus=os.cpu_count(), machine=platform.machine(), peak_rss_gb=host_peak_gb()),
-            rows=rows,
-        )
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    dump(complete=True)
 
 
 if __name__ == "__main__":

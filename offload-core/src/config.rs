@@ -24,6 +24,11 @@ pub enum OffloadStrategy {
     Layerwise,
     /// Blocks stream as 1/G shards gathered across ranks (CONTRACT §8).
     DistributedLayerwise,
+    /// A device budget, planned for the whole request (CONTRACT §7a): each
+    /// component resident, swapped in for its forward, or streamed with
+    /// resident blocks, by one backend that composes the model-level and
+    /// ring engines.
+    Planned,
 }
 
 impl OffloadStrategy {
@@ -34,6 +39,7 @@ impl OffloadStrategy {
             OffloadStrategy::ModelLevel => "model_level_offload",
             OffloadStrategy::Layerwise => "layerwise_offload",
             OffloadStrategy::DistributedLayerwise => "distributed_layerwise_offload",
+            OffloadStrategy::Planned => "planned_offload",
         }
     }
 }
@@ -45,6 +51,7 @@ impl fmt::Display for OffloadStrategy {
             OffloadStrategy::ModelLevel => "model-level",
             OffloadStrategy::Layerwise => "layerwise",
             OffloadStrategy::DistributedLayerwise => "distributed-layerwise",
+            OffloadStrategy::Planned => "planned",
         })
     }
 }
@@ -370,12 +377,19 @@ pub struct OffloadConfig {
     /// The parallel facts; default a single process.
     #[serde(default)]
     pub parallel: ParallelConfig,
-    /// Device memory offload may use for weights and activations
-    /// (`"24GiB"`, `"16 GB"`, bytes): the budget planner
-    /// ([`crate::budget::plan`]) keeps as many blocks resident as fit and
-    /// streams the rest. Layerwise only; set alone, it selects layerwise.
+    /// Device memory offload may use for weights and activations: `"auto"`
+    /// (the device's free memory at enable less `device_headroom`) or a
+    /// size (`"24GiB"`, `"16 GB"`, bytes). The request planner
+    /// (`crate::budget::plan`) then chooses, for the whole request, which
+    /// components stay resident, which swap in for their forward and which
+    /// stream with resident blocks. It selects the planned strategy and
+    /// goes with no strategy flag, compact form or residency key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_budget: Option<crate::bytes::DeviceBudget>,
+    /// What `device_budget = "auto"` leaves free (default 1 GiB): only with
+    /// `"auto"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_headroom: Option<crate::bytes::ByteSize>,
     /// Blocks (by path) that stay on the device while the rest of their
     /// stack streams: what the budget planner writes (layerwise only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -529,6 +543,8 @@ pub enum SelectionSource {
     Flags,
     /// `diffusion_offload_config`.
     Compact,
+    /// `device_budget` alone.
+    Budget,
 }
 
 /// A lower-priority flag that selection turned off.
@@ -638,6 +654,16 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
         .filter(|(flag, _)| flag_value(config, flag))
         .collect();
 
+    if let Some(budget) = config.device_budget {
+        return select_budget(config, budget, &set_flags);
+    }
+    if let Some(headroom) = config.device_headroom {
+        return Err(invalid(
+            "device_headroom",
+            format!("\"{headroom}\""),
+            "with device_budget = \"auto\" only (it is what \"auto\" leaves free)",
+        ));
+    }
     let mut selection = match &config.diffusion_offload_config {
         Some(compact) => select_compact(config, compact, &set_flags)?,
         None => select_flags(config, &set_flags)?,
@@ -663,6 +689,65 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
 
     for disabled in &selection.disabled_flags {
         tracing::info!(flag = disabled.flag, selected = %disabled.by, "{disabled}");
+    }
+    Ok(selection)
+}
+
+/// A device budget selects the planned strategy over every component (the
+/// planner decides what each one does), and goes with nothing that would
+/// decide it instead: a strategy flag, the compact form, `resident_blocks`,
+/// `dlo_*` keys. `device_headroom` goes with `"auto"` only.
+fn select_budget(
+    config: &OffloadConfig,
+    budget: crate::bytes::DeviceBudget,
+    set_flags: &[(&'static str, OffloadStrategy)],
+) -> Result<Selection, ConfigError> {
+    let value = format!("\"{budget}\"");
+    const WHY: &str = "a device budget is planned for the whole request (which components stay resident, swap or stream): set device_budget alone, or a strategy without it";
+    if let Some((flag, _)) = set_flags.first() {
+        return Err(conflict(("device_budget", &value), (*flag, true), WHY));
+    }
+    if config.diffusion_offload_config.is_some() {
+        return Err(conflict(
+            ("device_budget", &value),
+            ("diffusion_offload_config", "set"),
+            WHY,
+        ));
+    }
+    if !config.resident_blocks.is_empty() {
+        return Err(conflict(
+            ("device_budget", &value),
+            ("resident_blocks", format!("{:?}", config.resident_blocks)),
+            "the budget planner writes resident_blocks from device_budget: set one of them",
+        ));
+    }
+    for (key, set) in [
+        ("dlo_use_allgather", config.dlo_use_allgather.is_some()),
+        ("dlo_resident_layers", config.dlo_resident_layers.is_some()),
+    ] {
+        if set {
+            return Err(conflict(("device_budget", &value), (key, "set"), WHY));
+        }
+    }
+    if let (Some(headroom), crate::bytes::DeviceBudget::Bytes(_)) = (config.device_headroom, budget)
+    {
+        return Err(conflict(
+            ("device_headroom", format!("\"{headroom}\"")),
+            ("device_budget", &value),
+            "device_headroom is what device_budget = \"auto\" leaves free: remove it, or set device_budget = \"auto\"",
+        ));
+    }
+    let mut selection = base_selection(OffloadStrategy::Planned, SelectionSource::Budget);
+    selection.components = ComponentName::ALL.into();
+    selection.pin_memory = config.pin_cpu_memory.unwrap_or(true);
+    for c in ComponentName::ALL {
+        selection.layer.insert(
+            c,
+            LayerSettings {
+                weight_transfer: WeightTransfer::RankLocal,
+                resident_layers: 0,
+            },
+        );
     }
     Ok(selection)
 }
@@ -746,13 +831,6 @@ fn select_flags(
     config: &OffloadConfig,
     set_flags: &[(&'static str, OffloadStrategy)],
 ) -> Result<Selection, ConfigError> {
-    // A budget alone asks for layerwise: the planner decides what streams.
-    let budget_alone = [("device_budget", OffloadStrategy::Layerwise)];
-    let set_flags = if set_flags.is_empty() && config.device_budget.is_some() {
-        &budget_alone[..]
-    } else {
-        set_flags
-    };
     let Some(&(_, strategy)) = set_flags.first() else {
         return Ok(base_selection(
             OffloadStrategy::None,
@@ -802,7 +880,9 @@ fn select_flags(
                 },
             );
         }
-        OffloadStrategy::None => unreachable!("flags select a strategy"),
+        OffloadStrategy::None | OffloadStrategy::Planned => {
+            unreachable!("flags select a streaming or model-level strategy")
+        }
     }
     if strategy != OffloadStrategy::DistributedLayerwise {
         for (key, set) in [

@@ -71,6 +71,13 @@ pub enum DeviceErrorKind {
 pub trait DeviceError: StdError + Send + Sync + 'static {
     /// The kind.
     fn kind(&self) -> DeviceErrorKind;
+
+    /// For `OutOfMemory`: how many more bytes the failed allocation needed
+    /// than were free, when the backend knows (a re-plan grows the failing
+    /// phase by it). Default `None`.
+    fn shortfall_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Device memory of an exact size.
@@ -273,6 +280,19 @@ pub trait Device<A: Api>: Send + Sync {
     /// Free and total device memory.
     fn memory_info(&self) -> Result<MemoryInfo, A::Error>;
 
+    /// The most device memory in use at once since the last
+    /// [`Device::reset_memory_peak`] (or since creation), by the device's
+    /// own accounting (its allocator's high-water mark), where it keeps
+    /// one; `None` (the default) where it does not.
+    fn memory_peak(&self) -> Result<Option<u64>, A::Error> {
+        Ok(None)
+    }
+
+    /// Starts [`Device::memory_peak`] again from the memory in use now.
+    fn reset_memory_peak(&self) -> Result<(), A::Error> {
+        Ok(())
+    }
+
     /// Names a stream for traces and reports (no behaviour).
     fn name_stream(&self, stream: &A::Stream, name: &str) {
         let _ = (stream, name);
@@ -288,6 +308,17 @@ pub trait Device<A: Api>: Send + Sync {
 
     /// Creates an unrecorded event.
     fn create_event(&self) -> Result<A::Event, A::Error>;
+
+    /// Creates an unrecorded event that can time work
+    /// ([`Device::elapsed_ns`]); the default is [`Device::create_event`],
+    /// for backends whose events all carry a time.
+    fn create_timing_event(&self) -> Result<A::Event, A::Error> {
+        self.create_event()
+    }
+
+    /// Device time from `from` to `to`, nanoseconds (0 when `to` came
+    /// first). Both must be timing events, recorded and completed.
+    fn elapsed_ns(&self, from: &A::Event, to: &A::Event) -> Result<u64, A::Error>;
 
     /// Captures in `event` the work enqueued on `stream` so far.
     fn record_event(&self, event: &A::Event, stream: &A::Stream) -> Result<(), A::Error>;

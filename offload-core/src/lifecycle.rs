@@ -55,6 +55,8 @@ pub enum OffloadError {
         operation: String,
         /// What kind of failure the backend reported.
         kind: crate::device::DeviceErrorKind,
+        /// For out of memory: the bytes the allocation lacked, if known.
+        shortfall_bytes: Option<u64>,
         /// The backend's error.
         cause: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -114,6 +116,7 @@ impl OffloadError {
         OffloadError::DeviceOp {
             operation: operation.into(),
             kind: e.kind(),
+            shortfall_bytes: e.shortfall_bytes(),
             cause: Box::new(e),
         }
     }
@@ -123,13 +126,28 @@ impl OffloadError {
     /// allocate reports `OutOfMemory`). Lets a caller tell "does not fit"
     /// from a bug.
     pub fn device_error_kind(&self) -> Option<crate::device::DeviceErrorKind> {
+        self.device_op().map(|(kind, _)| kind)
+    }
+
+    /// For an out-of-memory failure: the bytes the failed allocation
+    /// lacked, when the device said (a re-plan grows the phase by them).
+    pub fn shortfall_bytes(&self) -> Option<u64> {
+        self.device_op().and_then(|(_, s)| s)
+    }
+
+    /// The device operation behind this error (through a hook, too).
+    fn device_op(&self) -> Option<(crate::device::DeviceErrorKind, Option<u64>)> {
         match self {
-            OffloadError::DeviceOp { kind, .. } => Some(*kind),
+            OffloadError::DeviceOp {
+                kind,
+                shortfall_bytes,
+                ..
+            } => Some((*kind, *shortfall_bytes)),
             OffloadError::Hook(h) => {
                 let mut source = std::error::Error::source(h);
                 while let Some(e) = source {
                     if let Some(inner) = e.downcast_ref::<OffloadError>() {
-                        return inner.device_error_kind();
+                        return inner.device_op();
                     }
                     source = e.source();
                 }

@@ -13,6 +13,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::declaration::ComponentDeclaration;
+use crate::request::{RequestShape, RequestShapeError};
 use crate::schema::OffloadPlan;
 
 /// Element type of a tensor.
@@ -219,6 +220,7 @@ pub struct Pipeline {
     by_path: BTreeMap<String, ModuleId>,
     declaration: Option<ComponentDeclaration>,
     plan: Option<OffloadPlan>,
+    warmup: Option<RequestShape>,
 }
 
 impl Pipeline {
@@ -298,6 +300,12 @@ impl Pipeline {
         self.plan.as_ref()
     }
 
+    /// The request the pipeline's warm-up recipe declares (CONTRACT §9):
+    /// its largest shape, which a planned backend's warm-up runs.
+    pub fn warmup_request(&self) -> Option<&RequestShape> {
+        self.warmup.as_ref()
+    }
+
     /// Whether `ancestor` is `id` or one of its ancestors.
     pub fn is_within(&self, id: ModuleId, ancestor: ModuleId) -> bool {
         let mut cur = Some(id);
@@ -364,6 +372,9 @@ pub(crate) fn join(parent: &str, name: &str) -> String {
 /// Errors of [`PipelineBuilder::build`]; each names the offending path.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ModelError {
+    /// The warm-up request declared is outside its ranges.
+    #[error("warm-up request: {0}")]
+    WarmupRequest(#[from] RequestShapeError),
     /// A name or path segment is empty or holds a character not allowed.
     #[error(
         "invalid name `{name}` at `{at}`: a path segment must be non-empty and hold only letters, digits and `_`"
@@ -501,6 +512,7 @@ impl PipelineBuilder {
                 by_path,
                 declaration: None,
                 plan: None,
+                warmup: None,
             },
             errors: Vec::new(),
         }
@@ -530,6 +542,18 @@ impl PipelineBuilder {
     /// Attaches an offload plan.
     pub fn offload_plan(&mut self, plan: OffloadPlan) -> &mut Self {
         self.p.plan = Some(plan);
+        self
+    }
+
+    /// Declares the pipeline's warm-up request (CONTRACT §9): its largest
+    /// shape (tokens, batch, resolution, frames), the denoising steps of a
+    /// request, and how many of them the warm-up runs. A shape outside its
+    /// ranges is a build error.
+    pub fn warmup_request(&mut self, shape: RequestShape) -> &mut Self {
+        if let Err(e) = shape.validate() {
+            self.errors.push(ModelError::WarmupRequest(e));
+        }
+        self.p.warmup = Some(shape);
         self
     }
 

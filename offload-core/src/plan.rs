@@ -234,7 +234,9 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
                 warnings.push(PlanWarning::NoEncoder);
             }
         }
-        OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
+        OffloadStrategy::Layerwise
+        | OffloadStrategy::DistributedLayerwise
+        | OffloadStrategy::Planned => {
             for component in components.iter_mut().filter(|c| c.offloaded) {
                 let name = component_of(component.role).expect("offloaded components have a name");
                 let settings =
@@ -255,7 +257,9 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
                             blocks,
                         });
                     }
-                    component.offloaded = false;
+                    // The planner still swaps or keeps a component it
+                    // cannot stream.
+                    component.offloaded = selection.strategy == OffloadStrategy::Planned;
                     continue;
                 }
                 for mut stack in owner_stacks {
@@ -279,6 +283,12 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
             }
             check_block_claims(pipeline, &stacks)?;
             apply_resident_blocks(&mut stacks, &config.resident_blocks)?;
+            if selection.strategy == OffloadStrategy::Planned {
+                // A component with fewer than two blocks is not left
+                // resident by the planner (it swaps or stays as it
+                // chooses): the layerwise warning would mislead.
+                warnings.retain(|w| !matches!(w, PlanWarning::TooFewBlocks { .. }));
+            }
         }
     }
 

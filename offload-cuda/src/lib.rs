@@ -78,6 +78,9 @@ pub struct CudaError {
     /// The kind, where it is not the driver code's: set by
     /// [`CudaError::transfer_failed`] only.
     kind: Option<DeviceErrorKind>,
+    /// For an allocation out of memory: the bytes it lacked (the request
+    /// less the free memory `cuMemGetInfo` reported after the failure).
+    shortfall: Option<u64>,
 }
 
 impl CudaError {
@@ -87,6 +90,7 @@ impl CudaError {
             operation: operation.into(),
             code,
             kind: None,
+            shortfall: None,
         }
     }
 
@@ -99,6 +103,7 @@ impl CudaError {
             operation: operation.into(),
             code: sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
             kind: Some(DeviceErrorKind::TransferFailed),
+            shortfall: None,
         }
     }
 
@@ -111,6 +116,10 @@ impl CudaError {
 }
 
 impl DeviceError for CudaError {
+    fn shortfall_bytes(&self) -> Option<u64> {
+        self.shortfall
+    }
+
     fn kind(&self) -> DeviceErrorKind {
         use sys::cudaError_enum as E;
         if let Some(kind) = self.kind {
@@ -901,7 +910,14 @@ impl Device<Cuda> for CudaDevice {
         let ptr = wrap(
             unsafe { result::malloc_async(self.ctx.memory, bytes as usize) },
             op,
-        )?;
+        )
+        .map_err(|mut e| {
+            if e.code == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                let free = result::mem_get_info().map_or(0, |(free, _)| free as u64);
+                e.shortfall = Some(bytes.saturating_sub(free).max(1));
+            }
+            e
+        })?;
         // From here on the buffer's Drop frees it if anything fails.
         let buffer = CudaBuffer {
             ctx: Arc::clone(&self.ctx),
@@ -1092,6 +1108,35 @@ impl Device<Cuda> for CudaDevice {
 
     fn create_event(&self) -> Result<CudaEvent, CudaError> {
         CudaEvent::create(&self.ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+
+    fn create_timing_event(&self) -> Result<CudaEvent, CudaError> {
+        CudaEvent::create(&self.ctx, sys::CUevent_flags::CU_EVENT_DEFAULT)
+    }
+
+    fn elapsed_ns(&self, from: &CudaEvent, to: &CudaEvent) -> Result<u64, CudaError> {
+        self.bind()?;
+        // SAFETY: both events are live handles of this context; the caller
+        // made them with timing and waited for both (the driver reports
+        // an error otherwise, which is returned).
+        let ms = wrap(unsafe { result::event::elapsed(from.raw, to.raw) }, || {
+            "cuEventElapsedTime".to_owned()
+        })?;
+        Ok(if ms > 0.0 {
+            (f64::from(ms) * 1e6).round() as u64
+        } else {
+            0
+        })
+    }
+
+    fn memory_peak(&self) -> Result<Option<u64>, CudaError> {
+        self.bind()?;
+        Ok(Some(self.pool_used()?.1))
+    }
+
+    fn reset_memory_peak(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        self.reset_pool_high()
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {

@@ -122,6 +122,7 @@ impl SimGroup {
             operation: "SimGroup::ranks".to_owned(),
             kind: DeviceErrorKind::Other,
             detail,
+            shortfall_bytes: None,
         };
         let size = u32::try_from(devices.len()).map_err(|_| refuse("too many ranks".to_owned()))?;
         if size == 0 {
@@ -352,6 +353,7 @@ impl Group {
             operation: format!("all_gather #{n} on rank {r}"),
             kind: DeviceErrorKind::TransferFailed,
             detail,
+            shortfall_bytes: None,
         }
     }
 

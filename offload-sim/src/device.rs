@@ -72,11 +72,17 @@ pub struct SimError {
     pub kind: DeviceErrorKind,
     /// What happened.
     pub detail: String,
+    /// For `OutOfMemory`: the bytes the allocation lacked.
+    pub shortfall_bytes: Option<u64>,
 }
 
 impl DeviceError for SimError {
     fn kind(&self) -> DeviceErrorKind {
         self.kind
+    }
+
+    fn shortfall_bytes(&self) -> Option<u64> {
+        self.shortfall_bytes
     }
 }
 
@@ -388,6 +394,9 @@ struct DevBuf {
     live: bool,
     /// `None` once the device has reached its free.
     mem: Option<Vec<u8>>,
+    /// A runtime's activations ([`SimDevice::alloc_activations`]), counted
+    /// apart from the weights.
+    activation: bool,
 }
 
 #[derive(Debug)]
@@ -405,8 +414,15 @@ pub struct SimStats {
     pub d2h_bytes: u64,
     /// Device bytes allocated now.
     pub device_bytes: u64,
-    /// Peak device bytes.
+    /// Peak device bytes (weights: every allocation but activations).
     pub device_peak_bytes: u64,
+    /// Activation bytes allocated now ([`SimDevice::alloc_activations`]).
+    pub activation_bytes: u64,
+    /// Peak activation bytes.
+    pub activation_peak_bytes: u64,
+    /// Peak of everything allocated (weights and activations) since the
+    /// last [`Device::reset_memory_peak`] or [`SimDevice::reset_peak`].
+    pub total_peak_bytes: u64,
     /// Pinned host bytes allocated now.
     pub pinned_bytes: u64,
     /// Peak pinned host bytes.
@@ -572,6 +588,7 @@ impl State {
             operation: operation.into(),
             kind,
             detail: detail.into(),
+            shortfall_bytes: None,
         }
     }
 
@@ -1152,6 +1169,7 @@ impl SimDevice {
                     "payload divisor {} is not a power of two",
                     config.payload_divisor
                 ),
+                shortfall_bytes: None,
             });
         }
         let mut default_stream = StreamState {
@@ -1225,6 +1243,64 @@ impl SimDevice {
         self.state().violations.clone()
     }
 
+    /// Allocates `bytes` of a runtime's activations (scratch beside the
+    /// weights: what a forward needs while it runs). The device counts them
+    /// apart from the weights ([`SimStats::activation_bytes`]; INV-7's
+    /// bounds count weights only), in its free memory and its total peak;
+    /// free them with [`Device::free_device`].
+    pub fn alloc_activations(&self, bytes: u64) -> Result<SimDeviceBuffer, SimError> {
+        self.alloc(bytes, true)
+    }
+
+    fn alloc(&self, bytes: u64, activation: bool) -> Result<SimDeviceBuffer, SimError> {
+        let mut st = self.state();
+        let what = if activation {
+            format!("alloc_activations({bytes} bytes)")
+        } else {
+            format!("alloc_device({bytes} bytes)")
+        };
+        st.count_allocation(&what)?;
+        let capacity = st.profile.memory_bytes;
+        let used = st.stats.device_bytes + st.stats.activation_bytes;
+        if used.saturating_add(bytes) > capacity {
+            let detail = format!("{used} of {capacity} bytes in use");
+            let mut e = st.err(what, DeviceErrorKind::OutOfMemory, detail);
+            e.shortfall_bytes = Some(used.saturating_add(bytes) - capacity);
+            return Err(e);
+        }
+        let id = st.new_id();
+        let real = bytes.div_ceil(st.divisor) as usize;
+        st.device.insert(
+            id,
+            DevBuf {
+                name: format!("device#{id}"),
+                len: bytes,
+                live: true,
+                mem: Some(vec![0u8; real]),
+                activation,
+            },
+        );
+        st.checker.forget(&format!("device#{id}"));
+        if activation {
+            st.stats.activation_bytes += bytes;
+            st.stats.activation_peak_bytes =
+                st.stats.activation_peak_bytes.max(st.stats.activation_bytes);
+        } else {
+            st.stats.device_bytes += bytes;
+            st.stats.device_peak_bytes = st.stats.device_peak_bytes.max(st.stats.device_bytes);
+        }
+        st.stats.total_peak_bytes = st
+            .stats
+            .total_peak_bytes
+            .max(st.stats.device_bytes + st.stats.activation_bytes);
+        Ok(SimDeviceBuffer {
+            id,
+            len: bytes,
+            freed: false,
+            shared: Arc::clone(&self.shared),
+        })
+    }
+
     /// Counters.
     pub fn stats(&self) -> SimStats {
         let st = self.state();
@@ -1235,6 +1311,8 @@ impl SimDevice {
     pub fn reset_peak(&self) {
         let mut st = self.state();
         st.stats.device_peak_bytes = st.stats.device_bytes;
+        st.stats.activation_peak_bytes = st.stats.activation_bytes;
+        st.stats.total_peak_bytes = st.stats.device_bytes + st.stats.activation_bytes;
         st.stats.pinned_peak_bytes = st.stats.pinned_bytes;
         st.stats.registered_peak_bytes = st.stats.registered_bytes;
     }
@@ -1461,34 +1539,7 @@ impl SimDevice {
 
 impl Device<Sim> for SimDevice {
     fn alloc_device(&self, bytes: u64) -> Result<SimDeviceBuffer, SimError> {
-        let mut st = self.state();
-        let what = format!("alloc_device({bytes} bytes)");
-        st.count_allocation(&what)?;
-        let capacity = st.profile.memory_bytes;
-        if st.stats.device_bytes.saturating_add(bytes) > capacity {
-            let detail = format!("{} of {capacity} bytes in use", st.stats.device_bytes);
-            return Err(st.err(what, DeviceErrorKind::OutOfMemory, detail));
-        }
-        let id = st.new_id();
-        let real = bytes.div_ceil(st.divisor) as usize;
-        st.device.insert(
-            id,
-            DevBuf {
-                name: format!("device#{id}"),
-                len: bytes,
-                live: true,
-                mem: Some(vec![0u8; real]),
-            },
-        );
-        st.checker.forget(&format!("device#{id}"));
-        st.stats.device_bytes += bytes;
-        st.stats.device_peak_bytes = st.stats.device_peak_bytes.max(st.stats.device_bytes);
-        Ok(SimDeviceBuffer {
-            id,
-            len: bytes,
-            freed: false,
-            shared: Arc::clone(&self.shared),
-        })
+        self.alloc(bytes, false)
     }
 
     unsafe fn free_device(
@@ -1526,7 +1577,11 @@ impl Device<Sim> for SimDevice {
                 // The memory goes when the device reaches the free; until
                 // then work already enqueued may still use it.
                 b.live = false;
-                st.stats.device_bytes -= buffer.len;
+                if b.activation {
+                    st.stats.activation_bytes -= buffer.len;
+                } else {
+                    st.stats.device_bytes -= buffer.len;
+                }
                 st.schedule(at, Effect::Free { id: buffer.id });
                 Ok(())
             }
@@ -1621,9 +1676,25 @@ impl Device<Sim> for SimDevice {
             free_bytes: st
                 .profile
                 .memory_bytes
-                .saturating_sub(st.stats.device_bytes),
+                .saturating_sub(st.stats.device_bytes + st.stats.activation_bytes),
             total_bytes: st.profile.memory_bytes,
         })
+    }
+
+    fn memory_peak(&self) -> Result<Option<u64>, SimError> {
+        Ok(Some(self.state().stats.total_peak_bytes))
+    }
+
+    fn reset_memory_peak(&self) -> Result<(), SimError> {
+        let mut st = self.state();
+        st.stats.total_peak_bytes = st.stats.device_bytes + st.stats.activation_bytes;
+        Ok(())
+    }
+
+    fn elapsed_ns(&self, from: &SimEvent, to: &SimEvent) -> Result<u64, SimError> {
+        let st = self.state();
+        let (a, b) = (&st.events[from.index], &st.events[to.index]);
+        Ok(b.time_ns.saturating_sub(a.time_ns))
     }
 
     fn name_stream(&self, stream: &SimStream, name: &str) {

@@ -112,6 +112,9 @@ impl Device<Null> for NullDevice {
     fn create_event(&self) -> Result<NullHandle, NullError> {
         Ok(NullHandle)
     }
+    fn elapsed_ns(&self, _: &NullHandle, _: &NullHandle) -> Result<u64, NullError> {
+        Ok(0)
+    }
     fn record_event(&self, _: &NullHandle, _: &NullHandle) -> Result<(), NullError> {
         Ok(())
     }

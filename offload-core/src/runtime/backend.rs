@@ -4,10 +4,14 @@
 
 use crate::sync::Arc;
 
+use crate::budget::RequestPlan;
 use crate::device::Api;
 use crate::lifecycle::{OffloadBackend, OffloadError};
+use crate::measurements::PlannerInputs;
 use crate::model::StorageId;
+use crate::request::RequestShape;
 use crate::residency::Residency;
+use crate::runtime::hooks::Model;
 use crate::runtime::layout::Unit;
 
 /// Where the weights' bytes come from (a checkpoint reader, a generator).
@@ -78,6 +82,51 @@ pub trait Backend<A: Api>: OffloadBackend {
     /// Host bytes this backend holds for weights (pinned or registered), as
     /// it reports them. (Checks observe the device's own allocations.)
     fn host_weight_bytes(&self) -> u64;
+
+    /// The request plan in force (a planned backend, enabled; `None` for
+    /// every other backend and during a warm-up).
+    fn request_plan(&self) -> Option<&RequestPlan> {
+        None
+    }
+
+    /// What the plan was made from: the warm-up's measurements, the
+    /// reloaded ones, or a caller's (a planned backend; `None` otherwise).
+    fn planner_inputs(&self) -> Option<&PlannerInputs> {
+        None
+    }
+
+    /// Whether `enable` will leave a warm-up to run (a planned backend
+    /// with nothing given to plan from): the runtime must then run its
+    /// request once and call [`Self::finish_warmup`].
+    fn needs_warmup(&self) -> bool {
+        false
+    }
+
+    /// The request the pending warm-up runs, if one is pending.
+    fn warmup_shape(&self) -> Option<RequestShape> {
+        None
+    }
+
+    /// Ends the warm-up: reads what it measured, plans from it and puts the
+    /// plan in force (a planned backend; others have nothing to do).
+    /// `seconds` is the host time the warm-up took.
+    fn finish_warmup(&mut self, model: &mut Model, seconds: f64) -> Result<(), OffloadError> {
+        let _ = (model, seconds);
+        Ok(())
+    }
+
+    /// A request failed with `error`: if it ran out of device memory and
+    /// the backend can plan again with the shortfall (once), it does and
+    /// returns `true` (run the request again); otherwise `false`, or an
+    /// error naming what was needed when it already re-planned once.
+    fn replan_after(
+        &mut self,
+        model: &mut Model,
+        error: &OffloadError,
+    ) -> Result<bool, OffloadError> {
+        let _ = (model, error);
+        Ok(false)
+    }
 }
 
 /// A backend [`Runtime::disable_backend`] took out, and how its `disable`

@@ -104,6 +104,15 @@ pub fn memory_bounds(
                 largest_unit(&|u| streamed_modules.contains(&u.module)).max(restore),
             )
         }
+        OffloadStrategy::Planned => {
+            // A budget's bounds are its plan's (`plan_bounds`); a
+            // configuration with one returned above.
+            return Err(OffloadError::Budget(Box::new(
+                crate::budget::BudgetError::Unplanned {
+                    budget: crate::bytes::DeviceBudget::Auto,
+                },
+            )));
+        }
         OffloadStrategy::ModelLevel => {
             let swapped = swapped_components(pipeline, &plan, &partition);
             let swapped_names: std::collections::BTreeSet<&str> = swapped
@@ -194,4 +203,126 @@ pub fn offloaded_storages(
         .into_iter()
         .flat_map(|u| u.entries.iter().map(|e| e.storage))
         .collect())
+}
+
+/// INV-7's bounds of one phase of a request plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PhaseBounds {
+    /// The component whose phase it is.
+    pub component: String,
+    /// Device weight bytes while it runs: the weights in no component, the
+    /// kept held sets, its own held set, and its slots.
+    pub device_weight_bytes: u64,
+}
+
+/// INV-7's bounds of a request plan, per phase, computed from its choices
+/// and the pipeline (not from the planner's report of its peaks).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanBounds {
+    /// Each phase, in phase order.
+    pub phases: Vec<PhaseBounds>,
+    /// Device bytes every phase may use in all (weights and activations):
+    /// the budget.
+    pub budget_bytes: u64,
+    /// Host bytes for weights: one copy of every weight of every managed
+    /// component (the masters both engines share) plus `staging_bytes`.
+    pub host_weight_bytes: u64,
+    /// `enable`'s staging: the largest unit outside every component,
+    /// uploaded through one exact-size pinned buffer.
+    pub staging_bytes: u64,
+}
+
+impl PlanBounds {
+    /// The largest phase's device weight bound.
+    pub fn device_weight_bytes(&self) -> u64 {
+        self.phases
+            .iter()
+            .map(|p| p.device_weight_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The bound of `component`'s phase.
+    pub fn phase(&self, component: &str) -> Option<&PhaseBounds> {
+        self.phases.iter().find(|p| p.component == component)
+    }
+}
+
+/// INV-7's bounds of `plan` (a request plan of `pipeline` under `config`),
+/// per phase, from its choices: what a checker compares the device's own
+/// counters with while each phase runs.
+pub fn plan_bounds(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    plan: &crate::budget::RequestPlan,
+) -> Result<PlanBounds, OffloadError> {
+    let resolved = crate::plan::resolve(pipeline, config)?;
+    let groups: Vec<_> = resolved.components.iter().map(|c| c.module).collect();
+    let part = crate::runtime::layout::partition(pipeline, &resolved.stacks, &groups);
+    let managed: Vec<&crate::plan::ResolvedComponent> = resolved
+        .components
+        .iter()
+        .filter(|c| c.role != crate::declaration::Role::Resident && !c.self_managed)
+        .collect();
+    let is_managed = |m| managed.iter().any(|c| c.module == m);
+    let outside: Vec<&crate::runtime::layout::Unit> =
+        part.rest.iter().filter(|u| !is_managed(u.module)).collect();
+    let outside_bytes: u64 = outside.iter().map(|u| u.bytes).sum();
+    // Each component's held set and slots, from the plan's choices.
+    let mut held = Vec::new();
+    for c in &managed {
+        let choice = plan
+            .choices()
+            .into_iter()
+            .find(|x| x.path == c.path)
+            .ok_or_else(|| OffloadError::Forward {
+                module: c.path.clone(),
+                reason: "the request plan has no choice for this component".to_owned(),
+            })?;
+        let mut held_bytes = part.rest_of(c.module).map_or(0, |u| u.bytes);
+        let mut streamed_max = 0;
+        for stack in resolved.stacks.iter().filter(|s| s.owner == c.path) {
+            for b in &stack.blocks {
+                let bytes = part.blocks[&b.module].bytes;
+                if choice.resident_blocks.contains(&b.path) {
+                    held_bytes += bytes;
+                } else {
+                    streamed_max = streamed_max.max(bytes);
+                }
+            }
+        }
+        let slots = if streamed_max > 0 {
+            choice.depth as u64 + 1
+        } else {
+            0
+        };
+        held.push((
+            c.path.clone(),
+            held_bytes,
+            slots * streamed_max,
+            choice.kept,
+        ));
+    }
+    let kept: u64 = held.iter().filter(|h| h.3).map(|h| h.1).sum();
+    let phases = held
+        .iter()
+        .map(|(path, h, slots, k)| PhaseBounds {
+            component: path.clone(),
+            device_weight_bytes: outside_bytes + kept + if *k { 0 } else { *h } + slots,
+        })
+        .collect();
+    let managed_bytes: u64 = part
+        .rest
+        .iter()
+        .filter(|u| is_managed(u.module))
+        .chain(part.blocks.values())
+        .map(|u| u.bytes)
+        .sum();
+    let staging = outside.iter().map(|u| u.bytes).max().unwrap_or(0);
+    Ok(PlanBounds {
+        phases,
+        budget_bytes: plan.budget_bytes,
+        host_weight_bytes: managed_bytes + staging,
+        staging_bytes: staging,
+    })
 }

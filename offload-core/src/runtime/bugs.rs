@@ -83,11 +83,21 @@ pub enum PlantedBug {
     /// collective at enable that a rank whose first ring is rank-local (an
     /// encoder only it runs) does not.
     EagerFirstFill,
+    /// INV-7 (planned): a phase that streams nothing keeps the slot pool
+    /// of the phase before instead of freeing it, so its peak holds slots
+    /// the plan did not count.
+    KeepPoolAcrossPhases,
+    /// INV-7 (planned): a phase begins without evicting the held sets of
+    /// the components that are not kept, so they stay beside its own.
+    SkipPhaseEviction,
+    /// The warm-up (planned) reports half the activation memory it saw, so
+    /// the first request runs out of memory and the backend re-plans.
+    UnderstateActivations,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 27] = [
+    pub const ALL: [PlantedBug; 30] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -115,6 +125,9 @@ impl PlantedBug {
         PlantedBug::WholeSlotGather,
         PlantedBug::ShardReuseBeforeGather,
         PlantedBug::EagerFirstFill,
+        PlantedBug::KeepPoolAcrossPhases,
+        PlantedBug::SkipPhaseEviction,
+        PlantedBug::UnderstateActivations,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

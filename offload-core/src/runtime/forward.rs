@@ -9,12 +9,19 @@ use std::ops::Range;
 
 use offload_hooks::{BoxError, Forwarded};
 
+use crate::budget::RequestPlan;
 use crate::device::Api;
 use crate::lifecycle::{LifecycleState, OffloadError};
+use crate::measurements::PlannerInputs;
 use crate::model::{ModuleId, Pipeline, Tensor, TensorId};
+use crate::request::RequestShape;
 use crate::runtime::backend::{Backend, Disabled};
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::platform::CorePlatform;
+
+/// The runtime's own request, as a warm-up runs it: the forwards of every
+/// component for a request of the given shape (CONTRACT §9).
+pub type RequestFn<A> = dyn Fn(&Runtime<A>, &RequestShape) -> Result<(), BoxError> + Send + Sync;
 
 /// A pipeline on one device, with at most one backend enabled.
 pub struct Runtime<A: Api> {
@@ -22,6 +29,7 @@ pub struct Runtime<A: Api> {
     compute: Arc<A::Stream>,
     model: Model,
     backend: Option<Box<dyn Backend<A>>>,
+    request: Option<Arc<RequestFn<A>>>,
 }
 
 impl<A: Api> Runtime<A> {
@@ -32,6 +40,55 @@ impl<A: Api> Runtime<A> {
             compute,
             model: Model::new(pipeline),
             backend: None,
+            request: None,
+        }
+    }
+
+    /// The runtime's request (its forwards of every component for a
+    /// request of a given shape): what a planned backend's warm-up runs
+    /// once at enable to measure this device (CONTRACT §9), and what
+    /// [`Self::serve`] runs.
+    pub fn set_request(
+        &mut self,
+        request: impl Fn(&Runtime<A>, &RequestShape) -> Result<(), BoxError> + Send + Sync + 'static,
+    ) {
+        self.request = Some(Arc::new(request));
+    }
+
+    /// The request plan in force (a `device_budget` configuration).
+    pub fn request_plan(&self) -> Option<&RequestPlan> {
+        self.backend.as_deref().and_then(|b| b.request_plan())
+    }
+
+    /// What the plan in force was made from: the warm-up's measurements
+    /// (save them with [`PlannerInputs::to_json`] and give them back with
+    /// `CorePlatform::with_planner` to skip the next warm-up), reloaded
+    /// ones, or a caller's.
+    pub fn planner_inputs(&self) -> Option<&PlannerInputs> {
+        self.backend.as_deref().and_then(|b| b.planner_inputs())
+    }
+
+    /// Runs the runtime's request ([`Self::set_request`]) for `shape`. If it
+    /// runs out of device memory under a planned backend, the backend plans
+    /// again once with the shortfall and the request runs again; a second
+    /// shortfall is an error naming what was needed.
+    pub fn serve(&mut self, shape: &RequestShape) -> Result<(), OffloadError> {
+        let request = self.request.clone().ok_or_else(|| OffloadError::Forward {
+            module: String::new(),
+            reason: "no request to serve: register the runtime's request with Runtime::set_request"
+                .to_owned(),
+        })?;
+        loop {
+            let error = match request(self, shape) {
+                Ok(()) => return Ok(()),
+                Err(e) => request_error(e),
+            };
+            let Some(backend) = self.backend.as_mut() else {
+                return Err(error);
+            };
+            if !backend.replan_after(&mut self.model, &error)? {
+                return Err(error);
+            }
         }
     }
 
@@ -76,13 +133,39 @@ impl<A: Api> Runtime<A> {
             };
             return Err((err, backend));
         }
-        match backend.enable(&mut self.model) {
-            Ok(()) => {
-                self.backend = Some(backend);
-                Ok(())
-            }
-            Err(e) => Err((e, backend)),
+        let request = self.request.clone();
+        if backend.needs_warmup() && request.is_none() {
+            let err = OffloadError::Budget(Box::new(crate::budget::BudgetError::NoPlannerInputs {
+                budget: crate::bytes::DeviceBudget::Auto,
+            }));
+            return Err((err, backend));
         }
+        if let Err(e) = backend.enable(&mut self.model) {
+            return Err((e, backend));
+        }
+        self.backend = Some(backend);
+        // A planned backend with nothing given to plan from measures this
+        // device: the runtime's request runs once, then the plan is made.
+        let Some(shape) = self.backend.as_ref().and_then(|b| b.warmup_shape()) else {
+            return Ok(());
+        };
+        let request = request.expect("checked above");
+        let began = std::time::Instant::now();
+        let result = request(self, &shape).map_err(|e| OffloadError::Forward {
+            module: String::new(),
+            reason: format!("the warm-up request ({shape}) failed: {}", request_error(e)),
+        });
+        let seconds = began.elapsed().as_secs_f64();
+        let finished = result.and_then(|()| {
+            let backend = self.backend.as_mut().expect("enabled above");
+            backend.finish_warmup(&mut self.model, seconds)
+        });
+        if let Err(e) = finished {
+            let mut backend = self.backend.take().expect("enabled above");
+            let _ = backend.disable(&mut self.model);
+            return Err((e, backend));
+        }
+        Ok(())
     }
 
     /// Enables the backend `config` selects on `platform`, or the resident
@@ -348,5 +431,17 @@ impl<A: Api> fmt::Debug for View<'_, A> {
             .field("tensor", &self.tensor.name)
             .field("range", &self.range)
             .finish()
+    }
+}
+
+/// A request's error as an [`OffloadError`]: one a forward returned (kept,
+/// so its device kind and shortfall survive), or the runtime's own.
+fn request_error(e: BoxError) -> OffloadError {
+    match e.downcast::<OffloadError>() {
+        Ok(inner) => *inner,
+        Err(e) => OffloadError::Forward {
+            module: String::new(),
+            reason: e.to_string(),
+        },
     }
 }

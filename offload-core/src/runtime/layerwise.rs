@@ -63,11 +63,14 @@ use crate::runtime::shared::{
     enable_span, install_hooks, plan_and_partition, remove_hooks, transfer_span,
 };
 use crate::runtime::slots::SlotTable;
+use crate::runtime::timer::{Mark, Timer};
 
 /// One block's host master: the whole unit, or this rank's shard of it.
 struct Master<A: Api> {
     unit: Unit,
-    host: HostMaster<A>,
+    /// Shared with the planned backend's store of masters, which outlives
+    /// the rings it builds; otherwise the ring's own.
+    host: Arc<HostMaster<A>>,
     shard: Option<Shard>,
 }
 
@@ -115,6 +118,8 @@ struct State<A: Api> {
     /// The slot each block was last filled into (read only by the
     /// `IgnoreRingStamp` planted bug, which trusts it over the stamps).
     filled_into: Vec<Vec<Option<usize>>>,
+    /// Device-timed marks around every fill, while a warm-up measures.
+    timer: Option<Arc<Timer<A>>>,
 }
 
 impl<A: Api> State<A> {
@@ -265,6 +270,9 @@ impl Transport {
         match self {
             Transport::Copy => {
                 wait(&h.copy, "copy")?;
+                if let Some(t) = &st.timer {
+                    t.mark(&h.copy, Mark::CopyStart { bytes })?;
+                }
                 if !stale {
                     let _span = transfer_span(name, bytes, "copy", "h2d").entered();
                     // SAFETY: the master is exactly `unit.bytes` and the slot
@@ -278,6 +286,9 @@ impl Transport {
                             .copy_h2d(&h.copy, master.host.source(), 0, &slot.buffer, 0, bytes)
                     }
                     .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
+                }
+                if let Some(t) = &st.timer {
+                    t.mark(&h.copy, Mark::CopyEnd)?;
                 }
                 h.device
                     .record_event(&slot.ready, &h.copy)
@@ -435,6 +446,12 @@ fn choose<A: Api>(
         let k = global % st.slots.len();
         return Ok((k, st.table.evict_unchecked(k, ring, block)));
     }
+    if st.slots.is_empty() {
+        return Err(OffloadError::Forward {
+            module: st.rings[ring].blocks[block].unit.name.clone(),
+            reason: "its ring has no slots now: a planned backend allocates a phase's slots when its component's forward begins; run a block's forward inside its component's".to_owned(),
+        });
+    }
     let k = st.victim(ring).ok_or_else(|| OffloadError::Forward {
         module: st.rings[ring].blocks[block].unit.name.clone(),
         reason: format!(
@@ -443,6 +460,58 @@ fn choose<A: Api>(
         ),
     })?;
     Ok((k, st.table.evict(k, ring, block)))
+}
+
+/// Frees everything `st` holds, after draining every stream (unless
+/// `drain` is false, which only planted bugs ask for). If draining fails,
+/// everything is leaked (the device may still touch it) and the error
+/// returned; otherwise every free runs and the first error is returned.
+/// Masters shared with a planned backend's store are left to the store.
+fn release_state<A: Api>(
+    engine: &Engine<A>,
+    st: State<A>,
+    drain: bool,
+) -> Result<(), OffloadError> {
+    let h = &engine.handles;
+    let leak = engine.bug(PlantedBug::LeakHostMasters);
+    h.release(&engine.strategy.to_string(), st, drain, |st, first| {
+        // Placement holds references to the buffers: drop it first.
+        drop(st.placement);
+        for slot in st.slots {
+            if let Err(e) = h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot") {
+                first.get_or_insert(e);
+            }
+        }
+        for shard in st.gather.into_iter().flat_map(|g| g.shards) {
+            if let Err(e) = h.free(shard.buffer, &[&shard.copied, &shard.consumed], "shard") {
+                first.get_or_insert(e);
+            }
+        }
+        h.free_all(st.resident, "resident unit", first);
+        for master in st
+            .rings
+            .into_iter()
+            .flat_map(|r| r.blocks)
+            .map(|m| m.host)
+            .chain(st.shadow_masters.into_iter().map(Arc::new))
+        {
+            if leak {
+                std::mem::forget(master);
+                continue;
+            }
+            // A master shared with a planned backend's store is freed
+            // by the store, after its last ring is gone.
+            let Ok(master) = Arc::try_unwrap(master) else {
+                continue;
+            };
+            // SAFETY: every stream was drained (`release` runs this only
+            // after a successful drain, or for a planted bug), so no copy
+            // reads the master any more.
+            if let Err(e) = unsafe { h.free_master(master) } {
+                first.get_or_insert(e);
+            }
+        }
+    })
 }
 
 /// The hook on one block.
@@ -603,10 +672,6 @@ impl<A: Api> ModelHook<ForwardCtx> for BlockHook<A> {
 pub struct LayerwiseBackend<A: Api> {
     config: OffloadConfig,
     depth: usize,
-    /// What the budget planner knows, for a `device_budget` configuration.
-    planner: Option<crate::budget::PlannerInputs>,
-    /// The planner's choice at the last enable (budget configurations).
-    planned: Option<crate::budget::BudgetPlan>,
     lifecycle: Lifecycle,
     engine: Arc<Engine<A>>,
     collective: Option<Arc<dyn Collective<A>>>,
@@ -706,8 +771,6 @@ impl<A: Api> LayerwiseBackend<A> {
         Ok(Self {
             config,
             depth: depth.max(1),
-            planner: None,
-            planned: None,
             lifecycle: Lifecycle::new(strategy),
             engine: Arc::new(Engine {
                 shared: Shared::new(handles, bugs),
@@ -718,20 +781,6 @@ impl<A: Api> LayerwiseBackend<A> {
             collective,
             hooked: Vec::new(),
         })
-    }
-
-    /// What the budget planner knows (link, per-block compute, measured
-    /// activations) for a configuration with `device_budget`; without it
-    /// such a configuration fails to enable ([`crate::budget::BudgetError::NoPlannerInputs`]).
-    pub fn with_planner(mut self, inputs: crate::budget::PlannerInputs) -> Self {
-        self.planner = Some(inputs);
-        self
-    }
-
-    /// The budget planner's choice at the last `enable` (a configuration
-    /// with `device_budget`; `None` otherwise).
-    pub fn budget_plan(&self) -> Option<&crate::budget::BudgetPlan> {
-        self.planned.as_ref()
     }
 
     fn new_state(&self, model: &Model, depth: usize) -> State<A> {
@@ -745,6 +794,7 @@ impl<A: Api> LayerwiseBackend<A> {
             gather: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
+            timer: None,
         }
     }
 
@@ -783,10 +833,10 @@ impl<A: Api> LayerwiseBackend<A> {
             st.filled_into.push(vec![None; spec.blocks.len()]);
             for block in &spec.blocks {
                 let unit = block.unit.clone();
-                let host = match &block.shard {
+                let host = Arc::new(match &block.shard {
                     Some(shard) => HostMaster::Pinned(h.fill_shard(&unit, shard)?),
                     None => h.master(&unit, &skip)?,
-                };
+                });
                 st.placement.claim(&unit)?;
                 st.rings
                     .last_mut()
@@ -984,42 +1034,7 @@ impl<A: Api> LayerwiseBackend<A> {
     /// error returned; otherwise every free runs and the first error is
     /// returned.
     fn release(&self, st: State<A>, drain: bool) -> Result<(), OffloadError> {
-        let engine = &*self.engine;
-        let h = &engine.handles;
-        let leak = engine.bug(PlantedBug::LeakHostMasters);
-        h.release(&engine.strategy.to_string(), st, drain, |st, first| {
-            // Placement holds references to the buffers: drop it first.
-            drop(st.placement);
-            for slot in st.slots {
-                if let Err(e) = h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot") {
-                    first.get_or_insert(e);
-                }
-            }
-            for shard in st.gather.into_iter().flat_map(|g| g.shards) {
-                if let Err(e) = h.free(shard.buffer, &[&shard.copied, &shard.consumed], "shard") {
-                    first.get_or_insert(e);
-                }
-            }
-            h.free_all(st.resident, "resident unit", first);
-            for master in st
-                .rings
-                .into_iter()
-                .flat_map(|r| r.blocks)
-                .map(|m| m.host)
-                .chain(st.shadow_masters)
-            {
-                if leak {
-                    std::mem::forget(master);
-                    continue;
-                }
-                // SAFETY: every stream was drained (`release` runs this only
-                // after a successful drain, or for a planted bug), so no copy
-                // reads the master any more.
-                if let Err(e) = unsafe { h.free_master(master) } {
-                    first.get_or_insert(e);
-                }
-            }
-        })
+        release_state(&self.engine, st, drain)
     }
 
     /// Bytes of one slot, and the slot count.
@@ -1073,23 +1088,7 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
         if !self.engine.bug(PlantedBug::IgnoreOtherOwner) {
             check_single_owner(model, strategy)?;
         }
-        // A budget is planned before anything is allocated.
-        let (config, depth) = match self.config.device_budget {
-            Some(budget) => {
-                let inputs = self.planner.as_ref().ok_or_else(|| {
-                    OffloadError::Budget(Box::new(crate::budget::BudgetError::NoPlannerInputs {
-                        budget,
-                    }))
-                })?;
-                let planned = crate::budget::plan(&model.pipeline, &self.config, inputs)
-                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
-                tracing::info!("device budget plan: {planned}");
-                let out = (planned.config.clone(), planned.depth.max(1));
-                self.planned = Some(planned);
-                out
-            }
-            None => (self.config.clone(), self.depth),
-        };
+        let (config, depth) = (self.config.clone(), self.depth);
         let mut st = self.new_state(model, depth);
         if let Err(e) = self.build(model, &config, &mut st) {
             // Local cleanup only: no collective (a failed peer may never
@@ -1223,5 +1222,183 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
 
     fn host_weight_bytes(&self) -> u64 {
         self.engine.host_weight_bytes()
+    }
+}
+
+/// The ring engine as a planned backend composes it: rings of the streamed
+/// blocks of every component over host masters the planned backend owns,
+/// and a slot pool sized per phase (allocated when a streaming phase
+/// begins, freed when a phase that streams nothing begins), with the same
+/// hooks, fills, stamps and events as layerwise.
+pub(crate) struct RingEngine<A: Api> {
+    engine: Arc<Engine<A>>,
+}
+
+impl<A: Api> RingEngine<A> {
+    pub(crate) fn new(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        bugs: Bugs,
+    ) -> Result<Self, OffloadError> {
+        Ok(Self {
+            engine: Arc::new(Engine {
+                shared: Shared::new(Handles::new(device, compute, weights)?, bugs),
+                strategy: OffloadStrategy::Planned,
+                rank: 0,
+                group: 1,
+            }),
+        })
+    }
+
+    /// Builds the rings of `layout` over the masters `master_of` gives (no
+    /// slots yet), with fills timed by `timer` while a warm-up measures,
+    /// and returns the block hooks to install. On error the state holds
+    /// what was built, for [`Self::release`].
+    pub(crate) fn build(
+        &self,
+        pipeline: &crate::model::Pipeline,
+        layout: &RingLayout,
+        master_of: &dyn Fn(&Unit) -> Option<Arc<HostMaster<A>>>,
+        timer: Option<Arc<Timer<A>>>,
+    ) -> Result<Vec<(ModuleId, Box<dyn ModelHook<ForwardCtx>>)>, OffloadError> {
+        let mut st = State {
+            placement: Placement::new(pipeline, OffloadStrategy::Planned),
+            resident: Vec::new(),
+            rings: Vec::new(),
+            slots: Vec::new(),
+            table: SlotTable::new(0),
+            depth: 1,
+            gather: None,
+            shadow_masters: Vec::new(),
+            filled_into: Vec::new(),
+            timer,
+        };
+        let mut hooks: Vec<(ModuleId, Box<dyn ModelHook<ForwardCtx>>)> = Vec::new();
+        let mut build = || -> Result<(), OffloadError> {
+            for (r, spec) in layout.rings.iter().enumerate() {
+                st.rings.push(Ring {
+                    blocks: Vec::new(),
+                    gathered: false,
+                    role: spec.role,
+                });
+                st.filled_into.push(vec![None; spec.blocks.len()]);
+                for (i, block) in spec.blocks.iter().enumerate() {
+                    let unit = block.unit.clone();
+                    let host = master_of(&unit).ok_or_else(|| OffloadError::Forward {
+                        module: unit.name.clone(),
+                        reason: "the planned backend has no host master for this streamed block"
+                            .to_owned(),
+                    })?;
+                    st.placement.claim(&unit)?;
+                    hooks.push((
+                        unit.module,
+                        Box::new(BlockHook {
+                            engine: Arc::clone(&self.engine),
+                            ring: r,
+                            block: i,
+                        }),
+                    ));
+                    st.rings[r].blocks.push(Master {
+                        unit,
+                        host,
+                        shard: None,
+                    });
+                }
+            }
+            Ok(())
+        };
+        let result = build();
+        *self.engine.lock() = Some(st);
+        result.map(|()| hooks)
+    }
+
+    /// Makes the slot pool `slots` slots of `slot_bytes` at prefetch
+    /// `depth`: kept when it already is (consecutive phases alike),
+    /// otherwise the old pool is freed after its last uses (blocks in
+    /// flight discarded) and the new one allocated; `slots == 0` frees it.
+    pub(crate) fn use_pool(
+        &self,
+        slots: usize,
+        slot_bytes: u64,
+        depth: usize,
+    ) -> Result<(), OffloadError> {
+        let engine = &*self.engine;
+        let mut guard = engine.lock();
+        let st = guard
+            .as_mut()
+            .ok_or_else(|| disabled(OffloadStrategy::Planned))?;
+        let same = st.slots.len() == slots
+            && st
+                .slots
+                .first()
+                .is_none_or(|s| s.buffer.len_bytes() == slot_bytes);
+        st.depth = depth.max(1);
+        if same {
+            return Ok(());
+        }
+        if st.table.any_in_use() {
+            return Err(OffloadError::Forward {
+                module: String::new(),
+                reason: "a phase began while a block's forward still runs (nested forwards?)"
+                    .to_owned(),
+            });
+        }
+        for k in 0..st.slots.len() {
+            if let Some((r, b)) = st.table.stamp(k)
+                && st.in_flight(r, b)
+            {
+                let unit = st.rings[r].blocks[b].unit.clone();
+                st.placement.transition(&unit, Transition::Discard)?;
+            }
+        }
+        let old = std::mem::take(&mut st.slots);
+        st.table = SlotTable::new(0);
+        let h = &engine.handles;
+        for slot in old {
+            h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot")?;
+        }
+        for k in 0..slots {
+            let buffer = h
+                .device
+                .alloc_device(slot_bytes)
+                .map_err(|e| dev_err(format!("alloc_device({slot_bytes} bytes) for slot{k}"), e))?;
+            h.device.name_buffer(&buffer, &format!("slot{k}"));
+            let event = || {
+                h.device
+                    .create_event()
+                    .map_err(|e| dev_err("create_event", e))
+            };
+            st.slots.push(Slot {
+                buffer: Arc::new(buffer),
+                ready: event()?,
+                last_use: event()?,
+            });
+            st.table = SlotTable::new(st.slots.len());
+        }
+        Ok(())
+    }
+
+    /// Frees everything the rings hold (after draining; see
+    /// [`release_state`]); the store's masters stay.
+    pub(crate) fn release(&self, drain: bool) -> Result<(), OffloadError> {
+        let st = self.engine.lock().take();
+        let drain = drain && !self.engine.bug(PlantedBug::FreeWithoutDrain);
+        st.map_or(Ok(()), |st| release_state(&self.engine, st, drain))
+    }
+
+    /// The device location of `storage`, if the rings hold it now.
+    pub(crate) fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.engine.locate(storage)
+    }
+
+    /// Its residency, if the rings manage it.
+    pub(crate) fn residency(&self, storage: StorageId) -> Option<Residency> {
+        self.engine.residency(storage)
+    }
+
+    /// Device bytes the rings hold (the slot pool).
+    pub(crate) fn device_weight_bytes(&self) -> u64 {
+        self.engine.device_weight_bytes()
     }
 }

@@ -27,21 +27,26 @@ mod bugs;
 mod forward;
 pub(crate) mod hooks;
 mod layerwise;
-mod layout;
+pub(crate) mod layout;
 mod model_level;
+mod planned;
 mod platform;
 mod resident;
 mod ring;
 mod shared;
 mod slots;
+mod timer;
 
 pub use backend::{Backend, DeviceLocation, Disabled, WeightSource};
-pub use bounds::{MemoryBounds, memory_bounds, offloaded_storages};
+pub use bounds::{
+    MemoryBounds, PhaseBounds, PlanBounds, memory_bounds, offloaded_storages, plan_bounds,
+};
 pub use bugs::PlantedBug;
-pub use forward::{Runtime, Scope, View};
+pub use forward::{RequestFn, Runtime, Scope, View};
 pub use hooks::{ForwardCtx, HookMap, Model};
 pub use layerwise::{DistributedLayerwiseBackend, LayerwiseBackend};
 pub use layout::{Entry, Partition, Unit, partition};
 pub use model_level::ModelLevelBackend;
+pub use planned::PlannedBackend;
 pub use platform::CorePlatform;
 pub use resident::ResidentBackend;

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy};
-use crate::device::{Api, Device, HostSource};
+use crate::device::{Api, Device};
 use crate::discovery::log_warnings;
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
@@ -22,14 +22,16 @@ use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
-    Handles, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
+    Handles, HostMaster, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
     install_hooks, plan_and_partition, remove_hooks, swapped_components,
 };
 
-struct Component<A: Api> {
+pub(crate) struct Component<A: Api> {
     path: String,
     module: ModuleId,
-    units: Vec<(Unit, A::HostBuffer)>,
+    /// Each unit and its host master (shared with a planned backend's
+    /// store, which then frees it; otherwise this component's own).
+    units: Vec<(Unit, Arc<HostMaster<A>>)>,
     on_device: Vec<Arc<A::DeviceBuffer>>,
     ready: A::Event,
     last_use: A::Event,
@@ -39,7 +41,7 @@ struct Component<A: Api> {
     in_use: bool,
 }
 
-struct State<A: Api> {
+pub(crate) struct State<A: Api> {
     placement: Placement<A>,
     resident: Vec<Arc<A::DeviceBuffer>>,
     components: Vec<Component<A>>,
@@ -63,7 +65,7 @@ impl<A: Api> StrategyState<A> for State<A> {
         self.components
             .iter()
             .flat_map(|c| &c.units)
-            .map(|(u, _)| u.bytes)
+            .map(|(_, h)| h.len_bytes())
             .sum()
     }
 }
@@ -113,7 +115,7 @@ impl<A: Api> Shared<A, State<A>> {
                 // after `ready` and `last_use`.
                 unsafe {
                     h.device
-                        .copy_h2d(&h.copy, HostSource::Pinned(host), 0, &buffer, 0, unit.bytes)
+                        .copy_h2d(&h.copy, host.source(), 0, &buffer, 0, unit.bytes)
                 }
                 .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))?;
             }
@@ -167,59 +169,87 @@ struct ComponentHook<A: Api> {
 
 impl<A: Api> ComponentHook<A> {
     fn pre(&self) -> Result<(), OffloadError> {
-        let shared = &*self.shared;
-        let h = &shared.handles;
-        let mut guard = shared.lock();
-        let st = guard.as_mut().ok_or_else(disabled)?;
-        let c = self.component;
-        if st.components[c].on_device.is_empty() {
-            let others: Vec<usize> = (0..st.components.len())
-                .filter(|d| *d != c && !st.components[*d].on_device.is_empty())
-                .collect();
-            if let Some(d) = others.iter().find(|d| st.components[**d].in_use) {
-                return Err(OffloadError::Forward {
-                    module: st.components[c].path.clone(),
-                    reason: format!(
-                        "model-level offload cannot bring it in while `{}` runs its forward (it would evict weights its kernels still read); run one offloaded component at a time",
-                        st.components[*d].path
-                    ),
-                });
-            }
-            let early = shared.bug(PlantedBug::BringInBeforeEvict);
-            if early {
-                shared.bring_in(st, c)?;
-            }
-            for d in others {
-                shared.evict(st, d)?;
-            }
-            if !early {
-                shared.bring_in(st, c)?;
-            }
-        }
-        if !shared.bug(PlantedBug::BringInWithoutReady) {
-            h.device
-                .stream_wait_event(&h.compute, &st.components[c].ready)
-                .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
-        }
-        for (unit, _) in &st.components[c].units {
-            if st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight) {
-                st.placement.transition(unit, Transition::CopyDone)?;
-            }
-        }
-        st.components[c].in_use = true;
-        Ok(())
+        enter(&self.shared, self.component)
     }
 
     fn post(&self) -> Result<(), OffloadError> {
-        let h = &self.shared.handles;
-        let mut guard = self.shared.lock();
-        let st = guard.as_mut().ok_or_else(disabled)?;
-        let comp = &mut st.components[self.component];
-        comp.in_use = false;
-        h.device
-            .record_event(&comp.last_use, &h.compute)
-            .map_err(|e| dev_err("record_event(last use)", e))
+        leave(&self.shared, self.component)
     }
+}
+
+/// Component `c`'s pre-forward: unless it is on the device, evict every
+/// other component (each freed after its last use) and bring it in (all or
+/// nothing); then make compute wait for its bring-in. Refused while another
+/// component runs its forward. The model-level strategy's hook, and the
+/// planned backend's for each component's held set.
+pub(crate) fn enter<A: Api>(shared: &Shared<A, State<A>>, c: usize) -> Result<(), OffloadError> {
+    let h = &shared.handles;
+    let mut guard = shared.lock();
+    let st = guard.as_mut().ok_or_else(disabled)?;
+    if st.components[c].on_device.is_empty() {
+        let others: Vec<usize> = (0..st.components.len())
+            .filter(|d| *d != c && !st.components[*d].on_device.is_empty())
+            .collect();
+        if let Some(d) = others.iter().find(|d| st.components[**d].in_use) {
+            return Err(OffloadError::Forward {
+                module: st.components[c].path.clone(),
+                reason: format!(
+                    "model-level offload cannot bring it in while `{}` runs its forward (it would evict weights its kernels still read); run one offloaded component at a time",
+                    st.components[*d].path
+                ),
+            });
+        }
+        let early = shared.bug(PlantedBug::BringInBeforeEvict);
+        if early {
+            shared.bring_in(st, c)?;
+        }
+        for d in others {
+            shared.evict(st, d)?;
+        }
+        if !early {
+            shared.bring_in(st, c)?;
+        }
+    }
+    if !shared.bug(PlantedBug::BringInWithoutReady) {
+        h.device
+            .stream_wait_event(&h.compute, &st.components[c].ready)
+            .map_err(|e| dev_err("stream_wait_event(compute, ready)", e))?;
+    }
+    for (unit, _) in &st.components[c].units {
+        if st.placement.residency_of(unit.entries[0].storage) == Some(Residency::InFlight) {
+            st.placement.transition(unit, Transition::CopyDone)?;
+        }
+    }
+    st.components[c].in_use = true;
+    Ok(())
+}
+
+/// Component `c`'s post-forward: its last use is recorded on the compute
+/// stream (its eviction frees after it).
+pub(crate) fn leave<A: Api>(shared: &Shared<A, State<A>>, c: usize) -> Result<(), OffloadError> {
+    let h = &shared.handles;
+    let mut guard = shared.lock();
+    let st = guard.as_mut().ok_or_else(disabled)?;
+    let comp = &mut st.components[c];
+    comp.in_use = false;
+    h.device
+        .record_event(&comp.last_use, &h.compute)
+        .map_err(|e| dev_err("record_event(last use)", e))
+}
+
+/// Evicts every component on the device (each freed after its last use),
+/// e.g. before a re-plan.
+pub(crate) fn evict_all<A: Api>(shared: &Shared<A, State<A>>) -> Result<(), OffloadError> {
+    let mut guard = shared.lock();
+    let Some(st) = guard.as_mut() else {
+        return Ok(());
+    };
+    for c in 0..st.components.len() {
+        if !st.components[c].on_device.is_empty() {
+            shared.evict(st, c)?;
+        }
+    }
+    Ok(())
 }
 
 fn disabled() -> OffloadError {
@@ -305,7 +335,7 @@ impl<A: Api> ModelLevelBackend<A> {
                 in_use: false,
             });
             for unit in units {
-                let host = h.fill_pinned(unit, &none)?;
+                let host = Arc::new(HostMaster::Pinned(h.fill_pinned(unit, &none)?));
                 swapped.extend(unit.entries.iter().map(|e| e.storage));
                 st.placement.claim(unit)?;
                 st.components
@@ -328,26 +358,105 @@ impl<A: Api> ModelLevelBackend<A> {
 
     /// Frees everything after draining (see `Handles::release`).
     fn release(&self, st: State<A>, drain: bool) -> Result<(), OffloadError> {
-        let h = &self.shared.handles;
-        h.release("model-level", st, drain, |st, first| {
-            // Placement holds references to the buffers: drop it first.
-            drop(st.placement);
-            for comp in st.components {
-                for b in comp.on_device {
-                    if let Err(e) = h.free(b, &[&comp.ready, &comp.last_use], &comp.path) {
-                        first.get_or_insert(e);
-                    }
-                }
-                for (_, host) in comp.units {
-                    // SAFETY: both streams are drained: no copy reads the master.
-                    if let Err(e) = unsafe { h.device.free_pinned(host) } {
-                        first.get_or_insert(dev_err("free_pinned", e));
-                    }
+        release_state(&self.shared, "model-level", st, drain)
+    }
+}
+
+/// Frees everything `st` holds after draining (see `Handles::release`).
+pub(crate) fn release_state<A: Api>(
+    shared: &Shared<A, State<A>>,
+    what: &str,
+    st: State<A>,
+    drain: bool,
+) -> Result<(), OffloadError> {
+    let h = &shared.handles;
+    h.release(what, st, drain, |st, first| {
+        // Placement holds references to the buffers: drop it first.
+        drop(st.placement);
+        for comp in st.components {
+            for b in comp.on_device {
+                if let Err(e) = h.free(b, &[&comp.ready, &comp.last_use], &comp.path) {
+                    first.get_or_insert(e);
                 }
             }
-            h.free_all(st.resident, "resident unit", first);
-        })
-    }
+            for (_, host) in comp.units {
+                // A master shared with a planned backend's store is
+                // freed by the store.
+                let Ok(host) = Arc::try_unwrap(host) else {
+                    continue;
+                };
+                // SAFETY: both streams are drained: no copy reads the master.
+                if let Err(e) = unsafe { h.free_master(host) } {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        h.free_all(st.resident, "resident unit", first);
+    })
+}
+
+/// One component's held set, swapped in for its phase by a planned
+/// backend: its units and their (shared) host masters.
+pub(crate) struct Group<A: Api> {
+    pub(crate) path: String,
+    pub(crate) module: ModuleId,
+    pub(crate) units: Vec<(Unit, Arc<HostMaster<A>>)>,
+}
+
+/// Builds a planned backend's phase state into `shared`: `groups` swapped
+/// in their phase (component `i` of the state is `groups[i]`), and
+/// `resident` units uploaded for the whole request (from their master, or
+/// staged from the weight source when they have none). On error the state
+/// holds what was built, for [`release_state`].
+pub(crate) fn build_planned<A: Api>(
+    shared: &Shared<A, State<A>>,
+    pipeline: &crate::model::Pipeline,
+    groups: Vec<Group<A>>,
+    resident: Vec<(Unit, Option<Arc<HostMaster<A>>>)>,
+) -> Result<(), OffloadError> {
+    let h = &shared.handles;
+    let mut st = State {
+        placement: Placement::new(pipeline, OffloadStrategy::Planned),
+        resident: Vec::new(),
+        components: Vec::new(),
+    };
+    let none = BTreeSet::new();
+    let build = |st: &mut State<A>| -> Result<(), OffloadError> {
+        for g in groups {
+            let ready = h
+                .device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            let last_use = h
+                .device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            for (unit, _) in &g.units {
+                st.placement.claim(unit)?;
+            }
+            st.components.push(Component {
+                path: g.path,
+                module: g.module,
+                units: g.units,
+                on_device: Vec::new(),
+                ready,
+                last_use,
+                in_use: false,
+            });
+        }
+        for (unit, master) in resident {
+            let buffer = Arc::new(match master {
+                Some(m) => h.upload_from(&unit, &m)?,
+                None => h.upload(&unit, &none)?,
+            });
+            st.resident.push(Arc::clone(&buffer));
+            st.placement.resident(&unit, &buffer)?;
+        }
+        Ok(())
+    };
+    let result = build(&mut st);
+    *shared.lock() = Some(st);
+    result
 }
 
 impl<A: Api> Drop for ModelLevelBackend<A> {

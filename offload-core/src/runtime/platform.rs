@@ -11,6 +11,7 @@ use crate::runtime::backend::{Backend, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::layerwise::LayerwiseBackend;
 use crate::runtime::model_level::ModelLevelBackend;
+use crate::runtime::planned::PlannedBackend;
 use crate::runtime::resident::ResidentBackend;
 
 /// Builds core backends on one device.
@@ -21,6 +22,7 @@ pub struct CorePlatform<A: Api> {
     weights: Arc<dyn WeightSource>,
     prefetch_depth: usize,
     planner: Option<crate::budget::PlannerInputs>,
+    request: Option<crate::request::RequestShape>,
     collective: Option<Arc<dyn Collective<A>>>,
     bugs: Vec<PlantedBug>,
 }
@@ -40,6 +42,7 @@ impl<A: Api> CorePlatform<A> {
             weights,
             prefetch_depth: 1,
             planner: None,
+            request: None,
             collective: None,
             bugs: Vec::new(),
         }
@@ -64,11 +67,21 @@ impl<A: Api> CorePlatform<A> {
         self
     }
 
-    /// What the budget planner knows (link bandwidth, per-block compute,
-    /// the activations a warm-up request measured), for configurations
-    /// with `device_budget` ([`crate::budget::plan`]).
+    /// What the request planner plans a `device_budget` from, given
+    /// instead of measured: a caller's [`crate::budget::PlannerInputs`],
+    /// or a previous warm-up's, saved and reloaded
+    /// ([`crate::budget::PlannerInputs::from_json_str`]). Without it, the
+    /// planned backend's `enable` leaves a warm-up to run (see
+    /// [`crate::runtime::Runtime::set_request`]).
     pub fn with_planner(mut self, inputs: crate::budget::PlannerInputs) -> Self {
         self.planner = Some(inputs);
+        self
+    }
+
+    /// The request to plan a `device_budget` for (its shape and denoising
+    /// steps), instead of the pipeline's declared warm-up request.
+    pub fn with_request(mut self, shape: crate::request::RequestShape) -> Self {
+        self.request = Some(shape);
         self
     }
 
@@ -96,10 +109,22 @@ impl<A: Api> CorePlatform<A> {
             self.collective.clone(),
             self.bugs(),
         )
-        .map(|b| match &self.planner {
-            Some(p) => b.with_planner(p.clone()),
-            None => b,
-        })
+    }
+
+    /// A planned backend for `config` (a `device_budget` configuration).
+    pub fn planned(
+        &self,
+        config: crate::config::OffloadConfig,
+    ) -> Result<PlannedBackend<A>, OffloadError> {
+        PlannedBackend::with_bugs(
+            Arc::clone(&self.device),
+            Arc::clone(&self.compute),
+            Arc::clone(&self.weights),
+            config,
+            self.planner.clone(),
+            self.request.clone(),
+            self.bugs(),
+        )
     }
 
     /// The backend `config` selects, or, where it selects no offload (or
@@ -163,6 +188,7 @@ impl<A: Api> Platform for CorePlatform<A> {
             OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
                 Box::new(self.layerwise(request.config)?)
             }
+            OffloadStrategy::Planned => Box::new(self.planned(request.config)?),
             OffloadStrategy::None => Box::new(ResidentBackend::with_bugs(
                 device,
                 compute,

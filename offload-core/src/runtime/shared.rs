@@ -332,7 +332,10 @@ impl<A: Api> Handles<A> {
         Ok(buffer)
     }
 
-    fn upload_from(
+    /// Uploads `unit` from `staging` (its host master, or a staging copy)
+    /// to a new device buffer and waits for the copy. Nothing is left
+    /// allocated on failure.
+    pub(crate) fn upload_from(
         &self,
         unit: &Unit,
         staging: &HostMaster<A>,
@@ -597,6 +600,7 @@ pub(crate) fn check_single_owner(
         OffloadStrategy::ModelLevel.hook_name(),
         OffloadStrategy::Layerwise.hook_name(),
         OffloadStrategy::DistributedLayerwise.hook_name(),
+        OffloadStrategy::Planned.hook_name(),
     ];
     let claims = model.hook_claims();
     let ours = crate::invariants::HookClaim {
@@ -650,6 +654,33 @@ pub(crate) fn install_hooks(
         }
         installed.push(module);
     }
+    Ok(installed)
+}
+
+/// Installs `hooks` under their own names, owned by the strategy, in
+/// order (a backend with more than one hook per module); on the first
+/// failure removes those it installed and returns the error.
+pub(crate) fn install_named_hooks(
+    model: &mut Model,
+    strategy: OffloadStrategy,
+    hooks: Vec<(
+        crate::model::ModuleId,
+        &'static str,
+        Box<dyn offload_hooks::ModelHook<crate::runtime::hooks::ForwardCtx>>,
+    )>,
+) -> Result<Vec<crate::model::ModuleId>, OffloadError> {
+    let owner = offload_hooks::HookOwner::new(strategy.hook_name());
+    let mut installed = Vec::new();
+    for (module, name, hook) in hooks {
+        if let Err(e) = model.hooks_of(module).register(name, owner.clone(), hook) {
+            installed.dedup();
+            remove_hooks(model, strategy, &mut installed);
+            return Err(e.into());
+        }
+        installed.push(module);
+    }
+    installed.sort_unstable();
+    installed.dedup();
     Ok(installed)
 }
 

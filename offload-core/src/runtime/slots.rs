@@ -32,6 +32,11 @@ impl SlotTable {
         self.slots.len()
     }
 
+    /// Whether compute reads any slot now.
+    pub(crate) fn any_in_use(&self) -> bool {
+        self.slots.iter().any(|s| s.in_use)
+    }
+
     /// The slot holding (ring, block), if any.
     pub(crate) fn holding(&self, ring: usize, block: usize) -> Option<usize> {
         self.slots

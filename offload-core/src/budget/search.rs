@@ -1,0 +1,1281 @@
+//! The request planner's search: the phases as the planner sees them (one
+//! per component), what a choice costs (each phase's peak and time), the
+//! least budget, and the search over which components are kept and how
+//! each phase streams.
+//!
+//! A phase's own problem (which of its blocks stay resident, at what
+//! depth, within the memory its phase leaves) is solved exactly on small
+//! stacks (every resident set and depth) and greedily on large ones (for
+//! each slot size and depth: the blocks larger than the slot resident,
+//! then, while it fits and does not slow the phase, the block whose
+//! residency shortens it most, then residency moved between blocks of one
+//! size while that helps). The kept sets couple the phases: for each set
+//! of kept components (every subset), the kept ones are solved first, in
+//! two orders (most forwards first, and fewest first), each within what
+//! the other phases must still have, then the others within what the kept
+//! sets leave. The best plan of all wins; the plans of each strategy alone
+//! are computed beside it, so the plan is never worse than the best of them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::ring::{forward_ends, forwards_s};
+use super::{
+    Alternative, BudgetError, BudgetSource, ComponentMode, ComponentPlan, DeviceMemory, Limit,
+    MinimumBudget, PeakParts, RequestPlan,
+};
+use crate::config::OffloadConfig;
+use crate::declaration::Role;
+use crate::measurements::{ComponentInputs, PlannerInputs};
+use crate::model::Pipeline;
+use crate::plan::resolve;
+use crate::runtime::layout::partition;
+
+/// Stacks of at most this many blocks (all of a component's stacks
+/// together) are planned exhaustively.
+const EXACT_BLOCKS: usize = 10;
+/// The most components the kept-set search enumerates every subset of
+/// (beyond, only components with the most forwards may be kept).
+const MAX_KEPT_SEARCH: usize = 8;
+/// Rounds of the large-stack local search.
+const SWAP_ROUNDS: usize = 8;
+/// Relative difference below which two times are equal (then more
+/// resident bytes, then a shallower ring, win).
+const TIE: f64 = 1e-3;
+
+/// One block as the planner sees it.
+#[derive(Clone, Debug)]
+struct PBlock {
+    path: String,
+    bytes: u64,
+    compute_s: f64,
+}
+
+/// One component: one phase of the request.
+#[derive(Clone, Debug)]
+struct PComp {
+    path: String,
+    role: Role,
+    bytes: u64,
+    /// Its weights outside its blocks.
+    nonblock: u64,
+    /// Its block stacks (empty: it has no block topology).
+    stacks: Vec<Vec<PBlock>>,
+    /// Forwards per request.
+    forwards: f64,
+    own_s: f64,
+    act: u64,
+}
+
+/// How one component's phase runs: which blocks are resident, the depth.
+#[derive(Clone, Debug, PartialEq)]
+struct Local {
+    resident: Vec<Vec<bool>>,
+    depth: usize,
+}
+
+/// One component's choice, as the backend carries it out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComponentChoice {
+    /// The component's path.
+    pub path: String,
+    /// Its blocks that stay resident (held).
+    pub resident_blocks: Vec<String>,
+    /// Prefetch depth (0 when nothing streams).
+    pub depth: usize,
+    /// Whether its held set stays on the device across phases.
+    pub kept: bool,
+}
+
+/// One phase of an evaluated set of choices.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PhaseEvaluation {
+    /// The component.
+    pub path: String,
+    /// Its peak and its parts.
+    pub peak: PeakParts,
+    /// Its predicted time per request, s.
+    pub time_s: f64,
+}
+
+/// What a set of choices costs: each phase's peak and time, and their sum.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Evaluation {
+    /// Each phase, in phase order.
+    pub phases: Vec<PhaseEvaluation>,
+    /// The request's predicted time, s.
+    pub request_s: f64,
+    /// The largest phase peak.
+    pub peak_bytes: u64,
+}
+
+impl PComp {
+    fn blocks(&self) -> usize {
+        self.stacks.iter().map(Vec::len).sum()
+    }
+
+    fn held(&self, l: &Local) -> u64 {
+        self.nonblock
+            + self
+                .stacks
+                .iter()
+                .zip(&l.resident)
+                .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| **r).map(|(b, _)| b.bytes))
+                .sum::<u64>()
+    }
+
+    fn slot(&self, l: &Local) -> u64 {
+        self.stacks
+            .iter()
+            .zip(&l.resident)
+            .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| !**r).map(|(b, _)| b.bytes))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn streams(&self, l: &Local) -> bool {
+        l.resident.iter().flatten().any(|r| !r)
+    }
+
+    fn slots(&self, l: &Local) -> usize {
+        if self.streams(l) { l.depth + 1 } else { 0 }
+    }
+
+    /// Bytes of its own phase: held and slots.
+    fn own(&self, l: &Local) -> u64 {
+        self.held(l) + self.slots(l) as u64 * self.slot(l)
+    }
+
+    /// No ring of one streaming block; a depth exactly when something
+    /// streams.
+    fn valid(&self, l: &Local, max_depth: usize) -> bool {
+        let lone = l
+            .resident
+            .iter()
+            .any(|r| r.iter().filter(|x| !**x).count() == 1);
+        !lone
+            && if self.streams(l) {
+                (1..=max_depth).contains(&l.depth)
+            } else {
+                l.depth == 0
+            }
+    }
+
+    fn all_resident(&self) -> Local {
+        Local {
+            resident: self.stacks.iter().map(|s| vec![true; s.len()]).collect(),
+            depth: 0,
+        }
+    }
+
+    /// The memory-minimal choice whose slot is at most `sigma`: blocks
+    /// larger than it resident, and a ring left one block keeps it too.
+    fn minimal(&self, sigma: u64, depth: usize) -> Local {
+        let mut resident: Vec<Vec<bool>> = self
+            .stacks
+            .iter()
+            .map(|s| s.iter().map(|b| b.bytes > sigma).collect())
+            .collect();
+        for r in &mut resident {
+            keep_no_lone_block(r);
+        }
+        let mut l = Local { resident, depth };
+        if !self.streams(&l) {
+            l.depth = 0;
+        }
+        l
+    }
+
+    /// Distinct block sizes, largest first.
+    fn sizes(&self) -> Vec<u64> {
+        let mut s: Vec<u64> = self.stacks.iter().flatten().map(|b| b.bytes).collect();
+        s.sort_unstable_by(|a, b| b.cmp(a));
+        s.dedup();
+        s
+    }
+
+    /// The phase's time per request: its bring-in (unless kept), then its
+    /// forwards, each stack's from the ring recurrence.
+    fn time(&self, l: &Local, kept: bool, inp: &PlannerInputs) -> f64 {
+        let link = inp.link_bytes_per_s;
+        let held = self.held(l);
+        let bring = if kept || held == 0 {
+            0.0
+        } else {
+            let units = 1 + l.resident.iter().flatten().filter(|r| **r).count();
+            held as f64 / link + inp.copy_latency_s * units as f64
+        };
+        let fwd = if !self.streams(l) {
+            self.forwards
+                * (self.own_s
+                    + self
+                        .stacks
+                        .iter()
+                        .flatten()
+                        .map(|b| b.compute_s)
+                        .sum::<f64>())
+        } else {
+            self.stacks
+                .iter()
+                .zip(&l.resident)
+                .enumerate()
+                .map(|(i, (s, r))| {
+                    let compute: Vec<f64> = s.iter().map(|b| b.compute_s).collect();
+                    let copy: Vec<f64> = s
+                        .iter()
+                        .map(|b| b.bytes as f64 / link + inp.copy_latency_s)
+                        .collect();
+                    let other = if i == 0 { self.own_s } else { 0.0 };
+                    let ends =
+                        forward_ends(&compute, &copy, r, l.depth, other, inp.copy_interference);
+                    forwards_s(&ends, self.forwards)
+                })
+                .sum::<f64>()
+                + if self.stacks.is_empty() {
+                    self.forwards * self.own_s
+                } else {
+                    0.0
+                }
+        };
+        bring + fwd
+    }
+
+    fn compute_s(&self) -> f64 {
+        self.forwards
+            * (self.own_s
+                + self
+                    .stacks
+                    .iter()
+                    .flatten()
+                    .map(|b| b.compute_s)
+                    .sum::<f64>())
+    }
+
+    fn streamed_bytes(&self, l: &Local) -> u64 {
+        self.stacks
+            .iter()
+            .zip(&l.resident)
+            .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| !**r).map(|(b, _)| b.bytes))
+            .sum()
+    }
+}
+
+/// One streaming block cannot form a ring: it stays resident too.
+fn keep_no_lone_block(ring: &mut [bool]) {
+    let mut left = (0..ring.len()).filter(|&j| !ring[j]);
+    if let (Some(lone), None) = (left.next(), left.next()) {
+        ring[lone] = true;
+    }
+}
+
+/// `a` (time, held bytes, depth) is better than `b`: shorter by more than
+/// [`TIE`], else as short with more bytes held, else shallower.
+fn better(a: (f64, u64, usize), b: (f64, u64, usize)) -> bool {
+    a.0 < b.0 * (1.0 - TIE)
+        || (a.0 <= b.0 * (1.0 + TIE) && (a.1 > b.1 || (a.1 == b.1 && a.2 < b.2)))
+}
+
+/// The request as the planner sees it.
+struct Request<'a> {
+    comps: Vec<PComp>,
+    outside: u64,
+    inputs: &'a PlannerInputs,
+    max_depth: usize,
+}
+
+/// A phase solved: its choice, time and bytes.
+#[derive(Clone, Debug)]
+struct Solved {
+    local: Local,
+    time: f64,
+    held: u64,
+    own: u64,
+}
+
+/// A whole plan: each phase's choice and whether it is kept.
+#[derive(Clone, Debug)]
+struct Solution {
+    phases: Vec<(Local, bool)>,
+    time: f64,
+}
+
+impl<'a> Request<'a> {
+    fn new(
+        pipeline: &Pipeline,
+        config: &OffloadConfig,
+        inputs: &'a PlannerInputs,
+    ) -> Result<Self, BudgetError> {
+        let resolved = resolve(pipeline, config)?;
+        let groups: Vec<_> = resolved.components.iter().map(|c| c.module).collect();
+        let part = partition(pipeline, &resolved.stacks, &groups);
+        check_inputs(pipeline, inputs)?;
+        let mut comps = Vec::new();
+        let mut managed = 0u64;
+        for c in resolved
+            .components
+            .iter()
+            .filter(|c| c.role != Role::Resident && !c.self_managed)
+        {
+            let ci = inputs
+                .components
+                .get(&c.path)
+                .ok_or_else(|| BudgetError::Input {
+                    input: "components".to_owned(),
+                    value: format!("no entry for `{}`", c.path),
+                    allowed: format!(
+                        "an entry (forwards, compute, activations) for every component: {}",
+                        component_list(&resolved)
+                    ),
+                })?;
+            let stacks: Vec<Vec<PBlock>> = resolved
+                .stacks
+                .iter()
+                .filter(|s| s.owner == c.path)
+                .map(|s| {
+                    s.blocks
+                        .iter()
+                        .map(|b| PBlock {
+                            path: b.path.clone(),
+                            bytes: part.blocks[&b.module].bytes,
+                            compute_s: ci.block_compute_s.get(&b.path).copied().unwrap_or(0.0),
+                        })
+                        .collect()
+                })
+                .collect();
+            for path in ci.block_compute_s.keys() {
+                if !stacks.iter().flatten().any(|b| &b.path == path) {
+                    return Err(BudgetError::Input {
+                        input: format!("components.{}.block_compute_s", c.path),
+                        value: format!("a time for `{path}`"),
+                        allowed: format!("times for the blocks of `{}`, by path", c.path),
+                    });
+                }
+            }
+            let nonblock = part.rest_of(c.module).map_or(0, |u| u.bytes);
+            let block_bytes: u64 = stacks.iter().flatten().map(|b| b.bytes).sum();
+            managed += nonblock + block_bytes;
+            comps.push(PComp {
+                path: c.path.clone(),
+                role: c.role,
+                bytes: nonblock + block_bytes,
+                nonblock,
+                stacks,
+                forwards: PlannerInputs::forwards_per_request(ci, inputs.steps),
+                own_s: ci.own_compute_s,
+                act: ci.activation_bytes,
+            });
+        }
+        if let Some(unknown) = inputs
+            .components
+            .keys()
+            .find(|k| !comps.iter().any(|c| &c.path == *k))
+        {
+            return Err(BudgetError::Input {
+                input: "components".to_owned(),
+                value: format!("an entry for `{unknown}`"),
+                allowed: format!(
+                    "entries for the pipeline's components only: {}",
+                    component_list(&resolved)
+                ),
+            });
+        }
+        let total: u64 = part.all().map(|u| u.bytes).sum();
+        Ok(Self {
+            comps,
+            outside: total - managed,
+            inputs,
+            max_depth: inputs.max_depth,
+        })
+    }
+
+    /// The least own bytes of each phase (held + two slots at the best
+    /// slot size, or everything held) and the least held set of each (what
+    /// a kept component costs the others at least).
+    fn minima(&self) -> Vec<(u64, u64, Local)> {
+        self.comps
+            .iter()
+            .map(|c| {
+                let mut best = (c.own(&c.all_resident()), c.bytes, c.all_resident());
+                let mut least_held = c.bytes;
+                for sigma in c.sizes() {
+                    let l = c.minimal(sigma, 1);
+                    least_held = least_held.min(c.held(&l));
+                    if c.own(&l) < best.0 {
+                        best = (c.own(&l), c.held(&l), l);
+                    }
+                }
+                (best.0, least_held, best.2)
+            })
+            .collect()
+    }
+
+    fn minimum(&self) -> MinimumBudget {
+        let minima = self.minima();
+        let phases: Vec<(String, u64)> = self
+            .comps
+            .iter()
+            .zip(&minima)
+            .map(|(c, m)| (c.path.clone(), self.outside + m.0 + c.act))
+            .collect();
+        let Some(i) = (0..phases.len()).max_by_key(|&i| phases[i].1) else {
+            return MinimumBudget {
+                bytes: self.outside,
+                phase: String::new(),
+                parts: PeakParts {
+                    outside_bytes: self.outside,
+                    ..PeakParts::default()
+                },
+                slots: 0,
+                phases,
+            };
+        };
+        let (c, l) = (&self.comps[i], &minima[i].2);
+        MinimumBudget {
+            bytes: phases[i].1,
+            phase: c.path.clone(),
+            parts: PeakParts {
+                outside_bytes: self.outside,
+                kept_bytes: 0,
+                held_bytes: c.held(l),
+                slot_bytes: c.slots(l) as u64 * c.slot(l),
+                activation_bytes: c.act,
+            },
+            slots: c.slots(l),
+            phases,
+        }
+    }
+
+    /// The best choice of phase `i` with at most `cap_own` bytes of its own
+    /// and at most `cap_held` held.
+    fn solve(&self, i: usize, kept: bool, cap_own: u64, cap_held: u64) -> Option<Solved> {
+        let c = &self.comps[i];
+        let inp = self.inputs;
+        let mut best: Option<Solved> = None;
+        let consider = |l: Local, best: &mut Option<Solved>| {
+            if !c.valid(&l, self.max_depth) {
+                return;
+            }
+            let (own, held) = (c.own(&l), c.held(&l));
+            if own > cap_own || held > cap_held {
+                return;
+            }
+            let time = c.time(&l, kept, inp);
+            let is_better = match best {
+                None => true,
+                Some(b) => better((time, held, l.depth), (b.time, b.held, b.local.depth)),
+            };
+            if is_better {
+                *best = Some(Solved {
+                    local: l,
+                    time,
+                    held,
+                    own,
+                });
+            }
+        };
+        consider(c.all_resident(), &mut best);
+        let n = c.blocks();
+        if n == 0 {
+            return best;
+        }
+        if n <= EXACT_BLOCKS {
+            let lens: Vec<usize> = c.stacks.iter().map(Vec::len).collect();
+            for mask in 0u32..(1u32 << n) {
+                if mask == (1u32 << n) - 1 {
+                    continue; // all resident: done above
+                }
+                let mut resident = Vec::new();
+                let mut bit = 0;
+                for len in &lens {
+                    resident.push((0..*len).map(|j| mask >> (bit + j) & 1 == 1).collect());
+                    bit += len;
+                }
+                for depth in 1..=self.max_depth {
+                    consider(
+                        Local {
+                            resident: resident.clone(),
+                            depth,
+                        },
+                        &mut best,
+                    );
+                }
+            }
+            return best;
+        }
+        for sigma in c.sizes() {
+            for depth in 1..=self.max_depth {
+                if let Some(g) = self.greedy(i, sigma, depth, kept, cap_own, cap_held) {
+                    consider(g, &mut best);
+                }
+            }
+        }
+        if let Some(b) = &best
+            && c.streams(&b.local)
+        {
+            let improved = self.swap_rounds(i, b.local.clone(), kept);
+            consider(improved, &mut best);
+        }
+        best
+    }
+
+    /// Positions of stack `s`'s blocks worth trying to flip from
+    /// `resident == from` (a few per class of equal size and compute:
+    /// blocks of one class differ only by where they sit).
+    fn candidates(c: &PComp, l: &Local, s: usize, from: bool) -> Vec<usize> {
+        let mut classes: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
+        for (j, b) in c.stacks[s].iter().enumerate() {
+            if l.resident[s][j] == from {
+                classes
+                    .entry((b.bytes, (b.compute_s * 1e12) as u64))
+                    .or_default()
+                    .push(j);
+            }
+        }
+        let mut out = Vec::new();
+        for members in classes.values() {
+            let k = members.len();
+            for q in [0, k / 4, k / 2, (3 * k) / 4, k - 1] {
+                if !out.contains(&members[q]) {
+                    out.push(members[q]);
+                }
+            }
+        }
+        out
+    }
+
+    fn greedy(
+        &self,
+        i: usize,
+        sigma: u64,
+        depth: usize,
+        kept: bool,
+        cap_own: u64,
+        cap_held: u64,
+    ) -> Option<Local> {
+        let c = &self.comps[i];
+        let inp = self.inputs;
+        let mut l = c.minimal(sigma, depth);
+        if !c.streams(&l) || c.own(&l) > cap_own || c.held(&l) > cap_held {
+            return None;
+        }
+        let mut t = c.time(&l, kept, inp);
+        loop {
+            let mut pick: Option<(Local, f64, u64)> = None;
+            for s in 0..c.stacks.len() {
+                for j in Self::candidates(c, &l, s, false) {
+                    let mut trial = l.clone();
+                    trial.resident[s][j] = true;
+                    keep_no_lone_block(&mut trial.resident[s]);
+                    if !c.streams(&trial) {
+                        trial.depth = 0;
+                    }
+                    if !c.valid(&trial, self.max_depth)
+                        || c.own(&trial) > cap_own
+                        || c.held(&trial) > cap_held
+                    {
+                        continue;
+                    }
+                    let tt = c.time(&trial, kept, inp);
+                    let bytes = c.stacks[s][j].bytes;
+                    let is_better = match &pick {
+                        None => true,
+                        Some((_, pt, pb)) => {
+                            tt < pt * (1.0 - 1e-9) || (tt <= pt * (1.0 + 1e-9) && bytes > *pb)
+                        }
+                    };
+                    if is_better {
+                        pick = Some((trial, tt, bytes));
+                    }
+                }
+            }
+            match pick {
+                Some((trial, tt, _)) if tt <= t * (1.0 + 1e-9) => {
+                    l = trial;
+                    t = tt;
+                    if !c.streams(&l) {
+                        break;
+                    }
+                }
+                _ => break,
+            }
+        }
+        Some(l)
+    }
+
+    /// Moves residency between blocks of one size (memory unchanged) while
+    /// that shortens the phase: greedy choices made early can leave
+    /// streamed blocks bunched where the link cannot keep up.
+    fn swap_rounds(&self, i: usize, mut l: Local, kept: bool) -> Local {
+        let c = &self.comps[i];
+        let inp = self.inputs;
+        let mut t = c.time(&l, kept, inp);
+        for _ in 0..SWAP_ROUNDS {
+            let mut best: Option<(Local, f64)> = None;
+            for s in 0..c.stacks.len() {
+                let streamed = Self::candidates(c, &l, s, false);
+                for a in Self::candidates(c, &l, s, true) {
+                    for &b in &streamed {
+                        if c.stacks[s][a].bytes != c.stacks[s][b].bytes {
+                            continue;
+                        }
+                        let mut trial = l.clone();
+                        trial.resident[s][a] = false;
+                        trial.resident[s][b] = true;
+                        let tt = c.time(&trial, kept, inp);
+                        if tt < best.as_ref().map_or(t, |x| x.1) * (1.0 - 1e-6) {
+                            best = Some((trial, tt));
+                        }
+                    }
+                }
+            }
+            let Some((trial, tt)) = best else { break };
+            l = trial;
+            t = tt;
+        }
+        l
+    }
+
+    /// The best plan with the components in `kept` kept, fixed in that
+    /// order, and the phases of `preset` (kept) as given; `None` when it
+    /// does not fit.
+    fn with_kept(
+        &self,
+        kept: &[usize],
+        preset: &[Option<Solved>],
+        budget: u64,
+        minima: &[(u64, u64, Local)],
+    ) -> Option<Solution> {
+        let n = self.comps.len();
+        let is_kept = |c: usize| kept.contains(&c) || preset[c].is_some();
+        let mut fixed: Vec<Option<Solved>> = preset.to_vec();
+        let head = budget.checked_sub(self.outside)?;
+        // What kept component j costs the other phases now: its held set
+        // if fixed, else its least held set.
+        let held_of =
+            |j: usize, fixed: &[Option<Solved>]| fixed[j].as_ref().map_or(minima[j].1, |s| s.held);
+        let all_kept: Vec<usize> = (0..n).filter(|&c| is_kept(c)).collect();
+        for &k in kept {
+            let others_kept: u64 = all_kept
+                .iter()
+                .filter(|&&j| j != k)
+                .map(|&j| held_of(j, &fixed))
+                .sum();
+            let cap_own = head.checked_sub(self.comps[k].act + others_kept)?;
+            let mut cap_held = u64::MAX;
+            for c in (0..n).filter(|&c| c != k) {
+                let own_c = fixed[c].as_ref().map_or(minima[c].0, |s| s.own);
+                let kept_c: u64 = all_kept
+                    .iter()
+                    .filter(|&&j| j != k && j != c)
+                    .map(|&j| held_of(j, &fixed))
+                    .sum();
+                let slack = head.checked_sub(self.comps[c].act + own_c + kept_c)?;
+                cap_held = cap_held.min(slack);
+            }
+            fixed[k] = Some(self.solve(k, true, cap_own, cap_held)?);
+        }
+        let kept_total: u64 = all_kept.iter().map(|&j| held_of(j, &fixed)).sum();
+        for c in (0..n).filter(|&c| !is_kept(c)) {
+            let cap_own = head.checked_sub(self.comps[c].act + kept_total)?;
+            fixed[c] = Some(self.solve(c, false, cap_own, u64::MAX)?);
+        }
+        let phases: Vec<(Local, bool)> = fixed
+            .into_iter()
+            .enumerate()
+            .map(|(c, s)| Some((s?.local, is_kept(c))))
+            .collect::<Option<_>>()?;
+        // The sequential caps are conservative; the whole plan is checked.
+        let e = self.evaluate(&phases);
+        (e.peak_bytes <= budget).then_some(Solution {
+            phases,
+            time: e.request_s,
+        })
+    }
+
+    fn search(&self, budget: u64) -> Option<Solution> {
+        let n = self.comps.len();
+        let minima = self.minima();
+        // Components that may be kept: all, or those with the most forwards.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| {
+            self.comps[b]
+                .forwards
+                .total_cmp(&self.comps[a].forwards)
+                .then(self.comps[b].bytes.cmp(&self.comps[a].bytes))
+        });
+        let searchable: Vec<usize> = order.iter().copied().take(MAX_KEPT_SEARCH).collect();
+        let mut best: Option<Solution> = None;
+        let offer = |s: Option<Solution>, best: &mut Option<Solution>| {
+            if let Some(s) = s
+                && best.as_ref().is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
+            {
+                *best = Some(s);
+            }
+        };
+        for mask in 0u32..(1u32 << searchable.len()) {
+            let kept: Vec<usize> = searchable
+                .iter()
+                .enumerate()
+                .filter(|(b, _)| mask >> b & 1 == 1)
+                .map(|(_, &c)| c)
+                .collect();
+            let none = vec![None; n];
+            offer(self.with_kept(&kept, &none, budget, &minima), &mut best);
+            if kept.len() > 1 {
+                let reversed: Vec<usize> = kept.iter().rev().copied().collect();
+                offer(self.with_kept(&reversed, &none, budget, &minima), &mut best);
+            }
+        }
+        for alt in self.alternatives(budget) {
+            offer(alt.1, &mut best);
+        }
+        best
+    }
+
+    /// Each strategy alone: every component resident; model level (DiTs
+    /// and encoders swapped whole, the rest resident); layerwise (encoders
+    /// and VAEs resident, each DiT's blocks planned and kept).
+    fn alternatives(&self, budget: u64) -> Vec<(&'static str, Option<Solution>)> {
+        let n = self.comps.len();
+        let solution = |phases: Vec<(Local, bool)>| {
+            let e = self.evaluate(&phases);
+            (e.peak_bytes <= budget).then_some(Solution {
+                phases,
+                time: e.request_s,
+            })
+        };
+        let resident = solution(
+            self.comps
+                .iter()
+                .map(|c| (c.all_resident(), true))
+                .collect(),
+        );
+        let swapped = |c: &PComp| matches!(c.role, Role::Dit | Role::Encoder);
+        let model_level = solution(
+            self.comps
+                .iter()
+                .map(|c| (c.all_resident(), !swapped(c)))
+                .collect(),
+        );
+        // Layerwise: encoders and VAEs resident (kept whole), each DiT's
+        // blocks planned and kept.
+        let preset: Vec<Option<Solved>> = self
+            .comps
+            .iter()
+            .map(|c| {
+                (c.role != Role::Dit).then(|| {
+                    let l = c.all_resident();
+                    Solved {
+                        time: c.time(&l, true, self.inputs),
+                        held: c.held(&l),
+                        own: c.own(&l),
+                        local: l,
+                    }
+                })
+            })
+            .collect();
+        let dits: Vec<usize> = (0..n)
+            .filter(|&i| self.comps[i].role == Role::Dit)
+            .collect();
+        let layerwise = self.with_kept(&dits, &preset, budget, &self.minima());
+        vec![
+            ("resident", resident),
+            ("model-level", model_level),
+            ("layerwise", layerwise),
+        ]
+    }
+
+    /// Each phase's peak and time under `phases`.
+    fn evaluate(&self, phases: &[(Local, bool)]) -> Evaluation {
+        let kept_total: u64 = self
+            .comps
+            .iter()
+            .zip(phases)
+            .filter(|(_, (_, k))| *k)
+            .map(|(c, (l, _))| c.held(l))
+            .sum();
+        let mut out = Vec::new();
+        for (c, (l, kept)) in self.comps.iter().zip(phases) {
+            let held = c.held(l);
+            let peak = PeakParts {
+                outside_bytes: self.outside,
+                kept_bytes: kept_total - if *kept { held } else { 0 },
+                held_bytes: held,
+                slot_bytes: c.slots(l) as u64 * c.slot(l),
+                activation_bytes: c.act,
+            };
+            out.push(PhaseEvaluation {
+                path: c.path.clone(),
+                peak,
+                time_s: c.time(l, *kept, self.inputs),
+            });
+        }
+        Evaluation {
+            request_s: out.iter().map(|p| p.time_s).sum(),
+            peak_bytes: out
+                .iter()
+                .map(|p| p.peak.total())
+                .max()
+                .unwrap_or(self.outside),
+            phases: out,
+        }
+    }
+
+    fn choice(&self, i: usize, l: &Local, kept: bool) -> ComponentChoice {
+        let c = &self.comps[i];
+        ComponentChoice {
+            path: c.path.clone(),
+            resident_blocks: c
+                .stacks
+                .iter()
+                .zip(&l.resident)
+                .flat_map(|(s, r)| {
+                    s.iter()
+                        .zip(r)
+                        .filter(|(_, r)| **r)
+                        .map(|(b, _)| b.path.clone())
+                })
+                .collect(),
+            depth: l.depth,
+            kept,
+        }
+    }
+
+    /// The local choices `choices` name, checked.
+    fn locals(&self, choices: &[ComponentChoice]) -> Result<Vec<(Local, bool)>, BudgetError> {
+        let mut out = Vec::new();
+        for c in &self.comps {
+            let ch =
+                choices
+                    .iter()
+                    .find(|x| x.path == c.path)
+                    .ok_or_else(|| BudgetError::Input {
+                        input: "choices".to_owned(),
+                        value: format!("no choice for `{}`", c.path),
+                        allowed: "a choice for every component".to_owned(),
+                    })?;
+            for p in &ch.resident_blocks {
+                if !c.stacks.iter().flatten().any(|b| &b.path == p) {
+                    return Err(BudgetError::Input {
+                        input: format!("choices.{}.resident_blocks", c.path),
+                        value: format!("`{p}`"),
+                        allowed: format!("blocks of `{}`", c.path),
+                    });
+                }
+            }
+            let l = Local {
+                resident: c
+                    .stacks
+                    .iter()
+                    .map(|s| {
+                        s.iter()
+                            .map(|b| ch.resident_blocks.contains(&b.path))
+                            .collect()
+                    })
+                    .collect(),
+                depth: ch.depth,
+            };
+            if !c.valid(&l, MAX_DEPTH) {
+                return Err(BudgetError::Input {
+                    input: format!("choices.{}", c.path),
+                    value: format!("depth {} with {} streamed blocks", ch.depth, c.streamed_bytes(&l)),
+                    allowed: "depth 0 when nothing streams, 1 to 64 otherwise; never one streaming block in a ring".to_owned(),
+                });
+            }
+            out.push((l, ch.kept));
+        }
+        Ok(out)
+    }
+}
+
+/// The deepest prefetch the planner considers.
+pub(super) const MAX_DEPTH: usize = 64;
+
+fn component_list(resolved: &crate::plan::ResolvedPlan) -> String {
+    resolved
+        .components
+        .iter()
+        .filter(|c| c.role != Role::Resident && !c.self_managed)
+        .map(|c| format!("`{}`", c.path))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), BudgetError> {
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+    let bad = |input: &str, value: String, allowed: &str| {
+        Err(BudgetError::Input {
+            input: input.to_owned(),
+            value,
+            allowed: allowed.to_owned(),
+        })
+    };
+    if !inputs.pipeline_type.is_empty() && inputs.pipeline_type != pipeline.type_name() {
+        return bad(
+            "pipeline_type",
+            format!("`{}`", inputs.pipeline_type),
+            &format!(
+                "inputs measured for this pipeline, `{}` (or an empty type)",
+                pipeline.type_name()
+            ),
+        );
+    }
+    if !positive(inputs.link_bytes_per_s) {
+        return bad(
+            "link_bytes_per_s",
+            inputs.link_bytes_per_s.to_string(),
+            "a finite number > 0",
+        );
+    }
+    for (input, v) in [
+        ("copy_latency_s", inputs.copy_latency_s),
+        ("copy_interference", inputs.copy_interference),
+    ] {
+        if !non_negative(v) || (input == "copy_interference" && v > 1.0) {
+            return bad(
+                input,
+                v.to_string(),
+                "a finite number ≥ 0 (interference at most 1)",
+            );
+        }
+    }
+    if !(1..=MAX_DEPTH).contains(&inputs.max_depth) {
+        return bad("max_depth", inputs.max_depth.to_string(), "1 to 64");
+    }
+    if !(1..=crate::request::MAX_REQUEST_STEPS).contains(&inputs.steps) {
+        return bad("steps", inputs.steps.to_string(), "1 to 100000");
+    }
+    for (path, c) in &inputs.components {
+        let key = |k: &str| format!("components.{path}.{k}");
+        let ComponentInputs {
+            forwards,
+            own_compute_s,
+            activation_bytes,
+            ..
+        } = c;
+        if !non_negative(*forwards) || *forwards > 1e6 {
+            return bad(
+                &key("forwards"),
+                forwards.to_string(),
+                "a finite number 0 to 10^6",
+            );
+        }
+        if !non_negative(*own_compute_s) {
+            return bad(
+                &key("own_compute_s"),
+                own_compute_s.to_string(),
+                "a finite number ≥ 0",
+            );
+        }
+        if let Some((b, v)) = c.block_compute_s.iter().find(|(_, v)| !non_negative(**v)) {
+            return bad(
+                &key("block_compute_s"),
+                format!("{v} for `{b}`"),
+                "a finite number ≥ 0 per block",
+            );
+        }
+        if *activation_bytes > 1 << 60 {
+            return bad(
+                &key("activation_bytes"),
+                activation_bytes.to_string(),
+                "at most 2^60 bytes",
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What `choices` cost on `pipeline` under `inputs` (each phase's peak and
+/// time): the planner's own model, for a plan chosen elsewhere (a test's
+/// exhaustive enumeration, a saved plan, a benchmark's prediction).
+pub fn evaluate(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    inputs: &PlannerInputs,
+    choices: &[ComponentChoice],
+) -> Result<Evaluation, BudgetError> {
+    let r = Request::new(pipeline, config, inputs)?;
+    let locals = r.locals(choices)?;
+    Ok(r.evaluate(&locals))
+}
+
+pub(super) fn plan_request(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    inputs: &PlannerInputs,
+    budget: u64,
+    source: BudgetSource,
+    device: DeviceMemory,
+) -> Result<RequestPlan, BudgetError> {
+    let r = Request::new(pipeline, config, inputs)?;
+    let minimum = r.minimum();
+    let does_not_fit = || BudgetError::DoesNotFit {
+        budget,
+        minimum: minimum.bytes,
+        minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
+        phase: minimum.phase.clone(),
+        outside: minimum.parts.outside_bytes,
+        held: minimum.parts.held_bytes,
+        slots: minimum.slots,
+        slot_bytes: if minimum.slots > 0 {
+            minimum.parts.slot_bytes / minimum.slots as u64
+        } else {
+            0
+        },
+        activation_bytes: minimum.parts.activation_bytes,
+    };
+    if budget < minimum.bytes {
+        return Err(does_not_fit());
+    }
+    // The minimal plan always fits from here (its peaks are the minima),
+    // so a search that finds nothing is a bug; refuse rather than panic.
+    let best = r.search(budget).ok_or_else(does_not_fit)?;
+    let eval = r.evaluate(&best.phases);
+    let alternatives = r
+        .alternatives(budget)
+        .into_iter()
+        .map(|(name, s)| Alternative {
+            strategy: name.to_owned(),
+            predicted_request_s: s.as_ref().map(|s| s.time),
+            choices: s
+                .map(|s| {
+                    s.phases
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (l, k))| r.choice(i, l, *k))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+        .collect();
+    let components = (0..r.comps.len())
+        .map(|i| describe(&r, i, &best, &eval, budget))
+        .collect();
+    Ok(RequestPlan {
+        pipeline_type: pipeline.type_name().to_owned(),
+        budget_bytes: budget,
+        budget: source,
+        device,
+        steps: inputs.steps,
+        outside_bytes: r.outside,
+        components,
+        predicted_request_s: eval.request_s,
+        peak_bytes: eval.peak_bytes,
+        minimum,
+        alternatives,
+        link_bytes_per_s: inputs.link_bytes_per_s,
+        source: inputs.source.clone(),
+    })
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+/// One phase of the chosen plan, with the reasons for it.
+fn describe(
+    r: &Request<'_>,
+    i: usize,
+    best: &Solution,
+    eval: &Evaluation,
+    budget: u64,
+) -> ComponentPlan {
+    let c = &r.comps[i];
+    let (l, kept) = (&best.phases[i].0, best.phases[i].1);
+    let inp = r.inputs;
+    let ph = &eval.phases[i];
+    let held = c.held(l);
+    let streams = c.streams(l);
+    let mode = if streams {
+        ComponentMode::Streamed
+    } else if kept {
+        ComponentMode::Resident
+    } else {
+        ComponentMode::Swapped
+    };
+    let streamed = c.streamed_bytes(l);
+    let link = inp.link_bytes_per_s;
+    let bring_in_s = if kept || held == 0 {
+        0.0
+    } else {
+        held as f64 / link
+    };
+    let transfer_s = bring_in_s + c.forwards * streamed as f64 / link;
+    let compute_s = c.compute_s();
+    let limit = if streams && transfer_s > compute_s || !streams && bring_in_s > compute_s {
+        Limit::Link
+    } else {
+        Limit::Compute
+    };
+    // Would one more resident block (the smallest streamed one, and its
+    // ring's last if it would be left alone) fit every phase?
+    let memory_binds = streams
+        && limit == Limit::Link
+        && smallest_streamed(c, l).is_some_and(|(si, j)| {
+            let mut trial = best.phases.clone();
+            let t = &mut trial[i].0;
+            t.resident[si][j] = true;
+            keep_no_lone_block(&mut t.resident[si]);
+            if !c.streams(t) {
+                t.depth = 0;
+            }
+            r.evaluate(&trial).peak_bytes > budget
+        });
+    let smallest = smallest_streamed(c, l).map(|(si, j)| c.stacks[si][j].bytes);
+    let mut reason = match mode {
+        ComponentMode::Resident => format!(
+            "resident: its {} stay on the device for the whole request (no transfer; {} of compute)",
+            gb(c.bytes),
+            secs(compute_s)
+        ),
+        ComponentMode::Swapped => format!(
+            "swapped in for its {} forward(s): {} copied once per request ({}), then {} of compute",
+            fwd(c.forwards),
+            gb(held),
+            secs(bring_in_s),
+            secs(compute_s)
+        ),
+        ComponentMode::Streamed => {
+            let resident = c.blocks() - l.resident.iter().flatten().filter(|x| !**x).count();
+            format!(
+                "{} of its {} blocks stream ({} per forward, {} forward(s): {} over the link at {:.0} GB/s against {} of compute, so the {} binds); {} resident and its weights outside blocks are held ({}{})",
+                c.blocks() - resident,
+                c.blocks(),
+                gb(streamed),
+                fwd(c.forwards),
+                secs(c.forwards * streamed as f64 / link),
+                link / 1e9,
+                secs(compute_s),
+                limit,
+                resident,
+                gb(held),
+                if kept {
+                    ", kept across phases"
+                } else {
+                    ", brought in when its phase begins"
+                }
+            )
+        }
+    };
+    if memory_binds {
+        reason.push_str(&format!(
+            "; memory binds: one more resident block ({}) would not fit the budget",
+            gb(smallest.unwrap_or(0))
+        ));
+    } else if streams && limit == Limit::Compute {
+        reason.push_str("; more residency would not shorten it (compute-bound)");
+    }
+    if !kept && held > 0 {
+        // What keeping it would have cost.
+        let mut alt = best.phases.clone();
+        alt[i].1 = true;
+        let e = r.evaluate(&alt);
+        if e.peak_bytes > budget {
+            let over = e
+                .phases
+                .iter()
+                .filter(|p| p.peak.total() > budget)
+                .map(|p| format!("`{}`", p.path))
+                .collect::<Vec<_>>();
+            reason.push_str(&format!(
+                "; kept across phases its {} would not fit the {} phase(s)",
+                gb(held),
+                over.join(", ")
+            ));
+        } else {
+            reason.push_str(&format!(
+                "; keeping it would save {} per request at {} in every other phase, which the plan uses better",
+                secs(bring_in_s),
+                gb(held)
+            ));
+        }
+    }
+    ComponentPlan {
+        path: c.path.clone(),
+        role: c.role,
+        mode,
+        kept,
+        bytes: c.bytes,
+        held_bytes: held,
+        resident_blocks: r.choice(i, l, kept).resident_blocks,
+        blocks: c.blocks(),
+        streamed_blocks: l.resident.iter().flatten().filter(|x| !**x).count(),
+        streamed_bytes: streamed,
+        depth: l.depth,
+        slots: c.slots(l),
+        slot_bytes: c.slot(l),
+        forwards: c.forwards,
+        peak: ph.peak,
+        compute_s,
+        transfer_s,
+        bring_in_s,
+        predicted_s: ph.time_s,
+        limit,
+        memory_binds,
+        reason,
+    }
+}
+
+/// The smallest streamed block of `c` under `l` (stack, index).
+fn smallest_streamed(c: &PComp, l: &Local) -> Option<(usize, usize)> {
+    c.stacks
+        .iter()
+        .zip(&l.resident)
+        .enumerate()
+        .flat_map(|(si, (s, r))| {
+            s.iter()
+                .zip(r)
+                .enumerate()
+                .filter(|(_, (_, x))| !**x)
+                .map(move |(j, (b, _))| (b.bytes, si, j))
+        })
+        .min()
+        .map(|(_, si, j)| (si, j))
+}
+
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
+}
+
+fn fwd(n: f64) -> String {
+    if n.fract() == 0.0 {
+        format!("{n:.0}")
+    } else {
+        format!("{n:.1}")
+    }
+}
+
+/// The smallest footprint of `pipeline` under `config` (what a warm-up
+/// runs in: every block that can stream streams, at depth 1, nothing kept,
+/// each phase at its own minimum) and the least budget it needs without
+/// activations.
+pub fn smallest_footprint(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+) -> Result<(Vec<ComponentChoice>, MinimumBudget), BudgetError> {
+    let resolved = resolve(pipeline, config)?;
+    let mut inputs = PlannerInputs::new(1e9, 1);
+    for c in resolved
+        .components
+        .iter()
+        .filter(|c| c.role != Role::Resident && !c.self_managed)
+    {
+        inputs
+            .components
+            .insert(c.path.clone(), ComponentInputs::new(1.0, false, 0));
+    }
+    let r = Request::new(pipeline, config, &inputs)?;
+    let minima = r.minima();
+    let choices = minima
+        .iter()
+        .enumerate()
+        .map(|(i, (_, _, l))| r.choice(i, l, false))
+        .collect();
+    Ok((choices, r.minimum()))
+}

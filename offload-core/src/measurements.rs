@@ -1,0 +1,201 @@
+//! What the request planner knows of the device and of one request
+//! ([`PlannerInputs`]): the host masters' bandwidth, each component's
+//! forwards per request, its compute inside and outside its blocks, and
+//! the activation memory each phase needs beside the weights. A warm-up
+//! measures them on the device (CONTRACT §9); they can be saved as JSON
+//! and reloaded so a second start skips the warm-up, or written by a
+//! caller. Descriptions only: the planner (`crate::budget`) reads them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::request::RequestShape;
+
+/// The version of the saved form this library reads and writes.
+pub const MEASUREMENTS_VERSION: u32 = 1;
+
+/// What the request planner plans from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlannerInputs {
+    /// Version of this form ([`MEASUREMENTS_VERSION`]).
+    #[serde(default = "version")]
+    pub version: u32,
+    /// The pipeline type these were measured for (empty: any; a reloaded
+    /// file for another type is refused).
+    #[serde(default)]
+    pub pipeline_type: String,
+    /// Host→device bandwidth from the host masters, bytes per second.
+    pub link_bytes_per_s: f64,
+    /// Fixed cost of one copy, seconds.
+    #[serde(default = "latency")]
+    pub copy_latency_s: f64,
+    /// How much slower a kernel runs while a copy runs beside it (0.035:
+    /// 3.5 % slower). 0 for measured compute, which already ran beside the
+    /// warm-up's copies.
+    #[serde(default)]
+    pub copy_interference: f64,
+    /// The deepest prefetch the planner may choose (1 to 64).
+    #[serde(default = "depth")]
+    pub max_depth: usize,
+    /// Denoising steps of the request planned for.
+    pub steps: u32,
+    /// Each component, by path.
+    pub components: BTreeMap<String, ComponentInputs>,
+    /// How these were obtained.
+    #[serde(default)]
+    pub source: InputSource,
+}
+
+fn version() -> u32 {
+    MEASUREMENTS_VERSION
+}
+
+fn latency() -> f64 {
+    10e-6
+}
+
+fn depth() -> usize {
+    4
+}
+
+/// One component's forwards, compute and activations.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComponentInputs {
+    /// Forwards per denoising step when `per_step` (a DiT: 1, or 2 with
+    /// classifier-free guidance, 0.5 for each of two experts that split
+    /// the steps), else per request (an encoder or a VAE: 1).
+    pub forwards: f64,
+    /// Whether `forwards` counts per denoising step.
+    #[serde(default)]
+    pub per_step: bool,
+    /// Compute of one forward outside the component's blocks, seconds.
+    #[serde(default)]
+    pub own_compute_s: f64,
+    /// Compute of one forward of each block, seconds, by block path.
+    /// Blocks not listed cost nothing (a transfer-only model).
+    #[serde(default)]
+    pub block_compute_s: BTreeMap<String, f64>,
+    /// Device memory the component's forward needs beside the weights
+    /// (activations, scratch, workspaces) at its high-water mark.
+    pub activation_bytes: u64,
+}
+
+/// Where a set of [`PlannerInputs`] came from.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum InputSource {
+    /// Written by a caller (or a test).
+    #[default]
+    Given,
+    /// A model of the device and the pipeline (the simulator's kernel and
+    /// activation models), not a measurement.
+    Estimated,
+    /// Measured by the warm-up at enable.
+    Warmup {
+        /// The request the warm-up ran.
+        shape: RequestShape,
+        /// Host time the warm-up took (its enable, request and disable).
+        seconds: f64,
+        /// The device's total memory.
+        device_total_bytes: u64,
+        /// Its free memory when offload was enabled.
+        device_free_bytes: u64,
+    },
+}
+
+impl PlannerInputs {
+    /// Inputs over `link_bytes_per_s` for a request of `steps` denoising
+    /// steps, with no component yet (add them with [`Self::component`]).
+    pub fn new(link_bytes_per_s: f64, steps: u32) -> Self {
+        Self {
+            version: MEASUREMENTS_VERSION,
+            pipeline_type: String::new(),
+            link_bytes_per_s,
+            copy_latency_s: latency(),
+            copy_interference: 0.0,
+            max_depth: depth(),
+            steps,
+            components: BTreeMap::new(),
+            source: InputSource::Given,
+        }
+    }
+
+    /// Adds (or replaces) the inputs of component `path`.
+    pub fn component(mut self, path: impl Into<String>, inputs: ComponentInputs) -> Self {
+        self.components.insert(path.into(), inputs);
+        self
+    }
+
+    /// The saved form (JSON).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Reads the saved form; errors name the key and what is allowed.
+    pub fn from_json_str(text: &str) -> Result<Self, String> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let inputs: Self = serde_path_to_error::deserialize(de)
+            .map_err(|e| format!("planner inputs, at `{}`: {}", e.path(), e.inner()))?;
+        if inputs.version != MEASUREMENTS_VERSION {
+            return Err(format!(
+                "planner inputs version {} is not supported; supported: {MEASUREMENTS_VERSION}",
+                inputs.version
+            ));
+        }
+        Ok(inputs)
+    }
+
+    /// Forwards of component `c` in a request of `steps` steps.
+    pub fn forwards_per_request(c: &ComponentInputs, steps: u32) -> f64 {
+        if c.per_step {
+            c.forwards * f64::from(steps)
+        } else {
+            c.forwards
+        }
+    }
+}
+
+impl ComponentInputs {
+    /// A component run `forwards` times per request (per step when
+    /// `per_step`), with `activation_bytes` beside its weights and no
+    /// compute (transfer only).
+    pub fn new(forwards: f64, per_step: bool, activation_bytes: u64) -> Self {
+        Self {
+            forwards,
+            per_step,
+            own_compute_s: 0.0,
+            block_compute_s: BTreeMap::new(),
+            activation_bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inputs_round_trip_and_refuse_other_versions() {
+        let inputs = PlannerInputs::new(55e9, 28).component(
+            "transformer",
+            ComponentInputs {
+                own_compute_s: 1e-3,
+                block_compute_s: [("transformer.blocks.0".to_owned(), 2e-3)].into(),
+                ..ComponentInputs::new(1.0, true, 460_000_000)
+            },
+        );
+        let text = inputs.to_json();
+        assert_eq!(PlannerInputs::from_json_str(&text), Ok(inputs));
+        let e = PlannerInputs::from_json_str(&text.replace("\"version\": 1", "\"version\": 7"))
+            .unwrap_err();
+        assert!(e.contains("version 7") && e.contains("supported: 1"), "{e}");
+        let e = PlannerInputs::from_json_str(
+            r#"{"link_bytes_per_s": 1, "steps": 1, "components": {}, "bogus": 1}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("bogus"), "{e}");
+    }
+}

@@ -1,0 +1,888 @@
+//! The planned strategy (CONTRACT §7a): one backend that carries out a
+//! request plan ([`crate::budget::RequestPlan`]) by composing the two
+//! engines, owning every hook (INV-1):
+//!
+//! * the **phase engine** (the model-level engine of `model_level.rs`):
+//!   each component's held set (its weights outside its blocks and its
+//!   resident blocks) is a swap group brought in when the component's
+//!   forward begins and evicted when another's does (freed after its last
+//!   use); a kept component's held set, and every weight outside the
+//!   components, is uploaded once and stays;
+//! * the **ring engine** (`layerwise.rs`): the streamed blocks of every
+//!   component are rings over the same host masters, through a slot pool
+//!   sized per phase (`depth + 1` of the phase's largest streamed block),
+//!   allocated when a streaming phase begins and freed when a phase that
+//!   streams nothing begins.
+//!
+//! Host masters exist once for every weight of every component (pinned,
+//! or registered in place where the weight source hands over its memory),
+//! in a store both engines borrow from, so a re-plan (after the warm-up, or
+//! after a first request that ran out of memory) changes what is resident
+//! and what streams without touching the host.
+//!
+//! With no planner inputs given, `enable` puts the smallest footprint in
+//! force (every block that can stream streams, nothing kept) with
+//! device-timed marks around every fill, block and component forward, and
+//! memory samples at each; the runtime runs the warm-up request through it
+//! and calls [`Backend::finish_warmup`], which reads the marks into
+//! [`PlannerInputs`], plans, and puts the plan in force.
+
+use crate::sync::{Arc, Mutex, lock};
+use std::collections::BTreeMap;
+
+use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
+
+use crate::budget::{self, BudgetError, ComponentChoice, DeviceMemory, RequestPlan};
+use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::declaration::Role;
+use crate::device::{Api, Device, DeviceErrorKind};
+use crate::discovery::log_warnings;
+use crate::lifecycle::{
+    DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
+};
+use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
+use crate::model::{ModuleId, StorageId};
+use crate::plan::{ResolvedPlan, resolve};
+use crate::request::RequestShape;
+use crate::residency::Residency;
+use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
+use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::hooks::{ForwardCtx, Model};
+use crate::runtime::layerwise::RingEngine;
+use crate::runtime::layout::{Partition, Unit, partition};
+use crate::runtime::model_level::{self, Group};
+use crate::runtime::ring::RingLayout;
+use crate::runtime::shared::{
+    Handles, HostMaster, Shared, check_single_owner, dev_err, enable_span, install_named_hooks,
+    remove_hooks,
+};
+use crate::runtime::timer::{Mark, Timer};
+
+/// The hook a timing mark before a block's own hooks registers under
+/// (sorts before the strategy's `planned_offload`).
+const MARK_BEFORE: &str = "planned_mark";
+/// The hook a timing mark after them registers under (sorts after).
+const MARK_AFTER: &str = "planned_time";
+
+/// Copies smaller than this are left out of the bandwidth the warm-up
+/// measures (their fixed cost would understate the link).
+const LINK_SAMPLE_BYTES: u64 = 1 << 20;
+
+/// The pipeline as the planned backend runs it: the resolution over every
+/// component, the partition every unit comes from, the managed components.
+struct Layout {
+    resolved: ResolvedPlan,
+    partition: Partition,
+    /// Every component the plan manages: path, module, role.
+    components: Vec<(String, ModuleId, Role)>,
+}
+
+type Phases<A> = Shared<A, model_level::State<A>>;
+
+/// Carries out a request plan under a device budget (CONTRACT §7a).
+///
+/// Dropping it while enabled drains every stream before freeing anything
+/// (a failed drain leaks, with a logged error), as the engines it composes.
+pub struct PlannedBackend<A: Api> {
+    config: OffloadConfig,
+    lifecycle: Lifecycle,
+    device: Arc<A::Device>,
+    compute: Arc<A::Stream>,
+    bugs: Bugs,
+    ring: Arc<RingEngine<A>>,
+    phases: Arc<Phases<A>>,
+    /// Inputs given (a caller's or saved measurements): no warm-up.
+    given: Option<PlannerInputs>,
+    /// The request to plan for, if the platform names one (else the
+    /// pipeline's warm-up recipe).
+    request: Option<RequestShape>,
+    /// Host masters of every unit of every managed component, by unit name.
+    store: BTreeMap<String, Arc<HostMaster<A>>>,
+    layout: Option<Layout>,
+    plan: Option<RequestPlan>,
+    inputs: Option<PlannerInputs>,
+    /// The warm-up's marks, while one is pending.
+    timer: Option<Arc<Timer<A>>>,
+    warmup: Option<RequestShape>,
+    memory: Option<DeviceMemory>,
+    /// The component whose phase runs now (the last to begin).
+    current: Arc<Mutex<Option<String>>>,
+    replanned: bool,
+    hooked: Vec<ModuleId>,
+}
+
+impl<A: Api> PlannedBackend<A> {
+    /// A planned backend for `config` (which must set `device_budget`),
+    /// planning from `inputs` when given, else from a warm-up of `request`
+    /// (or of the pipeline's declared warm-up request).
+    pub fn new(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        inputs: Option<PlannerInputs>,
+        request: Option<RequestShape>,
+    ) -> Result<Self, OffloadError> {
+        Self::with_bugs(
+            device,
+            compute,
+            weights,
+            config,
+            inputs,
+            request,
+            Bugs::default(),
+        )
+    }
+
+    pub(crate) fn with_bugs(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        inputs: Option<PlannerInputs>,
+        request: Option<RequestShape>,
+        bugs: Bugs,
+    ) -> Result<Self, OffloadError> {
+        let selection = config.select()?;
+        selection.require_pinned()?;
+        if selection.strategy != OffloadStrategy::Planned {
+            return Err(OffloadError::Unsupported {
+                platform: "planned backend".to_owned(),
+                strategy: selection.strategy,
+            });
+        }
+        if let Some(shape) = &request {
+            shape.validate().map_err(|e| {
+                OffloadError::Budget(Box::new(BudgetError::Input {
+                    input: "request".to_owned(),
+                    value: e.value.clone(),
+                    allowed: e.to_string(),
+                }))
+            })?;
+        }
+        let ring = Arc::new(RingEngine::new(
+            Arc::clone(&device),
+            Arc::clone(&compute),
+            Arc::clone(&weights),
+            bugs.clone(),
+        )?);
+        let phases = Arc::new(Shared::new(
+            Handles::new(Arc::clone(&device), Arc::clone(&compute), weights)?,
+            bugs.clone(),
+        ));
+        Ok(Self {
+            config,
+            lifecycle: Lifecycle::new(OffloadStrategy::Planned),
+            device,
+            compute,
+            bugs,
+            ring,
+            phases,
+            given: inputs,
+            request,
+            store: BTreeMap::new(),
+            layout: None,
+            plan: None,
+            inputs: None,
+            timer: None,
+            warmup: None,
+            memory: None,
+            current: Arc::new(Mutex::new(None)),
+            replanned: false,
+            hooked: Vec::new(),
+        })
+    }
+
+    /// The request this backend plans for: the platform's, else the
+    /// pipeline's warm-up recipe.
+    fn request_of(&self, model: &Model) -> Option<RequestShape> {
+        self.request
+            .clone()
+            .or_else(|| model.pipeline.warmup_request().cloned())
+    }
+
+    /// Host masters for every unit of every managed component (its rest
+    /// and every block of its stacks).
+    fn build_store(&mut self, layout: &Layout) -> Result<(), OffloadError> {
+        let h = &self.phases.handles;
+        let none = Default::default();
+        let managed: Vec<ModuleId> = layout.components.iter().map(|c| c.1).collect();
+        let units = layout
+            .partition
+            .rest
+            .iter()
+            .filter(|u| managed.contains(&u.module))
+            .chain(layout.partition.blocks.values());
+        for unit in units {
+            let master = h.master(unit, &none)?;
+            self.store.insert(unit.name.clone(), Arc::new(master));
+        }
+        Ok(())
+    }
+
+    /// Frees the store's masters (every engine released and drained first).
+    fn free_store(&mut self) -> Result<(), OffloadError> {
+        let h = &self.phases.handles;
+        let mut first = None;
+        for (name, m) in std::mem::take(&mut self.store) {
+            match Arc::try_unwrap(m) {
+                // SAFETY: both engines are released (their streams drained,
+                // their clones of the master dropped): no copy reads it.
+                Ok(m) => {
+                    if let Err(e) = unsafe { h.free_master(m) } {
+                        first.get_or_insert(e);
+                    }
+                }
+                Err(m) => {
+                    tracing::error!("host master of `{name}` is still shared; leaking it");
+                    std::mem::forget(m);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Puts `choices` in force: rings of the streamed blocks, the phase
+    /// state (swap groups, resident units), and every hook.
+    fn apply(
+        &mut self,
+        model: &mut Model,
+        choices: &[ComponentChoice],
+        timer: Option<Arc<Timer<A>>>,
+    ) -> Result<(), OffloadError> {
+        let layout = self.layout.as_ref().expect("enable resolved the layout");
+        let choice_of = |path: &str| choices.iter().find(|c| c.path == path);
+        // The rings: each stack with the plan's resident blocks.
+        let mut resolved = layout.resolved.clone();
+        for stack in &mut resolved.stacks {
+            let resident: Vec<String> = choice_of(&stack.owner)
+                .map(|c| c.resident_blocks.clone())
+                .unwrap_or_default();
+            stack.resident = stack
+                .blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| resident.contains(&b.path))
+                .map(|(i, _)| i)
+                .collect();
+        }
+        let rings = RingLayout::new(&resolved, &layout.partition, 1, 0);
+        let store = &self.store;
+        let master_of = |u: &Unit| store.get(&u.name).cloned();
+        let block_hooks = self
+            .ring
+            .build(&model.pipeline, &rings, &master_of, timer.clone())?;
+        // The phase state: held sets of components not kept swap; kept
+        // sets and everything outside the components stay.
+        let mut groups = Vec::new();
+        let mut resident = Vec::new();
+        let mut group_of: BTreeMap<String, usize> = BTreeMap::new();
+        let mut pools: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
+        for (path, module, _) in &layout.components {
+            let choice = choice_of(path);
+            let mut held: Vec<(Unit, Arc<HostMaster<A>>)> = Vec::new();
+            if let Some(u) = layout.partition.rest_of(*module) {
+                held.push((u.clone(), Arc::clone(&store[&u.name])));
+            }
+            let mut streamed_max = 0;
+            for stack in resolved.stacks.iter().filter(|s| &s.owner == path) {
+                for (i, b) in stack.blocks.iter().enumerate() {
+                    let u = &layout.partition.blocks[&b.module];
+                    if stack.resident.contains(&i) {
+                        held.push((u.clone(), Arc::clone(&store[&u.name])));
+                    } else {
+                        streamed_max = streamed_max.max(u.bytes);
+                    }
+                }
+            }
+            let depth = choice.map_or(0, |c| c.depth);
+            let slots = if streamed_max > 0 { depth + 1 } else { 0 };
+            pools.insert(path.clone(), (slots, streamed_max, depth));
+            if choice.is_some_and(|c| c.kept) {
+                resident.extend(held.into_iter().map(|(u, m)| (u, Some(m))));
+            } else if !held.is_empty() {
+                group_of.insert(path.clone(), groups.len());
+                groups.push(Group {
+                    path: path.clone(),
+                    module: *module,
+                    units: held,
+                });
+            }
+        }
+        let managed: Vec<ModuleId> = layout.components.iter().map(|c| c.1).collect();
+        for unit in &layout.partition.rest {
+            if !managed.contains(&unit.module) && !self.store.contains_key(&unit.name) {
+                resident.push((unit.clone(), None));
+            }
+        }
+        model_level::build_planned(&self.phases, &model.pipeline, groups, resident)?;
+        // Hooks: a phase hook on every component, the ring's on every
+        // streamed block, and (while measuring) timing marks on every block.
+        let mut hooks: Vec<(ModuleId, &'static str, Box<dyn ModelHook<ForwardCtx>>)> = Vec::new();
+        let name = OffloadStrategy::Planned.hook_name();
+        for (path, module, _) in &layout.components {
+            let (slots, slot_bytes, depth) = pools[path];
+            hooks.push((
+                *module,
+                name,
+                Box::new(PhaseHook {
+                    device: Arc::clone(&self.device),
+                    compute: Arc::clone(&self.compute),
+                    phases: Arc::clone(&self.phases),
+                    ring: Arc::clone(&self.ring),
+                    group: group_of.get(path).copied(),
+                    pool: (slots, slot_bytes, depth),
+                    path: path.clone(),
+                    timer: timer.clone(),
+                    current: Arc::clone(&self.current),
+                    bugs: self.bugs.clone(),
+                }),
+            ));
+        }
+        for (module, hook) in block_hooks {
+            hooks.push((module, name, hook));
+        }
+        if let Some(t) = &timer {
+            for stack in &resolved.stacks {
+                for b in &stack.blocks {
+                    for (hook_name, before) in [(MARK_BEFORE, true), (MARK_AFTER, false)] {
+                        hooks.push((
+                            b.module,
+                            hook_name,
+                            Box::new(BlockMark {
+                                timer: Arc::clone(t),
+                                compute: Arc::clone(&self.compute),
+                                path: b.path.clone(),
+                                before,
+                                phases: Arc::clone(&self.phases),
+                                ring: Arc::clone(&self.ring),
+                                current: Arc::clone(&self.current),
+                            }),
+                        ));
+                    }
+                }
+            }
+        }
+        self.hooked = install_named_hooks(model, OffloadStrategy::Planned, hooks)?;
+        self.timer = timer;
+        Ok(())
+    }
+
+    /// Takes the plan in force out: hooks removed, both engines released
+    /// (drained first); the store's masters stay. Every step runs; the
+    /// first error is returned.
+    fn unapply(&mut self, model: &mut Model, drain: bool) -> Result<(), OffloadError> {
+        remove_hooks(model, OffloadStrategy::Planned, &mut self.hooked);
+        let ring = self.ring.release(drain);
+        let st = self.phases.lock().take();
+        let phases = st.map_or(Ok(()), |st| {
+            model_level::release_state(&self.phases, "planned", st, drain)
+        });
+        self.timer = None;
+        ring.and(phases)
+    }
+
+    /// Releases everything (the plan in force, then the store).
+    fn release_all(&mut self, model: Option<&mut Model>, drain: bool) -> Result<(), OffloadError> {
+        let undone = match model {
+            Some(m) => self.unapply(m, drain),
+            None => {
+                let ring = self.ring.release(drain);
+                let st = self.phases.lock().take();
+                let phases = st.map_or(Ok(()), |st| {
+                    model_level::release_state(&self.phases, "planned", st, drain)
+                });
+                ring.and(phases)
+            }
+        };
+        // Masters are freed only once both engines drained and let go.
+        let stored = if undone.is_ok() {
+            self.free_store()
+        } else {
+            tracing::error!("planned offload: leaking its host masters after a failed release");
+            for (_, m) in std::mem::take(&mut self.store) {
+                std::mem::forget(m);
+            }
+            Ok(())
+        };
+        self.layout = None;
+        undone.and(stored)
+    }
+
+    /// Plans from `inputs` and puts the plan in force in place of the one
+    /// now in force.
+    fn replan(&mut self, model: &mut Model, inputs: PlannerInputs) -> Result<(), OffloadError> {
+        let memory = self.memory.expect("enabled");
+        let plan = budget::plan(&model.pipeline, &self.config, &inputs, memory)
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+        self.unapply(model, true)?;
+        tracing::info!("planned offload: {plan}");
+        self.apply(model, &plan.choices(), None)?;
+        self.plan = Some(plan);
+        self.inputs = Some(inputs);
+        Ok(())
+    }
+
+    /// What the warm-up measured, from its marks and memory samples.
+    fn measurements(
+        &self,
+        model: &Model,
+        timer: &Timer<A>,
+        shape: &RequestShape,
+        seconds: f64,
+    ) -> Result<PlannerInputs, OffloadError> {
+        let layout = self.layout.as_ref().expect("enabled");
+        let memory = self.memory.expect("enabled");
+        let marks = timer.read()?;
+        let mut compute: BTreeMap<String, f64> = BTreeMap::new();
+        let (mut before, mut start) = (BTreeMap::new(), BTreeMap::new());
+        let mut own: BTreeMap<String, f64> = BTreeMap::new();
+        let mut forwards: BTreeMap<String, u64> = BTreeMap::new();
+        let (mut copy_bytes, mut copy_ns) = (0u64, 0u64);
+        let (mut small_bytes, mut small_ns) = (0u64, 0u64);
+        let mut open_copy: Option<(u64, u64)> = None;
+        let mut phase: Option<(String, u64, u64)> = None; // path, start, block totals
+        for (mark, t) in marks {
+            match mark {
+                Mark::CopyStart { bytes } => open_copy = Some((bytes, t)),
+                Mark::CopyEnd => {
+                    if let Some((bytes, t0)) = open_copy.take() {
+                        if bytes >= LINK_SAMPLE_BYTES {
+                            copy_bytes += bytes;
+                            copy_ns += t.saturating_sub(t0);
+                        } else {
+                            small_bytes += bytes;
+                            small_ns += t.saturating_sub(t0);
+                        }
+                    }
+                }
+                Mark::BlockBefore(p) => {
+                    before.insert(p, t);
+                }
+                Mark::BlockStart(p) => {
+                    start.insert(p, t);
+                }
+                Mark::BlockEnd(p) => {
+                    if let Some(s) = start.get(&p) {
+                        // The last forward's: free of first-use costs.
+                        compute.insert(p.clone(), t.saturating_sub(*s) as f64 * 1e-9);
+                    }
+                    if let (Some(b), Some((_, _, totals))) = (before.get(&p), phase.as_mut()) {
+                        *totals += t.saturating_sub(*b);
+                    }
+                }
+                Mark::PhaseStart(p) => {
+                    *forwards.entry(p.clone()).or_default() += 1;
+                    phase = Some((p, t, 0));
+                }
+                Mark::PhaseEnd(p) => {
+                    if let Some((q, t0, totals)) = phase.take()
+                        && q == p
+                    {
+                        let ns = t.saturating_sub(t0).saturating_sub(totals);
+                        own.insert(p, ns as f64 * 1e-9);
+                    }
+                }
+            }
+        }
+        let (bytes, ns) = if copy_ns > 0 {
+            (copy_bytes, copy_ns)
+        } else {
+            (small_bytes, small_ns)
+        };
+        let link = if ns > 0 {
+            bytes as f64 / (ns as f64 * 1e-9)
+        } else {
+            tracing::warn!(
+                "planned offload: the warm-up copied no block to time the link; assuming 25 GB/s"
+            );
+            25e9
+        };
+        // Activations: per phase, the most memory in use beside the
+        // weights held then (and beside what was in use before enable).
+        let used_before = memory.total_bytes.saturating_sub(memory.free_bytes);
+        let mut activation: BTreeMap<String, u64> = BTreeMap::new();
+        for (p, s) in timer.samples() {
+            let by_free = s
+                .used_bytes
+                .saturating_sub(s.weight_bytes)
+                .saturating_sub(used_before);
+            let by_peak = s
+                .peak_bytes
+                .map_or(0, |peak| peak.saturating_sub(s.weight_bytes));
+            let a = activation.entry(p).or_default();
+            *a = (*a).max(by_free).max(by_peak);
+        }
+        if self.bugs.has(PlantedBug::UnderstateActivations) {
+            activation.values_mut().for_each(|a| *a /= 2);
+        }
+        let steps = f64::from(shape.steps.max(1));
+        let mut components = BTreeMap::new();
+        for (path, _, role) in &layout.components {
+            let n = forwards.get(path).copied().unwrap_or(0) as f64;
+            let per_step = *role == Role::Dit;
+            let block_compute_s = layout
+                .resolved
+                .stacks
+                .iter()
+                .filter(|s| &s.owner == path)
+                .flat_map(|s| &s.blocks)
+                .filter_map(|b| compute.get(&b.path).map(|t| (b.path.clone(), *t)))
+                .collect();
+            components.insert(
+                path.clone(),
+                ComponentInputs {
+                    forwards: if per_step { n / steps } else { n },
+                    per_step,
+                    own_compute_s: own.get(path).copied().unwrap_or(0.0),
+                    block_compute_s,
+                    activation_bytes: activation.get(path).copied().unwrap_or(0),
+                },
+            );
+        }
+        let request = self.request_of(model).unwrap_or_else(|| shape.clone());
+        Ok(PlannerInputs {
+            pipeline_type: model.pipeline.type_name().to_owned(),
+            link_bytes_per_s: link,
+            steps: request.steps,
+            components,
+            source: InputSource::Warmup {
+                shape: shape.clone(),
+                seconds,
+                device_total_bytes: memory.total_bytes,
+                device_free_bytes: memory.free_bytes,
+            },
+            ..PlannerInputs::new(link, request.steps)
+        })
+    }
+}
+
+/// The hook on each component: its phase begins (its held set brought in,
+/// every other component's evicted, its slot pool made) and ends.
+struct PhaseHook<A: Api> {
+    device: Arc<A::Device>,
+    compute: Arc<A::Stream>,
+    phases: Arc<Phases<A>>,
+    ring: Arc<RingEngine<A>>,
+    /// Its swap group in the phase state (none: kept, or nothing held).
+    group: Option<usize>,
+    /// Its phase's slot pool: slots, bytes of one, depth.
+    pool: (usize, u64, usize),
+    path: String,
+    timer: Option<Arc<Timer<A>>>,
+    current: Arc<Mutex<Option<String>>>,
+    bugs: Bugs,
+}
+
+impl<A: Api> PhaseHook<A> {
+    fn weights(&self) -> u64 {
+        self.phases.device_weight_bytes() + self.ring.device_weight_bytes()
+    }
+
+    fn pre(&self) -> Result<(), OffloadError> {
+        *lock(&self.current) = Some(self.path.clone());
+        match self.group {
+            Some(g) => model_level::enter(&self.phases, g)?,
+            None if self.bugs.has(PlantedBug::SkipPhaseEviction) => {}
+            None => model_level::evict_all(&self.phases)?,
+        }
+        let (slots, bytes, depth) = self.pool;
+        if !self.bugs.has(PlantedBug::KeepPoolAcrossPhases) || slots > 0 {
+            self.ring.use_pool(slots, bytes, depth)?;
+        }
+        if let Some(t) = &self.timer {
+            t.reset_peak()?;
+            t.mark(&self.compute, Mark::PhaseStart(self.path.clone()))?;
+        }
+        Ok(())
+    }
+
+    fn post(&self) -> Result<(), OffloadError> {
+        if let Some(t) = &self.timer {
+            t.mark(&self.compute, Mark::PhaseEnd(self.path.clone()))?;
+            // The warm-up only: the phase's high-water mark is read once
+            // its work is done.
+            self.device
+                .synchronize_stream(&self.compute)
+                .map_err(|e| dev_err("synchronize_stream(compute) to measure a phase", e))?;
+            t.sample(&self.path, self.weights())?;
+        }
+        if let Some(g) = self.group {
+            model_level::leave(&self.phases, g)?;
+        }
+        Ok(())
+    }
+}
+
+impl<A: Api> ModelHook<ForwardCtx> for PhaseHook<A> {
+    fn pre_forward(&mut self, _: &mut ForwardCtx) -> Result<PreForward, BoxError> {
+        self.pre()?;
+        Ok(PreForward::Continue)
+    }
+
+    fn post_forward(&mut self, _: &mut ForwardCtx, _: &Forwarded) -> Result<(), BoxError> {
+        Ok(self.post()?)
+    }
+}
+
+/// A timing mark on a block, while the warm-up measures: before the ring's
+/// hook (its wait for the fill included) or after it (the block's kernels
+/// alone), with a memory sample.
+struct BlockMark<A: Api> {
+    timer: Arc<Timer<A>>,
+    compute: Arc<A::Stream>,
+    path: String,
+    before: bool,
+    phases: Arc<Phases<A>>,
+    ring: Arc<RingEngine<A>>,
+    current: Arc<Mutex<Option<String>>>,
+}
+
+impl<A: Api> BlockMark<A> {
+    fn sample(&self) -> Result<(), OffloadError> {
+        let phase = lock(&self.current).clone().unwrap_or_default();
+        let weights = self.phases.device_weight_bytes() + self.ring.device_weight_bytes();
+        self.timer.sample(&phase, weights)
+    }
+}
+
+impl<A: Api> ModelHook<ForwardCtx> for BlockMark<A> {
+    fn pre_forward(&mut self, _: &mut ForwardCtx) -> Result<PreForward, BoxError> {
+        let mark = if self.before {
+            Mark::BlockBefore(self.path.clone())
+        } else {
+            Mark::BlockStart(self.path.clone())
+        };
+        self.timer.mark(&self.compute, mark)?;
+        self.sample()?;
+        Ok(PreForward::Continue)
+    }
+
+    fn post_forward(&mut self, _: &mut ForwardCtx, _: &Forwarded) -> Result<(), BoxError> {
+        if !self.before {
+            self.timer
+                .mark(&self.compute, Mark::BlockEnd(self.path.clone()))?;
+            self.sample()?;
+        }
+        Ok(())
+    }
+}
+
+impl<A: Api> Drop for PlannedBackend<A> {
+    fn drop(&mut self) {
+        if self.layout.is_some() {
+            let drain = !self.bugs.has(PlantedBug::DropWithoutDrain);
+            if let Err(e) = self.release_all(None, drain) {
+                tracing::error!("dropping an enabled planned backend: {e}");
+            }
+        }
+    }
+}
+
+impl<A: Api> OffloadBackend for PlannedBackend<A> {
+    fn strategy(&self) -> OffloadStrategy {
+        OffloadStrategy::Planned
+    }
+
+    fn enable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        let _span = enable_span(OffloadStrategy::Planned, model).entered();
+        if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
+            return Ok(());
+        }
+        check_single_owner(model, OffloadStrategy::Planned)?;
+        // Everything that can fail without touching anything first.
+        let info = self
+            .device
+            .memory_info()
+            .map_err(|e| dev_err("memory_info", e))?;
+        let memory = DeviceMemory {
+            total_bytes: info.total_bytes,
+            free_bytes: info.free_bytes,
+        };
+        let resolved = resolve(&model.pipeline, &self.config)?;
+        let groups: Vec<ModuleId> = resolved.components.iter().map(|c| c.module).collect();
+        let part = partition(&model.pipeline, &resolved.stacks, &groups);
+        let components: Vec<(String, ModuleId, Role)> = resolved
+            .components
+            .iter()
+            .filter(|c| c.role != Role::Resident && !c.self_managed)
+            .map(|c| (c.path.clone(), c.module, c.role))
+            .collect();
+        let request = self.request_of(model);
+        let (choices, plan, inputs, warmup) = match &self.given {
+            Some(given) => {
+                let mut inputs = given.clone();
+                if let Some(r) = &request {
+                    inputs.steps = r.steps;
+                }
+                let plan = budget::plan(&model.pipeline, &self.config, &inputs, memory)
+                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                (plan.choices(), Some(plan), Some(inputs), None)
+            }
+            None => {
+                let Some(shape) = request else {
+                    return Err(OffloadError::Budget(Box::new(
+                        BudgetError::NoPlannerInputs {
+                            budget: self
+                                .config
+                                .device_budget
+                                .unwrap_or(budget::DeviceBudget::Auto),
+                        },
+                    )));
+                };
+                let (choices, minimum) = budget::smallest_footprint(&model.pipeline, &self.config)
+                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                if minimum.bytes > memory.free_bytes {
+                    return Err(OffloadError::Budget(Box::new(BudgetError::DoesNotFit {
+                        budget: memory.free_bytes,
+                        minimum: minimum.bytes,
+                        minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
+                        phase: minimum.phase.clone(),
+                        outside: minimum.parts.outside_bytes,
+                        held: minimum.parts.held_bytes,
+                        slots: minimum.slots,
+                        slot_bytes: if minimum.slots > 0 {
+                            minimum.parts.slot_bytes / minimum.slots as u64
+                        } else {
+                            0
+                        },
+                        activation_bytes: 0,
+                    })));
+                }
+                (choices, None, None, Some(shape))
+            }
+        };
+        log_warnings(&resolved.warnings);
+        let layout = Layout {
+            resolved,
+            partition: part,
+            components,
+        };
+        self.memory = Some(memory);
+        if let Err(e) = self.build_store(&layout) {
+            self.layout = Some(layout);
+            let _ = self.release_all(None, true);
+            return Err(e);
+        }
+        self.layout = Some(layout);
+        let timer = warmup
+            .is_some()
+            .then(|| Arc::new(Timer::new(Arc::clone(&self.device))));
+        if let Err(e) = self.apply(model, &choices, timer) {
+            let _ = self.release_all(Some(model), true);
+            return Err(e);
+        }
+        if let Some(plan) = &plan {
+            tracing::info!("planned offload: {plan}");
+        }
+        self.plan = plan;
+        self.inputs = inputs;
+        self.warmup = warmup;
+        self.replanned = false;
+        self.lifecycle.finish_enable();
+        Ok(())
+    }
+
+    fn disable(&mut self, model: &mut Model) -> Result<(), OffloadError> {
+        if self.lifecycle.begin_disable() == DisableStep::NothingToDo {
+            return Ok(());
+        }
+        let drain = !self.bugs.has(PlantedBug::FreeWithoutDrain);
+        let result = self.release_all(Some(model), drain);
+        self.plan = None;
+        self.warmup = None;
+        self.lifecycle.finish_disable();
+        result
+    }
+
+    fn is_enabled(&self) -> bool {
+        self.lifecycle.is_enabled()
+    }
+
+    fn state(&self) -> LifecycleState {
+        self.lifecycle.state().clone()
+    }
+}
+
+impl<A: Api> Backend<A> for PlannedBackend<A> {
+    fn locate(&self, storage: StorageId) -> Option<DeviceLocation<A>> {
+        self.ring
+            .locate(storage)
+            .or_else(|| self.phases.locate(storage))
+    }
+
+    fn residency(&self, storage: StorageId) -> Option<Residency> {
+        self.ring
+            .residency(storage)
+            .or_else(|| self.phases.residency(storage))
+    }
+
+    fn device_weight_bytes(&self) -> u64 {
+        self.phases.device_weight_bytes() + self.ring.device_weight_bytes()
+    }
+
+    fn host_weight_bytes(&self) -> u64 {
+        self.store.values().map(|m| m.len_bytes()).sum()
+    }
+
+    fn request_plan(&self) -> Option<&RequestPlan> {
+        self.plan.as_ref()
+    }
+
+    fn planner_inputs(&self) -> Option<&PlannerInputs> {
+        self.inputs.as_ref()
+    }
+
+    fn needs_warmup(&self) -> bool {
+        self.given.is_none()
+    }
+
+    fn warmup_shape(&self) -> Option<RequestShape> {
+        self.warmup.as_ref().map(RequestShape::for_warmup)
+    }
+
+    fn finish_warmup(&mut self, model: &mut Model, seconds: f64) -> Result<(), OffloadError> {
+        let (Some(shape), Some(timer)) = (self.warmup.take(), self.timer.clone()) else {
+            return Ok(());
+        };
+        let inputs = self.measurements(model, &timer, &shape.for_warmup(), seconds)?;
+        self.replan(model, inputs)
+    }
+
+    fn replan_after(
+        &mut self,
+        model: &mut Model,
+        error: &OffloadError,
+    ) -> Result<bool, OffloadError> {
+        if error.device_error_kind() != Some(DeviceErrorKind::OutOfMemory) || self.plan.is_none() {
+            return Ok(false);
+        }
+        let Some(phase) = lock(&self.current).clone() else {
+            return Ok(false);
+        };
+        let plan = self.plan.as_ref().expect("checked");
+        let shortfall = error
+            .shortfall_bytes()
+            .unwrap_or(plan.budget_bytes / 16)
+            .max(1);
+        if self.replanned {
+            return Err(OffloadError::Budget(Box::new(
+                BudgetError::ShortfallAgain {
+                    phase,
+                    needed_bytes: shortfall,
+                    budget_bytes: plan.budget_bytes,
+                },
+            )));
+        }
+        let mut inputs = self.inputs.clone().expect("a plan has its inputs");
+        if let Some(c) = inputs.components.get_mut(&phase) {
+            c.activation_bytes = c.activation_bytes.saturating_add(shortfall);
+        }
+        tracing::warn!(
+            "planned offload: the first request ran out of device memory in the `{phase}` phase ({shortfall} bytes short); planning again with {shortfall} more bytes of activations there"
+        );
+        self.replanned = true;
+        self.replan(model, inputs)?;
+        Ok(true)
+    }
+}
