@@ -451,6 +451,58 @@ pub fn bounded_memory(m: &MemoryObservation, padding_bytes: u64) -> Result<(), V
     Ok(())
 }
 
+/// What a device measured while one phase of a request ran (a planned
+/// backend's INV-7, phase by phase): its own peaks of weight bytes and of
+/// everything it held (weights and activations).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PhaseObservation {
+    /// The component whose phase it was.
+    pub phase: String,
+    /// Peak device bytes held for weights in the phase.
+    pub peak_weight_bytes: u64,
+    /// Peak device bytes of everything (weights, activations) in it.
+    pub peak_total_bytes: u64,
+}
+
+/// INV-7 for a planned request, per phase: each phase's weight peak within
+/// its own bound (the weights in no component, the kept sets, its held set
+/// and its slots), and each phase's peak of everything within the budget.
+/// `bounds` names each phase's weight bound; a phase observed without one
+/// is a violation too.
+pub fn bounded_phases<'a>(
+    observed: impl IntoIterator<Item = &'a PhaseObservation>,
+    bounds: &BTreeMap<String, u64>,
+    budget_bytes: u64,
+) -> Result<(), Violation> {
+    for o in observed {
+        let Some(bound) = bounds.get(&o.phase) else {
+            return Err(violation(
+                Invariant::BoundedMemory,
+                format!("phase `{}` ran, but the plan has no such phase", o.phase),
+            ));
+        };
+        if o.peak_weight_bytes > *bound {
+            return Err(violation(
+                Invariant::BoundedMemory,
+                format!(
+                    "phase `{}`: peak device weight bytes {} > its bound {bound} (outside + kept + held + slots)",
+                    o.phase, o.peak_weight_bytes
+                ),
+            ));
+        }
+        if o.peak_total_bytes > budget_bytes {
+            return Err(violation(
+                Invariant::BoundedMemory,
+                format!(
+                    "phase `{}`: peak device bytes {} (weights and activations) > the budget {budget_bytes}",
+                    o.phase, o.peak_total_bytes
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// INV-8: the offloaded output equals the resident output bit for bit.
 pub fn equivalence(resident: &[u8], offloaded: &[u8]) -> Result<(), Violation> {
     if resident.len() != offloaded.len() {

@@ -423,6 +423,10 @@ pub struct SimStats {
     /// Peak of everything allocated (weights and activations) since the
     /// last [`Device::reset_memory_peak`] or [`SimDevice::reset_peak`].
     pub total_peak_bytes: u64,
+    /// Peak weight bytes since the last [`SimDevice::take_window`].
+    pub window_weight_peak_bytes: u64,
+    /// Peak of everything since the last [`SimDevice::take_window`].
+    pub window_total_peak_bytes: u64,
     /// Pinned host bytes allocated now.
     pub pinned_bytes: u64,
     /// Peak pinned host bytes.
@@ -1289,16 +1293,31 @@ impl SimDevice {
             st.stats.device_bytes += bytes;
             st.stats.device_peak_bytes = st.stats.device_peak_bytes.max(st.stats.device_bytes);
         }
-        st.stats.total_peak_bytes = st
-            .stats
-            .total_peak_bytes
-            .max(st.stats.device_bytes + st.stats.activation_bytes);
+        let total = st.stats.device_bytes + st.stats.activation_bytes;
+        st.stats.total_peak_bytes = st.stats.total_peak_bytes.max(total);
+        st.stats.window_total_peak_bytes = st.stats.window_total_peak_bytes.max(total);
+        st.stats.window_weight_peak_bytes =
+            st.stats.window_weight_peak_bytes.max(st.stats.device_bytes);
         Ok(SimDeviceBuffer {
             id,
             len: bytes,
             freed: false,
             shared: Arc::clone(&self.shared),
         })
+    }
+
+    /// The peaks (weights; everything) since the last call, and a new
+    /// window from the memory in use now: what a harness reads phase by
+    /// phase without disturbing the run's own peaks.
+    pub fn take_window(&self) -> (u64, u64) {
+        let mut st = self.state();
+        let out = (
+            st.stats.window_weight_peak_bytes,
+            st.stats.window_total_peak_bytes,
+        );
+        st.stats.window_weight_peak_bytes = st.stats.device_bytes;
+        st.stats.window_total_peak_bytes = st.stats.device_bytes + st.stats.activation_bytes;
+        out
     }
 
     /// Counters.

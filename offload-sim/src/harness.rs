@@ -59,6 +59,9 @@ impl StrategyChoice {
             OffloadStrategy::ModelLevel => c.enable_cpu_offload = true,
             OffloadStrategy::Layerwise => c.enable_layerwise_offload = true,
             OffloadStrategy::DistributedLayerwise => c.enable_distributed_layerwise_offload = true,
+            OffloadStrategy::Planned => {
+                c.device_budget = Some(offload_core::budget::DeviceBudget::Auto);
+            }
         }
         Self::Config(c)
     }
@@ -90,6 +93,9 @@ pub struct RunOptions {
     pub jitter: Option<Jitter>,
     /// Bugs to plant (tests only; ignored without the `planted-bugs` feature).
     pub bugs: Vec<PlantedBug>,
+    /// What a device budget is planned from (saved measurements), instead
+    /// of a warm-up.
+    pub planner: Option<offload_core::budget::PlannerInputs>,
 }
 
 impl RunOptions {
@@ -113,6 +119,7 @@ impl RunOptions {
             seed: 0,
             jitter: None,
             bugs: Vec::new(),
+            planner: None,
         }
     }
 }
@@ -142,6 +149,10 @@ pub struct RequestMeasure {
     /// the denoising would take with every weight resident and nothing
     /// waited for.
     pub dit_compute_ns: u64,
+    /// Virtual time of the whole request (encoders, denoising, decode), ns.
+    pub request_ns: u64,
+    /// Each phase, in order.
+    pub phases: Vec<PhaseMeasure>,
 }
 
 /// Everything one run measured.
@@ -160,8 +171,18 @@ pub struct RunOutcome {
     /// Host weight bytes the backend reported after enable (for the
     /// report; checks read the device's own counters).
     pub host_weight_bytes: u64,
-    /// INV-7's bounds for this run's configuration and depth.
+    /// INV-7's bounds for this run's configuration and depth (a planned
+    /// run's: its largest phase's, see `plan_bounds`).
     pub bounds: MemoryBounds,
+    /// A planned run's bounds, per phase.
+    pub plan_bounds: Option<offload_core::runtime::PlanBounds>,
+    /// A planned run's request plan (the last in force).
+    pub plan: Option<offload_core::budget::RequestPlan>,
+    /// What it was planned from (the warm-up's measurements).
+    pub inputs: Option<offload_core::budget::PlannerInputs>,
+    /// Whether the first request ran out of memory and the backend planned
+    /// again.
+    pub replanned: bool,
     /// Whether the backend ended poisoned (a multi-rank failure).
     pub poisoned: bool,
     /// Every checker violation, including leaks after disable.
@@ -170,7 +191,8 @@ pub struct RunOutcome {
     pub trace: Trace,
 }
 
-fn parameters(p: &offload_core::Pipeline, m: ModuleId) -> u64 {
+/// Parameter elements under `m`.
+pub fn parameters(p: &offload_core::Pipeline, m: ModuleId) -> u64 {
     p.subtree_tensors(m)
         .into_iter()
         .map(|t| p.tensor(t))
@@ -308,45 +330,80 @@ pub struct Forwarded {
 /// The forward of one component: its own tensors as one kernel, then each
 /// block as one kernel in a child scope. `charge` says what the kernel of
 /// a module costs: it is asked for the component itself (its tensors
-/// outside blocks) and for each block.
+/// outside blocks) and for each block. While the forward runs it holds
+/// `activation_bytes` of activations on the device
+/// ([`SimDevice::alloc_activations`], freed after its kernels), and
+/// `on_start` runs first inside it (after the component's pre-forward
+/// hooks).
 pub fn component_forward(
     rt: &Runtime<Sim>,
     output: &SimAccumulator,
     path: &str,
     charge: impl Fn(ModuleId) -> Charge,
+    activation_bytes: u64,
+    on_start: impl FnOnce(),
 ) -> Result<Forwarded, OffloadError> {
     let out = rt.forward(path, |scope| {
-        let p = scope.pipeline();
-        let module = scope.module();
-        let own = own_tensors(p, module);
-        let c = charge(module);
-        kernel_for(
-            scope,
-            &own,
-            c.duration_ns,
-            &format!("{path} (non-block)"),
-            output,
-        )?;
-        let mut done = Forwarded {
-            block_bytes: 0,
-            flops: c.flops,
-            compute_ns: c.duration_ns,
+        on_start();
+        let device: &SimDevice = scope.device();
+        let scratch = if activation_bytes > 0 {
+            Some(
+                device
+                    .alloc_activations(activation_bytes)
+                    .map_err(|e| dev_err(&format!("alloc_activations for `{path}`"), e))?,
+            )
+        } else {
+            None
         };
-        for b in blocks_of(p, module) {
-            let bpath = p.module(b).path.clone();
-            let rel = bpath[path.len() + 1..].to_owned();
-            let c = charge(b);
-            let tensors = p.subtree_tensors(b);
-            let r = scope.child(&rel, |blk| {
-                Ok(kernel_for(blk, &tensors, c.duration_ns, &bpath, output)?)
-            })?;
-            if r.is_some() {
-                done.block_bytes += p.subtree_bytes(b);
-                done.flops += c.flops;
-                done.compute_ns += c.duration_ns;
+        let run = || -> Result<Forwarded, OffloadError> {
+            let p = scope.pipeline();
+            let module = scope.module();
+            let own = own_tensors(p, module);
+            let c = charge(module);
+            kernel_for(
+                scope,
+                &own,
+                c.duration_ns,
+                &format!("{path} (non-block)"),
+                output,
+            )?;
+            let mut done = Forwarded {
+                block_bytes: 0,
+                flops: c.flops,
+                compute_ns: c.duration_ns,
+            };
+            for b in blocks_of(p, module) {
+                let bpath = p.module(b).path.clone();
+                let rel = bpath[path.len() + 1..].to_owned();
+                let c = charge(b);
+                let tensors = p.subtree_tensors(b);
+                let r = scope.child(&rel, |blk| {
+                    Ok(kernel_for(blk, &tensors, c.duration_ns, &bpath, output)?)
+                })?;
+                if r.is_some() {
+                    done.block_bytes += p.subtree_bytes(b);
+                    done.flops += c.flops;
+                    done.compute_ns += c.duration_ns;
+                }
             }
+            Ok(done)
+        };
+        let done = run();
+        if let Some(buffer) = scratch {
+            // Freed once the forward's kernels are done with it.
+            let done_event = device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            device
+                .record_event(&done_event, scope.stream())
+                .map_err(|e| dev_err("record_event(activations)", e))?;
+            // SAFETY: every kernel of this forward was enqueued on the
+            // compute stream before `done_event`; nothing uses the buffer
+            // after.
+            unsafe { device.free_device(buffer, &[&done_event]) }
+                .map_err(|e| dev_err("free activations", e))?;
         }
-        Ok(done)
+        Ok(done?)
     })?;
     Ok(out.unwrap_or_default())
 }
@@ -419,19 +476,33 @@ fn request_inner(
         .map_err(|e| dev_err("reset output", e))?;
     let p = &rt.model().pipeline;
     let profile = device.profile();
+    let act = |path: &str| preset.component_activation_bytes(p, path, w.tokens);
+    let mut phases = PhaseClock::new(device)?;
+    let request_start = phases.event()?;
+    device
+        .record_event(&request_start, compute)
+        .map_err(|e| dev_err("record_event(request start)", e))?;
     if encodes {
         // Every weight on every text token, at the peak rate.
         let t = preset.text_tokens as f64;
         for enc in &preset.encoders {
             let component = p.module_id(enc);
-            component_forward(rt, out, enc, |m| {
-                let elements = if Some(m) == component {
-                    own_tensors(p, m).iter().map(|t| p.tensor(*t).numel()).sum()
-                } else {
-                    parameters(p, m)
-                };
-                Charge::flops(&profile, 2.0 * elements as f64 * t)
-            })?;
+            phases.begin(enc, compute)?;
+            component_forward(
+                rt,
+                out,
+                enc,
+                |m| {
+                    let elements = if Some(m) == component {
+                        own_tensors(p, m).iter().map(|t| p.tensor(*t).numel()).sum()
+                    } else {
+                        parameters(p, m)
+                    };
+                    Charge::flops(&profile, 2.0 * elements as f64 * t)
+                },
+                act(enc),
+                || phases.started(),
+            )?;
         }
     }
     exchange()?;
@@ -448,7 +519,15 @@ fn request_inner(
             preset.dits[0]
         };
         used.insert(dit);
-        let done = component_forward(rt, out, dit, |module| charges[&module])?;
+        phases.begin(dit, compute)?;
+        let done = component_forward(
+            rt,
+            out,
+            dit,
+            |module| charges[&module],
+            act(dit),
+            || phases.started(),
+        )?;
         m.block_bytes += done.block_bytes;
         m.dit_flops += done.flops;
         m.dit_compute_ns += done.compute_ns;
@@ -466,11 +545,32 @@ fn request_inner(
         .sum();
     for vae in &preset.vaes {
         let flops = preset.vae_flops;
+        let bytes = act(vae);
+        phases.begin(vae, compute)?;
         rt.forward(vae, |scope| {
+            phases.started();
+            let scratch = device
+                .alloc_activations(bytes)
+                .map_err(|e| dev_err(&format!("alloc_activations for `{vae}`"), e))?;
             let tensors = scope.pipeline().subtree_tensors(scope.module());
-            Ok(kernel(scope, &tensors, flops, vae, out)?)
+            let ran = kernel(scope, &tensors, flops, vae, out);
+            let done = device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))?;
+            device
+                .record_event(&done, scope.stream())
+                .map_err(|e| dev_err("record_event(activations)", e))?;
+            // SAFETY: the decode's kernel was enqueued before `done`.
+            unsafe { device.free_device(scratch, &[&done]) }
+                .map_err(|e| dev_err("free activations", e))?;
+            Ok(ran?)
         })?;
     }
+    phases.end(compute)?;
+    let request_end = phases.event()?;
+    device
+        .record_event(&request_end, compute)
+        .map_err(|e| dev_err("record_event(request end)", e))?;
     device
         .synchronize_stream(compute)
         .map_err(|e| dev_err("synchronize_stream(compute) to read the output", e))?;
@@ -481,7 +581,99 @@ fn request_inner(
     );
     m.denoise_ns = window.1 - window.0;
     m.denoise_window_ns = window;
+    m.request_ns = device.event_time_ns(&request_end) - device.event_time_ns(&request_start);
+    m.phases = phases.finish();
     Ok(m)
+}
+
+/// One phase of a request as the device saw it: a component's contiguous
+/// forwards (an encoder's, the denoising steps of one DiT, a decode).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PhaseMeasure {
+    /// The component.
+    pub component: String,
+    /// Its time on the compute stream (bring-in included), ns.
+    pub ns: u64,
+    /// The device's peak weight bytes in it ([`SimDevice::take_window`]),
+    /// from its first forward's start (its bring-in done) to its end.
+    pub weight_peak_bytes: u64,
+    /// The device's peak of everything (weights and activations) in it.
+    pub total_peak_bytes: u64,
+}
+
+/// Phases of one request, timed with events and measured with the
+/// device's window peaks.
+struct PhaseClock<'d> {
+    device: &'d SimDevice,
+    current: Option<(String, SimEvent)>,
+    fresh: std::cell::Cell<bool>,
+    done: Vec<(String, SimEvent, SimEvent, (u64, u64))>,
+}
+
+impl<'d> PhaseClock<'d> {
+    fn new(device: &'d SimDevice) -> Result<Self, OffloadError> {
+        Ok(Self {
+            device,
+            current: None,
+            fresh: std::cell::Cell::new(false),
+            done: Vec::new(),
+        })
+    }
+
+    fn event(&self) -> Result<SimEvent, OffloadError> {
+        self.device
+            .create_event()
+            .map_err(|e| dev_err("create_event", e))
+    }
+
+    /// A forward of `component` is about to run: a new phase if it is not
+    /// the current one's.
+    fn begin(&mut self, component: &str, stream: &crate::device::SimStream) -> Result<(), OffloadError> {
+        if self.current.as_ref().is_some_and(|(c, _)| c == component) {
+            return Ok(());
+        }
+        self.end(stream)?;
+        let start = self.event()?;
+        self.device
+            .record_event(&start, stream)
+            .map_err(|e| dev_err("record_event(phase start)", e))?;
+        self.current = Some((component.to_owned(), start));
+        self.fresh.set(true);
+        Ok(())
+    }
+
+    /// Inside the first forward of a phase (its hooks done): the phase's
+    /// memory window starts.
+    fn started(&self) {
+        if self.fresh.replace(false) {
+            self.device.take_window();
+        }
+    }
+
+    fn end(&mut self, stream: &crate::device::SimStream) -> Result<(), OffloadError> {
+        if let Some((c, start)) = self.current.take() {
+            let end = self.event()?;
+            self.device
+                .record_event(&end, stream)
+                .map_err(|e| dev_err("record_event(phase end)", e))?;
+            let peaks = self.device.take_window();
+            self.done.push((c, start, end, peaks));
+        }
+        Ok(())
+    }
+
+    /// Every phase (after the host synchronised with the device).
+    fn finish(self) -> Vec<PhaseMeasure> {
+        self.done
+            .into_iter()
+            .map(|(component, start, end, (w, t))| PhaseMeasure {
+                component,
+                ns: self.device.event_time_ns(&end) - self.device.event_time_ns(&start),
+                weight_peak_bytes: w,
+                total_peak_bytes: t,
+            })
+            .collect()
+    }
 }
 
 /// A simulated device, a runtime on it and a platform building backends
@@ -584,6 +776,10 @@ impl Rig {
             Some(c) => platform.with_collective(Arc::new(c)),
             None => platform,
         };
+        let platform = match &opts.planner {
+            Some(inputs) => platform.with_planner(inputs.clone()),
+            None => platform,
+        };
         let probe = Probe::new(&device)?;
         let runtime = Runtime::new(dev, compute, pipeline);
         Ok(Self {
@@ -605,6 +801,28 @@ impl Rig {
     /// One request on this rig's runtime.
     pub fn request(&self, w: &Workload) -> Result<RequestMeasure, OffloadError> {
         request(&self.runtime, &self.device, &self.probe, w)
+    }
+
+    /// Registers `w`'s request as the runtime's ([`Runtime::set_request`]:
+    /// what a planned backend's warm-up runs, with the shape's steps) and
+    /// tells the platform to plan for `w`'s tokens and steps.
+    pub fn serve_workload(&mut self, w: &Workload) {
+        let preset = w.preset.clone();
+        self.runtime.set_request(move |rt, shape| {
+            let w = Workload {
+                preset: preset.clone(),
+                tokens: shape.tokens,
+                steps: shape.steps as usize,
+                requests: 1,
+            };
+            let device: &SimDevice = rt.device();
+            let probe = Probe::new(device)?;
+            request(rt, device, &probe, &w)?;
+            Ok(())
+        });
+        let steps = u32::try_from(w.steps).unwrap_or(u32::MAX);
+        self.platform
+            .set_request(w.preset.request(w.tokens, steps));
     }
 }
 
@@ -691,7 +909,8 @@ pub fn run(
     choice: &StrategyChoice,
     opts: &RunOptions,
 ) -> Result<RunOutcome, RunFailure> {
-    let rig = Rig::new(w.preset.pipeline.clone(), opts)?;
+    let mut rig = Rig::new(w.preset.pipeline.clone(), opts)?;
+    rig.serve_workload(w);
     drive(
         rig,
         choice,
@@ -725,8 +944,12 @@ pub fn drive(
         poisoned: false,
         poisoned_by_hooks: false,
     };
-    let bounds =
-        memory_bounds(&pipeline, config, opts.prefetch_depth).map_err(|e| fail(e, &device))?;
+    let planned = config.device_budget.is_some();
+    let mut bounds = if planned {
+        None
+    } else {
+        Some(memory_bounds(&pipeline, config, opts.prefetch_depth).map_err(|e| fail(e, &device))?)
+    };
     let backend = rig.backend(choice).map_err(|e| fail(e, &device))?;
     let strategy = backend.strategy();
     let t0 = device.host_now_ns();
@@ -744,17 +967,60 @@ pub fn drive(
     let enable_ns = device.host_now_ns() - t0;
     let after_enable = device.stats();
     let host_weight_bytes = rig.runtime.backend().map_or(0, |b| b.host_weight_bytes());
-    let mut measured = Vec::new();
-    let mut failure = None;
-    for _ in 0..requests {
-        match request(&rig) {
-            Ok(m) => measured.push(m),
-            Err(e) => {
-                failure = Some(e);
-                break;
+    // A planned backend's bounds are its plan's, per phase.
+    let mut plan_bounds = None;
+    if planned {
+        let computed = rig
+            .runtime
+            .request_plan()
+            .ok_or_else(|| OffloadError::Forward {
+                module: String::new(),
+                reason: "a device budget enabled no request plan".to_owned(),
+            })
+            .and_then(|plan| offload_core::runtime::plan_bounds(&pipeline, config, plan));
+        match computed {
+            Ok(b) => {
+                bounds = Some(b.as_memory_bounds());
+                plan_bounds = Some(b);
             }
+            Err(e) => return Err(fail(e, &device)),
         }
     }
+    let mut measured = Vec::new();
+    let mut failure = None;
+    let mut replanned = false;
+    let mut left = requests;
+    while left > 0 {
+        match request(&rig) {
+            Ok(m) => {
+                measured.push(m);
+                left -= 1;
+            }
+            Err(e) => match rig.runtime.replan_after(&e) {
+                // Out of memory in the first request: planned again with
+                // the shortfall; the request runs again.
+                Ok(true) => {
+                    replanned = true;
+                    if let Some(plan) = rig.runtime.request_plan()
+                        && let Ok(b) = offload_core::runtime::plan_bounds(&pipeline, config, plan)
+                    {
+                        bounds = Some(b.as_memory_bounds());
+                        plan_bounds = Some(b);
+                    }
+                }
+                Ok(false) => {
+                    failure = Some(e);
+                    break;
+                }
+                Err(again) => {
+                    failure = Some(again);
+                    break;
+                }
+            },
+        }
+    }
+    let plan = rig.runtime.request_plan().cloned();
+    let inputs = rig.runtime.planner_inputs().cloned();
     let at_end = device.stats();
     let is_poisoned =
         |s: Option<LifecycleState>| matches!(s, Some(LifecycleState::Poisoned { .. }));
@@ -789,7 +1055,11 @@ pub fn drive(
         after_enable,
         at_end,
         host_weight_bytes,
-        bounds,
+        bounds: bounds.expect("computed for every strategy"),
+        plan_bounds,
+        plan,
+        inputs,
+        replanned,
         poisoned,
         violations: device.violations(),
         trace: device.trace(),

@@ -88,6 +88,9 @@ pub struct JobArgs {
     /// Ranks of distributed layerwise offload (`None`: the configuration's
     /// world size, else 1). Each rank is a simulated GPU on its own thread.
     pub ranks: Option<u32>,
+    /// What a device budget is planned from (a warm-up's saved
+    /// measurements), instead of a warm-up.
+    pub measurements: Option<offload_core::budget::PlannerInputs>,
 }
 
 impl Default for JobArgs {
@@ -109,6 +112,7 @@ impl Default for JobArgs {
             faults: FaultPlan::none(),
             trace: false,
             ranks: None,
+            measurements: None,
         }
     }
 }
@@ -244,6 +248,44 @@ pub struct Report {
     pub exposed_gather_ms: Option<f64>,
     /// One row per rank (distributed layerwise on several ranks).
     pub per_rank: Vec<RankRow>,
+    /// The whole request (encoders, denoising, decode), median of the
+    /// timed requests, ms.
+    pub request_time_ms: Option<f64>,
+    /// A planned row: the plan in force (what each component does, why,
+    /// each phase's predicted time and peak).
+    pub plan: Option<offload_core::budget::RequestPlan>,
+    /// A planned row: what the plan was made from (the warm-up's
+    /// measurements on the simulated device).
+    pub measurements: Option<offload_core::budget::PlannerInputs>,
+    /// A planned row: each phase of the last timed request, measured
+    /// against the plan.
+    pub phases: Vec<PhaseRow>,
+    /// A planned row: whether the first request ran out of memory and
+    /// the backend planned again.
+    pub replanned: bool,
+}
+
+/// One phase of a planned row: measured on the simulated device against
+/// what the plan predicted and bounded.
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseRow {
+    /// The component.
+    pub component: String,
+    /// What the plan does with it (`resident`, `swapped`, `streamed`).
+    pub mode: String,
+    /// Measured time per request, ms.
+    pub measured_ms: f64,
+    /// Predicted, ms.
+    pub predicted_ms: f64,
+    /// Peak device bytes in the phase (weights and activations), from the
+    /// device's own counter.
+    pub peak_bytes: u64,
+    /// Peak device weight bytes in it.
+    pub peak_weight_bytes: u64,
+    /// INV-7's weight bound of the phase.
+    pub weight_bound_bytes: u64,
+    /// The budget.
+    pub budget_bytes: u64,
 }
 
 /// One rank of a distributed layerwise run.
@@ -394,6 +436,19 @@ impl Baseline {
     }
 }
 
+/// The largest activations any phase of `w` holds (the simulator's
+/// activation model).
+fn max_activation_bytes(w: &Workload) -> u64 {
+    let p = &w.preset;
+    p.dits
+        .iter()
+        .chain(&p.encoders)
+        .chain(&p.vaes)
+        .map(|c| p.component_activation_bytes(&p.pipeline, c, w.tokens))
+        .max()
+        .unwrap_or(0)
+}
+
 /// INV-7 against the device's own counters (peak device bytes; peak pinned
 /// and registered host bytes), with the exact bound of the strategy
 /// (CONTRACT §10): the one INV-7 checker of simulated runs.
@@ -418,6 +473,9 @@ fn report(
     let ideal_bytes = match out.strategy {
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => last.block_bytes,
         OffloadStrategy::ModelLevel => last.dit_bytes,
+        // What the plan moved while denoising (its streamed blocks and the
+        // DiT's bring-in).
+        OffloadStrategy::Planned => last.denoise_h2d_bytes,
         OffloadStrategy::None => 0,
     } as f64
         / steps as f64;
@@ -438,6 +496,12 @@ fn report(
         violations
             .push("INV-8 Equivalence violated: outputs differ from the resident run".to_owned());
     }
+    let phases = phase_rows(out, &last);
+    if let Some(v) = phase_violations(out) {
+        violations.push(v.to_string());
+    }
+    let request_ms = median(timed(out).iter().map(|r| r.request_ns as f64 / 1e6).collect());
+    let planned = out.plan.is_some();
     Report {
         strategy: out.strategy.to_string(),
         model: w.preset.name.to_owned(),
@@ -451,7 +515,13 @@ fn report(
         fit: fit_line(profile, None),
         selection_notes: Vec::new(),
         step_time_ms: Some(step),
-        image_time_ms: Some(step * steps as f64),
+        // A planned row plans the whole request: its image takes the
+        // request (encoders and decode included).
+        image_time_ms: Some(if planned {
+            request_ms.unwrap_or(step * steps as f64)
+        } else {
+            step * steps as f64
+        }),
         resident_step_time_ms: base.step_ms,
         compute_ms: base.compute_ms,
         limit_ms: Some(limit),
@@ -472,7 +542,57 @@ fn report(
         gather_ms_per_step: None,
         exposed_gather_ms: None,
         per_rank: Vec::new(),
+        request_time_ms: request_ms,
+        plan: out.plan.clone(),
+        measurements: out.inputs.clone(),
+        phases,
+        replanned: out.replanned,
     }
+}
+
+/// The phases of a planned run's last timed request, against its plan.
+fn phase_rows(out: &RunOutcome, last: &RequestMeasure) -> Vec<PhaseRow> {
+    let (Some(plan), Some(bounds)) = (&out.plan, &out.plan_bounds) else {
+        return Vec::new();
+    };
+    last.phases
+        .iter()
+        .map(|ph| {
+            let c = plan.component(&ph.component);
+            PhaseRow {
+                component: ph.component.clone(),
+                mode: c.map_or_else(|| "–".to_owned(), |c| c.mode.to_string()),
+                measured_ms: ph.ns as f64 / 1e6,
+                predicted_ms: c.map_or(0.0, |c| c.predicted_s * 1e3),
+                peak_bytes: ph.total_peak_bytes,
+                peak_weight_bytes: ph.weight_peak_bytes,
+                weight_bound_bytes: bounds
+                    .phase(&ph.component)
+                    .map_or(0, |b| b.device_weight_bytes),
+                budget_bytes: bounds.budget_bytes,
+            }
+        })
+        .collect()
+}
+
+/// INV-7 per phase for a planned run (every timed request's phases, from
+/// the device's own window peaks, against the plan's phase bounds and the
+/// budget): the one checker of planned runs' memory, beside
+/// [`memory_violations`].
+pub fn phase_violations(out: &RunOutcome) -> Option<Violation> {
+    let bounds = out.plan_bounds.as_ref()?;
+    let observed: Vec<offload_core::invariants::PhaseObservation> = out
+        .requests
+        .iter()
+        .flat_map(|r| &r.phases)
+        .map(|p| offload_core::invariants::PhaseObservation {
+            phase: p.component.clone(),
+            peak_weight_bytes: p.weight_peak_bytes,
+            peak_total_bytes: p.total_peak_bytes,
+        })
+        .collect();
+    offload_core::invariants::bounded_phases(&observed, &bounds.by_phase(), bounds.budget_bytes)
+        .err()
 }
 
 impl Report {
@@ -521,6 +641,11 @@ impl Report {
             gather_ms_per_step: None,
             exposed_gather_ms: None,
             per_rank: Vec::new(),
+            request_time_ms: None,
+            plan: None,
+            measurements: None,
+            phases: Vec::new(),
+            replanned: false,
         }
     }
 }
@@ -877,6 +1002,11 @@ fn run_dlo(
         gather_ms_per_step: Some(per_rank[0].gather_ms_per_step),
         exposed_gather_ms: Some(exposed),
         per_rank,
+        request_time_ms: None,
+        plan: None,
+        measurements: None,
+        phases: Vec::new(),
+        replanned: false,
     })
 }
 
@@ -917,6 +1047,7 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
         seed: args.seed,
         jitter: args.jitter,
         bugs: args.bugs.clone(),
+        planner: args.measurements.clone(),
         ..RunOptions::new(profile.clone())
     };
     // The baseline: same physics, memory without limit, no planted bug, so
@@ -987,16 +1118,19 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
                     continue;
                 }
                 if f.error.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) {
+                    // The weights' bound, and the largest phase's
+                    // activations beside them.
                     let bound =
                         memory_bounds(&w.preset.pipeline, &choice.config(), args.prefetch_depth)
-                            .map_or(u64::MAX, |b| b.device_weight_bytes);
+                            .map_or(u64::MAX, |b| b.device_weight_bytes)
+                            .saturating_add(max_activation_bytes(&w));
                     if bound > profile.memory_bytes {
                         let mut r = row(false, &f);
                         r.needs_more_bytes = Some(bound - profile.memory_bytes);
                         r.fit = fit_line(&profile, r.needs_more_bytes);
                         r.selection_notes = selection_notes(choice);
                         r.error = Some(format!(
-                            "needs {:.2} GB of weights on the device at once (INV-7's bound), the device has {:.2} GB ({})",
+                            "needs {:.2} GB on the device at once (INV-7's bound for the weights and the largest phase's activations), the device has {:.2} GB ({})",
                             bound as f64 / 1e9,
                             profile.memory_bytes as f64 / 1e9,
                             f.error
@@ -1019,6 +1153,25 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
         };
         let mut r = report(&w, &profile, &out, &resident);
         r.selection_notes = selection_notes(choice);
+        // Beside a planned row, the plan a budget made before (layerwise:
+        // encoders and VAE resident, the DiT's blocks planned), run for
+        // comparison when it fits.
+        let comparison = out.plan.as_ref().and_then(|plan| {
+            let alt = plan.alternatives.iter().find(|a| a.strategy == "layerwise")?;
+            alt.predicted_request_s?;
+            let mut config = OffloadConfig {
+                enable_layerwise_offload: true,
+                ..OffloadConfig::default()
+            };
+            let mut depth = 1;
+            for c in &alt.choices {
+                if w.preset.dits.contains(&c.path.as_str()) {
+                    config.resident_blocks.extend(c.resident_blocks.iter().cloned());
+                    depth = depth.max(c.depth);
+                }
+            }
+            Some((config, depth))
+        });
         if args.trace {
             let chrome = out.trace.to_chrome_json();
             for mut e in chrome["traceEvents"]
@@ -1034,6 +1187,42 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
             );
         }
         reports.push(r);
+        if let Some((config, depth)) = comparison {
+            let choice = StrategyChoice::Config(config);
+            let alt_opts = RunOptions {
+                prefetch_depth: depth,
+                ..opts.clone()
+            };
+            match run(&w, &choice, &alt_opts) {
+                Ok(out) => {
+                    let mut r = report(&w, &profile, &out, &resident);
+                    r.strategy = "layerwise (the budget's plan before: encoders and VAE resident)"
+                        .to_owned();
+                    reports.push(r);
+                }
+                Err(f) if f.error.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) => {
+                    let mut r = Report::without_figures(
+                        &w,
+                        &profile,
+                        "layerwise (the budget's plan before: encoders and VAE resident)"
+                            .to_owned(),
+                        base,
+                        false,
+                        f.error.to_string(),
+                        Vec::new(),
+                    );
+                    r.fit = "does not fit under the budget with its slots held in every phase"
+                        .to_owned();
+                    reports.push(r);
+                }
+                Err(f) => {
+                    return Err(JobError::Run {
+                        strategy: "layerwise comparison".to_owned(),
+                        error: f.error,
+                    });
+                }
+            }
+        }
     }
     Ok(JobOutput {
         preset: w.preset,

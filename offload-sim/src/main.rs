@@ -160,22 +160,36 @@ struct PlanCmdArgs {
     /// Device profile: h200, rtx4090, l20.
     #[arg(long)]
     gpu: String,
-    /// Preset: flux1-dev, wan2.2-t2v-a14b, qwen-image, tiny.
-    #[arg(long)]
+    /// Preset: flux1-dev, wan2.2-t2v-a14b, qwen-image, tiny (not with
+    /// --pipeline).
+    #[arg(long, default_value = "flux1-dev", conflicts_with = "pipeline")]
     model: String,
-    /// Tokens per DiT forward, 1 to 1048576 (default: the preset's, e.g.
-    /// 4096+512 for Flux).
+    /// Your own pipeline description (JSON: modules, tensors, components;
+    /// see offload_sim::plan::UserPipeline) instead of a preset.
+    #[arg(long)]
+    pipeline: Option<PathBuf>,
+    /// Tokens per denoising forward, 1 to 1048576 (default: the pipeline's
+    /// warm-up request, e.g. 4096+512 for Flux).
     #[arg(long)]
     tokens: Option<u64>,
-    /// Device budget for weights and activations, e.g. `24GiB`, `16 GB`
-    /// (default: the card's memory less 1 GiB for the CUDA context and the
-    /// allocator).
+    /// Denoising steps of a request, 1 to 10000 (default: the pipeline's
+    /// warm-up request).
+    #[arg(long)]
+    steps: Option<u32>,
+    /// Device budget: `auto` (default: the card's memory less --headroom)
+    /// or a size, e.g. `24GiB`, `16 GB`.
     #[arg(long)]
     budget: Option<String>,
-    /// Activation memory of a forward in GB (10^9 bytes), as a warm-up
-    /// measured it (default: an estimate, tokens × hidden × 2 bytes × 16).
-    #[arg(long, allow_negative_numbers = true)]
-    activation_gb: Option<f64>,
+    /// What `auto` leaves free (default 1GiB).
+    #[arg(long)]
+    headroom: Option<String>,
+    /// Device memory in GB (10^9 bytes) instead of the profile's.
+    #[arg(long)]
+    device_memory_gb: Option<f64>,
+    /// Plan from these planner inputs (a warm-up's measurements saved with
+    /// `run --save-measurements`) instead of the simulator's estimates.
+    #[arg(long)]
+    inputs: Option<PathBuf>,
     /// Also write the plan as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -246,6 +260,14 @@ struct RunArgs {
     /// the configuration's world size, else 1).
     #[arg(long)]
     ranks: Option<u32>,
+    /// Write the planned row's measurements (what its warm-up measured on
+    /// the simulated device) here, to plan from them again.
+    #[arg(long)]
+    save_measurements: Option<PathBuf>,
+    /// Plan a device budget from these measurements (saved with
+    /// --save-measurements) instead of a warm-up.
+    #[arg(long)]
+    measurements: Option<PathBuf>,
     /// Plant a bug in the strategies under test (test builds only).
     #[cfg(feature = "planted-bugs")]
     #[arg(long, hide = true)]
@@ -354,8 +376,60 @@ fn print_table(r: &Report) {
             );
         }
     }
+    if let Some(plan) = &r.plan {
+        print_plan(r, plan);
+    }
     for v in &r.violations {
         println!("  ! {v}");
+    }
+}
+
+/// A planned row's plan, its phases measured against it, and what the
+/// plan was made from.
+fn print_plan(r: &Report, plan: &offload_core::budget::RequestPlan) {
+    let gb = |b: u64| b as f64 / 1e9;
+    if let Some(m) = &r.measurements {
+        let how = match &m.source {
+            offload_core::budget::InputSource::Warmup { shape, .. } => {
+                format!("measured by a warm-up of {shape} on the simulated device")
+            }
+            offload_core::budget::InputSource::Estimated => "estimated".to_owned(),
+            offload_core::budget::InputSource::Given => "given (--measurements)".to_owned(),
+        };
+        println!(
+            "  plan from inputs {how}: link {:.2} GB/s{}",
+            m.link_bytes_per_s / 1e9,
+            if r.replanned {
+                "; re-planned once after the first request ran out of memory"
+            } else {
+                ""
+            }
+        );
+    }
+    for line in plan.to_string().lines() {
+        println!("  {line}");
+    }
+    println!(
+        "  time per image (the whole request): measured {} against predicted {:.1} ms",
+        ms(r.request_time_ms),
+        plan.predicted_request_s * 1e3
+    );
+    println!(
+        "  {:<18} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11} {:>9}",
+        "phase", "mode", "measured", "predicted", "peak", "weights", "bound", "budget"
+    );
+    for p in &r.phases {
+        println!(
+            "  {:<18} {:>9} {:>12} {:>12} {:>8.2} GB {:>8.2} GB {:>8.2} GB {:>6.2} GB",
+            p.component,
+            p.mode,
+            ms(Some(p.measured_ms)),
+            ms(Some(p.predicted_ms)),
+            gb(p.peak_bytes),
+            gb(p.peak_weight_bytes),
+            gb(p.weight_bound_bytes),
+            gb(p.budget_bytes),
+        );
     }
 }
 
@@ -407,10 +481,30 @@ fn job_args(args: &RunArgs) -> Result<JobArgs> {
         faults: offload_sim::FaultPlan::none(),
         trace: args.trace.is_some(),
         ranks: args.ranks,
+        measurements: match &args.measurements {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --measurements `{}`", path.display()))?;
+                Some(
+                    offload_core::budget::PlannerInputs::from_json_str(&text)
+                        .map_err(|e| anyhow::anyhow!("--measurements `{}`: {e}", path.display()))?,
+                )
+            }
+        },
     })
 }
 
 fn print(args: &RunArgs, out: &JobOutput) -> Result<()> {
+    if let Some(path) = &args.save_measurements {
+        let m = out
+            .reports
+            .iter()
+            .find_map(|r| r.measurements.as_ref())
+            .context("--save-measurements: no row was planned from a device budget")?;
+        std::fs::write(path, m.to_json())
+            .with_context(|| format!("writing measurements `{}`", path.display()))?;
+    }
     if let (Some(path), Some(trace)) = (&args.trace, &out.trace) {
         std::fs::write(path, serde_json::to_vec(trace)?)
             .with_context(|| format!("writing trace `{}`", path.display()))?;
@@ -448,98 +542,81 @@ fn run_cmd(args: RunArgs, progress: &Progress) -> Result<()> {
 
 fn print_capacity(c: &Capacity) {
     let gb = |b: u64| b as f64 / 1e9;
-    let dit = if c.dits > 1 {
-        format!("{:.2} GB in its {} DiTs", gb(c.dit_bytes), c.dits)
-    } else {
-        format!("{:.2} GB in the DiT", gb(c.dit_bytes))
-    };
-    let budget = match c.reserve_bytes {
-        Some(r) => format!(
-            "budget {:.2} GB = the card less {:.2} GB for the CUDA context and allocator",
-            gb(c.budget_bytes),
-            gb(r)
-        ),
-        None => format!("budget {:.2} GB", gb(c.budget_bytes)),
-    };
     let verdict = match &c.outcome {
-        Ok(_) if c.streams() => "fits with offload".to_owned(),
-        Ok(_) => "fits resident (nothing streams)".to_owned(),
-        Err(_) => match c.minimum_bytes() {
+        Ok(_) => "fits".to_owned(),
+        Err(e) => match c.minimum_bytes() {
             Some(m) => format!(
-                "does not fit: needs at least {:.2} GB, the budget is {:.2} GB (the card has {:.2} GB)",
-                gb(m),
-                gb(c.budget_bytes),
-                gb(c.memory_bytes)
+                "does not fit: needs at least {:.2} GB ({e})",
+                gb(m)
             ),
-            None => "cannot be planned".to_owned(),
+            None => format!("cannot be planned: {e}"),
         },
     };
     println!(
-        "{} ({:.2} GB of weights, {dit}) on {} ({:.2} GB, {budget}), {} tokens: {verdict}",
+        "{} ({:.2} GB of weights) on {} ({:.2} GB), {} tokens × {} steps, device_budget {}: {verdict}",
         c.model,
         gb(c.weight_bytes),
         c.gpu,
         gb(c.memory_bytes),
         c.tokens,
+        c.steps,
+        c.config
+            .device_budget
+            .map_or_else(|| "–".to_owned(), |b| b.to_string()),
     );
-    if let Ok(p) = &c.outcome {
-        for line in p.to_string().lines() {
-            println!("  {line}");
+    let source = match &c.inputs.source {
+        offload_core::budget::InputSource::Estimated => {
+            "estimated by the simulator's kernel and activation models".to_owned()
         }
-        println!(
-            "  step: predicted {:.4} s; compute floor (every block resident) {:.4} s; transfer floor ({:.2} GB streamed at {:.0} GB/s) {:.4} s",
-            p.predicted_step_s,
-            c.compute_floor_s,
-            gb(p.streamed_bytes),
-            c.inputs.link_bytes_per_s / 1e9,
-            c.transfer_floor_s().unwrap_or(0.0),
-        );
-    }
-    let parts: Vec<String> = c
-        .resident_outside_blocks
-        .iter()
-        .map(|r| {
-            let what = if r.role == "dit" {
-                " outside its blocks"
-            } else {
-                ""
-            };
-            format!("{}{what} {:.2} GB", r.path, gb(r.bytes))
-        })
-        .collect();
+        offload_core::budget::InputSource::Given => "given".to_owned(),
+        offload_core::budget::InputSource::Warmup { seconds, shape, .. } => {
+            format!("measured by a warm-up of {shape} ({seconds:.2} s)")
+        }
+    };
     println!(
-        "  resident outside the blocks: {} (only the DiT streams; encoders and VAE stay resident and count here)",
-        parts.join(", ")
+        "  inputs: {source}; link {:.1} GB/s",
+        c.inputs.link_bytes_per_s / 1e9
     );
-    if c.activation_estimated {
-        println!(
-            "  activations {:.2} GB: an estimate ({} tokens × hidden {} × 2 bytes × 16 live tensors of a block); --activation-gb sets a measured figure",
-            gb(c.inputs.activation_bytes),
-            c.tokens,
-            c.hidden
-        );
-    } else {
-        println!(
-            "  activations {:.2} GB (--activation-gb)",
-            gb(c.inputs.activation_bytes)
-        );
-    }
-    if c.dits > 1 {
-        println!(
-            "  note: the {} DiTs' forwards are summed in the step and floors; a denoising step runs one of them",
-            c.dits
-        );
+    match &c.outcome {
+        Ok(p) => {
+            for line in p.to_string().lines() {
+                println!("  {line}");
+            }
+            let phases: Vec<String> = p
+                .minimum
+                .phases
+                .iter()
+                .map(|(c, b)| format!("{c} {:.2} GB", gb(*b)))
+                .collect();
+            println!(
+                "  least budget {:.2} GB: each phase's own minimum: {}",
+                gb(p.minimum.bytes),
+                phases.join(", ")
+            );
+        }
+        Err(_) => {}
     }
 }
 
 fn plan_cmd(args: PlanCmdArgs) -> Result<()> {
-    let c = capacity(&PlanArgs {
+    let plan_args = PlanArgs {
         model: args.model,
+        pipeline: args.pipeline,
         gpu: args.gpu,
         tokens: args.tokens,
+        steps: args.steps,
         budget: args.budget,
-        activation_gb: args.activation_gb,
-    })?;
+        headroom: args.headroom,
+        device_memory_gb: args.device_memory_gb,
+    };
+    let mut c = capacity(&plan_args)?;
+    if let Some(path) = &args.inputs {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading planner inputs `{}`", path.display()))?;
+        let inputs = offload_core::budget::PlannerInputs::from_json_str(&text)
+            .map_err(|e| anyhow::anyhow!("--inputs `{}`: {e}", path.display()))?;
+        c = offload_sim::plan::capacity_with(&plan_args, inputs)?;
+    }
     print_capacity(&c);
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_vec_pretty(&c.to_json())?)

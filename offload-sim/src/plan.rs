@@ -1,178 +1,113 @@
-//! Capacity planning without a GPU (`offload-sim plan`): the core's
-//! device-budget planner ([`offload_core::budget::plan`]) fed with a device
-//! profile's link and the simulator's kernel model, so "does this model fit
-//! this card, and how fast would it step?" is answered in well under a
-//! second, before anything is allocated.
+//! Capacity planning without a GPU (`offload-sim plan`): the core's request
+//! planner ([`offload_core::budget::plan`]) fed with a device profile's
+//! link, the simulator's kernel model and its activation model, so "does
+//! this model fit this card, how fast would a request run, and why?" is
+//! answered in well under a second, before anything is allocated.
 //!
-//! Only the DiT(s) stream: the configuration is a budget alone, which
-//! selects layerwise offload of the DiT ([`OffloadConfig::device_budget`]).
-//! Encoders and VAEs are not offloaded by it and stay resident, so their
-//! bytes are part of what the planner counts outside the blocks
-//! ([`Capacity::resident_outside_blocks`] lists them).
+//! The pipeline is a preset, or a user's own description (a JSON file,
+//! [`UserPipeline`]). The inputs are *estimated* ([`estimated_inputs`]):
+//! the same models the simulated device charges, so a simulated run's
+//! warm-up measures what this predicts.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use offload_core::budget::{
-    self, BYTE_SIZE_FORMS, BudgetError, BudgetPlan, ByteSize, PlannerInputs,
+    self, BudgetError, ComponentInputs, DeviceBudget, DeviceMemory, InputSource, PlannerInputs,
+    RequestPlan,
 };
-use offload_core::{OffloadConfig, resolve};
-use serde::Serialize;
+use offload_core::bytes::ByteSize;
+use offload_core::declaration::Role;
+use offload_core::model::{DType, ModuleBuilder, Pipeline, PipelineBuilder};
+use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
+use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::harness::{blocks_of, dit_charges};
-use crate::job::{JobError, MAX_TOKENS};
-use crate::presets::Preset;
+use crate::harness::{Charge, blocks_of, dit_charges, own_tensors};
+use crate::job::{JobError, MAX_STEPS, MAX_TOKENS};
+use crate::presets::{ACTIVATION_TENSORS, Preset};
 use crate::profile::DeviceProfile;
-
-/// What the default budget leaves of the card's memory for the CUDA context
-/// and the caching allocator's slack: 1 GiB. A CUDA context alone takes
-/// 300–600 MB on recent drivers (more with lazy module loading off), and the
-/// allocator rounds blocks up; a budget of the whole card would plan memory
-/// the process cannot have. `--budget` replaces the default outright.
-pub const CONTEXT_RESERVE_BYTES: u64 = 1 << 30;
-
-/// Live activation tensors of one DiT block, each `tokens × hidden` bf16, in
-/// the activation estimate ([`activation_estimate_bytes`]): the input and
-/// the residual (2), q, k and v (3), the MLP's 4·hidden hidden state (4) and
-/// the single-stream block's 5·hidden concatenation of attention and MLP
-/// (5), plus the attention output and the gated output (2). An estimate, not
-/// a measurement: the GPU benchmark measured 0.46 GB for Flux at 4608
-/// tokens, where this gives 0.45 GB.
-pub const ACTIVATION_TENSORS: u64 = 16;
-
-/// The most `--activation-gb` accepts, GB (a petabyte: beyond any card).
-pub const MAX_ACTIVATION_GB: f64 = 1e6;
-
-/// The activation estimate: `tokens × hidden × 2 bytes ×`
-/// [`ACTIVATION_TENSORS`].
-pub fn activation_estimate_bytes(tokens: u64, hidden: u64) -> u64 {
-    tokens * hidden * 2 * ACTIVATION_TENSORS
-}
 
 /// What `offload-sim plan` plans.
 #[derive(Clone, Debug, Default)]
 pub struct PlanArgs {
-    /// Preset name.
+    /// Preset name (ignored with `pipeline`).
     pub model: String,
+    /// A user's pipeline description (JSON, [`UserPipeline`]) instead of a
+    /// preset.
+    pub pipeline: Option<PathBuf>,
     /// Device profile name.
     pub gpu: String,
-    /// Tokens per DiT forward (`None`: the preset's).
+    /// Tokens per denoising forward (`None`: the pipeline's).
     pub tokens: Option<u64>,
-    /// The device budget as a [`ByteSize`] string (`None`: the card's memory
-    /// less [`CONTEXT_RESERVE_BYTES`]).
+    /// Denoising steps of a request (`None`: the pipeline's warm-up
+    /// recipe's).
+    pub steps: Option<u32>,
+    /// The device budget: `"auto"` (default: the card's memory less
+    /// `headroom`) or a [`ByteSize`] string.
     pub budget: Option<String>,
-    /// Activation memory, GB (10⁹ bytes), measured elsewhere (`None`:
-    /// [`activation_estimate_bytes`]).
-    pub activation_gb: Option<f64>,
+    /// `device_headroom` for `"auto"` (default 1 GiB).
+    pub headroom: Option<String>,
+    /// Device memory in GB instead of the profile's.
+    pub device_memory_gb: Option<f64>,
 }
 
-/// A component's bytes that stay on the device outside the streamed blocks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct ResidentPart {
-    /// The component's path.
-    pub path: String,
-    /// What it is (`dit`, `encoder`, `vae`).
-    pub role: String,
-    /// Its bytes outside the blocks that stream (all of them for a
-    /// component that does not stream).
-    pub bytes: u64,
-}
-
-/// The answer: the planner's inputs and its plan, or why nothing fits.
+/// The answer: the inputs the planner was given and its plan, or why
+/// nothing fits.
 #[derive(Clone, Debug)]
 pub struct Capacity {
-    /// Preset.
+    /// The pipeline (preset name or the description's type).
     pub model: String,
     /// Profile.
     pub gpu: String,
-    /// Tokens per DiT forward.
+    /// Tokens per denoising forward.
     pub tokens: u64,
+    /// Denoising steps of the request.
+    pub steps: u32,
     /// Every weight of the pipeline.
     pub weight_bytes: u64,
-    /// The weights of the DiT(s).
-    pub dit_bytes: u64,
-    /// How many DiTs (experts) the pipeline has.
-    pub dits: usize,
     /// The card's memory.
     pub memory_bytes: u64,
-    /// The budget planned for.
-    pub budget_bytes: u64,
-    /// What the default budget left out of the card ([`CONTEXT_RESERVE_BYTES`];
-    /// `None` with `--budget`).
-    pub reserve_bytes: Option<u64>,
-    /// Whether `activation_bytes` is the estimate, not a given figure.
-    pub activation_estimated: bool,
-    /// The hidden size the estimate used.
-    pub hidden: u64,
+    /// The configuration planned (`device_budget`, `device_headroom`).
+    pub config: OffloadConfig,
     /// What the planner was given.
     pub inputs: PlannerInputs,
-    /// What stays resident outside the streamed blocks, by component: the
-    /// planner's non-streamed part.
-    pub resident_outside_blocks: Vec<ResidentPart>,
-    /// Every DiT's forward with every block resident, seconds: the compute
-    /// no plan goes below.
-    pub compute_floor_s: f64,
     /// The plan, or why the budget does not hold one.
-    pub outcome: Result<BudgetPlan, BudgetError>,
+    pub outcome: Result<RequestPlan, BudgetError>,
 }
 
 impl Capacity {
-    /// Whether something streams (false when everything stays resident or
-    /// nothing fits).
-    pub fn streams(&self) -> bool {
-        self.outcome.as_ref().is_ok_and(|p| p.streamed_bytes > 0)
-    }
-
-    /// The plan's streamed bytes over the link, each streamed block's copy
-    /// latency included, seconds: the transfer no schedule of this plan
-    /// goes below (0 when nothing streams).
-    pub fn transfer_floor_s(&self) -> Option<f64> {
-        let p = self.outcome.as_ref().ok()?;
-        let copies = (p.blocks - p.resident_blocks) as f64;
-        let latency = if p.streamed_bytes == 0 {
-            0.0
-        } else {
-            copies * self.inputs.copy_latency_s
-        };
-        Some(p.streamed_bytes as f64 / self.inputs.link_bytes_per_s + latency)
-    }
-
     /// Fails with the planner's error when the budget holds no plan.
     pub fn verdict(&self) -> Result<(), BudgetError> {
         self.outcome.as_ref().map(|_| ()).map_err(Clone::clone)
     }
 
-    /// Everything as JSON: the inputs, the floors, and the plan
-    /// ([`BudgetPlan`]'s fields, `null` when nothing fits, `error` then
-    /// says why).
+    /// The least budget that holds a plan, when the planner said.
+    pub fn minimum_bytes(&self) -> Option<u64> {
+        match &self.outcome {
+            Ok(p) => Some(p.minimum.bytes),
+            Err(BudgetError::DoesNotFit { minimum, .. }) => Some(*minimum),
+            Err(_) => None,
+        }
+    }
+
+    /// Everything as JSON: the inputs and the plan (`null` when nothing
+    /// fits; `error` then says why).
     pub fn to_json(&self) -> Value {
         json!({
             "model": self.model,
             "gpu": self.gpu,
             "tokens": self.tokens,
+            "steps": self.steps,
             "weight_bytes": self.weight_bytes,
-            "dit_bytes": self.dit_bytes,
             "memory_bytes": self.memory_bytes,
-            "budget_bytes": self.budget_bytes,
-            "reserve_bytes": self.reserve_bytes,
-            "activation_bytes": self.inputs.activation_bytes,
-            "activation_estimated": self.activation_estimated,
+            "device_budget": self.config.device_budget,
             "inputs": self.inputs,
-            "resident_outside_blocks": self.resident_outside_blocks,
-            "compute_floor_s": self.compute_floor_s,
-            "transfer_floor_s": self.transfer_floor_s(),
             "fits": self.outcome.is_ok(),
             "minimum_bytes": self.minimum_bytes(),
             "plan": self.outcome.as_ref().ok(),
             "error": self.outcome.as_ref().err().map(ToString::to_string),
         })
-    }
-
-    /// The least budget that holds a plan, when the planner said.
-    pub fn minimum_bytes(&self) -> Option<u64> {
-        match &self.outcome {
-            Ok(p) => Some(p.minimum_bytes),
-            Err(BudgetError::DoesNotFit { minimum, .. }) => Some(*minimum),
-            Err(_) => None,
-        }
     }
 }
 
@@ -184,22 +119,144 @@ fn bad(flag: &'static str, value: impl ToString, allowed: impl Into<String>) -> 
     }
 }
 
-/// Checks the flags (every problem a typed [`JobError::BadFlag`], as
-/// `offload-sim run` reports them) and plans: the budget, the link and the
-/// kernel model of `args.gpu`, the blocks of `args.model`.
+/// What the simulator's models charge `preset` for a request of `tokens`
+/// and `steps` on `profile`: each DiT block's and non-block part's
+/// duration on the kernel model, each encoder's linears at the peak rate
+/// over its text tokens, the VAE's decode, each component's activations
+/// ([`Preset::component_activation_bytes`]), the profile's link. A DiT
+/// runs once per step (two experts split the steps: 0.5 each); an encoder
+/// and a VAE once per request.
+pub fn estimated_inputs(
+    preset: &Preset,
+    profile: &DeviceProfile,
+    tokens: u64,
+    steps: u32,
+) -> PlannerInputs {
+    let p = &preset.pipeline;
+    let mut inputs = PlannerInputs::new(profile.h2d_pinned_gbps * 1e9, steps);
+    inputs.pipeline_type = p.type_name().to_owned();
+    inputs.copy_latency_s = profile.copy_latency_us * 1e-6;
+    inputs.copy_interference = profile.copy_interference;
+    inputs.source = InputSource::Estimated;
+    let s = |ns: u64| ns as f64 * 1e-9;
+    let charges = dit_charges(preset, p, profile, tokens);
+    let experts = preset.dits.len().max(1) as f64;
+    for dit in &preset.dits {
+        let Some(m) = p.module_id(dit) else { continue };
+        let block_compute_s = blocks_of(p, m)
+            .into_iter()
+            .map(|b| (p.module(b).path.clone(), s(charges[&b].duration_ns)))
+            .collect();
+        inputs.components.insert(
+            (*dit).to_owned(),
+            ComponentInputs {
+                forwards: 1.0 / experts,
+                per_step: true,
+                own_compute_s: s(charges[&m].duration_ns),
+                block_compute_s,
+                activation_bytes: preset.component_activation_bytes(p, dit, tokens),
+            },
+        );
+    }
+    let t = preset.text_tokens as f64;
+    for enc in &preset.encoders {
+        let Some(m) = p.module_id(enc) else { continue };
+        let own: u64 = own_tensors(p, m).iter().map(|t| p.tensor(*t).numel()).sum();
+        let block_compute_s = blocks_of(p, m)
+            .into_iter()
+            .map(|b| {
+                let elements = crate::harness::parameters(p, b);
+                let c = Charge::flops(profile, 2.0 * elements as f64 * t);
+                (p.module(b).path.clone(), s(c.duration_ns))
+            })
+            .collect();
+        inputs.components.insert(
+            (*enc).to_owned(),
+            ComponentInputs {
+                forwards: 1.0,
+                per_step: false,
+                own_compute_s: s(Charge::flops(profile, 2.0 * own as f64 * t).duration_ns),
+                block_compute_s,
+                activation_bytes: preset.component_activation_bytes(p, enc, tokens),
+            },
+        );
+    }
+    for vae in &preset.vaes {
+        inputs.components.insert(
+            (*vae).to_owned(),
+            ComponentInputs {
+                forwards: 1.0,
+                per_step: false,
+                own_compute_s: s(profile.compute_ns(preset.vae_flops)),
+                block_compute_s: BTreeMap::new(),
+                activation_bytes: preset.component_activation_bytes(p, vae, tokens),
+            },
+        );
+    }
+    inputs
+}
+
+/// Checks the flags (every problem a typed [`JobError::BadFlag`]) and plans
+/// from the simulator's estimates.
 pub fn capacity(args: &PlanArgs) -> Result<Capacity, JobError> {
-    let preset = Preset::by_name(&args.model).ok_or_else(|| {
-        bad(
-            "--model",
-            &args.model,
-            format!("allowed: {}", Preset::NAMES.join(", ")),
-        )
-    })?;
-    let profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
+    capacity_from(args, None)
+}
+
+/// [`capacity`], planned from `inputs` (a warm-up's measurements, saved)
+/// instead of the estimates; their steps give way to `args.steps`.
+pub fn capacity_with(args: &PlanArgs, inputs: PlannerInputs) -> Result<Capacity, JobError> {
+    capacity_from(args, Some(inputs))
+}
+
+fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capacity, JobError> {
+    let mut profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
         let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
         bad("--gpu", &args.gpu, format!("allowed: {}", names.join(", ")))
     })?;
-    let tokens = args.tokens.unwrap_or(preset.default_tokens);
+    if let Some(gb) = args.device_memory_gb {
+        if !(gb.is_finite() && gb > 0.0 && gb < 1e9) {
+            return Err(bad(
+                "--device-memory-gb",
+                gb,
+                "allowed: more than 0 and less than 10^9",
+            ));
+        }
+        profile.memory_bytes = (gb * 1e9) as u64;
+    }
+    let (name, pipeline, inputs_of): (String, Pipeline, Box<dyn Fn(u64, u32) -> PlannerInputs>) =
+        match &args.pipeline {
+            Some(path) => {
+                let user = UserPipeline::from_path(path)?;
+                let pipeline = user.build(path)?;
+                let name = pipeline.type_name().to_owned();
+                let (u, pr, pl) = (user.clone(), profile.clone(), pipeline.clone());
+                (
+                    name,
+                    pipeline,
+                    Box::new(move |tokens, steps| u.estimated_inputs(&pl, &pr, tokens, steps)),
+                )
+            }
+            None => {
+                let preset = Preset::by_name(&args.model).ok_or_else(|| {
+                    bad(
+                        "--model",
+                        &args.model,
+                        format!("allowed: {}", Preset::NAMES.join(", ")),
+                    )
+                })?;
+                let (pr, pl) = (profile.clone(), preset.clone());
+                (
+                    preset.name.to_owned(),
+                    preset.pipeline.clone(),
+                    Box::new(move |tokens, steps| estimated_inputs(&pl, &pr, tokens, steps)),
+                )
+            }
+        };
+    let recipe = pipeline.warmup_request().cloned();
+    let tokens = args
+        .tokens
+        .or(recipe.as_ref().map(|r| r.tokens))
+        .unwrap_or(4608);
     if !(1..=MAX_TOKENS).contains(&tokens) {
         return Err(bad(
             "--tokens",
@@ -207,124 +264,300 @@ pub fn capacity(args: &PlanArgs) -> Result<Capacity, JobError> {
             format!("allowed: 1 to {MAX_TOKENS}"),
         ));
     }
-    let (budget_bytes, reserve_bytes) = match &args.budget {
-        None => {
-            let reserve = CONTEXT_RESERVE_BYTES.min(profile.memory_bytes / 2);
-            (profile.memory_bytes - reserve, Some(reserve))
-        }
-        Some(text) => {
-            let b = ByteSize::parse(text)
-                .map_err(|_| bad("--budget", text, format!("allowed: {BYTE_SIZE_FORMS}")))?;
-            if b.0 > profile.memory_bytes {
-                return Err(bad(
-                    "--budget",
-                    text,
-                    format!(
-                        "allowed: at most the {}'s memory, {} bytes ({:.2} GB)",
-                        profile.name,
-                        profile.memory_bytes,
-                        profile.memory_bytes as f64 / 1e9
-                    ),
-                ));
-            }
-            (b.0, None)
-        }
-    };
-    let hidden = preset.block_cost.hidden;
-    let (activation_bytes, activation_estimated) = match args.activation_gb {
-        None => (activation_estimate_bytes(tokens, hidden), true),
-        Some(gb) if gb.is_finite() && (0.0..=MAX_ACTIVATION_GB).contains(&gb) => {
-            ((gb * 1e9).round() as u64, false)
-        }
-        Some(gb) => {
-            return Err(bad(
-                "--activation-gb",
-                gb,
-                format!("allowed: 0 to {MAX_ACTIVATION_GB} (GB, 10^9 bytes)"),
-            ));
-        }
-    };
-
-    let p = &preset.pipeline;
-    let charges = dit_charges(&preset, p, &profile, tokens);
-    let dit_ids: Vec<_> = preset.dits.iter().filter_map(|d| p.module_id(d)).collect();
-    let mut block_compute_s = std::collections::BTreeMap::new();
-    let mut non_block_s = 0.0;
-    for &dit in &dit_ids {
-        non_block_s += charges[&dit].duration_ns as f64 * 1e-9;
-        for b in blocks_of(p, dit) {
-            block_compute_s.insert(
-                p.module(b).path.clone(),
-                charges[&b].duration_ns as f64 * 1e-9,
-            );
-        }
+    let steps = args
+        .steps
+        .or(recipe.as_ref().map(|r| r.steps))
+        .unwrap_or(28);
+    if !(1..=MAX_STEPS as u32).contains(&steps) {
+        return Err(bad("--steps", steps, format!("allowed: 1 to {MAX_STEPS}")));
     }
-    // The planner charges `other_compute_s` once per stack, and each DiT is
-    // one stack (its containers concatenated): the mean keeps the sum exact.
-    let other_compute_s = non_block_s / dit_ids.len().max(1) as f64;
-    let compute_floor_s = non_block_s + block_compute_s.values().sum::<f64>();
-    let inputs = PlannerInputs {
-        link_bytes_per_s: profile.h2d_pinned_gbps * 1e9,
-        copy_latency_s: profile.copy_latency_us * 1e-6,
-        block_compute_s,
-        compute_s_per_byte: 0.0,
-        other_compute_s,
-        activation_bytes,
-        max_depth: PlannerInputs::default().max_depth,
-        copy_interference: profile.copy_interference,
+    let budget = match &args.budget {
+        None => DeviceBudget::Auto,
+        Some(text) => DeviceBudget::parse(text).map_err(|e| bad("--budget", text, e))?,
     };
+    let headroom = match &args.headroom {
+        None => None,
+        Some(text) => Some(ByteSize::parse(text).map_err(|e| bad("--headroom", text, e))?),
+    };
+    if headroom.is_some() && budget != DeviceBudget::Auto {
+        return Err(bad(
+            "--headroom",
+            args.headroom.clone().unwrap_or_default(),
+            "with --budget auto only (it is what \"auto\" leaves free)",
+        ));
+    }
     let config = OffloadConfig {
-        device_budget: Some(ByteSize(budget_bytes).into()),
+        device_budget: Some(budget),
+        device_headroom: headroom,
         ..OffloadConfig::default()
     };
-    let outcome = budget::plan(p, &config, &inputs);
+    let inputs = match given {
+        Some(mut g) => {
+            g.steps = steps;
+            g
+        }
+        None => inputs_of(tokens, steps),
+    };
+    let outcome = budget::plan(
+        &pipeline,
+        &config,
+        &inputs,
+        DeviceMemory::of(profile.memory_bytes),
+    );
     Ok(Capacity {
-        model: preset.name.to_owned(),
+        model: name,
         gpu: profile.name.to_owned(),
         tokens,
-        weight_bytes: preset.weight_bytes(),
-        dit_bytes: dit_ids.iter().map(|&d| p.subtree_bytes(d)).sum(),
-        dits: dit_ids.len(),
+        steps,
+        weight_bytes: pipeline.storages().map(|(_, s)| s.bytes).sum(),
         memory_bytes: profile.memory_bytes,
-        budget_bytes,
-        reserve_bytes,
-        activation_estimated,
-        hidden,
+        config,
         inputs,
-        resident_outside_blocks: resident_outside_blocks(&preset, &config),
-        compute_floor_s,
         outcome,
     })
 }
 
-/// What a budget-only configuration keeps on the device outside the
-/// streamed blocks, by component: the streamed components' bytes outside
-/// their blocks, and every other component whole (encoders, VAEs).
-fn resident_outside_blocks(preset: &Preset, config: &OffloadConfig) -> Vec<ResidentPart> {
-    let p = &preset.pipeline;
-    let Ok(resolved) = resolve(p, config) else {
-        // The planner resolves the same configuration and reports why.
-        return Vec::new();
-    };
-    resolved
-        .components
-        .iter()
-        .map(|c| {
-            let streamed: u64 = resolved
-                .stacks
-                .iter()
-                .filter(|s| s.owner == c.path)
-                .flat_map(|s| &s.blocks)
-                .map(|b| b.bytes)
-                .sum();
-            ResidentPart {
-                path: c.path.clone(),
-                role: c.role.to_string(),
-                bytes: c.bytes.saturating_sub(streamed),
-            }
+/// A user's pipeline, as `offload-sim plan --pipeline FILE` reads it:
+///
+/// ```json
+/// {
+///   "type": "MyPipeline",
+///   "components": {"dit": ["transformer"], "encoder": ["text_encoder"], "vae": ["vae"]},
+///   "modules": {
+///     "transformer": {
+///       "tensors": {"x_embedder.weight": {"dtype": "bf16", "shape": [3072, 64]}},
+///       "lists": {"blocks": {"count": 19, "tensors": {"attn.qkv.weight": {"dtype": "bf16", "shape": [9216, 3072]}}}},
+///       "block_containers": ["blocks"]
+///     }
+///   },
+///   "text_tokens": 512,
+///   "tokens": 4608,
+///   "steps": 28
+/// }
+/// ```
+///
+/// Modules nest through `children`; `lists` hold `count` identical blocks.
+/// Costs come from the shapes: every 2-D weight's GEMM on every token
+/// (text tokens for encoders) at the profile's peak rate, activations as
+/// for the presets (16 live tensors of tokens × the commonest linear
+/// width), a VAE's given `vae_flops` and `vae_activation_bytes` (0 unless
+/// given: name them for a least budget that counts the decode). Unknown
+/// keys are errors.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserPipeline {
+    /// The pipeline's type name.
+    #[serde(rename = "type")]
+    pub type_name: String,
+    /// Its components.
+    pub components: ComponentDeclaration,
+    /// Top-level modules by name.
+    pub modules: BTreeMap<String, UserModule>,
+    /// Text tokens the encoders run over (default 512).
+    #[serde(default = "default_text")]
+    pub text_tokens: u64,
+    /// Tokens per denoising forward (default 4608).
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    /// Denoising steps of a request (default 28).
+    #[serde(default)]
+    pub steps: Option<u32>,
+    /// FLOPs of one VAE decode (default 0).
+    #[serde(default)]
+    pub vae_flops: f64,
+    /// Activation bytes of one VAE decode (default 0).
+    #[serde(default)]
+    pub vae_activation_bytes: u64,
+}
+
+fn default_text() -> u64 {
+    512
+}
+
+/// One module of a [`UserPipeline`].
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UserModule {
+    /// Its own tensors, by dotted name.
+    pub tensors: BTreeMap<String, UserTensor>,
+    /// Child modules.
+    pub children: BTreeMap<String, UserModule>,
+    /// Module lists: `count` copies of a block.
+    pub lists: BTreeMap<String, UserList>,
+    /// Its ordered block containers (a DiT's or an encoder's).
+    pub block_containers: Vec<String>,
+}
+
+/// A list of identical blocks.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserList {
+    /// How many.
+    pub count: usize,
+    /// Each block's tensors.
+    #[serde(default)]
+    pub tensors: BTreeMap<String, UserTensor>,
+}
+
+/// A tensor: its dtype and shape.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserTensor {
+    /// `bf16`, `f16`, `f32`, …
+    pub dtype: DType,
+    /// Its shape.
+    pub shape: Vec<u64>,
+}
+
+impl UserPipeline {
+    /// Reads and parses the file; errors name the file and the key.
+    pub fn from_path(path: &std::path::Path) -> Result<Self, JobError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad("--pipeline", path.display(), format!("cannot be read: {e}")))?;
+        let de = &mut serde_json::Deserializer::from_str(&text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            bad(
+                "--pipeline",
+                path.display(),
+                format!("at `{}`: {}", e.path(), e.inner()),
+            )
         })
-        .filter(|r| r.bytes > 0)
-        .collect()
+    }
+
+    /// The description as a [`Pipeline`] (builder mistakes are errors).
+    pub fn build(&self, path: &std::path::Path) -> Result<Pipeline, JobError> {
+        let mut b = PipelineBuilder::new(&self.type_name);
+        for (name, m) in &self.modules {
+            let mut mb = b.module(name);
+            add_module(&mut mb, m);
+        }
+        b.declare_components(self.components.clone());
+        if self.tokens.is_some() || self.steps.is_some() {
+            b.warmup_request(offload_core::request::RequestShape::new(
+                self.tokens.unwrap_or(4608),
+                self.steps.unwrap_or(28),
+            ));
+        }
+        let p = b
+            .build()
+            .map_err(|e| bad("--pipeline", path.display(), e.to_string()))?;
+        // Its configuration must resolve (components, topology).
+        let config = OffloadConfig {
+            device_budget: Some(DeviceBudget::Auto),
+            ..OffloadConfig::default()
+        };
+        resolve(&p, &config).map_err(|e| bad("--pipeline", path.display(), e.to_string()))?;
+        Ok(p)
+    }
+
+    /// Estimated inputs from the shapes (see the type's docs).
+    pub fn estimated_inputs(
+        &self,
+        p: &Pipeline,
+        profile: &DeviceProfile,
+        tokens: u64,
+        steps: u32,
+    ) -> PlannerInputs {
+        let mut inputs = PlannerInputs::new(profile.h2d_pinned_gbps * 1e9, steps);
+        inputs.pipeline_type = p.type_name().to_owned();
+        inputs.copy_latency_s = profile.copy_latency_us * 1e-6;
+        inputs.copy_interference = profile.copy_interference;
+        inputs.source = InputSource::Estimated;
+        let config = OffloadConfig {
+            device_budget: Some(DeviceBudget::Auto),
+            ..OffloadConfig::default()
+        };
+        let Ok(resolved) = resolve(p, &config) else {
+            return inputs;
+        };
+        for c in resolved
+            .components
+            .iter()
+            .filter(|c| c.role != Role::Resident && !c.self_managed)
+        {
+            let rows = match c.role {
+                Role::Dit => tokens,
+                _ => self.text_tokens,
+            } as f64;
+            let gemm = |m| {
+                let elements: u64 = p
+                    .subtree_tensors(m)
+                    .into_iter()
+                    .map(|t| p.tensor(t))
+                    .filter(|t| crate::presets::is_linear_weight(t))
+                    .map(|t| t.numel())
+                    .sum();
+                profile.compute_ns(2.0 * elements as f64 * rows) as f64 * 1e-9
+            };
+            let blocks = blocks_of(p, c.module);
+            let block_compute_s: BTreeMap<String, f64> = blocks
+                .iter()
+                .map(|b| (p.module(*b).path.clone(), gemm(*b)))
+                .collect();
+            let own_elements: u64 = own_tensors(p, c.module)
+                .iter()
+                .map(|t| p.tensor(*t))
+                .filter(|t| crate::presets::is_linear_weight(t))
+                .map(|t| t.numel())
+                .sum();
+            let (own, act) = match c.role {
+                Role::Vae => (
+                    profile.compute_ns(self.vae_flops) as f64 * 1e-9,
+                    self.vae_activation_bytes,
+                ),
+                _ => (
+                    profile.compute_ns(2.0 * own_elements as f64 * rows) as f64 * 1e-9,
+                    rows as u64 * width(p, c.module) * 2 * ACTIVATION_TENSORS,
+                ),
+            };
+            inputs.components.insert(
+                c.path.clone(),
+                ComponentInputs {
+                    forwards: 1.0,
+                    per_step: c.role == Role::Dit,
+                    own_compute_s: own,
+                    block_compute_s,
+                    activation_bytes: act,
+                },
+            );
+        }
+        inputs
+    }
+}
+
+fn width(p: &Pipeline, m: offload_core::model::ModuleId) -> u64 {
+    let mut count: BTreeMap<u64, usize> = BTreeMap::new();
+    for t in p.subtree_tensors(m) {
+        let t = p.tensor(t);
+        if crate::presets::is_linear_weight(t) {
+            *count.entry(t.shape[1]).or_default() += 1;
+        }
+    }
+    count
+        .into_iter()
+        .max_by_key(|(w, n)| (*n, *w))
+        .map_or(0, |(w, _)| w)
+}
+
+fn add_module(mb: &mut ModuleBuilder<'_>, m: &UserModule) {
+    for (name, t) in &m.tensors {
+        mb.parameter(name, t.dtype, &t.shape);
+    }
+    for (name, list) in &m.lists {
+        mb.list(name, list.count, |_, blk| {
+            for (tname, t) in &list.tensors {
+                blk.parameter(tname, t.dtype, &t.shape);
+            }
+        });
+    }
+    for (name, child) in &m.children {
+        let mut c = mb.child(name);
+        add_module(&mut c, child);
+    }
+    if !m.block_containers.is_empty() {
+        let containers: Vec<&str> = m.block_containers.iter().map(String::as_str).collect();
+        mb.block_containers(&containers);
+    }
 }
 
 #[cfg(test)]
@@ -339,41 +572,25 @@ mod tests {
         }
     }
 
-    /// The activation estimate gives the 0.46 GB the GPU benchmark measured
-    /// for Flux at 4608 tokens, to 2 %.
+    /// Every component of every preset has estimated inputs, every block a
+    /// compute time from the kernel model, and the plan fits "auto".
     #[test]
-    fn activation_estimate_matches_the_flux_measurement() {
-        let b = activation_estimate_bytes(4608, 3072) as f64;
-        assert!((b / 0.46e9 - 1.0).abs() < 0.02, "{b}");
-    }
-
-    /// Every block the planner sees has a compute time from the kernel
-    /// model (none falls back to the per-byte rate), and the encoders and
-    /// the VAE are in the non-streamed part.
-    #[test]
-    fn every_planned_block_is_timed_and_the_rest_is_resident() {
+    fn every_component_is_estimated_and_auto_plans() {
         for model in Preset::NAMES {
             let c = capacity(&args(model, "h200")).unwrap();
             let preset = Preset::by_name(model).unwrap();
-            let config = OffloadConfig {
-                device_budget: Some(ByteSize(c.budget_bytes).into()),
-                ..OffloadConfig::default()
-            };
-            let resolved = resolve(&preset.pipeline, &config).unwrap();
-            assert_eq!(resolved.stacks.len(), c.dits, "{model}: one stack per DiT");
-            for b in resolved.stacks.iter().flat_map(|s| &s.blocks) {
-                let t = c.inputs.block_compute_s.get(&b.path);
-                assert!(t.is_some_and(|t| *t > 0.0), "{model}: {} untimed", b.path);
+            for path in preset.dits.iter().chain(&preset.encoders).chain(&preset.vaes) {
+                assert!(c.inputs.components.contains_key(*path), "{model}: {path}");
             }
-            let plan = c.outcome.as_ref().unwrap();
-            let listed: u64 = c.resident_outside_blocks.iter().map(|r| r.bytes).sum();
-            assert_eq!(listed, plan.non_streamed_bytes, "{model}");
-            for e in preset.encoders.iter().chain(&preset.vaes) {
-                assert!(
-                    c.resident_outside_blocks.iter().any(|r| r.path == *e),
-                    "{model}: {e} not listed"
-                );
+            for dit in &preset.dits {
+                let ci = &c.inputs.components[*dit];
+                let m = preset.pipeline.module_id(dit).unwrap();
+                for b in blocks_of(&preset.pipeline, m) {
+                    let path = &preset.pipeline.module(b).path;
+                    assert!(ci.block_compute_s.get(path).is_some_and(|t| *t > 0.0), "{path}");
+                }
             }
+            c.verdict().unwrap_or_else(|e| panic!("{model}: {e}"));
         }
     }
 }

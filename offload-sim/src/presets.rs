@@ -237,6 +237,29 @@ pub fn linear_rows(dit_relative_tensor_path: &str, split: TokenSplit) -> u64 {
     rows_in(place, local).count(split)
 }
 
+/// Live activation tensors of one DiT block, each `tokens × hidden` bf16,
+/// in the activation model ([`Preset::component_activation_bytes`]): the input and
+/// the residual (2), q, k and v (3), the MLP's 4·hidden hidden state (4)
+/// and the single-stream block's 5·hidden concatenation of attention and
+/// MLP (5), plus the attention output and the gated output (2).
+pub const ACTIVATION_TENSORS: u64 = 16;
+
+/// The commonest input width of the 2-D weights under `module` (an
+/// encoder's model width).
+fn linear_width(p: &Pipeline, module: ModuleId) -> u64 {
+    let mut count: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
+    for t in p.subtree_tensors(module) {
+        let t = p.tensor(t);
+        if is_linear_weight(t) {
+            *count.entry(t.shape[1]).or_default() += 1;
+        }
+    }
+    count
+        .into_iter()
+        .max_by_key(|(w, n)| (*n, *w))
+        .map_or(0, |(w, _)| w)
+}
+
 /// Whether the work model treats `t` as a linear's weight: a 2-D
 /// parameter (out × in). Every 2-D parameter of the DiT presets is a bf16
 /// linear weight.
@@ -266,6 +289,15 @@ pub struct Preset {
     pub text_tokens: u64,
     /// FLOPs of one VAE decode.
     pub vae_flops: f64,
+    /// The VAE decoder's channel widths, widest first (its activation
+    /// model's feature maps).
+    pub vae_channels: [u64; 4],
+    /// Output pixels per image token (Flux, Qwen-Image: a token is a 2×2
+    /// patch of latents, each 8×8 pixels: 256; Wan: × 4 frames).
+    pub pixels_per_token: u64,
+    /// Chunks the VAE decodes its output in (1 for an image; a video VAE
+    /// decodes a latent frame at a time).
+    pub vae_chunks: u64,
 }
 
 impl Preset {
@@ -304,6 +336,52 @@ impl Preset {
     /// image rows (its blocks run on all tokens), a negligible error.
     pub fn split(&self, total_tokens: u64) -> TokenSplit {
         TokenSplit::of(total_tokens, self.text_tokens)
+    }
+
+    /// Device memory a forward of component `path` needs beside its weights
+    /// at `tokens` tokens per denoising forward (the simulator's activation
+    /// model; the harness allocates exactly this while the forward runs):
+    ///
+    /// * a DiT: [`ACTIVATION_TENSORS`] live tensors of `tokens × hidden`
+    ///   bf16 (0.45 GB for Flux at 4,608 tokens; the GPU proxy measured
+    ///   0.46);
+    /// * an encoder: the same over its text tokens and its own width (the
+    ///   commonest input width of its linears);
+    /// * a VAE: its full-resolution decode of one chunk, the widest live
+    ///   set there: the last up block's input (`vae_channels[2]` wide) and
+    ///   its upsampled copy, and two feature maps of `vae_channels[3]`, bf16
+    ///   (1.61 GB at 1024²).
+    pub fn component_activation_bytes(&self, pipeline: &Pipeline, path: &str, tokens: u64) -> u64 {
+        let split = self.split(tokens);
+        if self.dits.contains(&path) {
+            tokens * self.block_cost.hidden * 2 * ACTIVATION_TENSORS
+        } else if self.encoders.contains(&path) {
+            let width = pipeline.module_id(path).map_or(0, |m| linear_width(pipeline, m));
+            self.text_tokens * width * 2 * ACTIVATION_TENSORS
+        } else if self.vaes.contains(&path) {
+            let pixels = self.vae_pixels(split);
+            let c = self.vae_channels;
+            pixels * (2 * c[2] + 2 * c[3]) * 2
+        } else {
+            0
+        }
+    }
+
+    /// Output pixels of one VAE decode chunk for `split`.
+    pub fn vae_pixels(&self, split: TokenSplit) -> u64 {
+        split.image * self.pixels_per_token / self.vae_chunks.max(1)
+    }
+
+    /// The request this preset's warm-up recipe declares for `tokens` and
+    /// `steps` (its output size from the image tokens; square).
+    pub fn request(&self, tokens: u64, steps: u32) -> offload_core::request::RequestShape {
+        let split = self.split(tokens);
+        let pixels = split.image * self.pixels_per_token / self.vae_chunks.max(1);
+        let side = (pixels as f64).sqrt().round() as u32;
+        offload_core::request::RequestShape {
+            frames: u32::try_from(self.vae_chunks).unwrap_or(1).max(1),
+            ..offload_core::request::RequestShape::new(tokens, steps).with_output(side, side)
+        }
     }
 
     /// The work of the DiT block `block` of `pipeline` for a forward over
@@ -463,6 +541,19 @@ fn dual_stream_block(
 
 const FULL_VAE: [u64; 4] = [512, 512, 256, 128];
 
+/// A preset's declared warm-up request: `tokens` per denoising forward
+/// (512 of them text), `steps` steps, the output its image tokens decode
+/// to (square, `chunks` frames), 2 warm-up steps.
+fn warmup(tokens: u64, steps: u32, pixels_per_token: u64, chunks: u64) -> offload_core::request::RequestShape {
+    let text = 512.min(tokens / 4);
+    let pixels = (tokens - text) * pixels_per_token / chunks.max(1);
+    let side = (pixels as f64).sqrt().round() as u32;
+    offload_core::request::RequestShape {
+        frames: chunks as u32,
+        ..offload_core::request::RequestShape::new(tokens, steps).with_output(side, side)
+    }
+}
+
 fn declare(b: &mut PipelineBuilder, dit: &[&str], encoder: &[&str], vae: &[&str]) {
     let own = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect();
     b.declare_components(ComponentDeclaration {
@@ -619,6 +710,7 @@ pub fn flux1_dev() -> Preset {
         &["text_encoder", "text_encoder_2"],
         &["vae"],
     );
+    b.warmup_request(warmup(4096 + 512, 28, 256, 1));
     Preset {
         name: "flux1-dev",
         pipeline: b.build().expect("flux preset builds"),
@@ -632,6 +724,9 @@ pub fn flux1_dev() -> Preset {
         default_tokens: 4096 + 512,
         text_tokens: 512,
         vae_flops: 2.0e12,
+        vae_channels: FULL_VAE,
+        pixels_per_token: 256,
+        vae_chunks: 1,
     }
 }
 
@@ -711,6 +806,7 @@ pub fn wan22_t2v_a14b() -> Preset {
         &["text_encoder"],
         &["vae"],
     );
+    b.warmup_request(warmup(32_760, 40, 1024, 21));
     Preset {
         name: "wan2.2-t2v-a14b",
         pipeline: b.build().expect("wan preset builds"),
@@ -724,6 +820,9 @@ pub fn wan22_t2v_a14b() -> Preset {
         default_tokens: 32_760,
         text_tokens: 512,
         vae_flops: 20.0e12,
+        vae_channels: FULL_VAE,
+        pixels_per_token: 1024,
+        vae_chunks: 21,
     }
 }
 
@@ -785,6 +884,7 @@ pub fn qwen_image() -> Preset {
     }
     vae(&mut b, "vae", 16, FULL_VAE);
     declare(&mut b, &["transformer"], &["text_encoder"], &["vae"]);
+    b.warmup_request(warmup(4096 + 512, 50, 256, 1));
     Preset {
         name: "qwen-image",
         pipeline: b.build().expect("qwen preset builds"),
@@ -798,6 +898,9 @@ pub fn qwen_image() -> Preset {
         default_tokens: 4096 + 512,
         text_tokens: 512,
         vae_flops: 2.0e12,
+        vae_channels: FULL_VAE,
+        pixels_per_token: 256,
+        vae_chunks: 1,
     }
 }
 
@@ -853,6 +956,7 @@ pub fn tiny() -> Preset {
         &["text_encoder"],
         &["vae"],
     );
+    b.warmup_request(warmup(64, 4, 16, 1));
     Preset {
         name: "tiny",
         pipeline: b.build().expect("tiny preset builds"),
@@ -866,6 +970,9 @@ pub fn tiny() -> Preset {
         default_tokens: 64,
         text_tokens: 16,
         vae_flops: 1.0e6,
+        vae_channels: [16, 16, 8, 8],
+        pixels_per_token: 16,
+        vae_chunks: 1,
     }
 }
 

@@ -121,7 +121,7 @@ impl DeviceProfile {
         }
     }
 
-    /// An RTX 4090-class card: 24 GB on PCIe 4.
+    /// An RTX 4090-class card: 24 GiB on PCIe 4.
     ///
     /// Kernel model, estimates: `hbm_gbps` 1008 is the card's GDDR6X
     /// specification; `gemm_half_rows` 256 (an estimate);
@@ -145,14 +145,16 @@ impl DeviceProfile {
             elementwise_gbps: 700.0,
             copy_interference: 0.0,
             kernel_latency_us: 4.0,
-            memory_bytes: 24_000_000_000,
+            // 24 GiB of GDDR6X (the card reports 24,564 MiB; a budget of
+            // "24GiB" names the whole card).
+            memory_bytes: 24 << 30,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 25.0 * SHARED_H2D_FRACTION,
             link: Self::pcie_link(),
         }
     }
 
-    /// An L20-class card: 48 GB on PCIe 4. Group figures as for
+    /// An L20-class card: 48 GiB on PCIe 4. Group figures as for
     /// [`Self::rtx4090`] (estimates).
     ///
     /// Kernel model, estimates: `hbm_gbps` 864 is the card's GDDR6
@@ -172,7 +174,8 @@ impl DeviceProfile {
             elementwise_gbps: 600.0,
             copy_interference: 0.0,
             kernel_latency_us: 4.0,
-            memory_bytes: 48_000_000_000,
+            // 48 GiB of GDDR6.
+            memory_bytes: 48 << 30,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 25.0 * SHARED_H2D_FRACTION,
             link: Self::pcie_link(),

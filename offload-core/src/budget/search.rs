@@ -778,7 +778,40 @@ impl<'a> Request<'a> {
         let dits: Vec<usize> = (0..n)
             .filter(|&i| self.comps[i].role == Role::Dit)
             .collect();
-        let layerwise = self.with_kept(&dits, &preset, budget, &self.minima());
+        // The layerwise engine keeps its slots for the whole request: every
+        // phase holds them. Plan the DiTs under a budget shrunk by what
+        // that adds until every phase fits.
+        let minima = self.minima();
+        let mut layerwise = None;
+        let mut b = budget;
+        for _ in 0..8 {
+            let Some(sol) = self.with_kept(&dits, &preset, b, &minima) else {
+                break;
+            };
+            let slots = dits
+                .iter()
+                .map(|&i| {
+                    let (l, _) = &sol.phases[i];
+                    self.comps[i].slots(l) as u64 * self.comps[i].slot(l)
+                })
+                .max()
+                .unwrap_or(0);
+            let e = self.evaluate(&sol.phases);
+            let peak = e
+                .phases
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    p.peak.total() + if self.comps[i].role == Role::Dit { 0 } else { slots }
+                })
+                .max()
+                .unwrap_or(0);
+            if peak <= budget {
+                layerwise = Some(sol);
+                break;
+            }
+            b = b.saturating_sub(peak - budget);
+        }
         vec![
             ("resident", resident),
             ("model-level", model_level),

@@ -246,6 +246,33 @@ impl PlanBounds {
     pub fn phase(&self, component: &str) -> Option<&PhaseBounds> {
         self.phases.iter().find(|p| p.component == component)
     }
+
+    /// Each phase's weight bound by component, for
+    /// [`crate::invariants::bounded_phases`].
+    pub fn by_phase(&self) -> std::collections::BTreeMap<String, u64> {
+        self.phases
+            .iter()
+            .map(|p| (p.component.clone(), p.device_weight_bytes))
+            .collect()
+    }
+
+    /// The whole request's bounds in the form every strategy's have: the
+    /// largest phase's device weight bound, and the host bound.
+    pub fn as_memory_bounds(&self) -> MemoryBounds {
+        let device = self.device_weight_bytes();
+        MemoryBounds {
+            strategy: OffloadStrategy::Planned,
+            device_weight_bytes: device,
+            resident_bytes: device,
+            offloaded_bytes: self.host_weight_bytes - self.staging_bytes,
+            host_weight_bytes: self.host_weight_bytes,
+            staging_bytes: self.staging_bytes,
+            device_allocations: u64::MAX,
+            gathered_bytes: 0,
+            group_size: 1,
+            padding_bytes: 0,
+        }
+    }
 }
 
 /// INV-7's bounds of `plan` (a request plan of `pipeline` under `config`),

@@ -83,12 +83,20 @@ impl<A: Api> Runtime<A> {
                 Ok(()) => return Ok(()),
                 Err(e) => request_error(e),
             };
-            let Some(backend) = self.backend.as_mut() else {
-                return Err(error);
-            };
-            if !backend.replan_after(&mut self.model, &error)? {
+            if !self.replan_after(&error)? {
                 return Err(error);
             }
+        }
+    }
+
+    /// After a request failed with `error`: a planned backend whose first
+    /// request ran out of memory plans again once with the shortfall and
+    /// returns `true` (run the request again); `false` otherwise; an error
+    /// naming what was needed after a second shortfall.
+    pub fn replan_after(&mut self, error: &OffloadError) -> Result<bool, OffloadError> {
+        match self.backend.as_mut() {
+            Some(backend) => backend.replan_after(&mut self.model, error),
+            None => Ok(false),
         }
     }
 
@@ -315,6 +323,21 @@ impl<'rt, A: Api> Scope<'rt, A> {
         match e.downcast::<OffloadError>() {
             Ok(inner) => match *inner {
                 named @ OffloadError::Forward { .. } => named,
+                // A device operation keeps its kind and shortfall (a
+                // caller tells "out of memory" from a bug, and a planned
+                // backend re-plans by it), named within this forward.
+                OffloadError::DeviceOp {
+                    operation,
+                    kind,
+                    shortfall_bytes,
+                    cause,
+                } if !operation.starts_with("forward of `") => OffloadError::DeviceOp {
+                    operation: format!("forward of `{}`: {operation}", self.path()),
+                    kind,
+                    shortfall_bytes,
+                    cause,
+                },
+                op @ OffloadError::DeviceOp { .. } => op,
                 other => OffloadError::Forward {
                     module: self.path().to_owned(),
                     reason: other.to_string(),

@@ -237,17 +237,27 @@ pub(crate) fn leave<A: Api>(shared: &Shared<A, State<A>>, c: usize) -> Result<()
         .map_err(|e| dev_err("record_event(last use)", e))
 }
 
-/// Evicts every component on the device (each freed after its last use),
-/// e.g. before a re-plan.
-pub(crate) fn evict_all<A: Api>(shared: &Shared<A, State<A>>) -> Result<(), OffloadError> {
+/// Evicts every component on the device but `keep` (each freed after its
+/// last use); refused while one of them runs its forward.
+pub(crate) fn evict_others<A: Api>(
+    shared: &Shared<A, State<A>>,
+    keep: Option<usize>,
+) -> Result<(), OffloadError> {
     let mut guard = shared.lock();
     let Some(st) = guard.as_mut() else {
         return Ok(());
     };
     for c in 0..st.components.len() {
-        if !st.components[c].on_device.is_empty() {
-            shared.evict(st, c)?;
+        if Some(c) == keep || st.components[c].on_device.is_empty() {
+            continue;
         }
+        if st.components[c].in_use {
+            return Err(OffloadError::Forward {
+                module: st.components[c].path.clone(),
+                reason: "another component's forward began while this one's runs (nested forwards?); run one component at a time".to_owned(),
+            });
+        }
+        shared.evict(st, c)?;
     }
     Ok(())
 }

@@ -581,14 +581,19 @@ impl<A: Api> PhaseHook<A> {
 
     fn pre(&self) -> Result<(), OffloadError> {
         *lock(&self.current) = Some(self.path.clone());
-        match self.group {
-            Some(g) => model_level::enter(&self.phases, g)?,
-            None if self.bugs.has(PlantedBug::SkipPhaseEviction) => {}
-            None => model_level::evict_all(&self.phases)?,
+        // The phase before gives its memory back first (the held sets not
+        // kept, then a slot pool unlike this phase's), so the device never
+        // holds two phases' sets at once; then this phase's pool and held
+        // set come in.
+        if !self.bugs.has(PlantedBug::SkipPhaseEviction) {
+            model_level::evict_others(&self.phases, self.group)?;
         }
         let (slots, bytes, depth) = self.pool;
         if !self.bugs.has(PlantedBug::KeepPoolAcrossPhases) || slots > 0 {
             self.ring.use_pool(slots, bytes, depth)?;
+        }
+        if let Some(g) = self.group {
+            model_level::enter(&self.phases, g)?;
         }
         if let Some(t) = &self.timer {
             t.reset_peak()?;

@@ -85,6 +85,16 @@ impl<A: Api> CorePlatform<A> {
         self
     }
 
+    /// [`Self::with_request`] in place.
+    pub fn set_request(&mut self, shape: crate::request::RequestShape) {
+        self.request = Some(shape);
+    }
+
+    /// [`Self::with_planner`] in place.
+    pub fn set_planner(&mut self, inputs: crate::budget::PlannerInputs) {
+        self.planner = Some(inputs);
+    }
+
     /// This rank's handle on the gather group distributed layerwise
     /// offload all-gathers over (its size and rank must match what the
     /// configuration's `parallel` section derives, CONTRACT §2). Without

@@ -542,24 +542,35 @@ impl<A: Api> Placement<A> {
     }
 }
 
-/// The plan and the partition every strategy of this pipeline uses: blocks
-/// of the plan's stacks, or of the DiT stacks layerwise offload would use,
-/// so packing is the same whatever the strategy.
+/// The plan and the partition every strategy of this pipeline uses: the
+/// blocks of every component's stacks (what the planned strategy may
+/// stream), else of the plan's own stacks, else of the DiT stacks
+/// layerwise offload would use, so packing is the same whatever the
+/// strategy (a sampled simulated payload keeps the same bytes of each
+/// tensor only if its offset in its unit is the same).
 pub(crate) fn plan_and_partition(
     pipeline: &Pipeline,
     config: &OffloadConfig,
 ) -> Result<(ResolvedPlan, Partition), OffloadError> {
     let plan = resolve(pipeline, config)?;
-    let stacks = if plan.stacks.is_empty() {
-        let layerwise = OffloadConfig {
-            enable_layerwise_offload: true,
-            ..OffloadConfig::default()
-        };
-        resolve(pipeline, &layerwise)
-            .map(|p| p.stacks)
-            .unwrap_or_default()
-    } else {
-        plan.stacks.clone()
+    let every = OffloadConfig {
+        device_budget: Some(crate::bytes::DeviceBudget::Auto),
+        ..OffloadConfig::default()
+    };
+    let stacks = match resolve(pipeline, &every) {
+        Ok(all) if plan.stacks.iter().all(|s| all.stacks.iter().any(|a| a.blocks == s.blocks)) => {
+            all.stacks
+        }
+        _ if !plan.stacks.is_empty() => plan.stacks.clone(),
+        _ => {
+            let layerwise = OffloadConfig {
+                enable_layerwise_offload: true,
+                ..OffloadConfig::default()
+            };
+            resolve(pipeline, &layerwise)
+                .map(|p| p.stacks)
+                .unwrap_or_default()
+        }
     };
     let groups: Vec<_> = plan.components.iter().map(|c| c.module).collect();
     let partition = partition(pipeline, &stacks, &groups);
