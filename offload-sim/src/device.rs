@@ -1287,8 +1287,10 @@ impl SimDevice {
         st.checker.forget(&format!("device#{id}"));
         if activation {
             st.stats.activation_bytes += bytes;
-            st.stats.activation_peak_bytes =
-                st.stats.activation_peak_bytes.max(st.stats.activation_bytes);
+            st.stats.activation_peak_bytes = st
+                .stats
+                .activation_peak_bytes
+                .max(st.stats.activation_bytes);
         } else {
             st.stats.device_bytes += bytes;
             st.stats.device_peak_bytes = st.stats.device_peak_bytes.max(st.stats.device_bytes);

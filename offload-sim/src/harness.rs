@@ -628,7 +628,11 @@ impl<'d> PhaseClock<'d> {
 
     /// A forward of `component` is about to run: a new phase if it is not
     /// the current one's.
-    fn begin(&mut self, component: &str, stream: &crate::device::SimStream) -> Result<(), OffloadError> {
+    fn begin(
+        &mut self,
+        component: &str,
+        stream: &crate::device::SimStream,
+    ) -> Result<(), OffloadError> {
         if self.current.as_ref().is_some_and(|(c, _)| c == component) {
             return Ok(());
         }
@@ -821,8 +825,7 @@ impl Rig {
             Ok(())
         });
         let steps = u32::try_from(w.steps).unwrap_or(u32::MAX);
-        self.platform
-            .set_request(w.preset.request(w.tokens, steps));
+        self.platform.set_request(w.preset.request(w.tokens, steps));
     }
 }
 

@@ -500,7 +500,12 @@ fn report(
     if let Some(v) = phase_violations(out) {
         violations.push(v.to_string());
     }
-    let request_ms = median(timed(out).iter().map(|r| r.request_ns as f64 / 1e6).collect());
+    let request_ms = median(
+        timed(out)
+            .iter()
+            .map(|r| r.request_ns as f64 / 1e6)
+            .collect(),
+    );
     let planned = out.plan.is_some();
     Report {
         strategy: out.strategy.to_string(),
@@ -1157,7 +1162,10 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
         // encoders and VAE resident, the DiT's blocks planned), run for
         // comparison when it fits.
         let comparison = out.plan.as_ref().and_then(|plan| {
-            let alt = plan.alternatives.iter().find(|a| a.strategy == "layerwise")?;
+            let alt = plan
+                .alternatives
+                .iter()
+                .find(|a| a.strategy == "layerwise")?;
             alt.predicted_request_s?;
             let mut config = OffloadConfig {
                 enable_layerwise_offload: true,
@@ -1166,7 +1174,9 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
             let mut depth = 1;
             for c in &alt.choices {
                 if w.preset.dits.contains(&c.path.as_str()) {
-                    config.resident_blocks.extend(c.resident_blocks.iter().cloned());
+                    config
+                        .resident_blocks
+                        .extend(c.resident_blocks.iter().cloned());
                     depth = depth.max(c.depth);
                 }
             }

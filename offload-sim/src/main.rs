@@ -545,10 +545,7 @@ fn print_capacity(c: &Capacity) {
     let verdict = match &c.outcome {
         Ok(_) => "fits".to_owned(),
         Err(e) => match c.minimum_bytes() {
-            Some(m) => format!(
-                "does not fit: needs at least {:.2} GB ({e})",
-                gb(m)
-            ),
+            Some(m) => format!("does not fit: needs at least {:.2} GB ({e})", gb(m)),
             None => format!("cannot be planned: {e}"),
         },
     };

@@ -579,7 +579,12 @@ mod tests {
         for model in Preset::NAMES {
             let c = capacity(&args(model, "h200")).unwrap();
             let preset = Preset::by_name(model).unwrap();
-            for path in preset.dits.iter().chain(&preset.encoders).chain(&preset.vaes) {
+            for path in preset
+                .dits
+                .iter()
+                .chain(&preset.encoders)
+                .chain(&preset.vaes)
+            {
                 assert!(c.inputs.components.contains_key(*path), "{model}: {path}");
             }
             for dit in &preset.dits {
@@ -587,7 +592,10 @@ mod tests {
                 let m = preset.pipeline.module_id(dit).unwrap();
                 for b in blocks_of(&preset.pipeline, m) {
                     let path = &preset.pipeline.module(b).path;
-                    assert!(ci.block_compute_s.get(path).is_some_and(|t| *t > 0.0), "{path}");
+                    assert!(
+                        ci.block_compute_s.get(path).is_some_and(|t| *t > 0.0),
+                        "{path}"
+                    );
                 }
             }
             c.verdict().unwrap_or_else(|e| panic!("{model}: {e}"));

@@ -356,7 +356,9 @@ impl Preset {
         if self.dits.contains(&path) {
             tokens * self.block_cost.hidden * 2 * ACTIVATION_TENSORS
         } else if self.encoders.contains(&path) {
-            let width = pipeline.module_id(path).map_or(0, |m| linear_width(pipeline, m));
+            let width = pipeline
+                .module_id(path)
+                .map_or(0, |m| linear_width(pipeline, m));
             self.text_tokens * width * 2 * ACTIVATION_TENSORS
         } else if self.vaes.contains(&path) {
             let pixels = self.vae_pixels(split);
@@ -544,7 +546,12 @@ const FULL_VAE: [u64; 4] = [512, 512, 256, 128];
 /// A preset's declared warm-up request: `tokens` per denoising forward
 /// (512 of them text), `steps` steps, the output its image tokens decode
 /// to (square, `chunks` frames), 2 warm-up steps.
-fn warmup(tokens: u64, steps: u32, pixels_per_token: u64, chunks: u64) -> offload_core::request::RequestShape {
+fn warmup(
+    tokens: u64,
+    steps: u32,
+    pixels_per_token: u64,
+    chunks: u64,
+) -> offload_core::request::RequestShape {
     let text = 512.min(tokens / 4);
     let pixels = (tokens - text) * pixels_per_token / chunks.max(1);
     let side = (pixels as f64).sqrt().round() as u32;

@@ -294,6 +294,9 @@ impl Driver {
             default_tokens: 16,
             text_tokens: 4,
             vae_flops: 1e3,
+            vae_channels: [4, 4, 2, 2],
+            pixels_per_token: 4,
+            vae_chunks: 1,
         };
         let workload = Workload {
             preset,

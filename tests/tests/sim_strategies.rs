@@ -283,9 +283,14 @@ fn the_quick_rig_samples_big_pipelines_only() {
     let mut rig = Rig::quick(flux.pipeline.clone()).unwrap();
     let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
     rig.runtime.enable_selected(&config, &rig.platform).unwrap();
-    let done = component_forward(&rig.runtime, &rig.probe.output, "transformer", |_| {
-        offload_sim::harness::Charge::default()
-    })
+    let done = component_forward(
+        &rig.runtime,
+        &rig.probe.output,
+        "transformer",
+        |_| offload_sim::harness::Charge::default(),
+        0,
+        || {},
+    )
     .unwrap();
     assert!(done.block_bytes > 20_000_000_000, "{done:?}");
     rig.runtime.disable().unwrap();

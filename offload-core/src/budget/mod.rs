@@ -41,7 +41,9 @@ pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;
 use crate::plan::PlanError;
 pub use ring::{forward_ends, forwards_s, predict_step};
-pub use search::{ComponentChoice, Evaluation, PhaseEvaluation, evaluate, smallest_footprint};
+pub use search::{
+    ComponentChoice, Evaluation, Evaluator, PhaseEvaluation, evaluate, smallest_footprint,
+};
 
 /// The device's memory, as the backend read it when offload was enabled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -802,7 +802,12 @@ impl<'a> Request<'a> {
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    p.peak.total() + if self.comps[i].role == Role::Dit { 0 } else { slots }
+                    p.peak.total()
+                        + if self.comps[i].role == Role::Dit {
+                            0
+                        } else {
+                            slots
+                        }
                 })
                 .max()
                 .unwrap_or(0);
@@ -1029,9 +1034,59 @@ pub fn evaluate(
     inputs: &PlannerInputs,
     choices: &[ComponentChoice],
 ) -> Result<Evaluation, BudgetError> {
-    let r = Request::new(pipeline, config, inputs)?;
-    let locals = r.locals(choices)?;
-    Ok(r.evaluate(&locals))
+    Evaluator::new(pipeline, config, inputs)?.evaluate(choices)
+}
+
+/// [`evaluate`] for many sets of choices of one request: the pipeline and
+/// the inputs are read once.
+pub struct Evaluator<'a> {
+    request: Request<'a>,
+}
+
+impl<'a> Evaluator<'a> {
+    /// The request of `pipeline` under `config` and `inputs` (checked).
+    pub fn new(
+        pipeline: &Pipeline,
+        config: &OffloadConfig,
+        inputs: &'a PlannerInputs,
+    ) -> Result<Self, BudgetError> {
+        Ok(Self {
+            request: Request::new(pipeline, config, inputs)?,
+        })
+    }
+
+    /// What `choices` cost.
+    pub fn evaluate(&self, choices: &[ComponentChoice]) -> Result<Evaluation, BudgetError> {
+        let locals = self.request.locals(choices)?;
+        Ok(self.request.evaluate(&locals))
+    }
+
+    /// The components, in phase order, with their blocks (path, bytes) per
+    /// stack: what choices name.
+    pub fn components(&self) -> Vec<(String, Vec<Vec<(String, u64)>>)> {
+        self.request
+            .comps
+            .iter()
+            .map(|c| {
+                (
+                    c.path.clone(),
+                    c.stacks
+                        .iter()
+                        .map(|s| s.iter().map(|b| (b.path.clone(), b.bytes)).collect())
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// Each component's weights outside its blocks, and the weights in no
+    /// component.
+    pub fn bytes(&self) -> (Vec<u64>, u64) {
+        (
+            self.request.comps.iter().map(|c| c.nonblock).collect(),
+            self.request.outside,
+        )
+    }
 }
 
 pub(super) fn plan_request(

@@ -90,8 +90,9 @@ pub enum PlantedBug {
     /// INV-7 (planned): a phase begins without evicting the held sets of
     /// the components that are not kept, so they stay beside its own.
     SkipPhaseEviction,
-    /// The warm-up (planned) reports half the activation memory it saw, so
-    /// the first request runs out of memory and the backend re-plans.
+    /// The warm-up (planned) reports half the activation memory the
+    /// denoising phases held, so a first request on a full device runs out
+    /// of memory there and the backend re-plans.
     UnderstateActivations,
 }
 

@@ -64,10 +64,6 @@ const MARK_BEFORE: &str = "planned_mark";
 /// The hook a timing mark after them registers under (sorts after).
 const MARK_AFTER: &str = "planned_time";
 
-/// Copies smaller than this are left out of the bandwidth the warm-up
-/// measures (their fixed cost would understate the link).
-const LINK_SAMPLE_BYTES: u64 = 1 << 20;
-
 /// The pipeline as the planned backend runs it: the resolution over every
 /// component, the partition every unit comes from, the managed components.
 struct Layout {
@@ -435,29 +431,27 @@ impl<A: Api> PlannedBackend<A> {
         let memory = self.memory.expect("enabled");
         let marks = timer.read()?;
         let mut compute: BTreeMap<String, f64> = BTreeMap::new();
-        let (mut before, mut start) = (BTreeMap::new(), BTreeMap::new());
+        let mut start = BTreeMap::new();
         let mut own: BTreeMap<String, f64> = BTreeMap::new();
         let mut forwards: BTreeMap<String, u64> = BTreeMap::new();
-        let (mut copy_bytes, mut copy_ns) = (0u64, 0u64);
-        let (mut small_bytes, mut small_ns) = (0u64, 0u64);
         let mut open_copy: Option<(u64, u64)> = None;
-        let mut phase: Option<(String, u64, u64)> = None; // path, start, block totals
+        let mut copies: Vec<(u64, u64)> = Vec::new();
+        // The phase running: its path, start, the time of its first block's
+        // marks (its leading kernels end there) and of its last block's end
+        // (its trailing kernels start there).
+        let mut phase: Option<(String, u64, Option<u64>, Option<u64>)> = None;
         for (mark, t) in marks {
             match mark {
                 Mark::CopyStart { bytes } => open_copy = Some((bytes, t)),
                 Mark::CopyEnd => {
                     if let Some((bytes, t0)) = open_copy.take() {
-                        if bytes >= LINK_SAMPLE_BYTES {
-                            copy_bytes += bytes;
-                            copy_ns += t.saturating_sub(t0);
-                        } else {
-                            small_bytes += bytes;
-                            small_ns += t.saturating_sub(t0);
-                        }
+                        copies.push((bytes, t.saturating_sub(t0)));
                     }
                 }
-                Mark::BlockBefore(p) => {
-                    before.insert(p, t);
+                Mark::BlockBefore(_) => {
+                    if let Some((_, _, first @ None, _)) = phase.as_mut() {
+                        *first = Some(t);
+                    }
                 }
                 Mark::BlockStart(p) => {
                     start.insert(p, t);
@@ -467,37 +461,36 @@ impl<A: Api> PlannedBackend<A> {
                         // The last forward's: free of first-use costs.
                         compute.insert(p.clone(), t.saturating_sub(*s) as f64 * 1e-9);
                     }
-                    if let (Some(b), Some((_, _, totals))) = (before.get(&p), phase.as_mut()) {
-                        *totals += t.saturating_sub(*b);
+                    if let Some((_, _, _, last)) = phase.as_mut() {
+                        *last = Some(t);
                     }
                 }
                 Mark::PhaseStart(p) => {
                     *forwards.entry(p.clone()).or_default() += 1;
-                    phase = Some((p, t, 0));
+                    phase = Some((p, t, None, None));
                 }
                 Mark::PhaseEnd(p) => {
-                    if let Some((q, t0, totals)) = phase.take()
+                    if let Some((q, t0, first, last)) = phase.take()
                         && q == p
                     {
-                        let ns = t.saturating_sub(t0).saturating_sub(totals);
+                        // Its own kernels: before its first block and after
+                        // its last (between blocks the device waits for
+                        // fills and the host, which are not its compute).
+                        let ns = match (first, last) {
+                            (Some(f), Some(l)) => f.saturating_sub(t0) + t.saturating_sub(l),
+                            _ => t.saturating_sub(t0),
+                        };
                         own.insert(p, ns as f64 * 1e-9);
                     }
                 }
             }
         }
-        let (bytes, ns) = if copy_ns > 0 {
-            (copy_bytes, copy_ns)
-        } else {
-            (small_bytes, small_ns)
-        };
-        let link = if ns > 0 {
-            bytes as f64 / (ns as f64 * 1e-9)
-        } else {
+        let (link, latency) = fit_link(&copies).unwrap_or_else(|| {
             tracing::warn!(
                 "planned offload: the warm-up copied no block to time the link; assuming 25 GB/s"
             );
-            25e9
-        };
+            (25e9, 10e-6)
+        });
         // Activations: per phase, the most memory in use beside the
         // weights held then (and beside what was in use before enable).
         let used_before = memory.total_bytes.saturating_sub(memory.free_bytes);
@@ -514,7 +507,13 @@ impl<A: Api> PlannedBackend<A> {
             *a = (*a).max(by_free).max(by_peak);
         }
         if self.bugs.has(PlantedBug::UnderstateActivations) {
-            activation.values_mut().for_each(|a| *a /= 2);
+            for (path, _, role) in &layout.components {
+                if *role == Role::Dit
+                    && let Some(a) = activation.get_mut(path)
+                {
+                    *a /= 2;
+                }
+            }
         }
         let steps = f64::from(shape.steps.max(1));
         let mut components = BTreeMap::new();
@@ -552,9 +551,39 @@ impl<A: Api> PlannedBackend<A> {
                 device_total_bytes: memory.total_bytes,
                 device_free_bytes: memory.free_bytes,
             },
+            copy_latency_s: latency,
             ..PlannerInputs::new(link, request.steps)
         })
     }
+}
+
+/// The link from the warm-up's copies `(bytes, ns)`: a least-squares fit
+/// of `time = latency + bytes / bandwidth` where the copies differ in size
+/// enough to tell the two apart (else the bandwidth of all the bytes, and
+/// no latency): bytes per second and seconds, or `None` without copies.
+fn fit_link(copies: &[(u64, u64)]) -> Option<(f64, f64)> {
+    let n = copies.len() as f64;
+    let total_ns: u64 = copies.iter().map(|c| c.1).sum();
+    if copies.is_empty() || total_ns == 0 {
+        return None;
+    }
+    let (sx, sy) = copies.iter().fold((0.0, 0.0), |(x, y), (b, t)| {
+        (x + *b as f64, y + *t as f64 * 1e-9)
+    });
+    let (mx, my) = (sx / n, sy / n);
+    let (mut sxx, mut sxy) = (0.0, 0.0);
+    for (b, t) in copies {
+        let (dx, dy) = (*b as f64 - mx, *t as f64 * 1e-9 - my);
+        sxx += dx * dx;
+        sxy += dx * dy;
+    }
+    let spread = sxx.sqrt() / n.sqrt();
+    if spread > 0.05 * mx && sxy > 0.0 {
+        let per_byte = sxy / sxx;
+        let latency = (my - per_byte * mx).max(0.0);
+        return Some((1.0 / per_byte, latency));
+    }
+    Some((sx / sy, 0.0))
 }
 
 /// The hook on each component: its phase begins (its held set brought in,
@@ -879,9 +908,17 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
                 },
             )));
         }
+        // What the phase held beside our weights when it ran out: the
+        // device was full (its total, less what others held before enable)
+        // and still `shortfall` short, so its activations are at least
+        // that, whatever the plan assumed.
+        let memory = self.memory.expect("enabled");
+        let others = memory.total_bytes.saturating_sub(memory.free_bytes);
+        let observed =
+            (memory.total_bytes + shortfall).saturating_sub(self.device_weight_bytes() + others);
         let mut inputs = self.inputs.clone().expect("a plan has its inputs");
         if let Some(c) = inputs.components.get_mut(&phase) {
-            c.activation_bytes = c.activation_bytes.saturating_add(shortfall);
+            c.activation_bytes = c.activation_bytes.saturating_add(shortfall).max(observed);
         }
         tracing::warn!(
             "planned offload: the first request ran out of device memory in the `{phase}` phase ({shortfall} bytes short); planning again with {shortfall} more bytes of activations there"

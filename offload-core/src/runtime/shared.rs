@@ -558,7 +558,12 @@ pub(crate) fn plan_and_partition(
         ..OffloadConfig::default()
     };
     let stacks = match resolve(pipeline, &every) {
-        Ok(all) if plan.stacks.iter().all(|s| all.stacks.iter().any(|a| a.blocks == s.blocks)) => {
+        Ok(all)
+            if plan
+                .stacks
+                .iter()
+                .all(|s| all.stacks.iter().any(|a| a.blocks == s.blocks)) =>
+        {
             all.stacks
         }
         _ if !plan.stacks.is_empty() => plan.stacks.clone(),
