@@ -923,9 +923,21 @@ fn out_of_memory_within_the_bound_is_a_bug_not_a_misfit() {
         enable_cpu_offload: true,
         ..OffloadConfig::default()
     };
-    let bound = offload_core::runtime::memory_bounds(&tiny().pipeline, &config, 1)
+    // The weights' bound, and the largest activations of any phase (the
+    // harness holds them beside the weights while a forward runs).
+    let preset = tiny();
+    let act = preset
+        .dits
+        .iter()
+        .chain(&preset.encoders)
+        .chain(&preset.vaes)
+        .map(|c| preset.component_activation_bytes(&preset.pipeline, c, preset.default_tokens))
+        .max()
+        .unwrap();
+    let bound = offload_core::runtime::memory_bounds(&preset.pipeline, &config, 1)
         .unwrap()
-        .device_weight_bytes;
+        .device_weight_bytes
+        + act;
     let job = |memory: u64, bugs: &[PlantedBug]| {
         let args = JobArgs {
             model: "tiny".to_owned(),
@@ -950,6 +962,28 @@ fn out_of_memory_within_the_bound_is_a_bug_not_a_misfit() {
             .contains("INV-7's bound")
     );
     short.verdict().expect("not fitting breaks no rule");
-    let e = job(bound, &[PlantedBug::BringInBeforeEvict]).expect_err("a memory bug");
+    // Layerwise with one slot more than its bound: out of memory on a device
+    // that holds the bound and the activations exactly is a bug.
+    let layerwise = OffloadConfig {
+        enable_layerwise_offload: true,
+        ..OffloadConfig::default()
+    };
+    let lw_bound = offload_core::runtime::memory_bounds(&preset.pipeline, &layerwise, 1)
+        .unwrap()
+        .device_weight_bytes
+        + act;
+    let lw = |bugs: &[PlantedBug]| {
+        let args = JobArgs {
+            model: "tiny".to_owned(),
+            strategy: StrategySet::One(OffloadStrategy::Layerwise),
+            steps: 4,
+            device_memory_bytes: Some(lw_bound),
+            bugs: bugs.to_vec(),
+            ..JobArgs::default()
+        };
+        run_job(&args, &mut |_| {})
+    };
+    lw(&[]).expect("fits exactly").verdict().expect("clean");
+    let e = lw(&[PlantedBug::ExtraSlot]).expect_err("a memory bug");
     assert!(e.to_string().contains("a memory bug"), "{e}");
 }
