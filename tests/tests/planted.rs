@@ -987,3 +987,90 @@ fn out_of_memory_within_the_bound_is_a_bug_not_a_misfit() {
     let e = lw(&[PlantedBug::ExtraSlot]).expect_err("a memory bug");
     assert!(e.to_string().contains("a memory bug"), "{e}");
 }
+
+/// The planned backend's bugs, each caught by a checker that observes the
+/// simulated device: a slot pool kept through a phase that streams nothing,
+/// a phase that keeps the held sets of components not kept (INV-7 per
+/// phase: the device's window peaks against the plan's phase bounds); the
+/// composed engines' ordering bugs (INV-3: the order checker), a clean
+/// control beside them.
+#[test]
+fn the_planned_backends_bugs_are_caught() {
+    use offload_sim::harness::{RunOptions, StrategyChoice, Workload, run};
+    let preset = tiny();
+    let w = Workload {
+        tokens: preset.default_tokens,
+        preset: preset.clone(),
+        steps: 4,
+        requests: 2,
+    };
+    let opts = RunOptions::new(offload_sim::DeviceProfile::h200());
+    let resident = run(&w, &StrategyChoice::Resident, &opts).unwrap();
+    let want: Vec<u64> = resident.requests.iter().map(|r| r.output).collect();
+    // A budget where the DiTs stream, the encoder swaps and the VAE runs
+    // without slots.
+    let inputs = offload_sim::plan::estimated_inputs(&w.preset, &opts.profile, w.tokens, 4);
+    let least = match offload_core::budget::plan(
+        &preset.pipeline,
+        &OffloadConfig {
+            device_budget: Some(offload_core::bytes::ByteSize(1).into()),
+            ..OffloadConfig::default()
+        },
+        &inputs,
+        offload_core::budget::DeviceMemory::of(1 << 40),
+    ) {
+        Err(offload_core::budget::BudgetError::DoesNotFit { minimum, .. }) => minimum,
+        other => panic!("{other:?}"),
+    };
+    let config = OffloadConfig {
+        device_budget: Some(offload_core::bytes::ByteSize(least + 4000).into()),
+        ..OffloadConfig::default()
+    };
+    let caught = |bugs: &[PlantedBug]| {
+        let opts = RunOptions {
+            bugs: bugs.to_vec(),
+            ..opts.clone()
+        };
+        match run(&w, &StrategyChoice::Config(config.clone()), &opts) {
+            Ok(out) => {
+                let outputs: Vec<u64> = out.requests.iter().map(|r| r.output).collect();
+                let mut what = Vec::new();
+                if !out.violations.is_empty() {
+                    what.push(format!("INV-3/other: {}", out.violations[0]));
+                }
+                if let Some(v) = offload_sim::job::phase_violations(&out) {
+                    what.push(format!("INV-7 per phase: {v}"));
+                }
+                if let Some(v) = offload_sim::job::memory_violations(&out) {
+                    what.push(format!("INV-7: {v}"));
+                }
+                if outputs != want {
+                    what.push("INV-8: outputs differ".to_owned());
+                }
+                what
+            }
+            Err(f) => vec![format!("failed: {}", f.error)]
+                .into_iter()
+                .chain(f.violations.iter().map(|v| v.to_string()))
+                .collect(),
+        }
+    };
+    assert_eq!(caught(&[]), Vec::<String>::new(), "the clean control");
+    for (bug, needle) in [
+        (PlantedBug::KeepPoolAcrossPhases, "INV-7 per phase"),
+        (PlantedBug::SkipPhaseEviction, "INV-7 per phase"),
+        (PlantedBug::EvictWithoutLastUse, "INV-3"),
+        (PlantedBug::BringInWithoutReady, "INV-3"),
+        (PlantedBug::SkipReadyWait, "INV-3"),
+        (PlantedBug::SkipLastUseWait, "INV-3"),
+        (PlantedBug::FreeWithoutDrain, "INV-3"),
+    ] {
+        let what = caught(&[bug]);
+        println!("planted {} under a budget: {what:?}", bug.name());
+        assert!(
+            what.iter().any(|w| w.contains(needle)),
+            "{} not caught by {needle}: {what:?}",
+            bug.name()
+        );
+    }
+}
