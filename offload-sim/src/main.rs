@@ -574,24 +574,21 @@ fn print_capacity(c: &Capacity) {
         "  inputs: {source}; link {:.1} GB/s",
         c.inputs.link_bytes_per_s / 1e9
     );
-    match &c.outcome {
-        Ok(p) => {
-            for line in p.to_string().lines() {
-                println!("  {line}");
-            }
-            let phases: Vec<String> = p
-                .minimum
-                .phases
-                .iter()
-                .map(|(c, b)| format!("{c} {:.2} GB", gb(*b)))
-                .collect();
-            println!(
-                "  least budget {:.2} GB: each phase's own minimum: {}",
-                gb(p.minimum.bytes),
-                phases.join(", ")
-            );
+    if let Ok(p) = &c.outcome {
+        for line in p.to_string().lines() {
+            println!("  {line}");
         }
-        Err(_) => {}
+        let phases: Vec<String> = p
+            .minimum
+            .phases
+            .iter()
+            .map(|(c, b)| format!("{c} {:.2} GB", gb(*b)))
+            .collect();
+        println!(
+            "  least budget {:.2} GB: each phase's own minimum: {}",
+            gb(p.minimum.bytes),
+            phases.join(", ")
+        );
     }
 }
 

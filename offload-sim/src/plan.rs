@@ -196,6 +196,9 @@ pub fn estimated_inputs(
     inputs
 }
 
+/// Estimated inputs for (tokens, steps).
+type InputsOf = dyn Fn(u64, u32) -> PlannerInputs;
+
 /// Checks the flags (every problem a typed [`JobError::BadFlag`]) and plans
 /// from the simulator's estimates.
 pub fn capacity(args: &PlanArgs) -> Result<Capacity, JobError> {
@@ -223,35 +226,34 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
         }
         profile.memory_bytes = (gb * 1e9) as u64;
     }
-    let (name, pipeline, inputs_of): (String, Pipeline, Box<dyn Fn(u64, u32) -> PlannerInputs>) =
-        match &args.pipeline {
-            Some(path) => {
-                let user = UserPipeline::from_path(path)?;
-                let pipeline = user.build(path)?;
-                let name = pipeline.type_name().to_owned();
-                let (u, pr, pl) = (user.clone(), profile.clone(), pipeline.clone());
-                (
-                    name,
-                    pipeline,
-                    Box::new(move |tokens, steps| u.estimated_inputs(&pl, &pr, tokens, steps)),
+    let (name, pipeline, inputs_of): (String, Pipeline, Box<InputsOf>) = match &args.pipeline {
+        Some(path) => {
+            let user = UserPipeline::from_path(path)?;
+            let pipeline = user.build(path)?;
+            let name = pipeline.type_name().to_owned();
+            let (u, pr, pl) = (user.clone(), profile.clone(), pipeline.clone());
+            (
+                name,
+                pipeline,
+                Box::new(move |tokens, steps| u.estimated_inputs(&pl, &pr, tokens, steps)),
+            )
+        }
+        None => {
+            let preset = Preset::by_name(&args.model).ok_or_else(|| {
+                bad(
+                    "--model",
+                    &args.model,
+                    format!("allowed: {}", Preset::NAMES.join(", ")),
                 )
-            }
-            None => {
-                let preset = Preset::by_name(&args.model).ok_or_else(|| {
-                    bad(
-                        "--model",
-                        &args.model,
-                        format!("allowed: {}", Preset::NAMES.join(", ")),
-                    )
-                })?;
-                let (pr, pl) = (profile.clone(), preset.clone());
-                (
-                    preset.name.to_owned(),
-                    preset.pipeline.clone(),
-                    Box::new(move |tokens, steps| estimated_inputs(&pl, &pr, tokens, steps)),
-                )
-            }
-        };
+            })?;
+            let (pr, pl) = (profile.clone(), preset.clone());
+            (
+                preset.name.to_owned(),
+                preset.pipeline.clone(),
+                Box::new(move |tokens, steps| estimated_inputs(&pl, &pr, tokens, steps)),
+            )
+        }
+    };
     let recipe = pipeline.warmup_request().cloned();
     let tokens = args
         .tokens

@@ -479,7 +479,10 @@ fn plan_below_the_minimum_fails_and_names_it() {
     let (out, err) = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(!err.contains("panicked"), "{err}");
-    assert!(out.contains("does not fit: needs at least 1.94 GB"), "{out}");
+    assert!(
+        out.contains("does not fit: needs at least 1.94 GB"),
+        "{out}"
+    );
     assert!(
         err.contains("does not fit")
             && err.contains("in the phase of `transformer`")
@@ -514,11 +517,23 @@ fn plan_takes_a_pipeline_description() {
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
-    assert!(out.starts_with("Mine (") && out.contains("1024 tokens × 20 steps"), "{out}");
-    assert!(out.contains("dit (dit,") && out.contains("te (encoder,"), "{out}");
+    assert!(
+        out.starts_with("Mine (") && out.contains("1024 tokens × 20 steps"),
+        "{out}"
+    );
+    assert!(
+        out.contains("dit (dit,") && out.contains("te (encoder,"),
+        "{out}"
+    );
     for (text_, needle) in [
-        (r#"{"type": "X", "components": {}, "modules": {}, "bogus": 1}"#, "bogus"),
-        (r#"{"type": "X", "components": {"dit": ["d"]}, "modules": {"d": {"tensors": {"w": {"dtype": "bf17", "shape": [1]}}}}}"#, "bf17"),
+        (
+            r#"{"type": "X", "components": {}, "modules": {}, "bogus": 1}"#,
+            "bogus",
+        ),
+        (
+            r#"{"type": "X", "components": {"dit": ["d"]}, "modules": {"d": {"tensors": {"w": {"dtype": "bf17", "shape": [1]}}}}}"#,
+            "bf17",
+        ),
     ] {
         let bad = write("bad.json", text_);
         let o = sim(&["plan", "--gpu", "h200", "--pipeline", bad.to_str().unwrap()]);
@@ -563,7 +578,14 @@ fn plan_bad_input_exits_non_zero_with_a_typed_error() {
         ),
         (
             vec![
-                "plan", "--gpu", "h200", "--model", "tiny", "--budget", "1GiB", "--headroom",
+                "plan",
+                "--gpu",
+                "h200",
+                "--model",
+                "tiny",
+                "--budget",
+                "1GiB",
+                "--headroom",
                 "1GiB",
             ],
             &["--headroom", "with --budget auto only"],

@@ -42,7 +42,7 @@ use crate::model::Pipeline;
 use crate::plan::PlanError;
 pub use ring::{forward_ends, forwards_s, predict_step};
 pub use search::{
-    ComponentChoice, Evaluation, Evaluator, PhaseEvaluation, evaluate, smallest_footprint,
+    ComponentChoice, Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint,
 };
 
 /// The device's memory, as the backend read it when offload was enabled.

@@ -1037,6 +1037,9 @@ pub fn evaluate(
     Evaluator::new(pipeline, config, inputs)?.evaluate(choices)
 }
 
+/// One stack's blocks: (path, bytes), in forward order.
+pub type Stack = Vec<(String, u64)>;
+
 /// [`evaluate`] for many sets of choices of one request: the pipeline and
 /// the inputs are read once.
 pub struct Evaluator<'a> {
@@ -1063,7 +1066,7 @@ impl<'a> Evaluator<'a> {
 
     /// The components, in phase order, with their blocks (path, bytes) per
     /// stack: what choices name.
-    pub fn components(&self) -> Vec<(String, Vec<Vec<(String, u64)>>)> {
+    pub fn components(&self) -> Vec<(String, Vec<Stack>)> {
         self.request
             .comps
             .iter()

@@ -1225,6 +1225,9 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
     }
 }
 
+/// A block's module and the hook to install on it.
+pub(crate) type BlockHookOf = (ModuleId, Box<dyn ModelHook<ForwardCtx>>);
+
 /// The ring engine as a planned backend composes it: rings of the streamed
 /// blocks of every component over host masters the planned backend owns,
 /// and a slot pool sized per phase (allocated when a streaming phase
@@ -1261,7 +1264,7 @@ impl<A: Api> RingEngine<A> {
         layout: &RingLayout,
         master_of: &dyn Fn(&Unit) -> Option<Arc<HostMaster<A>>>,
         timer: Option<Arc<Timer<A>>>,
-    ) -> Result<Vec<(ModuleId, Box<dyn ModelHook<ForwardCtx>>)>, OffloadError> {
+    ) -> Result<Vec<BlockHookOf>, OffloadError> {
         let mut st = State {
             placement: Placement::new(pipeline, OffloadStrategy::Planned),
             resident: Vec::new(),
@@ -1274,7 +1277,7 @@ impl<A: Api> RingEngine<A> {
             filled_into: Vec::new(),
             timer,
         };
-        let mut hooks: Vec<(ModuleId, Box<dyn ModelHook<ForwardCtx>>)> = Vec::new();
+        let mut hooks: Vec<BlockHookOf> = Vec::new();
         let mut build = || -> Result<(), OffloadError> {
             for (r, spec) in layout.rings.iter().enumerate() {
                 st.rings.push(Ring {

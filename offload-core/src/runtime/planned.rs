@@ -222,9 +222,10 @@ impl<A: Api> PlannedBackend<A> {
         let mut first = None;
         for (name, m) in std::mem::take(&mut self.store) {
             match Arc::try_unwrap(m) {
-                // SAFETY: both engines are released (their streams drained,
-                // their clones of the master dropped): no copy reads it.
                 Ok(m) => {
+                    // SAFETY: both engines are released (their streams
+                    // drained, their clones of the master dropped): no copy
+                    // reads it.
                     if let Err(e) = unsafe { h.free_master(m) } {
                         first.get_or_insert(e);
                     }
