@@ -18,12 +18,12 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use super::ring::{forward_ends, forwards_s};
-use super::{
-    Alternative, BudgetError, BudgetSource, ComponentMode, ComponentPlan, DeviceMemory, Limit,
-    MinimumBudget, PeakParts, RequestPlan,
+use super::types::{
+    Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
+    DeviceMemory, Limit, MinimumBudget, PeakParts, RequestPlan,
 };
 use crate::config::OffloadConfig;
 use crate::declaration::Role;
@@ -73,19 +73,6 @@ struct PComp {
 struct Local {
     resident: Vec<Vec<bool>>,
     depth: usize,
-}
-
-/// One component's choice, as the backend carries it out.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ComponentChoice {
-    /// The component's path.
-    pub path: String,
-    /// Its blocks that stay resident (held).
-    pub resident_blocks: Vec<String>,
-    /// Prefetch depth (0 when nothing streams).
-    pub depth: usize,
-    /// Whether its held set stays on the device across phases.
-    pub kept: bool,
 }
 
 /// One phase of an evaluated set of choices.

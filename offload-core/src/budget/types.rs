@@ -1,0 +1,443 @@
+//! The request plan as data: what the planner returns phase by phase
+//! ([`RequestPlan`], [`ComponentPlan`]), the device memory and budget it
+//! planned for, and why a budget cannot be planned ([`BudgetError`]).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::bytes::{ByteSize, DeviceBudget};
+use crate::declaration::Role;
+use crate::measurements::InputSource;
+use crate::plan::PlanError;
+
+/// The device's memory, as the backend read it when offload was enabled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceMemory {
+    /// Total bytes.
+    pub total_bytes: u64,
+    /// Free bytes (other processes and the runtime's context excluded).
+    pub free_bytes: u64,
+}
+
+impl DeviceMemory {
+    /// A device of `bytes`, all free (capacity planning without a device).
+    pub fn of(bytes: u64) -> Self {
+        Self {
+            total_bytes: bytes,
+            free_bytes: bytes,
+        }
+    }
+}
+
+/// How the budget was arrived at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetSource {
+    /// `device_budget` named it.
+    Given,
+    /// `device_budget = "auto"`: the device's free memory less the headroom.
+    Auto {
+        /// Free device memory at enable.
+        free_bytes: u64,
+        /// `device_headroom` (default 1 GiB).
+        headroom_bytes: u64,
+    },
+}
+
+/// What the planner chose for one component.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComponentMode {
+    /// Every weight on the device for the whole request.
+    Resident,
+    /// Every weight brought in for its forward(s), evicted after (model
+    /// level); kept components are resident instead.
+    Swapped,
+    /// Some blocks stream through a ring of slots in its phase; the rest
+    /// (and its weights outside blocks) are held.
+    Streamed,
+}
+
+impl fmt::Display for ComponentMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ComponentMode::Resident => "resident",
+            ComponentMode::Swapped => "swapped",
+            ComponentMode::Streamed => "streamed",
+        })
+    }
+}
+
+/// Which limit a phase's time is bound by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Limit {
+    /// Its kernels: more residency would not shorten it.
+    Compute,
+    /// The host→device link: bytes it moves take longer than its compute.
+    Link,
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Limit::Compute => "compute",
+            Limit::Link => "link",
+        })
+    }
+}
+
+/// The parts of one phase's peak device memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PeakParts {
+    /// Weights in no component (always resident).
+    pub outside_bytes: u64,
+    /// Other components' kept sets.
+    pub kept_bytes: u64,
+    /// This component's held set (weights outside its blocks, resident
+    /// blocks).
+    pub held_bytes: u64,
+    /// Its slots (`slots × slot_bytes`).
+    pub slot_bytes: u64,
+    /// Its activations.
+    pub activation_bytes: u64,
+}
+
+impl PeakParts {
+    /// The peak: every part.
+    pub fn total(&self) -> u64 {
+        self.outside_bytes
+            + self.kept_bytes
+            + self.held_bytes
+            + self.slot_bytes
+            + self.activation_bytes
+    }
+}
+
+/// One component's phase of the request, as planned.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ComponentPlan {
+    /// The component's path.
+    pub path: String,
+    /// Its role.
+    pub role: Role,
+    /// What the planner chose.
+    pub mode: ComponentMode,
+    /// Whether its held set stays on the device across every phase.
+    pub kept: bool,
+    /// Its weights.
+    pub bytes: u64,
+    /// Its held set: on the device during its phase (always, if kept).
+    pub held_bytes: u64,
+    /// Its blocks that stay resident (held), by path.
+    pub resident_blocks: Vec<String>,
+    /// Its blocks (every stack).
+    pub blocks: usize,
+    /// How many stream.
+    pub streamed_blocks: usize,
+    /// Bytes streamed per forward.
+    pub streamed_bytes: u64,
+    /// Prefetch depth (0 when nothing streams).
+    pub depth: usize,
+    /// Slots of its phase (`depth + 1`; 0 when nothing streams).
+    pub slots: usize,
+    /// Bytes of one slot (its largest streamed block).
+    pub slot_bytes: u64,
+    /// Forwards per request.
+    pub forwards: f64,
+    /// Its phase's peak and its parts (`peak.total()` ≤ the budget).
+    pub peak: PeakParts,
+    /// Compute of its forwards per request (every block resident), s.
+    pub compute_s: f64,
+    /// Bytes its phase moves over the link per request (bring-in and
+    /// streaming) over the bandwidth, s.
+    pub transfer_s: f64,
+    /// Its bring-in at the phase's start (0 when kept), s.
+    pub bring_in_s: f64,
+    /// The phase's predicted time per request, s.
+    pub predicted_s: f64,
+    /// What bounds it.
+    pub limit: Limit,
+    /// Whether the budget kept blocks streaming that would have shortened
+    /// it: one more of them resident would not fit some phase.
+    pub memory_binds: bool,
+    /// Why: the choice, what binds it, and what the alternatives cost.
+    pub reason: String,
+}
+
+/// The least budget any plan needs: the largest phase's own minimum.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MinimumBudget {
+    /// Bytes.
+    pub bytes: u64,
+    /// The phase (component) that needs it.
+    pub phase: String,
+    /// Its parts there (no kept sets: the minimum keeps nothing).
+    pub parts: PeakParts,
+    /// Slots there (2, or 0 when nothing streams in it).
+    pub slots: usize,
+    /// Each phase's own minimum, in phase order (component path, bytes).
+    pub phases: Vec<(String, u64)>,
+}
+
+/// A plan of one strategy alone (for comparison): what the request would
+/// take if every component followed it, under the same budget.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Alternative {
+    /// `resident`, `model-level` or `layerwise` (encoders and VAE
+    /// resident, the DiT's blocks planned).
+    pub strategy: String,
+    /// Its predicted request time, or `None` when it does not fit.
+    pub predicted_request_s: Option<f64>,
+    /// Its choices (empty when it does not fit).
+    pub choices: Vec<ComponentChoice>,
+}
+
+/// The plan of one request under a budget, phase by phase, and why.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RequestPlan {
+    /// The pipeline type.
+    pub pipeline_type: String,
+    /// The budget planned for.
+    pub budget_bytes: u64,
+    /// How it was arrived at.
+    pub budget: BudgetSource,
+    /// The device's memory the budget was checked against.
+    pub device: DeviceMemory,
+    /// Denoising steps of the request.
+    pub steps: u32,
+    /// Weights in no component: always resident.
+    pub outside_bytes: u64,
+    /// Each component's phase, in phase order (encoders, DiTs, VAEs as the
+    /// pipeline declares them).
+    pub components: Vec<ComponentPlan>,
+    /// The predicted request time, s (the phases' sum).
+    pub predicted_request_s: f64,
+    /// The largest phase peak.
+    pub peak_bytes: u64,
+    /// The least budget that fits.
+    pub minimum: MinimumBudget,
+    /// The best plan of each single strategy under the same budget.
+    pub alternatives: Vec<Alternative>,
+    /// The link the plan assumes, bytes per second.
+    pub link_bytes_per_s: f64,
+    /// Where the inputs came from.
+    pub source: InputSource,
+}
+
+impl RequestPlan {
+    /// The choices the backend carries out.
+    pub fn choices(&self) -> Vec<ComponentChoice> {
+        self.components
+            .iter()
+            .map(|c| ComponentChoice {
+                path: c.path.clone(),
+                resident_blocks: c.resident_blocks.clone(),
+                depth: c.depth,
+                kept: c.kept,
+            })
+            .collect()
+    }
+
+    /// The phase of `path`.
+    pub fn component(&self, path: &str) -> Option<&ComponentPlan> {
+        self.components.iter().find(|c| c.path == path)
+    }
+
+    /// The predicted time of the denoising phases per step, s.
+    pub fn predicted_step_s(&self) -> f64 {
+        let denoise: f64 = self
+            .components
+            .iter()
+            .filter(|c| c.role == Role::Dit)
+            .map(|c| c.predicted_s)
+            .sum();
+        denoise / f64::from(self.steps.max(1))
+    }
+}
+
+fn gb(b: u64) -> f64 {
+    b as f64 / 1e9
+}
+
+impl fmt::Display for RequestPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let budget = match self.budget {
+            BudgetSource::Given => format!("{:.2} GB", gb(self.budget_bytes)),
+            BudgetSource::Auto {
+                free_bytes,
+                headroom_bytes,
+            } => format!(
+                "auto = {:.2} GB free − {:.2} GB headroom = {:.2} GB",
+                gb(free_bytes),
+                gb(headroom_bytes),
+                gb(self.budget_bytes)
+            ),
+        };
+        writeln!(
+            f,
+            "budget {budget}: request of {} steps predicted {:.3} s; peak {:.2} GB; least budget {:.2} GB (the `{}` phase)",
+            self.steps,
+            self.predicted_request_s,
+            gb(self.peak_bytes),
+            gb(self.minimum.bytes),
+            self.minimum.phase
+        )?;
+        for c in &self.components {
+            let what = match c.mode {
+                ComponentMode::Streamed => format!(
+                    "streamed: {} of {} blocks through {} slots of {:.3} GB (depth {}), {} resident",
+                    c.streamed_blocks,
+                    c.blocks,
+                    c.slots,
+                    gb(c.slot_bytes),
+                    c.depth,
+                    c.blocks - c.streamed_blocks
+                ),
+                m => m.to_string(),
+            };
+            writeln!(
+                f,
+                "  {} ({}, {:.2} GB): {what}{}; held {:.2} GB; {} forward(s) {:.3} s ({} bound{}); peak {:.2} GB",
+                c.path,
+                c.role,
+                gb(c.bytes),
+                if c.kept && c.mode != ComponentMode::Resident {
+                    ", kept across phases"
+                } else {
+                    ""
+                },
+                gb(c.held_bytes),
+                c.forwards,
+                c.predicted_s,
+                c.limit,
+                if c.memory_binds { ", memory binds" } else { "" },
+                gb(c.peak.total()),
+            )?;
+            writeln!(f, "    why: {}", c.reason)?;
+        }
+        let alts: Vec<String> = self
+            .alternatives
+            .iter()
+            .map(|a| match a.predicted_request_s {
+                Some(t) => format!("{} {t:.3} s", a.strategy),
+                None => format!("{} does not fit", a.strategy),
+            })
+            .collect();
+        write!(f, "  one strategy alone: {}", alts.join("; "))
+    }
+}
+
+/// Why a budget cannot be planned.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BudgetError {
+    /// The configuration does not resolve.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The configuration has no `device_budget`.
+    #[error("`device_budget` is not set; allowed: a configuration with `device_budget` = {forms}")]
+    NoBudget {
+        /// [`crate::bytes::DEVICE_BUDGET_FORMS`].
+        forms: &'static str,
+    },
+    /// A backend was given a budget but nothing to plan it with.
+    #[error(
+        "`device_budget` = {budget} needs what the planner knows of this device and request; allowed: a warm-up (the pipeline's warm-up request, PipelineBuilder::warmup_request, and the runtime's request, Runtime::set_request), saved measurements or PlannerInputs (CorePlatform::with_planner)"
+    )]
+    NoPlannerInputs {
+        /// The budget.
+        budget: DeviceBudget,
+    },
+    /// A configuration with `device_budget` where a planned request is
+    /// needed (INV-7's bounds of a budget are its plan's, per phase).
+    #[error(
+        "`device_budget` = {budget} is an input of the request planner; allowed here: a plan's own bounds (runtime::plan_bounds of the RequestPlan budget::plan returns)"
+    )]
+    Unplanned {
+        /// The budget.
+        budget: DeviceBudget,
+    },
+    /// An input the planner cannot use.
+    #[error("planner input `{input}` = {value} is not allowed; allowed: {allowed}")]
+    Input {
+        /// The input's name.
+        input: String,
+        /// Its value.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
+    /// A budget larger than the device.
+    #[error(
+        "`device_budget` = {budget} is more than the device's memory, {device_bytes} B ({device_gib:.2} GiB); allowed: at most {device_bytes} B, or \"auto\""
+    )]
+    AboveDevice {
+        /// The budget.
+        budget: ByteSize,
+        /// The device's memory.
+        device_bytes: u64,
+        /// The same in GiB.
+        device_gib: f64,
+    },
+    /// `"auto"` found no memory beyond the headroom.
+    #[error(
+        "`device_budget` = \"auto\": the device has {free_bytes} B free and device_headroom is {headroom_bytes} B, which leaves nothing; allowed: a smaller device_headroom, or free device memory"
+    )]
+    NoRoom {
+        /// Free device memory.
+        free_bytes: u64,
+        /// The headroom.
+        headroom_bytes: u64,
+    },
+    /// The budget is below the least any plan needs.
+    #[error(
+        "`device_budget` = {budget} B does not fit: the least this pipeline needs is {minimum} B ({minimum_gib:.2} GiB), in the phase of `{phase}`: {outside} B outside every component + {held} B held + {slots} slots of {slot_bytes} B + {activation_bytes} B of activations; allowed: device_budget ≥ {minimum} B"
+    )]
+    DoesNotFit {
+        /// The budget, bytes.
+        budget: u64,
+        /// The least budget that fits.
+        minimum: u64,
+        /// `minimum` in GiB.
+        minimum_gib: f64,
+        /// The phase that needs it.
+        phase: String,
+        /// Weights in no component.
+        outside: u64,
+        /// The phase's held part at its minimum (outside its blocks, and
+        /// blocks larger than its slot).
+        held: u64,
+        /// Its slots.
+        slots: usize,
+        /// One slot.
+        slot_bytes: u64,
+        /// Its activations.
+        activation_bytes: u64,
+    },
+    /// The first request ran out of memory twice.
+    #[error(
+        "the first request ran out of device memory in the `{phase}` phase again after a re-plan: it needed {needed_bytes} B more than the plan allowed ({budget_bytes} B budget); allowed: a larger device_budget or device_headroom, or less work per request"
+    )]
+    ShortfallAgain {
+        /// The phase.
+        phase: String,
+        /// What it lacked.
+        needed_bytes: u64,
+        /// The budget.
+        budget_bytes: u64,
+    },
+}
+
+/// One component's choice, as the backend carries it out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComponentChoice {
+    /// The component's path.
+    pub path: String,
+    /// Its blocks that stay resident (held).
+    pub resident_blocks: Vec<String>,
+    /// Prefetch depth (0 when nothing streams).
+    pub depth: usize,
+    /// Whether its held set stays on the device across phases.
+    pub kept: bool,
+}
