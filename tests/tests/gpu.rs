@@ -28,12 +28,15 @@ use std::collections::BTreeSet;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use offload_core::budget::ComponentMode;
+use offload_core::bytes::ByteSize;
 use offload_core::device::{
     Device, DeviceBuffer, DeviceError, DeviceErrorKind, HostBuffer, HostSource,
 };
 use offload_core::model::{DType, ModuleId, Pipeline, PipelineBuilder, StorageId, TensorId};
+use offload_core::request::RequestShape;
 use offload_core::runtime::{
-    Backend, CorePlatform, PlantedBug, Runtime, Scope, WeightSource, memory_bounds,
+    Backend, CorePlatform, PlantedBug, Runtime, Scope, WeightSource, memory_bounds, plan_bounds,
 };
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
 use offload_cuda::proxy::Proxy;
@@ -246,7 +249,7 @@ impl Strategy {
 struct Rig {
     device: Arc<CudaDevice>,
     stream: Arc<CudaStream>,
-    proxy: Proxy,
+    proxy: Arc<Proxy>,
     pipeline: Pipeline,
     skip: Arc<Mutex<BTreeSet<ModuleId>>>,
 }
@@ -259,7 +262,8 @@ impl Rig {
         // memory freed on a stream is there for its next allocation.
         device.set_pool_release_threshold(u64::MAX).unwrap();
         let stream = Arc::new(device.create_stream().unwrap());
-        let proxy = Proxy::new(device, Arc::clone(&stream), INPUT_BYTES, OUTPUT_BYTES).unwrap();
+        let proxy =
+            Arc::new(Proxy::new(device, Arc::clone(&stream), INPUT_BYTES, OUTPUT_BYTES).unwrap());
         Self {
             device: Arc::clone(device),
             stream,
@@ -1207,4 +1211,279 @@ fn checkpoint_windows_register_once_and_lend_the_files_bytes() {
         "per enable, 6 block windows and the head's, registered to stage its upload"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A pipeline whose every unit is a whole number of allocator granules
+/// (bf16 weights of 1,024 columns and 1,024·k rows, 2 MiB each k): the
+/// pool's counters are then exact and a phase's device bytes are its bound
+/// to the byte. A DiT of 5 blocks of 24 MiB and 6 of 4–8 MiB (heterogeneous,
+/// an odd ring), an encoder of 8 MiB outside its 3 blocks of 2 MiB, a VAE
+/// of 4 MiB without blocks.
+fn granular_pipeline() -> Pipeline {
+    let d = 1024u64;
+    let mut b = PipelineBuilder::new("GranularPipeline");
+    {
+        let mut t = b.module("transformer");
+        t.parameter("x_embedder.weight", DType::Bf16, &[d, d]);
+        t.list("transformer_blocks", 5, |_, blk| {
+            blk.parameter("attn.to_qkv.weight", DType::Bf16, &[3 * d, d])
+                .parameter("attn.to_out.weight", DType::Bf16, &[d, d])
+                .parameter("ff.up.weight", DType::Bf16, &[4 * d, d])
+                .parameter("ff.down.weight", DType::Bf16, &[d, 4 * d]);
+        });
+        t.list("single_transformer_blocks", 6, |i, blk| {
+            blk.parameter("proj_mlp.weight", DType::Bf16, &[d * (2 + i as u64 % 3), d]);
+        });
+        t.parameter("proj_out.weight", DType::Bf16, &[d, d]);
+        t.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
+    }
+    {
+        let mut e = b.module("text_encoder");
+        e.parameter("embed.weight", DType::Bf16, &[4 * d, d]);
+        e.list("layers", 3, |_, l| {
+            l.parameter("fc.weight", DType::Bf16, &[d, d]);
+        });
+        e.block_containers(&["layers"]);
+    }
+    b.module("vae")
+        .parameter("decoder.weight", DType::Bf16, &[2 * d, d]);
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: vec!["text_encoder".into()],
+        vae: vec!["vae".into()],
+        resident: vec![],
+    });
+    b.build().expect("builds")
+}
+
+/// One request: the encoder, the DiT once per step, the VAE, with `phase`
+/// called before (`true`) and after (`false`) each component's forward.
+fn planned_request(
+    rt: &Runtime<Cuda>,
+    proxy: &Proxy,
+    steps: u32,
+    phase: &mut dyn FnMut(&str, bool),
+) -> Result<(), OffloadError> {
+    let mut run = |path: &str| {
+        phase(path, true);
+        component(rt, proxy, path)?;
+        phase(path, false);
+        Ok::<_, OffloadError>(())
+    };
+    run("text_encoder")?;
+    for _ in 0..steps {
+        run("transformer")?;
+    }
+    run("vae")
+}
+
+fn budget_config(bytes: u64) -> OffloadConfig {
+    OffloadConfig {
+        device_budget: Some(ByteSize(bytes).into()),
+        ..OffloadConfig::default()
+    }
+}
+
+/// What a planned run on the GPU measured: outputs, each phase's peak of
+/// allocated bytes beyond what was allocated before enable (the pool's
+/// high-water mark, reset when a phase begins), what the plan was.
+struct PlannedRun {
+    outputs: Vec<u64>,
+    peaks: std::collections::BTreeMap<String, u64>,
+    plan: offload_core::budget::RequestPlan,
+    inputs: offload_core::budget::PlannerInputs,
+}
+
+/// Two requests of `steps` steps under `budget` bytes, the planner given
+/// `inputs` or warming up (a request of 2 steps through the runtime's
+/// registered request), `bugs` planted.
+fn planned_run(
+    rig: &Rig,
+    budget: u64,
+    steps: u32,
+    inputs: Option<offload_core::budget::PlannerInputs>,
+    bugs: &[PlantedBug],
+) -> Result<PlannedRun, String> {
+    let device = &rig.device;
+    let mut rt = rig.runtime();
+    let proxy = Arc::clone(&rig.proxy);
+    rt.set_request(move |rt, shape| {
+        planned_request(rt, &proxy, shape.steps, &mut |_, _| ())?;
+        Ok(())
+    });
+    let mut platform = rig
+        .platform(42, 1, bugs)
+        .with_request(RequestShape::new(TOKENS, steps));
+    if let Some(inputs) = inputs {
+        platform.set_planner(inputs);
+    }
+    let allocated_before = rig.settle();
+    let backend = platform
+        .planned(budget_config(budget))
+        .map_err(|e| e.to_string())?;
+    rt.enable(Box::new(backend))
+        .map_err(|(e, _)| e.to_string())?;
+    let plan = rt.request_plan().cloned().ok_or("no request plan")?;
+    let inputs = rt.planner_inputs().cloned().ok_or("no planner inputs")?;
+    let mut peaks = std::collections::BTreeMap::<String, u64>::new();
+    let mut outputs = Vec::new();
+    let mut failed = None;
+    for _ in 0..2 {
+        rig.proxy.reset(&rig.stream).unwrap();
+        let mut phase = |path: &str, begins: bool| {
+            device.synchronize().unwrap();
+            if begins {
+                device.reset_pool_high().unwrap();
+            } else {
+                let high = device
+                    .pool_used()
+                    .unwrap()
+                    .1
+                    .saturating_sub(allocated_before);
+                let peak = peaks.entry(path.to_owned()).or_default();
+                *peak = (*peak).max(high);
+            }
+        };
+        if let Err(e) = planned_request(&rt, &rig.proxy, steps, &mut phase) {
+            failed = Some(e.to_string());
+            break;
+        }
+        outputs.push(rig.proxy.read_output().unwrap());
+    }
+    rt.disable().map_err(|e| e.to_string())?;
+    let after = rig.settle();
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    if after != allocated_before {
+        return Err(format!(
+            "leaked {} bytes",
+            after as i64 - allocated_before as i64
+        ));
+    }
+    Ok(PlannedRun {
+        outputs,
+        peaks,
+        plan,
+        inputs,
+    })
+}
+
+/// Each phase's peak within its INV-7 bound (from the plan's choices by
+/// `plan_bounds`, not from the planner's report) and within the budget;
+/// the first phase over, as a message.
+fn phases_within_bounds(p: &Pipeline, budget: u64, run: &PlannedRun) -> Result<(), String> {
+    let bounds = plan_bounds(p, &budget_config(budget), &run.plan).map_err(|e| e.to_string())?;
+    let by_phase = bounds.by_phase();
+    for (phase, peak) in &run.peaks {
+        let bound = by_phase
+            .get(phase)
+            .ok_or(format!("phase {phase} not in the plan"))?;
+        if peak > bound || *peak > budget {
+            return Err(format!(
+                "phase {phase}: {peak} device bytes > its bound {bound} (budget {budget})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The planned backend on the GPU (CONTRACT §7a, §9): the warm-up measures
+/// this device (a positive link, every block's compute), the planner's
+/// least budget is below the pipeline's weights, and at the least budget
+/// and halfway to everything resident two requests give the resident
+/// outputs with every phase's allocated bytes within the phase's bound
+/// (exact here: every unit is whole granules) and the budget. Planted: the
+/// held set of the phase before not evicted, a phase's slot pool kept into
+/// the next: both caught by the same per-phase check.
+#[test]
+fn planned_budgets_fit_every_phase_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    let rig = Rig::new(&gpu.device, granular_pipeline());
+    rig.warm_up();
+    const STEPS: u32 = 3;
+    let p = rig.pipeline.clone();
+    let total = memory_bounds(&p, &OffloadConfig::default(), 1)
+        .unwrap()
+        .device_weight_bytes;
+
+    let resident = {
+        let mut rt = rig.runtime();
+        let platform = rig.platform(42, 1, &[]);
+        let allocated_before = rig.settle();
+        rt.enable(platform.resident().unwrap())
+            .map_err(|(e, _)| e)
+            .unwrap();
+        let mut outputs = Vec::new();
+        for _ in 0..2 {
+            rig.proxy.reset(&rig.stream).unwrap();
+            planned_request(&rt, &rig.proxy, STEPS, &mut |_, _| ()).unwrap();
+            outputs.push(rig.proxy.read_output().unwrap());
+        }
+        rt.disable().unwrap();
+        assert_eq!(rig.settle(), allocated_before);
+        outputs
+    };
+
+    // The warm-up, at a budget with room for everything.
+    let first = planned_run(&rig, 2 * total, STEPS, None, &[]).unwrap();
+    let inputs = first.inputs.clone();
+    assert!(
+        matches!(
+            inputs.source,
+            offload_core::measurements::InputSource::Warmup { .. }
+        ),
+        "the warm-up measured: {:?}",
+        inputs.source
+    );
+    assert!(
+        inputs.link_bytes_per_s > 1e9,
+        "link {}",
+        inputs.link_bytes_per_s
+    );
+    let dit = &inputs.components["transformer"];
+    assert_eq!(dit.block_compute_s.len(), 11, "every DiT block timed");
+    assert!(dit.block_compute_s.values().all(|t| *t > 0.0));
+    assert_eq!(first.outputs, resident, "planned (room for all) = resident");
+    phases_within_bounds(&p, 2 * total, &first).unwrap();
+
+    let least = first.plan.minimum.bytes;
+    assert!(least < total, "least budget {least} < all weights {total}");
+    let mut table = Vec::new();
+    for budget in [least, (least + total) / 2] {
+        let run = planned_run(&rig, budget, STEPS, Some(inputs.clone()), &[]).unwrap();
+        assert_eq!(run.outputs, resident, "budget {budget}: outputs");
+        assert!(
+            matches!(
+                run.plan.source,
+                offload_core::measurements::InputSource::Warmup { .. }
+            ),
+            "the saved measurements plan it"
+        );
+        assert!(
+            run.plan
+                .components
+                .iter()
+                .any(|c| c.mode != ComponentMode::Resident),
+            "budget {budget} < {total}: something offloads"
+        );
+        phases_within_bounds(&p, budget, &run).unwrap();
+        table.push((budget, run.peaks));
+    }
+    for bug in [
+        PlantedBug::SkipPhaseEviction,
+        PlantedBug::KeepPoolAcrossPhases,
+    ] {
+        let caught = match planned_run(&rig, least, STEPS, Some(inputs.clone()), &[bug]) {
+            Err(e) => format!("failed: {e}"),
+            Ok(run) => match phases_within_bounds(&p, least, &run) {
+                Err(e) => e,
+                Ok(()) => panic!("{bug:?} planted at {least} bytes: not caught"),
+            },
+        };
+        println!("planted {bug:?}: caught: {caught}");
+    }
+    for (budget, peaks) in table {
+        println!("budget {budget}: phase peaks {peaks:?}");
+    }
 }
