@@ -1,40 +1,52 @@
-//! The layerwise benchmark on one GPU, in one run: a Flux.1-dev-sized DiT
-//! (exact block shapes, 11.9 B parameters, random bf16 weights distinct per
-//! block) at batch 1, its weights already in host memory as a loader leaves
-//! them. The compute proxy runs each linear on the rows it runs on in Flux
-//! (modulation on one row, text-stream weights on the text tokens,
+//! The benchmark on one GPU, in one run, in two modes.
+//!
+//! **DiT-only layerwise** (the default): a Flux.1-dev-sized DiT (exact
+//! block shapes, 11.9 B parameters, random bf16 weights distinct per
+//! block) at batch 1, its weights already in host memory as a loader
+//! leaves them. The compute proxy runs each linear on the rows it runs on
+//! in Flux (modulation on one row, text-stream weights on the text tokens,
 //! image-stream weights on the image tokens, single blocks on all tokens)
 //! and attention at Flux's cost.
 //!
 //! Measures: the pinned host→device bandwidth of a fresh buffer and of the
 //! host masters themselves (every block copied back to back, no compute);
-//! the resident step; layerwise at each `--depths`, at the depth the
-//! planner chooses, and under each `--budgets` (the budget planner keeps
-//! as many blocks resident as fit); the limit `max(resident, streamed /
-//! bandwidth)` against both bandwidths and the ratio; the planner's
-//! predicted step; peak device weight bytes (the allocator's high-water
-//! mark and cuMemGetInfo); host bytes for weights; the time `enable` took;
-//! one traced step per row (CUDA events around every copy and every
-//! block's compute, written as a Perfetto trace) read as compute waits and
-//! copy-engine idle; and the output of the chained proxy (a function of
-//! every weight byte read, in order), which must equal the resident run's.
+//! the resident step; layerwise at each `--depths` and at the depth the
+//! ring recurrence chooses (`budget::predict_step` on the resident step's
+//! per-block compute); the limit `max(resident, streamed / bandwidth)`
+//! against both bandwidths and the ratio; the recurrence's predicted step
+//! and the simulator's; peak device weight bytes (the allocator's
+//! high-water mark and cuMemGetInfo); host bytes for weights; the time
+//! `enable` took; one traced step per row (CUDA events around every copy
+//! and every block's compute, written as a Perfetto trace) read as compute
+//! waits and copy-engine idle; and the output of the chained proxy (a
+//! function of every weight byte read, in order), which must equal the
+//! resident run's. Device budgets are whole-request plans now: they are
+//! the pipeline mode's.
+//!
+//! **Pipeline** (`--pipeline`, [`pipeline`]): whole Flux.1-dev requests
+//! (both text encoders, the denoising steps, the VAE decode) under each
+//! `--budgets` through the request planner, against a resident run.
+//!
 //! Prints tables and writes JSON. Never a timed test.
 //!
 //! Built with the `planted-bugs` feature, `--plant NAME` plants a core bug
-//! in the layerwise runs: their output then differs from resident.
+//! in the offloaded runs: their output then differs from resident.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
-use offload_core::budget::{self, BudgetPlan, ByteSize, PlannerInputs};
-use offload_core::device::{Device, HostRegion, HostSource};
+use offload_core::budget::{self, DeviceBudget};
+use offload_core::device::{Device, DeviceBuffer, HostRegion, HostSource};
 use offload_core::model::{DType, ModuleId, Pipeline, StorageId, TensorId};
 #[cfg(feature = "planted-bugs")]
 use offload_core::runtime::PlantedBug;
-use offload_core::runtime::{Backend, CorePlatform, Runtime, Scope, Unit, WeightSource, partition};
+use offload_core::runtime::{
+    Backend, CorePlatform, Entry, Runtime, Scope, Unit, WeightSource, partition,
+};
 use offload_core::{OffloadConfig, resolve};
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
@@ -44,7 +56,11 @@ use serde::Serialize;
 use timeline::Analysis;
 
 mod dist;
+mod pipeline;
 mod timeline;
+
+/// What a forward closure returns on failure.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Attention heads and head width of Flux.1-dev.
 const HEADS: u64 = 24;
@@ -56,27 +72,35 @@ const MAX_WARMUP: u64 = 100;
 /// Device memory kept free beside weights and scratch (cuBLAS workspace,
 /// the allocator's granules, the bandwidth probe).
 const HEADROOM_BYTES: u64 = 4 << 30;
+/// The deepest prefetch the DiT-only mode's ring recurrence considers
+/// (the request planner's default `max_depth`).
+const MAX_PLANNED_DEPTH: usize = 4;
 
 #[derive(Parser)]
 #[command(
     name = "offload-bench",
-    about = "Layerwise offload of a Flux.1-dev-sized DiT against the PCIe limit"
+    about = "Layerwise offload of a Flux.1-dev-sized DiT against the PCIe limit, or (--pipeline) whole Flux.1-dev requests under device budgets"
 )]
-struct Args {
+pub(crate) struct Args {
     /// Token counts (image + text) per forward, comma-separated, each in
-    /// 1..=1048576 and small enough that the scratch fits on the GPU.
-    #[arg(long, default_value = "4608,16896")]
-    tokens: String,
-    /// Timed steps per setting, 1..=1000 (the median is reported).
-    #[arg(long, default_value_t = 5)]
-    steps: u64,
-    /// Warm-up steps per setting, 0..=100.
-    #[arg(long, default_value_t = 2)]
-    warmup: u64,
+    /// 1..=1048576 and small enough that the scratch fits on the GPU
+    /// (default 4608,16896). With --pipeline: the one token count of a
+    /// denoising forward (default 4608, the preset's warm-up request).
+    #[arg(long)]
+    tokens: Option<String>,
+    /// Timed steps per setting, 1..=1000 (the median is reported; default
+    /// 5). With --pipeline: denoising steps per request (default 28).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Warm-up steps per setting, 0..=100 (default 2). With --pipeline:
+    /// untimed requests of the resident run before its timed ones
+    /// (default 1; a planned run's warm-up is the planner's own).
+    #[arg(long)]
+    warmup: Option<u64>,
     /// Write the results as JSON here.
     #[arg(long, default_value = "bench.json")]
     json: std::path::PathBuf,
-    /// Plant this core bug in the layerwise runs (e.g. `wrong-master`).
+    /// Plant this core bug in the offloaded runs (e.g. `wrong-master`).
     #[cfg(feature = "planted-bugs")]
     #[arg(long)]
     plant: Option<String>,
@@ -87,34 +111,52 @@ struct Args {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     ranks: u32,
     /// Prefetch depths to run layerwise at, comma-separated, each in 1..=8
-    /// (the depth the planner chooses is run besides).
+    /// (the depth the ring recurrence chooses is run besides).
     #[arg(long, default_value = "1,2")]
     depths: String,
-    /// Device budgets to plan and run, comma-separated (`16GiB,8GiB`;
-    /// empty for none).
-    #[arg(long, default_value = "16GiB,8GiB")]
-    budgets: String,
-    /// Token counts the budgets run at (each among --tokens).
-    #[arg(long, default_value = "4608")]
-    budget_tokens: String,
     /// Write each row's traced step here as a Perfetto trace.
     #[arg(long)]
     trace_dir: Option<std::path::PathBuf>,
+    /// Whole requests of the Flux.1-dev pipeline (CLIP-L, T5-XXL, the DiT,
+    /// the VAE) through the request planner instead of the DiT alone.
+    #[arg(long)]
+    pipeline: bool,
+    /// With --pipeline: device budgets to plan and run, comma-separated
+    /// (`24GiB,16GiB,auto`; default 24GiB,16GiB,12GiB,8GiB,auto).
+    #[arg(long)]
+    budgets: Option<String>,
+    /// With --pipeline: timed requests per budget, 1..=100 (their median
+    /// is reported), each followed by one instrumented request.
+    #[arg(long, default_value_t = 2)]
+    requests: u64,
+    /// With --pipeline: run the `auto` budget beside another process
+    /// holding this many GiB of the device's memory (`python3` with
+    /// torch, started before and killed after), 1..=1024.
+    #[arg(long)]
+    hog_gib: Option<u64>,
+    /// With --pipeline: the budget whose warm-up measurements are saved
+    /// and given back (`CorePlatform::with_planner`) to a run without a
+    /// warm-up (default: 16GiB if among --budgets, else the first sized
+    /// one; `none`: no such run).
+    #[arg(long)]
+    saved_from: Option<String>,
 }
 
-/// The flags, checked.
-struct Settings {
-    tokens: Vec<u64>,
-    steps: u64,
-    warmup: u64,
+/// The flags of the DiT-only mode, checked.
+pub(crate) struct Settings {
+    pub(crate) tokens: Vec<u64>,
+    pub(crate) steps: u64,
+    pub(crate) warmup: u64,
     depths: Vec<usize>,
-    budgets: Vec<u64>,
-    budget_tokens: Vec<u64>,
 }
 
 /// A comma-separated list of `flag`, each parsed by `parse`; empty items
 /// are skipped.
-fn list<T>(flag: &str, text: &str, parse: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>> {
+pub(crate) fn list<T>(
+    flag: &str,
+    text: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>> {
     text.split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
@@ -122,39 +164,55 @@ fn list<T>(flag: &str, text: &str, parse: impl Fn(&str) -> Result<T, String>) ->
         .collect()
 }
 
+/// Token counts of `--tokens` (`text`), each in 1..=[`MAX_TOKENS`], at
+/// least one.
+pub(crate) fn token_list(text: &str) -> Result<Vec<u64>> {
+    let allowed = format!("give token counts such as 4608,16896, each in 1..={MAX_TOKENS}");
+    let tokens = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            let n: u64 = s
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--tokens: `{s}` is not a number ({allowed})"))?;
+            ensure!(
+                (1..=MAX_TOKENS).contains(&n),
+                "--tokens: {n} is outside 1..={MAX_TOKENS}"
+            );
+            Ok(n)
+        })
+        .collect::<Result<Vec<u64>>>()?;
+    ensure!(
+        !tokens.is_empty(),
+        "--tokens: `{text}` names no token count ({allowed})"
+    );
+    Ok(tokens)
+}
+
 impl Settings {
     fn from_args(args: &Args) -> Result<Self> {
-        let allowed = format!("give token counts such as 4608,16896, each in 1..={MAX_TOKENS}");
-        let tokens = args
-            .tokens
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(|s| {
-                let n: u64 = s
-                    .parse()
-                    .map_err(|_| anyhow::anyhow!("--tokens: `{s}` is not a number ({allowed})"))?;
-                ensure!(
-                    (1..=MAX_TOKENS).contains(&n),
-                    "--tokens: {n} is outside 1..={MAX_TOKENS}"
-                );
-                Ok(n)
-            })
-            .collect::<Result<Vec<u64>>>()?;
+        let pipeline_only = [
+            ("--budgets", args.budgets.is_some()),
+            ("--hog-gib", args.hog_gib.is_some()),
+            ("--saved-from", args.saved_from.is_some()),
+        ];
+        for (flag, given) in pipeline_only {
+            ensure!(
+                !given,
+                "{flag} goes with --pipeline (device budgets plan whole requests; the DiT-only mode has no budget rows)"
+            );
+        }
+        let tokens = token_list(args.tokens.as_deref().unwrap_or("4608,16896"))?;
+        let steps = args.steps.unwrap_or(5);
         ensure!(
-            !tokens.is_empty(),
-            "--tokens: `{}` names no token count ({allowed})",
-            args.tokens
+            (1..=MAX_STEPS).contains(&steps),
+            "--steps: {steps} is outside 1..={MAX_STEPS} (the median of the timed steps is reported)"
         );
+        let warmup = args.warmup.unwrap_or(2);
         ensure!(
-            (1..=MAX_STEPS).contains(&args.steps),
-            "--steps: {} is outside 1..={MAX_STEPS} (the median of the timed steps is reported)",
-            args.steps
-        );
-        ensure!(
-            args.warmup <= MAX_WARMUP,
-            "--warmup: {} is outside 0..={MAX_WARMUP}",
-            args.warmup
+            warmup <= MAX_WARMUP,
+            "--warmup: {warmup} is outside 0..={MAX_WARMUP}"
         );
         let depths = list("--depths", &args.depths, |s| {
             s.parse::<usize>()
@@ -162,22 +220,11 @@ impl Settings {
                 .filter(|d| (1..=8).contains(d))
                 .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
         })?;
-        let budgets = list("--budgets", &args.budgets, |s| {
-            ByteSize::parse(s).map(|b| b.0)
-        })?;
-        let budget_tokens = list("--budget-tokens", &args.budget_tokens, |s| {
-            s.parse::<u64>()
-                .ok()
-                .filter(|t| tokens.contains(t))
-                .ok_or_else(|| format!("`{s}` is not one of --tokens {tokens:?}"))
-        })?;
         Ok(Self {
             tokens,
-            steps: args.steps,
-            warmup: args.warmup,
+            steps,
+            warmup,
             depths,
-            budgets,
-            budget_tokens,
         })
     }
 }
@@ -201,9 +248,27 @@ fn planted(args: &Args) -> Result<Vec<PlantedBug>> {
 /// A loader's buffers: each unit packed as the partition lays it out, in
 /// host memory the weights already occupy. Regions are handed out shared,
 /// so every backend of the run registers the same memory in place.
-struct Loaded {
+pub(crate) struct Loaded {
     units: BTreeMap<String, Arc<Vec<u8>>>,
+    /// Each unit's layout as loaded: a backend's unit of the same name
+    /// and a different layout is refused (copied instead, never misread).
+    entries: BTreeMap<String, Vec<Entry>>,
     at: BTreeMap<StorageId, (String, u64)>,
+    /// Units a backend asked for that were not loaded as it lays them out
+    /// (each then copied into a pinned master: correct, slower).
+    mismatched: AtomicU64,
+}
+
+impl Loaded {
+    /// Units asked for in place and refused so far.
+    pub(crate) fn mismatched(&self) -> u64 {
+        self.mismatched.load(Ordering::Relaxed)
+    }
+
+    /// Bytes loaded.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.units.values().map(|b| b.len() as u64).sum()
+    }
 }
 
 struct Shared(Arc<Vec<u8>>);
@@ -225,6 +290,10 @@ impl WeightSource for Loaded {
     }
 
     fn take_region(&self, unit: &Unit) -> Option<Box<dyn HostRegion>> {
+        if self.entries.get(&unit.name) != Some(&unit.entries) {
+            self.mismatched.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
         self.units
             .get(&unit.name)
             .map(|b| Box::new(Shared(Arc::clone(b))) as Box<dyn HostRegion>)
@@ -262,15 +331,23 @@ fn generate(unit: &Unit) -> Vec<u8> {
     buf
 }
 
-/// Random weights written by 16 threads straight into the loader's buffers.
-fn load(pipeline: &Pipeline) -> Result<Loaded> {
+/// The partition every backend packs `pipeline` in: the planned
+/// resolution's (`device_budget = "auto"` alone), whose stacks are every
+/// component's blocks and whose groups are every component (the core
+/// packs every strategy so, one packing for all).
+pub(crate) fn packing(pipeline: &Pipeline) -> Result<offload_core::runtime::Partition> {
     let config = OffloadConfig {
-        enable_layerwise_offload: true,
+        device_budget: Some(DeviceBudget::Auto),
         ..OffloadConfig::default()
     };
-    let plan = resolve(pipeline, &config)?;
-    let groups: Vec<ModuleId> = plan.components.iter().map(|c| c.module).collect();
-    let part = partition(pipeline, &plan.stacks, &groups);
+    let resolved = resolve(pipeline, &config).context("resolving the planned packing")?;
+    let groups: Vec<ModuleId> = resolved.components.iter().map(|c| c.module).collect();
+    Ok(partition(pipeline, &resolved.stacks, &groups))
+}
+
+/// Random weights written by 16 threads straight into the loader's buffers.
+pub(crate) fn load(pipeline: &Pipeline) -> Result<Loaded> {
+    let part = packing(pipeline)?;
     let units: Vec<&Unit> = part.all().collect();
     let mut at = BTreeMap::new();
     for u in &units {
@@ -278,6 +355,10 @@ fn load(pipeline: &Pipeline) -> Result<Loaded> {
             at.insert(e.storage, (u.name.clone(), e.offset));
         }
     }
+    let entries = units
+        .iter()
+        .map(|u| (u.name.clone(), u.entries.clone()))
+        .collect();
     let buffers: Vec<(String, Vec<u8>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..16)
             .map(|t| {
@@ -301,7 +382,9 @@ fn load(pipeline: &Pipeline) -> Result<Loaded> {
     })?;
     Ok(Loaded {
         units: buffers.into_iter().map(|(n, b)| (n, Arc::new(b))).collect(),
+        entries,
         at,
+        mismatched: AtomicU64::new(0),
     })
 }
 
@@ -384,44 +467,107 @@ fn step_marked(
     tokens: u64,
     mark: Option<&CudaDevice>,
 ) -> Result<()> {
-    let split = flux_split(tokens);
     rt.forward("transformer", |dit| {
-        let p = dit.pipeline();
-        let module = dit.module();
-        let blocks = blocks_of(p, module);
-        let traffic: Vec<u64> = blocks
-            .iter()
-            .map(|b| flux().block_work(p, *b, split).activation_bytes)
-            .collect();
-        let inner: BTreeSet<TensorId> = blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
-        let own: Vec<TensorId> = p
-            .subtree_tensors(module)
-            .into_iter()
-            .filter(|t| !inner.contains(t))
-            .collect();
-        kernels(dit, proxy, &own, split)?;
-        proxy.chain(dit.stream())?;
-        for (b, traffic) in blocks.into_iter().zip(traffic) {
-            let path = &p.module(b).path;
-            let rel = path["transformer.".len()..].to_owned();
-            let tensors = p.subtree_tensors(b);
-            dit.child(&rel, |blk| {
-                let span = match mark {
-                    Some(d) => Some(d.timeline_begin(blk.stream(), path.as_str())?),
-                    None => None,
-                };
-                kernels(blk, proxy, &tensors, split)?;
-                proxy.attention(HEADS, tokens, HEAD_DIM)?;
-                proxy.traffic(traffic)?;
-                proxy.chain(blk.stream())?;
-                if let (Some(d), Some(span)) = (mark, span) {
-                    d.timeline_end(blk.stream(), span)?;
-                }
-                Ok(())
-            })?;
-        }
-        Ok(())
+        dit_body(dit, proxy, tokens, mark, &mut || Ok(()))
     })?;
+    Ok(())
+}
+
+/// The body of one DiT forward in the DiT's scope `dit` (see [`step`]):
+/// its own tensors, then each block in a child scope (its hooks bring it
+/// in), `after_block` called after each block's kernels are enqueued.
+pub(crate) fn dit_body(
+    dit: &Scope<'_, Cuda>,
+    proxy: &Proxy,
+    tokens: u64,
+    mark: Option<&CudaDevice>,
+    after_block: &mut dyn FnMut() -> Result<(), BoxError>,
+) -> Result<(), BoxError> {
+    let split = flux_split(tokens);
+    let p = dit.pipeline();
+    let module = dit.module();
+    let prefix = format!("{}.", dit.path());
+    let blocks = blocks_of(p, module);
+    let traffic: Vec<u64> = blocks
+        .iter()
+        .map(|b| flux().block_work(p, *b, split).activation_bytes)
+        .collect();
+    let inner: BTreeSet<TensorId> = blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
+    let own: Vec<TensorId> = p
+        .subtree_tensors(module)
+        .into_iter()
+        .filter(|t| !inner.contains(t))
+        .collect();
+    kernels(dit, proxy, &own, &prefix, split)?;
+    proxy.chain(dit.stream())?;
+    for (b, traffic) in blocks.into_iter().zip(traffic) {
+        let path = &p.module(b).path;
+        let rel = path.strip_prefix(&prefix).unwrap_or(path).to_owned();
+        let tensors = p.subtree_tensors(b);
+        dit.child(&rel, |blk| {
+            let span = match mark {
+                Some(d) => Some(d.timeline_begin(blk.stream(), path.as_str())?),
+                None => None,
+            };
+            kernels(blk, proxy, &tensors, &prefix, split)?;
+            attention_chunked(proxy, HEADS, tokens, HEAD_DIM)?;
+            proxy.traffic(traffic)?;
+            proxy.chain(blk.stream())?;
+            if let (Some(d), Some(span)) = (mark, span) {
+                d.timeline_end(blk.stream(), span)?;
+            }
+            Ok(())
+        })?;
+        after_block()?;
+    }
+    Ok(())
+}
+
+/// `proxy.linear` over `rows` rows in as few equal chunks as the proxy's
+/// scratch holds (one call when it holds them all): the same FLOPs and
+/// the same weight bytes read per chunk, with a bounded scratch.
+pub(crate) fn linear_chunked(
+    proxy: &Proxy,
+    w: u64,
+    out_f: u64,
+    in_f: u64,
+    rows: u64,
+) -> Result<(), BoxError> {
+    let fit = |len: u64, width: u64| len / width.saturating_mul(2).max(1);
+    let cap = fit(proxy.input().len_bytes(), in_f)
+        .min(fit(proxy.output().len_bytes(), out_f))
+        .max(1);
+    let chunks = rows.div_ceil(cap).max(1);
+    let per = rows.div_ceil(chunks);
+    let mut left = rows;
+    while left > 0 {
+        let r = per.min(left);
+        proxy.linear(w, out_f, in_f, r)?;
+        left -= r;
+    }
+    Ok(())
+}
+
+/// `proxy.attention` over `heads` heads, as many heads per call as the
+/// proxy's scratch holds (all of them when it can): the same FLOPs.
+pub(crate) fn attention_chunked(
+    proxy: &Proxy,
+    heads: u64,
+    tokens: u64,
+    head_dim: u64,
+) -> Result<(), BoxError> {
+    let (have_in, have_out) = (proxy.input().len_bytes(), proxy.output().len_bytes());
+    let fits = |h: u64| {
+        let (i, o) = Proxy::attention_scratch(h, tokens, head_dim);
+        i <= have_in && o <= have_out
+    };
+    let per = (1..=heads.max(1)).rev().find(|h| fits(*h)).unwrap_or(1);
+    let mut left = heads;
+    while left > 0 {
+        let h = per.min(left);
+        proxy.attention(h, tokens, head_dim)?;
+        left -= h;
+    }
     Ok(())
 }
 
@@ -467,12 +613,16 @@ fn traffic_gbps(device: &CudaDevice, stream: &CudaStream, proxy: &Proxy) -> Resu
     Ok(bytes as f64 / median(&mut times).context("no samples")? / 1e9)
 }
 
+/// Every tensor of `tensors` folded, and a GEMM per 2-D bf16 weight on
+/// the rows it runs on in Flux (its path below `prefix`, the DiT's, read
+/// by [`linear_rows`]).
 fn kernels(
     scope: &Scope<'_, Cuda>,
     proxy: &Proxy,
     tensors: &[TensorId],
+    prefix: &str,
     split: TokenSplit,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<(), BoxError> {
     let p = scope.pipeline();
     for t in tensors {
         let v = scope.view_id(*t)?;
@@ -480,8 +630,8 @@ fn kernels(
         let tensor = v.tensor();
         if tensor.dtype == DType::Bf16 && tensor.shape.len() == 2 {
             let path = p.tensor_path(*t);
-            let rows = linear_rows(path.strip_prefix("transformer.").unwrap_or(&path), split);
-            proxy.linear(ptr, tensor.shape[0], tensor.shape[1], rows)?;
+            let rows = linear_rows(path.strip_prefix(prefix).unwrap_or(&path), split);
+            linear_chunked(proxy, ptr, tensor.shape[0], tensor.shape[1], rows)?;
         }
         proxy.fold(
             scope.stream(),
@@ -502,8 +652,6 @@ struct Row {
     tokens: u64,
     /// Prefetch depth (0 for resident).
     depth: usize,
-    /// The device budget the planner planned for, if any.
-    budget_bytes: Option<u64>,
     streamed_bytes: u64,
     step_s: f64,
     /// `max(resident step, streamed / fresh pinned bandwidth)`.
@@ -512,8 +660,9 @@ struct Row {
     /// `max(resident step, streamed / host-master bandwidth)`.
     limit_masters_s: f64,
     ratio_masters: f64,
-    /// The planner's predicted step (its ring recurrence on this run's
-    /// per-block compute and host-master bandwidth).
+    /// The predicted step: the ring recurrence
+    /// (`budget::predict_step`) on the resident step's per-block compute
+    /// and the host-master bandwidth.
     predicted_s: f64,
     /// The simulator's predicted step (`offload-sim`, the `h200` profile
     /// with this run's host-master bandwidth).
@@ -531,15 +680,12 @@ struct Row {
     timeline: Analysis,
 }
 
-/// One run: a backend, the token counts it runs, and what the planner
-/// predicted for each.
+/// One run: a backend and the token counts it runs.
 struct Spec<'a> {
     name: String,
-    /// The proxy it computes with (the budgets': one sized for their
-    /// token count, whose scratch is the activations they planned for).
+    /// The proxy it computes with.
     proxy: &'a Proxy,
     depth: usize,
-    budget: Option<u64>,
     streamed: u64,
     tokens: Vec<u64>,
     make: Box<MakeBackend<'a>>,
@@ -654,22 +800,49 @@ fn thp_setting() -> String {
         .map_or_else(|e| format!("unknown ({e})"), |s| s.trim().to_owned())
 }
 
-/// What the planner knows at `tokens`: the traced resident step's compute
-/// per block, the host masters' bandwidth, the proxy's scratch.
-fn planner_inputs(
-    resident: &Analysis,
-    resident_step: f64,
-    master_gbps: f64,
-    activation_bytes: u64,
-) -> PlannerInputs {
-    let blocks: f64 = resident.per_block_s.values().sum();
-    PlannerInputs {
-        link_bytes_per_s: master_gbps * 1e9,
-        block_compute_s: resident.per_block_s.clone(),
-        other_compute_s: (resident_step - blocks).max(0.0),
-        activation_bytes,
-        copy_interference: offload_sim::DeviceProfile::h200().copy_interference,
-        ..PlannerInputs::default()
+/// The ring recurrence's inputs at one token count: each block's compute
+/// from the traced resident step (in stack order), its copy from the
+/// host masters' bandwidth, the step's compute outside the blocks.
+#[derive(Clone, Debug)]
+struct Ring {
+    compute_s: Vec<f64>,
+    copy_s: Vec<f64>,
+    other_s: f64,
+    interference: f64,
+}
+
+/// The fixed cost of one copy the recurrence assumes (the planner's
+/// default `copy_latency_s`).
+const COPY_LATENCY_S: f64 = 10e-6;
+
+impl Ring {
+    fn new(resident: &Analysis, resident_step: f64, master_gbps: f64, blocks: &[Unit]) -> Self {
+        let compute_s: Vec<f64> = blocks
+            .iter()
+            .map(|u| resident.per_block_s.get(&u.name).copied().unwrap_or(0.0))
+            .collect();
+        let sum: f64 = compute_s.iter().sum();
+        Self {
+            copy_s: blocks
+                .iter()
+                .map(|u| u.bytes as f64 / (master_gbps * 1e9) + COPY_LATENCY_S)
+                .collect(),
+            compute_s,
+            other_s: (resident_step - sum).max(0.0),
+            interference: offload_sim::DeviceProfile::h200().copy_interference,
+        }
+    }
+
+    /// The steady-state step with every block streamed at `depth`.
+    fn predict(&self, depth: usize) -> f64 {
+        budget::predict_step(
+            &self.compute_s,
+            &self.copy_s,
+            &vec![false; self.compute_s.len()],
+            depth,
+            self.other_s,
+            self.interference,
+        )
     }
 }
 
@@ -712,11 +885,14 @@ fn simulate(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let settings = Settings::from_args(&args)?;
     #[cfg(feature = "planted-bugs")]
     let bugs = planted(&args)?;
     #[cfg(not(feature = "planted-bugs"))]
     let bugs: Vec<offload_core::runtime::PlantedBug> = Vec::new();
+    if args.pipeline {
+        return pipeline::main(&args, &bugs);
+    }
+    let settings = Settings::from_args(&args)?;
     let plant_name: Option<String> = bugs.first().map(|b| b.name());
     if args.ranks > 1 {
         return dist::main(&settings, args.ranks, &args.json, &bugs);
@@ -778,8 +954,7 @@ fn main() -> Result<()> {
     let streamed_all = plan.streamed_bytes();
     let (resident_part, largest) = (weight_bytes - streamed_all, plan.largest_block_bytes());
     let block_units: Vec<Unit> = {
-        let groups: Vec<ModuleId> = plan.components.iter().map(|c| c.module).collect();
-        let part = partition(&pipeline, &plan.stacks, &groups);
+        let part = packing(&pipeline)?;
         plan.stacks
             .iter()
             .flat_map(|s| &s.blocks)
@@ -874,7 +1049,6 @@ fn main() -> Result<()> {
                 run: spec.name.clone(),
                 tokens,
                 depth: spec.depth,
-                budget_bytes: spec.budget,
                 streamed_bytes: spec.streamed,
                 step_s: median(&mut times).context("no timed steps")?,
                 limit_s: 0.0,
@@ -910,7 +1084,6 @@ fn main() -> Result<()> {
             name: "resident".to_owned(),
             proxy: &proxy,
             depth: 0,
-            budget: None,
             streamed: 0,
             tokens: settings.tokens.clone(),
             make: Box::new(|| Ok(platform(1, false).resident()?)),
@@ -921,43 +1094,26 @@ fn main() -> Result<()> {
         .iter()
         .map(|r| (r.tokens, (r.step_s, r.output, r.timeline.clone())))
         .collect();
-    let inputs: BTreeMap<u64, PlannerInputs> = resident
+    let rings: BTreeMap<u64, Ring> = resident
         .iter()
-        .map(|(t, (step_s, _, a))| {
-            (
-                *t,
-                planner_inputs(a, *step_s, master_gbps, activation_bytes),
-            )
-        })
+        .map(|(t, (step_s, _, a))| (*t, Ring::new(a, *step_s, master_gbps, &block_units)))
         .collect();
-    // The budgets' warm-up: a proxy sized for each budget token count; its
-    // scratch, as the allocator counts it, is the activation memory the
-    // planner plans for.
-    let mut budget_proxies: BTreeMap<u64, (Proxy, u64)> = BTreeMap::new();
-    if !settings.budgets.is_empty() {
-        for &t in &settings.budget_tokens {
-            budget_proxies.insert(t, measured_proxy(&device, &stream, &pipeline, t)?);
-        }
-    }
     let mut specs: Vec<Spec<'_>> = Vec::new();
     for &d in &settings.depths {
         specs.push(Spec {
             name: format!("layerwise depth {d}{suffix}"),
             proxy: &proxy,
             depth: d,
-            budget: None,
             streamed: streamed_all,
             tokens: settings.tokens.clone(),
             make: layerwise_at(layerwise.clone(), d),
         });
     }
-    // The depth the planner chooses with every block streamed: the
+    // The depth the ring recurrence chooses with every block streamed: the
     // shallowest within 0.5% of the best predicted step.
     let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
-    for (&t, inp) in &inputs {
-        let preds: Vec<f64> = (1..=inp.max_depth)
-            .map(|d| budget::predict_config(&pipeline, &layerwise, d, inp))
-            .collect::<Result<_, _>>()?;
+    for (&t, ring) in &rings {
+        let preds: Vec<f64> = (1..=MAX_PLANNED_DEPTH).map(|d| ring.predict(d)).collect();
         let best = preds.iter().copied().fold(f64::INFINITY, f64::min);
         let d = 1 + preds.iter().position(|p| *p <= best * 1.005).unwrap_or(0);
         by_depth.entry(d).or_default().push(t);
@@ -967,49 +1123,14 @@ fn main() -> Result<()> {
             name: format!("layerwise planner depth {d}{suffix}"),
             proxy: &proxy,
             depth: d,
-            budget: None,
             streamed: streamed_all,
             tokens,
             make: layerwise_at(layerwise.clone(), d),
         });
     }
-    let mut plans: Vec<(u64, u64, BudgetPlan)> = Vec::new();
-    for &b in &settings.budgets {
-        for &t in &settings.budget_tokens {
-            let (budget_proxy, act) = &budget_proxies[&t];
-            let mut inp = inputs.get(&t).cloned().with_context(|| {
-                format!("--budget-tokens: {t} is not among --tokens (the planner needs its resident step)")
-            })?;
-            inp.activation_bytes = *act;
-            let inp = &inp;
-            let config = OffloadConfig {
-                device_budget: Some(ByteSize(b).into()),
-                ..OffloadConfig::default()
-            };
-            let planned = budget::plan(&pipeline, &config, inp)?;
-            eprintln!("plan for {} at {t} tokens:\n{planned}", ByteSize(b));
-            plans.push((b, t, planned.clone()));
-            specs.push(Spec {
-                proxy: budget_proxy,
-                name: format!(
-                    "budget {} ({} resident, depth {}){suffix}",
-                    ByteSize(b),
-                    planned.resident_blocks,
-                    planned.depth
-                ),
-                depth: planned.depth,
-                budget: Some(b),
-                streamed: planned.streamed_bytes,
-                tokens: vec![t],
-                make: layerwise_at(planned.config.clone(), planned.depth.max(1)),
-            });
-        }
-    }
     for spec in &specs {
         run(spec, &mut rows)?;
     }
-    let budget_configs: BTreeMap<(u64, u64), &BudgetPlan> =
-        plans.iter().map(|(b, t, p)| ((*b, *t), p)).collect();
     for r in &mut rows {
         let (resident_step, resident_output, _) = resident
             .get(&r.tokens)
@@ -1020,17 +1141,12 @@ fn main() -> Result<()> {
         r.limit_masters_s = resident_step.max(streamed / (master_gbps * 1e9));
         r.ratio_masters = r.step_s / r.limit_masters_s;
         r.output_equals_resident = r.output == *resident_output;
-        let inp = &inputs[&r.tokens];
-        r.predicted_s = match r.budget_bytes {
-            _ if r.depth == 0 => *resident_step,
-            Some(b) => budget_configs[&(b, r.tokens)].predicted_step_s,
-            None => budget::predict_config(&pipeline, &layerwise, r.depth, inp)?,
+        r.predicted_s = if r.depth == 0 {
+            *resident_step
+        } else {
+            rings[&r.tokens].predict(r.depth)
         };
-        let config = match r.budget_bytes {
-            _ if r.depth == 0 => None,
-            Some(b) => Some(&budget_configs[&(b, r.tokens)].config),
-            None => Some(&layerwise),
-        };
+        let config = (r.depth > 0).then_some(&layerwise);
         r.simulated_s = Some(simulate(config, r.depth, r.tokens, master_gbps)?);
     }
     let sim_resident: BTreeMap<u64, f64> = rows
@@ -1054,7 +1170,7 @@ fn main() -> Result<()> {
         "registered in place, 2 GiB in 64 MiB copies: {pages_4k:.2} GB/s on 4 KiB pages, {pages_huge:.2} GB/s on huge pages (THP {thp}); elementwise traffic kernel {elementwise_gbps:.0} GB/s"
     );
     println!(
-        "| run | tokens | s / step | limit s | step / limit | step / limit (masters' bandwidth) | planner predicted s | predicted / measured | simulator s | simulated / measured | simulated ratio | compute idle ms | copy idle ms | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
+        "| run | tokens | s / step | limit s | step / limit | step / limit (masters' bandwidth) | recurrence predicted s | predicted / measured | simulator s | simulated / measured | simulated ratio | compute idle ms | copy idle ms | peak device weight GB (allocator) | cuMemGetInfo GB | host weight GB | enable s | output = resident |"
     );
     println!(
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -1089,45 +1205,6 @@ fn main() -> Result<()> {
         (resident_part + 2 * largest) as f64 / 1e9,
         (resident_part + 3 * largest) as f64 / 1e9
     );
-    if !plans.is_empty() {
-        println!(
-            "\nBudgets (activations: the scratch and cuBLAS workspace of a proxy sized for the row's token count, as the allocator counts them: {})",
-            budget_proxies
-                .iter()
-                .map(|(t, (_, a))| format!("{:.3} GB at {t} tokens", *a as f64 / 1e9))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        println!(
-            "| budget | tokens | resident blocks | resident GB (blocks + outside blocks) | streamed GB | slots × GB | measured peak weights + activations GB | within budget | s / step | limit s | step / limit | resident / (budget − non-streamed − activations − slots) |"
-        );
-        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-        for (b, t, p) in &plans {
-            let Some(r) = rows
-                .iter()
-                .find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)
-            else {
-                continue;
-            };
-            let peak = r.peak_device_weight_bytes + budget_proxies[t].1;
-            println!(
-                "| {} | {t} | {} of {} | {:.2} | {:.2} | {} × {:.3} | {:.2} | {} | {:.4} | {:.4} | {:.3} | {:.3} |",
-                ByteSize(*b),
-                p.resident_blocks,
-                p.blocks,
-                (p.resident_block_bytes + p.non_streamed_bytes) as f64 / 1e9,
-                p.streamed_bytes as f64 / 1e9,
-                p.slots,
-                p.slot_bytes as f64 / 1e9,
-                peak as f64 / 1e9,
-                peak <= *b,
-                r.step_s,
-                r.limit_s,
-                r.ratio,
-                p.resident_block_bytes as f64 / p.available_for_blocks().max(1) as f64
-            );
-        }
-    }
     println!(
         "\nTimeline (one traced step per row; mean block compute by container, mean copy by size)"
     );
@@ -1182,30 +1259,13 @@ fn main() -> Result<()> {
         "activation_bytes": activation_bytes,
         "planted": plant_name,
         "rows": rows,
-        "plans": plans.iter().map(|(b, t, p)| serde_json::json!({"budget": b, "tokens": t, "plan": p})).collect::<Vec<_>>(),
-        "resident_block_compute_s": inputs.iter().map(|(t, i)| (t.to_string(), i.block_compute_s.clone())).collect::<BTreeMap<_, _>>(),
+        "resident_block_compute_s": resident.iter().map(|(t, (_, _, a))| (t.to_string(), a.per_block_s.clone())).collect::<BTreeMap<_, _>>(),
     });
     std::fs::write(&args.json, serde_json::to_vec_pretty(&doc)?)
         .with_context(|| format!("writing {}", args.json.display()))?;
     drop(specs);
     proxy.free()?;
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
-    let over: Vec<String> = plans
-        .iter()
-        .filter_map(|(b, t, _)| {
-            let r = rows
-                .iter()
-                .find(|r| r.budget_bytes == Some(*b) && r.tokens == *t)?;
-            (r.peak_device_weight_bytes + budget_proxies[t].1 > *b)
-                .then(|| format!("{} at {t} tokens", ByteSize(*b)))
-        })
-        .collect();
-    for (p, _) in budget_proxies.into_values() {
-        p.free()?;
-    }
-    if !over.is_empty() {
-        bail!("the device held more than the budget: {}", over.join(", "));
-    }
     match &plant_name {
         None if differing > 0 => {
             bail!("{differing} layerwise rows differ from resident: a correctness bug")

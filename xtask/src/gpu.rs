@@ -16,7 +16,12 @@
 //!   a summary table; every step has an explicit timeout, 530 s in all;
 //! * `run.sh dlo-all` (two GPUs or more) runs tests, the NCCL checks under
 //!   `offload-launch`, the distributed layerwise benchmark, its planted
-//!   collective bug and the FSDP2 peer, and prints a summary table.
+//!   collective bug and the FSDP2 peer, and prints a summary table;
+//! * `run.sh pipeline` runs the whole-request benchmark (`offload-bench
+//!   --pipeline`: Flux.1-dev's encoders, 28 steps and decode under the
+//!   24/16/12/8 GiB budgets and `auto` beside a process holding 110 GiB,
+//!   against resident) and then the diffusers whole-request peer, and
+//!   prints a summary; under 9 minutes on one H200 (expected about 6.5).
 //!
 //! Executables are found through cargo's `--message-format json`, so the
 //! bundle builds with any `CARGO_TARGET_DIR`.
@@ -29,7 +34,14 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 const RUN_SH: &str = r#"#!/bin/sh
-# The offload GPU bundle. Usage: run.sh tests | sanitize | bench | all | dlo | dlo-all
+# The offload GPU bundle. Usage: run.sh tests | sanitize | bench | all | dlo | dlo-all | pipeline
+# (pipeline: whole Flux.1-dev requests under device budgets + the diffusers
+# pipeline peer, whose wheels the caller installs first:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+#       --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# PIPELINE_TIMEOUT=290, PIPELINE_PEER_TIMEOUT=240 (530 s in all: under 9
+# min; expected ~3.5 + ~3 min), PIPELINE_BUDGETS, PIPELINE_STEPS=28,
+# PIPELINE_REQUESTS=2, HOG_GIB=110 (0: `auto` alone), NO_PEER=1)
 # (dlo, dlo-all: two GPUs or more; RANKS=2; dlo-all = tests + NCCL checks +
 # distributed layerwise bench + its planted bug + the FSDP2 peer, about
 # 6 min on two H200s; NO_TESTS=1, NO_PEER=1 leave steps out)
@@ -112,9 +124,10 @@ run_sanitize() {
 }
 
 # The single-GPU bench, BENCH_RUNS times (default 1) as separate
-# processes: resident, layerwise at depths 1 and 2 and at the planner's
-# depth, and the 16 GiB and 8 GiB budgets, at four token counts, each row
-# with a traced step (the first run's Perfetto traces in $out/traces).
+# processes: resident, layerwise at depths 1 and 2 and at the depth the
+# ring recurrence chooses, at four token counts, each row with a traced
+# step (the first run's Perfetto traces in $out/traces). Device budgets
+# are whole-request plans: `run.sh pipeline`.
 run_bench() {
     status=0
     i=1
@@ -174,6 +187,73 @@ run_fsdp2() {
     NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" timeout "${FSDP2_TIMEOUT:-240}" \
         torchrun --standalone --nproc_per_node="${RANKS:-2}" "$here/peers/fsdp2_cpu_offload.py" \
         --tokens "${DLO_TOKENS:-4608,16896}" --steps 5 --warmup 2 --json "$out/fsdp2.json"
+}
+
+# Whole Flux.1-dev requests (CLIP-L, T5-XXL, PIPELINE_STEPS denoising
+# steps, the VAE decode) under each of PIPELINE_BUDGETS through the request
+# planner, against a resident run: each plan, predicted against measured,
+# each phase's peaks against its budget and INV-7 bound, outputs against
+# resident, enable without a warm-up from the 16 GiB run's saved
+# measurements, and `auto` beside another process (python3 + torch)
+# holding HOG_GIB GiB. About 3.5 min on an H200.
+run_pipeline_bench() {
+    budgets="${PIPELINE_BUDGETS:-24GiB,16GiB,12GiB,8GiB,auto}"
+    hog="${HOG_GIB:-110}"
+    case ",$budgets," in
+    *,auto,*) [ "$hog" -gt 0 ] 2>/dev/null || hog="" ;;
+    *) hog="" ;;
+    esac
+    timeout "${PIPELINE_TIMEOUT:-290}" "$here/offload-bench" --pipeline \
+        --budgets "$budgets" --steps "${PIPELINE_STEPS:-28}" \
+        --requests "${PIPELINE_REQUESTS:-2}" ${hog:+--hog-gib "$hog"} \
+        --json "$out/pipeline.json" > "$out/pipeline.log" 2> "$out/pipeline.err"
+    code=$?
+    cat "$out/pipeline.log"
+    tail -5 "$out/pipeline.err"
+    [ "$code" -eq 124 ] && echo "pipeline bench: timed out after ${PIPELINE_TIMEOUT:-290} s"
+    return $code
+}
+
+# diffusers' recipe for the same request (group offloading of every
+# component, and resident), ~3 min on an H200. Needs the wheels of .whl/
+# on PYTHONPATH (see the top of this file).
+run_pipeline_peer() {
+    timeout "${PIPELINE_PEER_TIMEOUT:-240}" python3 "$here/peers/diffusers_pipeline.py" \
+        --steps "${PIPELINE_STEPS:-28}" --tokens 4608 --requests 2 --warmup 1 \
+        --json "$out/diffusers_pipeline.json" > "$out/diffusers_pipeline.log" 2>&1
+    code=$?
+    tail -30 "$out/diffusers_pipeline.log"
+    [ "$code" -eq 124 ] && echo "pipeline peer: timed out after ${PIPELINE_PEER_TIMEOUT:-240} s"
+    return $code
+}
+
+# Time per image of both, side by side (from their JSON; missing files
+# say so).
+pipeline_summary() {
+    python3 - "$out/pipeline.json" "$out/diffusers_pipeline.json" <<'PY' || true
+import json, sys
+def load(p):
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except Exception as e:
+        print(f"({p}: {e})")
+        return None
+ours, peer = load(sys.argv[1]), load(sys.argv[2])
+print("| who | run | time per image s | largest phase in use GB | predicted / measured | output = resident |")
+print("| --- | --- | --- | --- | --- | --- |")
+for r in (ours or {}).get("runs", []):
+    peak = max([p.get("pool_used_peak_bytes", 0) for p in r.get("phases", [])] or [0]) / 1e9
+    pm = r.get("predicted_over_measured")
+    eq = r.get("output_equals_resident")
+    err = f" (error: {r['error'][:80]})" if r.get("error") else ""
+    print(f"| offload | {r['name']}{err} | {r.get('median_request_s', 0):.3f} | {peak:.2f} | "
+          f"{'-' if pm is None else f'{pm:.3f}'} | {'-' if eq is None else eq} |")
+for r in (peer or {}).get("rows", []):
+    pk = r.get("peak_allocated_gb")
+    print(f"| diffusers | {r.get('run')} | {r.get('time_per_image_s', 0):.3f} | "
+          f"{'-' if pk is None else f'{pk:.2f}'} | - | max diff {r.get('max_abs_diff_vs_first_run')} |")
+PY
 }
 
 # Runs a step, timing it; appends a row to the summary.
@@ -236,6 +316,19 @@ perf)
     printf '%s' "$summary"
     exit $overall
     ;;
+pipeline)
+    began=$(date +%s)
+    step "pipeline bench (offload-bench --pipeline)" run_pipeline_bench
+    [ -n "${NO_PEER:-}" ] || step "peer (diffusers pipeline)" run_pipeline_peer
+    echo
+    echo "== summary ($(( $(date +%s) - began )) s; logs and JSON in $out)"
+    pipeline_summary
+    echo
+    echo "| step | result | seconds |"
+    echo "| --- | --- | --- |"
+    printf '%s' "$summary"
+    exit $overall
+    ;;
 dlo) run_dist_check && run_dlo_bench ;;
 dlo-bench) run_dlo_bench ;;
 fsdp2) run_fsdp2 ;;
@@ -257,7 +350,7 @@ dlo-all)
     exit $overall
     ;;
 *)
-    echo "usage: run.sh tests | sanitize | bench | perf | all | dlo | dlo-all | dlo-bench | fsdp2" >&2
+    echo "usage: run.sh tests | sanitize | bench | perf | all | pipeline | dlo | dlo-all | dlo-bench | fsdp2" >&2
     exit 2
     ;;
 esac
@@ -350,7 +443,11 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
         )?;
         copy(&bin, &dir.join(name))?;
     }
-    for peer in ["diffusers_group_offload.py", "fsdp2_cpu_offload.py"] {
+    for peer in [
+        "diffusers_group_offload.py",
+        "diffusers_pipeline.py",
+        "fsdp2_cpu_offload.py",
+    ] {
         copy(
             &root.join("bench/peers").join(peer),
             &dir.join("peers").join(peer),
@@ -362,7 +459,7 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
     std::fs::write(dir.join("run.sh"), RUN_SH)?;
     make_executable(&dir.join("run.sh"))?;
     println!(
-        "xtask gpu-test: bundle in {} (run.sh tests | sanitize | bench | all)",
+        "xtask gpu-test: bundle in {} (run.sh tests | sanitize | bench | all | pipeline)",
         dir.display()
     );
     Ok(())
