@@ -907,11 +907,19 @@ impl Device<Cuda> for CudaDevice {
         // SAFETY: the pool allocation is ordered on our memory stream, which
         // is synchronised below before the buffer is handed out, so any
         // stream may use it at once.
-        let ptr = wrap(
-            unsafe { result::malloc_async(self.ctx.memory, bytes as usize) },
-            op,
-        )
-        .map_err(|mut e| {
+        let alloc = || unsafe { result::malloc_async(self.ctx.memory, bytes as usize) };
+        let mut allocated = alloc();
+        // Out of memory: the pool may hold freed memory it has not given
+        // back (chunks of earlier allocations, too small for this one, that
+        // the driver's free memory no longer counts). Once the frees
+        // already enqueued have run, trim the pool to what is in use and
+        // try once more, as a caching allocator empties its cache before
+        // reporting an out-of-memory (ARCHITECTURE, "Out of memory").
+        if matches!(&allocated, Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) {
+            self.trim_pool()?;
+            allocated = alloc();
+        }
+        let ptr = wrap(allocated, op).map_err(|mut e| {
             if e.code == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
                 let free = result::mem_get_info().map_or(0, |(free, _)| free as u64);
                 e.shortfall = Some(bytes.saturating_sub(free).max(1));

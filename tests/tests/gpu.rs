@@ -174,7 +174,19 @@ fn block_body(blk: &Scope<'_, Cuda>, proxy: &Proxy, tensors: &[TensorId]) -> Res
 /// One component's forward: its own tensors, a chain step, then each
 /// block (hooks, body).
 fn component(rt: &Runtime<Cuda>, proxy: &Proxy, path: &str) -> Result<(), OffloadError> {
+    component_with(rt, proxy, path, &mut || ())
+}
+
+/// [`component`], calling `begun` first inside its forward (after the
+/// backend's pre-forward hooks).
+fn component_with(
+    rt: &Runtime<Cuda>,
+    proxy: &Proxy,
+    path: &str,
+    begun: &mut dyn FnMut(),
+) -> Result<(), OffloadError> {
     rt.forward(path, |scope| {
+        begun();
         let p = scope.pipeline();
         let module = scope.module();
         let blocks = blocks_of(p, module);
@@ -1257,7 +1269,8 @@ fn granular_pipeline() -> Pipeline {
 }
 
 /// One request: the encoder, the DiT once per step, the VAE, with `phase`
-/// called before (`true`) and after (`false`) each component's forward.
+/// called as each component's forward begins (`true`: inside it, after the
+/// backend's pre-forward hooks brought its phase in) and after it ends.
 fn planned_request(
     rt: &Runtime<Cuda>,
     proxy: &Proxy,
@@ -1265,8 +1278,7 @@ fn planned_request(
     phase: &mut dyn FnMut(&str, bool),
 ) -> Result<(), OffloadError> {
     let mut run = |path: &str| {
-        phase(path, true);
-        component(rt, proxy, path)?;
+        component_with(rt, proxy, path, &mut || phase(path, true))?;
         phase(path, false);
         Ok::<_, OffloadError>(())
     };
@@ -1286,7 +1298,11 @@ fn budget_config(bytes: u64) -> OffloadConfig {
 
 /// What a planned run on the GPU measured: outputs, each phase's peak of
 /// allocated bytes beyond what was allocated before enable (the pool's
-/// high-water mark, reset when a phase begins), what the plan was.
+/// high-water mark, reset once the phase has begun and every free enqueued
+/// before has run: what the phase holds while it computes, with the held
+/// sets it should have evicted and the slots it should have freed, not
+/// the instant of the swap, which the simulator's exact counters check),
+/// what the plan was.
 struct PlannedRun {
     outputs: Vec<u64>,
     peaks: std::collections::BTreeMap<String, u64>,
