@@ -883,7 +883,19 @@ fn simulate(
     Ok(last.denoise_ns as f64 / w.steps as f64 / 1e9)
 }
 
-fn main() -> Result<()> {
+/// Errors print as one line of causes (`Error: what: why`), with no
+/// backtrace whatever `RUST_BACKTRACE` says, and exit 1.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let args = Args::parse();
     #[cfg(feature = "planted-bugs")]
     let bugs = planted(&args)?;
