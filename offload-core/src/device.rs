@@ -293,6 +293,13 @@ pub trait Device<A: Api>: Send + Sync {
         Ok(())
     }
 
+    /// The allocator's granule: every device allocation takes a whole
+    /// number of these bytes (1, the default: exactly what it asks). The
+    /// request planner rounds each allocation it plans up to it.
+    fn allocation_granule(&self) -> u64 {
+        1
+    }
+
     /// Names a stream for traces and reports (no behaviour).
     fn name_stream(&self, stream: &A::Stream, name: &str) {
         let _ = (stream, name);

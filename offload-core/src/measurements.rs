@@ -41,6 +41,16 @@ pub struct PlannerInputs {
     pub max_depth: usize,
     /// Denoising steps of the request planned for.
     pub steps: u32,
+    /// The device allocator's granule: every allocation takes a whole
+    /// number of them (1: exact; 2 MiB on a CUDA device's pool). The
+    /// planner rounds each unit, slot and activation up to it.
+    #[serde(default = "granule")]
+    pub allocation_granule_bytes: u64,
+    /// Device memory the host masters' mappings take (the device's page
+    /// tables for pinned and registered host memory), measured at enable:
+    /// every phase carries it.
+    #[serde(default)]
+    pub mapping_bytes: u64,
     /// Each component, by path.
     pub components: BTreeMap<String, ComponentInputs>,
     /// How these were obtained.
@@ -58,6 +68,10 @@ fn latency() -> f64 {
 
 fn depth() -> usize {
     4
+}
+
+fn granule() -> u64 {
+    1
 }
 
 /// One component's forwards, compute and activations.
@@ -118,6 +132,8 @@ impl PlannerInputs {
             copy_interference: 0.0,
             max_depth: depth(),
             steps,
+            allocation_granule_bytes: granule(),
+            mapping_bytes: 0,
             components: BTreeMap::new(),
             source: InputSource::Given,
         }

@@ -121,31 +121,104 @@ fn inputs(p: &Pipeline, link: f64, steps: u32, compute: &[f64], act: &[u64]) -> 
 /// σ (every block size, or none: everything held), of its weights outside
 /// blocks + its blocks above σ (and a ring left one block keeps it) + two
 /// slots of the largest block left streaming.
-fn least_budget(e: &Evaluator<'_>, inputs: &PlannerInputs) -> u64 {
-    let (nonblock, outside) = e.bytes();
+fn least_budget(p: &Pipeline, e: &Evaluator<'_>, inputs: &PlannerInputs) -> u64 {
+    let g = inputs.allocation_granule_bytes;
+    let r = |b: u64| b.div_ceil(g) * g;
+    // The exact bytes (every unit as the pipeline has it); the test
+    // pipelines hold at most one unit outside every component.
+    let exact = PlannerInputs {
+        allocation_granule_bytes: 1,
+        mapping_bytes: 0,
+        ..inputs.clone()
+    };
+    let (nonblock, outside) = Evaluator::new(p, &budget_config(1), &exact)
+        .unwrap()
+        .bytes();
+    let fixed = r(outside) + inputs.mapping_bytes;
     e.components()
         .iter()
         .zip(&nonblock)
         .map(|((path, stacks), nb)| {
-            let all: u64 = stacks.iter().flatten().map(|(_, b)| b).sum();
-            let mut best = nb + all;
+            let all: u64 = stacks.iter().flatten().map(|(_, b)| r(*b)).sum();
+            let mut best = r(*nb) + all;
             for (_, sigma) in stacks.iter().flatten() {
-                let (mut held, mut slot) = (*nb, 0);
+                let (mut held, mut slot) = (r(*nb), 0);
                 for s in stacks {
                     let small: Vec<u64> =
                         s.iter().map(|(_, b)| *b).filter(|b| b <= sigma).collect();
-                    held += s.iter().map(|(_, b)| *b).filter(|b| b > sigma).sum::<u64>();
+                    held += s
+                        .iter()
+                        .map(|(_, b)| *b)
+                        .filter(|b| b > sigma)
+                        .map(r)
+                        .sum::<u64>();
                     match small.len() {
-                        1 => held += small[0],
-                        _ => slot = slot.max(small.iter().copied().max().unwrap_or(0)),
+                        1 => held += r(small[0]),
+                        _ => slot = slot.max(small.iter().copied().max().map_or(0, r)),
                     }
                 }
                 best = best.min(held + 2 * slot);
             }
-            outside + best + inputs.components[path].activation_bytes
+            fixed + best + r(inputs.components[path].activation_bytes)
         })
         .max()
-        .unwrap_or(outside)
+        .unwrap_or(fixed)
+}
+
+/// A phase's device bytes from a plan's choices, defined here: the weights
+/// in no component, the host mappings, every kept set, its own held set,
+/// its slots and activations, each allocation rounded up to the granule.
+fn phase_bytes(
+    p: &Pipeline,
+    e: &Evaluator<'_>,
+    inputs: &PlannerInputs,
+    planned: &RequestPlan,
+    path: &str,
+) -> u64 {
+    let g = inputs.allocation_granule_bytes;
+    let r = |b: u64| b.div_ceil(g) * g;
+    let exact = PlannerInputs {
+        allocation_granule_bytes: 1,
+        mapping_bytes: 0,
+        ..inputs.clone()
+    };
+    let (nonblock, outside) = Evaluator::new(p, &budget_config(1), &exact)
+        .unwrap()
+        .bytes();
+    let choices = planned.choices();
+    let held = |i: usize| -> u64 {
+        let (c, stacks) = &e.components()[i];
+        let ch = choices.iter().find(|x| &x.path == c).unwrap();
+        r(nonblock[i])
+            + stacks
+                .iter()
+                .flatten()
+                .filter(|(b, _)| ch.resident_blocks.contains(b))
+                .map(|(_, bytes)| r(*bytes))
+                .sum::<u64>()
+    };
+    let comps = e.components();
+    let i = comps.iter().position(|(c, _)| c == path).unwrap();
+    let ch = choices.iter().find(|x| x.path == path).unwrap();
+    let kept: u64 = (0..comps.len())
+        .filter(|&j| j != i && choices.iter().any(|x| x.path == comps[j].0 && x.kept))
+        .map(held)
+        .sum();
+    let slot = comps[i]
+        .1
+        .iter()
+        .flatten()
+        .filter(|(b, _)| !ch.resident_blocks.contains(b))
+        .map(|(_, bytes)| r(*bytes))
+        .max()
+        .unwrap_or(0);
+    let slots = if slot > 0 { ch.depth as u64 + 1 } else { 0 };
+    r(outside)
+        + inputs.mapping_bytes
+        + kept
+        + held(i)
+        + slots * slot
+        + r(inputs.components[path].activation_bytes)
 }
 
 /// Every promise a plan makes, checked from outside the planner: each
@@ -154,16 +227,20 @@ fn least_budget(e: &Evaluator<'_>, inputs: &PlannerInputs) -> u64 {
 /// one streaming block in a ring; never fewer than two slots.
 fn check_plan(p: &Pipeline, config: &OffloadConfig, planned: &RequestPlan, inputs: &PlannerInputs) {
     let bounds = plan_bounds(p, config, planned).unwrap();
+    let e = Evaluator::new(p, config, inputs).unwrap();
     for c in &planned.components {
         let bound = bounds.phase(&c.path).unwrap().device_weight_bytes;
         let act = inputs.components[&c.path].activation_bytes;
+        let device = phase_bytes(p, &e, inputs, planned, &c.path);
         assert!(
-            bound + act <= planned.budget_bytes,
-            "phase `{}` over budget: weights {bound} + activations {act} > {}\n{planned}",
+            device <= planned.budget_bytes && bound + act + inputs.mapping_bytes <= device,
+            "phase `{}` over budget: weights {bound} + activations {act} + mappings {} ({device} in granules of {}) > {}\n{planned}",
             c.path,
+            inputs.mapping_bytes,
+            inputs.allocation_granule_bytes,
             planned.budget_bytes
         );
-        assert_eq!(bound + act, c.peak.total(), "`{}`\n{planned}", c.path);
+        assert_eq!(device, c.peak.total(), "`{}`\n{planned}", c.path);
         match c.mode {
             ComponentMode::Streamed => {
                 assert!(c.streamed_blocks >= 2 && c.slots >= 2, "{planned}");
@@ -205,12 +282,16 @@ proptest! {
         compute in prop::collection::vec(0.0f64..2e-3, 16),
         link in 1e3f64..1e6,
         steps in 1u32..30,
+        granule in prop::sample::select(vec![1u64, 1, 64, 512]),
+        mapping in prop::sample::select(vec![0u64, 0, 700]),
     ) {
         prop_assume!(double + single >= 2);
         let p = pipeline((double, h1, single, h2, extra), (layers, he), vae, outside);
-        let inputs = inputs(&p, link, steps, &compute, &act);
+        let mut inputs = inputs(&p, link, steps, &compute, &act);
+        inputs.allocation_granule_bytes = granule;
+        inputs.mapping_bytes = mapping;
         let e = Evaluator::new(&p, &budget_config(1), &inputs).unwrap();
-        let least = least_budget(&e, &inputs);
+        let least = least_budget(&p, &e, &inputs);
         let total: u64 = p.storages().map(|(_, s)| s.bytes).sum::<u64>() + act.iter().max().unwrap();
         let budget = (total as f64 * fraction) as u64 + 1;
         let config = budget_config(budget);
@@ -328,7 +409,7 @@ fn the_plan_is_never_worse_than_the_best_single_strategy() {
         for steps in [1u32, 4, 28] {
             let inputs = inputs(&p, 1e6, steps, &compute, &[500, 2000, 300, 1000]);
             let e = Evaluator::new(&p, &budget_config(1), &inputs).unwrap();
-            let least = least_budget(&e, &inputs);
+            let least = least_budget(&p, &e, &inputs);
             let total: u64 = p.storages().map(|(_, s)| s.bytes).sum::<u64>() + 2000;
             for k in 0..=10 {
                 let budget = least + (total - least) * k / 10;

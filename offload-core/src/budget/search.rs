@@ -48,7 +48,11 @@ const TIE: f64 = 1e-3;
 #[derive(Clone, Debug)]
 struct PBlock {
     path: String,
+    /// Its bytes (what a copy moves).
     bytes: u64,
+    /// Device bytes it takes: `bytes` rounded up to the allocator's
+    /// granule.
+    mem: u64,
     compute_s: f64,
 }
 
@@ -60,6 +64,8 @@ struct PComp {
     bytes: u64,
     /// Its weights outside its blocks.
     nonblock: u64,
+    /// Device bytes they take (rounded up to the allocator's granule).
+    nonblock_mem: u64,
     /// Its block stacks (empty: it has no block topology).
     stacks: Vec<Vec<PBlock>>,
     /// Forwards per request.
@@ -102,7 +108,19 @@ impl PComp {
         self.stacks.iter().map(Vec::len).sum()
     }
 
+    /// Device bytes of its held set (each unit a whole number of granules).
     fn held(&self, l: &Local) -> u64 {
+        self.nonblock_mem
+            + self
+                .stacks
+                .iter()
+                .zip(&l.resident)
+                .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| **r).map(|(b, _)| b.mem))
+                .sum::<u64>()
+    }
+
+    /// Bytes its held set copies in (exact).
+    fn held_copy(&self, l: &Local) -> u64 {
         self.nonblock
             + self
                 .stacks
@@ -112,11 +130,12 @@ impl PComp {
                 .sum::<u64>()
     }
 
+    /// Device bytes of one slot (its largest streamed block, in granules).
     fn slot(&self, l: &Local) -> u64 {
         self.stacks
             .iter()
             .zip(&l.resident)
-            .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| !**r).map(|(b, _)| b.bytes))
+            .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| !**r).map(|(b, _)| b.mem))
             .max()
             .unwrap_or(0)
     }
@@ -186,7 +205,7 @@ impl PComp {
     /// forwards, each stack's from the ring recurrence.
     fn time(&self, l: &Local, kept: bool, inp: &PlannerInputs) -> f64 {
         let link = inp.link_bytes_per_s;
-        let held = self.held(l);
+        let held = self.held_copy(l);
         let bring = if kept || held == 0 {
             0.0
         } else {
@@ -266,7 +285,11 @@ fn better(a: (f64, u64, usize), b: (f64, u64, usize)) -> bool {
 /// The request as the planner sees it.
 struct Request<'a> {
     comps: Vec<PComp>,
+    /// Device bytes of the weights in no component (each unit in granules).
     outside: u64,
+    /// Device memory every phase carries beside the weights: the host
+    /// masters' mappings.
+    mapping: u64,
     inputs: &'a PlannerInputs,
     max_depth: usize,
 }
@@ -288,6 +311,12 @@ struct Solution {
 }
 
 impl<'a> Request<'a> {
+    /// Device bytes every phase carries: the weights in no component and
+    /// the host masters' mappings.
+    fn fixed(&self) -> u64 {
+        self.outside + self.mapping
+    }
+
     fn new(
         pipeline: &Pipeline,
         config: &OffloadConfig,
@@ -299,6 +328,9 @@ impl<'a> Request<'a> {
         check_inputs(pipeline, inputs)?;
         let mut comps = Vec::new();
         let mut managed = 0u64;
+        // Each allocation takes whole granules of the device's allocator.
+        let granule = inputs.allocation_granule_bytes.max(1);
+        let round = |b: u64| b.div_ceil(granule).saturating_mul(granule);
         for c in resolved
             .components
             .iter()
@@ -325,6 +357,7 @@ impl<'a> Request<'a> {
                         .map(|b| PBlock {
                             path: b.path.clone(),
                             bytes: part.blocks[&b.module].bytes,
+                            mem: round(part.blocks[&b.module].bytes),
                             compute_s: ci.block_compute_s.get(&b.path).copied().unwrap_or(0.0),
                         })
                         .collect()
@@ -341,16 +374,17 @@ impl<'a> Request<'a> {
             }
             let nonblock = part.rest_of(c.module).map_or(0, |u| u.bytes);
             let block_bytes: u64 = stacks.iter().flatten().map(|b| b.bytes).sum();
-            managed += nonblock + block_bytes;
+            managed += round(nonblock) + stacks.iter().flatten().map(|b| b.mem).sum::<u64>();
             comps.push(PComp {
                 path: c.path.clone(),
                 role: c.role,
                 bytes: nonblock + block_bytes,
                 nonblock,
+                nonblock_mem: round(nonblock),
                 stacks,
                 forwards: PlannerInputs::forwards_per_request(ci, inputs.steps),
                 own_s: ci.own_compute_s,
-                act: ci.activation_bytes,
+                act: round(ci.activation_bytes),
             });
         }
         if let Some(unknown) = inputs
@@ -367,10 +401,12 @@ impl<'a> Request<'a> {
                 ),
             });
         }
-        let total: u64 = part.all().map(|u| u.bytes).sum();
+        // Every unit outside the managed components stays on the device.
+        let outside = part.all().map(|u| round(u.bytes)).sum::<u64>() - managed;
         Ok(Self {
             comps,
-            outside: total - managed,
+            outside,
+            mapping: inputs.mapping_bytes,
             inputs,
             max_depth: inputs.max_depth,
         })
@@ -383,8 +419,9 @@ impl<'a> Request<'a> {
         self.comps
             .iter()
             .map(|c| {
-                let mut best = (c.own(&c.all_resident()), c.bytes, c.all_resident());
-                let mut least_held = c.bytes;
+                let all = c.all_resident();
+                let mut best = (c.own(&all), c.held(&all), all);
+                let mut least_held = best.1;
                 for sigma in c.sizes() {
                     let l = c.minimal(sigma, 1);
                     least_held = least_held.min(c.held(&l));
@@ -403,14 +440,15 @@ impl<'a> Request<'a> {
             .comps
             .iter()
             .zip(&minima)
-            .map(|(c, m)| (c.path.clone(), self.outside + m.0 + c.act))
+            .map(|(c, m)| (c.path.clone(), self.fixed() + m.0 + c.act))
             .collect();
         let Some(i) = (0..phases.len()).max_by_key(|&i| phases[i].1) else {
             return MinimumBudget {
-                bytes: self.outside,
+                bytes: self.fixed(),
                 phase: String::new(),
                 parts: PeakParts {
                     outside_bytes: self.outside,
+                    mapping_bytes: self.mapping,
                     ..PeakParts::default()
                 },
                 slots: 0,
@@ -423,6 +461,7 @@ impl<'a> Request<'a> {
             phase: c.path.clone(),
             parts: PeakParts {
                 outside_bytes: self.outside,
+                mapping_bytes: self.mapping,
                 kept_bytes: 0,
                 held_bytes: c.held(l),
                 slot_bytes: c.slots(l) as u64 * c.slot(l),
@@ -636,7 +675,7 @@ impl<'a> Request<'a> {
         let n = self.comps.len();
         let is_kept = |c: usize| kept.contains(&c) || preset[c].is_some();
         let mut fixed: Vec<Option<Solved>> = preset.to_vec();
-        let head = budget.checked_sub(self.outside)?;
+        let head = budget.checked_sub(self.fixed())?;
         // What kept component j costs the other phases now: its held set
         // if fixed, else its least held set.
         let held_of =
@@ -825,6 +864,7 @@ impl<'a> Request<'a> {
             let held = c.held(l);
             let peak = PeakParts {
                 outside_bytes: self.outside,
+                mapping_bytes: self.mapping,
                 kept_bytes: kept_total - if *kept { held } else { 0 },
                 held_bytes: held,
                 slot_bytes: c.slots(l) as u64 * c.slot(l),
@@ -842,7 +882,7 @@ impl<'a> Request<'a> {
                 .iter()
                 .map(|p| p.peak.total())
                 .max()
-                .unwrap_or(self.outside),
+                .unwrap_or(self.fixed()),
             phases: out,
         }
     }
@@ -968,6 +1008,21 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
     }
     if !(1..=MAX_DEPTH).contains(&inputs.max_depth) {
         return bad("max_depth", inputs.max_depth.to_string(), "1 to 64");
+    }
+    let g = inputs.allocation_granule_bytes;
+    if !g.is_power_of_two() || g > 1 << 30 {
+        return bad(
+            "allocation_granule_bytes",
+            g.to_string(),
+            "a power of two from 1 to 2^30 bytes",
+        );
+    }
+    if inputs.mapping_bytes > 1 << 50 {
+        return bad(
+            "mapping_bytes",
+            inputs.mapping_bytes.to_string(),
+            "at most 2^50 bytes",
+        );
     }
     if !(1..=crate::request::MAX_REQUEST_STEPS).contains(&inputs.steps) {
         return bad("steps", inputs.steps.to_string(), "1 to 100000");
@@ -1095,6 +1150,7 @@ pub(super) fn plan_request(
         minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
         phase: minimum.phase.clone(),
         outside: minimum.parts.outside_bytes,
+        mapping: minimum.parts.mapping_bytes,
         held: minimum.parts.held_bytes,
         slots: minimum.slots,
         slot_bytes: if minimum.slots > 0 {
@@ -1144,6 +1200,8 @@ pub(super) fn plan_request(
         minimum,
         alternatives,
         link_bytes_per_s: inputs.link_bytes_per_s,
+        allocation_granule_bytes: inputs.allocation_granule_bytes.max(1),
+        mapping_bytes: inputs.mapping_bytes,
         source: inputs.source.clone(),
     })
 }

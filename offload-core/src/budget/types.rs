@@ -93,6 +93,8 @@ impl fmt::Display for Limit {
 pub struct PeakParts {
     /// Weights in no component (always resident).
     pub outside_bytes: u64,
+    /// Device memory the host masters' mappings take (measured at enable).
+    pub mapping_bytes: u64,
     /// Other components' kept sets.
     pub kept_bytes: u64,
     /// This component's held set (weights outside its blocks, resident
@@ -108,6 +110,7 @@ impl PeakParts {
     /// The peak: every part.
     pub fn total(&self) -> u64 {
         self.outside_bytes
+            + self.mapping_bytes
             + self.kept_bytes
             + self.held_bytes
             + self.slot_bytes
@@ -222,6 +225,10 @@ pub struct RequestPlan {
     pub alternatives: Vec<Alternative>,
     /// The link the plan assumes, bytes per second.
     pub link_bytes_per_s: f64,
+    /// The device allocator's granule the plan rounded allocations to.
+    pub allocation_granule_bytes: u64,
+    /// Device memory of the host masters' mappings every phase carries.
+    pub mapping_bytes: u64,
     /// Where the inputs came from.
     pub source: InputSource,
 }
@@ -284,6 +291,14 @@ impl fmt::Display for RequestPlan {
             gb(self.minimum.bytes),
             self.minimum.phase
         )?;
+        if self.mapping_bytes > 0 || self.allocation_granule_bytes > 1 {
+            writeln!(
+                f,
+                "  every phase counts {:.3} GB of host mappings (the device's page tables for the pinned or registered host masters) and each allocation in whole {} KiB granules",
+                gb(self.mapping_bytes),
+                self.allocation_granule_bytes / 1024
+            )?;
+        }
         for c in &self.components {
             let what = match c.mode {
                 ComponentMode::Streamed => format!(
@@ -392,7 +407,7 @@ pub enum BudgetError {
     },
     /// The budget is below the least any plan needs.
     #[error(
-        "`device_budget` = {budget} B does not fit: the least this pipeline needs is {minimum} B ({minimum_gib:.2} GiB), in the phase of `{phase}`: {outside} B outside every component + {held} B held + {slots} slots of {slot_bytes} B + {activation_bytes} B of activations; allowed: device_budget ≥ {minimum} B"
+        "`device_budget` = {budget} B does not fit: the least this pipeline needs is {minimum} B ({minimum_gib:.2} GiB), in the phase of `{phase}`: {outside} B outside every component + {mapping} B of host mappings + {held} B held + {slots} slots of {slot_bytes} B + {activation_bytes} B of activations; allowed: device_budget ≥ {minimum} B"
     )]
     DoesNotFit {
         /// The budget, bytes.
@@ -405,6 +420,8 @@ pub enum BudgetError {
         phase: String,
         /// Weights in no component.
         outside: u64,
+        /// Device memory of the host masters' mappings.
+        mapping: u64,
         /// The phase's held part at its minimum (outside its blocks, and
         /// blocks larger than its slot).
         held: u64,

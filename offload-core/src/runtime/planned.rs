@@ -101,6 +101,8 @@ pub struct PlannedBackend<A: Api> {
     timer: Option<Arc<Timer<A>>>,
     warmup: Option<RequestShape>,
     memory: Option<DeviceMemory>,
+    /// Device memory the host masters' mappings took (measured at enable).
+    mapping_bytes: u64,
     /// The component whose phase runs now (the last to begin).
     current: Arc<Mutex<Option<String>>>,
     replanned: bool,
@@ -183,6 +185,7 @@ impl<A: Api> PlannedBackend<A> {
             timer: None,
             warmup: None,
             memory: None,
+            mapping_bytes: 0,
             current: Arc::new(Mutex::new(None)),
             replanned: false,
             hooked: Vec::new(),
@@ -494,7 +497,9 @@ impl<A: Api> PlannedBackend<A> {
         });
         // Activations: per phase, the most memory in use beside the
         // weights held then (and beside what was in use before enable).
-        let used_before = memory.total_bytes.saturating_sub(memory.free_bytes);
+        // The host masters' mappings are counted apart (every phase
+        // carries them), not as activations.
+        let used_before = memory.total_bytes.saturating_sub(memory.free_bytes) + self.mapping_bytes;
         let mut activation: BTreeMap<String, u64> = BTreeMap::new();
         for (p, s) in timer.samples() {
             let by_free = s
@@ -553,6 +558,8 @@ impl<A: Api> PlannedBackend<A> {
                 device_free_bytes: memory.free_bytes,
             },
             copy_latency_s: latency,
+            allocation_granule_bytes: self.device.allocation_granule(),
+            mapping_bytes: self.mapping_bytes,
             ..PlannerInputs::new(link, request.steps)
         })
     }
@@ -750,6 +757,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 if let Some(r) = &request {
                     inputs.steps = r.steps;
                 }
+                // The device's own facts, whoever gave the rest: its
+                // allocator's granule now, the mappings as last measured
+                // (measured again below, once the masters exist).
+                inputs.allocation_granule_bytes = self.device.allocation_granule();
                 let plan = budget::plan(&model.pipeline, &self.config, &inputs, memory)
                     .map_err(|e| OffloadError::Budget(Box::new(e)))?;
                 (plan.choices(), Some(plan), Some(inputs), None)
@@ -774,6 +785,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                         minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
                         phase: minimum.phase.clone(),
                         outside: minimum.parts.outside_bytes,
+                        mapping: minimum.parts.mapping_bytes,
                         held: minimum.parts.held_bytes,
                         slots: minimum.slots,
                         slot_bytes: if minimum.slots > 0 {
@@ -800,6 +812,37 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             return Err(e);
         }
         self.layout = Some(layout);
+        // The masters' mappings: what device memory in use grew by while
+        // only host memory was pinned or registered. A delta above 1/256
+        // of the masters' bytes (twice a page table of 8 B per 4 KiB page)
+        // is another process's, not ours.
+        let host: u64 = self.store.values().map(|m| m.len_bytes()).sum();
+        self.mapping_bytes = match self.device.memory_info() {
+            Ok(after) => {
+                let used =
+                    |i: &crate::device::MemoryInfo| i.total_bytes.saturating_sub(i.free_bytes);
+                used(&after).saturating_sub(used(&info)).min(host / 256)
+            }
+            Err(e) => {
+                let _ = self.release_all(None, true);
+                return Err(dev_err("memory_info", e));
+            }
+        };
+        // Given inputs planned before the masters existed: plan again if
+        // the mappings measured now differ from what they assumed.
+        let (choices, plan, inputs) = match (plan, inputs) {
+            (Some(_), Some(mut inp)) if inp.mapping_bytes != self.mapping_bytes => {
+                inp.mapping_bytes = self.mapping_bytes;
+                match budget::plan(&model.pipeline, &self.config, &inp, memory) {
+                    Ok(p) => (p.choices(), Some(p), Some(inp)),
+                    Err(e) => {
+                        let _ = self.release_all(None, true);
+                        return Err(OffloadError::Budget(Box::new(e)));
+                    }
+                }
+            }
+            (plan, inputs) => (choices, plan, inputs),
+        };
         let timer = warmup
             .is_some()
             .then(|| Arc::new(Timer::new(Arc::clone(&self.device))));
