@@ -293,9 +293,28 @@ pub trait Device<A: Api>: Send + Sync {
         Ok(())
     }
 
-    /// The allocator's granule: every device allocation takes a whole
-    /// number of these bytes (1, the default: exactly what it asks). The
-    /// request planner rounds each allocation it plans up to it.
+    /// Gives the allocator's unused memory back to the device, once the
+    /// frees already enqueued have run (the host waits for them): what a
+    /// phase frees is then free device memory before the next phase
+    /// allocates, not slack the allocator keeps. A no-op by default.
+    fn release_unused(&self) -> Result<(), A::Error> {
+        Ok(())
+    }
+
+    /// The most device memory the allocator held at once (in use, and
+    /// mapped but not in use: its chunks' slack) since the last
+    /// [`Device::reset_memory_peak`], where it keeps one; `None` (the
+    /// default) where it does not. The warm-up plans the difference from
+    /// [`Device::memory_peak`] as every phase's allocator slack.
+    fn memory_reserved_peak(&self) -> Result<Option<u64>, A::Error> {
+        Ok(None)
+    }
+
+    /// The allocator's granule where each allocation takes a whole number
+    /// of these bytes (1, the default: exactly what it asks, or an
+    /// allocator that packs allocations into chunks, whose slack
+    /// [`Device::memory_reserved_peak`] measures). The request planner
+    /// rounds each allocation it plans up to it.
     fn allocation_granule(&self) -> u64 {
         1
     }

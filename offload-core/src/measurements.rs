@@ -51,6 +51,12 @@ pub struct PlannerInputs {
     /// every phase carries it.
     #[serde(default)]
     pub mapping_bytes: u64,
+    /// The device allocator's slack: the most it held beyond what was in
+    /// use in any phase of the warm-up (its chunks' unused bytes, which
+    /// the device's free memory does not count either): every phase
+    /// carries it.
+    #[serde(default)]
+    pub allocator_slack_bytes: u64,
     /// Each component, by path.
     pub components: BTreeMap<String, ComponentInputs>,
     /// How these were obtained.
@@ -134,6 +140,7 @@ impl PlannerInputs {
             steps,
             allocation_granule_bytes: granule(),
             mapping_bytes: 0,
+            allocator_slack_bytes: 0,
             components: BTreeMap::new(),
             source: InputSource::Given,
         }

@@ -1147,34 +1147,18 @@ impl Device<Cuda> for CudaDevice {
         self.reset_pool_high()
     }
 
-    /// The stream-ordered pool maps device memory in the driver's minimum
-    /// granularity for pinned device allocations (2 MiB on Hopper), each
-    /// allocation a whole number of them; 2 MiB where the query fails.
-    fn allocation_granule(&self) -> u64 {
-        const FALLBACK: u64 = 2 << 20;
-        if self.bind().is_err() {
-            return FALLBACK;
-        }
-        // SAFETY: a plain-data struct of the driver's, all-zero valid (no
-        // handle types, no flags); the query only reads it and writes one
-        // usize.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = self.ctx.ordinal;
-        let mut granule = 0usize;
-        // SAFETY: both pointers are to live locals of the right types.
-        let code = unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &raw mut granule,
-                &raw const prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        };
-        match (code, granule as u64) {
-            (sys::cudaError_enum::CUDA_SUCCESS, g) if g.is_power_of_two() => g,
-            _ => FALLBACK,
-        }
+    /// The pool's reserved high-water mark: it maps device memory in
+    /// chunks (multiples of 32 MiB on the H200) and packs allocations into
+    /// them, so what it holds exceeds what is in use by its chunks' slack,
+    /// not by a granule per allocation (BENCHMARKS.md, the pool probe).
+    fn release_unused(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        self.trim_pool()
+    }
+
+    fn memory_reserved_peak(&self) -> Result<Option<u64>, CudaError> {
+        self.bind()?;
+        Ok(Some(self.pool_reserved()?.1))
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {

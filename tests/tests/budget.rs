@@ -129,12 +129,13 @@ fn least_budget(p: &Pipeline, e: &Evaluator<'_>, inputs: &PlannerInputs) -> u64 
     let exact = PlannerInputs {
         allocation_granule_bytes: 1,
         mapping_bytes: 0,
+        allocator_slack_bytes: 0,
         ..inputs.clone()
     };
     let (nonblock, outside) = Evaluator::new(p, &budget_config(1), &exact)
         .unwrap()
         .bytes();
-    let fixed = r(outside) + inputs.mapping_bytes;
+    let fixed = r(outside) + inputs.mapping_bytes + inputs.allocator_slack_bytes;
     e.components()
         .iter()
         .zip(&nonblock)
@@ -180,6 +181,7 @@ fn phase_bytes(
     let exact = PlannerInputs {
         allocation_granule_bytes: 1,
         mapping_bytes: 0,
+        allocator_slack_bytes: 0,
         ..inputs.clone()
     };
     let (nonblock, outside) = Evaluator::new(p, &budget_config(1), &exact)
@@ -215,6 +217,7 @@ fn phase_bytes(
     let slots = if slot > 0 { ch.depth as u64 + 1 } else { 0 };
     r(outside)
         + inputs.mapping_bytes
+        + inputs.allocator_slack_bytes
         + kept
         + held(i)
         + slots * slot
@@ -284,12 +287,14 @@ proptest! {
         steps in 1u32..30,
         granule in prop::sample::select(vec![1u64, 1, 64, 512]),
         mapping in prop::sample::select(vec![0u64, 0, 700]),
+        slack in prop::sample::select(vec![0u64, 0, 1300]),
     ) {
         prop_assume!(double + single >= 2);
         let p = pipeline((double, h1, single, h2, extra), (layers, he), vae, outside);
         let mut inputs = inputs(&p, link, steps, &compute, &act);
         inputs.allocation_granule_bytes = granule;
         inputs.mapping_bytes = mapping;
+        inputs.allocator_slack_bytes = slack;
         let e = Evaluator::new(&p, &budget_config(1), &inputs).unwrap();
         let least = least_budget(&p, &e, &inputs);
         let total: u64 = p.storages().map(|(_, s)| s.bytes).sum::<u64>() + act.iter().max().unwrap();

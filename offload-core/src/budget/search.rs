@@ -290,6 +290,8 @@ struct Request<'a> {
     /// Device memory every phase carries beside the weights: the host
     /// masters' mappings.
     mapping: u64,
+    /// And the allocator's slack.
+    slack: u64,
     inputs: &'a PlannerInputs,
     max_depth: usize,
 }
@@ -311,10 +313,10 @@ struct Solution {
 }
 
 impl<'a> Request<'a> {
-    /// Device bytes every phase carries: the weights in no component and
-    /// the host masters' mappings.
+    /// Device bytes every phase carries: the weights in no component, the
+    /// host masters' mappings and the allocator's slack.
     fn fixed(&self) -> u64 {
-        self.outside + self.mapping
+        self.outside + self.mapping + self.slack
     }
 
     fn new(
@@ -407,6 +409,7 @@ impl<'a> Request<'a> {
             comps,
             outside,
             mapping: inputs.mapping_bytes,
+            slack: inputs.allocator_slack_bytes,
             inputs,
             max_depth: inputs.max_depth,
         })
@@ -449,6 +452,7 @@ impl<'a> Request<'a> {
                 parts: PeakParts {
                     outside_bytes: self.outside,
                     mapping_bytes: self.mapping,
+                    allocator_slack_bytes: self.slack,
                     ..PeakParts::default()
                 },
                 slots: 0,
@@ -462,6 +466,7 @@ impl<'a> Request<'a> {
             parts: PeakParts {
                 outside_bytes: self.outside,
                 mapping_bytes: self.mapping,
+                allocator_slack_bytes: self.slack,
                 kept_bytes: 0,
                 held_bytes: c.held(l),
                 slot_bytes: c.slots(l) as u64 * c.slot(l),
@@ -865,6 +870,7 @@ impl<'a> Request<'a> {
             let peak = PeakParts {
                 outside_bytes: self.outside,
                 mapping_bytes: self.mapping,
+                allocator_slack_bytes: self.slack,
                 kept_bytes: kept_total - if *kept { held } else { 0 },
                 held_bytes: held,
                 slot_bytes: c.slots(l) as u64 * c.slot(l),
@@ -1017,12 +1023,13 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             "a power of two from 1 to 2^30 bytes",
         );
     }
-    if inputs.mapping_bytes > 1 << 50 {
-        return bad(
-            "mapping_bytes",
-            inputs.mapping_bytes.to_string(),
-            "at most 2^50 bytes",
-        );
+    for (input, v) in [
+        ("mapping_bytes", inputs.mapping_bytes),
+        ("allocator_slack_bytes", inputs.allocator_slack_bytes),
+    ] {
+        if v > 1 << 50 {
+            return bad(input, v.to_string(), "at most 2^50 bytes");
+        }
     }
     if !(1..=crate::request::MAX_REQUEST_STEPS).contains(&inputs.steps) {
         return bad("steps", inputs.steps.to_string(), "1 to 100000");
@@ -1151,6 +1158,7 @@ pub(super) fn plan_request(
         phase: minimum.phase.clone(),
         outside: minimum.parts.outside_bytes,
         mapping: minimum.parts.mapping_bytes,
+        slack: minimum.parts.allocator_slack_bytes,
         held: minimum.parts.held_bytes,
         slots: minimum.slots,
         slot_bytes: if minimum.slots > 0 {
@@ -1202,6 +1210,7 @@ pub(super) fn plan_request(
         link_bytes_per_s: inputs.link_bytes_per_s,
         allocation_granule_bytes: inputs.allocation_granule_bytes.max(1),
         mapping_bytes: inputs.mapping_bytes,
+        allocator_slack_bytes: inputs.allocator_slack_bytes,
         source: inputs.source.clone(),
     })
 }

@@ -95,6 +95,8 @@ pub struct PeakParts {
     pub outside_bytes: u64,
     /// Device memory the host masters' mappings take (measured at enable).
     pub mapping_bytes: u64,
+    /// The device allocator's slack (measured by the warm-up).
+    pub allocator_slack_bytes: u64,
     /// Other components' kept sets.
     pub kept_bytes: u64,
     /// This component's held set (weights outside its blocks, resident
@@ -111,6 +113,7 @@ impl PeakParts {
     pub fn total(&self) -> u64 {
         self.outside_bytes
             + self.mapping_bytes
+            + self.allocator_slack_bytes
             + self.kept_bytes
             + self.held_bytes
             + self.slot_bytes
@@ -229,6 +232,8 @@ pub struct RequestPlan {
     pub allocation_granule_bytes: u64,
     /// Device memory of the host masters' mappings every phase carries.
     pub mapping_bytes: u64,
+    /// The device allocator's slack every phase carries.
+    pub allocator_slack_bytes: u64,
     /// Where the inputs came from.
     pub source: InputSource,
 }
@@ -291,12 +296,19 @@ impl fmt::Display for RequestPlan {
             gb(self.minimum.bytes),
             self.minimum.phase
         )?;
-        if self.mapping_bytes > 0 || self.allocation_granule_bytes > 1 {
+        if self.mapping_bytes > 0 || self.allocator_slack_bytes > 0 {
             writeln!(
                 f,
-                "  every phase counts {:.3} GB of host mappings (the device's page tables for the pinned or registered host masters) and each allocation in whole {} KiB granules",
+                "  every phase counts {:.3} GB of host mappings (the device's page tables for the pinned or registered host masters) and {:.3} GB of allocator slack (its chunks' unused bytes, as the warm-up measured)",
                 gb(self.mapping_bytes),
-                self.allocation_granule_bytes / 1024
+                gb(self.allocator_slack_bytes)
+            )?;
+        }
+        if self.allocation_granule_bytes > 1 {
+            writeln!(
+                f,
+                "  each allocation counted in whole {} B granules",
+                self.allocation_granule_bytes
             )?;
         }
         for c in &self.components {
@@ -407,7 +419,7 @@ pub enum BudgetError {
     },
     /// The budget is below the least any plan needs.
     #[error(
-        "`device_budget` = {budget} B does not fit: the least this pipeline needs is {minimum} B ({minimum_gib:.2} GiB), in the phase of `{phase}`: {outside} B outside every component + {mapping} B of host mappings + {held} B held + {slots} slots of {slot_bytes} B + {activation_bytes} B of activations; allowed: device_budget ≥ {minimum} B"
+        "`device_budget` = {budget} B does not fit: the least this pipeline needs is {minimum} B ({minimum_gib:.2} GiB), in the phase of `{phase}`: {outside} B outside every component + {mapping} B of host mappings + {slack} B of allocator slack + {held} B held + {slots} slots of {slot_bytes} B + {activation_bytes} B of activations; allowed: device_budget ≥ {minimum} B"
     )]
     DoesNotFit {
         /// The budget, bytes.
@@ -422,6 +434,8 @@ pub enum BudgetError {
         outside: u64,
         /// Device memory of the host masters' mappings.
         mapping: u64,
+        /// The device allocator's slack.
+        slack: u64,
         /// The phase's held part at its minimum (outside its blocks, and
         /// blocks larger than its slot).
         held: u64,

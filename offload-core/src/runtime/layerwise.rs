@@ -1320,6 +1320,17 @@ impl<A: Api> RingEngine<A> {
     /// `depth`: kept when it already is (consecutive phases alike),
     /// otherwise the old pool is freed after its last uses (blocks in
     /// flight discarded) and the new one allocated; `slots == 0` frees it.
+    /// Whether the pool is `slots` slots of `slot_bytes` now.
+    pub(crate) fn has_pool(&self, slots: usize, slot_bytes: u64) -> bool {
+        self.engine.lock().as_ref().is_some_and(|st| {
+            st.slots.len() == slots
+                && st
+                    .slots
+                    .first()
+                    .is_none_or(|s| s.buffer.len_bytes() == slot_bytes)
+        })
+    }
+
     pub(crate) fn use_pool(
         &self,
         slots: usize,

@@ -501,7 +501,12 @@ impl<A: Api> PlannedBackend<A> {
         // carries them), not as activations.
         let used_before = memory.total_bytes.saturating_sub(memory.free_bytes) + self.mapping_bytes;
         let mut activation: BTreeMap<String, u64> = BTreeMap::new();
+        // The allocator's slack: what it held beyond what was in use.
+        let mut slack = 0u64;
         for (p, s) in timer.samples() {
+            if let (Some(reserved), Some(peak)) = (s.reserved_peak_bytes, s.peak_bytes) {
+                slack = slack.max(reserved.saturating_sub(peak));
+            }
             let by_free = s
                 .used_bytes
                 .saturating_sub(s.weight_bytes)
@@ -560,6 +565,7 @@ impl<A: Api> PlannedBackend<A> {
             copy_latency_s: latency,
             allocation_granule_bytes: self.device.allocation_granule(),
             mapping_bytes: self.mapping_bytes,
+            allocator_slack_bytes: slack,
             ..PlannerInputs::new(link, request.steps)
         })
     }
@@ -617,7 +623,7 @@ impl<A: Api> PhaseHook<A> {
     }
 
     fn pre(&self) -> Result<(), OffloadError> {
-        *lock(&self.current) = Some(self.path.clone());
+        let begins = lock(&self.current).replace(self.path.clone()).as_deref() != Some(&self.path);
         // The phase before gives its memory back first (the held sets not
         // kept, then a slot pool unlike this phase's), so the device never
         // holds two phases' sets at once; then this phase's pool and held
@@ -626,7 +632,20 @@ impl<A: Api> PhaseHook<A> {
             model_level::evict_others(&self.phases, self.group)?;
         }
         let (slots, bytes, depth) = self.pool;
-        if !self.bugs.has(PlantedBug::KeepPoolAcrossPhases) || slots > 0 {
+        let keep_pool = self.bugs.has(PlantedBug::KeepPoolAcrossPhases) && slots == 0;
+        if begins {
+            // What the phase before freed goes back to the device before
+            // this one allocates (the host waits for those frees, so for
+            // the phase before's last kernels): the allocator keeps no
+            // slack of it that the device's free memory would miss.
+            if !keep_pool && !self.ring.has_pool(slots, bytes) {
+                self.ring.use_pool(0, 0, 1)?;
+            }
+            self.device
+                .release_unused()
+                .map_err(|e| dev_err("release_unused (a phase begins)", e))?;
+        }
+        if !keep_pool {
             self.ring.use_pool(slots, bytes, depth)?;
         }
         if let Some(g) = self.group {
@@ -786,6 +805,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                         phase: minimum.phase.clone(),
                         outside: minimum.parts.outside_bytes,
                         mapping: minimum.parts.mapping_bytes,
+                        slack: minimum.parts.allocator_slack_bytes,
                         held: minimum.parts.held_bytes,
                         slots: minimum.slots,
                         slot_bytes: if minimum.slots > 0 {

@@ -41,6 +41,9 @@ pub(crate) struct MemorySample {
     /// The device's own high-water mark since the last reset, if it keeps
     /// one.
     pub(crate) peak_bytes: Option<u64>,
+    /// The allocator's high-water mark of what it held (in use and slack),
+    /// if it keeps one.
+    pub(crate) reserved_peak_bytes: Option<u64>,
     /// Weight bytes the backend held on the device then.
     pub(crate) weight_bytes: u64,
 }
@@ -85,11 +88,16 @@ impl<A: Api> Timer<A> {
             .device
             .memory_peak()
             .map_err(|e| dev_err("memory_peak", e))?;
+        let reserved = self
+            .device
+            .memory_reserved_peak()
+            .map_err(|e| dev_err("memory_reserved_peak", e))?;
         lock(&self.memory).push((
             phase.to_owned(),
             MemorySample {
                 used_bytes: info.total_bytes.saturating_sub(info.free_bytes),
                 peak_bytes: peak,
+                reserved_peak_bytes: reserved,
                 weight_bytes,
             },
         ));
