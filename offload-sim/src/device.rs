@@ -1693,11 +1693,15 @@ impl Device<Sim> for SimDevice {
 
     fn memory_info(&self) -> Result<MemoryInfo, SimError> {
         let st = self.state();
+        let mapping = match st.profile.host_mapping_divisor {
+            0 => 0,
+            d => (st.stats.pinned_bytes + st.stats.registered_bytes) / d,
+        };
         Ok(MemoryInfo {
             free_bytes: st
                 .profile
                 .memory_bytes
-                .saturating_sub(st.stats.device_bytes + st.stats.activation_bytes),
+                .saturating_sub(st.stats.device_bytes + st.stats.activation_bytes + mapping),
             total_bytes: st.profile.memory_bytes,
         })
     }

@@ -60,6 +60,10 @@ pub struct DeviceProfile {
     pub kernel_latency_us: f64,
     /// Device memory, bytes.
     pub memory_bytes: u64,
+    /// Device memory the device's page tables take for pinned and
+    /// registered host memory: one byte per this many host bytes (0: none,
+    /// the presets' default; a CUDA device maps 8 B per 4 KiB page, 512).
+    pub host_mapping_divisor: u64,
     /// Host time one driver call takes, µs.
     pub launch_overhead_us: f64,
     /// Pinned host→device bandwidth per GPU, GB/s, while the other GPUs of
@@ -111,6 +115,7 @@ impl DeviceProfile {
             copy_interference: 0.033,
             kernel_latency_us: 6.0,
             memory_bytes: 141_000_000_000,
+            host_mapping_divisor: 0,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 52.3,
             link: LinkProfile {
@@ -148,6 +153,7 @@ impl DeviceProfile {
             // 24 GiB of GDDR6X (the card reports 24,564 MiB; a budget of
             // "24GiB" names the whole card).
             memory_bytes: 24 << 30,
+            host_mapping_divisor: 0,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 25.0 * SHARED_H2D_FRACTION,
             link: Self::pcie_link(),
@@ -176,6 +182,7 @@ impl DeviceProfile {
             kernel_latency_us: 4.0,
             // 48 GiB of GDDR6.
             memory_bytes: 48 << 30,
+            host_mapping_divisor: 0,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 25.0 * SHARED_H2D_FRACTION,
             link: Self::pcie_link(),

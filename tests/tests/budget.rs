@@ -865,3 +865,89 @@ fn a_first_request_short_of_memory_replans_once() {
     assert!(!rig.runtime.replan_after(&other).unwrap());
     rig.runtime.disable().unwrap();
 }
+
+/// The host masters' mappings (the device's page tables for pinned and
+/// registered host memory; the simulator charges one byte per
+/// `host_mapping_divisor` host bytes when asked) are measured at enable and
+/// carried by every phase: the warm-up's inputs hold them and the least
+/// budget grows by them; saved measurements that assumed none plan again
+/// at enable with what was measured; a budget that fits only without them
+/// is a typed error naming them, after which nothing stays pinned,
+/// registered or allocated and the model is as it was.
+#[test]
+fn host_mappings_are_measured_and_counted_in_every_phase() {
+    use offload_sim::harness::Rig;
+    let (w, opts, want, least) = tiny_baseline(1, 4);
+    let opts = RunOptions {
+        profile: DeviceProfile {
+            host_mapping_divisor: 512,
+            ..opts.profile.clone()
+        },
+        ..opts
+    };
+    let config = budget_config(least * 2);
+    let first = run(&w, &StrategyChoice::Config(config.clone()), &opts).unwrap();
+    let inputs = first.inputs.clone().unwrap();
+    let bounds = first.plan_bounds.clone().unwrap();
+    let masters = bounds.host_weight_bytes - bounds.staging_bytes;
+    let mapping = inputs.mapping_bytes;
+    assert!(
+        mapping + 2 >= masters / 512 && mapping <= bounds.host_weight_bytes / 512 + 2,
+        "mapping {mapping} for {masters} bytes of masters"
+    );
+    let plan = first.plan.clone().unwrap();
+    assert_eq!(plan.mapping_bytes, mapping);
+    assert_eq!(plan.minimum.bytes, least + mapping, "{plan}");
+    assert!(
+        plan.components
+            .iter()
+            .all(|c| c.peak.mapping_bytes == mapping)
+    );
+    assert_eq!(first.requests[0].output, want[0]);
+    assert_eq!(offload_sim::job::phase_violations(&first), None);
+
+    // Saved measurements that assumed no mappings: measured again, planned
+    // again at enable.
+    let none = PlannerInputs {
+        mapping_bytes: 0,
+        ..inputs.clone()
+    };
+    let given = RunOptions {
+        planner: Some(none.clone()),
+        ..opts.clone()
+    };
+    let second = run(&w, &StrategyChoice::Config(config), &given).unwrap();
+    assert_eq!(second.plan.as_ref().unwrap().mapping_bytes, mapping);
+    assert_eq!(second.inputs.as_ref().unwrap().mapping_bytes, mapping);
+    assert_eq!(second.requests[0].output, want[0]);
+
+    // A budget that fits only without them: planned before the masters
+    // exist, refused once they are measured; nothing left behind.
+    let exact = budget_config(least);
+    let rig = Rig::new(w.preset.pipeline.clone(), &given).unwrap();
+    let mut runtime = rig.runtime;
+    let before = rig.device.stats();
+    let e = runtime
+        .enable_selected(&exact, &rig.platform)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("does not fit") && e.contains(&format!("{mapping} B of host mappings")),
+        "{e}"
+    );
+    let after = rig.device.stats();
+    assert_eq!(
+        (
+            after.pinned_bytes,
+            after.registered_bytes,
+            after.device_bytes
+        ),
+        (
+            before.pinned_bytes,
+            before.registered_bytes,
+            before.device_bytes
+        ),
+        "nothing left pinned, registered or on the device"
+    );
+    assert!(runtime.backend().is_none(), "no backend enabled");
+}
