@@ -142,6 +142,10 @@ impl PipelineSettings {
                 .unwrap_or("24GiB,16GiB,12GiB,8GiB,auto"),
             DeviceBudget::parse,
         )?;
+        ensure!(
+            !budgets.is_empty(),
+            "--budgets: no budget given; allowed: a comma-separated list of sizes (\"16GiB\") or \"auto\""
+        );
         if let Some(g) = args.hog_gib {
             ensure!(
                 (1..=MAX_HOG_GIB).contains(&g),
@@ -1560,7 +1564,11 @@ fn verdict(runs: &[RunReport], plant: &Option<String>) -> Result<()> {
     let over: Vec<&str> = runs
         .iter()
         .filter(|r| {
+            // The allocator's figure, the device's free-memory figure
+            // (what this process holds beyond what others held before the
+            // run) and the weights against their INV-7 bound.
             r.all(|p| p.pool_within_budget) == Some(false)
+                || r.all(|p| p.info_within_budget) == Some(false)
                 || r.all(|p| p.within_bound) == Some(false)
         })
         .map(|r| r.name.as_str())
@@ -1578,7 +1586,7 @@ fn verdict(runs: &[RunReport], plant: &Option<String>) -> Result<()> {
     }
     if !over.is_empty() {
         problems.push(format!(
-            "over the budget or INV-7's bound in some phase: {}",
+            "over the budget (allocator or cuMemGetInfo) or INV-7's bound in some phase: {}",
             over.join(", ")
         ));
     }

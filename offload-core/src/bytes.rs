@@ -19,6 +19,9 @@ impl ByteSize {
     /// Parses `text` (see [`BYTE_SIZE_FORMS`]); zero is refused.
     pub fn parse(text: &str) -> Result<Self, String> {
         let t = text.trim();
+        if t.starts_with('-') {
+            return Err(format!("`{text}` is negative; allowed: {BYTE_SIZE_FORMS}"));
+        }
         let split = t
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(t.len());

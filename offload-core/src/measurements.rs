@@ -41,9 +41,11 @@ pub struct PlannerInputs {
     pub max_depth: usize,
     /// Denoising steps of the request planned for.
     pub steps: u32,
-    /// The device allocator's granule: every allocation takes a whole
-    /// number of them (1: exact; 2 MiB on a CUDA device's pool). The
-    /// planner rounds each unit, slot and activation up to it.
+    /// The device allocator's granule where it rounds each allocation to
+    /// a whole number of them (1: exact, or an allocator that packs
+    /// allocations into chunks, such as the CUDA pool, whose slack
+    /// `allocator_slack_bytes` holds). The planner rounds each unit, slot
+    /// and activation up to it.
     #[serde(default = "granule")]
     pub allocation_granule_bytes: u64,
     /// Device memory the host masters' mappings take (the device's page

@@ -915,8 +915,11 @@ impl Device<Cuda> for CudaDevice {
         // already enqueued have run, trim the pool to what is in use and
         // try once more, as a caching allocator empties its cache before
         // reporting an out-of-memory (ARCHITECTURE, "Out of memory").
-        if matches!(&allocated, Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) {
-            self.trim_pool()?;
+        // A trim that fails leaves the out-of-memory to report (its
+        // shortfall is what a re-plan needs).
+        if matches!(&allocated, Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)
+            && self.trim_pool().is_ok()
+        {
             allocated = alloc();
         }
         let ptr = wrap(allocated, op).map_err(|mut e| {
@@ -1147,15 +1150,16 @@ impl Device<Cuda> for CudaDevice {
         self.reset_pool_high()
     }
 
-    /// The pool's reserved high-water mark: it maps device memory in
-    /// chunks (multiples of 32 MiB on the H200) and packs allocations into
-    /// them, so what it holds exceeds what is in use by its chunks' slack,
-    /// not by a granule per allocation (BENCHMARKS.md, the pool probe).
+    /// Trims the pool once the frees enqueued have run.
     fn release_unused(&self) -> Result<(), CudaError> {
         self.bind()?;
         self.trim_pool()
     }
 
+    /// The pool's reserved high-water mark: it maps device memory in
+    /// chunks (multiples of 32 MiB on the H200) and packs allocations into
+    /// them, so what it holds exceeds what is in use by its chunks' slack,
+    /// not by a granule per allocation (BENCHMARKS.md, the pool probe).
     fn memory_reserved_peak(&self) -> Result<Option<u64>, CudaError> {
         self.bind()?;
         Ok(Some(self.pool_reserved()?.1))

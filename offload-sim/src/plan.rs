@@ -372,6 +372,11 @@ pub struct UserPipeline {
     pub vae_activation_bytes: u64,
 }
 
+/// The most bytes of weights a [`UserPipeline`] may describe (1 PiB).
+pub const MAX_USER_BYTES: u64 = 1 << 50;
+/// The most blocks one list of a [`UserPipeline`] may hold.
+pub const MAX_USER_BLOCKS: usize = 100_000;
+
 fn default_text() -> u64 {
     512
 }
@@ -428,6 +433,7 @@ impl UserPipeline {
 
     /// The description as a [`Pipeline`] (builder mistakes are errors).
     pub fn build(&self, path: &std::path::Path) -> Result<Pipeline, JobError> {
+        self.check(path)?;
         let mut b = PipelineBuilder::new(&self.type_name);
         for (name, m) in &self.modules {
             let mut mb = b.module(name);
@@ -450,6 +456,101 @@ impl UserPipeline {
         };
         resolve(&p, &config).map_err(|e| bad("--pipeline", path.display(), e.to_string()))?;
         Ok(p)
+    }
+
+    /// The numbers a description may hold: every tensor's and the whole
+    /// pipeline's bytes at most [`MAX_USER_BYTES`], lists of at most
+    /// [`MAX_USER_BLOCKS`] blocks, text tokens 1 to 1048576, a VAE's FLOPs
+    /// 0 to 10^21, every declared component a module of the file.
+    fn check(&self, path: &std::path::Path) -> Result<(), JobError> {
+        let at = |key: String, allowed: String| {
+            bad(
+                "--pipeline",
+                path.display(),
+                format!("at `{key}`: {allowed}"),
+            )
+        };
+        fn bytes_of(t: &UserTensor) -> Option<u64> {
+            t.shape
+                .iter()
+                .try_fold(1u64, |n, d| n.checked_mul(*d))?
+                .checked_mul(t.dtype.size_bytes())
+        }
+        fn walk(
+            m: &UserModule,
+            key: &str,
+            total: &mut u64,
+            at: &dyn Fn(String, String) -> JobError,
+        ) -> Result<(), JobError> {
+            let mut add = |k: String, b: Option<u64>| match b.and_then(|b| total.checked_add(b)) {
+                Some(t) if t <= MAX_USER_BYTES => {
+                    *total = t;
+                    Ok(())
+                }
+                _ => Err(at(
+                    k,
+                    format!(
+                        "the pipeline's weights would exceed {MAX_USER_BYTES} bytes; allowed: at most that in all"
+                    ),
+                )),
+            };
+            for (n, t) in &m.tensors {
+                add(format!("{key}.tensors.{n}"), bytes_of(t))?;
+            }
+            for (n, l) in &m.lists {
+                if l.count > MAX_USER_BLOCKS {
+                    return Err(at(
+                        format!("{key}.lists.{n}.count"),
+                        format!("{} blocks; allowed: 0 to {MAX_USER_BLOCKS}", l.count),
+                    ));
+                }
+                for (tn, t) in &l.tensors {
+                    let b = bytes_of(t).and_then(|b| b.checked_mul(l.count as u64));
+                    add(format!("{key}.lists.{n}.tensors.{tn}"), b)?;
+                }
+            }
+            for (n, c) in &m.children {
+                walk(c, &format!("{key}.children.{n}"), total, at)?;
+            }
+            Ok(())
+        }
+        let mut total = 0u64;
+        for (n, m) in &self.modules {
+            walk(m, &format!("modules.{n}"), &mut total, &at)?;
+        }
+        if !(1..=1_048_576).contains(&self.text_tokens) {
+            return Err(at(
+                "text_tokens".into(),
+                format!("{}; allowed: 1 to 1048576", self.text_tokens),
+            ));
+        }
+        if !(self.vae_flops.is_finite() && (0.0..=1e21).contains(&self.vae_flops)) {
+            return Err(at(
+                "vae_flops".into(),
+                format!("{:e}; allowed: 0 to 10^21", self.vae_flops),
+            ));
+        }
+        let c = &self.components;
+        for (role, names) in [
+            ("dit", &c.dit),
+            ("encoder", &c.encoder),
+            ("vae", &c.vae),
+            ("resident", &c.resident),
+        ] {
+            if let Some(n) = names
+                .iter()
+                .find(|n| !self.modules.contains_key(n.split('.').next().unwrap_or(n)))
+            {
+                return Err(at(
+                    format!("components.{role}"),
+                    format!(
+                        "`{n}` is no module of the file; allowed: {:?}",
+                        self.modules.keys().collect::<Vec<_>>()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Estimated inputs from the shapes (see the type's docs).
@@ -491,14 +592,25 @@ impl UserPipeline {
                     .sum();
                 profile.compute_ns(2.0 * elements as f64 * rows) as f64 * 1e-9
             };
-            let blocks = blocks_of(p, c.module);
+            // Only the blocks of the stacks the resolution kept (a list of
+            // one block is no stack: its weights are the component's own).
+            let blocks: Vec<_> = resolved
+                .stacks
+                .iter()
+                .filter(|s| s.owner == c.path)
+                .flat_map(|s| s.blocks.iter().map(|b| b.module))
+                .collect();
             let block_compute_s: BTreeMap<String, f64> = blocks
                 .iter()
                 .map(|b| (p.module(*b).path.clone(), gemm(*b)))
                 .collect();
-            let own_elements: u64 = own_tensors(p, c.module)
-                .iter()
-                .map(|t| p.tensor(*t))
+            let in_blocks: std::collections::BTreeSet<_> =
+                blocks.iter().flat_map(|b| p.subtree_tensors(*b)).collect();
+            let own_elements: u64 = p
+                .subtree_tensors(c.module)
+                .into_iter()
+                .filter(|t| !in_blocks.contains(t))
+                .map(|t| p.tensor(t))
                 .filter(|t| crate::presets::is_linear_weight(t))
                 .map(|t| t.numel())
                 .sum();

@@ -609,3 +609,72 @@ fn plan_bad_input_exits_non_zero_with_a_typed_error() {
         }
     }
 }
+
+/// Numbers a pipeline description cannot hold are typed errors naming the
+/// key (never a panic), a declared component the file lacks is refused,
+/// and a one-block list (no stack: the component's own weights) plans.
+#[test]
+fn plan_refuses_a_description_out_of_range() {
+    let dit = |blocks: &str, shape: &str, extra: &str| {
+        format!(
+            r#"{{"type": "M", "components": {{"dit": ["dit"]}},
+                "modules": {{"dit": {{"lists": {{"blocks": {{"count": {blocks}, "tensors": {{"fc.weight": {{"dtype": "bf16", "shape": {shape}}}}}}}}}, "block_containers": ["blocks"]}}}}{extra}}}"#
+        )
+    };
+    for (name, body, needle) in [
+        (
+            "big.json",
+            dit("8", "[4294967296, 4294967296]", ""),
+            "modules.dit.lists.blocks.tensors.fc.weight",
+        ),
+        (
+            "text.json",
+            dit("8", "[64, 64]", r#", "text_tokens": 18446744073709551615"#),
+            "text_tokens",
+        ),
+        (
+            "count.json",
+            dit("100000000", "[2, 2]", ""),
+            "modules.dit.lists.blocks.count",
+        ),
+        (
+            "flops.json",
+            dit("8", "[64, 64]", r#", "vae_flops": -1"#),
+            "vae_flops",
+        ),
+        (
+            "missing.json",
+            r#"{"type": "M", "components": {"dit": ["nope"]}, "modules": {}}"#.to_owned(),
+            "components.dit",
+        ),
+    ] {
+        let f = write(name, &body);
+        let o = sim(&[
+            "plan",
+            "--gpu",
+            "rtx4090",
+            "--pipeline",
+            f.to_str().unwrap(),
+            "--budget",
+            "1GiB",
+        ]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{name}: {out}\n{err}");
+        assert!(
+            err.contains(needle) && err.contains("allowed") && !err.contains("panicked"),
+            "{name}: {err}"
+        );
+    }
+    let one = write("one.json", &dit("1", "[64, 64]", ""));
+    let o = sim(&[
+        "plan",
+        "--gpu",
+        "rtx4090",
+        "--pipeline",
+        one.to_str().unwrap(),
+        "--budget",
+        "1GiB",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+}

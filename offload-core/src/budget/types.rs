@@ -448,7 +448,7 @@ pub enum BudgetError {
     },
     /// The first request ran out of memory twice.
     #[error(
-        "the first request ran out of device memory in the `{phase}` phase again after a re-plan: it needed {needed_bytes} B more than the plan allowed ({budget_bytes} B budget); allowed: a larger device_budget or device_headroom, or less work per request"
+        "a request ran out of device memory in the `{phase}` phase again after the re-plan: it needed {needed_bytes} B more than the plan allowed ({budget_bytes} B budget); allowed: a larger device_budget or device_headroom, or less work per request"
     )]
     ShortfallAgain {
         /// The phase.

@@ -413,11 +413,24 @@ impl<A: Api> PlannedBackend<A> {
     /// now in force.
     fn replan(&mut self, model: &mut Model, inputs: PlannerInputs) -> Result<(), OffloadError> {
         let memory = self.memory.expect("enabled");
+        // Planning is pure: a plan that fails leaves the one in force.
         let plan = budget::plan(&model.pipeline, &self.config, &inputs, memory)
             .map_err(|e| OffloadError::Budget(Box::new(e)))?;
-        self.unapply(model, true)?;
-        tracing::info!("planned offload: {plan}");
-        self.apply(model, &plan.choices(), None)?;
+        *lock(&self.current) = None;
+        let applied = self.unapply(model, true).and_then(|()| {
+            tracing::info!("planned offload: {plan}");
+            self.apply(model, &plan.choices(), None)
+        });
+        if let Err(e) = applied {
+            // Half of one plan and half of another is no plan: everything
+            // is released (hooks removed, memory freed, masters unpinned)
+            // and the backend refuses further use.
+            let _ = self.release_all(Some(model), true);
+            self.plan = None;
+            self.lifecycle
+                .poison(format!("planned offload: a re-plan failed: {e}"));
+            return Err(e);
+        }
         self.plan = Some(plan);
         self.inputs = Some(inputs);
         Ok(())
@@ -760,6 +773,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             total_bytes: info.total_bytes,
             free_bytes: info.free_bytes,
         };
+        // The budget itself (a size above the device, or `auto` with no
+        // room) fails before the store is built or a warm-up runs (INV-5).
+        let (budget_bytes, _) = budget::resolve_budget(&self.config, memory)
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         let resolved = resolve(&model.pipeline, &self.config)?;
         let groups: Vec<ModuleId> = resolved.components.iter().map(|c| c.module).collect();
         let part = partition(&model.pipeline, &resolved.stacks, &groups);
@@ -797,9 +814,12 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 };
                 let (choices, minimum) = budget::smallest_footprint(&model.pipeline, &self.config)
                     .map_err(|e| OffloadError::Budget(Box::new(e)))?;
-                if minimum.bytes > memory.free_bytes {
+                // The warm-up itself runs in the smallest footprint: a
+                // budget below it (activations not yet counted) fails now,
+                // not after a warm-up that would have exceeded it.
+                if minimum.bytes > budget_bytes.min(memory.free_bytes) {
                     return Err(OffloadError::Budget(Box::new(BudgetError::DoesNotFit {
-                        budget: memory.free_bytes,
+                        budget: budget_bytes.min(memory.free_bytes),
                         minimum: minimum.bytes,
                         minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
                         phase: minimum.phase.clone(),
@@ -887,6 +907,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         }
         let drain = !self.bugs.has(PlantedBug::FreeWithoutDrain);
         let result = self.release_all(Some(model), drain);
+        *lock(&self.current) = None;
         self.plan = None;
         self.warmup = None;
         self.lifecycle.finish_disable();
@@ -978,14 +999,21 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
         // that, whatever the plan assumed.
         let memory = self.memory.expect("enabled");
         let others = memory.total_bytes.saturating_sub(memory.free_bytes);
-        let observed =
-            (memory.total_bytes + shortfall).saturating_sub(self.device_weight_bytes() + others);
         let mut inputs = self.inputs.clone().expect("a plan has its inputs");
+        // The mappings and the allocator's slack are every phase's already:
+        // not the phase's activations (else the re-plan counts them twice).
+        let observed = memory
+            .total_bytes
+            .saturating_add(shortfall)
+            .saturating_sub(self.device_weight_bytes())
+            .saturating_sub(others)
+            .saturating_sub(inputs.mapping_bytes)
+            .saturating_sub(inputs.allocator_slack_bytes);
         if let Some(c) = inputs.components.get_mut(&phase) {
             c.activation_bytes = c.activation_bytes.saturating_add(shortfall).max(observed);
         }
         tracing::warn!(
-            "planned offload: the first request ran out of device memory in the `{phase}` phase ({shortfall} bytes short); planning again with {shortfall} more bytes of activations there"
+            "planned offload: a request ran out of device memory in the `{phase}` phase ({shortfall} bytes short); planning again with {shortfall} more bytes of activations there"
         );
         self.replanned = true;
         self.replan(model, inputs)?;

@@ -1,0 +1,212 @@
+//! The request planner at its edges (large stacks on the greedy path, granules above block sizes, mappings and slack near 2^50, activations near 2^60, depth 1 to 7) and a budget that cannot be held failing before the warm-up.
+use offload_core::budget::{
+    BudgetError, ComponentInputs, DeviceMemory, Evaluator, PlannerInputs, plan,
+};
+use offload_core::bytes::ByteSize;
+use offload_core::model::{DType, Pipeline, PipelineBuilder};
+use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
+use proptest::prelude::*;
+
+fn pipeline(
+    (double, h1, single, h2, extra): (usize, u64, usize, u64, u64),
+    (layers, he): (usize, u64),
+    vae: u64,
+    outside: u64,
+) -> Pipeline {
+    let mut b = PipelineBuilder::new("Budget");
+    if layers > 0 {
+        let mut e = b.module("text_encoder");
+        e.parameter("embed.weight", DType::Bf16, &[64, 4]);
+        e.list("layers", layers, |_, l| {
+            l.parameter("fc.weight", DType::Bf16, &[3 * he, he]);
+        });
+        e.block_containers(&["layers"]);
+    }
+    {
+        let mut m = b.module("transformer");
+        m.parameter("x_embedder.weight", DType::Bf16, &[extra.max(1), 1]);
+        m.list("transformer_blocks", double, |i, blk| {
+            let h = h1 + (i as u64 % 3) * 4;
+            blk.parameter("qkv.weight", DType::Bf16, &[3 * h, h])
+                .parameter("ff.weight", DType::Bf16, &[4 * h, h]);
+        });
+        m.list("single_transformer_blocks", single, |_, blk| {
+            blk.parameter("mlp.weight", DType::Bf16, &[5 * h2, h2]);
+        });
+        m.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
+    }
+    if vae > 0 {
+        b.module("vae")
+            .parameter("conv.weight", DType::Bf16, &[vae.div_ceil(2), 1]);
+    }
+    if outside > 0 {
+        b.module("scheduler_table")
+            .parameter("table", DType::Bf16, &[outside.div_ceil(2), 1]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: if layers > 0 {
+            vec!["text_encoder".into()]
+        } else {
+            vec![]
+        },
+        vae: if vae > 0 { vec!["vae".into()] } else { vec![] },
+        resident: vec![],
+    });
+    b.build().unwrap()
+}
+fn cfg(bytes: u64) -> OffloadConfig {
+    OffloadConfig {
+        device_budget: Some(ByteSize(bytes).into()),
+        ..OffloadConfig::default()
+    }
+}
+fn inputs(p: &Pipeline, link: f64, steps: u32, compute: &[f64], act: &[u64]) -> PlannerInputs {
+    let resolved = resolve(p, &cfg(1)).unwrap();
+    let mut inputs = PlannerInputs::new(link, steps);
+    let mut k = 0;
+    for (i, c) in resolved.components.iter().enumerate() {
+        let mut ci = ComponentInputs::new(
+            1.0,
+            c.role == offload_core::discovery::Role::Dit,
+            act[i % act.len()],
+        );
+        ci.own_compute_s = compute[(i * 7) % compute.len()] / 4.0;
+        for s in resolved.stacks.iter().filter(|s| s.owner == c.path) {
+            for b in &s.blocks {
+                ci.block_compute_s
+                    .insert(b.path.clone(), compute[k % compute.len()]);
+                k += 1;
+            }
+        }
+        inputs.components.insert(c.path.clone(), ci);
+    }
+    inputs
+}
+fn check(
+    p: &Pipeline,
+    inp: &PlannerInputs,
+    budget: u64,
+    dev: DeviceMemory,
+) -> Result<u64, BudgetError> {
+    match plan(p, &cfg(budget), inp, dev) {
+        Ok(pl) => {
+            let e = Evaluator::new(p, &cfg(budget), inp).unwrap();
+            let ev = e.evaluate(&pl.choices()).unwrap();
+            assert!(
+                ev.peak_bytes <= budget,
+                "peak {} > budget {budget}\n{pl}",
+                ev.peak_bytes
+            );
+            for c in &pl.components {
+                assert!(c.peak.total() <= budget);
+            }
+            // the least budget plans too, one below does not
+            let m = pl.minimum.bytes;
+            assert!(
+                plan(p, &cfg(m), inp, dev).is_ok(),
+                "least budget {m} does not plan"
+            );
+            if m > 1 {
+                assert!(matches!(
+                    plan(p, &cfg(m - 1), inp, dev),
+                    Err(BudgetError::DoesNotFit { .. })
+                ));
+            }
+            Ok(m)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("OFFLOAD_BUDGET_EDGE_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(6),
+        ..ProptestConfig::default()
+    })]
+    #[test]
+    fn large_stacks_and_extremes(
+        double in 0usize..30, single in 0usize..30, layers in prop::sample::select(vec![0usize, 1, 2, 12]),
+        vae in prop::sample::select(vec![0u64, 600]), outside in prop::sample::select(vec![0u64, 500]),
+        act in prop::collection::vec(prop::sample::select(vec![0u64, 1, 20_000, 1 << 40, 1 << 60]), 4),
+        compute in prop::collection::vec(0.0f64..2e-3, 16),
+        steps in prop::sample::select(vec![1u32, 28, 100_000]),
+        granule in prop::sample::select(vec![1u64, 1 << 21, 1 << 30]),
+        mapping in prop::sample::select(vec![0u64, 700, 1 << 50]),
+        slack in prop::sample::select(vec![0u64, 1 << 50]),
+        fraction in 0.0f64..1.5, interference in 0.0f64..1.0, depth in 1usize..8,
+    ) {
+        let p = pipeline((double, 16, single, 8, 100), (layers, 24), vae, outside);
+        let mut inp = inputs(&p, 1e6, steps, &compute, &act);
+        inp.allocation_granule_bytes = granule; inp.mapping_bytes = mapping; inp.allocator_slack_bytes = slack;
+        inp.copy_interference = interference; inp.max_depth = depth;
+        let dev = DeviceMemory::of(u64::MAX / 2);
+        // find least by a huge budget
+        let least = match check(&p, &inp, u64::MAX / 2, dev) { Ok(m) => m, Err(e) => panic!("{e}") };
+        let budget = ((least as f64) * fraction) as u64 + 1;
+        let _ = check(&p, &inp, budget.min(u64::MAX / 2), dev);
+        let _ = check(&p, &inp, least + (least / 7).min(1 << 40), dev);
+    }
+}
+
+/// A budget the device cannot hold (above its memory, or below the least)
+/// should fail before the warm-up runs (CONTRACT §7a: "fails before anything
+/// is mutated"; INV-5).
+#[test]
+fn an_impossible_budget_fails_before_the_warmup() {
+    use offload_sim::harness::{Rig, RunOptions, Workload};
+    use offload_sim::presets::tiny;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for budget in [
+        offload_core::bytes::DeviceBudget::parse("1TiB").unwrap(),
+        offload_core::bytes::DeviceBudget::parse("1B").unwrap(),
+    ] {
+        let preset = tiny();
+        let w = Workload {
+            tokens: preset.default_tokens,
+            preset,
+            steps: 2,
+            requests: 1,
+        };
+        let mut rig = Rig::new(
+            w.preset.pipeline.clone(),
+            &RunOptions::new(offload_sim::DeviceProfile::h200()),
+        )
+        .unwrap();
+        rig.serve_workload(&w);
+        let runs = Arc::new(AtomicUsize::new(0));
+        let r2 = Arc::clone(&runs);
+        let preset = w.preset.clone();
+        rig.runtime.set_request(move |rt, shape| {
+            r2.fetch_add(1, Ordering::SeqCst);
+            let w = Workload {
+                preset: preset.clone(),
+                tokens: shape.tokens,
+                steps: shape.steps as usize,
+                requests: 1,
+            };
+            let device: &offload_sim::SimDevice = rt.device();
+            let probe = offload_sim::harness::Probe::new(device)?;
+            offload_sim::harness::request(rt, device, &probe, &w)?;
+            Ok(())
+        });
+        let config = OffloadConfig {
+            device_budget: Some(budget),
+            ..OffloadConfig::default()
+        };
+        let e = rig
+            .runtime
+            .enable_selected(&config, &rig.platform)
+            .unwrap_err();
+        eprintln!(
+            "budget {budget}: {e}; warm-up requests run: {}",
+            runs.load(Ordering::SeqCst)
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            0,
+            "budget {budget}: the warm-up ran before the typed error: {e}"
+        );
+    }
+}
