@@ -951,3 +951,149 @@ fn host_mappings_are_measured_and_counted_in_every_phase() {
     );
     assert!(runtime.backend().is_none(), "no backend enabled");
 }
+
+/// Every allocation of a planned `enable` (the masters, the smallest
+/// footprint, the warm-up's request, the re-plan after it) failing in turn:
+/// each failure is a typed error, after which nothing stays pinned,
+/// registered or on the device and no backend is enabled; with no fault the
+/// enable succeeds (the sweep reaches past the last allocation).
+#[test]
+fn a_planned_enable_that_fails_anywhere_leaves_nothing() {
+    use offload_sim::faults::FaultPlan;
+    use offload_sim::harness::Rig;
+    let (w, opts, _, least) = tiny_baseline(1, 4);
+    let config = budget_config(least * 2);
+    let mut succeeded = false;
+    let mut failed = 0;
+    for n in 1..=400u64 {
+        let faulty = RunOptions {
+            faults: FaultPlan {
+                fail_alloc_at: Some(n),
+                ..FaultPlan::none()
+            },
+            ..opts.clone()
+        };
+        let mut rig = Rig::new(w.preset.pipeline.clone(), &faulty).unwrap();
+        rig.serve_workload(&w);
+        let before = rig.device.stats();
+        match rig.runtime.enable_selected(&config, &rig.platform) {
+            Ok(_) => {
+                rig.runtime.disable().unwrap();
+                succeeded = true;
+                break;
+            }
+            Err(e) => {
+                failed += 1;
+                let text = e.to_string();
+                assert!(text.contains("injected failure"), "allocation {n}: {text}");
+                let after = rig.device.stats();
+                assert_eq!(
+                    (
+                        after.pinned_bytes,
+                        after.registered_bytes,
+                        after.device_bytes,
+                        after.activation_bytes
+                    ),
+                    (
+                        before.pinned_bytes,
+                        before.registered_bytes,
+                        before.device_bytes,
+                        before.activation_bytes
+                    ),
+                    "allocation {n} failed ({text}): something was left behind"
+                );
+                assert!(
+                    rig.runtime.backend().is_none(),
+                    "allocation {n}: a backend stayed"
+                );
+            }
+        }
+    }
+    assert!(succeeded, "400 allocations were not enough for one enable");
+    assert!(failed > 10, "only {failed} allocations to fail");
+}
+
+/// A re-plan (after a request's shortfall) whose new plan cannot be put in
+/// place (its first allocation fails) releases everything and poisons the
+/// backend: the error is typed, nothing stays pinned, registered or on the
+/// device, a later request is refused, and disable succeeds.
+#[test]
+fn a_replan_that_fails_releases_everything_and_poisons() {
+    use offload_sim::faults::FaultPlan;
+    use offload_sim::harness::Rig;
+    let (w, opts, _, least) = tiny_baseline(1, 4);
+    // A device exactly the budget (an out-of-memory means it was full).
+    let budget = least + w.preset.weight_bytes() / 3;
+    let opts = RunOptions {
+        profile: DeviceProfile {
+            memory_bytes: budget,
+            ..DeviceProfile::h200()
+        },
+        ..opts
+    };
+    let config = budget_config(budget);
+    let oom = |bytes| {
+        offload_core::OffloadError::device(
+            "alloc_activations",
+            offload_sim::device::SimError {
+                operation: "alloc_activations".into(),
+                kind: offload_core::device::DeviceErrorKind::OutOfMemory,
+                detail: "planted".into(),
+                shortfall_bytes: Some(bytes),
+            },
+        )
+    };
+    // The simulator is deterministic: count the allocations up to the
+    // re-plan, then fail the next one.
+    let count = {
+        let mut rig = Rig::new(w.preset.pipeline.clone(), &opts).unwrap();
+        rig.serve_workload(&w);
+        rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+        rig.request(&w).unwrap();
+        let n = rig.device.stats().allocations;
+        assert!(
+            rig.runtime.replan_after(&oom(1000)).unwrap(),
+            "a clean re-plan"
+        );
+        assert!(rig.device.stats().allocations > n, "the re-plan allocates");
+        rig.runtime.disable().unwrap();
+        n
+    };
+    let faulty = RunOptions {
+        faults: FaultPlan {
+            fail_alloc_at: Some(count + 1),
+            ..FaultPlan::none()
+        },
+        ..opts.clone()
+    };
+    let mut rig = Rig::new(w.preset.pipeline.clone(), &faulty).unwrap();
+    rig.serve_workload(&w);
+    let before = rig.device.stats();
+    rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+    rig.request(&w).unwrap();
+    let e = rig
+        .runtime
+        .replan_after(&oom(1000))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("injected failure"), "{e}");
+    let after = rig.device.stats();
+    assert_eq!(
+        (
+            after.pinned_bytes,
+            after.registered_bytes,
+            after.device_bytes
+        ),
+        (
+            before.pinned_bytes,
+            before.registered_bytes,
+            before.device_bytes
+        ),
+        "a failed re-plan left something behind"
+    );
+    assert!(
+        rig.request(&w).is_err(),
+        "a poisoned backend serves nothing"
+    );
+    rig.runtime.disable().unwrap();
+}
