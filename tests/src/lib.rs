@@ -2,6 +2,7 @@
 //! runtime author builds theirs, a block-cache hook, and a log capture for
 //! warnings and info lines.
 
+pub mod budget;
 pub mod scenario;
 
 /// The README, whose every ```` ```rust ```` block is a doctest of this

@@ -1,97 +1,34 @@
 //! The request planner at its edges (large stacks on the greedy path, granules above block sizes, mappings and slack near 2^50, activations near 2^60, depth 1 to 7) and a budget that cannot be held failing before the warm-up.
-use offload_core::budget::{
-    BudgetError, ComponentInputs, DeviceMemory, Evaluator, PlannerInputs, plan,
-};
-use offload_core::bytes::ByteSize;
-use offload_core::model::{DType, Pipeline, PipelineBuilder};
-use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
+use offload_core::OffloadConfig;
+use offload_core::budget::{BudgetError, DeviceMemory, Evaluator, PlannerInputs, plan};
+use offload_core::model::Pipeline;
+use offload_tests::budget::{budget_config, inputs};
 use proptest::prelude::*;
 
+/// A pipeline whose double blocks come in three widths from `h1`.
 fn pipeline(
     (double, h1, single, h2, extra): (usize, u64, usize, u64, u64),
-    (layers, he): (usize, u64),
+    encoder: (usize, u64),
     vae: u64,
     outside: u64,
 ) -> Pipeline {
-    let mut b = PipelineBuilder::new("Budget");
-    if layers > 0 {
-        let mut e = b.module("text_encoder");
-        e.parameter("embed.weight", DType::Bf16, &[64, 4]);
-        e.list("layers", layers, |_, l| {
-            l.parameter("fc.weight", DType::Bf16, &[3 * he, he]);
-        });
-        e.block_containers(&["layers"]);
-    }
-    {
-        let mut m = b.module("transformer");
-        m.parameter("x_embedder.weight", DType::Bf16, &[extra.max(1), 1]);
-        m.list("transformer_blocks", double, |i, blk| {
-            let h = h1 + (i as u64 % 3) * 4;
-            blk.parameter("qkv.weight", DType::Bf16, &[3 * h, h])
-                .parameter("ff.weight", DType::Bf16, &[4 * h, h]);
-        });
-        m.list("single_transformer_blocks", single, |_, blk| {
-            blk.parameter("mlp.weight", DType::Bf16, &[5 * h2, h2]);
-        });
-        m.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
-    }
-    if vae > 0 {
-        b.module("vae")
-            .parameter("conv.weight", DType::Bf16, &[vae.div_ceil(2), 1]);
-    }
-    if outside > 0 {
-        b.module("scheduler_table")
-            .parameter("table", DType::Bf16, &[outside.div_ceil(2), 1]);
-    }
-    b.declare_components(ComponentDeclaration {
-        dit: vec!["transformer".into()],
-        encoder: if layers > 0 {
-            vec!["text_encoder".into()]
-        } else {
-            vec![]
-        },
-        vae: if vae > 0 { vec!["vae".into()] } else { vec![] },
-        resident: vec![],
-    });
-    b.build().unwrap()
+    offload_tests::budget::pipeline(
+        (double, &|i| h1 + (i as u64 % 3) * 4, single, h2, extra),
+        encoder,
+        vae,
+        outside,
+    )
 }
-fn cfg(bytes: u64) -> OffloadConfig {
-    OffloadConfig {
-        device_budget: Some(ByteSize(bytes).into()),
-        ..OffloadConfig::default()
-    }
-}
-fn inputs(p: &Pipeline, link: f64, steps: u32, compute: &[f64], act: &[u64]) -> PlannerInputs {
-    let resolved = resolve(p, &cfg(1)).unwrap();
-    let mut inputs = PlannerInputs::new(link, steps);
-    let mut k = 0;
-    for (i, c) in resolved.components.iter().enumerate() {
-        let mut ci = ComponentInputs::new(
-            1.0,
-            c.role == offload_core::discovery::Role::Dit,
-            act[i % act.len()],
-        );
-        ci.own_compute_s = compute[(i * 7) % compute.len()] / 4.0;
-        for s in resolved.stacks.iter().filter(|s| s.owner == c.path) {
-            for b in &s.blocks {
-                ci.block_compute_s
-                    .insert(b.path.clone(), compute[k % compute.len()]);
-                k += 1;
-            }
-        }
-        inputs.components.insert(c.path.clone(), ci);
-    }
-    inputs
-}
+
 fn check(
     p: &Pipeline,
     inp: &PlannerInputs,
     budget: u64,
     dev: DeviceMemory,
 ) -> Result<u64, BudgetError> {
-    match plan(p, &cfg(budget), inp, dev) {
+    match plan(p, &budget_config(budget), inp, dev) {
         Ok(pl) => {
-            let e = Evaluator::new(p, &cfg(budget), inp).unwrap();
+            let e = Evaluator::new(p, &budget_config(budget), inp).unwrap();
             let ev = e.evaluate(&pl.choices()).unwrap();
             assert!(
                 ev.peak_bytes <= budget,
@@ -104,12 +41,12 @@ fn check(
             // the least budget plans too, one below does not
             let m = pl.minimum.bytes;
             assert!(
-                plan(p, &cfg(m), inp, dev).is_ok(),
+                plan(p, &budget_config(m), inp, dev).is_ok(),
                 "least budget {m} does not plan"
             );
             if m > 1 {
                 assert!(matches!(
-                    plan(p, &cfg(m - 1), inp, dev),
+                    plan(p, &budget_config(m - 1), inp, dev),
                     Err(BudgetError::DoesNotFit { .. })
                 ));
             }

@@ -1,0 +1,91 @@
+//! The request planner's test pipelines and inputs, shared by
+//! `tests/budget.rs` and `tests/budget_edges.rs`.
+
+use offload_core::budget::{ComponentInputs, PlannerInputs};
+use offload_core::bytes::ByteSize;
+use offload_core::discovery::Role;
+use offload_core::model::{DType, Pipeline, PipelineBuilder};
+use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
+
+/// A pipeline: a DiT of `double` blocks (block `i` of width
+/// `double_width(i)`) and `single` of width `h2` with `extra` bytes outside
+/// its blocks; a text encoder of `layers` blocks of width `he` (none for
+/// 0); a VAE of `vae` bytes (none for 0); `outside` bytes in a module of no
+/// component.
+pub fn pipeline(
+    (double, double_width, single, h2, extra): (usize, &dyn Fn(usize) -> u64, usize, u64, u64),
+    (layers, he): (usize, u64),
+    vae: u64,
+    outside: u64,
+) -> Pipeline {
+    let mut b = PipelineBuilder::new("Budget");
+    if layers > 0 {
+        let mut e = b.module("text_encoder");
+        e.parameter("embed.weight", DType::Bf16, &[64, 4]);
+        e.list("layers", layers, |_, l| {
+            l.parameter("fc.weight", DType::Bf16, &[3 * he, he]);
+        });
+        e.block_containers(&["layers"]);
+    }
+    {
+        let mut m = b.module("transformer");
+        m.parameter("x_embedder.weight", DType::Bf16, &[extra.max(1), 1]);
+        m.list("transformer_blocks", double, |i, blk| {
+            let h = double_width(i);
+            blk.parameter("qkv.weight", DType::Bf16, &[3 * h, h])
+                .parameter("ff.weight", DType::Bf16, &[4 * h, h]);
+        });
+        m.list("single_transformer_blocks", single, |_, blk| {
+            blk.parameter("mlp.weight", DType::Bf16, &[5 * h2, h2]);
+        });
+        m.block_containers(&["transformer_blocks", "single_transformer_blocks"]);
+    }
+    if vae > 0 {
+        b.module("vae")
+            .parameter("conv.weight", DType::Bf16, &[vae.div_ceil(2), 1]);
+    }
+    if outside > 0 {
+        b.module("scheduler_table")
+            .parameter("table", DType::Bf16, &[outside.div_ceil(2), 1]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: if layers > 0 {
+            vec!["text_encoder".into()]
+        } else {
+            vec![]
+        },
+        vae: if vae > 0 { vec!["vae".into()] } else { vec![] },
+        resident: vec![],
+    });
+    b.build().expect("the test pipeline builds")
+}
+
+/// `{"device_budget": bytes}` alone.
+pub fn budget_config(bytes: u64) -> OffloadConfig {
+    OffloadConfig {
+        device_budget: Some(ByteSize(bytes).into()),
+        ..OffloadConfig::default()
+    }
+}
+
+/// Inputs for every component of `p`: compute per block from `compute`
+/// (cycled), activations from `act` (cycled), the DiT once per step.
+pub fn inputs(p: &Pipeline, link: f64, steps: u32, compute: &[f64], act: &[u64]) -> PlannerInputs {
+    let resolved = resolve(p, &budget_config(1)).expect("the test pipeline resolves");
+    let mut inputs = PlannerInputs::new(link, steps);
+    let mut k = 0;
+    for (i, c) in resolved.components.iter().enumerate() {
+        let mut ci = ComponentInputs::new(1.0, c.role == Role::Dit, act[i % act.len()]);
+        ci.own_compute_s = compute[(i * 7) % compute.len()] / 4.0;
+        for s in resolved.stacks.iter().filter(|s| s.owner == c.path) {
+            for b in &s.blocks {
+                ci.block_compute_s
+                    .insert(b.path.clone(), compute[k % compute.len()]);
+                k += 1;
+            }
+        }
+        inputs.components.insert(c.path.clone(), ci);
+    }
+    inputs
+}
