@@ -108,34 +108,34 @@ impl PComp {
         self.stacks.iter().map(Vec::len).sum()
     }
 
+    /// Its blocks that `l` keeps resident (`true`) or streams (`false`).
+    fn blocks_where<'s>(
+        &'s self,
+        l: &'s Local,
+        resident: bool,
+    ) -> impl Iterator<Item = &'s PBlock> {
+        self.stacks.iter().zip(&l.resident).flat_map(move |(s, r)| {
+            s.iter()
+                .zip(r)
+                .filter(move |(_, r)| **r == resident)
+                .map(|(b, _)| b)
+        })
+    }
+
     /// Device bytes of its held set (each unit a whole number of granules).
     fn held(&self, l: &Local) -> u64 {
-        self.nonblock_mem
-            + self
-                .stacks
-                .iter()
-                .zip(&l.resident)
-                .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| **r).map(|(b, _)| b.mem))
-                .sum::<u64>()
+        self.nonblock_mem + self.blocks_where(l, true).map(|b| b.mem).sum::<u64>()
     }
 
     /// Bytes its held set copies in (exact).
     fn held_copy(&self, l: &Local) -> u64 {
-        self.nonblock
-            + self
-                .stacks
-                .iter()
-                .zip(&l.resident)
-                .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| **r).map(|(b, _)| b.bytes))
-                .sum::<u64>()
+        self.nonblock + self.blocks_where(l, true).map(|b| b.bytes).sum::<u64>()
     }
 
     /// Device bytes of one slot (its largest streamed block, in granules).
     fn slot(&self, l: &Local) -> u64 {
-        self.stacks
-            .iter()
-            .zip(&l.resident)
-            .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| !**r).map(|(b, _)| b.mem))
+        self.blocks_where(l, false)
+            .map(|b| b.mem)
             .max()
             .unwrap_or(0)
     }
@@ -259,11 +259,7 @@ impl PComp {
     }
 
     fn streamed_bytes(&self, l: &Local) -> u64 {
-        self.stacks
-            .iter()
-            .zip(&l.resident)
-            .flat_map(|(s, r)| s.iter().zip(r).filter(|(_, r)| !**r).map(|(b, _)| b.bytes))
-            .sum()
+        self.blocks_where(l, false).map(|b| b.bytes).sum()
     }
 }
 
@@ -1151,23 +1147,7 @@ pub(super) fn plan_request(
 ) -> Result<RequestPlan, BudgetError> {
     let r = Request::new(pipeline, config, inputs)?;
     let minimum = r.minimum();
-    let does_not_fit = || BudgetError::DoesNotFit {
-        budget,
-        minimum: minimum.bytes,
-        minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
-        phase: minimum.phase.clone(),
-        outside: minimum.parts.outside_bytes,
-        mapping: minimum.parts.mapping_bytes,
-        slack: minimum.parts.allocator_slack_bytes,
-        held: minimum.parts.held_bytes,
-        slots: minimum.slots,
-        slot_bytes: if minimum.slots > 0 {
-            minimum.parts.slot_bytes / minimum.slots as u64
-        } else {
-            0
-        },
-        activation_bytes: minimum.parts.activation_bytes,
-    };
+    let does_not_fit = || minimum.does_not_fit(budget);
     if budget < minimum.bytes {
         return Err(does_not_fit());
     }

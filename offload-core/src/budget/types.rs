@@ -187,6 +187,30 @@ pub struct MinimumBudget {
     pub phases: Vec<(String, u64)>,
 }
 
+impl MinimumBudget {
+    /// The error for a `budget` below this minimum, naming it, its phase
+    /// and its parts.
+    pub fn does_not_fit(&self, budget: u64) -> BudgetError {
+        BudgetError::DoesNotFit {
+            budget,
+            minimum: self.bytes,
+            minimum_gib: self.bytes as f64 / f64::from(1u32 << 30),
+            phase: self.phase.clone(),
+            outside: self.parts.outside_bytes,
+            mapping: self.parts.mapping_bytes,
+            slack: self.parts.allocator_slack_bytes,
+            held: self.parts.held_bytes,
+            slots: self.slots,
+            slot_bytes: if self.slots > 0 {
+                self.parts.slot_bytes / self.slots as u64
+            } else {
+                0
+            },
+            activation_bytes: self.parts.activation_bytes,
+        }
+    }
+}
+
 /// A plan of one strategy alone (for comparison): what the request would
 /// take if every component followed it, under the same budget.
 #[derive(Clone, Debug, PartialEq, Serialize)]

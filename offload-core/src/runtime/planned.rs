@@ -818,23 +818,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 // budget below it (activations not yet counted) fails now,
                 // not after a warm-up that would have exceeded it.
                 if minimum.bytes > budget_bytes.min(memory.free_bytes) {
-                    return Err(OffloadError::Budget(Box::new(BudgetError::DoesNotFit {
-                        budget: budget_bytes.min(memory.free_bytes),
-                        minimum: minimum.bytes,
-                        minimum_gib: minimum.bytes as f64 / f64::from(1u32 << 30),
-                        phase: minimum.phase.clone(),
-                        outside: minimum.parts.outside_bytes,
-                        mapping: minimum.parts.mapping_bytes,
-                        slack: minimum.parts.allocator_slack_bytes,
-                        held: minimum.parts.held_bytes,
-                        slots: minimum.slots,
-                        slot_bytes: if minimum.slots > 0 {
-                            minimum.parts.slot_bytes / minimum.slots as u64
-                        } else {
-                            0
-                        },
-                        activation_bytes: 0,
-                    })));
+                    // (The smallest footprint counts no activations.)
+                    return Err(OffloadError::Budget(Box::new(
+                        minimum.does_not_fit(budget_bytes.min(memory.free_bytes)),
+                    )));
                 }
                 (choices, None, None, Some(shape))
             }
