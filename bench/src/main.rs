@@ -39,14 +39,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
-use offload_core::budget::{self, DeviceBudget};
+use offload_core::budget;
 use offload_core::device::{Device, DeviceBuffer, HostRegion, HostSource};
-use offload_core::model::{DType, ModuleId, Pipeline, StorageId, TensorId};
+use offload_core::model::{DType, Pipeline, StorageId, TensorId};
 #[cfg(feature = "planted-bugs")]
 use offload_core::runtime::PlantedBug;
-use offload_core::runtime::{
-    Backend, CorePlatform, Entry, Runtime, Scope, Unit, WeightSource, partition,
-};
+use offload_core::runtime::{Backend, CorePlatform, Entry, Runtime, Scope, Unit, WeightSource};
 use offload_core::{OffloadConfig, resolve};
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
@@ -331,18 +329,10 @@ fn generate(unit: &Unit) -> Vec<u8> {
     buf
 }
 
-/// The partition every backend packs `pipeline` in: the planned
-/// resolution's (`device_budget = "auto"` alone), whose stacks are every
-/// component's blocks and whose groups are every component (the core
-/// packs every strategy so, one packing for all).
+/// The partition every backend packs `pipeline` in
+/// ([`offload_core::runtime::packing`]).
 pub(crate) fn packing(pipeline: &Pipeline) -> Result<offload_core::runtime::Partition> {
-    let config = OffloadConfig {
-        device_budget: Some(DeviceBudget::Auto),
-        ..OffloadConfig::default()
-    };
-    let resolved = resolve(pipeline, &config).context("resolving the planned packing")?;
-    let groups: Vec<ModuleId> = resolved.components.iter().map(|c| c.module).collect();
-    Ok(partition(pipeline, &resolved.stacks, &groups))
+    offload_core::runtime::packing(pipeline).context("resolving the packing")
 }
 
 /// Random weights written by 16 threads straight into the loader's buffers.

@@ -50,3 +50,4 @@ pub use model_level::ModelLevelBackend;
 pub use planned::PlannedBackend;
 pub use platform::CorePlatform;
 pub use resident::ResidentBackend;
+pub use shared::packing;

@@ -548,6 +548,18 @@ impl<A: Api> Placement<A> {
 /// layerwise offload would use, so packing is the same whatever the
 /// strategy (a sampled simulated payload keeps the same bytes of each
 /// tensor only if its offset in its unit is the same).
+/// The packing every backend lays `pipeline`'s units out in (every
+/// component's blocks, each component a group, whatever the strategy): what
+/// a loader packs its buffers in so that every backend registers them in
+/// place.
+pub fn packing(pipeline: &Pipeline) -> Result<Partition, OffloadError> {
+    let every = OffloadConfig {
+        device_budget: Some(crate::bytes::DeviceBudget::Auto),
+        ..OffloadConfig::default()
+    };
+    plan_and_partition(pipeline, &every).map(|(_, partition)| partition)
+}
+
 pub(crate) fn plan_and_partition(
     pipeline: &Pipeline,
     config: &OffloadConfig,
