@@ -50,6 +50,20 @@ fn inputs(p: &Pipeline, link: f64, steps: u32, compute: &[f64], act: &[u64]) -> 
     inputs
 }
 
+/// Each component's weights outside its blocks and the weights in no
+/// component, in exact bytes (no granules, mappings or slack).
+fn exact_bytes(p: &Pipeline, inputs: &PlannerInputs) -> (Vec<u64>, u64) {
+    let exact = PlannerInputs {
+        allocation_granule_bytes: 1,
+        mapping_bytes: 0,
+        allocator_slack_bytes: 0,
+        ..inputs.clone()
+    };
+    Evaluator::new(p, &budget_config(1), &exact)
+        .unwrap()
+        .bytes()
+}
+
 /// The least budget, derived here from its definition: over the phases,
 /// the largest of each phase's own minimum; a phase's minimum is the
 /// weights in no component + its activations + the least, over slot sizes
@@ -61,15 +75,7 @@ fn least_budget(p: &Pipeline, e: &Evaluator<'_>, inputs: &PlannerInputs) -> u64 
     let r = |b: u64| b.div_ceil(g) * g;
     // The exact bytes (every unit as the pipeline has it); the test
     // pipelines hold at most one unit outside every component.
-    let exact = PlannerInputs {
-        allocation_granule_bytes: 1,
-        mapping_bytes: 0,
-        allocator_slack_bytes: 0,
-        ..inputs.clone()
-    };
-    let (nonblock, outside) = Evaluator::new(p, &budget_config(1), &exact)
-        .unwrap()
-        .bytes();
+    let (nonblock, outside) = exact_bytes(p, inputs);
     let fixed = r(outside) + inputs.mapping_bytes + inputs.allocator_slack_bytes;
     e.components()
         .iter()
@@ -113,15 +119,7 @@ fn phase_bytes(
 ) -> u64 {
     let g = inputs.allocation_granule_bytes;
     let r = |b: u64| b.div_ceil(g) * g;
-    let exact = PlannerInputs {
-        allocation_granule_bytes: 1,
-        mapping_bytes: 0,
-        allocator_slack_bytes: 0,
-        ..inputs.clone()
-    };
-    let (nonblock, outside) = Evaluator::new(p, &budget_config(1), &exact)
-        .unwrap()
-        .bytes();
+    let (nonblock, outside) = exact_bytes(p, inputs);
     let choices = planned.choices();
     let held = |i: usize| -> u64 {
         let (c, stacks) = &e.components()[i];
