@@ -12,13 +12,25 @@ use crate::model::StorageId;
 use crate::request::RequestShape;
 use crate::residency::Residency;
 use crate::runtime::hooks::Model;
-use crate::runtime::layout::Unit;
+use crate::runtime::layout::{SourcePosition, Unit};
 
 /// Where the weights' bytes come from (a checkpoint reader, a generator).
 pub trait WeightSource: Send + Sync {
     /// Fills `dst` with the bytes of `storage` at
     /// `position..position + dst.len()`.
     fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]);
+
+    /// Where `storage`'s bytes lie in this source, if it holds them in an
+    /// order of its own (a mapped checkpoint: the file and the offset).
+    /// Every strategy packs a unit's storages in this order wherever each
+    /// keeps its natural alignment ([`crate::runtime::Partition::in_source_order`]),
+    /// so a block whose tensors lie back to back in one file is one window
+    /// of it ([`Self::take_region`]) whatever order the pipeline declared
+    /// them in. `None` (the default): the declaration's order.
+    fn position(&self, storage: StorageId) -> Option<SourcePosition> {
+        let _ = storage;
+        None
+    }
 
     /// Memory that already holds `unit` packed exactly as [`Unit::entries`]
     /// lays it out (a loader's buffer): the strategy registers it in place as
@@ -49,6 +61,23 @@ pub trait WeightSource: Send + Sync {
     }
 }
 
+/// The host masters a backend holds, by how they were made: memory the
+/// weight source already held, registered in place (no copy), or copies
+/// into pinned memory the backend allocated (a block that is not one window
+/// of its file, a source that only reads). Counted as the backend makes and
+/// frees them, so after `enable` it is what `enable` made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostMasters {
+    /// Units registered in place.
+    pub in_place_units: u64,
+    /// Their bytes.
+    pub in_place_bytes: u64,
+    /// Units copied into pinned memory.
+    pub copied_units: u64,
+    /// Their bytes.
+    pub copied_bytes: u64,
+}
+
 /// Where one storage's bytes are readable by device kernels now.
 #[derive(Debug)]
 pub struct DeviceLocation<A: Api> {
@@ -75,6 +104,11 @@ pub trait Backend<A: Api>: OffloadBackend {
 
     /// The residency of `storage`, if this backend manages it.
     fn residency(&self, storage: StorageId) -> Option<Residency>;
+
+    /// The host masters this backend holds now, in place or copied.
+    fn host_masters(&self) -> HostMasters {
+        HostMasters::default()
+    }
 
     /// Device bytes this backend holds for weights now.
     fn device_weight_bytes(&self) -> u64;

@@ -62,7 +62,7 @@ pub fn memory_bounds(
             crate::budget::BudgetError::Unplanned { budget },
         )));
     }
-    let (plan, partition) = plan_and_partition(pipeline, config)?;
+    let (plan, partition) = plan_and_partition(pipeline, config, None)?;
     let total: u64 = partition.all().map(|u| u.bytes).sum();
     let units = partition.all().count() as u64;
     let strategy = plan.strategy();
@@ -185,7 +185,7 @@ pub fn offloaded_storages(
     pipeline: &Pipeline,
     config: &OffloadConfig,
 ) -> Result<std::collections::BTreeSet<StorageId>, OffloadError> {
-    let (plan, partition) = plan_and_partition(pipeline, config)?;
+    let (plan, partition) = plan_and_partition(pipeline, config, None)?;
     let units: Vec<&crate::runtime::layout::Unit> = match plan.strategy() {
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => plan
             .stacks

@@ -100,6 +100,17 @@ impl<A: Api> Runtime<A> {
         }
     }
 
+    /// The host masters the enabled backend holds: how many units (and
+    /// bytes) are registered in place and how many were copied into pinned
+    /// memory (zero with no backend). A checkpoint whose blocks each lie
+    /// back to back in one file streams with no copy.
+    pub fn host_masters(&self) -> crate::runtime::HostMasters {
+        self.backend
+            .as_deref()
+            .map(|b| b.host_masters())
+            .unwrap_or_default()
+    }
+
     /// The device.
     pub fn device(&self) -> &Arc<A::Device> {
         &self.device
@@ -155,6 +166,7 @@ impl<A: Api> Runtime<A> {
         // A planned backend with nothing given to plan from measures this
         // device: the runtime's request runs once, then the plan is made.
         let Some(shape) = self.backend.as_ref().and_then(|b| b.warmup_shape()) else {
+            self.log_masters();
             return Ok(());
         };
         let request = request.expect("checked above");
@@ -173,7 +185,26 @@ impl<A: Api> Runtime<A> {
             let _ = backend.disable(&mut self.model);
             return Err((e, backend));
         }
+        self.log_masters();
         Ok(())
+    }
+
+    /// What `enable` made of the host masters, at `info`.
+    fn log_masters(&self) {
+        let m = self.host_masters();
+        if m.in_place_units + m.copied_units > 0 {
+            tracing::info!(
+                in_place_units = m.in_place_units,
+                in_place_bytes = m.in_place_bytes,
+                copied_units = m.copied_units,
+                copied_bytes = m.copied_bytes,
+                "host masters: {} unit(s) registered in place ({}), {} copied into pinned memory ({})",
+                m.in_place_units,
+                crate::bytes::ByteSize(m.in_place_bytes),
+                m.copied_units,
+                crate::bytes::ByteSize(m.copied_bytes),
+            );
+        }
     }
 
     /// Enables the backend `config` selects on `platform`, or the resident

@@ -53,7 +53,7 @@ use crate::lifecycle::{
 };
 use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
-use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
+use crate::runtime::backend::{Backend, DeviceLocation, HostMasters, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
@@ -807,7 +807,8 @@ impl<A: Api> LayerwiseBackend<A> {
         st: &mut State<A>,
     ) -> Result<(), OffloadError> {
         let engine = &*self.engine;
-        let (plan, partition) = plan_and_partition(&model.pipeline, config)?;
+        let (plan, partition) =
+            plan_and_partition(&model.pipeline, config, Some(&*engine.handles.weights))?;
         if plan.strategy() != engine.strategy {
             return Err(OffloadError::Unsupported {
                 platform: format!("{} backend", engine.strategy),
@@ -834,7 +835,7 @@ impl<A: Api> LayerwiseBackend<A> {
             for block in &spec.blocks {
                 let unit = block.unit.clone();
                 let host = Arc::new(match &block.shard {
-                    Some(shard) => HostMaster::Pinned(h.fill_shard(&unit, shard)?),
+                    Some(shard) => h.counted(HostMaster::Pinned(h.fill_shard(&unit, shard)?)),
                     None => h.master(&unit, &skip)?,
                 });
                 st.placement.claim(&unit)?;
@@ -1222,6 +1223,10 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
 
     fn host_weight_bytes(&self) -> u64 {
         self.engine.host_weight_bytes()
+    }
+
+    fn host_masters(&self) -> HostMasters {
+        self.engine.handles.host_masters()
     }
 }
 

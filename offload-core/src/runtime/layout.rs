@@ -13,6 +13,17 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::model::{ModuleId, Pipeline, StorageId};
 use crate::plan::BlockStack;
 
+/// Where a storage's bytes lie in a weight source that holds them in an
+/// order of its own: which of its files, and the byte offset there (a
+/// mapped checkpoint). Ordered as the source holds them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SourcePosition {
+    /// The source's file (any numbering the source keeps).
+    pub file: u32,
+    /// The storage's first byte in that file.
+    pub offset: u64,
+}
+
 /// One storage in a unit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -46,14 +57,20 @@ impl Unit {
         module: ModuleId,
         storages: impl IntoIterator<Item = StorageId>,
     ) -> Self {
-        let mut align: BTreeMap<StorageId, u64> = BTreeMap::new();
-        for (_, t) in pipeline.tensors() {
-            let a = align.entry(t.storage).or_insert(1);
-            *a = (*a).max(t.dtype.size_bytes());
-        }
+        let align = alignments(pipeline);
         let mut seen = BTreeSet::new();
         let mut order: Vec<StorageId> = storages.into_iter().filter(|s| seen.insert(*s)).collect();
         order.sort_by_key(|s| std::cmp::Reverse(align.get(s).copied().unwrap_or(1)));
+        Self::laid_out(pipeline, name, module, order)
+    }
+
+    /// The storages of `order` back to back, in that order.
+    fn laid_out(
+        pipeline: &Pipeline,
+        name: String,
+        module: ModuleId,
+        order: Vec<StorageId>,
+    ) -> Self {
         let mut offset = 0;
         let entries = order
             .into_iter()
@@ -75,6 +92,45 @@ impl Unit {
             bytes: offset,
         }
     }
+
+    /// This unit packed in the order its source holds its storages, when
+    /// the source gives every one a position and that order keeps each
+    /// storage at its natural alignment (no padding: the bytes are the
+    /// same); else `None`, and the unit stays as it is.
+    fn in_source_order(
+        &self,
+        pipeline: &Pipeline,
+        align: &BTreeMap<StorageId, u64>,
+        position: &dyn Fn(StorageId) -> Option<SourcePosition>,
+    ) -> Option<Self> {
+        let mut keyed: Vec<(SourcePosition, StorageId)> = self
+            .entries
+            .iter()
+            .map(|e| position(e.storage).map(|p| (p, e.storage)))
+            .collect::<Option<_>>()?;
+        keyed.sort();
+        let order: Vec<StorageId> = keyed.into_iter().map(|(_, s)| s).collect();
+        if order.iter().eq(self.entries.iter().map(|e| &e.storage)) {
+            return None;
+        }
+        let unit = Self::laid_out(pipeline, self.name.clone(), self.module, order);
+        let aligned = unit
+            .entries
+            .iter()
+            .all(|e| e.offset % align.get(&e.storage).copied().unwrap_or(1) == 0);
+        aligned.then_some(unit)
+    }
+}
+
+/// Each storage's alignment: the largest element size of a tensor viewing
+/// it.
+fn alignments(pipeline: &Pipeline) -> BTreeMap<StorageId, u64> {
+    let mut align: BTreeMap<StorageId, u64> = BTreeMap::new();
+    for (_, t) in pipeline.tensors() {
+        let a = align.entry(t.storage).or_insert(1);
+        *a = (*a).max(t.dtype.size_bytes());
+    }
+    align
 }
 
 /// The whole pipeline in units.
@@ -97,6 +153,25 @@ impl Partition {
     /// Every unit.
     pub fn all(&self) -> impl Iterator<Item = &Unit> {
         self.blocks.values().chain(&self.rest)
+    }
+
+    /// Every unit repacked in the order its source holds its storages
+    /// ([`Unit`]'s order otherwise): what a weight source proposes through
+    /// [`crate::runtime::WeightSource::position`], so that a block whose
+    /// tensors lie back to back in one file is one window of it whatever
+    /// order the pipeline declared them in. Sizes do not change.
+    pub fn in_source_order(
+        mut self,
+        pipeline: &Pipeline,
+        position: &dyn Fn(StorageId) -> Option<SourcePosition>,
+    ) -> Self {
+        let align = alignments(pipeline);
+        for unit in self.blocks.values_mut().chain(self.rest.iter_mut()) {
+            if let Some(ordered) = unit.in_source_order(pipeline, &align, position) {
+                *unit = ordered;
+            }
+        }
+        self
     }
 }
 

@@ -37,7 +37,7 @@ mod shared;
 mod slots;
 mod timer;
 
-pub use backend::{Backend, DeviceLocation, Disabled, WeightSource};
+pub use backend::{Backend, DeviceLocation, Disabled, HostMasters, WeightSource};
 pub use bounds::{
     MemoryBounds, PhaseBounds, PlanBounds, memory_bounds, offloaded_storages, plan_bounds,
 };
@@ -45,9 +45,9 @@ pub use bugs::PlantedBug;
 pub use forward::{RequestFn, Runtime, Scope, View};
 pub use hooks::{ForwardCtx, HookMap, Model};
 pub use layerwise::{DistributedLayerwiseBackend, LayerwiseBackend};
-pub use layout::{Entry, Partition, Unit, partition};
+pub use layout::{Entry, Partition, SourcePosition, Unit, partition};
 pub use model_level::ModelLevelBackend;
 pub use planned::PlannedBackend;
 pub use platform::CorePlatform;
 pub use resident::ResidentBackend;
-pub use shared::packing;
+pub use shared::{packing, packing_for};

@@ -321,7 +321,11 @@ impl<A: Api> ModelLevelBackend<A> {
     /// Builds host masters and resident units into `st`; on error, `st`
     /// holds what was built, for [`Self::release`].
     fn build(&self, model: &Model, st: &mut State<A>) -> Result<(), OffloadError> {
-        let (plan, partition) = plan_and_partition(&model.pipeline, &self.config)?;
+        let (plan, partition) = plan_and_partition(
+            &model.pipeline,
+            &self.config,
+            Some(&*self.shared.handles.weights),
+        )?;
         log_warnings(&plan.warnings);
         let h = &self.shared.handles;
         let none = BTreeSet::new();
@@ -345,7 +349,7 @@ impl<A: Api> ModelLevelBackend<A> {
                 in_use: false,
             });
             for unit in units {
-                let host = Arc::new(HostMaster::Pinned(h.fill_pinned(unit, &none)?));
+                let host = Arc::new(h.master(unit, &none)?);
                 swapped.extend(unit.entries.iter().map(|e| e.storage));
                 st.placement.claim(unit)?;
                 st.components
@@ -569,5 +573,9 @@ impl<A: Api> Backend<A> for ModelLevelBackend<A> {
 
     fn host_weight_bytes(&self) -> u64 {
         self.shared.host_weight_bytes()
+    }
+
+    fn host_masters(&self) -> crate::runtime::HostMasters {
+        self.shared.handles.host_masters()
     }
 }

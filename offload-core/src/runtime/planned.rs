@@ -779,7 +779,9 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         let resolved = resolve(&model.pipeline, &self.config)?;
         let groups: Vec<ModuleId> = resolved.components.iter().map(|c| c.module).collect();
-        let part = partition(&model.pipeline, &resolved.stacks, &groups);
+        let weights = &self.phases.handles.weights;
+        let part = partition(&model.pipeline, &resolved.stacks, &groups)
+            .in_source_order(&model.pipeline, &|s| weights.position(s));
         let components: Vec<(String, ModuleId, Role)> = resolved
             .components
             .iter()
@@ -929,6 +931,10 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
 
     fn host_weight_bytes(&self) -> u64 {
         self.store.values().map(|m| m.len_bytes()).sum()
+    }
+
+    fn host_masters(&self) -> crate::runtime::HostMasters {
+        self.phases.handles.host_masters()
     }
 
     fn request_plan(&self) -> Option<&RequestPlan> {

@@ -85,7 +85,11 @@ impl<A: Api> OffloadBackend for ResidentBackend<A> {
         if self.lifecycle.begin_enable()? == EnableStep::AlreadyEnabled {
             return Ok(());
         }
-        let (_, partition) = plan_and_partition(&model.pipeline, &OffloadConfig::default())?;
+        let (_, partition) = plan_and_partition(
+            &model.pipeline,
+            &OffloadConfig::default(),
+            Some(&*self.handles.weights),
+        )?;
         let mut placement = Placement::new(&model.pipeline, OffloadStrategy::None);
         let result = partition.all().try_for_each(|unit| {
             let buffer = Arc::new(self.handles.upload(unit, &Default::default())?);

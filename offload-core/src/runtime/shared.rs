@@ -12,7 +12,7 @@ use crate::lifecycle::OffloadError;
 use crate::model::{Pipeline, StorageId};
 use crate::plan::{ResolvedPlan, resolve};
 use crate::residency::{Owner, Residency, ResidencyTable, Transition};
-use crate::runtime::backend::{DeviceLocation, WeightSource};
+use crate::runtime::backend::{DeviceLocation, HostMasters, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::hooks::Model;
 use crate::runtime::layout::{Partition, Unit, partition};
@@ -51,6 +51,8 @@ pub(crate) struct Handles<A: Api> {
     /// The communication stream gathers run on (gathering backends only).
     pub(crate) comm: Option<A::Stream>,
     pub(crate) weights: Arc<dyn WeightSource>,
+    /// The host masters made through these handles and not yet freed.
+    masters: Mutex<HostMasters>,
 }
 
 /// What a strategy's state answers for the runtime: the one place the
@@ -136,6 +138,7 @@ impl<A: Api> Handles<A> {
             copy,
             comm: None,
             weights,
+            masters: Mutex::new(HostMasters::default()),
         })
     }
 
@@ -274,13 +277,42 @@ impl<A: Api> Handles<A> {
             && region.bytes().len() as u64 == unit.bytes
         {
             match self.device.register_host(region) {
-                Ok(r) => return Ok(HostMaster::Registered(r)),
+                Ok(r) => return Ok(self.counted(HostMaster::Registered(r))),
                 Err(e) => {
                     tracing::warn!(unit = %unit.name, "in-place registration failed ({}); pinning a copy", e.error)
                 }
             }
         }
-        self.fill_pinned(unit, skip).map(HostMaster::Pinned)
+        self.fill_pinned(unit, skip)
+            .map(|b| self.counted(HostMaster::Pinned(b)))
+    }
+
+    /// Counts `master` among the masters these handles hold.
+    pub(crate) fn counted(&self, master: HostMaster<A>) -> HostMaster<A> {
+        self.count(&master, true);
+        master
+    }
+
+    fn count(&self, master: &HostMaster<A>, made: bool) {
+        let mut guard = lock(&self.masters);
+        let m = &mut *guard;
+        let (units, bytes) = match master {
+            HostMaster::Pinned(_) => (&mut m.copied_units, &mut m.copied_bytes),
+            HostMaster::Registered(_) => (&mut m.in_place_units, &mut m.in_place_bytes),
+        };
+        let len = master.len_bytes();
+        if made {
+            *units += 1;
+            *bytes += len;
+        } else {
+            *units = units.saturating_sub(1);
+            *bytes = bytes.saturating_sub(len);
+        }
+    }
+
+    /// The host masters made through these handles and not yet freed.
+    pub(crate) fn host_masters(&self) -> HostMasters {
+        *lock(&self.masters)
     }
 
     /// Frees a host master (its copies must have completed).
@@ -289,6 +321,7 @@ impl<A: Api> Handles<A> {
     ///
     /// No copy reading `master` may be pending.
     pub(crate) unsafe fn free_master(&self, master: HostMaster<A>) -> Result<(), OffloadError> {
+        self.count(&master, false);
         match master {
             HostMaster::Pinned(b) => {
                 // SAFETY: forwarded from the caller.
@@ -542,27 +575,39 @@ impl<A: Api> Placement<A> {
     }
 }
 
-/// The plan and the partition every strategy of this pipeline uses: the
-/// blocks of every component's stacks (what the planned strategy may
-/// stream), else of the plan's own stacks, else of the DiT stacks
-/// layerwise offload would use, so packing is the same whatever the
-/// strategy (a sampled simulated payload keeps the same bytes of each
-/// tensor only if its offset in its unit is the same).
-/// The packing every backend lays `pipeline`'s units out in (every
-/// component's blocks, each component a group, whatever the strategy): what
-/// a loader packs its buffers in so that every backend registers them in
-/// place.
+/// The packing every backend lays `pipeline`'s units out in when its
+/// weight source proposes no order of its own (every component's blocks,
+/// each component a group, whatever the strategy): what a loader packs its
+/// buffers in so that every backend registers them in place.
 pub fn packing(pipeline: &Pipeline) -> Result<Partition, OffloadError> {
     let every = OffloadConfig {
         device_budget: Some(crate::bytes::DeviceBudget::Auto),
         ..OffloadConfig::default()
     };
-    plan_and_partition(pipeline, &every).map(|(_, partition)| partition)
+    plan_and_partition(pipeline, &every, None).map(|(_, partition)| partition)
 }
 
+/// The packing every backend lays `pipeline`'s units out in over
+/// `weights`: [`packing`], each unit in the order the source holds it
+/// ([`WeightSource::position`]).
+pub fn packing_for(
+    pipeline: &Pipeline,
+    weights: &dyn WeightSource,
+) -> Result<Partition, OffloadError> {
+    Ok(packing(pipeline)?.in_source_order(pipeline, &|s| weights.position(s)))
+}
+
+/// The plan and the partition every strategy of this pipeline uses: the
+/// blocks of every component's stacks (what the planned strategy may
+/// stream), else of the plan's own stacks, else of the DiT stacks
+/// layerwise offload would use, so packing is the same whatever the
+/// strategy (a sampled simulated payload keeps the same bytes of each
+/// tensor only if its offset in its unit is the same); each unit in the
+/// order `weights` holds it, if given (sizes are the same either way).
 pub(crate) fn plan_and_partition(
     pipeline: &Pipeline,
     config: &OffloadConfig,
+    weights: Option<&dyn WeightSource>,
 ) -> Result<(ResolvedPlan, Partition), OffloadError> {
     let plan = resolve(pipeline, config)?;
     let every = OffloadConfig {
@@ -591,6 +636,10 @@ pub(crate) fn plan_and_partition(
     };
     let groups: Vec<_> = plan.components.iter().map(|c| c.module).collect();
     let partition = partition(pipeline, &stacks, &groups);
+    let partition = match weights {
+        Some(w) => partition.in_source_order(pipeline, &|s| w.position(s)),
+        None => partition,
+    };
     Ok((plan, partition))
 }
 
