@@ -56,14 +56,71 @@ impl ByteSize {
     }
 }
 
+/// The units a size is written in, largest first (binary before decimal
+/// at each step).
+const UNITS: [(&str, u64); 8] = [
+    ("TiB", 1 << 40),
+    ("TB", 1_000_000_000_000),
+    ("GiB", 1 << 30),
+    ("GB", 1_000_000_000),
+    ("MiB", 1 << 20),
+    ("MB", 1_000_000),
+    ("KiB", 1 << 10),
+    ("KB", 1_000),
+];
+
+/// `bytes / scale` with at most two decimals, trailing zeros trimmed
+/// (rounded up if `up`, else to nearest).
+fn decimal(bytes: u64, scale: u64, up: bool) -> String {
+    let hundredths = u128::from(bytes) * 100;
+    let scale = u128::from(scale);
+    let h = if up {
+        hundredths.div_ceil(scale)
+    } else {
+        (hundredths + scale / 2) / scale
+    };
+    let (whole, frac) = (h / 100, h % 100);
+    match frac {
+        0 => whole.to_string(),
+        f if f % 10 == 0 => format!("{whole}.{}", f / 10),
+        f => format!("{whole}.{f:02}"),
+    }
+}
+
+impl ByteSize {
+    /// The unit [`Display`](fmt::Display) writes this size in, as a person
+    /// writes it: the unit in which it is the shortest number of at most
+    /// two decimals (`"200MiB"` stays 200 MiB, `"16 GB"` 16 GB), else
+    /// bytes (`("B", 1)`).
+    pub fn unit(self) -> (&'static str, u64) {
+        let b = self.0;
+        UNITS
+            .iter()
+            .filter(|(_, scale)| b >= *scale && (u128::from(b) * 100) % u128::from(*scale) == 0)
+            .min_by_key(|(_, scale)| decimal(b, *scale, false).len())
+            .copied()
+            .unwrap_or(("B", 1))
+    }
+
+    /// `bytes` in this size's unit (two decimals at most), so that figures
+    /// beside a size the user wrote read in the unit they wrote it in.
+    pub fn in_unit_of(self, bytes: u64) -> String {
+        let (unit, scale) = self.unit();
+        format!("{} {unit}", decimal(bytes, scale, false))
+    }
+
+    /// `bytes` in this size's unit, rounded up: a value of the key that
+    /// is at least `bytes` (`"1.24GiB"`), to write back.
+    pub fn written_at_least(self, bytes: u64) -> String {
+        let (unit, scale) = self.unit();
+        format!("\"{}{unit}\"", decimal(bytes, scale, true))
+    }
+}
+
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = self.0;
-        if b >= 1 << 30 && b.is_multiple_of(1 << 20) {
-            write!(f, "{} GiB", b as f64 / f64::from(1u32 << 30))
-        } else {
-            write!(f, "{b} B")
-        }
+        let (unit, scale) = self.unit();
+        write!(f, "{} {unit}", decimal(self.0, scale, false))
     }
 }
 
@@ -217,6 +274,31 @@ mod tests {
             let e = ByteSize::parse(bad).unwrap_err();
             assert!(e.contains("allowed"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn sizes_are_echoed_in_the_unit_written() {
+        for (written, shown) in [
+            ("200MiB", "200 MiB"),
+            ("16 GB", "16 GB"),
+            ("24GiB", "24 GiB"),
+            ("1.5TiB", "1.5 TiB"),
+            ("512MiB", "512 MiB"),
+            ("1000", "1 KB"),
+            ("1023", "1023 B"),
+            ("2.25 GB", "2.25 GB"),
+        ] {
+            let b = ByteSize::parse(written).unwrap();
+            assert_eq!(b.to_string(), shown, "{written}");
+            assert_eq!(
+                ByteSize::parse(&b.to_string()),
+                Ok(b),
+                "{written} round trip"
+            );
+        }
+        let budget = ByteSize::parse("200MiB").unwrap();
+        assert_eq!(budget.in_unit_of(1 << 30), "1024 MiB");
+        assert_eq!(budget.written_at_least((1 << 20) + 1), "\"1.01MiB\"");
     }
 
     #[test]

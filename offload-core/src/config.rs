@@ -394,40 +394,66 @@ pub struct OffloadConfig {
     /// stack streams: what the budget planner writes (layerwise only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resident_blocks: Vec<String>,
+    /// How many blocks ahead layerwise offload copies (1 to 16; the ring
+    /// has this many slots plus one). Default: the platform's
+    /// (`CorePlatform::with_prefetch_depth`, 1 unless set). Layerwise and
+    /// distributed layerwise only; a `device_budget` chooses its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch_depth: Option<u32>,
 }
+
+/// The prefetch depths `prefetch_depth` takes.
+pub const PREFETCH_DEPTHS: std::ops::RangeInclusive<u32> = 1..=16;
 
 impl OffloadConfig {
     /// Parses a JSON object.
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
         let de = &mut serde_json::Deserializer::from_str(text);
-        serde_path_to_error::deserialize(de).map_err(|e| parse_error("JSON", e))
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let inner = e.inner();
+            match inner.classify() {
+                serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                    let message = inner.to_string();
+                    let message = message
+                        .rsplit_once(" at line ")
+                        .map_or(message.as_str(), |(m, _)| m)
+                        .to_owned();
+                    syntax("JSON", text, inner.line(), inner.column(), message)
+                }
+                _ => parse_error("JSON", e),
+            }
+        })
     }
 
     /// Parses a TOML document.
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
-        let de = toml::Deserializer::parse(text).map_err(|e| ConfigError::Parse {
-            format: "TOML",
-            key: String::new(),
-            message: e.message().to_owned(),
+        let de = toml::Deserializer::parse(text).map_err(|e| {
+            let (line, column) = e
+                .span()
+                .map_or((0, 0), |span| line_and_column(text, span.start));
+            syntax("TOML", text, line, column, e.message().to_owned())
         })?;
         serde_path_to_error::deserialize(de).map_err(|e| parse_error("TOML", e))
     }
 
-    /// Reads a `.json` or `.toml` file.
+    /// Reads a `.json` or `.toml` file; an error names the file.
     pub fn from_path(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
-        match path.extension().and_then(|e| e.to_str()) {
+        let parsed = match path.extension().and_then(|e| e.to_str()) {
             Some("json") => Self::from_json_str(&text),
             Some("toml") => Self::from_toml_str(&text),
-            other => Err(ConfigError::Invalid {
-                key: "config file extension".to_owned(),
-                value: other.unwrap_or("").to_owned(),
-                allowed: "`json` or `toml`".to_owned(),
-            }),
-        }
+            other => {
+                return Err(ConfigError::Invalid {
+                    key: "config file extension".to_owned(),
+                    value: other.unwrap_or("").to_owned(),
+                    allowed: "`json` or `toml`".to_owned(),
+                });
+            }
+        };
+        parsed.map_err(|e| e.in_file(path))
     }
 
     /// Selects the strategy; see [`select`].
@@ -443,8 +469,76 @@ fn parse_error<E: fmt::Display>(
     let key = e.path().to_string();
     ConfigError::Parse {
         format,
+        file: None,
         key: if key == "." { String::new() } else { key },
         message: e.inner().to_string(),
+    }
+}
+
+/// The 1-based line and column (in characters) of byte `offset` of `text`.
+fn line_and_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let start = before.rfind('\n').map_or(0, |i| i + 1);
+    (line, before[start..].chars().count() + 1)
+}
+
+/// A syntax error at `line`:`column` (1-based; 0 when unknown) of `text`,
+/// with the line and a caret under the column.
+fn syntax(
+    format: &'static str,
+    text: &str,
+    line: usize,
+    column: usize,
+    message: String,
+) -> ConfigError {
+    let snippet = match text.lines().nth(line.wrapping_sub(1)) {
+        Some(src) if line > 0 => {
+            let gutter = line.to_string();
+            format!(
+                "{pad} |\n{gutter} | {src}\n{pad} | {caret}^",
+                pad = " ".repeat(gutter.len()),
+                caret = " ".repeat(column.saturating_sub(1)),
+            )
+        }
+        _ => String::new(),
+    };
+    ConfigError::Syntax {
+        format,
+        file: None,
+        line,
+        column,
+        message,
+        snippet,
+    }
+}
+
+/// Where a configuration came from, for its errors: the file, or the
+/// format of a string.
+fn origin(format: &str, file: Option<&String>) -> String {
+    match file {
+        Some(f) => format!("configuration file `{f}`"),
+        None => format!("{format} configuration"),
+    }
+}
+
+/// `, at `key``, or nothing at the top level.
+fn at_key(key: &str) -> String {
+    if key.is_empty() {
+        String::new()
+    } else {
+        format!(", at `{key}`")
+    }
+}
+
+impl ConfigError {
+    /// This error as read from the file at `path`: parse and syntax
+    /// errors name it.
+    pub fn in_file(mut self, path: &Path) -> Self {
+        if let ConfigError::Parse { file, .. } | ConfigError::Syntax { file, .. } = &mut self {
+            *file = Some(path.display().to_string());
+        }
+        self
     }
 }
 
@@ -455,14 +549,32 @@ pub enum ConfigError {
     /// The text is not valid JSON/TOML for the schema: wrong type, unknown
     /// key, unknown choice. `message` comes from serde and names the allowed
     /// keys or choices.
-    #[error("{format} configuration, at `{key}`: {message}")]
+    #[error("{}{}: {message}", origin(format, file.as_ref()), at_key(key))]
     Parse {
         /// `JSON` or `TOML`.
         format: &'static str,
+        /// The file it was read from, if any.
+        file: Option<String>,
         /// Dotted path of the offending key (empty at top level).
         key: String,
         /// What was wrong and what is allowed.
         message: String,
+    },
+    /// The text is not JSON/TOML at all.
+    #[error("{}, line {line}, column {column}: {message}\n{snippet}", origin(format, file.as_ref()))]
+    Syntax {
+        /// `JSON` or `TOML`.
+        format: &'static str,
+        /// The file it was read from, if any.
+        file: Option<String>,
+        /// 1-based line (0 when unknown).
+        line: usize,
+        /// 1-based column, in characters (0 when unknown).
+        column: usize,
+        /// What was wrong.
+        message: String,
+        /// The line, with a caret under the column.
+        snippet: String,
     },
     /// The file could not be read.
     #[error("cannot read configuration file `{path}`: {message}")]
@@ -644,8 +756,9 @@ fn flag_value(config: &OffloadConfig, flag: &str) -> bool {
 /// Selects exactly one strategy from the configuration (CONTRACT §2).
 ///
 /// Priority is DLO > Layerwise > ModelLevel > None; every lower-priority
-/// flag that was set and lost is logged at `info` and listed in
-/// [`Selection::disabled_flags`]. Every rejection of §2 is an `Err`.
+/// flag that was set and lost is listed in [`Selection::disabled_flags`]
+/// (pure: the factory, [`crate::get_offload_backend`], logs them once at
+/// `info`). Every rejection of §2 is an `Err`.
 pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
     config.parallel.validate()?;
     let set_flags: Vec<(&'static str, OffloadStrategy)> = FLAG_PRIORITY
@@ -654,7 +767,27 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
         .filter(|(flag, _)| flag_value(config, flag))
         .collect();
 
+    if let Some(depth) = config.prefetch_depth
+        && !PREFETCH_DEPTHS.contains(&depth)
+    {
+        return Err(invalid(
+            "prefetch_depth",
+            depth,
+            format!(
+                "{} to {} (blocks copied ahead of the one computing)",
+                PREFETCH_DEPTHS.start(),
+                PREFETCH_DEPTHS.end()
+            ),
+        ));
+    }
     if let Some(budget) = config.device_budget {
+        if let Some(depth) = config.prefetch_depth {
+            return Err(conflict(
+                ("prefetch_depth", depth),
+                ("device_budget", format!("\"{budget}\"")),
+                "the request planner chooses each streamed component's depth under a budget: remove prefetch_depth",
+            ));
+        }
         return select_budget(config, budget, &set_flags);
     }
     if let Some(headroom) = config.device_headroom {
@@ -670,6 +803,21 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
     };
 
     check_residency_keys(config, &selection)?;
+    if let Some(depth) = config.prefetch_depth
+        && !matches!(
+            selection.strategy,
+            OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise
+        )
+    {
+        return Err(invalid(
+            "prefetch_depth",
+            depth,
+            format!(
+                "with layerwise or distributed layerwise offload only (this configuration selects {}): set enable_layerwise_offload = true, or remove prefetch_depth",
+                selection.strategy
+            ),
+        ));
+    }
     if selection.strategy == OffloadStrategy::DistributedLayerwise {
         if selection.uses_allgather() && config.parallel.use_hsdp {
             let key = match selection.source {
@@ -687,9 +835,6 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
         selection.gather_group = gather_group(&config.parallel, selection.uses_allgather());
     }
 
-    for disabled in &selection.disabled_flags {
-        tracing::info!(flag = disabled.flag, selected = %disabled.by, "{disabled}");
-    }
     Ok(selection)
 }
 

@@ -6,18 +6,24 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// What a pipeline declares about its components
-/// (`SupportsComponentDiscovery`): dotted paths per role.
+/// Which of a pipeline's modules are its components, by role: the dotted
+/// paths of the modules (from the pipeline's root) that are its denoising
+/// transformers, encoders, VAEs and always-resident modules. Every path
+/// must name a module of the pipeline: one that does not is an error at
+/// resolve (with the nearest names), never a silent skip. A component's
+/// blocks are named on its module with
+/// [`ModuleBuilder::block_containers`](crate::model::ModuleBuilder::block_containers).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ComponentDeclaration {
-    /// Denoising transformers (`_dit_modules`).
+    /// Denoising transformers: layerwise offload streams their blocks, and
+    /// the planner runs them once per denoising step.
     pub dit: Vec<String>,
-    /// Encoders (`_encoder_modules`).
+    /// Text and image encoders: run once per request.
     pub encoder: Vec<String>,
-    /// VAEs (`_vae_modules`).
+    /// VAEs: run once per request, after the DiTs.
     pub vae: Vec<String>,
-    /// Small modules that never move (`_resident_modules`).
+    /// Small modules that never move (embedders, schedulers' tables).
     pub resident: Vec<String>,
 }
 

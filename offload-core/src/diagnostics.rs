@@ -10,8 +10,10 @@ use serde::Serialize;
 use crate::config::{ComponentName, ConfigError};
 use crate::declaration::Role;
 
-/// Something the resolver noticed that does not stop offloading. Backends
-/// log these at `warn` when they enable (see
+/// Something the resolver noticed that does not change what the
+/// configuration does (anything that would, such as a declared path that
+/// does not exist or a stack that cannot stream, is a [`PlanError`]).
+/// Backends log these at `warn` when they enable (see
 /// [`crate::discovery::log_warnings`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum PlanWarning {
@@ -20,13 +22,6 @@ pub enum PlanWarning {
         /// The pipeline type.
         pipeline_type: String,
     },
-    /// A declared component path does not exist; it was skipped.
-    MissingDeclaredPath {
-        /// Its role.
-        role: Role,
-        /// The path.
-        path: String,
-    },
     /// Blocks came from the deprecated single-container declaration.
     DeprecatedBlockContainer {
         /// The stack owner.
@@ -34,18 +29,6 @@ pub enum PlanWarning {
         /// The container.
         container: String,
     },
-    /// A stack owner has fewer than two blocks; it is not streamed.
-    TooFewBlocks {
-        /// The stack owner.
-        owner: String,
-        /// How many blocks it has.
-        blocks: usize,
-    },
-    /// Model-level offload found no DiT: it does nothing.
-    NoDit,
-    /// Model-level offload found no encoder: DiTs go to the device, nothing
-    /// else moves.
-    NoEncoder,
     /// A selected component is managed by the pipeline itself.
     SelfManaged {
         /// The component path.
@@ -60,25 +43,9 @@ impl fmt::Display for PlanWarning {
                 f,
                 "pipeline `{pipeline_type}` declares no components: found them by the legacy scan of well-known names; declare them explicitly"
             ),
-            PlanWarning::MissingDeclaredPath { role, path } => {
-                write!(
-                    f,
-                    "declared {role} component `{path}` does not exist; skipped"
-                )
-            }
             PlanWarning::DeprecatedBlockContainer { owner, container } => write!(
                 f,
                 "`{owner}` declares its blocks with the deprecated single container `{container}`; declare a container list"
-            ),
-            PlanWarning::TooFewBlocks { owner, blocks } => write!(
-                f,
-                "`{owner}` has {blocks} block(s); layerwise offload needs at least 2, so it stays resident"
-            ),
-            PlanWarning::NoDit => {
-                f.write_str("model-level offload found no DiT: nothing to offload")
-            }
-            PlanWarning::NoEncoder => f.write_str(
-                "model-level offload found no encoder: DiTs stay on the device and nothing moves",
             ),
             PlanWarning::SelfManaged { path } => {
                 write!(
@@ -131,9 +98,9 @@ pub enum PlanError {
         /// The second role.
         second: Role,
     },
-    /// An explicitly selected component is not in the pipeline.
+    /// A selected component is not in the pipeline.
     #[error(
-        "component `{component}` is selected but the pipeline has no {role} module (found: {found:?})"
+        "component `{component}` is selected but the pipeline has no {role} module (its components: {found:?}); declare it with `ComponentDeclaration {{ {role}: vec![\"<its path>\".into()], .. }}` and `PipelineBuilder::declare_components`"
     )]
     ComponentNotFound {
         /// The configuration name.
@@ -161,15 +128,41 @@ pub enum PlanError {
         /// The container's full path.
         path: String,
     },
-    /// An explicitly selected component has fewer than two blocks.
+    /// A component layerwise offload streams has fewer than two blocks.
     #[error(
-        "`{owner}` has {blocks} block(s) but its component was selected explicitly for layerwise offload, which needs at least 2"
+        "`{owner}` has {blocks} block(s), but {strategy} offload streams its blocks and needs at least 2: {fix}"
     )]
     TooFewBlocks {
         /// The stack owner.
         owner: String,
         /// Block count.
         blocks: usize,
+        /// The selected strategy.
+        strategy: crate::config::OffloadStrategy,
+        /// What declares its blocks.
+        fix: String,
+    },
+    /// A path of the pipeline's component declaration is not a module.
+    #[error(
+        "the pipeline's `ComponentDeclaration` lists `{path}` as a {role} component, but the pipeline has no module `{path}`{hint}: fix the path in `{role}: vec![…]` (the pipeline's top-level modules: {modules})"
+    )]
+    DeclaredComponentMissing {
+        /// Its role.
+        role: Role,
+        /// The path.
+        path: String,
+        /// The nearest existing names (or nothing).
+        hint: String,
+        /// The pipeline's top-level modules.
+        modules: String,
+    },
+    /// The selected strategy would move nothing.
+    #[error("{strategy} offload would move nothing: {reason}")]
+    NothingToOffload {
+        /// The selected strategy.
+        strategy: crate::config::OffloadStrategy,
+        /// Why, and what to do instead.
+        reason: String,
     },
     /// Two stacks claim one block (or one block lies inside another).
     #[error(

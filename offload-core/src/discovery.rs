@@ -84,7 +84,6 @@ fn discover_declared(
     decl: &ComponentDeclaration,
 ) -> Result<Discovery, PlanError> {
     let mut components = Vec::new();
-    let mut warnings = Vec::new();
     let mut claimed: BTreeMap<ModuleId, Role> = BTreeMap::new();
     for (role, paths) in [
         (Role::Dit, &decl.dit),
@@ -94,11 +93,7 @@ fn discover_declared(
     ] {
         for path in paths {
             let Some(module) = pipeline.module_id(path).filter(|_| !path.is_empty()) else {
-                warnings.push(PlanWarning::MissingDeclaredPath {
-                    role,
-                    path: path.clone(),
-                });
-                continue;
+                return Err(missing_declared(pipeline, role, path));
             };
             match claimed.get(&module) {
                 Some(first) if *first == role => continue,
@@ -122,8 +117,53 @@ fn discover_declared(
     Ok(Discovery {
         source: DiscoverySource::Declared,
         components,
-        warnings,
+        warnings: Vec::new(),
     })
+}
+
+/// The error for a declared path that is no module: the nearest modules
+/// under its deepest existing ancestor, and the top-level modules.
+fn missing_declared(pipeline: &Pipeline, role: Role, path: &str) -> PlanError {
+    let (parent, last) = match path.rsplit_once('.') {
+        Some((parent, last)) => (pipeline.module_id(parent), last),
+        None => (Some(pipeline.root()), path),
+    };
+    let names = |m: ModuleId| -> Vec<&str> {
+        pipeline
+            .module(m)
+            .children
+            .iter()
+            .map(|c| pipeline.module(*c).path.as_str())
+            .collect()
+    };
+    let hint = match parent {
+        Some(parent) => {
+            let children = names(parent);
+            let near = crate::suggest::nearest(
+                last,
+                children
+                    .iter()
+                    .map(|c| c.rsplit_once('.').map_or(*c, |(_, n)| n)),
+            );
+            let prefix = &pipeline.module(parent).path;
+            let quoted: Vec<String> = near
+                .iter()
+                .map(|n| format!("`{}`", crate::model::join(prefix, n)))
+                .collect();
+            if quoted.is_empty() {
+                String::new()
+            } else {
+                format!(" (did you mean {}?)", quoted.join(" or "))
+            }
+        }
+        None => String::new(),
+    };
+    PlanError::DeclaredComponentMissing {
+        role,
+        path: path.to_owned(),
+        hint,
+        modules: crate::suggest::listed(names(pipeline.root()), 12),
+    }
 }
 
 fn legacy_scan(pipeline: &Pipeline) -> Discovery {

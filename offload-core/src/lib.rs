@@ -27,6 +27,7 @@ pub mod request;
 pub mod residency;
 pub mod runtime;
 pub mod schema;
+mod suggest;
 mod sync;
 
 pub use config::{
@@ -35,4 +36,7 @@ pub use config::{
 pub use discovery::ComponentDeclaration;
 pub use lifecycle::{OffloadBackend, OffloadError, Platform, get_offload_backend};
 pub use model::{DType, Pipeline, PipelineBuilder};
+/// The error a forward closure, a hook or a request returns: any error,
+/// boxed (`?` converts into it).
+pub use offload_hooks::BoxError;
 pub use plan::{OffloadPlan, PlanError, ResolvedPlan, resolve};

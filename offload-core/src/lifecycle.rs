@@ -81,6 +81,37 @@ pub enum OffloadError {
     /// A residency transition was refused.
     #[error(transparent)]
     Residency(#[from] crate::residency::ResidencyError),
+    /// A hook of a module failed during its forward.
+    #[error("forward of `{module}`: {error}")]
+    HookFailed {
+        /// The module path.
+        module: String,
+        /// The hook's error (its name and phase; part of the message, not
+        /// chained again as a source).
+        error: offload_hooks::HookError,
+    },
+    /// A hook of a backend ran while the backend is disabled.
+    #[error("the {strategy} backend is disabled: enable it before running forwards")]
+    Disabled {
+        /// Its strategy.
+        strategy: OffloadStrategy,
+    },
+    /// A backend is already enabled on the runtime.
+    #[error(
+        "a {enabled} backend is already enabled on this runtime, so the {requested} backend was not enabled: disable it first (`Runtime::disable`), one strategy per pipeline"
+    )]
+    AlreadyEnabled {
+        /// The strategy enabled now.
+        enabled: OffloadStrategy,
+        /// The strategy asked for.
+        requested: OffloadStrategy,
+    },
+    /// The runtime's request (its registered forwards) failed or is missing.
+    #[error("request: {reason}")]
+    Request {
+        /// What failed.
+        reason: String,
+    },
     /// A forward scope was asked for something it cannot lend.
     #[error("forward of `{module}`: {reason}")]
     Forward {
@@ -143,7 +174,7 @@ impl OffloadError {
                 shortfall_bytes,
                 ..
             } => Some((*kind, *shortfall_bytes)),
-            OffloadError::Hook(h) => {
+            OffloadError::Hook(h) | OffloadError::HookFailed { error: h, .. } => {
                 let mut source = std::error::Error::source(h);
                 while let Some(e) = source {
                     if let Some(inner) = e.downcast_ref::<OffloadError>() {
@@ -350,6 +381,11 @@ pub fn get_offload_backend<P: Platform + ?Sized>(
     platform: &P,
 ) -> Result<Option<Box<P::Backend>>, OffloadError> {
     let selection = config.select()?;
+    // Once per backend built: selection itself is pure, and every backend
+    // selects again as it resolves.
+    for disabled in &selection.disabled_flags {
+        tracing::info!(flag = disabled.flag, selected = %disabled.by, "{disabled}");
+    }
     if selection.strategy == OffloadStrategy::None {
         return Ok(None);
     }

@@ -201,12 +201,12 @@ pub struct Module {
     pub children: Vec<ModuleId>,
     /// Tensors held directly by this module.
     pub tensors: Vec<TensorId>,
-    /// The ordered block containers this module declares
-    /// (`_layerwise_offload_blocks_attrs`), relative paths.
+    /// The module lists holding this module's blocks, in forward order,
+    /// relative paths ([`ModuleBuilder::block_containers`]).
     pub block_containers: Option<Vec<String>>,
     /// The deprecated single block container
-    /// (`_layerwise_offload_blocks_attr`); used only when no list is
-    /// declared, with a warning.
+    /// ([`ModuleBuilder::deprecated_block_container`]); used only when no
+    /// list is declared, with a warning.
     pub deprecated_block_container: Option<String>,
 }
 
@@ -248,6 +248,48 @@ impl Pipeline {
     pub fn child(&self, parent: ModuleId, name: &str) -> Option<ModuleId> {
         let path = join(&self.module(parent).path, name);
         self.module_id(&path)
+    }
+
+    /// A tensor by its full dotted path: a lookup of its module, then of
+    /// the module's own tensors (no scan of the pipeline).
+    pub fn tensor_id(&self, path: &str) -> Option<TensorId> {
+        let (module, name) = match path.rsplit_once('.') {
+            Some((m, n)) => (self.module_id(m)?, n),
+            None => (self.root(), path),
+        };
+        self.module(module)
+            .tensors
+            .iter()
+            .copied()
+            .find(|t| self.tensor(*t).name == name)
+    }
+
+    /// A tensor of the module `module` by its dotted path relative to it.
+    pub fn tensor_in(&self, module: ModuleId, name: &str) -> Option<TensorId> {
+        let (owner, name) = match name.rsplit_once('.') {
+            Some((m, n)) => (self.module_id(&join(&self.module(module).path, m))?, n),
+            None => (module, name),
+        };
+        self.module(owner)
+            .tensors
+            .iter()
+            .copied()
+            .find(|t| self.tensor(*t).name == name)
+    }
+
+    /// The path of `id` relative to its ancestor `ancestor` (`""` for
+    /// itself), borrowed from the description.
+    pub fn relative_path(&self, id: ModuleId, ancestor: ModuleId) -> Option<&str> {
+        if !self.is_within(id, ancestor) {
+            return None;
+        }
+        let path = self.module(id).path.as_str();
+        let base = self.module(ancestor).path.as_str();
+        Some(match base.len() {
+            0 => path,
+            n if path.len() == n => "",
+            n => &path[n + 1..],
+        })
     }
 
     /// Every module, root first, in creation order.
@@ -400,6 +442,14 @@ pub enum ModelError {
         /// The child name given.
         name: String,
     },
+    /// A shape holds a negative dimension.
+    #[error("tensor `{path}` has a negative dimension {dim}; a shape holds sizes ≥ 0")]
+    NegativeDim {
+        /// The tensor.
+        path: String,
+        /// The dimension given.
+        dim: i64,
+    },
     /// Shape and strides differ in length.
     #[error("tensor `{path}` has {shape_dims} shape dimensions but {stride_dims} strides")]
     StrideRank {
@@ -477,6 +527,61 @@ impl TensorSpec {
             kind: TensorKind::Buffer { persistent },
             ..Self::parameter(dtype, shape)
         }
+    }
+}
+
+/// One dimension of a shape, in any integer type a runtime keeps its sizes
+/// in (`usize` constants, `u64`, `i64` from a config file…); a negative
+/// one is a build error.
+pub trait Dim: Copy {
+    /// The dimension as a `u64`, or the negative value given.
+    fn to_u64(self) -> Result<u64, i64>;
+}
+
+macro_rules! dims {
+    ($($t:ty),*) => {$(
+        impl Dim for $t {
+            #[allow(clippy::cast_lossless, irrefutable_let_patterns, unused_comparisons)]
+            fn to_u64(self) -> Result<u64, i64> {
+                if self < 0 as $t {
+                    return Err(self as i64);
+                }
+                Ok(self as u64)
+            }
+        }
+    )*};
+}
+dims!(u8, u16, u32, u64, usize, i32, i64);
+
+/// A shape, in elements: a slice, an array or a vector of any [`Dim`]
+/// (`&[h, 64]`, `[N_HEADS * HEAD_DIM]`, `&shape`), so that a shape written
+/// with `usize` constants needs no casts.
+pub trait Dims {
+    /// The dimensions as `u64`s, or the first negative one.
+    fn to_dims(&self) -> Result<Vec<u64>, i64>;
+}
+
+impl<T: Dim> Dims for [T] {
+    fn to_dims(&self) -> Result<Vec<u64>, i64> {
+        self.iter().map(|d| d.to_u64()).collect()
+    }
+}
+
+impl<T: Dim, const N: usize> Dims for [T; N] {
+    fn to_dims(&self) -> Result<Vec<u64>, i64> {
+        self[..].to_dims()
+    }
+}
+
+impl<T: Dim> Dims for Vec<T> {
+    fn to_dims(&self) -> Result<Vec<u64>, i64> {
+        self[..].to_dims()
+    }
+}
+
+impl<D: Dims + ?Sized> Dims for &D {
+    fn to_dims(&self) -> Result<Vec<u64>, i64> {
+        (**self).to_dims()
     }
 }
 
@@ -630,11 +735,7 @@ impl PipelineBuilder {
     }
 
     fn tensor_by_path(&self, path: &str) -> Option<TensorId> {
-        let (module, name) = match path.rsplit_once('.') {
-            Some((m, n)) => (self.p.module_id(m)?, n),
-            None => (ModuleId(0), path),
-        };
-        self.tensor_at(module, name)
+        self.p.tensor_id(path)
     }
 
     fn add_tensor(&mut self, module: ModuleId, dotted: &str, spec: TensorSpec) {
@@ -729,8 +830,12 @@ impl ModuleBuilder<'_> {
     }
 
     /// Adds a contiguous parameter; a dotted `name` creates submodules.
-    pub fn parameter(&mut self, name: &str, dtype: DType, shape: &[u64]) -> &mut Self {
-        self.tensor(name, TensorSpec::parameter(dtype, shape))
+    /// `shape` is any slice, array or vector of integers ([`Dims`]).
+    pub fn parameter(&mut self, name: &str, dtype: DType, shape: impl Dims) -> &mut Self {
+        match self.dims(name, &shape) {
+            Some(shape) => self.tensor(name, TensorSpec::parameter(dtype, &shape)),
+            None => self,
+        }
     }
 
     /// Adds a contiguous buffer; a dotted `name` creates submodules.
@@ -738,10 +843,28 @@ impl ModuleBuilder<'_> {
         &mut self,
         name: &str,
         dtype: DType,
-        shape: &[u64],
+        shape: impl Dims,
         persistent: bool,
     ) -> &mut Self {
-        self.tensor(name, TensorSpec::buffer(dtype, shape, persistent))
+        match self.dims(name, &shape) {
+            Some(shape) => self.tensor(name, TensorSpec::buffer(dtype, &shape, persistent)),
+            None => self,
+        }
+    }
+
+    /// `shape` as `u64`s, or `None` with a build error for a negative one.
+    fn dims(&mut self, name: &str, shape: &impl Dims) -> Option<Vec<u64>> {
+        match shape.to_dims() {
+            Ok(dims) => Some(dims),
+            Err(negative) => {
+                let path = join(&self.b.p.module(self.id).path, name);
+                self.b.errors.push(ModelError::NegativeDim {
+                    path,
+                    dim: negative,
+                });
+                None
+            }
+        }
     }
 
     /// Adds a tensor described in full.
@@ -802,16 +925,22 @@ impl ModuleBuilder<'_> {
         self
     }
 
-    /// Declares this module's ordered block containers
-    /// (`_layerwise_offload_blocks_attrs`).
+    /// Names this module's block containers, in forward order: the module
+    /// lists (relative paths, built with [`Self::list`]) whose entries are
+    /// its repeated transformer blocks, e.g. `["transformer_blocks",
+    /// "single_transformer_blocks"]` for Flux. Their concatenation is the
+    /// block stack layerwise offload streams through a ring of device
+    /// slots and the planner may stream; without it the component has no
+    /// blocks (layerwise offload of it is an error at resolve that says to
+    /// call this).
     pub fn block_containers(&mut self, names: &[&str]) -> &mut Self {
         self.b.p.modules[self.id.index()].block_containers =
             Some(names.iter().map(|s| (*s).to_owned()).collect());
         self
     }
 
-    /// Declares a single block container the deprecated way
-    /// (`_layerwise_offload_blocks_attr`).
+    /// Names a single block container, the deprecated way (resolution
+    /// warns): use [`Self::block_containers`].
     pub fn deprecated_block_container(&mut self, name: &str) -> &mut Self {
         self.b.p.modules[self.id.index()].deprecated_block_container = Some(name.to_owned());
         self

@@ -227,11 +227,27 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
     match selection.strategy {
         OffloadStrategy::None => {}
         OffloadStrategy::ModelLevel => {
-            if !components.iter().any(|c| c.role == Role::Dit) {
-                warnings.push(PlanWarning::NoDit);
-                components.iter_mut().for_each(|c| c.offloaded = false);
-            } else if !components.iter().any(|c| c.role == Role::Encoder) {
-                warnings.push(PlanWarning::NoEncoder);
+            let of = |role| {
+                components
+                    .iter()
+                    .filter(move |c: &&ResolvedComponent| c.role == role)
+            };
+            let found = || crate::suggest::listed(components.iter().map(|c| c.path.as_str()), 8);
+            let missing = if of(Role::Dit).next().is_none() {
+                Some("DiT")
+            } else if of(Role::Encoder).next().is_none() {
+                Some("encoder")
+            } else {
+                None
+            };
+            if let Some(missing) = missing {
+                return Err(PlanError::NothingToOffload {
+                    strategy: selection.strategy,
+                    reason: format!(
+                        "it swaps the DiTs with the encoders, and the pipeline has no {missing} (its components: {}); declare the pipeline's components (`ComponentDeclaration`), or stream the DiT's blocks (`enable_layerwise_offload = true`), or plan a `device_budget`",
+                        found()
+                    ),
+                });
             }
         }
         OffloadStrategy::Layerwise
@@ -248,18 +264,22 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
                             weight_transfer: WeightTransfer::RankLocal,
                             resident_layers: 0,
                         });
-                let owner_stacks = resolve_stacks(pipeline, component, plan, &mut warnings)?;
+                let (owner_stacks, short) =
+                    resolve_stacks(pipeline, component, plan, &mut warnings)?;
+                // The planner swaps or keeps whole a component it cannot
+                // stream; a layer strategy that was asked to stream it
+                // cannot, and says what declares its blocks.
+                if selection.strategy != OffloadStrategy::Planned
+                    && let Some((owner, blocks, fix)) = short.into_iter().next()
+                {
+                    return Err(PlanError::TooFewBlocks {
+                        owner,
+                        blocks,
+                        strategy: selection.strategy,
+                        fix,
+                    });
+                }
                 if owner_stacks.is_empty() {
-                    if selection.components_explicit {
-                        let blocks = count_declared_blocks(pipeline, component, plan);
-                        return Err(PlanError::TooFewBlocks {
-                            owner: component.path.clone(),
-                            blocks,
-                        });
-                    }
-                    // The planner still swaps or keeps a component it
-                    // cannot stream.
-                    component.offloaded = selection.strategy == OffloadStrategy::Planned;
                     continue;
                 }
                 for mut stack in owner_stacks {
@@ -283,11 +303,21 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
             }
             check_block_claims(pipeline, &stacks)?;
             apply_resident_blocks(&mut stacks, &config.resident_blocks)?;
-            if selection.strategy == OffloadStrategy::Planned {
-                // A component with fewer than two blocks is not left
-                // resident by the planner (it swaps or stays as it
-                // chooses): the layerwise warning would mislead.
-                warnings.retain(|w| !matches!(w, PlanWarning::TooFewBlocks { .. }));
+            let moved = match selection.strategy {
+                OffloadStrategy::Planned => components.iter().any(|c| c.offloaded),
+                _ => !stacks.is_empty(),
+            };
+            if !moved {
+                let wanted: Vec<String> =
+                    selection.components.iter().map(|c| c.to_string()).collect();
+                return Err(PlanError::NothingToOffload {
+                    strategy: selection.strategy,
+                    reason: format!(
+                        "it offloads the {} component(s), and the pipeline has none it may move (its components: {}); declare them with `ComponentDeclaration` and `PipelineBuilder::declare_components`",
+                        wanted.join(", "),
+                        crate::suggest::listed(components.iter().map(|c| c.path.as_str()), 8),
+                    ),
+                });
             }
         }
     }
@@ -347,20 +377,70 @@ fn topology(
     }
 }
 
-fn count_declared_blocks(
+/// The module lists of `owner`'s subtree that are not inside another list
+/// (candidate block containers), relative to it, with their lengths.
+fn module_lists(pipeline: &Pipeline, owner: ModuleId) -> Vec<(String, usize)> {
+    let base = &pipeline.module(owner).path;
+    let mut out = Vec::new();
+    let mut stack = vec![owner];
+    while let Some(m) = stack.pop() {
+        let module = pipeline.module(m);
+        if m != owner && module.kind == ModuleKind::List {
+            let rel = module
+                .path
+                .strip_prefix(base.as_str())
+                .unwrap_or(&module.path);
+            out.push((
+                rel.trim_start_matches('.').to_owned(),
+                module.children.len(),
+            ));
+            continue;
+        }
+        stack.extend(module.children.iter().rev());
+    }
+    out
+}
+
+/// What declares `owner`'s blocks, for an error that found too few.
+fn blocks_fix(
     pipeline: &Pipeline,
     owner: &ResolvedComponent,
-    plan: Option<&OffloadPlan>,
-) -> usize {
-    topology(pipeline, owner, plan)
-        .map(|(_, containers)| {
+    declared: Option<&[String]>,
+) -> String {
+    let lists = module_lists(pipeline, owner.module);
+    let listed = lists
+        .iter()
+        .map(|(p, n)| format!("`{p}` ({n} blocks)"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match (declared, lists.is_empty()) {
+        (None, false) => format!(
+            "it declares no block containers; name them in forward order with `block_containers(&[{}])` on the module builder of `{}` (its module lists: {listed})",
+            lists
+                .iter()
+                .map(|(p, _)| format!("\"{p}\""))
+                .collect::<Vec<_>>()
+                .join(", "),
+            owner.path,
+        ),
+        (None, true) => format!(
+            "it has no blocks: build its repeated blocks as a module list (`list(\"blocks\", n, …)` on the module builder of `{}`) and name the list with `block_containers(&[\"blocks\"])`; a component without blocks is swapped whole by model-level offload or a `device_budget`",
+            owner.path
+        ),
+        (Some(containers), _) => format!(
+            "its block containers {} hold too few; name the module lists of its repeated blocks (its module lists: {}), or swap it whole with model-level offload or a `device_budget`",
             containers
                 .iter()
-                .filter_map(|c| pipeline.module_id(&join(&owner.path, c)))
-                .map(|m| pipeline.module(m).children.len())
-                .sum()
-        })
-        .unwrap_or(0)
+                .map(|c| format!("`{c}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if listed.is_empty() {
+                "none".to_owned()
+            } else {
+                listed
+            },
+        ),
+    }
 }
 
 fn block_of(pipeline: &Pipeline, module: ModuleId) -> Block {
@@ -373,12 +453,20 @@ fn block_of(pipeline: &Pipeline, module: ModuleId) -> Block {
     }
 }
 
+/// A stack that cannot stream: its owner (as named in errors), its block
+/// count, and what declares its blocks.
+type ShortStack = (String, usize, String);
+
+/// The stacks of `owner`, and those of its declarations that hold fewer
+/// than two blocks (a layer strategy refuses them; the planner swaps the
+/// component whole instead).
 fn resolve_stacks(
     pipeline: &Pipeline,
     owner: &ResolvedComponent,
     plan: Option<&OffloadPlan>,
     warnings: &mut Vec<PlanWarning>,
-) -> Result<Vec<BlockStack>, PlanError> {
+) -> Result<(Vec<BlockStack>, Vec<ShortStack>), PlanError> {
+    let mut short = Vec::new();
     let mut stacks = Vec::new();
     let new_stack = |source, blocks| BlockStack {
         owner: owner.path.clone(),
@@ -391,9 +479,11 @@ fn resolve_stacks(
     };
 
     let mut block_count = 0;
-    if let Some((source, containers)) = topology(pipeline, owner, plan) {
+    let topo = topology(pipeline, owner, plan);
+    if let Some((source, containers)) = &topo {
+        let source = *source;
         let mut blocks = Vec::new();
-        for container in &containers {
+        for container in containers {
             let path = join(&owner.path, container);
             let Some(list) = pipeline.module_id(&path) else {
                 return Err(PlanError::MissingContainer {
@@ -425,10 +515,12 @@ fn resolve_stacks(
         }
     }
     if block_count < 2 {
-        warnings.push(PlanWarning::TooFewBlocks {
-            owner: owner.path.clone(),
-            blocks: block_count,
-        });
+        let declared = topo.as_ref().map(|(_, c)| c.as_slice());
+        short.push((
+            owner.path.clone(),
+            block_count,
+            blocks_fix(pipeline, owner, declared),
+        ));
     }
 
     if let Some(extra) = plan.and_then(|p| p.extra_stacks.get(&owner.path)) {
@@ -447,13 +539,14 @@ fn resolve_stacks(
         if blocks.len() >= 2 {
             stacks.push(new_stack(TopologySource::ExtraStack, blocks));
         } else {
-            warnings.push(PlanWarning::TooFewBlocks {
-                owner: format!("{} (extra_stacks)", owner.path),
-                blocks: blocks.len(),
-            });
+            short.push((
+                format!("{} (extra_stacks)", owner.path),
+                blocks.len(),
+                "an extra stack of the offload plan names at least 2 submodules".to_owned(),
+            ));
         }
     }
-    Ok(stacks)
+    Ok((stacks, short))
 }
 
 /// Marks `resident_blocks` resident in their stacks: each must name a

@@ -94,6 +94,10 @@ impl fmt::Display for Phase {
     }
 }
 
+/// The name [`HookError::Failed`] gives the module's own forward (the
+/// closure a dispatch runs), as opposed to a hook's.
+pub const MODULE_FORWARD: &str = "forward";
+
 /// Every error of the registry, naming the hook and the rule broken.
 #[derive(Debug, thiserror::Error)]
 pub enum HookError {
@@ -365,7 +369,9 @@ impl<C: ?Sized> HookRegistry<C> {
                     .hook
                     .forward(ctx)
                     .map_err(|source| forward_failed(name, source)),
-                None => module_forward(ctx).map_err(|source| forward_failed("forward", source)),
+                None => {
+                    module_forward(ctx).map_err(|source| forward_failed(MODULE_FORWARD, source))
+                }
             };
             if let Err(e) = result {
                 first_error = Some(e);

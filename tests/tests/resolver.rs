@@ -55,16 +55,12 @@ fn check_err(
 }
 
 #[test]
-fn declared_discovery_skips_missing_and_removes_duplicates() {
+fn declared_discovery_removes_duplicates() {
     let mut b = PipelineBuilder::new("Declared");
     dit(&mut b, "transformer", &[("blocks", 3)]);
     vae(&mut b, "vae");
     b.declare_components(ComponentDeclaration {
-        dit: vec![
-            "transformer".into(),
-            "transformer".into(),
-            "transformer_2".into(),
-        ],
+        dit: vec!["transformer".into(), "transformer".into()],
         encoder: vec![],
         vae: vec!["vae".into()],
         resident: vec![],
@@ -78,13 +74,53 @@ fn declared_discovery_skips_missing_and_removes_duplicates() {
         .map(|c| (c.role, c.path.as_str()))
         .collect();
     assert_eq!(got, [(Role::Dit, "transformer"), (Role::Vae, "vae")]);
-    assert_eq!(
-        d.warnings,
-        [PlanWarning::MissingDeclaredPath {
-            role: Role::Dit,
-            path: "transformer_2".into()
-        }]
-    );
+    assert!(d.warnings.is_empty());
+}
+
+/// A declared path that is no module is an error at resolve, whatever the
+/// strategy, naming the path, the nearest module and the list to fix (it
+/// was a warning and a skip: layerwise then streamed nothing).
+#[test]
+fn declared_missing_path_is_an_error_naming_the_nearest() {
+    for (declared, needles) in [
+        (
+            "transformer",
+            &["`transformer`", "did you mean `dit`?", "dit: vec!"][..],
+        ),
+        ("ditt", &["`ditt`", "did you mean `dit`?"][..]),
+        (
+            "dit.blocks.9",
+            &["`dit.blocks.9`", "top-level modules: `dit`, `text_encoder`"][..],
+        ),
+        ("", &["``", "top-level modules"][..]),
+    ] {
+        let mut b = PipelineBuilder::new("Misspelled");
+        dit(&mut b, "dit", &[("blocks", 3)]);
+        encoder(&mut b, "text_encoder", 2);
+        declare(&mut b, &[declared], &["text_encoder"], &[]);
+        let p = b.build().unwrap();
+        for cfg in [
+            LAYERWISE,
+            r#"{"enable_cpu_offload": true}"#,
+            r#"{}"#,
+            r#"{"device_budget": "1GiB"}"#,
+        ] {
+            check_err(
+                &p,
+                cfg,
+                |e| {
+                    matches!(
+                        e,
+                        PlanError::DeclaredComponentMissing {
+                            role: Role::Dit,
+                            ..
+                        }
+                    )
+                },
+                needles,
+            );
+        }
+    }
 }
 
 #[test]
@@ -287,58 +323,121 @@ fn containers_concatenate_in_declaration_order() {
     );
 }
 
+/// A layer strategy that cannot stream the DiT (fewer than two blocks, or
+/// no containers declared) is an error naming the call that declares them,
+/// whether the component was selected by a flag or explicitly (it was a
+/// warning, and layerwise then streamed nothing); the planner swaps such a
+/// component whole instead.
 #[test]
-fn too_few_blocks_warns_unless_selected_explicitly() {
+fn too_few_blocks_is_an_error_naming_the_fix() {
     for n in [0usize, 1] {
         let mut b = PipelineBuilder::new("Tiny");
         dit(&mut b, "transformer", &[("blocks", n)]);
         declare(&mut b, &["transformer"], &[], &[]);
         let p = b.build().unwrap();
-        let plan = ok(&p, LAYERWISE);
-        assert!(plan.stacks.is_empty());
-        assert!(plan.warnings.contains(&PlanWarning::TooFewBlocks {
-            owner: "transformer".into(),
-            blocks: n
-        }));
-        assert!(!plan.components[0].offloaded);
+        for cfg in [LAYERWISE, LAYER_DIT] {
+            check_err(
+                &p,
+                cfg,
+                |e| matches!(e, PlanError::TooFewBlocks { blocks, .. } if *blocks == n),
+                &["transformer", "at least 2", "`blocks`"],
+            );
+        }
+        assert!(ok(&p, r#"{"device_budget": "1GiB"}"#).stacks.is_empty());
+    }
+    // A DiT with module lists but no containers declared: the error names
+    // `block_containers` with its lists.
+    let mut b = PipelineBuilder::new("NoContainers");
+    {
+        let mut t = b.module("transformer");
+        t.parameter("w", DType::Bf16, &[4, 4]);
+        t.list("big_blocks", 3, |_, blk| {
+            blk.parameter("w", DType::Bf16, &[4, 4]);
+        });
+        t.list("small_blocks", 2, |_, blk| {
+            blk.parameter("w", DType::Bf16, &[2, 4]);
+        });
+    }
+    declare(&mut b, &["transformer"], &[], &[]);
+    let p = b.build().unwrap();
+    for cfg in [LAYERWISE, LAYER_DIT] {
         check_err(
             &p,
-            LAYER_DIT,
-            |e| matches!(e, PlanError::TooFewBlocks { blocks, .. } if *blocks == n),
-            &["transformer", "at least 2"],
+            cfg,
+            |e| matches!(e, PlanError::TooFewBlocks { blocks: 0, .. }),
+            &[
+                "`transformer` has 0 block(s)",
+                "block_containers(&[\"big_blocks\", \"small_blocks\"])",
+                "`big_blocks` (3 blocks)",
+            ],
         );
     }
-    // A DiT with no topology at all counts as zero blocks.
+    // No module list at all: the error says to build one.
     let mut b = PipelineBuilder::new("NoTopology");
     b.module("transformer").parameter("w", DType::Bf16, &[4, 4]);
     declare(&mut b, &["transformer"], &[], &[]);
     let p = b.build().unwrap();
-    assert!(ok(&p, LAYERWISE).stacks.is_empty());
     check_err(
         &p,
-        LAYER_DIT,
+        LAYERWISE,
         |e| matches!(e, PlanError::TooFewBlocks { blocks: 0, .. }),
-        &["transformer"],
+        &["transformer", "module list", "block_containers"],
     );
 }
 
+/// Layerwise with no DiT at all, or model level without a DiT or an
+/// encoder, would move nothing: an error (it was a warning and a no-op).
 #[test]
-fn model_level_without_dit_or_encoder_warns() {
+fn strategies_that_would_move_nothing_are_errors() {
     let mut b = PipelineBuilder::new("EncoderOnly");
     encoder(&mut b, "text_encoder", 2);
     declare(&mut b, &[], &["text_encoder"], &[]);
     let p = b.build().unwrap();
-    let plan = ok(&p, r#"{"enable_cpu_offload": true}"#);
-    assert!(plan.warnings.contains(&PlanWarning::NoDit));
-    assert!(plan.components.iter().all(|c| !c.offloaded));
+    check_err(
+        &p,
+        r#"{"enable_cpu_offload": true}"#,
+        |e| {
+            matches!(
+                e,
+                PlanError::NothingToOffload {
+                    strategy: OffloadStrategy::ModelLevel,
+                    ..
+                }
+            )
+        },
+        &[
+            "no DiT",
+            "`text_encoder`",
+            "enable_layerwise_offload",
+            "device_budget",
+        ],
+    );
+    check_err(
+        &p,
+        LAYERWISE,
+        |e| {
+            matches!(
+                e,
+                PlanError::NothingToOffload {
+                    strategy: OffloadStrategy::Layerwise,
+                    ..
+                }
+            )
+        },
+        &["dit", "ComponentDeclaration"],
+    );
 
     let mut b = PipelineBuilder::new("DitOnly");
     dit(&mut b, "transformer", &[("blocks", 2)]);
     declare(&mut b, &["transformer"], &[], &[]);
     let p = b.build().unwrap();
-    let plan = ok(&p, r#"{"enable_cpu_offload": true}"#);
-    assert!(plan.warnings.contains(&PlanWarning::NoEncoder));
-    assert_eq!(plan.strategy(), OffloadStrategy::ModelLevel);
+    check_err(
+        &p,
+        r#"{"enable_cpu_offload": true}"#,
+        |e| matches!(e, PlanError::NothingToOffload { .. }),
+        &["no encoder", "`transformer`"],
+    );
+    assert_eq!(ok(&p, LAYERWISE).stacks.len(), 1);
 }
 
 #[test]

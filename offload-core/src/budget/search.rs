@@ -363,10 +363,33 @@ impl<'a> Request<'a> {
                 .collect();
             for path in ci.block_compute_s.keys() {
                 if !stacks.iter().flatten().any(|b| &b.path == path) {
+                    let blocks: Vec<&str> =
+                        stacks.iter().flatten().map(|b| b.path.as_str()).collect();
+                    let hint = crate::suggest::did_you_mean(path, blocks.iter().copied());
+                    let valid = match (blocks.first(), blocks.last()) {
+                        (Some(first), Some(last)) => format!(
+                            "{} blocks: {}",
+                            blocks.len(),
+                            if blocks.len() <= 6 {
+                                crate::suggest::listed(blocks.iter().copied(), 6)
+                            } else {
+                                format!(
+                                    "`{first}` … `{last}` (the paths of its block containers, in order)"
+                                )
+                            }
+                        ),
+                        _ => "none: it has no blocks".to_owned(),
+                    };
                     return Err(BudgetError::Input {
                         input: format!("components.{}.block_compute_s", c.path),
-                        value: format!("a time for `{path}`"),
-                        allowed: format!("times for the blocks of `{}`, by path", c.path),
+                        value: format!(
+                            "a time for `{path}`, which is not a block of `{}`{hint}",
+                            c.path
+                        ),
+                        allowed: format!(
+                            "times for the blocks of `{}` by full path; its {valid}",
+                            c.path
+                        ),
                     });
                 }
             }

@@ -300,7 +300,7 @@ fn gb(b: u64) -> f64 {
 impl fmt::Display for RequestPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let budget = match self.budget {
-            BudgetSource::Given => format!("{:.2} GB", gb(self.budget_bytes)),
+            BudgetSource::Given => ByteSize(self.budget_bytes).to_string(),
             BudgetSource::Auto {
                 free_bytes,
                 headroom_bytes,
@@ -421,7 +421,9 @@ pub enum BudgetError {
     },
     /// A budget larger than the device.
     #[error(
-        "`device_budget` = {budget} is more than the device's memory, {device_bytes} B ({device_gib:.2} GiB); allowed: at most {device_bytes} B, or \"auto\""
+        "`device_budget` = {budget} is more than the device's memory, {}; allowed: at most {}, or \"auto\"",
+        .budget.in_unit_of(*.device_bytes),
+        .budget.in_unit_of(*.device_bytes),
     )]
     AboveDevice {
         /// The budget.
@@ -443,7 +445,16 @@ pub enum BudgetError {
     },
     /// The budget is below the least any plan needs.
     #[error(
-        "`device_budget` = {budget} B does not fit: the least this pipeline needs is {minimum} B ({minimum_gib:.2} GiB), in the phase of `{phase}`: {outside} B outside every component + {mapping} B of host mappings + {slack} B of allocator slack + {held} B held + {slots} slots of {slot_bytes} B + {activation_bytes} B of activations; allowed: device_budget ≥ {minimum} B"
+        "`device_budget` = {} does not fit: the least this pipeline needs is {}, in the phase of `{phase}`: {} outside every component + {} of host mappings + {} of allocator slack + {} held + {slots} slots of {} + {} of activations; allowed: device_budget ≥ {}",
+        ByteSize(*.budget),
+        ByteSize(*.budget).in_unit_of(*.minimum),
+        ByteSize(*.budget).in_unit_of(*.outside),
+        ByteSize(*.budget).in_unit_of(*.mapping),
+        ByteSize(*.budget).in_unit_of(*.slack),
+        ByteSize(*.budget).in_unit_of(*.held),
+        ByteSize(*.budget).in_unit_of(*.slot_bytes),
+        ByteSize(*.budget).in_unit_of(*.activation_bytes),
+        ByteSize(*.budget).written_at_least(*.minimum),
     )]
     DoesNotFit {
         /// The budget, bytes.

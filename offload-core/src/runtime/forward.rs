@@ -7,7 +7,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use offload_hooks::{BoxError, Forwarded};
+use offload_hooks::{BoxError, Forwarded, HookError, Phase};
 
 use crate::budget::RequestPlan;
 use crate::device::Api;
@@ -73,9 +73,8 @@ impl<A: Api> Runtime<A> {
     /// again once with the shortfall and the request runs again; a second
     /// shortfall is an error naming what was needed.
     pub fn serve(&mut self, shape: &RequestShape) -> Result<(), OffloadError> {
-        let request = self.request.clone().ok_or_else(|| OffloadError::Forward {
-            module: String::new(),
-            reason: "no request to serve: register the runtime's request with Runtime::set_request"
+        let request = self.request.clone().ok_or_else(|| OffloadError::Request {
+            reason: "there is no request to serve: register the runtime's request with `Runtime::set_request`"
                 .to_owned(),
         })?;
         loop {
@@ -121,6 +120,21 @@ impl<A: Api> Runtime<A> {
         &self.compute
     }
 
+    /// The pipeline's description (the same as `scope.pipeline()`).
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.model.pipeline
+    }
+
+    /// Waits on the host until everything launched on the compute stream
+    /// has run (a runtime reading its output back, a benchmark's timer);
+    /// never needed for offload's own ordering.
+    pub fn synchronize(&self) -> Result<(), OffloadError> {
+        use crate::device::Device;
+        self.device
+            .synchronize_stream(&self.compute)
+            .map_err(|e| OffloadError::device("synchronize_stream(compute)", e))
+    }
+
     /// The model (description and hooks).
     pub fn model(&self) -> &Model {
         &self.model
@@ -143,12 +157,9 @@ impl<A: Api> Runtime<A> {
         mut backend: Box<dyn Backend<A>>,
     ) -> Result<(), (OffloadError, Box<dyn Backend<A>>)> {
         if let Some(current) = &self.backend {
-            let err = OffloadError::Forward {
-                module: String::new(),
-                reason: format!(
-                    "a {} backend is already enabled; disable it first (one strategy per pipeline)",
-                    current.strategy()
-                ),
+            let err = OffloadError::AlreadyEnabled {
+                enabled: current.strategy(),
+                requested: backend.strategy(),
             };
             return Err((err, backend));
         }
@@ -171,8 +182,7 @@ impl<A: Api> Runtime<A> {
         };
         let request = request.expect("checked above");
         let began = std::time::Instant::now();
-        let result = request(self, &shape).map_err(|e| OffloadError::Forward {
-            module: String::new(),
+        let result = request(self, &shape).map_err(|e| OffloadError::Request {
             reason: format!("the warm-up request ({shape}) failed: {}", request_error(e)),
         });
         let seconds = began.elapsed().as_secs_f64();
@@ -265,10 +275,7 @@ impl<A: Api> Runtime<A> {
             .model
             .pipeline
             .module_id(path)
-            .ok_or_else(|| OffloadError::Forward {
-                module: path.to_owned(),
-                reason: "no such module".to_owned(),
-            })?;
+            .ok_or_else(|| no_module(&self.model.pipeline, path))?;
         self.dispatch(module, f)
     }
 
@@ -291,10 +298,24 @@ impl<A: Api> Runtime<A> {
         })?;
         let mut out = None;
         let mut ctx = ForwardCtx { module };
-        let forwarded = registry.dispatch(&mut ctx, |_| {
-            out = Some(f(&scope)?);
-            Ok(())
-        })?;
+        let forwarded = registry
+            .dispatch(&mut ctx, |_| {
+                out = Some(f(&scope)?);
+                Ok(())
+            })
+            .map_err(|e| match e {
+                // The module's own forward (the closure): its error, named
+                // once, as without hooks.
+                HookError::Failed {
+                    name,
+                    phase: Phase::Forward,
+                    source,
+                } if name == offload_hooks::MODULE_FORWARD => scope.failed(source),
+                hook => OffloadError::HookFailed {
+                    module: scope.path().to_owned(),
+                    error: hook,
+                },
+            })?;
         match forwarded {
             Forwarded::Ran => Ok(out),
             Forwarded::Skipped { .. } | Forwarded::Failed => Ok(None),
@@ -347,13 +368,19 @@ impl<'rt, A: Api> Scope<'rt, A> {
         &self.rt.compute
     }
 
+    /// Waits on the host for the compute stream ([`Runtime::synchronize`]),
+    /// with no trait to import.
+    pub fn synchronize(&self) -> Result<(), OffloadError> {
+        self.rt.synchronize()
+    }
+
     /// The error a forward closure returned, naming this module once: an
     /// error of a forward scope (this one's, or a child's, whose path
     /// contains this one's) already names its module and passes as it is.
     fn failed(&self, e: BoxError) -> OffloadError {
         match e.downcast::<OffloadError>() {
             Ok(inner) => match *inner {
-                named @ OffloadError::Forward { .. } => named,
+                named @ (OffloadError::Forward { .. } | OffloadError::HookFailed { .. }) => named,
                 // A device operation keeps its kind and shortfall (a
                 // caller tells "out of memory" from a bug, and a planned
                 // backend re-plans by it), named within this forward.
@@ -381,19 +408,94 @@ impl<'rt, A: Api> Scope<'rt, A> {
         }
     }
 
-    /// A view of the tensor at `name`, relative to this module (dotted).
+    /// A view of the tensor at `name`, relative to this module (dotted): a
+    /// lookup of its module and then of its name, no scan of the pipeline.
     pub fn view(&self, name: &str) -> Result<View<'_, A>, OffloadError> {
         let p = &self.rt.model.pipeline;
-        let full = crate::model::join(self.path(), name);
         let id = p
-            .tensors()
-            .find(|(id, _)| p.tensor_path(*id) == full)
-            .map(|(id, _)| id)
-            .ok_or_else(|| OffloadError::Forward {
-                module: self.path().to_owned(),
-                reason: format!("no tensor `{name}`"),
-            })?;
+            .tensor_in(self.module, name)
+            .ok_or_else(|| self.no_tensor(name))?;
         self.view_of(id)
+    }
+
+    /// The relative paths of the blocks of the module list `container`
+    /// (relative to this module), in order: `container.0`, `container.1`, …
+    /// to run each with [`Self::child`] without writing their count.
+    pub fn blocks(&self, container: &str) -> Result<Vec<&'rt str>, OffloadError> {
+        let p: &'rt Pipeline = &self.rt.model.pipeline;
+        let list = p
+            .module_id(&crate::model::join(self.path(), container))
+            .ok_or_else(|| self.no_child(container))?;
+        let module = p.module(list);
+        if module.kind != crate::model::ModuleKind::List {
+            return Err(OffloadError::Forward {
+                module: self.path().to_owned(),
+                reason: format!(
+                    "`{container}` is not a module list: blocks are the entries of a list"
+                ),
+            });
+        }
+        Ok(module
+            .children
+            .iter()
+            .filter_map(|c| p.relative_path(*c, self.module))
+            .collect())
+    }
+
+    /// The relative paths of every block of this module's declared block
+    /// containers ([`crate::model::ModuleBuilder::block_containers`]), in
+    /// forward order; empty if it declares none.
+    pub fn block_stack(&self) -> Result<Vec<&'rt str>, OffloadError> {
+        let p: &'rt Pipeline = &self.rt.model.pipeline;
+        let mut out = Vec::new();
+        for container in p.module(self.module).block_containers.iter().flatten() {
+            out.extend(self.blocks(container)?);
+        }
+        Ok(out)
+    }
+
+    /// The error for a tensor name this module does not hold: the nearest
+    /// names it does hold (its own and its subtree's, relative).
+    fn no_tensor(&self, name: &str) -> OffloadError {
+        let p = &self.rt.model.pipeline;
+        let mut held: Vec<String> = p
+            .subtree_tensors(self.module)
+            .into_iter()
+            .map(|t| {
+                let t = p.tensor(t);
+                let at = p.relative_path(t.module, self.module).unwrap_or_default();
+                crate::model::join(at, &t.name)
+            })
+            .collect();
+        held.sort();
+        let hint = crate::suggest::did_you_mean(name, held.iter().map(String::as_str));
+        let own = crate::suggest::listed(
+            p.module(self.module)
+                .tensors
+                .iter()
+                .map(|t| p.tensor(*t).name.as_str()),
+            8,
+        );
+        let children = crate::suggest::listed(
+            p.module(self.module)
+                .children
+                .iter()
+                .map(|c| p.module(*c).name.as_str()),
+            8,
+        );
+        OffloadError::Forward {
+            module: self.path().to_owned(),
+            reason: format!(
+                "no tensor `{name}`{hint} (its own tensors: {own}; its children: {children})"
+            ),
+        }
+    }
+
+    fn no_child(&self, name: &str) -> OffloadError {
+        no_module(
+            &self.rt.model.pipeline,
+            &crate::model::join(self.path(), name),
+        )
     }
 
     /// Views of every tensor of this module's subtree, in declaration order.
@@ -428,9 +530,21 @@ impl<'rt, A: Api> Scope<'rt, A> {
             )
         })?;
         let loc = backend.locate(tensor.storage).ok_or_else(|| {
-            not_resident(match backend.residency(tensor.storage) {
+            let state = match backend.residency(tensor.storage) {
                 Some(r) => format!("its storage is {r:?}"),
                 None => "its storage is not managed".to_owned(),
+            };
+            not_resident(match self.block_holding(tensor.module) {
+                Some((block, Some(rel))) => format!(
+                    "{state}: it belongs to the block `{block}`, whose weights are on the device only inside its own forward; read it inside `child(\"{rel}\", …)`"
+                ),
+                Some((block, None)) => format!(
+                    "{state}: it belongs to the block `{block}`, whose weights are on the device only inside its own forward; read it inside `Runtime::forward(\"{block}\", …)`"
+                ),
+                None => format!(
+                    "{state}: read it inside the forward of the module that holds it (`{}`)",
+                    p.module(tensor.module).path
+                ),
             })
         })?;
         let span = tensor.span_bytes();
@@ -440,6 +554,22 @@ impl<'rt, A: Api> Scope<'rt, A> {
             tensor,
             _scope: PhantomData,
         })
+    }
+
+    /// The block (an entry of a module list) holding `module`, with its
+    /// path relative to this scope's module when it lies below it.
+    fn block_holding(&self, module: ModuleId) -> Option<(&str, Option<&str>)> {
+        let p = &self.rt.model.pipeline;
+        let mut cur = Some(module);
+        while let Some(m) = cur {
+            let parent = p.module(m).parent?;
+            if p.module(parent).kind == crate::model::ModuleKind::List {
+                let rel = p.relative_path(m, self.module).filter(|r| !r.is_empty());
+                return Some((p.module(m).path.as_str(), rel));
+            }
+            cur = Some(parent);
+        }
+        None
     }
 
     /// Runs the forward of the child at `name` (dotted, relative) inside this
@@ -493,9 +623,53 @@ impl<A: Api> fmt::Debug for View<'_, A> {
 fn request_error(e: BoxError) -> OffloadError {
     match e.downcast::<OffloadError>() {
         Ok(inner) => *inner,
-        Err(e) => OffloadError::Forward {
-            module: String::new(),
+        Err(e) => OffloadError::Request {
             reason: e.to_string(),
         },
+    }
+}
+
+/// The error for a forward of a module path the pipeline does not have:
+/// its deepest existing ancestor, that module's children and the nearest
+/// of them.
+fn no_module(p: &Pipeline, path: &str) -> OffloadError {
+    let mut parent = path;
+    let ancestor = loop {
+        match parent.rsplit_once('.') {
+            Some((up, _)) => {
+                parent = up;
+                if let Some(m) = p.module_id(up) {
+                    break m;
+                }
+            }
+            None => break p.root(),
+        }
+    };
+    let rel = p
+        .relative_path(ancestor, p.root())
+        .map_or(path, |base| match base {
+            "" => path,
+            base => path
+                .strip_prefix(base)
+                .map_or(path, |r| r.trim_start_matches('.')),
+        });
+    let wanted = rel.split('.').next().unwrap_or(rel);
+    let names: Vec<&str> = p
+        .module(ancestor)
+        .children
+        .iter()
+        .map(|c| p.module(*c).name.as_str())
+        .collect();
+    let hint = crate::suggest::did_you_mean(wanted, names.iter().copied());
+    let at = match p.module(ancestor).path.as_str() {
+        "" => "the pipeline's root".to_owned(),
+        a => format!("`{a}`"),
+    };
+    OffloadError::Forward {
+        module: path.to_owned(),
+        reason: format!(
+            "no such module: {at} has no child `{wanted}`{hint} (its children: {})",
+            crate::suggest::listed(names, 12)
+        ),
     }
 }

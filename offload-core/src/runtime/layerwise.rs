@@ -642,10 +642,7 @@ fn non_persistent(p: &crate::model::Pipeline) -> BTreeSet<StorageId> {
 }
 
 fn disabled(strategy: OffloadStrategy) -> OffloadError {
-    OffloadError::Forward {
-        module: String::new(),
-        reason: format!("{strategy} offload is disabled"),
-    }
+    OffloadError::Disabled { strategy }
 }
 
 impl<A: Api> ModelHook<ForwardCtx> for BlockHook<A> {
@@ -768,6 +765,8 @@ impl<A: Api> LayerwiseBackend<A> {
         if gathers {
             handles = handles.with_comm()?;
         }
+        // The configuration's depth, else the platform's.
+        let depth = config.prefetch_depth.map_or(depth, |d| d as usize);
         Ok(Self {
             config,
             depth: depth.max(1),
@@ -1357,10 +1356,14 @@ impl<A: Api> RingEngine<A> {
             return Ok(());
         }
         if st.table.any_in_use() {
+            let module = st
+                .table
+                .in_use_block()
+                .and_then(|(r, b)| st.rings.get(r)?.blocks.get(b))
+                .map_or_else(|| "a streamed block".to_owned(), |m| m.unit.name.clone());
             return Err(OffloadError::Forward {
-                module: String::new(),
-                reason: "a phase began while a block's forward still runs (nested forwards?)"
-                    .to_owned(),
+                module,
+                reason: "another component's forward began while this block's forward still runs (nested forwards?); run one component at a time".to_owned(),
             });
         }
         for k in 0..st.slots.len() {

@@ -263,9 +263,8 @@ pub(crate) fn evict_others<A: Api>(
 }
 
 fn disabled() -> OffloadError {
-    OffloadError::Forward {
-        module: String::new(),
-        reason: "model-level offload is disabled".to_owned(),
+    OffloadError::Disabled {
+        strategy: OffloadStrategy::ModelLevel,
     }
 }
 

@@ -644,16 +644,13 @@ pub(crate) fn plan_and_partition(
 }
 
 /// The components model-level offload swaps, each with the units it brings
-/// in whole: every offloaded component of the plan, unless the pipeline
-/// has no encoder (then the DiTs simply stay on the device, CONTRACT §6).
+/// in whole: every offloaded component of the plan (resolution refuses a
+/// pipeline without a DiT or an encoder, CONTRACT §6).
 pub(crate) fn swapped_components<'p>(
     pipeline: &Pipeline,
     plan: &'p ResolvedPlan,
     partition: &'p Partition,
 ) -> Vec<(&'p crate::plan::ResolvedComponent, Vec<&'p Unit>)> {
-    if plan.warnings.contains(&crate::plan::PlanWarning::NoEncoder) {
-        return Vec::new();
-    }
     plan.components
         .iter()
         .filter(|c| c.offloaded)

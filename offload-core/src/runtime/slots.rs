@@ -37,6 +37,11 @@ impl SlotTable {
         self.slots.iter().any(|s| s.in_use)
     }
 
+    /// The (ring, block) of a slot in use now, if any.
+    pub(crate) fn in_use_block(&self) -> Option<(usize, usize)> {
+        self.slots.iter().find(|s| s.in_use).and_then(|s| s.stamp)
+    }
+
     /// The slot holding (ring, block), if any.
     pub(crate) fn holding(&self, ring: usize, block: usize) -> Option<usize> {
         self.slots
