@@ -805,7 +805,7 @@ impl SafetensorsSource {
             .any(|(e, b)| b.range.start as u64 != base + e.offset)
         {
             return Err(
-                "its tensors lie back to back in the file, but it is packed in another order (the file's would misalign a tensor)"
+                "its tensors lie back to back in the file, but it is packed in another order (as where the file's would misalign a tensor)"
                     .to_owned(),
             );
         }
@@ -865,7 +865,6 @@ impl WeightSource for SafetensorsSource {
                     tracing::warn!(
                         unit = %unit.name,
                         bytes = unit.bytes,
-                        reason = %why,
                         "block `{}` ({size}) is not one window of the checkpoint: {why}; its host master is a copy in pinned memory",
                         unit.name
                     );
@@ -873,7 +872,6 @@ impl WeightSource for SafetensorsSource {
                     tracing::info!(
                         unit = %unit.name,
                         bytes = unit.bytes,
-                        reason = %why,
                         "`{}` ({size}, outside the blocks) is not one window of the checkpoint: {why}; it is copied through pinned memory",
                         unit.name
                     );
