@@ -10,16 +10,25 @@
 //! tensors through a [`NameMap`] (prefix rules, data not code: JSON such as
 //! `[{"pipeline": "transformer.", "checkpoint": ""}]`), validating name,
 //! dtype and shape up front (a typed [`CheckpointError`] naming the tensor
-//! and the file). It is a [`WeightSource`]: when a block's tensors lie in
-//! one file back to back in the order the strategy packs them (what
-//! [`Checkpoint::declare`] produces), [`WeightSource::take_region`] hands
-//! out that window of the mapping, which the device registers in place
-//! (read-only; on CUDA with `CU_MEMHOSTREGISTER_READ_ONLY`, the whole file
-//! once for all its windows) and copies from: no second host copy. A block
-//! that is not one window (split across shards, another order, a tied or
-//! strided tensor) is filled into an exact-size pinned master instead, and
-//! the log says so.
-
+//! and the file). It is a [`WeightSource`] that proposes the packing order:
+//! [`WeightSource::position`] gives each tensor's file and offset, and every
+//! strategy packs a block in the order its file holds it, whatever order the
+//! pipeline declared its tensors in (a hand-written forward order, or
+//! [`Checkpoint::declare`]'s). A block whose tensors lie back to back in one
+//! file is then a window of the mapping ([`WeightSource::take_region`]),
+//! which the device registers in place (read-only; on CUDA with
+//! `CU_MEMHOSTREGISTER_READ_ONLY`, the whole file once for all its windows)
+//! and copies from: no second host copy. A block that is not one window
+//! (split across shards; another tensor between its own, as where a file
+//! groups tensors by dtype and the block mixes dtypes; a non-persistent
+//! buffer no file holds) is filled into an exact-size pinned master
+//! instead, with a `warn` naming the block, its bytes and the reason, and
+//! counted ([`SafetensorsSource::windows_and_copies`],
+//! [`SafetensorsSource::copied_bytes`]; the runtime's own count is
+//! `Runtime::host_masters`). Units outside the blocks (a component's
+//! embedders and norms, which a file in name order seldom holds back to
+//! back) are said at `info`: under layerwise offload they are only staged
+//! through pinned memory on their way to the device.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::fs::File;
@@ -31,8 +40,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use memmap2::Mmap;
 use offload_core::Pipeline;
 use offload_core::device::HostRegion;
-use offload_core::model::{DType, ModuleBuilder, StorageId, TensorKind};
-use offload_core::runtime::{Unit, WeightSource};
+use offload_core::model::{DType, ModuleBuilder, ModuleId, StorageId, TensorKind};
+use offload_core::runtime::{SourcePosition, Unit, WeightSource};
 use serde::Deserialize;
 
 /// What went wrong reading or binding a checkpoint. Every variant names the
@@ -400,9 +409,9 @@ impl Checkpoint {
 
     /// Declares in `module` every tensor whose name starts with `prefix`
     /// (empty, or ending in `.`; stripped), as a parameter of the
-    /// checkpoint's dtype and shape, in file order: a block's tensors are
-    /// then packed as the file lays them out, and its master is a window of
-    /// the mapping. Numbered children (`transformer_blocks.7`) become module
+    /// checkpoint's dtype and shape, in file order (the order a
+    /// [`SafetensorsSource`] packs each block in whatever the declaration's,
+    /// so its master is a window of the mapping). Numbered children (`transformer_blocks.7`) become module
     /// lists, created in numeric order; an index must be below the number
     /// of tensors declared (a crafted `blocks.1000000000.w` is an error, not
     /// a billion modules). Returns how many tensors were declared.
@@ -561,6 +570,8 @@ struct Bound {
     checkpoint: usize,
     file: usize,
     range: Range<usize>,
+    /// The checkpoint tensor's name, for reports.
+    name: String,
 }
 
 /// A [`WeightSource`] over safetensors checkpoints (see the crate docs).
@@ -569,6 +580,12 @@ pub struct SafetensorsSource {
     /// Per storage: its bytes in a checkpoint, or `None` for a
     /// non-persistent buffer no checkpoint holds (read as zeros).
     storages: Vec<Option<Bound>>,
+    /// Per checkpoint: the number of its first file among all the parts'
+    /// files (the numbering [`SourcePosition::file`] uses).
+    first_file: Vec<u32>,
+    /// The block modules of the pipeline's packing (`None` where it does not
+    /// resolve: then every unit is treated as a block when reporting).
+    blocks: Option<BTreeSet<ModuleId>>,
     in_place: bool,
     windows: AtomicU64,
     copied: AtomicU64,
@@ -665,6 +682,7 @@ impl SafetensorsSource {
                 checkpoint: ci,
                 file: entry.file,
                 range: entry.range.clone(),
+                name,
             });
         }
         // A storage left unbound must be a non-persistent buffer's.
@@ -684,9 +702,24 @@ impl SafetensorsSource {
                 });
             }
         }
+        let first_file = parts
+            .iter()
+            .scan(0u32, |next, (c, _)| {
+                let first = *next;
+                *next += c.files.len() as u32;
+                Some(first)
+            })
+            .collect();
+        // Which units are blocks, for how loudly a copy is reported; a
+        // pipeline that does not resolve fails at `enable` anyway.
+        let blocks = offload_core::runtime::packing(pipeline)
+            .ok()
+            .map(|p| p.blocks.keys().copied().collect());
         Ok(Self {
             checkpoints: parts.into_iter().map(|(c, _)| c).collect(),
             storages,
+            first_file,
+            blocks,
             in_place: true,
             windows: AtomicU64::new(0),
             copied: AtomicU64::new(0),
@@ -723,33 +756,62 @@ impl SafetensorsSource {
     /// The window of a mapping that holds `unit` exactly as it is packed,
     /// or why not.
     fn window(&self, unit: &Unit) -> Result<Window, String> {
-        let mut first: Option<(&Bound, u64)> = None;
+        let mut bound = Vec::with_capacity(unit.entries.len());
         for e in &unit.entries {
             let b = self.storages[e.storage.index()]
                 .as_ref()
-                .ok_or_else(|| "a buffer no checkpoint holds".to_owned())?;
-            match first {
-                None => first = Some((b, b.range.start as u64 - e.offset)),
-                Some((f, base)) => {
-                    if (f.checkpoint, f.file) != (b.checkpoint, b.file) {
-                        return Err(format!(
-                            "its tensors lie in two files ({} and {})",
-                            self.mapped(f).path.display(),
-                            self.mapped(b).path.display()
-                        ));
-                    }
-                    if b.range.start as u64 != base + e.offset {
-                        return Err("its tensors are not back to back in packing order".to_owned());
-                    }
-                }
+                .ok_or_else(|| "it holds a non-persistent buffer no checkpoint holds".to_owned())?;
+            bound.push((e, b));
+        }
+        let &(first_entry, first) = bound.first().ok_or_else(|| "no tensors".to_owned())?;
+        if let Some((_, b)) = bound
+            .iter()
+            .find(|(_, b)| (b.checkpoint, b.file) != (first.checkpoint, first.file))
+        {
+            return Err(format!(
+                "its tensors lie in two files ({} and {})",
+                self.mapped(first).path.display(),
+                self.mapped(b).path.display()
+            ));
+        }
+        let path = self.mapped(first).path.display();
+        let mut in_file: Vec<&Bound> = bound.iter().map(|(_, b)| *b).collect();
+        in_file.sort_by_key(|b| b.range.start);
+        for pair in in_file.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if b.range.start < a.range.end {
+                return Err(format!(
+                    "`{}` and `{}` overlap in {path} (one checkpoint tensor bound to two storages)",
+                    a.name, b.name
+                ));
+            }
+            if b.range.start > a.range.end {
+                return Err(format!(
+                    "its tensors are not back to back in {path}: {} bytes of other tensors lie between `{}` and `{}`",
+                    b.range.start - a.range.end,
+                    a.name,
+                    b.name
+                ));
             }
         }
-        // `base` is the file offset of packing offset 0 (`Unit::pack` starts
-        // its first entry at 0, so the subtraction above cannot underflow).
-        let (f, base) = first.ok_or_else(|| "no tensors".to_owned())?;
+        // Back to back in the file; packed in the file's order too? (The
+        // strategy packs in another only where the file's would misalign a
+        // tensor.) `base` is the file offset of packing offset 0.
+        let base = (first.range.start as u64)
+            .checked_sub(first_entry.offset)
+            .ok_or_else(|| "it is packed in another order than the file's".to_owned())?;
+        if bound
+            .iter()
+            .any(|(e, b)| b.range.start as u64 != base + e.offset)
+        {
+            return Err(
+                "its tensors lie back to back in the file, but it is packed in another order (as where the file's would misalign a tensor)"
+                    .to_owned(),
+            );
+        }
         let start = base as usize;
         let range = start..start + unit.bytes as usize;
-        let map = Arc::clone(&self.mapped(f).map);
+        let map = Arc::clone(&self.mapped(first).map);
         if range.end > map.len() {
             return Err("its window runs past the end of the file".to_owned());
         }
@@ -769,6 +831,17 @@ impl WeightSource for SafetensorsSource {
         }
     }
 
+    /// The storage's file (numbered across every part's files, in order)
+    /// and the offset of its bytes there: every strategy packs a unit in
+    /// this order, so a block back to back in its file is one window of it.
+    fn position(&self, storage: StorageId) -> Option<SourcePosition> {
+        let b = self.storages[storage.index()].as_ref()?;
+        Some(SourcePosition {
+            file: self.first_file[b.checkpoint] + b.file as u32,
+            offset: b.range.start as u64,
+        })
+    }
+
     fn take_region(&self, unit: &Unit) -> Option<Box<dyn HostRegion>> {
         if !self.in_place {
             self.copied.fetch_add(1, Ordering::Relaxed);
@@ -783,12 +856,26 @@ impl WeightSource for SafetensorsSource {
             Err(why) => {
                 self.copied.fetch_add(1, Ordering::Relaxed);
                 self.copied_bytes.fetch_add(unit.bytes, Ordering::Relaxed);
-                tracing::info!(
-                    unit = %unit.name,
-                    bytes = unit.bytes,
-                    "`{}` is not one window of the checkpoint ({why}): its master is a pinned copy",
-                    unit.name
-                );
+                let size = offload_core::bytes::ByteSize(unit.bytes);
+                if self
+                    .blocks
+                    .as_ref()
+                    .is_none_or(|b| b.contains(&unit.module))
+                {
+                    tracing::warn!(
+                        unit = %unit.name,
+                        bytes = unit.bytes,
+                        "block `{}` ({size}) is not one window of the checkpoint: {why}; its host master is a copy in pinned memory",
+                        unit.name
+                    );
+                } else {
+                    tracing::info!(
+                        unit = %unit.name,
+                        bytes = unit.bytes,
+                        "`{}` ({size}, outside the blocks) is not one window of the checkpoint: {why}; it is copied through pinned memory",
+                        unit.name
+                    );
+                }
                 None
             }
         }

@@ -3,11 +3,12 @@
 //! the mapping registered in place (no pinned copy), and every bad input is
 //! a typed error naming the tensor and the file.
 
+use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use offload_core::model::{DType, PipelineBuilder, StorageId};
-use offload_core::runtime::{CorePlatform, Runtime, WeightSource};
+use offload_core::model::{DType, ModuleBuilder, PipelineBuilder, StorageId};
+use offload_core::runtime::{CorePlatform, HostMasters, Runtime, WeightSource, packing_for};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
 use offload_safetensors::{Checkpoint, CheckpointError, NameMap, SafetensorsSource, write_file};
 use offload_sim::DeviceProfile;
@@ -131,6 +132,8 @@ struct Run {
     pinned_peak: u64,
     registered: u64,
     streamed: u64,
+    /// What `enable` made of the host masters.
+    masters: HostMasters,
 }
 
 fn run(pipeline: &Pipeline, weights: Arc<dyn WeightSource>, layerwise: bool) -> Run {
@@ -163,6 +166,7 @@ fn run(pipeline: &Pipeline, weights: Arc<dyn WeightSource>, layerwise: bool) -> 
     rt.enable(backend).map_err(|(e, _)| e).unwrap();
     let stats = rig.device.stats();
     let streamed = rt.backend().unwrap().host_weight_bytes();
+    let masters = rt.host_masters();
     let probe = Probe::new(&rig.device).unwrap();
     let outputs = (0..w.requests)
         .map(|_| request(&rt, &rig.device, &probe, &w).unwrap().output)
@@ -183,6 +187,7 @@ fn run(pipeline: &Pipeline, weights: Arc<dyn WeightSource>, layerwise: bool) -> 
         pinned_peak: stats.pinned_peak_bytes,
         registered: stats.registered_bytes,
         streamed,
+        masters,
     }
 }
 
@@ -265,13 +270,10 @@ fn streamed_blocks_are_windows_of_the_file_and_compute_its_bytes() {
 }
 
 /// Splits `tensors` over two shard files with an index, as diffusers'
-/// `save_pretrained` does: in module order, the second shard starting in
-/// the middle of double block 1.
-fn write_shards(dir: &Path, tensors: &Tensors) -> PathBuf {
-    let cut = tensors
-        .iter()
-        .position(|(n, ..)| n == "transformer_blocks.1.ff.net.0.proj.weight")
-        .unwrap();
+/// `save_pretrained` does: in `tensors`' order, the second shard starting
+/// at `cut` (in the middle of double block 1).
+fn write_shards(dir: &Path, tensors: &Tensors, cut: &str) -> PathBuf {
+    let cut = tensors.iter().position(|(n, ..)| n == cut).unwrap();
     let names = [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -296,7 +298,7 @@ fn write_shards(dir: &Path, tensors: &Tensors) -> PathBuf {
 fn a_shard_set_opens_from_its_index_and_a_split_block_is_copied() {
     let dir = scratch("shards");
     let tensors = dit_tensors();
-    let index = write_shards(&dir, &tensors);
+    let index = write_shards(&dir, &tensors, "transformer_blocks.1.ff.net.0.proj.weight");
     let ckpt = Arc::new(Checkpoint::open(&index).unwrap());
     assert_eq!(ckpt.files().count(), 2);
     assert_eq!(
@@ -483,4 +485,282 @@ fn bad_checkpoints_and_mismatches_are_typed_errors_naming_tensor_and_file() {
             .as_deref(),
         Some("model.proj_out.weight")
     );
+}
+
+/// Writes what the logs say at `info` and above, for [`capture_logs`].
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `f` with a subscriber recording every event at `info` and above on
+/// this thread; returns `f`'s result and the log text.
+fn capture_logs<T>(f: impl FnOnce() -> T) -> (T, String) {
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::INFO)
+        .without_time()
+        .with_ansi(false)
+        .finish();
+    // Callsite interest is cached process-wide; a callsite first hit on a
+    // thread without a subscriber would stay disabled here without a rebuild.
+    let out = tracing::subscriber::with_default(subscriber, || {
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
+    let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+    (out, text)
+}
+
+/// The double blocks (list, count, width) of the forward-order DiT.
+const DOUBLE: (&str, usize, u64) = ("transformer_blocks", 3, 32);
+/// Its single blocks: fewer and narrower (a second block size).
+const SINGLE: (&str, usize, u64) = ("single_transformer_blocks", 2, 16);
+
+/// One block as a model's forward reads it: the attention projections q,
+/// k, v, the MLP, the norm's modulation. Name order (the file's) puts
+/// `to_k` before `to_q`.
+fn forward_block(block: &mut ModuleBuilder<'_>, width: u64) {
+    block
+        .parameter("attn.to_q.weight", DType::Bf16, &[width, width])
+        .parameter("attn.to_k.weight", DType::Bf16, &[width, width])
+        .parameter("attn.to_v.weight", DType::Bf16, &[width, width])
+        .parameter("ff.net.0.proj.weight", DType::Bf16, &[2 * width, width])
+        .parameter("norm1.linear.weight", DType::Bf16, &[3 * width, width]);
+}
+
+/// A DiT declared by hand in forward order, as a runtime author writes
+/// one (not [`Checkpoint::declare`]'s file order): bf16 blocks of two
+/// sizes, and f32 tables beside bf16 projections outside the blocks.
+fn forward_pipeline() -> Pipeline {
+    let mut b = PipelineBuilder::new("ForwardOrderPipeline");
+    {
+        let mut t = b.module("transformer");
+        t.parameter("x_embedder.weight", DType::Bf16, &[32, 16])
+            .parameter("scale_shift_table", DType::F32, &[2, 32]);
+        for (list, n, width) in [DOUBLE, SINGLE] {
+            t.list(list, n, |_, block| forward_block(block, width));
+        }
+        t.parameter("norm_out.linear.weight", DType::F32, &[64, 32])
+            .parameter("proj_out.weight", DType::Bf16, &[16, 32])
+            .block_containers(&[DOUBLE.0, SINGLE.0]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        ..Default::default()
+    });
+    b.build().unwrap()
+}
+
+/// The checkpoint of a `transformer.` pipeline: each tensor under its name
+/// in the component, with seeded bytes, in declaration order (the file
+/// sorts them: by dtype, largest first, then by name).
+fn tensors_of(pipeline: &Pipeline) -> Tensors {
+    pipeline
+        .tensors()
+        .map(|(id, t)| {
+            let path = pipeline.tensor_path(id);
+            let name = path.strip_prefix("transformer.").unwrap().to_owned();
+            let n = t.shape.iter().product::<u64>() * t.dtype.size_bytes();
+            (
+                name,
+                t.dtype,
+                t.shape.clone(),
+                bytes(id.index() as u64 + 100, n),
+            )
+        })
+        .collect()
+}
+
+/// Bytes of the tensors whose names start with `prefix`.
+fn bytes_under(tensors: &Tensors, prefix: &str) -> u64 {
+    tensors
+        .iter()
+        .filter(|(n, ..)| n.starts_with(prefix))
+        .map(|(.., b)| b.len() as u64)
+        .sum()
+}
+
+#[test]
+fn blocks_declared_in_forward_order_are_windows_of_a_file_in_name_order() {
+    let dir = scratch("forward");
+    let pipeline = forward_pipeline();
+    let tensors = tensors_of(&pipeline);
+    write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&dir).unwrap());
+    let at = |n: &str| ckpt.tensors()[n].range.start;
+    assert!(
+        at("transformer_blocks.0.attn.to_k.weight") < at("transformer_blocks.0.attn.to_q.weight"),
+        "the premise: the file holds a block in another order than the declaration's"
+    );
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+    let source = Arc::new(
+        SafetensorsSource::new(
+            &pipeline,
+            vec![(Arc::clone(&ckpt), NameMap::prefix("transformer.", ""))],
+        )
+        .unwrap(),
+    );
+    let (streamed, logs) = capture_logs(|| {
+        run(
+            &pipeline,
+            Arc::clone(&source) as Arc<dyn WeightSource>,
+            true,
+        )
+    });
+    assert_eq!(streamed.outputs, reference.outputs, "the file's bytes");
+    let blocks = (DOUBLE.1 + SINGLE.1) as u64;
+    let block_bytes = bytes_under(&tensors, DOUBLE.0) + bytes_under(&tensors, SINGLE.0);
+    let rest_bytes = bytes_under(&tensors, "") - block_bytes;
+    assert_eq!(
+        streamed.masters,
+        HostMasters {
+            in_place_units: blocks,
+            in_place_bytes: block_bytes,
+            copied_units: 0,
+            copied_bytes: 0,
+        },
+        "every streamed block a window of the mapping, none copied"
+    );
+    assert_eq!(streamed.registered, block_bytes);
+    // The rest (embedder, f32 tables, projection) lies apart in the file
+    // (the f32 tables first, then the bf16 tensors by name, the blocks
+    // between `proj_out` and `x_embedder`): declined, staged through pinned
+    // memory on its way to the device and freed there, so it is no host
+    // master, and only said at `info`.
+    assert_eq!(source.windows_and_copies(), (blocks, 1));
+    assert_eq!(source.copied_bytes(), rest_bytes);
+    assert_eq!(
+        streamed.pinned_peak, rest_bytes,
+        "no pinned copy of a block"
+    );
+    assert!(!logs.contains("WARN"), "{logs}");
+    assert!(
+        logs.contains("`transformer` (") && logs.contains("outside the blocks"),
+        "{logs}"
+    );
+}
+
+#[test]
+fn a_block_split_across_shards_is_copied_with_a_warning_naming_it() {
+    let dir = scratch("forward-shards");
+    let pipeline = forward_pipeline();
+    let tensors = tensors_of(&pipeline);
+    let mut by_name = tensors.clone();
+    by_name.sort_by(|a, b| a.0.cmp(&b.0));
+    let index = write_shards(&dir, &by_name, "transformer_blocks.1.ff.net.0.proj.weight");
+    let ckpt = Arc::new(Checkpoint::open(&index).unwrap());
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+    let source = Arc::new(
+        SafetensorsSource::new(&pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))])
+            .unwrap(),
+    );
+    let (streamed, logs) = capture_logs(|| {
+        run(
+            &pipeline,
+            Arc::clone(&source) as Arc<dyn WeightSource>,
+            true,
+        )
+    });
+    assert_eq!(
+        streamed.outputs, reference.outputs,
+        "a copy computes the same"
+    );
+    let blocks = (DOUBLE.1 + SINGLE.1) as u64;
+    let block_bytes = bytes_under(&tensors, DOUBLE.0) + bytes_under(&tensors, SINGLE.0);
+    let split = bytes_under(&tensors, "transformer_blocks.1.");
+    assert_eq!(
+        streamed.masters,
+        HostMasters {
+            in_place_units: blocks - 1,
+            in_place_bytes: block_bytes - split,
+            copied_units: 1,
+            copied_bytes: split,
+        },
+        "block 1 spans both shards: its master is the one copy"
+    );
+    let warns: Vec<&str> = logs.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warns.len(), 1, "one warning, for the split block: {logs}");
+    for needle in [
+        "block `transformer.transformer_blocks.1`",
+        &format!("bytes={split}"),
+        "two files",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        assert!(
+            warns[0].contains(needle),
+            "`{}` should name {needle}",
+            warns[0]
+        );
+    }
+    let rest_bytes = bytes_under(&tensors, "") - block_bytes;
+    assert_eq!(source.windows_and_copies(), (blocks - 1, 2), "and the rest");
+    assert_eq!(source.copied_bytes(), split + rest_bytes);
+}
+
+#[test]
+fn a_block_mixing_dtypes_is_apart_in_a_file_grouped_by_dtype() {
+    // safetensors writes tensors by dtype, largest first, then by name: a
+    // bf16 block's f32 norm lies among the file's f32 tensors, away from
+    // the block's bf16 ones, whatever order it is packed in.
+    let mut b = PipelineBuilder::new("MixedPipeline");
+    {
+        let mut t = b.module("transformer");
+        t.list("blocks", 2, |_, block| {
+            block
+                .parameter("attn.to_q.weight", DType::Bf16, &[8, 8])
+                .parameter("norm.weight", DType::F32, &[8]);
+        });
+        t.block_containers(&["blocks"]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        ..Default::default()
+    });
+    let pipeline = b.build().unwrap();
+    let dir = scratch("mixed");
+    let file = dir.join("model.safetensors");
+    write_file(&file, &tensors_of(&pipeline)).unwrap();
+    let source = SafetensorsSource::new(
+        &pipeline,
+        vec![(
+            Arc::new(Checkpoint::open(&file).unwrap()),
+            NameMap::prefix("transformer.", ""),
+        )],
+    )
+    .unwrap();
+    let packing = packing_for(&pipeline, &source).unwrap();
+    let (regions, logs) = capture_logs(|| {
+        packing
+            .blocks
+            .values()
+            .map(|u| source.take_region(u).is_some())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(regions, [false, false], "neither block is one window");
+    for needle in [
+        "block `transformer.blocks.0`",
+        "bytes=160",
+        "32 bytes of other tensors lie between `blocks.0.norm.weight` and `blocks.0.attn.to_q.weight`",
+        "block `transformer.blocks.1`",
+        "128 bytes of other tensors lie between `blocks.1.norm.weight` and `blocks.1.attn.to_q.weight`",
+    ] {
+        assert!(
+            logs.contains(needle),
+            "the log should name {needle}: {logs}"
+        );
+    }
+    assert_eq!(source.windows_and_copies(), (0, 2));
+    assert_eq!(source.copied_bytes(), 2 * 160);
 }
