@@ -408,21 +408,18 @@ pub const PREFETCH_DEPTHS: std::ops::RangeInclusive<u32> = 1..=16;
 impl OffloadConfig {
     /// Parses a JSON object.
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
+        // Not JSON at all is a syntax error (with a snippet); JSON that
+        // does not match the schema names the key.
+        if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(text) {
+            let message = e.to_string();
+            let message = message
+                .rsplit_once(" at line ")
+                .map_or(message.as_str(), |(m, _)| m)
+                .to_owned();
+            return Err(syntax("JSON", text, e.line(), e.column(), message));
+        }
         let de = &mut serde_json::Deserializer::from_str(text);
-        serde_path_to_error::deserialize(de).map_err(|e| {
-            let inner = e.inner();
-            match inner.classify() {
-                serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
-                    let message = inner.to_string();
-                    let message = message
-                        .rsplit_once(" at line ")
-                        .map_or(message.as_str(), |(m, _)| m)
-                        .to_owned();
-                    syntax("JSON", text, inner.line(), inner.column(), message)
-                }
-                _ => parse_error("JSON", e),
-            }
-        })
+        serde_path_to_error::deserialize(de).map_err(|e| parse_error("JSON", e))
     }
 
     /// Parses a TOML document.

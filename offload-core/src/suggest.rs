@@ -21,9 +21,9 @@ fn distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
-/// Up to three of `candidates` closest to `name`, closest first: those
-/// within a third of the longer name's length (at least 2 edits), or that
-/// contain it or are contained in it.
+/// Up to three of `candidates` closest to `name`, all at the least edit
+/// distance found: among those within a third of the longer name's length
+/// (at least 2 edits), or that contain it or are contained in it.
 pub(crate) fn nearest<'a>(
     name: &str,
     candidates: impl IntoIterator<Item = &'a str>,
@@ -40,7 +40,13 @@ pub(crate) fn nearest<'a>(
         .collect();
     scored.sort();
     scored.dedup_by(|a, b| a.1 == b.1);
-    scored.into_iter().take(3).map(|(_, c)| c).collect()
+    let best = scored.first().map(|(d, _)| *d);
+    scored
+        .into_iter()
+        .filter(|(d, _)| Some(*d) == best)
+        .take(3)
+        .map(|(_, c)| c)
+        .collect()
 }
 
 /// `names` as "`a`, `b`, `c`", at most `limit` of them, then "… (n in all)".

@@ -490,22 +490,85 @@ fn parse_errors_are_typed_with_the_key_path() {
         matches!(err, ConfigError::Parse { format: "TOML", ref key, .. } if key == "enable_cpu_offload"),
         "{err:?}"
     );
-    let err = OffloadConfig::from_toml_str("enable_cpu_offload = \n").unwrap_err();
+    // Not TOML or JSON at all: the line, the column and a snippet (the
+    // file too, when read from one).
+    let err =
+        OffloadConfig::from_toml_str("pin_cpu_memory = true\nenable_cpu_offload = \n").unwrap_err();
     assert!(
-        matches!(err, ConfigError::Parse { format: "TOML", .. }),
+        matches!(
+            err,
+            ConfigError::Syntax {
+                format: "TOML",
+                line: 2,
+                column: 22,
+                ..
+            }
+        ),
         "{err:?}"
     );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("TOML configuration, line 2, column 22")
+            && msg.contains("2 | enable_cpu_offload = ")
+            && msg.contains("|                      ^"),
+        "{msg}"
+    );
+    let err = OffloadConfig::from_json_str("{\"enable_cpu_offload\": tru}").unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConfigError::Syntax {
+                format: "JSON",
+                line: 1,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let dir = std::env::temp_dir().join(format!("offload-syntax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("offload.toml");
+    std::fs::write(
+        &file,
+        "enable_layerwise_offload = true\nprefetch_depth = \n",
+    )
+    .unwrap();
+    let msg = OffloadConfig::from_path(&file).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!("configuration file `{}`, line 2", file.display()))
+            && msg.contains("2 | prefetch_depth ="),
+        "{msg}"
+    );
+    std::fs::write(&file, "enable_layerwise_offload = 1\n").unwrap();
+    let msg = OffloadConfig::from_path(&file).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!(
+            "configuration file `{}`, at `enable_layerwise_offload`",
+            file.display()
+        )),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
     let err =
         OffloadConfig::from_path(std::path::Path::new("/nonexistent/offload.toml")).unwrap_err();
     assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
 }
 
+/// Each flag a higher-priority one disabled gets one `info` line per
+/// backend built (selection itself is pure: every backend selects again
+/// while it resolves, and the line came three times per enable).
 #[test]
 fn every_disabled_flag_gets_an_info_line() {
     let doc = json!({"enable_cpu_offload": true, "enable_layerwise_offload": true, "enable_distributed_layerwise_offload": true});
     let config = OffloadConfig::from_json_str(&doc.to_string()).unwrap();
     let (sel, logs) = capture_logs(|| config.select().unwrap());
     assert_eq!(sel.strategy, Dlo);
+    assert!(!logs.contains("disabled"), "selection is pure: {logs}");
+    let mut rig = offload_sim::harness::Rig::quick(offload_tests::flux_like(2, 2)).unwrap();
+    let ((), logs) = capture_logs(|| {
+        rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+        let _ = rig.runtime.disable().unwrap();
+    });
     let lines: Vec<&str> = logs
         .lines()
         .filter(|l| l.contains("INFO") && l.contains("disabled"))
@@ -518,7 +581,9 @@ fn every_disabled_flag_gets_an_info_line() {
     assert!(lines[1].contains("enable_cpu_offload"), "{logs}");
 
     let config = OffloadConfig::from_json_str(r#"{"enable_layerwise_offload": true}"#).unwrap();
-    let (_, logs) = capture_logs(|| config.select().unwrap());
+    let ((), logs) = capture_logs(|| {
+        rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+    });
     assert!(!logs.contains("disabled"), "nothing was disabled: {logs}");
 }
 

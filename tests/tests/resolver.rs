@@ -85,7 +85,11 @@ fn declared_missing_path_is_an_error_naming_the_nearest() {
     for (declared, needles) in [
         (
             "transformer",
-            &["`transformer`", "did you mean `dit`?", "dit: vec!"][..],
+            &[
+                "`transformer`",
+                "top-level modules: `dit`, `text_encoder`",
+                "dit: vec!",
+            ][..],
         ),
         ("ditt", &["`ditt`", "did you mean `dit`?"][..]),
         (

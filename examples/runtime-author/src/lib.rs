@@ -11,7 +11,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use offload_core::device::Device;
 use offload_core::model::{DType, ModelError, ModuleBuilder, PipelineBuilder};
 use offload_core::runtime::{Runtime, Scope};
 use offload_core::{ComponentDeclaration, OffloadError, Pipeline};
@@ -131,6 +130,21 @@ fn declare(module: &mut ModuleBuilder<'_>, tensors: &[(&str, Vec<u64>)]) {
 /// encoder and a DiT of 6 wide then 6 narrow blocks (two block
 /// containers), every weight bf16.
 pub fn pipeline() -> Result<Pipeline, AuthorError> {
+    pipeline_declared(&Declaration::default())
+}
+
+/// What the author may get wrong declaring the pipeline.
+#[derive(Clone, Debug, Default)]
+pub struct Declaration {
+    /// The DiT's path as written in the component declaration (`None`:
+    /// its module's, [`TRANSFORMER`]).
+    pub dit_declared_as: Option<String>,
+    /// Whether the DiT names its block containers.
+    pub skip_block_containers: bool,
+}
+
+/// The pipeline as [`pipeline`] declares it, with the mistakes of `d`.
+pub fn pipeline_declared(d: &Declaration) -> Result<Pipeline, AuthorError> {
     let mut b = PipelineBuilder::new("AuthorPipeline");
     {
         let mut te = b.module(TEXT_ENCODER);
@@ -153,10 +167,16 @@ pub fn pipeline() -> Result<Pipeline, AuthorError> {
         });
         dit.parameter(DIT_OUT[0], DType::Bf16, &[2 * BIG_WIDTH, BIG_WIDTH])
             .parameter(DIT_OUT[1], DType::Bf16, &[16, BIG_WIDTH]);
-        dit.block_containers(&["big_blocks", "small_blocks"]);
+        if !d.skip_block_containers {
+            dit.block_containers(&["big_blocks", "small_blocks"]);
+        }
     }
     b.declare_components(ComponentDeclaration {
-        dit: vec![TRANSFORMER.into()],
+        dit: vec![
+            d.dit_declared_as
+                .clone()
+                .unwrap_or_else(|| TRANSFORMER.into()),
+        ],
         encoder: vec![TEXT_ENCODER.into()],
         ..Default::default()
     });
@@ -291,11 +311,12 @@ pub fn denoise(rt: &Runtime<Sim>, output: &SimAccumulator) -> Result<(), AuthorE
     let (big, small) = (dit_block(BIG_WIDTH), dit_block(SMALL_WIDTH));
     rt.forward(TRANSFORMER, |dit| {
         kernel(dit, DIT_IN, output)?;
-        for i in 0..BIG_BLOCKS {
-            child(dit, &format!("big_blocks.{i}"), &big, output)?;
+        // The blocks by the scope's own iterator: no count written here.
+        for block in dit.blocks("big_blocks")? {
+            child(dit, block, &big, output)?;
         }
-        for i in 0..SMALL_BLOCKS {
-            child(dit, &format!("small_blocks.{i}"), &small, output)?;
+        for block in dit.blocks("small_blocks")? {
+            child(dit, block, &small, output)?;
         }
         kernel(dit, DIT_OUT, output)?;
         Ok(())
@@ -319,8 +340,6 @@ pub fn request(
     for _ in 0..steps {
         denoise(rt, output)?;
     }
-    device
-        .synchronize_stream(stream)
-        .map_err(|e| OffloadError::device("synchronize_stream(compute) to read the output", e))?;
+    rt.synchronize()?;
     Ok(device.read_accumulator(output))
 }

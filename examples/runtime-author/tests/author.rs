@@ -117,12 +117,175 @@ fn layerwise_streams_every_block_from_the_file_and_computes_the_resident_output(
     Ok(())
 }
 
-/// Wrong declarations and the errors they must give.
+/// Wrong declarations and the errors they must give: each fails (never a
+/// layerwise run that streams nothing) with an error naming the fix, and
+/// a failed `enable` leaves nothing enabled.
 mod mistakes {
-    // TODO: once offload-core's errors for them exist, one case each, each
-    // checked as an `Err` naming what is wrong: a misspelled DiT name in
-    // the component declaration; a DiT with no `block_containers`; a weight
-    // read from the wrong scope (a block's weight through the DiT's scope);
-    // a misspelled child (`scope.child("big_block.0", …)`); a bad
-    // `block_compute_s` key in the planner's measurements.
+    use super::*;
+    use offload_core::budget::{ComponentInputs, DeviceMemory, PlannerInputs};
+    use offload_runtime_author::Declaration;
+
+    fn layerwise() -> OffloadConfig {
+        OffloadConfig::from_toml_str(author::LAYERWISE_TOML).expect("the example's TOML parses")
+    }
+
+    /// Enables layerwise on the pipeline `d` declares; the error's text.
+    fn enable_err(d: &Declaration) -> anyhow::Result<String> {
+        let dir = tempfile::tempdir()?;
+        let pipeline = author::pipeline_declared(d)?;
+        author::write_checkpoint(&pipeline, dir.path(), 7)?;
+        let weights: Arc<dyn WeightSource> = Arc::new(author::weights(&pipeline, dir.path())?);
+        let mut rig =
+            Rig::with_weights(pipeline, &RunOptions::new(DeviceProfile::h200()), weights)?;
+        let err = rig
+            .runtime
+            .enable_selected(&layerwise(), &rig.platform)
+            .expect_err("a declaration offload cannot stream is refused");
+        assert!(rig.runtime.backend().is_none(), "nothing is enabled");
+        assert_eq!(rig.runtime.host_masters(), HostMasters::default());
+        Ok(err.to_string())
+    }
+
+    fn contains_all(msg: &str, needles: &[&str]) {
+        for n in needles {
+            assert!(msg.contains(n), "`{msg}` lacks `{n}`");
+        }
+    }
+
+    #[test]
+    fn a_misspelled_dit_fails_naming_the_module() -> anyhow::Result<()> {
+        let msg = enable_err(&Declaration {
+            dit_declared_as: Some("transformr".into()),
+            ..Declaration::default()
+        })?;
+        contains_all(
+            &msg,
+            &["`transformr`", "did you mean `transformer`?", "dit: vec!"],
+        );
+        // A name nothing resembles lists the modules there are.
+        let msg = enable_err(&Declaration {
+            dit_declared_as: Some("dit".into()),
+            ..Declaration::default()
+        })?;
+        contains_all(
+            &msg,
+            &["`dit`", "top-level modules: `text_encoder`, `transformer`"],
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_dit_without_block_containers_fails_naming_the_call() -> anyhow::Result<()> {
+        let msg = enable_err(&Declaration {
+            skip_block_containers: true,
+            ..Declaration::default()
+        })?;
+        contains_all(
+            &msg,
+            &[
+                "`transformer` has 0 block(s)",
+                "block_containers(&[\"big_blocks\", \"small_blocks\"])",
+            ],
+        );
+        Ok(())
+    }
+
+    /// Runs `f` in the DiT's forward under layerwise offload; its error.
+    fn forward_err(
+        f: impl FnOnce(
+            &offload_core::runtime::Scope<'_, offload_sim::Sim>,
+        ) -> Result<(), offload_core::BoxError>,
+    ) -> anyhow::Result<String> {
+        let dir = tempfile::tempdir()?;
+        let pipeline = author::pipeline()?;
+        author::write_checkpoint(&pipeline, dir.path(), 7)?;
+        let weights: Arc<dyn WeightSource> = Arc::new(author::weights(&pipeline, dir.path())?);
+        let mut rig =
+            Rig::with_weights(pipeline, &RunOptions::new(DeviceProfile::h200()), weights)?;
+        rig.runtime.enable_selected(&layerwise(), &rig.platform)?;
+        let err = rig
+            .runtime
+            .forward(TRANSFORMER, f)
+            .expect_err("the forward fails");
+        // The runtime is still usable: a correct request runs after it.
+        author::request(&rig.runtime, &rig.probe.output, 1)?;
+        rig.runtime.disable()?;
+        Ok(err.to_string())
+    }
+
+    #[test]
+    fn a_block_weight_read_from_the_dit_scope_names_the_child_to_read_it_in() -> anyhow::Result<()>
+    {
+        let msg = forward_err(|dit| {
+            dit.view("big_blocks.2.attn.to_q.weight")?;
+            Ok(())
+        })?;
+        contains_all(
+            &msg,
+            &[
+                "transformer.big_blocks.2.attn.to_q.weight",
+                "child(\"big_blocks.2\", …)",
+            ],
+        );
+        assert!(!msg.contains("``"), "no empty name: {msg}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_misspelled_child_or_tensor_names_the_nearest() -> anyhow::Result<()> {
+        let msg = forward_err(|dit| {
+            dit.child("big_block.0", |_| Ok(()))?;
+            Ok(())
+        })?;
+        contains_all(
+            &msg,
+            &["big_block", "did you mean `big_blocks`?", "`small_blocks`"],
+        );
+        let msg = forward_err(|dit| {
+            dit.child("big_blocks.0", |b| {
+                b.view("attn.to_q.weigth")?;
+                Ok(())
+            })?;
+            Ok(())
+        })?;
+        // Named once, by the scope that lacks it.
+        assert!(
+            msg.starts_with("forward of `transformer.big_blocks.0`: no tensor `attn.to_q.weigth`; did you mean `attn.to_q.weight`?"),
+            "{msg}"
+        );
+        assert!(!msg.contains("forward of `forward`"), "{msg}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_block_compute_key_that_names_no_block_lists_the_blocks() -> anyhow::Result<()> {
+        let pipeline = author::pipeline()?;
+        let mut dit = ComponentInputs::new(1.0, true, 1 << 20);
+        dit.block_compute_s
+            .insert("transformer.big_block.0".to_owned(), 1e-3);
+        let inputs = PlannerInputs::new(55e9, 4)
+            .component(TRANSFORMER, dit)
+            .component(
+                author::TEXT_ENCODER,
+                ComponentInputs::new(1.0, false, 1 << 20),
+            );
+        let config = OffloadConfig::from_toml_str(r#"device_budget = "200MiB""#)?;
+        let memory = DeviceMemory {
+            total_bytes: 1 << 40,
+            free_bytes: 1 << 40,
+        };
+        let msg = offload_core::budget::plan(&pipeline, &config, &inputs, memory)
+            .expect_err("a time for a block that does not exist")
+            .to_string();
+        contains_all(
+            &msg,
+            &[
+                "`transformer.big_block.0`",
+                "did you mean `transformer.big_blocks.0`?",
+                "12 blocks",
+                "`transformer.big_blocks.0` … `transformer.small_blocks.5`",
+            ],
+        );
+        Ok(())
+    }
 }
