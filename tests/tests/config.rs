@@ -640,3 +640,53 @@ fn gather_group_table() {
     assert_eq!(sel.gather_group, GatherGroup::NONE);
     assert_eq!(sel.layer[&Dit].weight_transfer, WeightTransfer::RankLocal);
 }
+
+/// `prefetch_depth` is a configuration key wherever a configuration is
+/// read: 1 to 16, layer strategies only, never beside a budget (which
+/// chooses its own), and it sets the ring's depth over the platform's.
+#[test]
+fn prefetch_depth_is_a_key_with_typed_errors() {
+    for (doc, needles) in [
+        (
+            json!({"enable_layerwise_offload": true, "prefetch_depth": 0}),
+            &["`prefetch_depth` = 0", "1 to 16"][..],
+        ),
+        (
+            json!({"enable_layerwise_offload": true, "prefetch_depth": 17}),
+            &["17", "1 to 16"][..],
+        ),
+        (
+            json!({"device_budget": "8GiB", "prefetch_depth": 2}),
+            &["`prefetch_depth` = 2", "device_budget", "chooses"][..],
+        ),
+        (
+            json!({"enable_cpu_offload": true, "prefetch_depth": 2}),
+            &["layerwise", "model-level"][..],
+        ),
+        (json!({"prefetch_depth": 2}), &["layerwise"][..]),
+    ] {
+        check_rejects(doc, needles);
+    }
+    // The key sets the ring's depth: depth + 1 slots of the largest block.
+    let slots_bytes = |config: &str| {
+        let mut rig = offload_sim::harness::Rig::quick(offload_tests::flux_like(3, 3)).unwrap();
+        let config = OffloadConfig::from_toml_str(config).unwrap();
+        rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+        let bytes = rig.runtime.backend().unwrap().device_weight_bytes();
+        let _ = rig.runtime.disable().unwrap();
+        bytes
+    };
+    let one = slots_bytes("enable_layerwise_offload = true");
+    let three = slots_bytes("enable_layerwise_offload = true\nprefetch_depth = 3");
+    let pipeline = offload_tests::flux_like(3, 3);
+    let plan = offload_core::resolve(
+        &pipeline,
+        &OffloadConfig::from_toml_str("enable_layerwise_offload = true").unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        three - one,
+        2 * plan.largest_streamed_bytes(),
+        "two more slots"
+    );
+}

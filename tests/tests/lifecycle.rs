@@ -329,3 +329,31 @@ fn residency_table_enforces_one_owner_and_legal_moves() {
     assert_eq!(table.release_owner(&a), 1);
     assert_eq!(table.owner(&key), None);
 }
+
+/// Enabling a second backend names both strategies and the call that
+/// frees the runtime, never an empty module name.
+#[test]
+fn enabling_twice_names_both_strategies() {
+    let mut rig = offload_sim::harness::Rig::quick(offload_tests::flux_like(2, 2)).unwrap();
+    let layerwise =
+        offload_core::OffloadConfig::from_toml_str("enable_layerwise_offload = true").unwrap();
+    rig.runtime
+        .enable_selected(&layerwise, &rig.platform)
+        .unwrap();
+    let err = rig
+        .runtime
+        .enable_selected(&offload_core::OffloadConfig::default(), &rig.platform)
+        .unwrap_err();
+    assert!(
+        matches!(err, offload_core::OffloadError::AlreadyEnabled { .. }),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("a layerwise backend is already enabled")
+            && msg.contains("Runtime::disable")
+            && !msg.contains("``"),
+        "{msg}"
+    );
+    let _ = rig.runtime.disable().unwrap();
+}

@@ -288,4 +288,38 @@ mod mistakes {
         );
         Ok(())
     }
+
+    /// A size comes back in the unit it was written in, with no other
+    /// figure of it beside: `"200KiB"` is "200 KiB", and every part of the
+    /// least budget reads in KiB (it came back as bytes, GB and GiB).
+    #[test]
+    fn a_budget_too_small_reads_in_the_unit_written() -> anyhow::Result<()> {
+        let pipeline = author::pipeline()?;
+        let inputs = PlannerInputs::new(55e9, 4)
+            .component(TRANSFORMER, ComponentInputs::new(1.0, true, 1 << 16))
+            .component(
+                author::TEXT_ENCODER,
+                ComponentInputs::new(1.0, false, 1 << 16),
+            );
+        let config = OffloadConfig::from_toml_str(r#"device_budget = "200KiB""#)?;
+        let memory = DeviceMemory {
+            total_bytes: 1 << 40,
+            free_bytes: 1 << 40,
+        };
+        let msg = offload_core::budget::plan(&pipeline, &config, &inputs, memory)
+            .expect_err("200 KiB holds no phase of this pipeline")
+            .to_string();
+        contains_all(
+            &msg,
+            &[
+                "`device_budget` = 200 KiB does not fit",
+                "KiB outside every component",
+                "device_budget ≥ \"",
+            ],
+        );
+        for other in [" B ", " GB", " GiB", "204800"] {
+            assert!(!msg.contains(other), "`{msg}` has `{other}`");
+        }
+        Ok(())
+    }
 }
