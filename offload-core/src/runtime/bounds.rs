@@ -50,8 +50,9 @@ pub struct MemoryBounds {
     pub padding_bytes: u64,
 }
 
-/// INV-7's bounds for `pipeline` under `config` at prefetch `depth`, on
-/// the rank the configuration's `parallel` section names.
+/// INV-7's bounds for `pipeline` under `config` at prefetch `depth` (the
+/// platform's; the configuration's `prefetch_depth` wins, as it does in
+/// the backend), on the rank the configuration's `parallel` section names.
 pub fn memory_bounds(
     pipeline: &Pipeline,
     config: &OffloadConfig,
@@ -66,7 +67,7 @@ pub fn memory_bounds(
     let total: u64 = partition.all().map(|u| u.bytes).sum();
     let units = partition.all().count() as u64;
     let strategy = plan.strategy();
-    let depth = depth.max(1) as u64;
+    let depth = config.prefetch_depth.map_or(depth, |d| d as usize).max(1) as u64;
     let largest_unit = |offloaded: &dyn Fn(&crate::runtime::layout::Unit) -> bool| {
         partition
             .all()
