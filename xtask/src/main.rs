@@ -22,8 +22,9 @@ enum Cmd {
     /// fmt --check, clippy -D warnings, the tests, the architecture check.
     Ci,
     /// Only the architecture check (INV-6: neutral crates name no device
-    /// library; offload-sim reads no wall clock; offload-core's files import
-    /// in layers).
+    /// library; offload-sim reads no wall clock; offload-sim's library pulls
+    /// in no command line dependency; offload-core's files import in
+    /// layers).
     Arch,
     /// The loom models (release, `--cfg loom`, LOOM_MAX_PREEMPTIONS=2).
     Loom,
