@@ -976,8 +976,7 @@ pub fn drive(
         let computed = rig
             .runtime
             .request_plan()
-            .ok_or_else(|| OffloadError::Forward {
-                module: String::new(),
+            .ok_or_else(|| OffloadError::Request {
                 reason: "a device budget enabled no request plan".to_owned(),
             })
             .and_then(|plan| offload_core::runtime::plan_bounds(&pipeline, config, plan));

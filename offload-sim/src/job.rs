@@ -117,6 +117,18 @@ impl Default for JobArgs {
     }
 }
 
+/// A configuration file's error, with the file named once: errors that
+/// already name it (a syntax or schema error read from it, a file that
+/// cannot be read) as they are.
+fn named_once(path: &std::path::Path, error: &OffloadError) -> String {
+    let text = error.to_string();
+    if text.contains(&format!("`{}`", path.display())) {
+        text
+    } else {
+        format!("configuration `{}`: {text}", path.display())
+    }
+}
+
 /// Why the job failed.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -130,8 +142,9 @@ pub enum JobError {
         /// What is allowed.
         allowed: String,
     },
-    /// The configuration file was rejected.
-    #[error("configuration `{path}`: {error}")]
+    /// The configuration file was rejected (its error names the file
+    /// where it says where in it; the file is named once).
+    #[error("{}", named_once(path, error))]
     Config {
         /// The file.
         path: PathBuf,
@@ -735,6 +748,21 @@ fn choices(args: &JobArgs) -> Result<Vec<StrategyChoice>, JobError> {
                 path: path.clone(),
                 error: e.into(),
             })?;
+        // The key and the flag say the same thing: one of them, or both
+        // alike (the flag's default, 1, gives way to the key).
+        if let Some(depth) = config.prefetch_depth
+            && args.prefetch_depth != 1
+            && args.prefetch_depth != depth as usize
+        {
+            return Err(bad(
+                "--prefetch-depth",
+                args.prefetch_depth,
+                format!(
+                    "the configuration `{}` sets prefetch_depth = {depth}: give the depth in one of them",
+                    path.display()
+                ),
+            ));
+        }
         return Ok(vec![StrategyChoice::Config(config)]);
     }
     Ok(match args.strategy {
@@ -914,8 +942,7 @@ fn run_dlo(
         }
         return Err(JobError::Run {
             strategy: format!("{name} (rank {} of {ranks})", failed.rank),
-            error: OffloadError::Forward {
-                module: String::new(),
+            error: OffloadError::Request {
                 reason: f.error.to_string(),
             },
         });

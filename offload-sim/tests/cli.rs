@@ -266,7 +266,39 @@ fn bad_input_exits_non_zero_with_a_typed_error() {
         "conflict.json",
         r#"{"enable_cpu_offload": true, "diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#,
     );
+    let syntax = write(
+        "syntax.toml",
+        "enable_layerwise_offload = true\nprefetch_depth =\n",
+    );
+    let syntax_named = format!("configuration file `{}`, line 2", syntax.display());
+    let syntax_needles = [syntax_named.as_str(), "2 | prefetch_depth ="];
+    let depth = write(
+        "depth.toml",
+        "enable_layerwise_offload = true\nprefetch_depth = 2\n",
+    );
     let rows: Vec<(Vec<&str>, &[&str])> = vec![
+        (
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--config",
+                syntax.to_str().unwrap(),
+            ],
+            &syntax_needles,
+        ),
+        (
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--prefetch-depth",
+                "3",
+                "--config",
+                depth.to_str().unwrap(),
+            ],
+            &["--prefetch-depth `3`", "prefetch_depth = 2"],
+        ),
         (
             vec![
                 "run",

@@ -250,7 +250,7 @@ impl<A: Api> Runtime<A> {
     }
 
     /// Tells the backend this rank failed outside its hooks (see
-    /// [`OffloadBackend::poison`]): call it before `disable` when a request
+    /// [`OffloadBackend::poison`](crate::lifecycle::OffloadBackend::poison)): call it before `disable` when a request
     /// failed on a rank of a gather group.
     pub fn poison(&mut self, reason: &str) {
         if let Some(b) = self.backend.as_mut() {
