@@ -88,7 +88,7 @@ pub enum OffloadError {
         module: String,
         /// The hook's error (its name and phase; part of the message, not
         /// chained again as a source).
-        error: offload_hooks::HookError,
+        error: Box<offload_hooks::HookError>,
     },
     /// A hook of a backend ran while the backend is disabled.
     #[error("the {strategy} backend is disabled: enable it before running forwards")]
@@ -174,19 +174,25 @@ impl OffloadError {
                 shortfall_bytes,
                 ..
             } => Some((*kind, *shortfall_bytes)),
-            OffloadError::Hook(h) | OffloadError::HookFailed { error: h, .. } => {
-                let mut source = std::error::Error::source(h);
-                while let Some(e) = source {
-                    if let Some(inner) = e.downcast_ref::<OffloadError>() {
-                        return inner.device_op();
-                    }
-                    source = e.source();
-                }
-                None
-            }
+            OffloadError::Hook(h) => hook_device_op(h),
+            OffloadError::HookFailed { error, .. } => hook_device_op(error),
             _ => None,
         }
     }
+}
+
+/// The device operation behind a hook's error, through its sources.
+fn hook_device_op(
+    h: &offload_hooks::HookError,
+) -> Option<(crate::device::DeviceErrorKind, Option<u64>)> {
+    let mut source = std::error::Error::source(h);
+    while let Some(e) = source {
+        if let Some(inner) = e.downcast_ref::<OffloadError>() {
+            return inner.device_op();
+        }
+        source = e.source();
+    }
+    None
 }
 
 impl From<ConfigError> for OffloadError {

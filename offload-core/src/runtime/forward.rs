@@ -313,7 +313,7 @@ impl<A: Api> Runtime<A> {
                 } if name == offload_hooks::MODULE_FORWARD => scope.failed(source),
                 hook => OffloadError::HookFailed {
                     module: scope.path().to_owned(),
-                    error: hook,
+                    error: Box::new(hook),
                 },
             })?;
         match forwarded {
