@@ -82,7 +82,7 @@ pub enum OffloadError {
     #[error(transparent)]
     Residency(#[from] crate::residency::ResidencyError),
     /// A hook of a module failed during its forward.
-    #[error("forward of `{module}`: {error}")]
+    #[error("forward of {}: {error}", module_named(module))]
     HookFailed {
         /// The module path.
         module: String,
@@ -113,7 +113,7 @@ pub enum OffloadError {
         reason: String,
     },
     /// A forward scope was asked for something it cannot lend.
-    #[error("forward of `{module}`: {reason}")]
+    #[error("forward of {}: {reason}", module_named(module))]
     Forward {
         /// The module path.
         module: String,
@@ -139,6 +139,16 @@ pub enum OffloadError {
         /// What was wrong and what is expected.
         reason: String,
     },
+}
+
+/// A module path as errors name it: `` `dit.blocks.0` ``, or the root by
+/// name (never an empty pair of quotes).
+pub(crate) fn module_named(path: &str) -> String {
+    if path.is_empty() {
+        "the pipeline's root module".to_owned()
+    } else {
+        format!("`{path}`")
+    }
 }
 
 impl OffloadError {

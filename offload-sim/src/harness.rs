@@ -43,6 +43,7 @@ pub struct Workload {
 
 /// Which strategy.
 #[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // built a few times a run; a box buys nothing
 pub enum StrategyChoice {
     /// Every weight resident (the baseline).
     Resident,

@@ -96,7 +96,7 @@ fn declared_missing_path_is_an_error_naming_the_nearest() {
             "dit.blocks.9",
             &["`dit.blocks.9`", "top-level modules: `dit`, `text_encoder`"][..],
         ),
-        ("", &["``", "top-level modules"][..]),
+        ("", &["an empty path", "top-level modules"][..]),
     ] {
         let mut b = PipelineBuilder::new("Misspelled");
         dit(&mut b, "dit", &[("blocks", 3)]);

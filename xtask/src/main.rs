@@ -140,6 +140,19 @@ fn ci() -> Result<()> {
         &["doc", "--no-deps", "--workspace", "--locked"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
+    // The simulator as a library user builds it (`--workspace` unifies
+    // features, so only this compiles it without the command line's).
+    cargo(&[
+        "clippy",
+        "-p",
+        "offload-sim",
+        "--no-default-features",
+        "--lib",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     cargo(&["test", "--workspace", "--locked"])?;
     props()?;
     loom()?;
