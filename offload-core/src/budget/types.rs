@@ -482,16 +482,16 @@ pub enum BudgetError {
     /// The first request ran out of memory twice.
     #[error(
         "a request ran out of device memory in the `{phase}` phase again after the re-plan: it needed {} more than the plan allowed (a budget of {}); allowed: a larger device_budget or device_headroom, or less work per request",
-        ByteSize(*.budget_bytes).in_unit_of_at_least(*.needed_bytes),
-        ByteSize(*.budget_bytes)
+        .budget.in_unit_of_at_least(*.needed_bytes),
+        .budget
     )]
     ShortfallAgain {
         /// The phase.
         phase: String,
         /// What it lacked.
         needed_bytes: u64,
-        /// The budget.
-        budget_bytes: u64,
+        /// The budget (in the unit it was written in).
+        budget: ByteSize,
     },
 }
 

@@ -985,7 +985,10 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
                 BudgetError::ShortfallAgain {
                     phase,
                     needed_bytes: shortfall,
-                    budget_bytes: plan.budget_bytes,
+                    budget: crate::bytes::DeviceBudget::size_of(
+                        self.config.device_budget,
+                        plan.budget_bytes,
+                    ),
                 },
             )));
         }
