@@ -178,7 +178,7 @@ impl PipelineSettings {
                 Some(b)
             }
             None => {
-                let sixteen = DeviceBudget::Bytes(ByteSize(16 << 30));
+                let sixteen = DeviceBudget::Bytes(ByteSize::new(16 << 30));
                 sized
                     .iter()
                     .copied()
@@ -1629,9 +1629,15 @@ mod tests {
         let s = settings(&[]).unwrap();
         assert_eq!((s.tokens, s.steps, s.requests), (4608, 28, 2));
         assert_eq!(s.budgets.len(), 5);
-        assert_eq!(s.saved_from, Some(DeviceBudget::Bytes(ByteSize(16 << 30))));
+        assert_eq!(
+            s.saved_from,
+            Some(DeviceBudget::Bytes(ByteSize::new(16 << 30)))
+        );
         let s = settings(&["--budgets", "8GiB,auto", "--hog-gib", "110"]).unwrap();
-        assert_eq!(s.saved_from, Some(DeviceBudget::Bytes(ByteSize(8 << 30))));
+        assert_eq!(
+            s.saved_from,
+            Some(DeviceBudget::Bytes(ByteSize::new(8 << 30)))
+        );
         assert_eq!(s.hog_gib, Some(110));
         for (flags, want) in [
             (&["--tokens", "4608,16896"][..], "one token count"),
@@ -1694,7 +1700,7 @@ mod tests {
         let p = &preset.pipeline;
         let part = crate::packing(p).unwrap();
         let config = OffloadConfig {
-            device_budget: Some(DeviceBudget::Bytes(ByteSize(16 << 30))),
+            device_budget: Some(DeviceBudget::Bytes(ByteSize::new(16 << 30))),
             ..OffloadConfig::default()
         };
         let resolved = offload_core::resolve(p, &config).unwrap();
@@ -1798,7 +1804,7 @@ mod tests {
                 ..OffloadConfig::default()
             },
             OffloadConfig {
-                device_budget: Some(DeviceBudget::Bytes(ByteSize(budget))),
+                device_budget: Some(DeviceBudget::Bytes(ByteSize::new(budget))),
                 ..OffloadConfig::default()
             },
         ];

@@ -45,12 +45,6 @@ impl std::hash::Hash for ByteSize {
     }
 }
 
-/// `n` bytes, shown in the unit they are shortest in.
-#[allow(non_snake_case)]
-pub const fn ByteSize(bytes: u64) -> ByteSize {
-    ByteSize::new(bytes)
-}
-
 /// What [`ByteSize`] accepts, for error messages.
 pub const BYTE_SIZE_FORMS: &str = "a positive byte count: an integer of bytes, or a number with a unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. \"24GiB\" or \"16 GB\"";
 
@@ -221,7 +215,7 @@ impl<'de> Deserialize<'de> for ByteSize {
                         "`0` is zero bytes; allowed: {BYTE_SIZE_FORMS}"
                     )))
                 } else {
-                    Ok(ByteSize(v))
+                    Ok(ByteSize::new(v))
                 }
             }
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ByteSize, E> {
@@ -253,7 +247,7 @@ pub enum DeviceBudget {
 /// What `device_budget = "auto"` leaves free by default: 1 GiB for the
 /// CUDA context's growth, the caching allocator's slack and other
 /// processes' small allocations (`device_headroom` replaces it).
-pub const DEFAULT_HEADROOM: ByteSize = ByteSize(1 << 30);
+pub const DEFAULT_HEADROOM: ByteSize = ByteSize::new(1 << 30);
 
 /// What [`DeviceBudget`] accepts, for error messages.
 pub const DEVICE_BUDGET_FORMS: &str = "\"auto\" (the device's free memory at enable less device_headroom, default 1 GiB) or a positive byte count: an integer of bytes, or a number with a unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. \"24GiB\" or \"16 GB\"";
@@ -327,7 +321,7 @@ impl<'de> Deserialize<'de> for DeviceBudget {
                         "`0` is zero bytes; allowed: {DEVICE_BUDGET_FORMS}"
                     )))
                 } else {
-                    Ok(DeviceBudget::Bytes(ByteSize(v)))
+                    Ok(DeviceBudget::Bytes(ByteSize::new(v)))
                 }
             }
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<DeviceBudget, E> {
@@ -351,11 +345,11 @@ mod tests {
 
     #[test]
     fn byte_sizes_parse_and_refuse() {
-        assert_eq!(ByteSize::parse("24GiB"), Ok(ByteSize(24 << 30)));
-        assert_eq!(ByteSize::parse("16 GB"), Ok(ByteSize(16_000_000_000)));
-        assert_eq!(ByteSize::parse("512MiB"), Ok(ByteSize(512 << 20)));
-        assert_eq!(ByteSize::parse("1.5 KiB"), Ok(ByteSize(1536)));
-        assert_eq!(ByteSize::parse("1000"), Ok(ByteSize(1000)));
+        assert_eq!(ByteSize::parse("24GiB"), Ok(ByteSize::new(24 << 30)));
+        assert_eq!(ByteSize::parse("16 GB"), Ok(ByteSize::new(16_000_000_000)));
+        assert_eq!(ByteSize::parse("512MiB"), Ok(ByteSize::new(512 << 20)));
+        assert_eq!(ByteSize::parse("1.5 KiB"), Ok(ByteSize::new(1536)));
+        assert_eq!(ByteSize::parse("1000"), Ok(ByteSize::new(1000)));
         for bad in ["", "0", "0GiB", "24 gigs", "GiB", "-3GB", "1e3", "auto"] {
             let e = ByteSize::parse(bad).unwrap_err();
             assert!(e.contains("allowed"), "{bad}: {e}");
@@ -388,10 +382,13 @@ mod tests {
             );
         }
         // Sizes made from bytes: the unit they are shortest in.
-        assert_eq!(ByteSize(16 << 30).to_string(), "16 GiB");
-        assert_eq!(ByteSize(1000).to_string(), "1 KB");
-        assert_eq!(ByteSize(1023).to_string(), "1023 B");
-        assert_eq!(ByteSize(u64::MAX).to_string(), "18446744073709551615 B");
+        assert_eq!(ByteSize::new(16 << 30).to_string(), "16 GiB");
+        assert_eq!(ByteSize::new(1000).to_string(), "1 KB");
+        assert_eq!(ByteSize::new(1023).to_string(), "1023 B");
+        assert_eq!(
+            ByteSize::new(u64::MAX).to_string(),
+            "18446744073709551615 B"
+        );
         let budget = ByteSize::parse("200MiB").unwrap();
         assert_eq!(budget.in_unit_of(1 << 30), "1024 MiB");
         assert_eq!(budget.in_unit_of(3000), "0.003 MiB");
@@ -411,7 +408,7 @@ mod tests {
         assert_eq!(DeviceBudget::parse("auto"), Ok(DeviceBudget::Auto));
         assert_eq!(
             DeviceBudget::parse("16GiB"),
-            Ok(DeviceBudget::Bytes(ByteSize(16 << 30)))
+            Ok(DeviceBudget::Bytes(ByteSize::new(16 << 30)))
         );
         for bad in ["", "Auto", "automatic", "0", "-1GiB", "16 gigs"] {
             let e = DeviceBudget::parse(bad).unwrap_err();

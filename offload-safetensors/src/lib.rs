@@ -856,7 +856,7 @@ impl WeightSource for SafetensorsSource {
             Err(why) => {
                 self.copied.fetch_add(1, Ordering::Relaxed);
                 self.copied_bytes.fetch_add(unit.bytes, Ordering::Relaxed);
-                let size = offload_core::bytes::ByteSize(unit.bytes);
+                let size = offload_core::bytes::ByteSize::new(unit.bytes);
                 if self
                     .blocks
                     .as_ref()

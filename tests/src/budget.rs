@@ -64,7 +64,7 @@ pub fn pipeline(
 /// `{"device_budget": bytes}` alone.
 pub fn budget_config(bytes: u64) -> OffloadConfig {
     OffloadConfig {
-        device_budget: Some(ByteSize(bytes).into()),
+        device_budget: Some(ByteSize::new(bytes).into()),
         ..OffloadConfig::default()
     }
 }

@@ -412,7 +412,7 @@ fn auto_plans_within_the_free_memory() {
     let inputs = inputs(&p, 1e6, 4, &[1e-3], &[500]);
     let auto = |headroom: Option<u64>| OffloadConfig {
         device_budget: Some(DeviceBudget::Auto),
-        device_headroom: headroom.map(ByteSize),
+        device_headroom: headroom.map(ByteSize::new),
         ..OffloadConfig::default()
     };
     let device = DeviceMemory {
@@ -455,7 +455,7 @@ fn budget_keys_are_checked() {
         assert!(e.contains(needle), "{text}: {e}");
     }
     let ok = OffloadConfig::from_toml_str("device_budget = \"16GiB\"").unwrap();
-    assert_eq!(ok.device_budget, Some(ByteSize(16 << 30).into()));
+    assert_eq!(ok.device_budget, Some(ByteSize::new(16 << 30).into()));
     assert_eq!(
         ok.select().unwrap().strategy,
         offload_core::OffloadStrategy::Planned
@@ -790,7 +790,7 @@ fn a_first_request_short_of_memory_replans_once() {
         e.contains("ran out of device memory in the `vae` phase again")
             && e.contains(&format!(
                 "needed {} more",
-                offload_core::bytes::ByteSize(budget).in_unit_of_at_least(2000)
+                offload_core::bytes::ByteSize::new(budget).in_unit_of_at_least(2000)
             )),
         "{e}"
     );

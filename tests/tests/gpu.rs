@@ -1291,7 +1291,7 @@ fn planned_request(
 
 fn budget_config(bytes: u64) -> OffloadConfig {
     OffloadConfig {
-        device_budget: Some(ByteSize(bytes).into()),
+        device_budget: Some(ByteSize::new(bytes).into()),
         ..OffloadConfig::default()
     }
 }

@@ -1013,7 +1013,7 @@ fn the_planned_backends_bugs_are_caught() {
     let least = match offload_core::budget::plan(
         &preset.pipeline,
         &OffloadConfig {
-            device_budget: Some(offload_core::bytes::ByteSize(1).into()),
+            device_budget: Some(offload_core::bytes::ByteSize::new(1).into()),
             ..OffloadConfig::default()
         },
         &inputs,
@@ -1023,7 +1023,7 @@ fn the_planned_backends_bugs_are_caught() {
         other => panic!("{other:?}"),
     };
     let config = OffloadConfig {
-        device_budget: Some(offload_core::bytes::ByteSize(least + 4000).into()),
+        device_budget: Some(offload_core::bytes::ByteSize::new(least + 4000).into()),
         ..OffloadConfig::default()
     };
     let caught = |bugs: &[PlantedBug]| {

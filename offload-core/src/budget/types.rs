@@ -300,7 +300,7 @@ fn gb(b: u64) -> f64 {
 impl fmt::Display for RequestPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let budget = match self.budget {
-            BudgetSource::Given => ByteSize(self.budget_bytes).to_string(),
+            BudgetSource::Given => ByteSize::new(self.budget_bytes).to_string(),
             BudgetSource::Auto {
                 free_bytes,
                 headroom_bytes,

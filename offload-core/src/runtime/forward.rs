@@ -210,9 +210,9 @@ impl<A: Api> Runtime<A> {
                 copied_bytes = m.copied_bytes,
                 "host masters: {} unit(s) registered in place ({}), {} copied into pinned memory ({})",
                 m.in_place_units,
-                crate::bytes::ByteSize(m.in_place_bytes),
+                crate::bytes::ByteSize::new(m.in_place_bytes),
                 m.copied_units,
-                crate::bytes::ByteSize(m.copied_bytes),
+                crate::bytes::ByteSize::new(m.copied_bytes),
             );
         }
     }
