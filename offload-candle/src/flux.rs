@@ -10,6 +10,12 @@
 //! probabilities in bf16 (as a flash kernel keeps them), layer norms without
 //! affine parameters (ε = 1e-6), GELU with the tanh approximation, and
 //! AdaLayerNormContinuous's (scale, shift) order at the output.
+//!
+//! Attention is one of two [`Attention`] paths: candle's own operations
+//! (scores materialised; any device), or, with the `flash-attn` feature on a
+//! CUDA device, FlashAttention-2 (`candle-flash-attn`: bf16 inputs, f32
+//! accumulation and softmax statistics, probabilities in bf16 for the
+//! second product, as diffusers' cuDNN and flash kernels do).
 
 use candle_core::{D, DType, Device, Module as _, Result, Tensor};
 
@@ -165,12 +171,102 @@ fn linear(w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
     candle_nn::Linear::new(weight, bias).forward(x)
 }
 
-/// The model, its shape and the constants its norms use.
+/// How a forward computes attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// candle's operations: bf16 queries and keys cast to f32, scores and
+    /// softmax in f32, probabilities cast to bf16 for the product with the
+    /// values. Any device, any head width.
+    Unfused,
+    /// FlashAttention-2 from `candle-flash-attn` (the `flash-attn` feature):
+    /// CUDA, bf16, head width 128, the inputs read in `[B, L, H, D]` order.
+    Flash,
+}
+
+impl Attention {
+    /// The fastest path this build has for `cfg` on `device`: flash where
+    /// it is compiled in and applies, else unfused.
+    pub fn best(cfg: &FluxConfig, device: &Device) -> Self {
+        if Self::Flash.check(cfg, device).is_ok() {
+            Self::Flash
+        } else {
+            Self::Unfused
+        }
+    }
+
+    /// Whether this path can run `cfg` on `device`, and why not.
+    pub fn check(self, cfg: &FluxConfig, device: &Device) -> Result<()> {
+        match self {
+            Self::Unfused => Ok(()),
+            Self::Flash if !cfg!(feature = "flash-attn") => Err(candle_core::Error::Msg(
+                "flash attention: this build has no `flash-attn` feature".into(),
+            )),
+            Self::Flash if !device.is_cuda() => Err(candle_core::Error::Msg(format!(
+                "flash attention runs on CUDA devices only, not {device:?}"
+            ))),
+            Self::Flash if cfg.attention_head_dim != 128 => Err(candle_core::Error::Msg(format!(
+                "flash attention: head width {} (the bundle's kernel is built for 128)",
+                cfg.attention_head_dim
+            ))),
+            Self::Flash => Ok(()),
+        }
+    }
+
+    /// The name the benchmark prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Unfused => "unfused",
+            Self::Flash => "flash-attn-2",
+        }
+    }
+}
+
+/// Scaled dot-product attention of `q`, `k`, `v` (`[B, heads, L, D]`, bf16,
+/// RoPE applied), no mask, softmax scale `1/√D`, by `path`: `[B, L,
+/// heads·D]`, bf16.
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, path: Attention) -> Result<Tensor> {
+    let (b, h, l, d) = q.dims4()?;
+    let scale = 1.0 / (d as f64).sqrt();
+    match path {
+        Attention::Unfused => {
+            let scores = q
+                .to_dtype(DType::F32)?
+                .matmul(&k.to_dtype(DType::F32)?.t()?)?
+                .affine(scale, 0.0)?;
+            let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(DType::BF16)?;
+            let out = p.matmul(v)?; // [B, heads, L, D]
+            out.transpose(1, 2)?.reshape((b, l, h * d))
+        }
+        Attention::Flash => {
+            // `[B, L, H, D]` views: the kernel takes any row and head
+            // strides with the last dimension contiguous, and writes a
+            // contiguous `[B, L, H, D]`.
+            let t = |x: &Tensor| x.transpose(1, 2);
+            flash(&t(q)?, &t(k)?, &t(v)?, scale as f32)?.reshape((b, l, h * d))
+        }
+    }
+}
+
+#[cfg(feature = "flash-attn")]
+fn flash(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    candle_flash_attn::flash_attn(q, k, v, scale, false)
+}
+
+#[cfg(not(feature = "flash-attn"))]
+fn flash(_: &Tensor, _: &Tensor, _: &Tensor, _: f32) -> Result<Tensor> {
+    Err(candle_core::Error::Msg(
+        "flash attention: this build has no `flash-attn` feature".into(),
+    ))
+}
+
+/// The model, its shape, the constants its norms use and its attention
+/// path.
 #[derive(Debug)]
 pub struct Flux {
     cfg: FluxConfig,
     ones: Tensor,
     zeros: Tensor,
+    attention: Attention,
 }
 
 /// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32.
@@ -181,14 +277,29 @@ struct Rope {
 }
 
 impl Flux {
-    /// The model of `cfg` computing on `device`.
+    /// The model of `cfg` computing on `device`, with the best attention
+    /// path this build has there ([`Attention::best`]).
     pub fn new(cfg: FluxConfig, device: &Device) -> Result<Self> {
         let h = cfg.hidden();
         Ok(Self {
             ones: Tensor::ones(h, DType::BF16, device)?,
             zeros: Tensor::zeros(h, DType::BF16, device)?,
+            attention: Attention::best(&cfg, device),
             cfg,
         })
+    }
+
+    /// The same model computing attention by `path`; an error where `path`
+    /// cannot run here ([`Attention::check`]).
+    pub fn with_attention(mut self, path: Attention) -> Result<Self> {
+        path.check(&self.cfg, self.ones.device())?;
+        self.attention = path;
+        Ok(self)
+    }
+
+    /// The attention path forwards take.
+    pub fn attention_path(&self) -> Attention {
+        self.attention
     }
 
     /// The configuration.
@@ -302,15 +413,7 @@ impl Flux {
                 .to_dtype(DType::BF16)
         };
         let (q, k) = (rot(q)?, rot(k)?);
-        let scale = 1.0 / (self.cfg.attention_head_dim as f64).sqrt();
-        let scores = q
-            .to_dtype(DType::F32)?
-            .matmul(&k.to_dtype(DType::F32)?.t()?)?
-            .affine(scale, 0.0)?;
-        let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(DType::BF16)?;
-        let out = p.matmul(v)?; // [B, heads, L, D]
-        let (b, h, l, d) = out.dims4()?;
-        out.transpose(1, 2)?.reshape((b, l, h * d))
+        attend(&q, &k, v, self.attention)
     }
 
     fn qkv(
