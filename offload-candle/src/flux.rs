@@ -624,7 +624,70 @@ impl Uniform {
         let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
         (x as f32 / (1u64 << 23) as f32) - 1.0
     }
+
+    /// The next two standard normal numbers (Box–Muller over two draws of
+    /// this stream; |z| ≤ 5.8, the draws' 2⁻²⁴ resolution).
+    pub fn next_normal_pair(&mut self) -> (f32, f32) {
+        // (0, 1]: the logarithm stays finite.
+        let u1 = 1.0 - (f64::from(self.next_f32()) + 1.0) / 2.0;
+        let u2 = (f64::from(self.next_f32()) + 1.0) / 2.0;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let a = std::f64::consts::TAU * u2;
+        ((r * a.cos()) as f32, (r * a.sin()) as f32)
+    }
 }
+
+/// The law a random checkpoint's weights are drawn from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Init {
+    /// PyTorch's default `Linear` initialisation: weights and biases
+    /// uniform in ±1/√fan-in; RMS-norm weights uniform in 1 ± 0.1.
+    Uniform,
+    /// Normal, as trained weights are spread (their exponents as wide):
+    /// linear weights N(0, 1/fan-in), biases N(0, 1/(3·fan-in)) (the
+    /// variance of PyTorch's uniform bias), RMS-norm weights 1 + N(0, 0.1²)
+    /// (diffusers initialises them to ones).
+    Normal,
+}
+
+impl Init {
+    /// The name the checkpoint's `config.json` records (`_offload_init`)
+    /// and the benchmark prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Uniform => "uniform",
+            Self::Normal => "normal",
+        }
+    }
+
+    /// The law named `name` ([`Self::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Uniform, Self::Normal]
+            .into_iter()
+            .find(|i| i.name() == name)
+    }
+
+    /// `n` values of a tensor of this law: centred on `centre`, spread
+    /// `scale` (the uniform law's half-width, the normal law's deviation).
+    fn draw(self, rng: &mut Uniform, n: usize, centre: f32, scale: f32) -> Vec<f32> {
+        match self {
+            Self::Uniform => (0..n).map(|_| centre + scale * rng.next_f32()).collect(),
+            Self::Normal => {
+                let mut out = Vec::with_capacity(n + 1);
+                while out.len() < n {
+                    let (a, b) = rng.next_normal_pair();
+                    out.extend([centre + scale * a, centre + scale * b]);
+                }
+                out.truncate(n);
+                out
+            }
+        }
+    }
+}
+
+/// The key of diffusers' `config.json` where a random checkpoint records
+/// its [`Init`] (diffusers ignores keys starting with `_`).
+pub const INIT_KEY: &str = "_offload_init";
 
 fn bf16_bytes(values: impl Iterator<Item = f32>) -> Vec<u8> {
     values
@@ -653,27 +716,31 @@ impl FluxConfig {
 }
 
 /// Writes a random bf16 checkpoint of `cfg` into `dir` as diffusers lays
-/// one out (`config.json`, `diffusion_pytorch_model.safetensors`):
-/// weights and biases uniform in ±1/√fan-in (PyTorch's default `Linear`
-/// initialisation), RMS norm weights 1 ± 0.1.
+/// one out (`config.json`, `diffusion_pytorch_model.safetensors`), its
+/// weights drawn by `init` from the stream of `seed`; `config.json` records
+/// the law under [`INIT_KEY`].
 pub fn write_random_checkpoint(
     dir: &std::path::Path,
     cfg: &FluxConfig,
     seed: u64,
+    init: Init,
 ) -> std::result::Result<(), offload_safetensors::CheckpointError> {
     let io = |e| offload_safetensors::CheckpointError::Io {
         path: dir.to_owned(),
         source: e,
     };
     std::fs::create_dir_all(dir).map_err(io)?;
-    std::fs::write(dir.join("config.json"), cfg.to_diffusers_json()).map_err(io)?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&cfg.to_diffusers_json()).expect("to_diffusers_json writes JSON");
+    config[INIT_KEY] = init.name().into();
+    std::fs::write(dir.join("config.json"), config.to_string()).map_err(io)?;
     let mut rng = Uniform::new(seed);
     let mut tensors = Vec::new();
     let shapes = weight_shapes(cfg);
     for (name, shape) in &shapes {
         let n: usize = shape.iter().product();
-        let bytes = if name.contains(".norm_") {
-            bf16_bytes((0..n).map(|_| 1.0 + 0.1 * rng.next_f32()))
+        let values = if name.contains(".norm_") {
+            init.draw(&mut rng, n, 1.0, 0.1)
         } else {
             // A bias has the fan-in of its weight.
             let fan_in = shapes
@@ -681,12 +748,29 @@ pub fn write_random_checkpoint(
                 .find(|(w, _)| *w == name.replace(".bias", ".weight"))
                 .map_or(1, |(_, s)| s.get(1).copied().unwrap_or(1));
             let bound = 1.0 / (fan_in as f32).sqrt();
-            bf16_bytes((0..n).map(|_| bound * rng.next_f32()))
+            let scale = match init {
+                Init::Normal if name.ends_with(".bias") => bound / 3f32.sqrt(),
+                _ => bound,
+            };
+            init.draw(&mut rng, n, 0.0, scale)
         };
         let shape = shape.iter().map(|&d| d as u64).collect();
-        tensors.push((name.clone(), offload_core::model::DType::Bf16, shape, bytes));
+        tensors.push((
+            name.clone(),
+            offload_core::model::DType::Bf16,
+            shape,
+            bf16_bytes(values.into_iter()),
+        ));
     }
     offload_safetensors::write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors)
+}
+
+/// The [`Init`] a checkpoint's `config.json` records, or `None` (a
+/// checkpoint not written by [`write_random_checkpoint`] or
+/// `flux_reference.py make-checkpoint`).
+pub fn recorded_init(config_json: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(config_json).ok()?;
+    v.get(INIT_KEY)?.as_str().map(str::to_owned)
 }
 
 /// Random inputs for a `side × side` latent grid (`side²` image tokens)

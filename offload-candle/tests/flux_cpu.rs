@@ -68,7 +68,7 @@ fn setup(name: &str) -> (Scratch, FluxInputs) {
         Some(d) => PathBuf::from(d),
         None => std::env::temp_dir().join(format!("offload-candle-{}-{name}", std::process::id())),
     };
-    flux::write_random_checkpoint(&dir, &tiny(), SEED).unwrap();
+    flux::write_random_checkpoint(&dir, &tiny(), SEED, flux::Init::Uniform).unwrap();
     let inputs = flux::random_inputs(&tiny(), SIDE, TEXT, SEED + 1, &Device::Cpu).unwrap();
     inputs.save(&dir.join("inputs.safetensors")).unwrap();
     (Scratch(dir), inputs)
@@ -251,4 +251,121 @@ fn it_agrees_with_diffusers() {
         max_abs <= 0.02,
         "max |diff| {max_abs} > 0.02 (cosine {cos})"
     );
+}
+
+/// Mean, standard deviation and kurtosis (3 for a normal law, 1.8 for a
+/// uniform one).
+fn moments(t: &Tensor) -> (f64, f64, f64) {
+    let v = f32s(t);
+    let n = v.len() as f64;
+    let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+    let m = |p: i32| {
+        v.iter()
+            .map(|&x| (f64::from(x) - mean).powi(p))
+            .sum::<f64>()
+            / n
+    };
+    let var = m(2);
+    (mean, var.sqrt(), m(4) / (var * var))
+}
+
+/// Each law draws what its documentation says, and the checkpoint says
+/// which law it holds: linear weights N(0, 1/fan-in) against uniform in
+/// ±1/√fan-in, biases of the uniform law's variance, RMS-norm weights
+/// around 1. The model runs on both.
+#[test]
+fn random_checkpoints_are_drawn_from_their_law_and_say_which() {
+    let h = tiny().hidden() as f64;
+    for init in [flux::Init::Normal, flux::Init::Uniform] {
+        let dir = Scratch(
+            std::env::temp_dir().join(format!("offload-candle-{}-{init:?}", std::process::id())),
+        );
+        flux::write_random_checkpoint(&dir, &tiny(), SEED, init).unwrap();
+        let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        assert_eq!(flux::recorded_init(&config).as_deref(), Some(init.name()));
+        assert_eq!(flux::Init::from_name(init.name()), Some(init));
+        let w: HashMap<String, Tensor> = candle_core::safetensors::load(
+            dir.join("diffusion_pytorch_model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let (normal, kurtosis) = match init {
+            flux::Init::Normal => (true, 3.0),
+            flux::Init::Uniform => (false, 1.8),
+        };
+        let check = |name: &str, mean: f64, std: f64, kurt: Option<f64>| {
+            let (m, s, k) = moments(&w[name]);
+            eprintln!("{init:?} {name}: mean {m:.5}, std {s:.5}, kurtosis {k:.2}");
+            assert!(
+                (m - mean).abs() <= 0.05 * std.max(0.1),
+                "{init:?} {name}: mean {m}"
+            );
+            assert!(
+                (s / std - 1.0).abs() <= 0.05,
+                "{init:?} {name}: std {s}, expected {std}"
+            );
+            if let Some(kurt) = kurt {
+                assert!(
+                    (k - kurt).abs() <= 0.15,
+                    "{init:?} {name}: kurtosis {k}, expected {kurt}"
+                );
+            }
+        };
+        let weight_std = if normal {
+            1.0 / h.sqrt()
+        } else {
+            1.0 / (3.0 * h).sqrt()
+        };
+        check(
+            "transformer_blocks.0.attn.to_q.weight",
+            0.0,
+            weight_std,
+            Some(kurtosis),
+        );
+        check(
+            "single_transformer_blocks.1.proj_out.weight",
+            0.0,
+            {
+                let fan_in = 5.0 * h;
+                if normal {
+                    1.0 / fan_in.sqrt()
+                } else {
+                    1.0 / (3.0 * fan_in).sqrt()
+                }
+            },
+            Some(kurtosis),
+        );
+        // Biases: the uniform law's variance under both laws.
+        check(
+            "transformer_blocks.0.ff.net.0.proj.bias",
+            0.0,
+            1.0 / (3.0 * h).sqrt(),
+            None,
+        );
+        let (m, s, _) = moments(&w["transformer_blocks.0.attn.norm_q.weight"]);
+        assert!(
+            (m - 1.0).abs() < 0.03 && s < 0.13,
+            "{init:?} norm_q: mean {m}, std {s}"
+        );
+        let inputs = flux::random_inputs(&tiny(), SIDE, TEXT, SEED + 1, &Device::Cpu).unwrap();
+        let out = resident(&dir, &inputs);
+        assert!(
+            f32s(&out).iter().all(|x| x.is_finite()),
+            "{init:?}: a non-finite output"
+        );
+    }
+}
+
+/// Flash attention is a CUDA path: a CPU model takes the unfused one, and
+/// asking for flash there is an error naming why.
+#[test]
+fn the_cpu_takes_the_unfused_attention() {
+    let model = Flux::new(tiny(), &Device::Cpu).unwrap();
+    assert_eq!(model.attention_path(), flux::Attention::Unfused);
+    let err = Flux::new(tiny(), &Device::Cpu)
+        .unwrap()
+        .with_attention(flux::Attention::Flash)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("flash"), "{err}");
 }
