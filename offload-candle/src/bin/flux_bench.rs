@@ -15,6 +15,15 @@
 //! bandwidth); then `--growth-steps` offloaded steps at a small size with
 //! host and device memory read after the warm-up and at the end. One JSON
 //! object last.
+//!
+//! With flash attention (the `flash-attn` build on CUDA), first a check of
+//! the attention alone: FlashAttention-2 against candle's unfused attention
+//! on the same random bf16 queries, keys and values at Flux's shape (24
+//! heads of 128, up to 4,608 tokens), cosine and max abs error bounded; and
+//! after the resident steps the whole forward with the unfused attention,
+//! compared and timed. A failed check fails the run (exit 1) after the JSON
+//! is written. The report says which attention ran and which law the
+//! checkpoint's weights were drawn from (`_offload_init` in config.json).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -67,9 +76,97 @@ struct Args {
     /// cores: exact products of bf16-valued inputs, f32 accumulation.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     tf32: bool,
+    /// Attention path of the timed forwards: `auto` (flash where this build
+    /// has it), `flash` or `unfused`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "flash", "unfused"])]
+    attention: String,
+    /// Tokens of the flash-vs-unfused attention check (at most this and the
+    /// inputs' tokens; 0 skips the check and the unfused forward).
+    #[arg(long, default_value_t = 4608)]
+    check_tokens: usize,
     /// Write the JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The bounds of the flash-vs-unfused checks: the attention alone (both
+/// paths bf16 in and out, f32 accumulation: they differ by bf16 roundings
+/// of the probabilities and the output) and the whole forward (57 blocks
+/// of such differences, the bar the diffusers comparison has).
+const ATTENTION_MIN_COSINE: f64 = 0.9999;
+const ATTENTION_MAX_ABS_OVER_MAX: f32 = 0.02;
+const FORWARD_MIN_COSINE: f64 = 0.999;
+
+/// Flash against unfused attention on random bf16 inputs `[1, heads, L,
+/// 128]`, per spread of the queries and keys (1: scores of deviation 1, as
+/// RMS-normalised ones; 2: sharper, deviation 4): (cosine, max abs error,
+/// max |unfused|, flash ms, unfused ms) per case into `report`; the failed
+/// bounds into `failed`.
+fn check_attention(
+    candle: &Device,
+    heads: usize,
+    tokens: usize,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    use flux::Attention;
+    let mut cases = Vec::new();
+    for spread in [1.0f32, 2.0] {
+        let draw = |s: f32| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, s, (1, heads, tokens, 128), candle)?.to_dtype(DType::BF16)?)
+        };
+        let (q, k, v) = (draw(spread)?, draw(spread)?, draw(1.0)?);
+        let run = |path: Attention| -> Result<(Tensor, f64)> {
+            let out = flux::attend(&q, &k, &v, path)?;
+            candle.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..5 {
+                flux::attend(&q, &k, &v, path)?;
+            }
+            candle.synchronize()?;
+            Ok((out, t.elapsed().as_secs_f64() * 1e3 / 5.0))
+        };
+        let (fast, fast_ms) = run(Attention::Flash)?;
+        let (slow, slow_ms) = run(Attention::Unfused)?;
+        let (cos, max_abs) = compare(
+            &fast.to_device(&Device::Cpu)?,
+            &slow.to_device(&Device::Cpu)?,
+        )?;
+        let peak = slow
+            .to_dtype(DType::F32)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        let ok = cos >= ATTENTION_MIN_COSINE && max_abs <= ATTENTION_MAX_ABS_OVER_MAX * peak;
+        if !ok {
+            failed.push(format!(
+                "flash vs unfused attention (spread {spread}, {tokens} tokens): cosine {cos} \
+                 (bound {ATTENTION_MIN_COSINE}), max abs {max_abs} against max |out| {peak} \
+                 (bound {ATTENTION_MAX_ABS_OVER_MAX} of it)"
+            ));
+        }
+        cases.push(serde_json::json!({
+            "spread": spread,
+            "cosine": cos,
+            "max_abs": max_abs,
+            "max_abs_unfused": peak,
+            "flash_ms": fast_ms,
+            "unfused_ms": slow_ms,
+            "ok": ok,
+        }));
+    }
+    report.insert(
+        "attention_check".into(),
+        serde_json::json!({
+            "tokens": tokens,
+            "heads": heads,
+            "head_dim": 128,
+            "min_cosine": ATTENTION_MIN_COSINE,
+            "max_abs_over_max": ATTENTION_MAX_ABS_OVER_MAX,
+            "cases": cases,
+        }),
+    );
+    Ok(())
 }
 
 fn pipeline(ckpt: &Checkpoint) -> Result<Pipeline> {
@@ -203,11 +300,15 @@ fn run() -> Result<()> {
         println!("SKIP: no CUDA driver found; offload-flux-bench needs a GPU");
         return Ok(());
     }
-    let cfg: FluxConfig = serde_json::from_str(
-        &std::fs::read_to_string(args.ckpt.join("config.json")).context("config.json")?,
-    )
-    .context("config.json is not a FluxTransformer2DModel configuration")?;
+    let config_json =
+        std::fs::read_to_string(args.ckpt.join("config.json")).context("config.json")?;
+    let cfg: FluxConfig = serde_json::from_str(&config_json)
+        .context("config.json is not a FluxTransformer2DModel configuration")?;
     let mut report = serde_json::Map::new();
+    let init = flux::recorded_init(&config_json).unwrap_or_else(|| "not recorded".into());
+    eprintln!("checkpoint weights: {init}");
+    report.insert("checkpoint_init".into(), init.into());
+    let mut failed: Vec<String> = Vec::new();
     let dev = Arc::new(CudaDevice::new(0)?);
     report.insert("device".into(), dev.name().into());
     let gbps = bandwidth(&dev)?;
@@ -273,6 +374,24 @@ fn run() -> Result<()> {
     let tokens = inputs.hidden_states.dim(1)? + inputs.encoder_hidden_states.dim(1)?;
     report.insert("tokens".into(), tokens.into());
     let model = Flux::new(cfg.clone(), &candle)?;
+    let model = match args.attention.as_str() {
+        "flash" => model.with_attention(flux::Attention::Flash)?,
+        "unfused" => model.with_attention(flux::Attention::Unfused)?,
+        _ => model,
+    };
+    let flash = model.attention_path() == flux::Attention::Flash;
+    eprintln!("attention: {}", model.attention_path().name());
+    report.insert("attention".into(), model.attention_path().name().into());
+    let check_tokens = args.check_tokens.min(tokens);
+    if flash && check_tokens > 0 {
+        check_attention(
+            &candle,
+            cfg.num_attention_heads,
+            check_tokens,
+            &mut report,
+            &mut failed,
+        )?;
+    }
     // SAFETY: Flux returns freshly computed tensors; the views are used only
     // inside their scopes; `off` (the backend) outlives every step below,
     // each synchronised.
@@ -332,20 +451,52 @@ fn run() -> Result<()> {
         times.push(t.elapsed().as_secs_f64());
     }
     let resident_step = median(times);
-    // The same with the other f32 GEMM precision, for the record.
-    candle_core::cuda_backend::set_gemm_reduced_precision_f32(!args.tf32);
-    let mut times = Vec::new();
-    for _ in 0..args.steps.min(3) {
-        let t = Instant::now();
-        model.forward(&inputs, &weights)?;
+    if flash && check_tokens == tokens {
+        // The whole forward with the unfused attention: what flash changed
+        // and what it bought.
+        let unfused = Flux::new(cfg.clone(), &candle)?.with_attention(flux::Attention::Unfused)?;
+        let out = unfused.forward(&inputs, &weights)?;
         candle.synchronize()?;
-        times.push(t.elapsed().as_secs_f64());
+        let mut times = Vec::new();
+        for _ in 0..args.steps.min(3) {
+            let t = Instant::now();
+            unfused.forward(&inputs, &weights)?;
+            candle.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        report.insert("resident_step_unfused_s".into(), median(times).into());
+        let (cos, max_abs) = compare(
+            &resident_out.to_device(&Device::Cpu)?,
+            &out.to_device(&Device::Cpu)?,
+        )?;
+        report.insert("cosine_flash_vs_unfused_forward".into(), cos.into());
+        report.insert(
+            "max_abs_flash_vs_unfused_forward".into(),
+            f64::from(max_abs).into(),
+        );
+        if cos < FORWARD_MIN_COSINE {
+            failed.push(format!(
+                "the forward with flash attention against the unfused one: cosine {cos} \
+                 (bound {FORWARD_MIN_COSINE}), max abs {max_abs}"
+            ));
+        }
+    } else if !flash {
+        // The same with the other f32 GEMM precision (the unfused
+        // attention's scores), for the record.
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(!args.tf32);
+        let mut times = Vec::new();
+        for _ in 0..args.steps.min(3) {
+            let t = Instant::now();
+            model.forward(&inputs, &weights)?;
+            candle.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
+        report.insert(
+            "resident_step_other_f32_gemm_s".into(),
+            median(times).into(),
+        );
     }
-    candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
-    report.insert(
-        "resident_step_other_f32_gemm_s".into(),
-        median(times).into(),
-    );
     drop(weights);
     let identical = bits(&resident_out)? == bits(&first)?;
     report.insert("resident_step_s".into(), resident_step.into());
@@ -421,10 +572,14 @@ fn run() -> Result<()> {
         drop(views);
         rt.disable()?;
     }
+    report.insert("checks_failed".into(), failed.clone().into());
     let json = serde_json::Value::Object(report);
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(&json)?)?;
     }
     println!("{json}");
+    if !failed.is_empty() {
+        bail!("{}", failed.join("; "));
+    }
     Ok(())
 }
