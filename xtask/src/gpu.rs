@@ -542,6 +542,13 @@ const CANDLE_CUDARC_TO: &str = "    \"cuda-13000\",\n    \"dynamic-loading\",\n"
 const WHEELS: &str = "python3 -m pip install --no-deps --target T nvidia-cuda-nvcc==13.0.88 \
     nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85";
 
+/// The toolkit of [`WHEELS`], as the bundle's `BUILD` file names it.
+const WHEELS_SHORT: &str = "nvcc 13.0.88 (PyPI wheels)";
+
+/// Binaries larger than this travel gzipped: the bundle, carried to the
+/// GPU machine, stays well under its 64 MiB.
+const GZIP_ABOVE_BYTES: u64 = 16 << 20;
+
 /// The CUTLASS headers candle-flash-attn 0.11.1 pins (commit 7d49e6c7, the
 /// v3.5.0 tag): PyPI's wheel carries them byte for byte under
 /// `cutlass_library/source/`, so the build needs no GitHub.
@@ -858,9 +865,60 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
         &dir.join("run-candle.sh"),
     )?;
     make_executable(&dir.join("run-candle.sh"))?;
+    // The peer's wheels (diffusers and what it needs beyond the device's
+    // torch), where the checkout has them in `.whl/`.
+    let wheels_dir = root.join(".whl");
+    if wheels_dir.is_dir() {
+        std::fs::create_dir_all(dir.join("whl"))?;
+        for entry in std::fs::read_dir(&wheels_dir)? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "whl") {
+                copy(
+                    &path,
+                    &dir.join("whl")
+                        .join(path.file_name().context("wheel name")?),
+                )?;
+            }
+        }
+    }
+    // Big binaries travel gzipped (run-candle.sh unpacks them).
+    for name in ["offload-flux-bench", "offload-flux-bench-planted"] {
+        let bin = dir.join(name);
+        let _ = std::fs::remove_file(dir.join(format!("{name}.gz")));
+        if std::fs::metadata(&bin)?.len() > GZIP_ABOVE_BYTES {
+            let status = Command::new("gzip")
+                .args(["-9", "-f"])
+                .arg(&bin)
+                .status()
+                .context("running gzip")?;
+            if !status.success() {
+                bail!("gzip {}: {status}", bin.display());
+            }
+        }
+    }
+    let head = Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .current_dir(&root)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    std::fs::write(
+        dir.join("BUILD"),
+        format!(
+            "commit {head}; features cuda,flash-attn; sm_90; {WHEELS_SHORT} + {CUTLASS_WHEEL}; built in {:.0} s\n",
+            began.elapsed().as_secs_f64()
+        ),
+    )?;
     let mut bytes = 0;
     for entry in std::fs::read_dir(dir)? {
-        bytes += entry?.metadata()?.len();
+        let entry = entry?;
+        bytes += if entry.file_type()?.is_dir() {
+            std::fs::read_dir(entry.path())?
+                .map(|e| e.and_then(|e| e.metadata()).map_or(0, |m| m.len()))
+                .sum()
+        } else {
+            entry.metadata()?.len()
+        };
     }
     eprintln!(
         "xtask: candle bundle in {} ({:.1} MiB) after {:.0} s",
