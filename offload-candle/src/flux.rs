@@ -221,6 +221,72 @@ impl Attention {
     }
 }
 
+/// The paths a forward takes: [`Kernels::best`] for a device (on CUDA,
+/// every fast path this build has; on the CPU, candle's plain operations),
+/// each checked on the GPU against the plain one by `offload-flux-bench`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    /// The attention; with [`Attention::Flash`], queries, keys and values
+    /// also stay in `[B, L, H, D]` from the projections to the kernel (no
+    /// transposes; RoPE over `L·H` rows).
+    pub attention: Attention,
+    /// The blocks' linear layers as one cuBLASLt GEMM each with the bias
+    /// added in its epilogue (f32, one rounding to bf16, as PyTorch's
+    /// `F.linear`), instead of candle's GEMM then a broadcast add (CUDA and
+    /// the `cuda` feature).
+    pub gemm_bias_epilogue: bool,
+    /// AdaLN's `norm(x)·(1 + scale) + shift` as one layer norm with weight
+    /// `1 + scale` and bias `shift` (f32 inside, one rounding), instead of a
+    /// norm then a broadcast multiply and add (batch 1; any device).
+    pub fused_modulate: bool,
+}
+
+impl Kernels {
+    /// candle's plain operations: the CPU's paths, the reference the fast
+    /// ones are checked against.
+    pub const PLAIN: Self = Self {
+        attention: Attention::Unfused,
+        gemm_bias_epilogue: false,
+        fused_modulate: false,
+    };
+
+    /// Every fast path this build has for `cfg` on `device`; none on the
+    /// CPU (whose outputs stay those of candle's plain operations).
+    pub fn best(cfg: &FluxConfig, device: &Device) -> Self {
+        if !device.is_cuda() {
+            return Self::PLAIN;
+        }
+        Self {
+            attention: Attention::best(cfg, device),
+            gemm_bias_epilogue: cfg!(feature = "cuda"),
+            fused_modulate: true,
+        }
+    }
+
+    /// Whether these paths can run `cfg` on `device`, and why not.
+    pub fn check(&self, cfg: &FluxConfig, device: &Device) -> Result<()> {
+        self.attention.check(cfg, device)?;
+        if self.gemm_bias_epilogue && !(cfg!(feature = "cuda") && device.is_cuda()) {
+            return Err(candle_core::Error::Msg(format!(
+                "the cuBLASLt bias epilogue needs the `cuda` feature and a CUDA device, not {device:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A short name: the attention and each fast path on (`+lt`, `+adaln`).
+    pub fn name(&self) -> String {
+        let mut s = self.attention.name().to_owned();
+        if self.gemm_bias_epilogue {
+            s.push_str("+lt-bias");
+        }
+        if self.fused_modulate {
+            s.push_str("+fused-adaln");
+        }
+        s
+    }
+}
+
 /// Scaled dot-product attention of `q`, `k`, `v` (`[B, heads, L, D]`, bf16,
 /// RoPE applied), no mask, softmax scale `1/√D`, by `path`: `[B, L,
 /// heads·D]`, bf16.
@@ -239,12 +305,19 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, path: Attention) -> Result<Ten
         }
         Attention::Flash => {
             // `[B, L, H, D]` views: the kernel takes any row and head
-            // strides with the last dimension contiguous, and writes a
-            // contiguous `[B, L, H, D]`.
+            // strides with the last dimension contiguous.
             let t = |x: &Tensor| x.transpose(1, 2);
-            flash(&t(q)?, &t(k)?, &t(v)?, scale as f32)?.reshape((b, l, h * d))
+            attend_blhd(&t(q)?, &t(k)?, &t(v)?)
         }
     }
+}
+
+/// Flash attention of `[B, L, H, D]` queries, keys and values: `[B, L,
+/// H·D]` (the kernel writes a contiguous `[B, L, H, D]`).
+fn attend_blhd(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, l, h, d) = q.dims4()?;
+    let scale = 1.0 / (d as f64).sqrt();
+    flash(q, k, v, scale as f32)?.reshape((b, l, h * d))
 }
 
 #[cfg(feature = "flash-attn")]
@@ -259,47 +332,68 @@ fn flash(_: &Tensor, _: &Tensor, _: &Tensor, _: f32) -> Result<Tensor> {
     ))
 }
 
-/// The model, its shape, the constants its norms use and its attention
-/// path.
+/// The model, its shape, the constants its norms use, its paths, and the
+/// positional tables of the last token positions it saw (a step's ids
+/// recur every step: tens of ms of host trigonometry at 16,896 tokens).
 #[derive(Debug)]
 pub struct Flux {
     cfg: FluxConfig,
     ones: Tensor,
     zeros: Tensor,
-    attention: Attention,
+    kernels: Kernels,
+    rope_cache: std::sync::Mutex<Option<(Vec<f32>, Rope)>>,
 }
 
-/// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32.
-#[derive(Debug)]
+/// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32;
+/// for the `[B, L, H, D]` layout each row repeated per head, `[(T + S)·H,
+/// head/2]`.
+#[derive(Clone, Debug)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,
 }
 
 impl Flux {
-    /// The model of `cfg` computing on `device`, with the best attention
-    /// path this build has there ([`Attention::best`]).
+    /// The model of `cfg` computing on `device`, with the best paths this
+    /// build has there ([`Kernels::best`]).
     pub fn new(cfg: FluxConfig, device: &Device) -> Result<Self> {
         let h = cfg.hidden();
         Ok(Self {
             ones: Tensor::ones(h, DType::BF16, device)?,
             zeros: Tensor::zeros(h, DType::BF16, device)?,
-            attention: Attention::best(&cfg, device),
+            kernels: Kernels::best(&cfg, device),
+            rope_cache: Default::default(),
             cfg,
         })
     }
 
     /// The same model computing attention by `path`; an error where `path`
     /// cannot run here ([`Attention::check`]).
-    pub fn with_attention(mut self, path: Attention) -> Result<Self> {
-        path.check(&self.cfg, self.ones.device())?;
-        self.attention = path;
+    pub fn with_attention(self, path: Attention) -> Result<Self> {
+        let kernels = Kernels {
+            attention: path,
+            ..self.kernels
+        };
+        self.with_kernels(kernels)
+    }
+
+    /// The same model taking `kernels`; an error where they cannot run
+    /// here ([`Kernels::check`]).
+    pub fn with_kernels(mut self, kernels: Kernels) -> Result<Self> {
+        kernels.check(&self.cfg, self.ones.device())?;
+        self.kernels = kernels;
+        self.rope_cache = Default::default();
         Ok(self)
     }
 
     /// The attention path forwards take.
     pub fn attention_path(&self) -> Attention {
-        self.attention
+        self.kernels.attention
+    }
+
+    /// The paths forwards take.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// The configuration.
@@ -352,7 +446,7 @@ impl Flux {
             let emb = linear(w, "norm_out.linear", &temb.silu()?)?;
             let chunks = emb.chunk(2, 1)?;
             let (scale, shift) = (&chunks[0], &chunks[1]);
-            let y = self.modulate(&self.norm(&img)?, shift, scale)?;
+            let y = self.norm_modulate(&img, shift, scale)?;
             linear(w, "proj_out", &y)
         })
     }
@@ -367,34 +461,107 @@ impl Flux {
         x.broadcast_mul(&scale)?.broadcast_add(&shift.unsqueeze(1)?)
     }
 
+    /// AdaLN's `norm(x) · (1 + scale) + shift` for `x` `[B, L, H]`, shift
+    /// and scale `[B, H]`: fused into the layer norm's weight and bias
+    /// where [`Kernels::fused_modulate`] is on and the batch is 1 (`1 +
+    /// scale` rounded to bf16 as diffusers has it).
+    pub fn norm_modulate(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+        if self.kernels.fused_modulate && x.dim(0)? == 1 && x.is_contiguous() {
+            let weight = (scale.squeeze(0)? + 1.0)?;
+            let bias = shift.squeeze(0)?.contiguous()?;
+            return candle_nn::ops::layer_norm(x, &weight, &bias, 1e-6);
+        }
+        self.modulate(&self.norm(x)?, shift, scale)
+    }
+
+    /// A block's linear layer: with [`Kernels::gemm_bias_epilogue`], one
+    /// cuBLASLt GEMM with the bias in its epilogue.
+    fn linear(&self, w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.kernels.gemm_bias_epilogue {
+            let weight = w.get(&format!("{name}.weight"))?;
+            if let Ok(bias) = w.get(&format!("{name}.bias")) {
+                return crate::lt::linear_bias(x, &weight, &bias);
+            }
+        }
+        linear(w, name, x)
+    }
+
+    /// Whether q, k, v stay `[B, L, H, D]` (the flash path's layout) rather
+    /// than `[B, H, L, D]`.
+    fn blhd(&self) -> bool {
+        self.kernels.attention == Attention::Flash
+    }
+
+    /// The positional tables of these ids: the cached ones where the ids
+    /// are the last call's.
     fn rope(&self, txt_ids: &Tensor, img_ids: &Tensor) -> Result<Rope> {
-        let dev = img_ids.device();
         let ids = Tensor::cat(&[txt_ids, img_ids], 0)?.to_dtype(DType::F32)?;
-        let ids: Vec<Vec<f32>> = ids.to_vec2()?;
+        let flat: Vec<f32> = ids.flatten_all()?.to_vec1()?;
+        let mut cache = self
+            .rope_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((cached, rope)) = cache.as_ref()
+            && *cached == flat
+        {
+            return Ok(rope.clone());
+        }
+        let rope = self.rope_tables(&ids.to_vec2()?, img_ids.device())?;
+        *cache = Some((flat, rope.clone()));
+        Ok(rope)
+    }
+
+    fn rope_tables(&self, ids: &[Vec<f32>], dev: &Device) -> Result<Rope> {
         let half: usize = self.cfg.axes_dims_rope.iter().sum::<usize>() / 2;
+        let freqs: Vec<Vec<f64>> = self
+            .cfg
+            .axes_dims_rope
+            .iter()
+            .map(|&dim| {
+                (0..dim / 2)
+                    .map(|k| 1.0 / 10000f64.powf((2 * k) as f64 / dim as f64))
+                    .collect()
+            })
+            .collect();
         let (mut cos, mut sin) = (
             Vec::with_capacity(ids.len() * half),
             Vec::with_capacity(ids.len() * half),
         );
-        for pos in &ids {
-            for (axis, &dim) in self.cfg.axes_dims_rope.iter().enumerate() {
+        for pos in ids {
+            for (axis, freqs) in freqs.iter().enumerate() {
                 let p = f64::from(pos[axis]);
-                for k in 0..dim / 2 {
-                    let freq = 1.0 / 10000f64.powf((2 * k) as f64 / dim as f64);
+                for &freq in freqs {
                     let angle = p * freq;
                     cos.push(angle.cos() as f32);
                     sin.push(angle.sin() as f32);
                 }
             }
         }
+        let n = ids.len();
+        let (cos, sin) = (
+            Tensor::from_vec(cos, (n, half), dev)?,
+            Tensor::from_vec(sin, (n, half), dev)?,
+        );
+        if !self.blhd() {
+            return Ok(Rope { cos, sin });
+        }
+        let h = self.cfg.num_attention_heads;
+        let per_head = |t: Tensor| -> Result<Tensor> {
+            t.unsqueeze(1)?
+                .broadcast_as((n, h, half))?
+                .contiguous()?
+                .reshape((n * h, half))
+        };
         Ok(Rope {
-            cos: Tensor::from_vec(cos, (ids.len(), half), dev)?,
-            sin: Tensor::from_vec(sin, (ids.len(), half), dev)?,
+            cos: per_head(cos)?,
+            sin: per_head(sin)?,
         })
     }
 
-    /// `[B, L, H·D]` → `[B, heads, L, D]`, RMS-normalised by `norm`.
-    fn heads(&self, w: &dyn Weights, x: &Tensor, norm: &str) -> Result<Tensor> {
+    /// `[B, L, H·D]` → `[B, heads, L, D]` (or `[B, L, heads, D]`, see
+    /// [`Self::blhd`]), RMS-normalised by `norm` (none for `v`).
+    fn heads(&self, w: &dyn Weights, x: &Tensor, norm: Option<&str>) -> Result<Tensor> {
         let (b, l, _) = x.dims3()?;
         let x = x.reshape((
             b,
@@ -402,18 +569,47 @@ impl Flux {
             self.cfg.num_attention_heads,
             self.cfg.attention_head_dim,
         ))?;
-        let x =
-            candle_nn::ops::rms_norm(&x.contiguous()?, &w.get(&format!("{norm}.weight"))?, 1e-6)?;
-        x.transpose(1, 2)?.contiguous()
+        let x = match norm {
+            Some(norm) => candle_nn::ops::rms_norm(
+                &x.contiguous()?,
+                &w.get(&format!("{norm}.weight"))?,
+                1e-6,
+            )?,
+            None => x,
+        };
+        if self.blhd() {
+            x.contiguous()
+        } else {
+            x.transpose(1, 2)?.contiguous()
+        }
+    }
+
+    /// The axis of the tokens in [`Self::heads`]' layout.
+    fn token_axis(&self) -> usize {
+        if self.blhd() { 1 } else { 2 }
     }
 
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Tensor> {
+        // RoPE in f32 as diffusers applies it; in `[B, L, H, D]` the
+        // `L·H` rows are rotated by the tables repeated per head.
         let rot = |x: &Tensor| -> Result<Tensor> {
+            let shape = x.shape().clone();
+            let (b, d0, d1, d) = x.dims4()?;
+            let x = if self.blhd() {
+                x.reshape((b, 1, d0 * d1, d))?
+            } else {
+                x.clone()
+            };
             candle_nn::rotary_emb::rope_i(&x.to_dtype(DType::F32)?, &rope.cos, &rope.sin)?
-                .to_dtype(DType::BF16)
+                .to_dtype(DType::BF16)?
+                .reshape(shape)
         };
         let (q, k) = (rot(q)?, rot(k)?);
-        attend(&q, &k, v, self.attention)
+        if self.blhd() {
+            attend_blhd(&q, &k, v)
+        } else {
+            attend(&q, &k, v, self.kernels.attention)
+        }
     }
 
     fn qkv(
@@ -423,19 +619,9 @@ impl Flux {
         names: [&str; 3],
         norms: [&str; 2],
     ) -> Result<[Tensor; 3]> {
-        let q = self.heads(w, &linear(w, names[0], x)?, norms[0])?;
-        let k = self.heads(w, &linear(w, names[1], x)?, norms[1])?;
-        let v = linear(w, names[2], x)?;
-        let (b, l, _) = v.dims3()?;
-        let v = v
-            .reshape((
-                b,
-                l,
-                self.cfg.num_attention_heads,
-                self.cfg.attention_head_dim,
-            ))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let q = self.heads(w, &self.linear(w, names[0], x)?, Some(norms[0]))?;
+        let k = self.heads(w, &self.linear(w, names[1], x)?, Some(norms[1]))?;
+        let v = self.heads(w, &self.linear(w, names[2], x)?, None)?;
         Ok([q, k, v])
     }
 
@@ -448,10 +634,10 @@ impl Flux {
         rope: &Rope,
     ) -> Result<(Tensor, Tensor)> {
         let silu = temb.silu()?;
-        let m = linear(w, "norm1.linear", &silu)?.chunk(6, 1)?;
-        let c = linear(w, "norm1_context.linear", &silu)?.chunk(6, 1)?;
-        let img_n = self.modulate(&self.norm(img)?, &m[0], &m[1])?;
-        let txt_n = self.modulate(&self.norm(txt)?, &c[0], &c[1])?;
+        let m = self.linear(w, "norm1.linear", &silu)?.chunk(6, 1)?;
+        let c = self.linear(w, "norm1_context.linear", &silu)?.chunk(6, 1)?;
+        let img_n = self.norm_modulate(img, &m[0], &m[1])?;
+        let txt_n = self.norm_modulate(txt, &c[0], &c[1])?;
         let [q, k, v] = self.qkv(
             w,
             &img_n,
@@ -464,28 +650,33 @@ impl Flux {
             ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
             ["attn.norm_added_q", "attn.norm_added_k"],
         )?;
-        let q = Tensor::cat(&[&cq, &q], 2)?;
-        let k = Tensor::cat(&[&ck, &k], 2)?;
-        let v = Tensor::cat(&[&cv, &v], 2)?;
+        let axis = self.token_axis();
+        let q = Tensor::cat(&[&cq, &q], axis)?;
+        let k = Tensor::cat(&[&ck, &k], axis)?;
+        let v = Tensor::cat(&[&cv, &v], axis)?;
         let attn = self.attention(&q, &k, &v, rope)?;
         let t_len = txt.dim(1)?;
         let txt_attn = attn.narrow(1, 0, t_len)?;
         let img_attn = attn.narrow(1, t_len, attn.dim(1)? - t_len)?;
-        let img_attn = linear(w, "attn.to_out.0", &img_attn)?;
-        let txt_attn = linear(w, "attn.to_add_out", &txt_attn)?;
+        let img_attn = self.linear(w, "attn.to_out.0", &img_attn)?;
+        let txt_attn = self.linear(w, "attn.to_add_out", &txt_attn)?;
 
         let gate = |g: &Tensor, x: &Tensor| x.broadcast_mul(&g.unsqueeze(1)?);
         let img = (img + gate(&m[2], &img_attn)?)?;
-        let img_n = self.modulate(&self.norm(&img)?, &m[3], &m[4])?;
-        let ff = linear(w, "ff.net.2", &linear(w, "ff.net.0.proj", &img_n)?.gelu()?)?;
+        let img_n = self.norm_modulate(&img, &m[3], &m[4])?;
+        let ff = self.linear(
+            w,
+            "ff.net.2",
+            &self.linear(w, "ff.net.0.proj", &img_n)?.gelu()?,
+        )?;
         let img = (img + gate(&m[5], &ff)?)?;
 
         let txt = (txt + gate(&c[2], &txt_attn)?)?;
-        let txt_n = self.modulate(&self.norm(&txt)?, &c[3], &c[4])?;
-        let ff = linear(
+        let txt_n = self.norm_modulate(&txt, &c[3], &c[4])?;
+        let ff = self.linear(
             w,
             "ff_context.net.2",
-            &linear(w, "ff_context.net.0.proj", &txt_n)?.gelu()?,
+            &self.linear(w, "ff_context.net.0.proj", &txt_n)?.gelu()?,
         )?;
         let txt = (txt + gate(&c[5], &ff)?)?;
         Ok((txt, img))
@@ -498,9 +689,9 @@ impl Flux {
         temb: &Tensor,
         rope: &Rope,
     ) -> Result<Tensor> {
-        let m = linear(w, "norm.linear", &temb.silu()?)?.chunk(3, 1)?;
-        let x = self.modulate(&self.norm(hs)?, &m[0], &m[1])?;
-        let mlp = linear(w, "proj_mlp", &x)?.gelu()?;
+        let m = self.linear(w, "norm.linear", &temb.silu()?)?.chunk(3, 1)?;
+        let x = self.norm_modulate(hs, &m[0], &m[1])?;
+        let mlp = self.linear(w, "proj_mlp", &x)?.gelu()?;
         let [q, k, v] = self.qkv(
             w,
             &x,
@@ -508,7 +699,7 @@ impl Flux {
             ["attn.norm_q", "attn.norm_k"],
         )?;
         let attn = self.attention(&q, &k, &v, rope)?;
-        let out = linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
+        let out = self.linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
         hs + out.broadcast_mul(&m[2].unsqueeze(1)?)?
     }
 }

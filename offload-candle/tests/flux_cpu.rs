@@ -369,3 +369,43 @@ fn the_cpu_takes_the_unfused_attention() {
         .to_string();
     assert!(err.contains("flash"), "{err}");
 }
+
+/// The fused AdaLN (one layer norm with weight `1 + scale` and bias
+/// `shift`) runs on the CPU too: its forward agrees with norm, multiply and
+/// add to bf16 rounding. The cuBLASLt epilogue is CUDA's alone.
+#[test]
+fn the_fused_adaln_agrees_with_norm_multiply_add() {
+    let (dir, inputs) = setup("fused-adaln");
+    let plain = resident(&dir, &inputs);
+    let weights: HashMap<String, Tensor> = candle_core::safetensors::load(
+        dir.join("diffusion_pytorch_model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let kernels = flux::Kernels {
+        fused_modulate: true,
+        ..flux::Kernels::PLAIN
+    };
+    assert_eq!(
+        Flux::new(tiny(), &Device::Cpu).unwrap().kernels(),
+        flux::Kernels::PLAIN
+    );
+    let fused = Flux::new(tiny(), &Device::Cpu)
+        .unwrap()
+        .with_kernels(kernels)
+        .unwrap()
+        .forward(&inputs, &weights)
+        .unwrap();
+    let (cos, max_abs) = compare(&fused, &plain);
+    eprintln!("fused AdaLN vs plain (CPU, tiny Flux): cosine {cos:.7}, max |diff| {max_abs:.4}");
+    assert!(cos >= 0.9999, "cosine {cos} (max |diff| {max_abs})");
+    let err = Flux::new(tiny(), &Device::Cpu)
+        .unwrap()
+        .with_kernels(flux::Kernels {
+            gemm_bias_epilogue: true,
+            ..flux::Kernels::PLAIN
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cuBLASLt"), "{err}");
+}
