@@ -11,12 +11,16 @@
 #      - the diffusers peer (the first grid: from_pretrained + block-level
 #        group offload set-up and steps, then resident; the others:
 #        resident only), writing its output;
-#      - offload-flux-bench: flash attention checked against candle's
-#        unfused attention (cosine >= 0.9999, max abs bounded; up to 4,608
-#        tokens) and, up to 4,608 tokens, the whole forward with both
-#        attentions compared and timed; offloaded (layerwise) and resident
+#      - offload-flux-bench: each fast path checked against candle's plain
+#        operations on random inputs (flash attention against the unfused
+#        one, the cuBLASLt bias epilogue against candle's Linear, the fused
+#        AdaLN against norm, multiply and add: cosine >= 0.9999, max abs
+#        bounded; up to 4,608 tokens); offloaded (layerwise) and resident
 #        steps, their outputs bit for bit, against diffusers' (cosine, max
-#        abs); the first grid also GROWTH offloaded steps for memory growth;
+#        abs); the resident step with each fast path switched off (what each
+#        bought; the attention ones up to 4,608 tokens), compared with the
+#        full one (cosine >= 0.999); the first grid also GROWTH offloaded
+#        steps for memory growth;
 #   3. the planted build (skip-exit) on the first grid: its output must
 #      differ from resident;
 #   4. a table of all of it, last, and the exit status: 0 only if every
@@ -154,7 +158,7 @@ for name, code, secs in steps:
     if code != "0":
         failures.append(f"step `{name}` exit {code}")
 c0 = load(f"candle_{first}.json")
-print(f"checkpoint init: {c0.get('checkpoint_init')}; attention: {c0.get('attention')}; device: {c0.get('device')}")
+print(f"checkpoint init: {c0.get('checkpoint_init')}; kernels: {c0.get('kernels')}; device: {c0.get('device')}")
 print()
 print("| tokens | candle resident s | diffusers resident s | candle / diffusers | candle offloaded s | limit s | step / limit "
       "| offloaded == resident | cosine vs diffusers (max abs) | unfused-attention step s | flash vs unfused forward cosine (max abs) |")
@@ -186,6 +190,24 @@ for g, a in checks:
         print(f"flash vs unfused attention ({g} run, {a['tokens']} tokens, q/k spread {case['spread']}): cosine {case['cosine']:.7f}, "
               f"max abs {case['max_abs']:.2e} (max |out| {case['max_abs_unfused']:.3f}), flash {case['flash_ms']:.2f} ms, "
               f"unfused {case['unfused_ms']:.2f} ms per call: {'ok' if case['ok'] else 'FAILED'}")
+for g in grids:
+    c = load(f"candle_{g}.json")
+    for case in c.get("kernel_checks", []):
+        print(f"{case['what']}: cosine {case['cosine']:.7f}, max abs {case['max_abs']:.2e} "
+              f"(max |plain| {case['max_abs_plain']:.3f}): {'ok' if case['ok'] else 'FAILED'}")
+    if c.get("lt_gemms_offloaded_resident") is not None:
+        print(f"{g}: cuBLASLt GEMMs offloaded / resident {c.get('lt_gemms_offloaded_resident')}, "
+              f"fallbacks to candle {c.get('lt_fallbacks_offloaded_resident')}")
+print()
+print(f"what each fast path bought (resident step with it off; all on: {c0.get('kernels')}):")
+print("| tokens | switched off | kernels | resident step s | all on s | cosine vs all on (max abs) |")
+print("| --- | --- | --- | --- | --- | --- |")
+for g in grids:
+    c = load(f"candle_{g}.json")
+    for a in c.get("ablation", []):
+        print(f"| {c.get('tokens')} | {a['what']} | {a['kernels']} | {f(a['resident_step_s'])} | {f(c.get('resident_step_s'))} "
+              f"| {f(a['cosine_vs_all'], '.6f')} ({f(a['max_abs_vs_all'])}) |")
+print()
 p, d0 = load("planted.json"), load(f"diffusers_{first}.json")
 print(f"enable s {f(c0.get('enable_s'))} (in place / copied units {c0.get('units_registered_in_place')} / {c0.get('units_copied_to_pinned')}); "
       f"diffusers from_pretrained + group offload set-up s {f(d0.get('from_pretrained_s'))} + {f(d0.get('group_offload_setup_s'))}; "

@@ -16,14 +16,19 @@
 //! host and device memory read after the warm-up and at the end. One JSON
 //! object last.
 //!
-//! With flash attention (the `flash-attn` build on CUDA), first a check of
-//! the attention alone: FlashAttention-2 against candle's unfused attention
-//! on the same random bf16 queries, keys and values at Flux's shape (24
-//! heads of 128, up to 4,608 tokens), cosine and max abs error bounded; and
-//! after the resident steps the whole forward with the unfused attention,
-//! compared and timed. A failed check fails the run (exit 1) after the JSON
-//! is written. The report says which attention ran and which law the
-//! checkpoint's weights were drawn from (`_offload_init` in config.json).
+//! The fast paths ([`flux::Kernels`]) are checked first, each against
+//! candle's plain operations on the same random bf16 inputs (up to 4,608
+//! tokens; cosine ≥ 0.9999, max abs ≤ 2 % of the largest output): with
+//! flash attention (the `flash-attn` build), FlashAttention-2 against the
+//! unfused attention at Flux's shape (24 heads of 128); the cuBLASLt bias
+//! epilogue against candle's `Linear`; the fused AdaLN against norm,
+//! multiply and add. After the resident steps, the resident step with each
+//! fast path switched off (the attention ones up to 4,608 tokens), timed
+//! and compared with the full one (cosine ≥ 0.999): what each bought. A
+//! failed check fails the run (exit 1) after the JSON is written. The
+//! report names the paths and the law the checkpoint's weights were drawn
+//! from (`_offload_init` in config.json), and counts the cuBLASLt GEMMs and
+//! fallbacks of the offloaded and the resident steps.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -96,6 +101,91 @@ struct Args {
 const ATTENTION_MIN_COSINE: f64 = 0.9999;
 const ATTENTION_MAX_ABS_OVER_MAX: f32 = 0.02;
 const FORWARD_MIN_COSINE: f64 = 0.999;
+
+/// One fast path against candle's plain operations on the same inputs:
+/// (cosine, max abs, max |plain|) into `cases` and, past the bounds, a line
+/// into `failed`.
+fn check_case(
+    what: String,
+    fast: &Tensor,
+    plain: &Tensor,
+    cases: &mut Vec<serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    let (cos, max_abs) = compare(
+        &fast.to_device(&Device::Cpu)?,
+        &plain.to_device(&Device::Cpu)?,
+    )?;
+    let peak = plain
+        .to_dtype(DType::F32)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    let ok = cos >= ATTENTION_MIN_COSINE && max_abs <= ATTENTION_MAX_ABS_OVER_MAX * peak;
+    if !ok {
+        failed.push(format!(
+            "{what}: cosine {cos} (bound {ATTENTION_MIN_COSINE}), max abs {max_abs} against \
+             max |plain| {peak} (bound {ATTENTION_MAX_ABS_OVER_MAX} of it)"
+        ));
+    }
+    cases.push(serde_json::json!({
+        "what": what, "cosine": cos, "max_abs": max_abs, "max_abs_plain": peak, "ok": ok,
+    }));
+    Ok(())
+}
+
+/// The cuBLASLt bias epilogue against candle's `Linear` (3072 → 3072 and
+/// 12288 → 3072, weights of deviation 1/√fan-in) and the fused AdaLN
+/// against norm, multiply and add, on random bf16 inputs of `tokens` rows,
+/// into `report["kernel_checks"]`.
+fn check_kernels(
+    candle: &Device,
+    cfg: &FluxConfig,
+    tokens: usize,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    use candle_core::Module as _;
+    let h = cfg.hidden();
+    let randn = |std: f32, shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, candle)?.to_dtype(DType::BF16)?)
+    };
+    let mut cases = Vec::new();
+    for fan_in in [h, 4 * h] {
+        let x = randn(1.0, &[1, tokens, fan_in])?;
+        let w = randn(1.0 / (fan_in as f32).sqrt(), &[h, fan_in])?;
+        let b = randn(1.0 / (3.0 * fan_in as f32).sqrt(), &[h])?;
+        let before = offload_candle::lt::stats();
+        let fast = offload_candle::lt::linear_bias(&x, &w, &b)?;
+        let took_lt = offload_candle::lt::stats().0 > before.0;
+        let plain = candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
+        check_case(
+            format!(
+                "cuBLASLt bias epilogue vs candle Linear, {fan_in} → {h}, {tokens} rows (took cuBLASLt: {took_lt})"
+            ),
+            &fast,
+            &plain,
+            &mut cases,
+            failed,
+        )?;
+    }
+    let fused = Flux::new(cfg.clone(), candle)?.with_kernels(flux::Kernels {
+        fused_modulate: true,
+        ..flux::Kernels::PLAIN
+    })?;
+    let plain = Flux::new(cfg.clone(), candle)?.with_kernels(flux::Kernels::PLAIN)?;
+    let x = randn(1.0, &[1, tokens, h])?;
+    let (shift, scale) = (randn(1.0, &[1, h])?, randn(0.5, &[1, h])?);
+    check_case(
+        format!("fused AdaLN vs norm, multiply, add, {tokens} rows"),
+        &fused.norm_modulate(&x, &shift, &scale)?,
+        &plain.norm_modulate(&x, &shift, &scale)?,
+        &mut cases,
+        failed,
+    )?;
+    report.insert("kernel_checks".into(), cases.into());
+    Ok(())
+}
 
 /// Flash against unfused attention on random bf16 inputs `[1, heads, L,
 /// 128]`, per spread of the queries and keys (1: scores of deviation 1, as
@@ -380,8 +470,9 @@ fn run() -> Result<()> {
         _ => model,
     };
     let flash = model.attention_path() == flux::Attention::Flash;
-    eprintln!("attention: {}", model.attention_path().name());
+    eprintln!("kernels: {}", model.kernels().name());
     report.insert("attention".into(), model.attention_path().name().into());
+    report.insert("kernels".into(), model.kernels().name().into());
     let check_tokens = args.check_tokens.min(tokens);
     if flash && check_tokens > 0 {
         check_attention(
@@ -391,6 +482,9 @@ fn run() -> Result<()> {
             &mut report,
             &mut failed,
         )?;
+    }
+    if check_tokens > 0 {
+        check_kernels(&candle, &cfg, check_tokens, &mut report, &mut failed)?;
     }
     // SAFETY: Flux returns freshly computed tensors; the views are used only
     // inside their scopes; `off` (the backend) outlives every step below,
@@ -406,6 +500,7 @@ fn run() -> Result<()> {
     }
     report.insert("planted".into(), args.plant.clone().into());
     let off = Offloaded { rt, views };
+    let lt_before = offload_candle::lt::stats();
     let first = off.step(&model, &inputs)?;
     sync(&candle, &dev, &compute)?;
     let mut times = Vec::new();
@@ -420,6 +515,8 @@ fn run() -> Result<()> {
     }
     let offload_step = median(times.clone());
     report.insert("offload_step_s".into(), offload_step.into());
+    let lt_offloaded = offload_candle::lt::stats();
+    let lt_offloaded = (lt_offloaded.0 - lt_before.0, lt_offloaded.1 - lt_before.1);
     report.insert("offload_steps_s".into(), times.into());
     report.insert("zero_copy_views_cached".into(), off.views.cached().into());
     let Offloaded { mut rt, views } = off;
@@ -451,36 +548,97 @@ fn run() -> Result<()> {
         times.push(t.elapsed().as_secs_f64());
     }
     let resident_step = median(times);
+    // cuBLASLt GEMMs and fallbacks of the offloaded and of the resident
+    // steps: the same paths compute the same bits.
+    let lt_now = offload_candle::lt::stats();
+    let lt_resident = (
+        lt_now.0 - lt_before.0 - lt_offloaded.0,
+        lt_now.1 - lt_before.1 - lt_offloaded.1,
+    );
+    report.insert(
+        "lt_gemms_offloaded_resident".into(),
+        serde_json::json!([lt_offloaded.0, lt_resident.0]),
+    );
+    report.insert(
+        "lt_fallbacks_offloaded_resident".into(),
+        serde_json::json!([lt_offloaded.1, lt_resident.1]),
+    );
+    // What each fast path bought: the resident step with it switched off
+    // (the attention ones only up to --check-tokens), compared with the
+    // step that has them all.
+    let all = model.kernels();
+    let mut variants = Vec::new();
+    if all.gemm_bias_epilogue {
+        variants.push((
+            "without the cuBLASLt bias epilogue",
+            flux::Kernels {
+                gemm_bias_epilogue: false,
+                ..all
+            },
+        ));
+    }
+    if all.fused_modulate {
+        variants.push((
+            "without the fused AdaLN",
+            flux::Kernels {
+                fused_modulate: false,
+                ..all
+            },
+        ));
+    }
     if flash && check_tokens == tokens {
-        // The whole forward with the unfused attention: what flash changed
-        // and what it bought.
-        let unfused = Flux::new(cfg.clone(), &candle)?.with_attention(flux::Attention::Unfused)?;
-        let out = unfused.forward(&inputs, &weights)?;
+        variants.push((
+            "unfused attention",
+            flux::Kernels {
+                attention: flux::Attention::Unfused,
+                ..all
+            },
+        ));
+        variants.push(("candle's plain operations", flux::Kernels::PLAIN));
+    }
+    let mut ablation = Vec::new();
+    for (what, kernels) in variants {
+        let variant = Flux::new(cfg.clone(), &candle)?.with_kernels(kernels)?;
+        let out = variant.forward(&inputs, &weights)?;
         candle.synchronize()?;
         let mut times = Vec::new();
         for _ in 0..args.steps.min(3) {
             let t = Instant::now();
-            unfused.forward(&inputs, &weights)?;
+            variant.forward(&inputs, &weights)?;
             candle.synchronize()?;
             times.push(t.elapsed().as_secs_f64());
         }
-        report.insert("resident_step_unfused_s".into(), median(times).into());
+        let step = median(times);
         let (cos, max_abs) = compare(
             &resident_out.to_device(&Device::Cpu)?,
             &out.to_device(&Device::Cpu)?,
         )?;
-        report.insert("cosine_flash_vs_unfused_forward".into(), cos.into());
-        report.insert(
-            "max_abs_flash_vs_unfused_forward".into(),
-            f64::from(max_abs).into(),
-        );
+        if kernels.attention == flux::Attention::Unfused && kernels != flux::Kernels::PLAIN {
+            report.insert("resident_step_unfused_s".into(), step.into());
+            report.insert("cosine_flash_vs_unfused_forward".into(), cos.into());
+            report.insert(
+                "max_abs_flash_vs_unfused_forward".into(),
+                f64::from(max_abs).into(),
+            );
+        }
         if cos < FORWARD_MIN_COSINE {
             failed.push(format!(
-                "the forward with flash attention against the unfused one: cosine {cos} \
-                 (bound {FORWARD_MIN_COSINE}), max abs {max_abs}"
+                "the forward with {} against the one {what} ({}): cosine {cos} \
+                 (bound {FORWARD_MIN_COSINE}), max abs {max_abs}",
+                all.name(),
+                kernels.name()
             ));
         }
-    } else if !flash {
+        ablation.push(serde_json::json!({
+            "what": what,
+            "kernels": kernels.name(),
+            "resident_step_s": step,
+            "cosine_vs_all": cos,
+            "max_abs_vs_all": max_abs,
+        }));
+    }
+    report.insert("ablation".into(), ablation.into());
+    if !flash {
         // The same with the other f32 GEMM precision (the unfused
         // attention's scores), for the record.
         candle_core::cuda_backend::set_gemm_reduced_precision_f32(!args.tf32);
