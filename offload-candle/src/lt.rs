@@ -25,8 +25,9 @@ use candle_core::{CpuStorage, CudaStorage, DType, Layout, Module as _, Result, S
 static LT_CALLS: AtomicU64 = AtomicU64::new(0);
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 
-/// (GEMMs run through cuBLASLt, linears that fell back to candle's ops for
-/// an unaligned operand) since the process started.
+/// (GEMMs run through cuBLASLt, linears of two rows or more that fell
+/// back to candle's: an unaligned operand, or a GEMM cuBLASLt refused)
+/// since the process started.
 pub fn stats() -> (u64, u64) {
     (
         LT_CALLS.load(Ordering::Relaxed),
@@ -59,19 +60,42 @@ fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
 
 /// `x · wᵀ + b` for bf16 `x` `[…, K]`, `w` `[N, K]`, `b` `[N]`: one
 /// cuBLASLt GEMM with a bias epilogue on CUDA where every operand is
-/// contiguous and 256-byte aligned, else candle's `Linear`.
+/// contiguous and 256-byte aligned, else candle's `Linear` (counted as a
+/// fallback, as is a GEMM cuBLASLt refuses, with a warning the first
+/// time). A single row (the modulation GEMVs, a few µs) always takes
+/// candle's path, uncounted: the choice depends on shapes, never on where
+/// a tensor lives, so offloaded and resident forwards agree bit for bit.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let plain = || candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(x);
+    let k = x.dims().last().copied().unwrap_or(0);
+    if k == 0 || x.elem_count() / k < 2 {
+        return plain();
+    }
     let fits = [x, w, b]
         .iter()
         .all(|t| t.dtype() == DType::BF16 && t.is_contiguous() && aligned(t))
         && w.rank() == 2
         && b.rank() == 1;
     if fits {
-        LT_CALLS.fetch_add(1, Ordering::Relaxed);
-        return x.apply_op3_no_bwd(w, b, &LinearBias);
+        match x.apply_op3_no_bwd(w, b, &LinearBias) {
+            Ok(out) => {
+                LT_CALLS.fetch_add(1, Ordering::Relaxed);
+                return Ok(out);
+            }
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "cuBLASLt linear refused {:?} · {:?}ᵀ: {e}; candle's Linear instead",
+                        x.shape(),
+                        w.shape()
+                    );
+                });
+            }
+        }
     }
     FALLBACKS.fetch_add(1, Ordering::Relaxed);
-    candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(x)
+    plain()
 }
 
 /// Whether `t` is a CUDA tensor whose first element is 256-byte aligned.
