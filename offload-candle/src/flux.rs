@@ -661,7 +661,7 @@ impl Flux {
         let img_attn = self.linear(w, "attn.to_out.0", &img_attn)?;
         let txt_attn = self.linear(w, "attn.to_add_out", &txt_attn)?;
 
-        let gate = |g: &Tensor, x: &Tensor| x.broadcast_mul(&g.unsqueeze(1)?);
+        let gate = |g: &Tensor, x: &Tensor| gate(x, g);
         let img = (img + gate(&m[2], &img_attn)?)?;
         let img_n = self.norm_modulate(&img, &m[3], &m[4])?;
         let ff = self.linear(
@@ -700,8 +700,22 @@ impl Flux {
         )?;
         let attn = self.attention(&q, &k, &v, rope)?;
         let out = self.linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
-        hs + out.broadcast_mul(&m[2].unsqueeze(1)?)?
+        hs + gate(&out, &m[2])?
     }
+}
+
+/// `x · g` for `x` `[B, L, H]` and a gate `g` `[B, H]`. With one batch as
+/// `[L, H] · [1, H]`: the same products, with two dimensions of
+/// broadcast index arithmetic per element on CUDA instead of three.
+fn gate(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (b, l, h) = x.dims3()?;
+    if b == 1 && x.is_contiguous() {
+        return x
+            .reshape((l, h))?
+            .broadcast_mul(&g.reshape((1, h))?)?
+            .reshape((b, l, h));
+    }
+    x.broadcast_mul(&g.unsqueeze(1)?)
 }
 
 /// diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`
