@@ -226,10 +226,14 @@ impl Attention {
 /// each checked on the GPU against the plain one by `offload-flux-bench`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
-    /// The attention; with [`Attention::Flash`], queries, keys and values
-    /// also stay in `[B, L, H, D]` from the projections to the kernel (no
-    /// transposes; RoPE over `L·H` rows).
+    /// The attention.
     pub attention: Attention,
+    /// Queries, keys and values kept in `[B, L, H, D]` from the projections
+    /// to the attention (RoPE over `L·H` rows with tables repeated per
+    /// head): what flash attention reads, with no transposes; the unfused
+    /// attention reads them through transposed views. The same values
+    /// either way.
+    pub blhd: bool,
     /// The blocks' linear layers as one cuBLASLt GEMM each with the bias
     /// added in its epilogue (f32, one rounding to bf16, as PyTorch's
     /// `F.linear`), instead of candle's GEMM then a broadcast add (CUDA and
@@ -246,6 +250,7 @@ impl Kernels {
     /// ones are checked against.
     pub const PLAIN: Self = Self {
         attention: Attention::Unfused,
+        blhd: false,
         gemm_bias_epilogue: false,
         fused_modulate: false,
     };
@@ -256,8 +261,10 @@ impl Kernels {
         if !device.is_cuda() {
             return Self::PLAIN;
         }
+        let attention = Attention::best(cfg, device);
         Self {
-            attention: Attention::best(cfg, device),
+            attention,
+            blhd: attention == Attention::Flash,
             gemm_bias_epilogue: cfg!(feature = "cuda"),
             fused_modulate: true,
         }
@@ -274,9 +281,12 @@ impl Kernels {
         Ok(())
     }
 
-    /// A short name: the attention and each fast path on (`+lt`, `+adaln`).
+    /// A short name: the attention and each fast path on.
     pub fn name(&self) -> String {
         let mut s = self.attention.name().to_owned();
+        if self.blhd {
+            s.push_str("+blhd");
+        }
         if self.gemm_bias_epilogue {
             s.push_str("+lt-bias");
         }
@@ -300,7 +310,9 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, path: Attention) -> Result<Ten
                 .matmul(&k.to_dtype(DType::F32)?.t()?)?
                 .affine(scale, 0.0)?;
             let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(DType::BF16)?;
-            let out = p.matmul(v)?; // [B, heads, L, D]
+            // (A transposed view of `[B, L, H, D]` values is copied: the
+            // product is then the one of contiguous values, bit for bit.)
+            let out = p.matmul(&v.contiguous()?)?; // [B, heads, L, D]
             out.transpose(1, 2)?.reshape((b, l, h * d))
         }
         Attention::Flash => {
@@ -487,10 +499,10 @@ impl Flux {
         linear(w, name, x)
     }
 
-    /// Whether q, k, v stay `[B, L, H, D]` (the flash path's layout) rather
-    /// than `[B, H, L, D]`.
+    /// Whether q, k, v stay `[B, L, H, D]` rather than `[B, H, L, D]`
+    /// ([`Kernels::blhd`]).
     fn blhd(&self) -> bool {
-        self.kernels.attention == Attention::Flash
+        self.kernels.blhd
     }
 
     /// The positional tables of these ids: the cached ones where the ids
@@ -605,10 +617,13 @@ impl Flux {
                 .reshape(shape)
         };
         let (q, k) = (rot(q)?, rot(k)?);
-        if self.blhd() {
-            attend_blhd(&q, &k, v)
-        } else {
-            attend(&q, &k, v, self.kernels.attention)
+        match (self.blhd(), self.kernels.attention) {
+            (true, Attention::Flash) => attend_blhd(&q, &k, v),
+            (true, path) => {
+                let t = |x: &Tensor| x.transpose(1, 2);
+                attend(&t(&q)?, &t(&k)?, &t(v)?, path)
+            }
+            (false, path) => attend(&q, &k, v, path),
         }
     }
 

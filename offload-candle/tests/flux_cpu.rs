@@ -452,3 +452,33 @@ fn the_fused_adaln_agrees_with_norm_multiply_add() {
         .to_string();
     assert!(err.contains("cuBLASLt"), "{err}");
 }
+
+/// Queries, keys and values in `[B, L, H, D]` (RoPE over `L·H` rows with
+/// per-head tables, the txt/img concatenation along `L`, the attention
+/// reading transposed views) compute exactly what `[B, H, L, D]` does.
+#[test]
+fn the_blhd_layout_computes_the_same_bits() {
+    let (dir, inputs) = setup("blhd");
+    let plain = resident(&dir, &inputs);
+    let weights: HashMap<String, Tensor> = candle_core::safetensors::load(
+        dir.join("diffusion_pytorch_model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let blhd = Flux::new(tiny(), &Device::Cpu)
+        .unwrap()
+        .with_kernels(flux::Kernels {
+            blhd: true,
+            ..flux::Kernels::PLAIN
+        })
+        .unwrap();
+    for _ in 0..2 {
+        // (the second forward reads the cached RoPE tables)
+        let out = blhd.forward(&inputs, &weights).unwrap();
+        assert_eq!(
+            bits(&out),
+            bits(&plain),
+            "[B, L, H, D] against [B, H, L, D]"
+        );
+    }
+}

@@ -577,6 +577,12 @@ fn run() -> Result<()> {
             },
         ));
     }
+    if all.blhd {
+        variants.push((
+            "without the [B, L, H, D] layout",
+            flux::Kernels { blhd: false, ..all },
+        ));
+    }
     if all.fused_modulate {
         variants.push((
             "without the fused AdaLN",
