@@ -8,14 +8,74 @@ use std::fmt;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A byte count written as `24GiB`, `16 GB`, `512MiB`, `1.5TiB` or a plain
-/// integer of bytes (the `device_budget` key).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ByteSize(pub u64);
+/// integer of bytes (the `device_budget` key). It remembers the unit it was
+/// written in, so that it reads back in it (`"200MiB"` is 200 MiB, `"1000"`
+/// is 1000 B); equality and order are of the bytes alone.
+#[derive(Clone, Copy, Debug)]
+pub struct ByteSize {
+    bytes: u64,
+    /// The unit it was written in, an index into [`UNITS`] (`None`: a size
+    /// made from bytes, shown in the unit it is shortest in).
+    written: Option<u8>,
+}
+
+impl PartialEq for ByteSize {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for ByteSize {}
+
+impl PartialOrd for ByteSize {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByteSize {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.bytes.cmp(&other.bytes)
+    }
+}
+
+impl std::hash::Hash for ByteSize {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.bytes.hash(state);
+    }
+}
+
+/// `n` bytes, shown in the unit they are shortest in.
+#[allow(non_snake_case)]
+pub const fn ByteSize(bytes: u64) -> ByteSize {
+    ByteSize::new(bytes)
+}
 
 /// What [`ByteSize`] accepts, for error messages.
 pub const BYTE_SIZE_FORMS: &str = "a positive byte count: an integer of bytes, or a number with a unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. \"24GiB\" or \"16 GB\"";
 
 impl ByteSize {
+    /// `bytes`, shown in the unit they are shortest in.
+    pub const fn new(bytes: u64) -> Self {
+        Self {
+            bytes,
+            written: None,
+        }
+    }
+
+    /// The byte count.
+    pub const fn bytes(self) -> u64 {
+        self.bytes
+    }
+
+    /// `bytes` in this size's unit: the one it was written in, if any.
+    pub const fn with_bytes(self, bytes: u64) -> Self {
+        Self {
+            bytes,
+            written: self.written,
+        }
+    }
+
     /// Parses `text` (see [`BYTE_SIZE_FORMS`]); zero is refused.
     pub fn parse(text: &str) -> Result<Self, String> {
         let t = text.trim();
@@ -26,22 +86,18 @@ impl ByteSize {
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(t.len());
         let (number, unit) = (&t[..split], t[split..].trim());
-        let scale: f64 = match unit {
-            "" | "B" => 1.0,
-            "KB" => 1e3,
-            "MB" => 1e6,
-            "GB" => 1e9,
-            "TB" => 1e12,
-            "KiB" => 1024.0,
-            "MiB" => 1024f64.powi(2),
-            "GiB" => 1024f64.powi(3),
-            "TiB" => 1024f64.powi(4),
-            other => {
-                return Err(format!(
-                    "`{text}`: unknown unit `{other}`; allowed: {BYTE_SIZE_FORMS}"
-                ));
-            }
+        let written = match unit {
+            "" => UNITS.len() - 1,
+            other => match UNITS.iter().position(|(u, _)| *u == other) {
+                Some(i) => i,
+                None => {
+                    return Err(format!(
+                        "`{text}`: unknown unit `{other}`; allowed: {BYTE_SIZE_FORMS}"
+                    ));
+                }
+            },
         };
+        let scale = UNITS[written].1 as f64;
         let value: f64 = number
             .parse()
             .map_err(|_| format!("`{text}` is not a byte count; allowed: {BYTE_SIZE_FORMS}"))?;
@@ -52,13 +108,16 @@ impl ByteSize {
                 if bytes < 1.0 { "zero" } else { "too many" }
             ));
         }
-        Ok(Self(bytes as u64))
+        Ok(Self {
+            bytes: bytes as u64,
+            written: Some(written as u8),
+        })
     }
 }
 
 /// The units a size is written in, largest first (binary before decimal
-/// at each step).
-const UNITS: [(&str, u64); 8] = [
+/// at each step), then bytes.
+const UNITS: [(&str, u64); 9] = [
     ("TiB", 1 << 40),
     ("TB", 1_000_000_000_000),
     ("GiB", 1 << 30),
@@ -67,52 +126,70 @@ const UNITS: [(&str, u64); 8] = [
     ("MB", 1_000_000),
     ("KiB", 1 << 10),
     ("KB", 1_000),
+    ("B", 1),
 ];
 
-/// `bytes / scale` with at most two decimals, trailing zeros trimmed
+/// `bytes / scale` with at most three decimals, trailing zeros trimmed
 /// (rounded up if `up`, else to nearest).
 fn decimal(bytes: u64, scale: u64, up: bool) -> String {
-    let hundredths = u128::from(bytes) * 100;
+    let thousandths = u128::from(bytes) * 1000;
     let scale = u128::from(scale);
-    let h = if up {
-        hundredths.div_ceil(scale)
+    let t = if up {
+        thousandths.div_ceil(scale)
     } else {
-        (hundredths + scale / 2) / scale
+        (thousandths + scale / 2) / scale
     };
-    let (whole, frac) = (h / 100, h % 100);
-    match frac {
-        0 => whole.to_string(),
-        f if f % 10 == 0 => format!("{whole}.{}", f / 10),
-        f => format!("{whole}.{f:02}"),
+    let (whole, frac) = (t / 1000, t % 1000);
+    if frac == 0 {
+        return whole.to_string();
     }
+    let frac = format!("{frac:03}");
+    format!("{whole}.{}", frac.trim_end_matches('0'))
 }
 
 impl ByteSize {
-    /// The unit [`Display`](fmt::Display) writes this size in, as a person
-    /// writes it: the unit in which it is the shortest number of at most
-    /// two decimals (`"200MiB"` stays 200 MiB, `"16 GB"` 16 GB), else
-    /// bytes (`("B", 1)`).
+    /// The unit [`Display`](fmt::Display) writes this size in: the one it
+    /// was written in (`"200MiB"` stays 200 MiB, `"1000"` 1000 B), else
+    /// the unit in which it is the shortest exact number of at most three
+    /// decimals, else bytes (`("B", 1)`).
     pub fn unit(self) -> (&'static str, u64) {
-        let b = self.0;
+        if let Some(u) = self.written.and_then(|i| UNITS.get(usize::from(i))) {
+            return *u;
+        }
+        let b = self.bytes;
         UNITS
             .iter()
-            .filter(|(_, scale)| b >= *scale && (u128::from(b) * 100) % u128::from(*scale) == 0)
+            .filter(|(_, scale)| b >= *scale && (u128::from(b) * 1000) % u128::from(*scale) == 0)
             .min_by_key(|(_, scale)| decimal(b, *scale, false).len())
             .copied()
             .unwrap_or(("B", 1))
     }
 
-    /// `bytes` in this size's unit (two decimals at most), so that figures
-    /// beside a size the user wrote read in the unit they wrote it in.
+    /// `bytes` in this size's unit (three decimals at most; a non-zero
+    /// figure too small to show is "< 0.001 …"), so that figures beside a
+    /// size the user wrote read in the unit they wrote it in.
     pub fn in_unit_of(self, bytes: u64) -> String {
         let (unit, scale) = self.unit();
-        format!("{} {unit}", decimal(bytes, scale, false))
+        let shown = decimal(bytes, scale, false);
+        if bytes > 0 && shown == "0" {
+            format!("< 0.001 {unit}")
+        } else {
+            format!("{shown} {unit}")
+        }
     }
 
-    /// `bytes` in this size's unit, rounded up: a value of the key that
-    /// is at least `bytes` (`"1.24GiB"`), to write back.
+    /// `bytes` in this size's unit, rounded up: never less than `bytes`
+    /// (a least budget), three decimals at most.
+    pub fn in_unit_of_at_least(self, bytes: u64) -> String {
+        let (unit, scale) = self.unit();
+        format!("{} {unit}", decimal(bytes, scale, true))
+    }
+
+    /// `bytes` in this size's unit, rounded up, as a value of the key to
+    /// write back (`"1.24GiB"`): never less than `bytes`.
     pub fn written_at_least(self, bytes: u64) -> String {
         let (unit, scale) = self.unit();
+        let unit = if unit == "B" { "" } else { unit };
         format!("\"{}{unit}\"", decimal(bytes, scale, true))
     }
 }
@@ -120,13 +197,13 @@ impl ByteSize {
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (unit, scale) = self.unit();
-        write!(f, "{} {unit}", decimal(self.0, scale, false))
+        write!(f, "{} {unit}", decimal(self.bytes, scale, false))
     }
 }
 
 impl Serialize for ByteSize {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.0)
+        s.serialize_u64(self.bytes)
     }
 }
 
@@ -194,11 +271,20 @@ impl DeviceBudget {
         })
     }
 
+    /// `bytes` of a budget as errors write them: in the unit `budget` was
+    /// written in, if it is a size.
+    pub fn size_of(budget: Option<Self>, bytes: u64) -> ByteSize {
+        match budget {
+            Some(Self::Bytes(b)) => b.with_bytes(bytes),
+            _ => ByteSize::new(bytes),
+        }
+    }
+
     /// The bytes, unless `"auto"`.
     pub fn bytes(self) -> Option<u64> {
         match self {
             Self::Auto => None,
-            Self::Bytes(b) => Some(b.0),
+            Self::Bytes(b) => Some(b.bytes),
         }
     }
 }
@@ -284,8 +370,13 @@ mod tests {
             ("24GiB", "24 GiB"),
             ("1.5TiB", "1.5 TiB"),
             ("512MiB", "512 MiB"),
-            ("1000", "1 KB"),
-            ("1023", "1023 B"),
+            ("2048MiB", "2048 MiB"),
+            ("0.5GiB", "0.5 GiB"),
+            ("0.1GiB", "0.1 GiB"),
+            ("1.234GiB", "1.234 GiB"),
+            ("1.999GiB", "1.999 GiB"),
+            ("1000", "1000 B"),
+            ("1023 B", "1023 B"),
             ("2.25 GB", "2.25 GB"),
         ] {
             let b = ByteSize::parse(written).unwrap();
@@ -296,9 +387,23 @@ mod tests {
                 "{written} round trip"
             );
         }
+        // Sizes made from bytes: the unit they are shortest in.
+        assert_eq!(ByteSize(16 << 30).to_string(), "16 GiB");
+        assert_eq!(ByteSize(1000).to_string(), "1 KB");
+        assert_eq!(ByteSize(1023).to_string(), "1023 B");
+        assert_eq!(ByteSize(u64::MAX).to_string(), "18446744073709551615 B");
         let budget = ByteSize::parse("200MiB").unwrap();
         assert_eq!(budget.in_unit_of(1 << 30), "1024 MiB");
-        assert_eq!(budget.written_at_least((1 << 20) + 1), "\"1.01MiB\"");
+        assert_eq!(budget.in_unit_of(3000), "0.003 MiB");
+        assert_eq!(budget.in_unit_of(300), "< 0.001 MiB");
+        assert_eq!(budget.in_unit_of(0), "0 MiB");
+        // A least budget never reads as the budget it exceeds.
+        assert_eq!(budget.in_unit_of_at_least((200 << 20) + 1), "200.001 MiB");
+        assert_eq!(budget.written_at_least((1 << 20) + 1), "\"1.001MiB\"");
+        assert_eq!(
+            ByteSize::parse("1000").unwrap().written_at_least(1001),
+            "\"1001\""
+        );
     }
 
     #[test]

@@ -416,7 +416,19 @@ impl OffloadConfig {
                 .rsplit_once(" at line ")
                 .map_or(message.as_str(), |(m, _)| m)
                 .to_owned();
-            return Err(syntax("JSON", text, e.line(), e.column(), message));
+            // serde_json counts the column in bytes; the snippet's caret
+            // counts characters.
+            let column = text
+                .lines()
+                .nth(e.line().wrapping_sub(1))
+                .map_or(e.column(), |src| {
+                    let mut end = e.column().saturating_sub(1).min(src.len());
+                    while !src.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    src[..end].chars().count() + 1
+                });
+            return Err(syntax("JSON", text, e.line(), column, message));
         }
         let de = &mut serde_json::Deserializer::from_str(text);
         serde_path_to_error::deserialize(de).map_err(|e| parse_error("JSON", e))
@@ -474,7 +486,11 @@ fn parse_error<E: fmt::Display>(
 
 /// The 1-based line and column (in characters) of byte `offset` of `text`.
 fn line_and_column(text: &str, offset: usize) -> (usize, usize) {
-    let before = &text[..offset.min(text.len())];
+    let mut end = offset.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let before = &text[..end];
     let line = before.matches('\n').count() + 1;
     let start = before.rfind('\n').map_or(0, |i| i + 1);
     (line, before[start..].chars().count() + 1)
@@ -489,13 +505,26 @@ fn syntax(
     column: usize,
     message: String,
 ) -> ConfigError {
+    // The line, or 80 characters of it around the column.
+    const WIDTH: usize = 80;
     let snippet = match text.lines().nth(line.wrapping_sub(1)) {
         Some(src) if line > 0 => {
+            let chars: Vec<char> = src.chars().collect();
+            let at = column.saturating_sub(1).min(chars.len());
+            let from = at
+                .saturating_sub(WIDTH / 2)
+                .min(chars.len().saturating_sub(WIDTH));
+            let to = (from + WIDTH).min(chars.len());
+            let shown: String = chars[from..to].iter().collect();
+            let (open, close) = (
+                if from > 0 { "…" } else { "" },
+                if to < chars.len() { "…" } else { "" },
+            );
             let gutter = line.to_string();
             format!(
-                "{pad} |\n{gutter} | {src}\n{pad} | {caret}^",
+                "\n{pad} |\n{gutter} | {open}{shown}{close}\n{pad} | {caret}^",
                 pad = " ".repeat(gutter.len()),
-                caret = " ".repeat(column.saturating_sub(1)),
+                caret = " ".repeat(at - from + usize::from(from > 0)),
             )
         }
         _ => String::new(),
@@ -516,6 +545,15 @@ fn origin(format: &str, file: Option<&String>) -> String {
     match file {
         Some(f) => format!("configuration file `{f}`"),
         None => format!("{format} configuration"),
+    }
+}
+
+/// `, line L, column C`, or nothing where the parser gave no position.
+fn position(line: usize, column: usize) -> String {
+    match (line, column) {
+        (0, _) => String::new(),
+        (l, 0) => format!(", line {l}"),
+        (l, c) => format!(", line {l}, column {c}"),
     }
 }
 
@@ -558,7 +596,7 @@ pub enum ConfigError {
         message: String,
     },
     /// The text is not JSON/TOML at all.
-    #[error("{}, line {line}, column {column}: {message}\n{snippet}", origin(format, file.as_ref()))]
+    #[error("{}{}: {message}{snippet}", origin(format, file.as_ref()), position(*line, *column))]
     Syntax {
         /// `JSON` or `TOML`.
         format: &'static str,

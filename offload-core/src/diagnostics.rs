@@ -144,7 +144,8 @@ pub enum PlanError {
     },
     /// A path of the pipeline's component declaration is not a module.
     #[error(
-        "the pipeline's `ComponentDeclaration` lists `{path}` as a {role} component, but the pipeline has no module `{path}`{hint}: fix the path in `{role}: vec![…]` (the pipeline's top-level modules: {modules})"
+        "the pipeline's `ComponentDeclaration` lists {} as a {role} component, but the pipeline has no such module{hint}: fix the path in `{role}: vec![…]` (the pipeline's top-level modules: {modules})",
+        if path.is_empty() { "an empty path".to_owned() } else { format!("`{path}`") }
     )]
     DeclaredComponentMissing {
         /// Its role.

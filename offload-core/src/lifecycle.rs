@@ -82,13 +82,13 @@ pub enum OffloadError {
     #[error(transparent)]
     Residency(#[from] crate::residency::ResidencyError),
     /// A hook of a module failed during its forward.
-    #[error("forward of `{module}`: {error}")]
+    #[error("forward of {}: {error}", module_named(module))]
     HookFailed {
         /// The module path.
         module: String,
         /// The hook's error (its name and phase; part of the message, not
         /// chained again as a source).
-        error: offload_hooks::HookError,
+        error: Box<offload_hooks::HookError>,
     },
     /// A hook of a backend ran while the backend is disabled.
     #[error("the {strategy} backend is disabled: enable it before running forwards")]
@@ -113,7 +113,7 @@ pub enum OffloadError {
         reason: String,
     },
     /// A forward scope was asked for something it cannot lend.
-    #[error("forward of `{module}`: {reason}")]
+    #[error("forward of {}: {reason}", module_named(module))]
     Forward {
         /// The module path.
         module: String,
@@ -139,6 +139,16 @@ pub enum OffloadError {
         /// What was wrong and what is expected.
         reason: String,
     },
+}
+
+/// A module path as errors name it: `` `dit.blocks.0` ``, or the root by
+/// name (never an empty pair of quotes).
+pub(crate) fn module_named(path: &str) -> String {
+    if path.is_empty() {
+        "the pipeline's root module".to_owned()
+    } else {
+        format!("`{path}`")
+    }
 }
 
 impl OffloadError {
@@ -174,19 +184,25 @@ impl OffloadError {
                 shortfall_bytes,
                 ..
             } => Some((*kind, *shortfall_bytes)),
-            OffloadError::Hook(h) | OffloadError::HookFailed { error: h, .. } => {
-                let mut source = std::error::Error::source(h);
-                while let Some(e) = source {
-                    if let Some(inner) = e.downcast_ref::<OffloadError>() {
-                        return inner.device_op();
-                    }
-                    source = e.source();
-                }
-                None
-            }
+            OffloadError::Hook(h) => hook_device_op(h),
+            OffloadError::HookFailed { error, .. } => hook_device_op(error),
             _ => None,
         }
     }
+}
+
+/// The device operation behind a hook's error, through its sources.
+fn hook_device_op(
+    h: &offload_hooks::HookError,
+) -> Option<(crate::device::DeviceErrorKind, Option<u64>)> {
+    let mut source = std::error::Error::source(h);
+    while let Some(e) = source {
+        if let Some(inner) = e.downcast_ref::<OffloadError>() {
+            return inner.device_op();
+        }
+        source = e.source();
+    }
+    None
 }
 
 impl From<ConfigError> for OffloadError {

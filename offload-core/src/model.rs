@@ -554,8 +554,8 @@ macro_rules! dims {
 dims!(u8, u16, u32, u64, usize, i32, i64);
 
 /// A shape, in elements: a slice, an array or a vector of any [`Dim`]
-/// (`&[h, 64]`, `[N_HEADS * HEAD_DIM]`, `&shape`), so that a shape written
-/// with `usize` constants needs no casts.
+/// (`&[h, 64]`, `&[N_HEADS * HEAD_DIM]`, `&shape`), so that a shape
+/// written with `usize` constants needs no casts.
 pub trait Dims {
     /// The dimensions as `u64`s, or the first negative one.
     fn to_dims(&self) -> Result<Vec<u64>, i64>;
@@ -576,12 +576,6 @@ impl<T: Dim, const N: usize> Dims for [T; N] {
 impl<T: Dim> Dims for Vec<T> {
     fn to_dims(&self) -> Result<Vec<u64>, i64> {
         self[..].to_dims()
-    }
-}
-
-impl<D: Dims + ?Sized> Dims for &D {
-    fn to_dims(&self) -> Result<Vec<u64>, i64> {
-        (**self).to_dims()
     }
 }
 
@@ -831,8 +825,13 @@ impl ModuleBuilder<'_> {
 
     /// Adds a contiguous parameter; a dotted `name` creates submodules.
     /// `shape` is any slice, array or vector of integers ([`Dims`]).
-    pub fn parameter(&mut self, name: &str, dtype: DType, shape: impl Dims) -> &mut Self {
-        match self.dims(name, &shape) {
+    pub fn parameter(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &(impl Dims + ?Sized),
+    ) -> &mut Self {
+        match self.dims(name, shape) {
             Some(shape) => self.tensor(name, TensorSpec::parameter(dtype, &shape)),
             None => self,
         }
@@ -843,17 +842,17 @@ impl ModuleBuilder<'_> {
         &mut self,
         name: &str,
         dtype: DType,
-        shape: impl Dims,
+        shape: &(impl Dims + ?Sized),
         persistent: bool,
     ) -> &mut Self {
-        match self.dims(name, &shape) {
+        match self.dims(name, shape) {
             Some(shape) => self.tensor(name, TensorSpec::buffer(dtype, &shape, persistent)),
             None => self,
         }
     }
 
     /// `shape` as `u64`s, or `None` with a build error for a negative one.
-    fn dims(&mut self, name: &str, shape: &impl Dims) -> Option<Vec<u64>> {
+    fn dims(&mut self, name: &str, shape: &(impl Dims + ?Sized)) -> Option<Vec<u64>> {
         match shape.to_dims() {
             Ok(dims) => Some(dims),
             Err(negative) => {

@@ -310,13 +310,27 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
             if !moved {
                 let wanted: Vec<String> =
                     selection.components.iter().map(|c| c.to_string()).collect();
-                return Err(PlanError::NothingToOffload {
-                    strategy: selection.strategy,
-                    reason: format!(
-                        "it offloads the {} component(s), and the pipeline has none it may move (its components: {}); declare them with `ComponentDeclaration` and `PipelineBuilder::declare_components`",
+                let managed: Vec<&str> = components
+                    .iter()
+                    .filter(|c| c.self_managed && selected_role(c.role, &selection))
+                    .map(|c| c.path.as_str())
+                    .collect();
+                let reason = if managed.is_empty() {
+                    format!(
+                        "it offloads the {} component(s), and the pipeline has none (its components: {}); declare them with `ComponentDeclaration` and `PipelineBuilder::declare_components`",
                         wanted.join(", "),
                         crate::suggest::listed(components.iter().map(|c| c.path.as_str()), 8),
-                    ),
+                    )
+                } else {
+                    format!(
+                        "its {} component(s) {} are listed in the offload plan's `self_managed` (the pipeline moves them itself); remove them from `self_managed`, or do not select offload",
+                        wanted.join(", "),
+                        crate::suggest::listed(managed, 8),
+                    )
+                };
+                return Err(PlanError::NothingToOffload {
+                    strategy: selection.strategy,
+                    reason,
                 });
             }
         }
@@ -331,6 +345,10 @@ pub fn resolve(pipeline: &Pipeline, config: &OffloadConfig) -> Result<ResolvedPl
         stacks,
         warnings,
     })
+}
+
+fn selected_role(role: Role, selection: &Selection) -> bool {
+    component_of(role).is_some_and(|n| selection.components.contains(&n))
 }
 
 fn check_plan_paths(pipeline: &Pipeline, plan: &OffloadPlan) -> Result<(), PlanError> {
@@ -366,15 +384,31 @@ fn topology(
     owner: &ResolvedComponent,
     plan: Option<&OffloadPlan>,
 ) -> Option<(TopologySource, Vec<String>)> {
-    if let Some(containers) = plan.and_then(|p| p.block_containers.get(&owner.path)) {
+    topology_of(pipeline, owner.module, plan)
+}
+
+fn topology_of(
+    pipeline: &Pipeline,
+    owner: ModuleId,
+    plan: Option<&OffloadPlan>,
+) -> Option<(TopologySource, Vec<String>)> {
+    let module = pipeline.module(owner);
+    if let Some(containers) = plan.and_then(|p| p.block_containers.get(&module.path)) {
         return Some((TopologySource::Plan, containers.clone()));
     }
-    let module = pipeline.module(owner.module);
     match (&module.block_containers, &module.deprecated_block_container) {
         (Some(list), _) => Some((TopologySource::Declared, list.clone())),
         (None, Some(one)) => Some((TopologySource::DeprecatedSingle, vec![one.clone()])),
         (None, None) => None,
     }
+}
+
+/// The block containers of `module` (relative paths, forward order) as
+/// resolution reads them: the pipeline's offload plan, else the module's
+/// declared list, else its deprecated single container; `None` if it
+/// declares none.
+pub fn block_containers_of(pipeline: &Pipeline, module: ModuleId) -> Option<Vec<String>> {
+    topology_of(pipeline, module, pipeline.offload_plan()).map(|(_, c)| c)
 }
 
 /// The module lists of `owner`'s subtree that are not inside another list

@@ -43,6 +43,7 @@ pub struct Workload {
 
 /// Which strategy.
 #[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // built a few times a run; a box buys nothing
 pub enum StrategyChoice {
     /// Every weight resident (the baseline).
     Resident,
@@ -976,8 +977,7 @@ pub fn drive(
         let computed = rig
             .runtime
             .request_plan()
-            .ok_or_else(|| OffloadError::Forward {
-                module: String::new(),
+            .ok_or_else(|| OffloadError::Request {
                 reason: "a device budget enabled no request plan".to_owned(),
             })
             .and_then(|plan| offload_core::runtime::plan_bounds(&pipeline, config, plan));

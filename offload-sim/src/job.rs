@@ -63,8 +63,9 @@ pub struct JobArgs {
     pub steps: usize,
     /// Requests (the first warms up and is not timed, if there are several).
     pub requests: usize,
-    /// Layerwise prefetch depth.
-    pub prefetch_depth: usize,
+    /// Layerwise prefetch depth (`None`: 1, or the configuration's
+    /// `prefetch_depth`; both given must agree).
+    pub prefetch_depth: Option<usize>,
     /// A configuration file; the strategy is then what it selects.
     pub config: Option<PathBuf>,
     /// Keep one payload byte in N (`None`: under 64 MiB in all).
@@ -102,7 +103,7 @@ impl Default for JobArgs {
             tokens: None,
             steps: 10,
             requests: 2,
-            prefetch_depth: 1,
+            prefetch_depth: None,
             config: None,
             payload_divisor: None,
             seed: 0,
@@ -114,6 +115,18 @@ impl Default for JobArgs {
             ranks: None,
             measurements: None,
         }
+    }
+}
+
+/// A configuration file's error, with the file named once: errors that
+/// already name it (a syntax or schema error read from it, a file that
+/// cannot be read) as they are.
+fn named_once(path: &std::path::Path, error: &OffloadError) -> String {
+    let text = error.to_string();
+    if text.contains(&format!("`{}`", path.display())) {
+        text
+    } else {
+        format!("configuration `{}`: {text}", path.display())
     }
 }
 
@@ -130,8 +143,9 @@ pub enum JobError {
         /// What is allowed.
         allowed: String,
     },
-    /// The configuration file was rejected.
-    #[error("configuration `{path}`: {error}")]
+    /// The configuration file was rejected (its error names the file
+    /// where it says where in it; the file is named once).
+    #[error("{}", named_once(path, error))]
     Config {
         /// The file.
         path: PathBuf,
@@ -697,10 +711,12 @@ fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> 
             format!("allowed: 1 to {MAX_REQUESTS}"),
         ));
     }
-    if !(1..=MAX_PREFETCH_DEPTH).contains(&args.prefetch_depth) {
+    if let Some(depth) = args.prefetch_depth
+        && !(1..=MAX_PREFETCH_DEPTH).contains(&depth)
+    {
         return Err(bad(
             "--prefetch-depth",
-            args.prefetch_depth,
+            depth,
             format!("allowed: 1 to {MAX_PREFETCH_DEPTH}"),
         ));
     }
@@ -735,6 +751,20 @@ fn choices(args: &JobArgs) -> Result<Vec<StrategyChoice>, JobError> {
                 path: path.clone(),
                 error: e.into(),
             })?;
+        // The key and the flag say the same thing: one of them, or both
+        // alike.
+        if let (Some(depth), Some(flag)) = (config.prefetch_depth, args.prefetch_depth)
+            && flag != depth as usize
+        {
+            return Err(bad(
+                "--prefetch-depth",
+                flag,
+                format!(
+                    "the configuration `{}` sets prefetch_depth = {depth}: give the depth in one of them",
+                    path.display()
+                ),
+            ));
+        }
         return Ok(vec![StrategyChoice::Config(config)]);
     }
     Ok(match args.strategy {
@@ -914,8 +944,7 @@ fn run_dlo(
         }
         return Err(JobError::Run {
             strategy: format!("{name} (rank {} of {ranks})", failed.rank),
-            error: OffloadError::Forward {
-                module: String::new(),
+            error: OffloadError::Request {
                 reason: f.error.to_string(),
             },
         });
@@ -1046,7 +1075,7 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
     let ranks = ranks_of(args, &choices)?;
     let divisor = gather_divisor(args, &w, ranks, divisor)?;
     let opts = RunOptions {
-        prefetch_depth: args.prefetch_depth,
+        prefetch_depth: args.prefetch_depth.unwrap_or(1),
         payload_divisor: divisor,
         faults: FaultPlan::none(),
         seed: args.seed,
@@ -1125,10 +1154,13 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
                 if f.error.device_error_kind() == Some(DeviceErrorKind::OutOfMemory) {
                     // The weights' bound, and the largest phase's
                     // activations beside them.
-                    let bound =
-                        memory_bounds(&w.preset.pipeline, &choice.config(), args.prefetch_depth)
-                            .map_or(u64::MAX, |b| b.device_weight_bytes)
-                            .saturating_add(max_activation_bytes(&w));
+                    let bound = memory_bounds(
+                        &w.preset.pipeline,
+                        &choice.config(),
+                        args.prefetch_depth.unwrap_or(1),
+                    )
+                    .map_or(u64::MAX, |b| b.device_weight_bytes)
+                    .saturating_add(max_activation_bytes(&w));
                     if bound > profile.memory_bytes {
                         let mut r = row(false, &f);
                         r.needs_more_bytes = Some(bound - profile.memory_bytes);

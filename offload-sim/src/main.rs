@@ -231,9 +231,10 @@ struct RunArgs {
     /// Requests, 1 to 1000 (the first warms up and is not timed).
     #[arg(long, default_value_t = 2)]
     requests: usize,
-    /// Blocks the layerwise strategy keeps in flight, 1 to 16.
-    #[arg(long, default_value_t = 1)]
-    prefetch_depth: usize,
+    /// Blocks the layerwise strategy keeps in flight, 1 to 16 (default 1,
+    /// or the configuration's `prefetch_depth`).
+    #[arg(long)]
+    prefetch_depth: Option<usize>,
     /// A JSON or TOML configuration (flags, diffusion_offload_config, parallel);
     /// the strategy is then whatever it selects.
     #[arg(long)]

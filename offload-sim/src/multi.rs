@@ -292,8 +292,7 @@ pub fn run_ranks(
             .map(|(r, h)| {
                 h.join().unwrap_or_else(|_| RankOutcome {
                     rank: r as u32,
-                    result: Err(RunFailure::from(OffloadError::Forward {
-                        module: String::new(),
+                    result: Err(RunFailure::from(OffloadError::Request {
                         reason: format!("rank {r}'s thread panicked"),
                     })),
                     gathers: Vec::new(),

@@ -266,7 +266,65 @@ fn bad_input_exits_non_zero_with_a_typed_error() {
         "conflict.json",
         r#"{"enable_cpu_offload": true, "diffusion_offload_config": {"mode": "layer", "components": ["dit"]}}"#,
     );
+    let syntax = write(
+        "syntax.toml",
+        "enable_layerwise_offload = true\nprefetch_depth =\n",
+    );
+    let syntax_named = format!("configuration file `{}`, line 2", syntax.display());
+    let syntax_needles = [syntax_named.as_str(), "2 | prefetch_depth ="];
+    // The file is named once (the job does not add it again).
+    let o = sim(&[
+        "run",
+        "--model",
+        "tiny",
+        "--config",
+        syntax.to_str().unwrap(),
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(
+        err.matches(&syntax.display().to_string()).count(),
+        1,
+        "{err}"
+    );
+    let depth = write(
+        "depth.toml",
+        "enable_layerwise_offload = true\nprefetch_depth = 2\n",
+    );
     let rows: Vec<(Vec<&str>, &[&str])> = vec![
+        (
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--config",
+                syntax.to_str().unwrap(),
+            ],
+            &syntax_needles,
+        ),
+        (
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--prefetch-depth",
+                "3",
+                "--config",
+                depth.to_str().unwrap(),
+            ],
+            &["--prefetch-depth `3`", "prefetch_depth = 2"],
+        ),
+        (
+            vec![
+                "run",
+                "--model",
+                "tiny",
+                "--prefetch-depth",
+                "1",
+                "--config",
+                depth.to_str().unwrap(),
+            ],
+            &["--prefetch-depth `1`", "prefetch_depth = 2"],
+        ),
         (
             vec![
                 "run",

@@ -787,7 +787,11 @@ fn a_first_request_short_of_memory_replans_once() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("ran out of device memory in the `vae` phase again") && e.contains("2000 B"),
+        e.contains("ran out of device memory in the `vae` phase again")
+            && e.contains(&format!(
+                "needed {} more",
+                offload_core::bytes::ByteSize(budget).in_unit_of_at_least(2000)
+            )),
         "{e}"
     );
     // A failure that is not a shortfall re-plans nothing.

@@ -690,3 +690,51 @@ fn prefetch_depth_is_a_key_with_typed_errors() {
         "two more slots"
     );
 }
+
+/// A JSON syntax error's column counts characters (serde_json counts
+/// bytes), and a long line is shown around the column, not whole.
+#[test]
+fn syntax_columns_count_characters_and_long_lines_are_cut() {
+    let err = OffloadConfig::from_json_str(r#"{"a": "日本語", x}"#).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ConfigError::Syntax {
+                line: 1,
+                column: 14,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let long = format!(
+        "{{\"pin_cpu_memory\": true, \"x\": \"{}\", oops}}",
+        "y".repeat(10_000)
+    );
+    let msg = OffloadConfig::from_json_str(&long).unwrap_err().to_string();
+    assert!(
+        msg.len() < 600 && msg.contains('…') && msg.contains("oops"),
+        "{} chars: {msg}",
+        msg.len()
+    );
+}
+
+/// INV-7's bound of a configuration is the bound of what it enables: the
+/// configuration's prefetch_depth wins over the platform's in both.
+#[test]
+fn memory_bounds_take_the_configurations_prefetch_depth() {
+    let p = offload_tests::flux_like(3, 3);
+    let layerwise = OffloadConfig::from_toml_str("enable_layerwise_offload = true").unwrap();
+    let deep = OffloadConfig::from_toml_str("enable_layerwise_offload = true\nprefetch_depth = 3")
+        .unwrap();
+    let one = offload_core::runtime::memory_bounds(&p, &layerwise, 1).unwrap();
+    let three = offload_core::runtime::memory_bounds(&p, &deep, 1).unwrap();
+    let slot = offload_core::resolve(&p, &layerwise)
+        .unwrap()
+        .largest_streamed_bytes();
+    assert_eq!(
+        three.device_weight_bytes - one.device_weight_bytes,
+        2 * slot,
+        "{one:?} {three:?}"
+    );
+}

@@ -357,3 +357,111 @@ fn enabling_twice_names_both_strategies() {
     );
     let _ = rig.runtime.disable().unwrap();
 }
+
+/// A DiT whose blocks hold module lists of their own (diffusers' `ff.net.0`),
+/// its containers named by the offload plan rather than the module.
+fn nested_pipeline() -> offload_core::Pipeline {
+    use offload_core::model::DType;
+    let mut b = offload_core::PipelineBuilder::new("Nested");
+    {
+        let mut t = b.module("transformer");
+        t.parameter("x_embedder.weight", DType::Bf16, &[8usize, 8]);
+        t.list("blocks", 3, |_, blk| {
+            blk.list("net", 2, |_, n| {
+                n.parameter("weight", DType::Bf16, &[8usize, 8]);
+            });
+        });
+    }
+    b.module("text_encoder")
+        .parameter("w", DType::Bf16, &[8usize, 8]);
+    b.declare_components(offload_core::ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: vec!["text_encoder".into()],
+        ..Default::default()
+    });
+    let mut plan = offload_core::OffloadPlan::default();
+    plan.block_containers
+        .insert("transformer".into(), vec!["blocks".into()]);
+    b.offload_plan(plan);
+    b.build().unwrap()
+}
+
+/// The scope's block iterator reads the containers as resolution does
+/// (here the offload plan's: it returned nothing, silently, when it read
+/// only the module's); a weight of a block read from the DiT's scope names
+/// the block (not a list nested in it) as the `child` to read it in; the
+/// root is named, never ``; a path with an empty segment says so.
+#[test]
+fn scopes_name_blocks_as_resolution_does() {
+    let mut rig = offload_sim::harness::Rig::quick(nested_pipeline()).unwrap();
+    let layerwise =
+        offload_core::OffloadConfig::from_toml_str("enable_layerwise_offload = true").unwrap();
+    rig.runtime
+        .enable_selected(&layerwise, &rig.platform)
+        .unwrap();
+    let blocks = rig
+        .runtime
+        .forward("transformer", |s| {
+            Ok(s.block_stack()?
+                .iter()
+                .map(|b| b.to_string())
+                .collect::<Vec<_>>())
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!(blocks, ["blocks.0", "blocks.1", "blocks.2"]);
+    let err = rig
+        .runtime
+        .forward("transformer", |s| {
+            s.view("blocks.1.net.0.weight")?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("child(\"blocks.1\", …)"), "{err}");
+    let err = rig
+        .runtime
+        .forward("text_encoder", |s| Ok(s.block_stack()?.len()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("declares no block containers") && err.contains("block_containers(&[…])"),
+        "{err}"
+    );
+    let err = rig
+        .runtime
+        .forward("", |s| {
+            s.view("nothing")?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("forward of the pipeline's root module: no tensor `nothing`"),
+        "{err}"
+    );
+    for bad in ["transformer.", "transformer..blocks", ".transformer"] {
+        let err = rig
+            .runtime
+            .forward(bad, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("empty segment") && !err.contains("``"),
+            "{bad}: {err}"
+        );
+    }
+    let err = rig
+        .runtime
+        .forward("transformer", |s| {
+            s.child("", |_| Ok(()))?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("empty segment") && !err.contains("``"),
+        "{err}"
+    );
+    let _ = rig.runtime.disable().unwrap();
+}

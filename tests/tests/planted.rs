@@ -754,7 +754,7 @@ fn the_main_job_catches_every_mutation() {
             steps: 4,
             strategy: StrategySet::One(offload_core::OffloadStrategy::DistributedLayerwise),
             ranks: Some(2),
-            prefetch_depth: depth,
+            prefetch_depth: Some(depth),
             bugs: vec![bug],
             ..JobArgs::default()
         };

@@ -96,7 +96,7 @@ fn declared_missing_path_is_an_error_naming_the_nearest() {
             "dit.blocks.9",
             &["`dit.blocks.9`", "top-level modules: `dit`, `text_encoder`"][..],
         ),
-        ("", &["``", "top-level modules"][..]),
+        ("", &["an empty path", "top-level modules"][..]),
     ] {
         let mut b = PipelineBuilder::new("Misspelled");
         dit(&mut b, "dit", &[("blocks", 3)]);
@@ -897,4 +897,32 @@ fn model_description_keeps_views_and_aliases() {
     let view = p.tensors().find(|(_, t)| t.name == "view").unwrap().1;
     assert_eq!(view.span_bytes(), 4..(4 + (2 + 2 * 4 + 1) * 4));
     assert_eq!(p.tensor_path(p.module(t).tensors[0]), "t.packed");
+}
+
+/// Shapes take the integer type a runtime keeps its sizes in (`usize`
+/// constants, `i64` from a file); a negative dimension is a build error
+/// naming the tensor.
+#[test]
+fn shapes_of_any_integer_type() {
+    const HEADS: usize = 4;
+    const HEAD_DIM: usize = 8;
+    let mut b = PipelineBuilder::new("Shapes");
+    b.module("m")
+        .parameter("a", DType::Bf16, &[HEADS * HEAD_DIM, HEAD_DIM])
+        .parameter("b", DType::F32, &vec![3i64, 2])
+        .parameter("c", DType::Bf16, &[2u32][..]);
+    let p = b.build().unwrap();
+    let shape = |n: &str| p.tensor(p.tensor_id(n).unwrap()).shape.clone();
+    assert_eq!(shape("m.a"), [32, 8]);
+    assert_eq!(shape("m.b"), [3, 2]);
+    assert_eq!(shape("m.c"), [2]);
+    let mut b = PipelineBuilder::new("Negative");
+    b.module("m").parameter("w", DType::Bf16, &[4, -1]);
+    assert_eq!(
+        b.build(),
+        Err(ModelError::NegativeDim {
+            path: "m.w".into(),
+            dim: -1
+        })
+    );
 }

@@ -1,8 +1,9 @@
 //! The architecture check: the dependency closure (every edge kind, as
 //! `cargo tree` counts them) of each hardware-neutral crate, taken from
 //! `cargo metadata`, is fed to core's INV-6 predicate; `offload-sim` reads
-//! no wall clock; and `offload-core`'s files import in layers (no import
-//! circle, and its description files import only description files).
+//! no wall clock; `offload-sim`'s library pulls in none of its command
+//! line's dependencies; and `offload-core`'s files import in layers (no
+//! import circle, and its description files import only description files).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -58,6 +59,67 @@ pub(crate) fn check_sim_clock(root: &std::path::Path) -> Result<()> {
     }
     println!("xtask arch: offload-sim reads no wall clock but the collective's hang limit");
     Ok(())
+}
+
+/// The main job's command line dependencies, behind `offload-sim`'s default
+/// `cli` feature: its library (built with `default-features = false`) must
+/// not pull any of them in.
+pub(crate) const CLI_ONLY: [&str; 4] = ["clap", "indicatif", "anyhow", "tracing-subscriber"];
+
+/// `offload-sim` without default features names none of [`CLI_ONLY`] among
+/// its normal dependencies, direct or transitive (as `cargo tree -e normal`
+/// lists them).
+pub(crate) fn check_sim_library_deps(root: &Path) -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let args = [
+        "tree",
+        "-p",
+        "offload-sim",
+        "--no-default-features",
+        "-e",
+        "normal",
+        "--prefix",
+        "none",
+        "--locked",
+    ];
+    let out = Command::new(cargo)
+        .args(args)
+        .current_dir(root)
+        .output()
+        .context("cannot run `cargo tree`")?;
+    if !out.status.success() {
+        bail!(
+            "`cargo {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let found = cli_only_in(&String::from_utf8_lossy(&out.stdout));
+    if !found.is_empty() {
+        bail!(
+            "offload-sim's library (--no-default-features) depends on {}: \
+             make it optional, behind the `cli` feature",
+            found.join(", ")
+        );
+    }
+    println!(
+        "xtask arch: offload-sim's library (no default features) pulls in none of {}",
+        CLI_ONLY.join(", ")
+    );
+    Ok(())
+}
+
+/// The crates of [`CLI_ONLY`] named in `cargo tree --prefix none` output
+/// (one `name vX.Y.Z …` a line), each once, in [`CLI_ONLY`]'s order.
+fn cli_only_in(tree: &str) -> Vec<&'static str> {
+    let names: BTreeSet<&str> = tree
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .collect();
+    CLI_ONLY
+        .into_iter()
+        .filter(|krate| names.contains(krate))
+        .collect()
 }
 
 /// `offload-core`'s description files (relative to `offload-core/src`):
@@ -618,6 +680,7 @@ fn description_violations(graph: &FileGraph, descriptions: &[&str]) -> Vec<Strin
 pub(crate) fn check_workspace() -> Result<()> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     check_sim_clock(&root)?;
+    check_sim_library_deps(&root)?;
     let files = check_layers(&root.join("offload-core/src"), &DESCRIPTIONS)?;
     println!(
         "xtask arch: offload-core's {files} files import in layers (no circle; descriptions import only descriptions)"
@@ -769,6 +832,22 @@ mod tests {
         assert!(!scan(once, "SystemTime"));
         assert!(!scan("", once));
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// The command line crates are found by name in `cargo tree --prefix
+    /// none` output, whatever follows the name; a crate whose name only
+    /// contains one (`clap_lex`, `anyhow-ext`) is not one.
+    #[test]
+    fn cli_dependencies_are_found_by_name() {
+        let clean = "offload-sim v0.1.0 (/w/offload-sim)\nclap_lex v0.7.0\nserde v1.0.0\n";
+        assert_eq!(cli_only_in(clean), Vec::<&str>::new());
+        let dirty =
+            "offload-sim v0.1.0 (/w/offload-sim)\nanyhow v1.0.105\nclap v4.6.9\nclap v4.6.9 (*)\n";
+        assert_eq!(cli_only_in(dirty), ["clap", "anyhow"]);
+        assert_eq!(
+            cli_only_in("tracing-subscriber v0.3.23\n"),
+            ["tracing-subscriber"]
+        );
     }
 
     /// Writes `files` (paths relative to `src`) into a fresh tree named

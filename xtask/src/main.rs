@@ -1,6 +1,7 @@
 //! `cargo xtask`: project automation. `cargo xtask ci` runs every check CI
-//! runs: formatting, clippy with warnings denied, the workspace tests, and
-//! the architecture check that the neutral crates name no device library.
+//! runs: formatting, clippy with warnings denied, the workspace's docs with
+//! warnings denied, the workspace tests, and the architecture check that
+//! the neutral crates name no device library.
 
 use std::process::Command;
 
@@ -19,11 +20,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// fmt --check, clippy -D warnings, the tests, the architecture check.
+    /// fmt --check, clippy -D warnings, cargo doc -D warnings, the tests,
+    /// the architecture check.
     Ci,
     /// Only the architecture check (INV-6: neutral crates name no device
-    /// library; offload-sim reads no wall clock; offload-core's files import
-    /// in layers).
+    /// library; offload-sim reads no wall clock; offload-sim's library pulls
+    /// in no command line dependency; offload-core's files import in
+    /// layers).
     Arch,
     /// The loom models (release, `--cfg loom`, LOOM_MAX_PREEMPTIONS=2).
     Loom,
@@ -128,6 +131,25 @@ fn ci() -> Result<()> {
         "clippy",
         "--workspace",
         "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    // A broken intra-doc link is only a warning: denied, like clippy's.
+    // Cheap: only the members are documented, over dependencies checked.
+    cargo_env(
+        &["doc", "--no-deps", "--workspace", "--locked"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
+    // The simulator as a library user builds it (`--workspace` unifies
+    // features, so only this compiles it without the command line's).
+    cargo(&[
+        "clippy",
+        "-p",
+        "offload-sim",
+        "--no-default-features",
+        "--lib",
         "--locked",
         "--",
         "-D",

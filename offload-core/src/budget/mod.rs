@@ -45,6 +45,7 @@ pub use types::{
 
 /// The budget `config` states for `device`: a size (at most the device's
 /// memory), or `"auto"`: the device's free memory less `device_headroom`.
+/// (See [`DeviceBudget::size_of`] for the budget as errors write it.)
 pub fn resolve_budget(
     config: &OffloadConfig,
     device: DeviceMemory,
@@ -54,22 +55,23 @@ pub fn resolve_budget(
             forms: crate::bytes::DEVICE_BUDGET_FORMS,
         }),
         Some(DeviceBudget::Bytes(b)) => {
-            if b.0 > device.total_bytes {
+            if b.bytes() > device.total_bytes {
                 return Err(BudgetError::AboveDevice {
                     budget: b,
                     device_bytes: device.total_bytes,
                     device_gib: device.total_bytes as f64 / f64::from(1u32 << 30),
                 });
             }
-            Ok((b.0, BudgetSource::Given))
+            Ok((b.bytes(), BudgetSource::Given))
         }
         Some(DeviceBudget::Auto) => {
-            let headroom = config.device_headroom.unwrap_or(DEFAULT_HEADROOM).0;
+            let written = config.device_headroom.unwrap_or(DEFAULT_HEADROOM);
+            let headroom = written.bytes();
             let free = device.free_bytes.min(device.total_bytes);
             if free <= headroom {
                 return Err(BudgetError::NoRoom {
                     free_bytes: free,
-                    headroom_bytes: headroom,
+                    headroom: written,
                 });
             }
             Ok((

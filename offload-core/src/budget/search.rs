@@ -1170,7 +1170,12 @@ pub(super) fn plan_request(
 ) -> Result<RequestPlan, BudgetError> {
     let r = Request::new(pipeline, config, inputs)?;
     let minimum = r.minimum();
-    let does_not_fit = || minimum.does_not_fit(budget);
+    let does_not_fit = || {
+        minimum.does_not_fit(crate::bytes::DeviceBudget::size_of(
+            config.device_budget,
+            budget,
+        ))
+    };
     if budget < minimum.bytes {
         return Err(does_not_fit());
     }

@@ -189,12 +189,12 @@ pub struct MinimumBudget {
 
 impl MinimumBudget {
     /// The error for a `budget` below this minimum, naming it, its phase
-    /// and its parts.
-    pub fn does_not_fit(&self, budget: u64) -> BudgetError {
+    /// and its parts (every figure in the budget's unit: the one it was
+    /// written in, if it was).
+    pub fn does_not_fit(&self, budget: ByteSize) -> BudgetError {
         BudgetError::DoesNotFit {
             budget,
             minimum: self.bytes,
-            minimum_gib: self.bytes as f64 / f64::from(1u32 << 30),
             phase: self.phase.clone(),
             outside: self.parts.outside_bytes,
             mapping: self.parts.mapping_bytes,
@@ -435,34 +435,32 @@ pub enum BudgetError {
     },
     /// `"auto"` found no memory beyond the headroom.
     #[error(
-        "`device_budget` = \"auto\": the device has {free_bytes} B free and device_headroom is {headroom_bytes} B, which leaves nothing; allowed: a smaller device_headroom, or free device memory"
+        "`device_budget` = \"auto\": the device has {} free and device_headroom is {headroom}, which leaves nothing; allowed: a smaller device_headroom, or free device memory",
+        .headroom.in_unit_of(*.free_bytes)
     )]
     NoRoom {
         /// Free device memory.
         free_bytes: u64,
-        /// The headroom.
-        headroom_bytes: u64,
+        /// The headroom (as written, or the default).
+        headroom: ByteSize,
     },
     /// The budget is below the least any plan needs.
     #[error(
-        "`device_budget` = {} does not fit: the least this pipeline needs is {}, in the phase of `{phase}`: {} outside every component + {} of host mappings + {} of allocator slack + {} held + {slots} slots of {} + {} of activations; allowed: device_budget ≥ {}",
-        ByteSize(*.budget),
-        ByteSize(*.budget).in_unit_of(*.minimum),
-        ByteSize(*.budget).in_unit_of(*.outside),
-        ByteSize(*.budget).in_unit_of(*.mapping),
-        ByteSize(*.budget).in_unit_of(*.slack),
-        ByteSize(*.budget).in_unit_of(*.held),
-        ByteSize(*.budget).in_unit_of(*.slot_bytes),
-        ByteSize(*.budget).in_unit_of(*.activation_bytes),
-        ByteSize(*.budget).written_at_least(*.minimum),
+        "`device_budget` = {budget} does not fit: the least this pipeline needs is {}, in the phase of `{phase}`: {} outside every component + {} of host mappings + {} of allocator slack + {} held + {slots} slots of {} + {} of activations; allowed: device_budget ≥ {}",
+        .budget.in_unit_of_at_least(*.minimum),
+        .budget.in_unit_of(*.outside),
+        .budget.in_unit_of(*.mapping),
+        .budget.in_unit_of(*.slack),
+        .budget.in_unit_of(*.held),
+        .budget.in_unit_of(*.slot_bytes),
+        .budget.in_unit_of(*.activation_bytes),
+        .budget.written_at_least(*.minimum),
     )]
     DoesNotFit {
-        /// The budget, bytes.
-        budget: u64,
-        /// The least budget that fits.
+        /// The budget (the device's free memory where that is less).
+        budget: ByteSize,
+        /// The least budget that fits, bytes.
         minimum: u64,
-        /// `minimum` in GiB.
-        minimum_gib: f64,
         /// The phase that needs it.
         phase: String,
         /// Weights in no component.
@@ -483,15 +481,17 @@ pub enum BudgetError {
     },
     /// The first request ran out of memory twice.
     #[error(
-        "a request ran out of device memory in the `{phase}` phase again after the re-plan: it needed {needed_bytes} B more than the plan allowed ({budget_bytes} B budget); allowed: a larger device_budget or device_headroom, or less work per request"
+        "a request ran out of device memory in the `{phase}` phase again after the re-plan: it needed {} more than the plan allowed (a budget of {}); allowed: a larger device_budget or device_headroom, or less work per request",
+        .budget.in_unit_of_at_least(*.needed_bytes),
+        .budget
     )]
     ShortfallAgain {
         /// The phase.
         phase: String,
         /// What it lacked.
         needed_bytes: u64,
-        /// The budget.
-        budget_bytes: u64,
+        /// The budget (in the unit it was written in).
+        budget: ByteSize,
     },
 }
 

@@ -96,7 +96,7 @@ impl<A: Api> Clone for DeviceLocation<A> {
     }
 }
 
-/// A backend the [`Runtime`] can run: the lifecycle, plus where each
+/// A backend the [`Runtime`](crate::runtime::Runtime) can run: the lifecycle, plus where each
 /// storage is on the device.
 pub trait Backend<A: Api>: OffloadBackend {
     /// The device location of `storage`, if it is resident now.
@@ -163,6 +163,6 @@ pub trait Backend<A: Api>: OffloadBackend {
     }
 }
 
-/// A backend [`Runtime::disable_backend`] took out, and how its `disable`
+/// A backend [`Runtime::disable_backend`](crate::runtime::Runtime::disable_backend) took out, and how its `disable`
 /// went.
 pub type Disabled<A> = (Box<dyn Backend<A>>, Result<(), OffloadError>);

@@ -4,7 +4,7 @@
 /// Bugs a test can plant in a backend (with the `planted-bugs` feature) to
 /// see that the invariant checkers catch them. Never set otherwise: the
 /// switches are read only where the feature is compiled in
-/// ([`CorePlatform::with_planted_bugs`]).
+/// (`CorePlatform::with_planted_bugs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum PlantedBug {

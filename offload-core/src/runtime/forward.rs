@@ -103,7 +103,7 @@ impl<A: Api> Runtime<A> {
     /// bytes) are registered in place and how many were copied into pinned
     /// memory (zero with no backend). A checkpoint whose blocks each lie
     /// back to back in one file streams with no copy.
-    pub fn host_masters(&self) -> crate::runtime::HostMasters {
+    pub fn host_masters(&self) -> crate::runtime::backend::HostMasters {
         self.backend
             .as_deref()
             .map(|b| b.host_masters())
@@ -250,7 +250,7 @@ impl<A: Api> Runtime<A> {
     }
 
     /// Tells the backend this rank failed outside its hooks (see
-    /// [`OffloadBackend::poison`]): call it before `disable` when a request
+    /// [`OffloadBackend::poison`](crate::lifecycle::OffloadBackend::poison)): call it before `disable` when a request
     /// failed on a rank of a gather group.
     pub fn poison(&mut self, reason: &str) {
         if let Some(b) = self.backend.as_mut() {
@@ -313,7 +313,7 @@ impl<A: Api> Runtime<A> {
                 } if name == offload_hooks::MODULE_FORWARD => scope.failed(source),
                 hook => OffloadError::HookFailed {
                     module: scope.path().to_owned(),
-                    error: hook,
+                    error: Box::new(hook),
                 },
             })?;
         match forwarded {
@@ -442,13 +442,18 @@ impl<'rt, A: Api> Scope<'rt, A> {
             .collect())
     }
 
-    /// The relative paths of every block of this module's declared block
-    /// containers ([`crate::model::ModuleBuilder::block_containers`]), in
-    /// forward order; empty if it declares none.
+    /// The relative paths of every block of this module's block
+    /// containers, in forward order, as resolution reads them (the offload
+    /// plan's, else [`crate::model::ModuleBuilder::block_containers`]);
+    /// an error naming that call if it declares none.
     pub fn block_stack(&self) -> Result<Vec<&'rt str>, OffloadError> {
-        let p: &'rt Pipeline = &self.rt.model.pipeline;
+        let containers = crate::plan::block_containers_of(self.pipeline(), self.module)
+            .ok_or_else(|| OffloadError::Forward {
+                module: self.path().to_owned(),
+                reason: "it declares no block containers: name them with `block_containers(&[…])` on its module builder (or in the offload plan)".to_owned(),
+            })?;
         let mut out = Vec::new();
-        for container in p.module(self.module).block_containers.iter().flatten() {
+        for container in &containers {
             out.extend(self.blocks(container)?);
         }
         Ok(out)
@@ -556,18 +561,35 @@ impl<'rt, A: Api> Scope<'rt, A> {
         })
     }
 
-    /// The block (an entry of a module list) holding `module`, with its
-    /// path relative to this scope's module when it lies below it.
+    /// The block holding `module` (an entry of a block container of one
+    /// of its ancestors, as resolution reads them), with its path relative
+    /// to this scope's module when it lies below it.
     fn block_holding(&self, module: ModuleId) -> Option<(&str, Option<&str>)> {
         let p = &self.rt.model.pipeline;
-        let mut cur = Some(module);
+        let mut chain = vec![module];
+        let mut cur = p.module(module).parent;
         while let Some(m) = cur {
-            let parent = p.module(m).parent?;
-            if p.module(parent).kind == crate::model::ModuleKind::List {
-                let rel = p.relative_path(m, self.module).filter(|r| !r.is_empty());
-                return Some((p.module(m).path.as_str(), rel));
+            // `m` owns block containers: is the chain below one of them?
+            if let Some(containers) = crate::plan::block_containers_of(p, m) {
+                for container in &containers {
+                    let Some(list) = p.module_id(&crate::model::join(&p.module(m).path, container))
+                    else {
+                        continue;
+                    };
+                    if let Some(block) = chain
+                        .iter()
+                        .rev()
+                        .find(|c| p.module(**c).parent == Some(list))
+                    {
+                        let rel = p
+                            .relative_path(*block, self.module)
+                            .filter(|r| !r.is_empty());
+                        return Some((p.module(*block).path.as_str(), rel));
+                    }
+                }
             }
-            cur = Some(parent);
+            chain.push(m);
+            cur = p.module(m).parent;
         }
         None
     }
@@ -633,6 +655,12 @@ fn request_error(e: BoxError) -> OffloadError {
 /// its deepest existing ancestor, that module's children and the nearest
 /// of them.
 fn no_module(p: &Pipeline, path: &str) -> OffloadError {
+    if path.split('.').any(str::is_empty) {
+        return OffloadError::Forward {
+            module: path.to_owned(),
+            reason: "a module path is dotted names, and this one has an empty segment (a leading, trailing or doubled `.`, or an empty name)".to_owned(),
+        };
+    }
     let mut parent = path;
     let ancestor = loop {
         match parent.rsplit_once('.') {

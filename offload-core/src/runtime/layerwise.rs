@@ -848,8 +848,9 @@ impl<A: Api> LayerwiseBackend<A> {
                         shard: block.shard,
                     });
                 if engine.bug(PlantedBug::SecondHostCopy) {
+                    // Counted: the report shows the second copy it plants.
                     st.shadow_masters
-                        .push(HostMaster::Pinned(h.fill_pinned(&block.unit, &skip)?));
+                        .push(h.counted(HostMaster::Pinned(h.fill_pinned(&block.unit, &skip)?)));
                 }
             }
         }

@@ -244,8 +244,12 @@ mod tests {
     fn units_follow_the_source_order_where_alignment_allows() {
         let mut b = PipelineBuilder::new("Order");
         b.module("dit").list("blocks", 2, |i, blk| {
-            blk.parameter("b", DType::Bf16, [3usize]);
-            blk.parameter("a", if i == 0 { DType::Bf16 } else { DType::F32 }, [2usize]);
+            blk.parameter("b", DType::Bf16, &[3usize]);
+            blk.parameter(
+                "a",
+                if i == 0 { DType::Bf16 } else { DType::F32 },
+                &[2usize],
+            );
         });
         let p = b.build().unwrap();
         let block = |i: usize| p.module_id(&format!("dit.blocks.{i}")).unwrap();

@@ -574,7 +574,7 @@ impl<A: Api> Backend<A> for ModelLevelBackend<A> {
         self.shared.host_weight_bytes()
     }
 
-    fn host_masters(&self) -> crate::runtime::HostMasters {
+    fn host_masters(&self) -> crate::runtime::backend::HostMasters {
         self.shared.handles.host_masters()
     }
 }

@@ -821,9 +821,12 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 // not after a warm-up that would have exceeded it.
                 if minimum.bytes > budget_bytes.min(memory.free_bytes) {
                     // (The smallest footprint counts no activations.)
-                    return Err(OffloadError::Budget(Box::new(
-                        minimum.does_not_fit(budget_bytes.min(memory.free_bytes)),
-                    )));
+                    return Err(OffloadError::Budget(Box::new(minimum.does_not_fit(
+                        crate::bytes::DeviceBudget::size_of(
+                            self.config.device_budget,
+                            budget_bytes.min(memory.free_bytes),
+                        ),
+                    ))));
                 }
                 (choices, None, None, Some(shape))
             }
@@ -933,7 +936,7 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
         self.store.values().map(|m| m.len_bytes()).sum()
     }
 
-    fn host_masters(&self) -> crate::runtime::HostMasters {
+    fn host_masters(&self) -> crate::runtime::backend::HostMasters {
         self.phases.handles.host_masters()
     }
 
@@ -982,7 +985,10 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
                 BudgetError::ShortfallAgain {
                     phase,
                     needed_bytes: shortfall,
-                    budget_bytes: plan.budget_bytes,
+                    budget: crate::bytes::DeviceBudget::size_of(
+                        self.config.device_budget,
+                        plan.budget_bytes,
+                    ),
                 },
             )));
         }
