@@ -10,6 +10,12 @@
 //! probabilities in bf16 (as a flash kernel keeps them), layer norms without
 //! affine parameters (ε = 1e-6), GELU with the tanh approximation, and
 //! AdaLayerNormContinuous's (scale, shift) order at the output.
+//!
+//! Attention is one of two [`Attention`] paths: candle's own operations
+//! (scores materialised; any device), or, with the `flash-attn` feature on a
+//! CUDA device, FlashAttention-2 (`candle-flash-attn`: bf16 inputs, f32
+//! accumulation and softmax statistics, probabilities in bf16 for the
+//! second product, as diffusers' cuDNN and flash kernels do).
 
 use candle_core::{D, DType, Device, Module as _, Result, Tensor};
 
@@ -165,30 +171,241 @@ fn linear(w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
     candle_nn::Linear::new(weight, bias).forward(x)
 }
 
-/// The model, its shape and the constants its norms use.
+/// How a forward computes attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// candle's operations: bf16 queries and keys cast to f32, scores and
+    /// softmax in f32, probabilities cast to bf16 for the product with the
+    /// values. Any device, any head width.
+    Unfused,
+    /// FlashAttention-2 from `candle-flash-attn` (the `flash-attn` feature):
+    /// CUDA, bf16, head width 128, the inputs read in `[B, L, H, D]` order.
+    Flash,
+}
+
+impl Attention {
+    /// The fastest path this build has for `cfg` on `device`: flash where
+    /// it is compiled in and applies, else unfused.
+    pub fn best(cfg: &FluxConfig, device: &Device) -> Self {
+        if Self::Flash.check(cfg, device).is_ok() {
+            Self::Flash
+        } else {
+            Self::Unfused
+        }
+    }
+
+    /// Whether this path can run `cfg` on `device`, and why not.
+    pub fn check(self, cfg: &FluxConfig, device: &Device) -> Result<()> {
+        match self {
+            Self::Unfused => Ok(()),
+            Self::Flash if !cfg!(feature = "flash-attn") => Err(candle_core::Error::Msg(
+                "flash attention: this build has no `flash-attn` feature".into(),
+            )),
+            Self::Flash if !device.is_cuda() => Err(candle_core::Error::Msg(format!(
+                "flash attention runs on CUDA devices only, not {device:?}"
+            ))),
+            Self::Flash if cfg.attention_head_dim != 128 => Err(candle_core::Error::Msg(format!(
+                "flash attention: head width {} (the bundle's kernel is built for 128)",
+                cfg.attention_head_dim
+            ))),
+            Self::Flash => Ok(()),
+        }
+    }
+
+    /// The name the benchmark prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Unfused => "unfused",
+            Self::Flash => "flash-attn-2",
+        }
+    }
+}
+
+/// The paths a forward takes: [`Kernels::best`] for a device (on CUDA,
+/// every fast path this build has; on the CPU, candle's plain operations),
+/// each checked on the GPU against the plain one by `offload-flux-bench`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    /// The attention.
+    pub attention: Attention,
+    /// Queries, keys and values kept in `[B, L, H, D]` from the projections
+    /// to the attention (RoPE over `L·H` rows with tables repeated per
+    /// head): what flash attention reads, with no transposes; the unfused
+    /// attention reads them through transposed views. The same values
+    /// either way.
+    pub blhd: bool,
+    /// The blocks' linear layers as one cuBLASLt GEMM each with the bias
+    /// added in its epilogue (f32, one rounding to bf16, as PyTorch's
+    /// `F.linear`), instead of candle's GEMM then a broadcast add (CUDA and
+    /// the `cuda` feature).
+    pub gemm_bias_epilogue: bool,
+    /// AdaLN's `norm(x)·(1 + scale) + shift` as one layer norm with weight
+    /// `1 + scale` and bias `shift` (f32 inside, one rounding), instead of a
+    /// norm then a broadcast multiply and add (batch 1; any device).
+    pub fused_modulate: bool,
+}
+
+impl Kernels {
+    /// candle's plain operations: the CPU's paths, the reference the fast
+    /// ones are checked against.
+    pub const PLAIN: Self = Self {
+        attention: Attention::Unfused,
+        blhd: false,
+        gemm_bias_epilogue: false,
+        fused_modulate: false,
+    };
+
+    /// Every fast path this build has for `cfg` on `device`; none on the
+    /// CPU (whose outputs stay those of candle's plain operations).
+    pub fn best(cfg: &FluxConfig, device: &Device) -> Self {
+        if !device.is_cuda() {
+            return Self::PLAIN;
+        }
+        let attention = Attention::best(cfg, device);
+        Self {
+            attention,
+            blhd: attention == Attention::Flash,
+            gemm_bias_epilogue: cfg!(feature = "cuda"),
+            fused_modulate: true,
+        }
+    }
+
+    /// Whether these paths can run `cfg` on `device`, and why not.
+    pub fn check(&self, cfg: &FluxConfig, device: &Device) -> Result<()> {
+        self.attention.check(cfg, device)?;
+        if self.gemm_bias_epilogue && !(cfg!(feature = "cuda") && device.is_cuda()) {
+            return Err(candle_core::Error::Msg(format!(
+                "the cuBLASLt bias epilogue needs the `cuda` feature and a CUDA device, not {device:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A short name: the attention and each fast path on.
+    pub fn name(&self) -> String {
+        let mut s = self.attention.name().to_owned();
+        if self.blhd {
+            s.push_str("+blhd");
+        }
+        if self.gemm_bias_epilogue {
+            s.push_str("+lt-bias");
+        }
+        if self.fused_modulate {
+            s.push_str("+fused-adaln");
+        }
+        s
+    }
+}
+
+/// Scaled dot-product attention of `q`, `k`, `v` (`[B, heads, L, D]`, bf16,
+/// RoPE applied), no mask, softmax scale `1/√D`, by `path`: `[B, L,
+/// heads·D]`, bf16.
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, path: Attention) -> Result<Tensor> {
+    let (b, h, l, d) = q.dims4()?;
+    let scale = 1.0 / (d as f64).sqrt();
+    match path {
+        Attention::Unfused => {
+            let scores = q
+                .to_dtype(DType::F32)?
+                .matmul(&k.to_dtype(DType::F32)?.t()?)?
+                .affine(scale, 0.0)?;
+            let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(DType::BF16)?;
+            // (A transposed view of `[B, L, H, D]` values is copied: the
+            // product is then the one of contiguous values, bit for bit.)
+            let out = p.matmul(&v.contiguous()?)?; // [B, heads, L, D]
+            out.transpose(1, 2)?.reshape((b, l, h * d))
+        }
+        Attention::Flash => {
+            // `[B, L, H, D]` views: the kernel takes any row and head
+            // strides with the last dimension contiguous.
+            let t = |x: &Tensor| x.transpose(1, 2);
+            attend_blhd(&t(q)?, &t(k)?, &t(v)?)
+        }
+    }
+}
+
+/// Flash attention of `[B, L, H, D]` queries, keys and values: `[B, L,
+/// H·D]` (the kernel writes a contiguous `[B, L, H, D]`).
+fn attend_blhd(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, l, h, d) = q.dims4()?;
+    let scale = 1.0 / (d as f64).sqrt();
+    flash(q, k, v, scale as f32)?.reshape((b, l, h * d))
+}
+
+#[cfg(feature = "flash-attn")]
+fn flash(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    candle_flash_attn::flash_attn(q, k, v, scale, false)
+}
+
+#[cfg(not(feature = "flash-attn"))]
+fn flash(_: &Tensor, _: &Tensor, _: &Tensor, _: f32) -> Result<Tensor> {
+    Err(candle_core::Error::Msg(
+        "flash attention: this build has no `flash-attn` feature".into(),
+    ))
+}
+
+/// The model, its shape, the constants its norms use, its paths, and the
+/// positional tables of the last token positions it saw (a step's ids
+/// recur every step: tens of ms of host trigonometry at 16,896 tokens).
 #[derive(Debug)]
 pub struct Flux {
     cfg: FluxConfig,
     ones: Tensor,
     zeros: Tensor,
+    kernels: Kernels,
+    rope_cache: std::sync::Mutex<Option<(Vec<f32>, Rope)>>,
 }
 
-/// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32.
-#[derive(Debug)]
+/// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32;
+/// for the `[B, L, H, D]` layout each row repeated per head, `[(T + S)·H,
+/// head/2]`.
+#[derive(Clone, Debug)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,
 }
 
 impl Flux {
-    /// The model of `cfg` computing on `device`.
+    /// The model of `cfg` computing on `device`, with the best paths this
+    /// build has there ([`Kernels::best`]).
     pub fn new(cfg: FluxConfig, device: &Device) -> Result<Self> {
         let h = cfg.hidden();
         Ok(Self {
             ones: Tensor::ones(h, DType::BF16, device)?,
             zeros: Tensor::zeros(h, DType::BF16, device)?,
+            kernels: Kernels::best(&cfg, device),
+            rope_cache: Default::default(),
             cfg,
         })
+    }
+
+    /// The same model computing attention by `path`; an error where `path`
+    /// cannot run here ([`Attention::check`]).
+    pub fn with_attention(self, path: Attention) -> Result<Self> {
+        let kernels = Kernels {
+            attention: path,
+            ..self.kernels
+        };
+        self.with_kernels(kernels)
+    }
+
+    /// The same model taking `kernels`; an error where they cannot run
+    /// here ([`Kernels::check`]).
+    pub fn with_kernels(mut self, kernels: Kernels) -> Result<Self> {
+        kernels.check(&self.cfg, self.ones.device())?;
+        self.kernels = kernels;
+        self.rope_cache = Default::default();
+        Ok(self)
+    }
+
+    /// The attention path forwards take.
+    pub fn attention_path(&self) -> Attention {
+        self.kernels.attention
+    }
+
+    /// The paths forwards take.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// The configuration.
@@ -241,7 +458,7 @@ impl Flux {
             let emb = linear(w, "norm_out.linear", &temb.silu()?)?;
             let chunks = emb.chunk(2, 1)?;
             let (scale, shift) = (&chunks[0], &chunks[1]);
-            let y = self.modulate(&self.norm(&img)?, shift, scale)?;
+            let y = self.norm_modulate(&img, shift, scale)?;
             linear(w, "proj_out", &y)
         })
     }
@@ -256,34 +473,107 @@ impl Flux {
         x.broadcast_mul(&scale)?.broadcast_add(&shift.unsqueeze(1)?)
     }
 
+    /// AdaLN's `norm(x) · (1 + scale) + shift` for `x` `[B, L, H]`, shift
+    /// and scale `[B, H]`: fused into the layer norm's weight and bias
+    /// where [`Kernels::fused_modulate`] is on and the batch is 1 (`1 +
+    /// scale` rounded to bf16 as diffusers has it).
+    pub fn norm_modulate(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+        if self.kernels.fused_modulate && x.dim(0)? == 1 && x.is_contiguous() {
+            let weight = (scale.squeeze(0)? + 1.0)?;
+            let bias = shift.squeeze(0)?.contiguous()?;
+            return candle_nn::ops::layer_norm(x, &weight, &bias, 1e-6);
+        }
+        self.modulate(&self.norm(x)?, shift, scale)
+    }
+
+    /// A block's linear layer: with [`Kernels::gemm_bias_epilogue`], one
+    /// cuBLASLt GEMM with the bias in its epilogue.
+    fn linear(&self, w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.kernels.gemm_bias_epilogue {
+            let weight = w.get(&format!("{name}.weight"))?;
+            if let Ok(bias) = w.get(&format!("{name}.bias")) {
+                return crate::lt::linear_bias(x, &weight, &bias);
+            }
+        }
+        linear(w, name, x)
+    }
+
+    /// Whether q, k, v stay `[B, L, H, D]` rather than `[B, H, L, D]`
+    /// ([`Kernels::blhd`]).
+    fn blhd(&self) -> bool {
+        self.kernels.blhd
+    }
+
+    /// The positional tables of these ids: the cached ones where the ids
+    /// are the last call's.
     fn rope(&self, txt_ids: &Tensor, img_ids: &Tensor) -> Result<Rope> {
-        let dev = img_ids.device();
         let ids = Tensor::cat(&[txt_ids, img_ids], 0)?.to_dtype(DType::F32)?;
-        let ids: Vec<Vec<f32>> = ids.to_vec2()?;
+        let flat: Vec<f32> = ids.flatten_all()?.to_vec1()?;
+        let mut cache = self
+            .rope_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((cached, rope)) = cache.as_ref()
+            && *cached == flat
+        {
+            return Ok(rope.clone());
+        }
+        let rope = self.rope_tables(&ids.to_vec2()?, img_ids.device())?;
+        *cache = Some((flat, rope.clone()));
+        Ok(rope)
+    }
+
+    fn rope_tables(&self, ids: &[Vec<f32>], dev: &Device) -> Result<Rope> {
         let half: usize = self.cfg.axes_dims_rope.iter().sum::<usize>() / 2;
+        let freqs: Vec<Vec<f64>> = self
+            .cfg
+            .axes_dims_rope
+            .iter()
+            .map(|&dim| {
+                (0..dim / 2)
+                    .map(|k| 1.0 / 10000f64.powf((2 * k) as f64 / dim as f64))
+                    .collect()
+            })
+            .collect();
         let (mut cos, mut sin) = (
             Vec::with_capacity(ids.len() * half),
             Vec::with_capacity(ids.len() * half),
         );
-        for pos in &ids {
-            for (axis, &dim) in self.cfg.axes_dims_rope.iter().enumerate() {
+        for pos in ids {
+            for (axis, freqs) in freqs.iter().enumerate() {
                 let p = f64::from(pos[axis]);
-                for k in 0..dim / 2 {
-                    let freq = 1.0 / 10000f64.powf((2 * k) as f64 / dim as f64);
+                for &freq in freqs {
                     let angle = p * freq;
                     cos.push(angle.cos() as f32);
                     sin.push(angle.sin() as f32);
                 }
             }
         }
+        let n = ids.len();
+        let (cos, sin) = (
+            Tensor::from_vec(cos, (n, half), dev)?,
+            Tensor::from_vec(sin, (n, half), dev)?,
+        );
+        if !self.blhd() {
+            return Ok(Rope { cos, sin });
+        }
+        let h = self.cfg.num_attention_heads;
+        let per_head = |t: Tensor| -> Result<Tensor> {
+            t.unsqueeze(1)?
+                .broadcast_as((n, h, half))?
+                .contiguous()?
+                .reshape((n * h, half))
+        };
         Ok(Rope {
-            cos: Tensor::from_vec(cos, (ids.len(), half), dev)?,
-            sin: Tensor::from_vec(sin, (ids.len(), half), dev)?,
+            cos: per_head(cos)?,
+            sin: per_head(sin)?,
         })
     }
 
-    /// `[B, L, H·D]` → `[B, heads, L, D]`, RMS-normalised by `norm`.
-    fn heads(&self, w: &dyn Weights, x: &Tensor, norm: &str) -> Result<Tensor> {
+    /// `[B, L, H·D]` → `[B, heads, L, D]` (or `[B, L, heads, D]`, see
+    /// [`Self::blhd`]), RMS-normalised by `norm` (none for `v`).
+    fn heads(&self, w: &dyn Weights, x: &Tensor, norm: Option<&str>) -> Result<Tensor> {
         let (b, l, _) = x.dims3()?;
         let x = x.reshape((
             b,
@@ -291,26 +581,50 @@ impl Flux {
             self.cfg.num_attention_heads,
             self.cfg.attention_head_dim,
         ))?;
-        let x =
-            candle_nn::ops::rms_norm(&x.contiguous()?, &w.get(&format!("{norm}.weight"))?, 1e-6)?;
-        x.transpose(1, 2)?.contiguous()
+        let x = match norm {
+            Some(norm) => candle_nn::ops::rms_norm(
+                &x.contiguous()?,
+                &w.get(&format!("{norm}.weight"))?,
+                1e-6,
+            )?,
+            None => x,
+        };
+        if self.blhd() {
+            x.contiguous()
+        } else {
+            x.transpose(1, 2)?.contiguous()
+        }
+    }
+
+    /// The axis of the tokens in [`Self::heads`]' layout.
+    fn token_axis(&self) -> usize {
+        if self.blhd() { 1 } else { 2 }
     }
 
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, rope: &Rope) -> Result<Tensor> {
+        // RoPE in f32 as diffusers applies it; in `[B, L, H, D]` the
+        // `L·H` rows are rotated by the tables repeated per head.
         let rot = |x: &Tensor| -> Result<Tensor> {
+            let shape = x.shape().clone();
+            let (b, d0, d1, d) = x.dims4()?;
+            let x = if self.blhd() {
+                x.reshape((b, 1, d0 * d1, d))?
+            } else {
+                x.clone()
+            };
             candle_nn::rotary_emb::rope_i(&x.to_dtype(DType::F32)?, &rope.cos, &rope.sin)?
-                .to_dtype(DType::BF16)
+                .to_dtype(DType::BF16)?
+                .reshape(shape)
         };
         let (q, k) = (rot(q)?, rot(k)?);
-        let scale = 1.0 / (self.cfg.attention_head_dim as f64).sqrt();
-        let scores = q
-            .to_dtype(DType::F32)?
-            .matmul(&k.to_dtype(DType::F32)?.t()?)?
-            .affine(scale, 0.0)?;
-        let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(DType::BF16)?;
-        let out = p.matmul(v)?; // [B, heads, L, D]
-        let (b, h, l, d) = out.dims4()?;
-        out.transpose(1, 2)?.reshape((b, l, h * d))
+        match (self.blhd(), self.kernels.attention) {
+            (true, Attention::Flash) => attend_blhd(&q, &k, v),
+            (true, path) => {
+                let t = |x: &Tensor| x.transpose(1, 2);
+                attend(&t(&q)?, &t(&k)?, &t(v)?, path)
+            }
+            (false, path) => attend(&q, &k, v, path),
+        }
     }
 
     fn qkv(
@@ -320,19 +634,9 @@ impl Flux {
         names: [&str; 3],
         norms: [&str; 2],
     ) -> Result<[Tensor; 3]> {
-        let q = self.heads(w, &linear(w, names[0], x)?, norms[0])?;
-        let k = self.heads(w, &linear(w, names[1], x)?, norms[1])?;
-        let v = linear(w, names[2], x)?;
-        let (b, l, _) = v.dims3()?;
-        let v = v
-            .reshape((
-                b,
-                l,
-                self.cfg.num_attention_heads,
-                self.cfg.attention_head_dim,
-            ))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let q = self.heads(w, &self.linear(w, names[0], x)?, Some(norms[0]))?;
+        let k = self.heads(w, &self.linear(w, names[1], x)?, Some(norms[1]))?;
+        let v = self.heads(w, &self.linear(w, names[2], x)?, None)?;
         Ok([q, k, v])
     }
 
@@ -345,10 +649,10 @@ impl Flux {
         rope: &Rope,
     ) -> Result<(Tensor, Tensor)> {
         let silu = temb.silu()?;
-        let m = linear(w, "norm1.linear", &silu)?.chunk(6, 1)?;
-        let c = linear(w, "norm1_context.linear", &silu)?.chunk(6, 1)?;
-        let img_n = self.modulate(&self.norm(img)?, &m[0], &m[1])?;
-        let txt_n = self.modulate(&self.norm(txt)?, &c[0], &c[1])?;
+        let m = self.linear(w, "norm1.linear", &silu)?.chunk(6, 1)?;
+        let c = self.linear(w, "norm1_context.linear", &silu)?.chunk(6, 1)?;
+        let img_n = self.norm_modulate(img, &m[0], &m[1])?;
+        let txt_n = self.norm_modulate(txt, &c[0], &c[1])?;
         let [q, k, v] = self.qkv(
             w,
             &img_n,
@@ -361,28 +665,33 @@ impl Flux {
             ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
             ["attn.norm_added_q", "attn.norm_added_k"],
         )?;
-        let q = Tensor::cat(&[&cq, &q], 2)?;
-        let k = Tensor::cat(&[&ck, &k], 2)?;
-        let v = Tensor::cat(&[&cv, &v], 2)?;
+        let axis = self.token_axis();
+        let q = Tensor::cat(&[&cq, &q], axis)?;
+        let k = Tensor::cat(&[&ck, &k], axis)?;
+        let v = Tensor::cat(&[&cv, &v], axis)?;
         let attn = self.attention(&q, &k, &v, rope)?;
         let t_len = txt.dim(1)?;
         let txt_attn = attn.narrow(1, 0, t_len)?;
         let img_attn = attn.narrow(1, t_len, attn.dim(1)? - t_len)?;
-        let img_attn = linear(w, "attn.to_out.0", &img_attn)?;
-        let txt_attn = linear(w, "attn.to_add_out", &txt_attn)?;
+        let img_attn = self.linear(w, "attn.to_out.0", &img_attn)?;
+        let txt_attn = self.linear(w, "attn.to_add_out", &txt_attn)?;
 
-        let gate = |g: &Tensor, x: &Tensor| x.broadcast_mul(&g.unsqueeze(1)?);
+        let gate = |g: &Tensor, x: &Tensor| gate(x, g);
         let img = (img + gate(&m[2], &img_attn)?)?;
-        let img_n = self.modulate(&self.norm(&img)?, &m[3], &m[4])?;
-        let ff = linear(w, "ff.net.2", &linear(w, "ff.net.0.proj", &img_n)?.gelu()?)?;
+        let img_n = self.norm_modulate(&img, &m[3], &m[4])?;
+        let ff = self.linear(
+            w,
+            "ff.net.2",
+            &self.linear(w, "ff.net.0.proj", &img_n)?.gelu()?,
+        )?;
         let img = (img + gate(&m[5], &ff)?)?;
 
         let txt = (txt + gate(&c[2], &txt_attn)?)?;
-        let txt_n = self.modulate(&self.norm(&txt)?, &c[3], &c[4])?;
-        let ff = linear(
+        let txt_n = self.norm_modulate(&txt, &c[3], &c[4])?;
+        let ff = self.linear(
             w,
             "ff_context.net.2",
-            &linear(w, "ff_context.net.0.proj", &txt_n)?.gelu()?,
+            &self.linear(w, "ff_context.net.0.proj", &txt_n)?.gelu()?,
         )?;
         let txt = (txt + gate(&c[5], &ff)?)?;
         Ok((txt, img))
@@ -395,9 +704,9 @@ impl Flux {
         temb: &Tensor,
         rope: &Rope,
     ) -> Result<Tensor> {
-        let m = linear(w, "norm.linear", &temb.silu()?)?.chunk(3, 1)?;
-        let x = self.modulate(&self.norm(hs)?, &m[0], &m[1])?;
-        let mlp = linear(w, "proj_mlp", &x)?.gelu()?;
+        let m = self.linear(w, "norm.linear", &temb.silu()?)?.chunk(3, 1)?;
+        let x = self.norm_modulate(hs, &m[0], &m[1])?;
+        let mlp = self.linear(w, "proj_mlp", &x)?.gelu()?;
         let [q, k, v] = self.qkv(
             w,
             &x,
@@ -405,9 +714,23 @@ impl Flux {
             ["attn.norm_q", "attn.norm_k"],
         )?;
         let attn = self.attention(&q, &k, &v, rope)?;
-        let out = linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
-        hs + out.broadcast_mul(&m[2].unsqueeze(1)?)?
+        let out = self.linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
+        hs + gate(&out, &m[2])?
     }
+}
+
+/// `x · g` for `x` `[B, L, H]` and a gate `g` `[B, H]`. With one batch as
+/// `[L, H] · [1, H]`: the same products, with two dimensions of
+/// broadcast index arithmetic per element on CUDA instead of three.
+fn gate(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (b, l, h) = x.dims3()?;
+    if b == 1 && x.is_contiguous() {
+        return x
+            .reshape((l, h))?
+            .broadcast_mul(&g.reshape((1, h))?)?
+            .reshape((b, l, h));
+    }
+    x.broadcast_mul(&g.unsqueeze(1)?)
 }
 
 /// diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`
@@ -521,7 +844,70 @@ impl Uniform {
         let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
         (x as f32 / (1u64 << 23) as f32) - 1.0
     }
+
+    /// The next two standard normal numbers (Box–Muller over two draws of
+    /// this stream; |z| ≤ 5.8, the draws' 2⁻²⁴ resolution).
+    pub fn next_normal_pair(&mut self) -> (f32, f32) {
+        // (0, 1]: the logarithm stays finite.
+        let u1 = 1.0 - (f64::from(self.next_f32()) + 1.0) / 2.0;
+        let u2 = (f64::from(self.next_f32()) + 1.0) / 2.0;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let a = std::f64::consts::TAU * u2;
+        ((r * a.cos()) as f32, (r * a.sin()) as f32)
+    }
 }
+
+/// The law a random checkpoint's weights are drawn from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Init {
+    /// PyTorch's default `Linear` initialisation: weights and biases
+    /// uniform in ±1/√fan-in; RMS-norm weights uniform in 1 ± 0.1.
+    Uniform,
+    /// Normal, as trained weights are spread (their exponents as wide):
+    /// linear weights N(0, 1/fan-in), biases N(0, 1/(3·fan-in)) (the
+    /// variance of PyTorch's uniform bias), RMS-norm weights 1 + N(0, 0.1²)
+    /// (diffusers initialises them to ones).
+    Normal,
+}
+
+impl Init {
+    /// The name the checkpoint's `config.json` records (`_offload_init`)
+    /// and the benchmark prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Uniform => "uniform",
+            Self::Normal => "normal",
+        }
+    }
+
+    /// The law named `name` ([`Self::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Uniform, Self::Normal]
+            .into_iter()
+            .find(|i| i.name() == name)
+    }
+
+    /// `n` values of a tensor of this law: centred on `centre`, spread
+    /// `scale` (the uniform law's half-width, the normal law's deviation).
+    fn draw(self, rng: &mut Uniform, n: usize, centre: f32, scale: f32) -> Vec<f32> {
+        match self {
+            Self::Uniform => (0..n).map(|_| centre + scale * rng.next_f32()).collect(),
+            Self::Normal => {
+                let mut out = Vec::with_capacity(n + 1);
+                while out.len() < n {
+                    let (a, b) = rng.next_normal_pair();
+                    out.extend([centre + scale * a, centre + scale * b]);
+                }
+                out.truncate(n);
+                out
+            }
+        }
+    }
+}
+
+/// The key of diffusers' `config.json` where a random checkpoint records
+/// its [`Init`] (diffusers ignores keys starting with `_`).
+pub const INIT_KEY: &str = "_offload_init";
 
 fn bf16_bytes(values: impl Iterator<Item = f32>) -> Vec<u8> {
     values
@@ -550,27 +936,31 @@ impl FluxConfig {
 }
 
 /// Writes a random bf16 checkpoint of `cfg` into `dir` as diffusers lays
-/// one out (`config.json`, `diffusion_pytorch_model.safetensors`):
-/// weights and biases uniform in ±1/√fan-in (PyTorch's default `Linear`
-/// initialisation), RMS norm weights 1 ± 0.1.
+/// one out (`config.json`, `diffusion_pytorch_model.safetensors`), its
+/// weights drawn by `init` from the stream of `seed`; `config.json` records
+/// the law under [`INIT_KEY`].
 pub fn write_random_checkpoint(
     dir: &std::path::Path,
     cfg: &FluxConfig,
     seed: u64,
+    init: Init,
 ) -> std::result::Result<(), offload_safetensors::CheckpointError> {
     let io = |e| offload_safetensors::CheckpointError::Io {
         path: dir.to_owned(),
         source: e,
     };
     std::fs::create_dir_all(dir).map_err(io)?;
-    std::fs::write(dir.join("config.json"), cfg.to_diffusers_json()).map_err(io)?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&cfg.to_diffusers_json()).expect("to_diffusers_json writes JSON");
+    config[INIT_KEY] = init.name().into();
+    std::fs::write(dir.join("config.json"), config.to_string()).map_err(io)?;
     let mut rng = Uniform::new(seed);
     let mut tensors = Vec::new();
     let shapes = weight_shapes(cfg);
     for (name, shape) in &shapes {
         let n: usize = shape.iter().product();
-        let bytes = if name.contains(".norm_") {
-            bf16_bytes((0..n).map(|_| 1.0 + 0.1 * rng.next_f32()))
+        let values = if name.contains(".norm_") {
+            init.draw(&mut rng, n, 1.0, 0.1)
         } else {
             // A bias has the fan-in of its weight.
             let fan_in = shapes
@@ -578,12 +968,29 @@ pub fn write_random_checkpoint(
                 .find(|(w, _)| *w == name.replace(".bias", ".weight"))
                 .map_or(1, |(_, s)| s.get(1).copied().unwrap_or(1));
             let bound = 1.0 / (fan_in as f32).sqrt();
-            bf16_bytes((0..n).map(|_| bound * rng.next_f32()))
+            let scale = match init {
+                Init::Normal if name.ends_with(".bias") => bound / 3f32.sqrt(),
+                _ => bound,
+            };
+            init.draw(&mut rng, n, 0.0, scale)
         };
         let shape = shape.iter().map(|&d| d as u64).collect();
-        tensors.push((name.clone(), offload_core::model::DType::Bf16, shape, bytes));
+        tensors.push((
+            name.clone(),
+            offload_core::model::DType::Bf16,
+            shape,
+            bf16_bytes(values.into_iter()),
+        ));
     }
     offload_safetensors::write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors)
+}
+
+/// The [`Init`] a checkpoint's `config.json` records, or `None` (a
+/// checkpoint not written by [`write_random_checkpoint`] or
+/// `flux_reference.py make-checkpoint`).
+pub fn recorded_init(config_json: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(config_json).ok()?;
+    v.get(INIT_KEY)?.as_str().map(str::to_owned)
 }
 
 /// Random inputs for a `side × side` latent grid (`side²` image tokens)

@@ -27,6 +27,9 @@ pub mod flux;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+#[cfg(feature = "cuda")]
+pub mod lt;
+
 pub use flux::{Flux, FluxConfig, FluxInputs, ModuleWeights, Weights};
 
 /// candle's element type for offload's, where candle has one.

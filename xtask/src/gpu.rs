@@ -542,20 +542,136 @@ const CANDLE_CUDARC_TO: &str = "    \"cuda-13000\",\n    \"dynamic-loading\",\n"
 const WHEELS: &str = "python3 -m pip install --no-deps --target T nvidia-cuda-nvcc==13.0.88 \
     nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85";
 
-/// Builds `offload-flux-bench` (offload-candle with candle's CUDA backend)
-/// into `dir` with the Flux reference script and `run-candle.sh`.
+/// The toolkit of [`WHEELS`], as the bundle's `BUILD` file names it.
+const WHEELS_SHORT: &str = "nvcc 13.0.88 (PyPI wheels)";
+
+/// Binaries larger than this travel gzipped: the bundle, carried to the
+/// GPU machine, stays well under its 64 MiB.
+const GZIP_ABOVE_BYTES: u64 = 16 << 20;
+
+/// The CUTLASS headers candle-flash-attn 0.11.1 pins (commit 7d49e6c7, the
+/// v3.5.0 tag): PyPI's wheel carries them byte for byte under
+/// `cutlass_library/source/`, so the build needs no GitHub.
+const CUTLASS_WHEEL: &str = "nvidia-cutlass==3.5.0.0";
+
+/// The start of candle-flash-attn 0.11.1's `run_mha_fwd` in
+/// `kernels/flash_api.cu`, and the line after its end: the dispatch the copy
+/// replaces with [`FLASH_DISPATCH`].
+const FLASH_DISPATCH_FROM: &str =
+    "void run_mha_fwd(Flash_fwd_params &params, cudaStream_t stream) {";
+const FLASH_DISPATCH_UNTIL: &str = "extern \"C\" void run_mha(";
+
+/// Flux's one attention kernel: bf16, head dim 128, non-causal, no paged
+/// KV. The stock dispatch names all 52 other specialisations, whose
+/// objects the trimmed build does not compile (the link would fail);
+/// anything else aborts with the reason.
+const FLASH_DISPATCH: &str = r#"#include <cstdio>
+#include <cstdlib>
+
+// offload's trimmed build (cargo xtask candle-bundle): only Flux's kernel.
+void run_mha_fwd(Flash_fwd_params &params, cudaStream_t stream) {
+  if (params.is_bf16 && !params.is_causal && params.block_table == nullptr && params.d == 128) {
+    run_mha_fwd_<cutlass::bfloat16_t, 128, false>(params, stream);
+  } else {
+    fprintf(stderr, "candle-flash-attn (offload's trimmed build) has only bf16, head dim 128, "
+            "non-causal, unpaged attention: got bf16 %d, head dim %d, causal %d, paged %d\n",
+            params.is_bf16, params.d, params.is_causal, params.block_table != nullptr);
+    abort();
+  }
+}
+
+"#;
+
+/// The copy's build script: nvcc on the two files Flux needs (instead of
+/// cudaforge on 53, which fetches CUTLASS from GitHub), for
+/// `sm_$CUDA_COMPUTE_CAP`, with the switches Flux never turns on compiled
+/// out, against the CUTLASS of `$OFFLOAD_CUTLASS_DIR`; both files at once.
+const FLASH_BUILD_RS: &str = r#"//! offload's build of candle-flash-attn (written by `cargo xtask
+//! candle-bundle`): the two kernel files Flux needs, compiled by nvcc against
+//! `$OFFLOAD_CUTLASS_DIR` (PyPI's nvidia-cutlass 3.5.0.0 headers).
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const FILES: [&str; 2] = ["kernels/flash_api.cu", "kernels/flash_fwd_hdim128_bf16_sm80.cu"];
+
+fn main() {
+    println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-changed=kernels");
+    for v in ["OFFLOAD_CUTLASS_DIR", "CUDA_COMPUTE_CAP", "CUDA_HOME"] {
+        println!("cargo::rerun-if-env-changed={v}");
+    }
+    let cutlass = PathBuf::from(std::env::var("OFFLOAD_CUTLASS_DIR").expect(
+        "OFFLOAD_CUTLASS_DIR: the folder with CUTLASS's include/ and tools/util/include/",
+    ));
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let nvcc = std::env::var("CUDA_HOME")
+        .map(|h| Path::new(&h).join("bin/nvcc"))
+        .unwrap_or_else(|_| PathBuf::from("nvcc"));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let mut jobs = Vec::new();
+    let mut objects = Vec::new();
+    for file in FILES {
+        let object = out.join(Path::new(file).with_extension("o").file_name().unwrap());
+        let child = Command::new(&nvcc)
+            .args(["-std=c++17", "-O3", "--use_fast_math"])
+            .args(["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__"])
+            .args(["-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"])
+            .args(["--expt-relaxed-constexpr", "--expt-extended-lambda"])
+            .args(["-Xcompiler", "-fPIC", "-Xcompiler", "-Wno-deprecated-declarations"])
+            .args(["-DFLASHATTENTION_DISABLE_DROPOUT", "-DFLASHATTENTION_DISABLE_ALIBI"])
+            .args(["-DFLASHATTENTION_DISABLE_SOFTCAP", "-DFLASHATTENTION_DISABLE_LOCAL"])
+            .arg("-DFLASHATTENTION_DISABLE_UNEVEN_K")
+            .arg(format!("-gencode=arch=compute_{cap},code=sm_{cap}"))
+            .arg(format!("-I{}", cutlass.join("include").display()))
+            .arg(format!("-I{}", cutlass.join("tools/util/include").display()))
+            .arg("-Ikernels")
+            .args(["-c", file, "-o"])
+            .arg(&object)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
+        jobs.push((file, child));
+        objects.push(object);
+    }
+    for (file, mut child) in jobs {
+        let status = child.wait().expect("waiting for nvcc");
+        assert!(status.success(), "nvcc {file}: {status}");
+    }
+    let lib = out.join("libflashattention.a");
+    let status = Command::new(&nvcc)
+        .arg("--lib")
+        .arg("-o")
+        .arg(&lib)
+        .args(&objects)
+        .status()
+        .expect("nvcc --lib");
+    assert!(status.success(), "nvcc --lib: {status}");
+    println!("cargo::rustc-link-search={}", out.display());
+    println!("cargo::rustc-link-lib=static=flashattention");
+    println!("cargo::rustc-link-lib=dylib=cudart");
+    println!("cargo::rustc-link-lib=dylib=stdc++");
+}
+"#;
+
+/// Builds `offload-flux-bench` (offload-candle with candle's CUDA backend
+/// and FlashAttention-2) into `dir` with the Flux reference script and
+/// `run-candle.sh`.
 ///
 /// Needs nvcc (for candle's kernels): `$CUDA_TK` or the `nvcc` on `PATH`;
-/// the NVIDIA wheels carry one ([`WHEELS`], then `CUDA_TK=T/nvidia/cu13`). The build patches
-/// candle-core (see [`CANDLE_CUDARC_FROM`]) through `--config`, from a copy
-/// made under `target/candle-cuda`, links candle's `-lcudart` against the
-/// static runtime (no libcudart needed where it runs), and restores
-/// `Cargo.lock` afterwards.
+/// the NVIDIA wheels carry one ([`WHEELS`], then `CUDA_TK=T/nvidia/cu13`),
+/// and CUTLASS 3.5.0's headers ([`CUTLASS_WHEEL`] into the same `T`, or
+/// `$CUTLASS_DIR`). The build patches candle-core (see
+/// [`CANDLE_CUDARC_FROM`]) and candle-flash-attn (its build script
+/// [`FLASH_BUILD_RS`], its dispatch [`FLASH_DISPATCH`]) through `--config`,
+/// from copies made under `target/candle-cuda`, links candle's `-lcudart`
+/// against the static runtime (no libcudart needed where it runs), and
+/// restores `Cargo.lock` afterwards.
 pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
+    let began = std::time::Instant::now();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .canonicalize()
         .context("the workspace root")?;
+    let wheels = format!("{WHEELS} {CUTLASS_WHEEL}");
     let tk = match std::env::var_os("CUDA_TK") {
         Some(t) => PathBuf::from(t),
         None => {
@@ -565,9 +681,9 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
                 .context("looking for nvcc")?;
             let nvcc = String::from_utf8_lossy(&out.stdout).trim().to_owned();
             if nvcc.is_empty() {
-                anyhow::bail!(
+                bail!(
                     "candle's CUDA kernels need nvcc: set CUDA_TK to a CUDA 13.0 toolkit (the NVIDIA wheels carry one: \
-                     {WHEELS}; then CUDA_TK=T/nvidia/cu13)"
+                     {wheels}; then CUDA_TK=T/nvidia/cu13)"
                 );
             }
             Path::new(&nvcc)
@@ -579,44 +695,105 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
     };
     let cudart = tk.join("lib/libcudart_static.a");
     if !cudart.is_file() {
-        anyhow::bail!(
+        bail!(
             "{} not found: the toolkit at {} has no static CUDA runtime",
             cudart.display(),
             tk.display()
         );
     }
-    // The patched candle-core, from the registry's copy cargo resolved.
+    // CUTLASS: `$CUTLASS_DIR`, else the wheel installed beside the
+    // toolkit's (T/nvidia/cu13 → T/cutlass_library/source).
+    let cutlass = match std::env::var_os("CUTLASS_DIR") {
+        Some(c) => PathBuf::from(c),
+        None => tk.join("../../cutlass_library/source"),
+    };
+    for sub in [
+        "include/cute",
+        "include/cutlass",
+        "tools/util/include/cutlass",
+    ] {
+        if !cutlass.join(sub).is_dir() {
+            bail!(
+                "{} not found: FlashAttention needs CUTLASS 3.5.0's headers (`{wheels}` puts them in \
+                 T/cutlass_library/source; or set CUTLASS_DIR to a folder with include/ and tools/util/include/)",
+                cutlass.join(sub).display()
+            );
+        }
+    }
+    let cutlass = cutlass.canonicalize().context("CUTLASS's folder")?;
+    // The patched crates, from the registry's copies cargo resolved (all
+    // features: candle-flash-attn is optional).
     let meta = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["metadata", "--format-version", "1", "--locked"])
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--locked",
+            "--all-features",
+        ])
         .current_dir(&root)
         .output()
         .context("cargo metadata")?;
     let meta: Value = serde_json::from_slice(&meta.stdout).context("cargo metadata's output")?;
-    let manifest = meta["packages"]
-        .as_array()
-        .and_then(|p| p.iter().find(|p| p["name"] == "candle-core"))
-        .and_then(|p| p["manifest_path"].as_str())
-        .context("candle-core in the workspace's dependencies")?;
-    let src = Path::new(manifest)
-        .parent()
-        .context("candle-core's source")?;
+    let source_of = |name: &str| -> Result<PathBuf> {
+        let manifest = meta["packages"]
+            .as_array()
+            .and_then(|p| p.iter().find(|p| p["name"] == name))
+            .and_then(|p| p["manifest_path"].as_str())
+            .with_context(|| format!("{name} in the workspace's dependencies"))?;
+        Ok(Path::new(manifest)
+            .parent()
+            .with_context(|| format!("{name}'s source"))?
+            .to_owned())
+    };
     let work = root.join("target/candle-cuda");
-    let vendored = work.join("candle-core");
-    let toml_path = vendored.join("Cargo.toml");
+
+    let src = source_of("candle-core")?;
     let original = std::fs::read_to_string(src.join("Cargo.toml"))?;
     if original.matches(CANDLE_CUDARC_FROM).count() != 1 {
-        anyhow::bail!(
+        bail!(
             "{}: cudarc's features are not what this patch expects; update CANDLE_CUDARC_FROM",
             src.join("Cargo.toml").display()
         );
     }
-    let patched = original.replace(CANDLE_CUDARC_FROM, CANDLE_CUDARC_TO);
-    // An up-to-date copy is kept (a fresh one would rebuild candle).
-    if std::fs::read_to_string(&toml_path).ok().as_deref() != Some(patched.as_str()) {
-        let _ = std::fs::remove_dir_all(&vendored);
-        copy_tree(src, &vendored)?;
-        std::fs::write(&toml_path, patched)?;
+    let core = work.join("candle-core");
+    vendor(
+        &src,
+        &core,
+        &[(
+            "Cargo.toml",
+            original.replace(CANDLE_CUDARC_FROM, CANDLE_CUDARC_TO),
+        )],
+    )?;
+
+    let src = source_of("candle-flash-attn")?;
+    let api = std::fs::read_to_string(src.join("kernels/flash_api.cu"))?;
+    let (Some(from), Some(until)) = (
+        api.find(FLASH_DISPATCH_FROM),
+        api.find(FLASH_DISPATCH_UNTIL),
+    ) else {
+        bail!(
+            "{}: run_mha_fwd is not where this patch expects; update FLASH_DISPATCH_FROM/UNTIL",
+            src.join("kernels/flash_api.cu").display()
+        );
+    };
+    if api.matches(FLASH_DISPATCH_FROM).count() != 1 || until < from {
+        bail!(
+            "{}: run_mha_fwd is not what this patch expects",
+            src.join("kernels/flash_api.cu").display()
+        );
     }
+    let api = format!("{}{FLASH_DISPATCH}{}", &api[..from], &api[until..]);
+    let flash = work.join("candle-flash-attn");
+    vendor(
+        &src,
+        &flash,
+        &[
+            ("kernels/flash_api.cu", api),
+            ("build.rs", FLASH_BUILD_RS.to_owned()),
+        ],
+    )?;
+
     let lib = work.join("lib");
     std::fs::create_dir_all(&lib)?;
     std::fs::write(
@@ -630,15 +807,23 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
         tk.join("bin").display(),
         std::env::var("PATH").unwrap_or_default()
     );
-    let patch = format!(
+    let patch_core = format!(
         "patch.crates-io.candle-core.path={:?}",
-        vendored.display().to_string()
+        core.display().to_string()
+    );
+    let patch_flash = format!(
+        "patch.crates-io.candle-flash-attn.path={:?}",
+        flash.display().to_string()
     );
     let env = [
         ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
         ("CARGO_PROFILE_RELEASE_STRIP", "true"),
         ("CUDA_COMPUTE_CAP", "90"),
         ("CUDA_HOME", tk.to_str().context("toolkit path")?),
+        (
+            "OFFLOAD_CUTLASS_DIR",
+            cutlass.to_str().context("CUTLASS path")?,
+        ),
         ("PATH", &path),
         ("LIBRARY_PATH", lib.to_str().context("lib path")?),
     ];
@@ -646,8 +831,8 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
     // Each build is copied before the next: both write the same path.
     let mut built = Ok(());
     for (features, name) in [
-        ("cuda", "offload-flux-bench"),
-        ("cuda,planted-bugs", "offload-flux-bench-planted"),
+        ("cuda,flash-attn", "offload-flux-bench"),
+        ("cuda,flash-attn,planted-bugs", "offload-flux-bench-planted"),
     ] {
         let args = [
             "build",
@@ -659,7 +844,9 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
             "--bin",
             "offload-flux-bench",
             "--config",
-            &patch,
+            &patch_core,
+            "--config",
+            &patch_flash,
         ];
         built =
             executable(&args, &env, "offload-flux-bench").and_then(|b| copy(&b, &dir.join(name)));
@@ -677,7 +864,87 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
         &root.join("bench/run-candle.sh"),
         &dir.join("run-candle.sh"),
     )?;
-    eprintln!("xtask: candle bundle in {}", dir.display());
+    make_executable(&dir.join("run-candle.sh"))?;
+    // The peer's wheels (diffusers and what it needs beyond the device's
+    // torch), where the checkout has them in `.whl/`.
+    let wheels_dir = root.join(".whl");
+    if wheels_dir.is_dir() {
+        std::fs::create_dir_all(dir.join("whl"))?;
+        for entry in std::fs::read_dir(&wheels_dir)? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "whl") {
+                copy(
+                    &path,
+                    &dir.join("whl")
+                        .join(path.file_name().context("wheel name")?),
+                )?;
+            }
+        }
+    }
+    // Big binaries travel gzipped (run-candle.sh unpacks them).
+    for name in ["offload-flux-bench", "offload-flux-bench-planted"] {
+        let bin = dir.join(name);
+        let _ = std::fs::remove_file(dir.join(format!("{name}.gz")));
+        if std::fs::metadata(&bin)?.len() > GZIP_ABOVE_BYTES {
+            let status = Command::new("gzip")
+                .args(["-9", "-f"])
+                .arg(&bin)
+                .status()
+                .context("running gzip")?;
+            if !status.success() {
+                bail!("gzip {}: {status}", bin.display());
+            }
+        }
+    }
+    let head = Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .current_dir(&root)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    std::fs::write(
+        dir.join("BUILD"),
+        format!(
+            "commit {head}; features cuda,flash-attn; sm_90; {WHEELS_SHORT} + {CUTLASS_WHEEL}; built in {:.0} s\n",
+            began.elapsed().as_secs_f64()
+        ),
+    )?;
+    let mut bytes = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        bytes += if entry.file_type()?.is_dir() {
+            std::fs::read_dir(entry.path())?
+                .map(|e| e.and_then(|e| e.metadata()).map_or(0, |m| m.len()))
+                .sum()
+        } else {
+            entry.metadata()?.len()
+        };
+    }
+    eprintln!(
+        "xtask: candle bundle in {} ({:.1} MiB) after {:.0} s",
+        dir.display(),
+        bytes as f64 / (1u64 << 20) as f64,
+        began.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Keeps `to` a copy of the crate at `from` with `patched` files (path
+/// relative to the crate, new contents) replaced. An up-to-date copy is
+/// left alone: a fresh one would rebuild the crate.
+fn vendor(from: &Path, to: &Path, patched: &[(&str, String)]) -> Result<()> {
+    let current = patched
+        .iter()
+        .all(|(p, text)| std::fs::read_to_string(to.join(p)).ok().as_deref() == Some(text));
+    if current {
+        return Ok(());
+    }
+    let _ = std::fs::remove_dir_all(to);
+    copy_tree(from, to)?;
+    for (p, text) in patched {
+        std::fs::write(to.join(p), text)
+            .with_context(|| format!("writing {}", to.join(p).display()))?;
+    }
     Ok(())
 }
 

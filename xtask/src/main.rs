@@ -42,13 +42,15 @@ enum Cmd {
         bundle: Option<std::path::PathBuf>,
     },
     /// Build `offload-flux-bench` (the candle Flux DiT with candle's CUDA
-    /// backend) into a folder with the reference script and `run-candle.sh`.
-    /// Needs a CUDA 13.0 nvcc: `$CUDA_TK`, or `nvcc` on `PATH`; PyPI has one:
+    /// backend and FlashAttention-2) into a folder with the reference script
+    /// and `run-candle.sh`. Needs a CUDA 13.0 nvcc and CUTLASS 3.5.0's
+    /// headers: `$CUDA_TK`, or `nvcc` on `PATH`; PyPI has both:
     /// `python3 -m pip install --no-deps --target T nvidia-cuda-nvcc==13.0.88
     /// nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88
-    /// nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85`, then
-    /// `CUDA_TK=T/nvidia/cu13` (a newer nvcc writes PTX a 580 driver cannot
-    /// load).
+    /// nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cutlass==3.5.0.0`,
+    /// then `CUDA_TK=T/nvidia/cu13` (a newer nvcc writes PTX a 580 driver
+    /// cannot load; CUTLASS is found at `T/cutlass_library/source`, or
+    /// `$CUTLASS_DIR`).
     CandleBundle {
         /// The folder.
         dir: std::path::PathBuf,

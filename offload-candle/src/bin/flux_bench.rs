@@ -15,6 +15,20 @@
 //! bandwidth); then `--growth-steps` offloaded steps at a small size with
 //! host and device memory read after the warm-up and at the end. One JSON
 //! object last.
+//!
+//! The fast paths ([`flux::Kernels`]) are checked first, each against
+//! candle's plain operations on the same random bf16 inputs (up to 4,608
+//! tokens; cosine ≥ 0.9999, max abs ≤ 2 % of the largest output): with
+//! flash attention (the `flash-attn` build), FlashAttention-2 against the
+//! unfused attention at Flux's shape (24 heads of 128); the cuBLASLt bias
+//! epilogue against candle's `Linear`; the fused AdaLN against norm,
+//! multiply and add. After the resident steps, the resident step with each
+//! fast path switched off (the attention ones up to 4,608 tokens), timed
+//! and compared with the full one (cosine ≥ 0.999): what each bought. A
+//! failed check fails the run (exit 1) after the JSON is written. The
+//! report names the paths and the law the checkpoint's weights were drawn
+//! from (`_offload_init` in config.json), and counts the cuBLASLt GEMMs and
+//! fallbacks of the offloaded and the resident steps.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -67,9 +81,182 @@ struct Args {
     /// cores: exact products of bf16-valued inputs, f32 accumulation.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     tf32: bool,
+    /// Attention path of the timed forwards: `auto` (flash where this build
+    /// has it), `flash` or `unfused`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "flash", "unfused"])]
+    attention: String,
+    /// Tokens of the flash-vs-unfused attention check (at most this and the
+    /// inputs' tokens; 0 skips the check and the unfused forward).
+    #[arg(long, default_value_t = 4608)]
+    check_tokens: usize,
     /// Write the JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The bounds of the flash-vs-unfused checks: the attention alone (both
+/// paths bf16 in and out, f32 accumulation: they differ by bf16 roundings
+/// of the probabilities and the output) and the whole forward (57 blocks
+/// of such differences, the bar the diffusers comparison has).
+const ATTENTION_MIN_COSINE: f64 = 0.9999;
+const ATTENTION_MAX_ABS_OVER_MAX: f32 = 0.02;
+const FORWARD_MIN_COSINE: f64 = 0.999;
+
+/// One fast path against candle's plain operations on the same inputs:
+/// (cosine, max abs, max |plain|) into `cases` and, past the bounds, a line
+/// into `failed`.
+fn check_case(
+    what: String,
+    fast: &Tensor,
+    plain: &Tensor,
+    cases: &mut Vec<serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    let (cos, max_abs) = compare(
+        &fast.to_device(&Device::Cpu)?,
+        &plain.to_device(&Device::Cpu)?,
+    )?;
+    let peak = plain
+        .to_dtype(DType::F32)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    let ok = cos >= ATTENTION_MIN_COSINE && max_abs <= ATTENTION_MAX_ABS_OVER_MAX * peak;
+    if !ok {
+        failed.push(format!(
+            "{what}: cosine {cos} (bound {ATTENTION_MIN_COSINE}), max abs {max_abs} against \
+             max |plain| {peak} (bound {ATTENTION_MAX_ABS_OVER_MAX} of it)"
+        ));
+    }
+    cases.push(serde_json::json!({
+        "what": what, "cosine": cos, "max_abs": max_abs, "max_abs_plain": peak, "ok": ok,
+    }));
+    Ok(())
+}
+
+/// The cuBLASLt bias epilogue against candle's `Linear` (3072 → 3072 and
+/// 12288 → 3072, weights of deviation 1/√fan-in) and the fused AdaLN
+/// against norm, multiply and add, on random bf16 inputs of `tokens` rows,
+/// into `report["kernel_checks"]`.
+fn check_kernels(
+    candle: &Device,
+    cfg: &FluxConfig,
+    tokens: usize,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    use candle_core::Module as _;
+    let h = cfg.hidden();
+    let randn = |std: f32, shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, candle)?.to_dtype(DType::BF16)?)
+    };
+    let mut cases = Vec::new();
+    for fan_in in [h, 4 * h] {
+        let x = randn(1.0, &[1, tokens, fan_in])?;
+        let w = randn(1.0 / (fan_in as f32).sqrt(), &[h, fan_in])?;
+        let b = randn(1.0 / (3.0 * fan_in as f32).sqrt(), &[h])?;
+        let before = offload_candle::lt::stats();
+        let fast = offload_candle::lt::linear_bias(&x, &w, &b)?;
+        let took_lt = offload_candle::lt::stats().0 > before.0;
+        let plain = candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
+        check_case(
+            format!(
+                "cuBLASLt bias epilogue vs candle Linear, {fan_in} → {h}, {tokens} rows (took cuBLASLt: {took_lt})"
+            ),
+            &fast,
+            &plain,
+            &mut cases,
+            failed,
+        )?;
+    }
+    let fused = Flux::new(cfg.clone(), candle)?.with_kernels(flux::Kernels {
+        fused_modulate: true,
+        ..flux::Kernels::PLAIN
+    })?;
+    let plain = Flux::new(cfg.clone(), candle)?.with_kernels(flux::Kernels::PLAIN)?;
+    let x = randn(1.0, &[1, tokens, h])?;
+    let (shift, scale) = (randn(1.0, &[1, h])?, randn(0.5, &[1, h])?);
+    check_case(
+        format!("fused AdaLN vs norm, multiply, add, {tokens} rows"),
+        &fused.norm_modulate(&x, &shift, &scale)?,
+        &plain.norm_modulate(&x, &shift, &scale)?,
+        &mut cases,
+        failed,
+    )?;
+    report.insert("kernel_checks".into(), cases.into());
+    Ok(())
+}
+
+/// Flash against unfused attention on random bf16 inputs `[1, heads, L,
+/// 128]`, per spread of the queries and keys (1: scores of deviation 1, as
+/// RMS-normalised ones; 2: sharper, deviation 4): (cosine, max abs error,
+/// max |unfused|, flash ms, unfused ms) per case into `report`; the failed
+/// bounds into `failed`.
+fn check_attention(
+    candle: &Device,
+    heads: usize,
+    tokens: usize,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    use flux::Attention;
+    let mut cases = Vec::new();
+    for spread in [1.0f32, 2.0] {
+        let draw = |s: f32| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, s, (1, heads, tokens, 128), candle)?.to_dtype(DType::BF16)?)
+        };
+        let (q, k, v) = (draw(spread)?, draw(spread)?, draw(1.0)?);
+        let run = |path: Attention| -> Result<(Tensor, f64)> {
+            let out = flux::attend(&q, &k, &v, path)?;
+            candle.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..5 {
+                flux::attend(&q, &k, &v, path)?;
+            }
+            candle.synchronize()?;
+            Ok((out, t.elapsed().as_secs_f64() * 1e3 / 5.0))
+        };
+        let (fast, fast_ms) = run(Attention::Flash)?;
+        let (slow, slow_ms) = run(Attention::Unfused)?;
+        let (cos, max_abs) = compare(
+            &fast.to_device(&Device::Cpu)?,
+            &slow.to_device(&Device::Cpu)?,
+        )?;
+        let peak = slow
+            .to_dtype(DType::F32)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        let ok = cos >= ATTENTION_MIN_COSINE && max_abs <= ATTENTION_MAX_ABS_OVER_MAX * peak;
+        if !ok {
+            failed.push(format!(
+                "flash vs unfused attention (spread {spread}, {tokens} tokens): cosine {cos} \
+                 (bound {ATTENTION_MIN_COSINE}), max abs {max_abs} against max |out| {peak} \
+                 (bound {ATTENTION_MAX_ABS_OVER_MAX} of it)"
+            ));
+        }
+        cases.push(serde_json::json!({
+            "spread": spread,
+            "cosine": cos,
+            "max_abs": max_abs,
+            "max_abs_unfused": peak,
+            "flash_ms": fast_ms,
+            "unfused_ms": slow_ms,
+            "ok": ok,
+        }));
+    }
+    report.insert(
+        "attention_check".into(),
+        serde_json::json!({
+            "tokens": tokens,
+            "heads": heads,
+            "head_dim": 128,
+            "min_cosine": ATTENTION_MIN_COSINE,
+            "max_abs_over_max": ATTENTION_MAX_ABS_OVER_MAX,
+            "cases": cases,
+        }),
+    );
+    Ok(())
 }
 
 fn pipeline(ckpt: &Checkpoint) -> Result<Pipeline> {
@@ -203,11 +390,15 @@ fn run() -> Result<()> {
         println!("SKIP: no CUDA driver found; offload-flux-bench needs a GPU");
         return Ok(());
     }
-    let cfg: FluxConfig = serde_json::from_str(
-        &std::fs::read_to_string(args.ckpt.join("config.json")).context("config.json")?,
-    )
-    .context("config.json is not a FluxTransformer2DModel configuration")?;
+    let config_json =
+        std::fs::read_to_string(args.ckpt.join("config.json")).context("config.json")?;
+    let cfg: FluxConfig = serde_json::from_str(&config_json)
+        .context("config.json is not a FluxTransformer2DModel configuration")?;
     let mut report = serde_json::Map::new();
+    let init = flux::recorded_init(&config_json).unwrap_or_else(|| "not recorded".into());
+    eprintln!("checkpoint weights: {init}");
+    report.insert("checkpoint_init".into(), init.into());
+    let mut failed: Vec<String> = Vec::new();
     let dev = Arc::new(CudaDevice::new(0)?);
     report.insert("device".into(), dev.name().into());
     let gbps = bandwidth(&dev)?;
@@ -273,6 +464,28 @@ fn run() -> Result<()> {
     let tokens = inputs.hidden_states.dim(1)? + inputs.encoder_hidden_states.dim(1)?;
     report.insert("tokens".into(), tokens.into());
     let model = Flux::new(cfg.clone(), &candle)?;
+    let model = match args.attention.as_str() {
+        "flash" => model.with_attention(flux::Attention::Flash)?,
+        "unfused" => model.with_attention(flux::Attention::Unfused)?,
+        _ => model,
+    };
+    let flash = model.attention_path() == flux::Attention::Flash;
+    eprintln!("kernels: {}", model.kernels().name());
+    report.insert("attention".into(), model.attention_path().name().into());
+    report.insert("kernels".into(), model.kernels().name().into());
+    let check_tokens = args.check_tokens.min(tokens);
+    if flash && check_tokens > 0 {
+        check_attention(
+            &candle,
+            cfg.num_attention_heads,
+            check_tokens,
+            &mut report,
+            &mut failed,
+        )?;
+    }
+    if check_tokens > 0 {
+        check_kernels(&candle, &cfg, check_tokens, &mut report, &mut failed)?;
+    }
     // SAFETY: Flux returns freshly computed tensors; the views are used only
     // inside their scopes; `off` (the backend) outlives every step below,
     // each synchronised.
@@ -287,6 +500,7 @@ fn run() -> Result<()> {
     }
     report.insert("planted".into(), args.plant.clone().into());
     let off = Offloaded { rt, views };
+    let lt_before = offload_candle::lt::stats();
     let first = off.step(&model, &inputs)?;
     sync(&candle, &dev, &compute)?;
     let mut times = Vec::new();
@@ -301,6 +515,8 @@ fn run() -> Result<()> {
     }
     let offload_step = median(times.clone());
     report.insert("offload_step_s".into(), offload_step.into());
+    let lt_offloaded = offload_candle::lt::stats();
+    let lt_offloaded = (lt_offloaded.0 - lt_before.0, lt_offloaded.1 - lt_before.1);
     report.insert("offload_steps_s".into(), times.into());
     report.insert("zero_copy_views_cached".into(), off.views.cached().into());
     let Offloaded { mut rt, views } = off;
@@ -332,20 +548,119 @@ fn run() -> Result<()> {
         times.push(t.elapsed().as_secs_f64());
     }
     let resident_step = median(times);
-    // The same with the other f32 GEMM precision, for the record.
-    candle_core::cuda_backend::set_gemm_reduced_precision_f32(!args.tf32);
-    let mut times = Vec::new();
-    for _ in 0..args.steps.min(3) {
-        let t = Instant::now();
-        model.forward(&inputs, &weights)?;
-        candle.synchronize()?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
-    report.insert(
-        "resident_step_other_f32_gemm_s".into(),
-        median(times).into(),
+    // cuBLASLt GEMMs and fallbacks of the offloaded and of the resident
+    // steps: the same paths compute the same bits.
+    let lt_now = offload_candle::lt::stats();
+    let lt_resident = (
+        lt_now.0 - lt_before.0 - lt_offloaded.0,
+        lt_now.1 - lt_before.1 - lt_offloaded.1,
     );
+    report.insert(
+        "lt_gemms_offloaded_resident".into(),
+        serde_json::json!([lt_offloaded.0, lt_resident.0]),
+    );
+    report.insert(
+        "lt_fallbacks_offloaded_resident".into(),
+        serde_json::json!([lt_offloaded.1, lt_resident.1]),
+    );
+    // What each fast path bought: the resident step with it switched off
+    // (the attention ones only up to --check-tokens), compared with the
+    // step that has them all.
+    let all = model.kernels();
+    let mut variants = Vec::new();
+    if all.gemm_bias_epilogue {
+        variants.push((
+            "without the cuBLASLt bias epilogue",
+            flux::Kernels {
+                gemm_bias_epilogue: false,
+                ..all
+            },
+        ));
+    }
+    if all.blhd {
+        variants.push((
+            "without the [B, L, H, D] layout",
+            flux::Kernels { blhd: false, ..all },
+        ));
+    }
+    if all.fused_modulate {
+        variants.push((
+            "without the fused AdaLN",
+            flux::Kernels {
+                fused_modulate: false,
+                ..all
+            },
+        ));
+    }
+    if flash && check_tokens == tokens {
+        variants.push((
+            "unfused attention",
+            flux::Kernels {
+                attention: flux::Attention::Unfused,
+                ..all
+            },
+        ));
+        variants.push(("candle's plain operations", flux::Kernels::PLAIN));
+    }
+    let mut ablation = Vec::new();
+    for (what, kernels) in variants {
+        let variant = Flux::new(cfg.clone(), &candle)?.with_kernels(kernels)?;
+        let out = variant.forward(&inputs, &weights)?;
+        candle.synchronize()?;
+        let mut times = Vec::new();
+        for _ in 0..args.steps.min(3) {
+            let t = Instant::now();
+            variant.forward(&inputs, &weights)?;
+            candle.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let step = median(times);
+        let (cos, max_abs) = compare(
+            &resident_out.to_device(&Device::Cpu)?,
+            &out.to_device(&Device::Cpu)?,
+        )?;
+        if kernels.attention == flux::Attention::Unfused && kernels != flux::Kernels::PLAIN {
+            report.insert("resident_step_unfused_s".into(), step.into());
+            report.insert("cosine_flash_vs_unfused_forward".into(), cos.into());
+            report.insert(
+                "max_abs_flash_vs_unfused_forward".into(),
+                f64::from(max_abs).into(),
+            );
+        }
+        if cos < FORWARD_MIN_COSINE {
+            failed.push(format!(
+                "the forward with {} against the one {what} ({}): cosine {cos} \
+                 (bound {FORWARD_MIN_COSINE}), max abs {max_abs}",
+                all.name(),
+                kernels.name()
+            ));
+        }
+        ablation.push(serde_json::json!({
+            "what": what,
+            "kernels": kernels.name(),
+            "resident_step_s": step,
+            "cosine_vs_all": cos,
+            "max_abs_vs_all": max_abs,
+        }));
+    }
+    report.insert("ablation".into(), ablation.into());
+    if !flash {
+        // The same with the other f32 GEMM precision (the unfused
+        // attention's scores), for the record.
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(!args.tf32);
+        let mut times = Vec::new();
+        for _ in 0..args.steps.min(3) {
+            let t = Instant::now();
+            model.forward(&inputs, &weights)?;
+            candle.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
+        report.insert(
+            "resident_step_other_f32_gemm_s".into(),
+            median(times).into(),
+        );
+    }
     drop(weights);
     let identical = bits(&resident_out)? == bits(&first)?;
     report.insert("resident_step_s".into(), resident_step.into());
@@ -421,10 +736,14 @@ fn run() -> Result<()> {
         drop(views);
         rt.disable()?;
     }
+    report.insert("checks_failed".into(), failed.clone().into());
     let json = serde_json::Value::Object(report);
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(&json)?)?;
     }
     println!("{json}");
+    if !failed.is_empty() {
+        bail!("{}", failed.join("; "));
+    }
     Ok(())
 }
