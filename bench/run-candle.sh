@@ -20,7 +20,11 @@
 #        abs); the resident step with each fast path switched off (what each
 #        bought; the attention ones up to 4,608 tokens), compared with the
 #        full one (cosine >= 0.999); the first grid also GROWTH offloaded
-#        steps for memory growth;
+#        steps for memory growth and the request planner's BUDGETS (the
+#        DiT enabled with each `device_budget`, the planner's inputs
+#        measured by its warm-up: planned resident blocks, step against
+#        the plan's and diffusers' group offload, output against
+#        resident, the allocator's peak against the budget);
 #   3. the planted build (skip-exit) on the first grid: its output must
 #      differ from resident;
 #   4. a table of all of it, last, and the exit status: 0 only if every
@@ -29,6 +33,7 @@
 # under $WORK.
 #   INIT=normal GRIDS="64x64 16x32 128x128" TEXT=512 STEPS=5 GROWTH=200
 #   NO_PEER=1 BUDGET_S=560 ATTENTION=auto (flash | unfused)
+#   BUDGETS=16GiB,8GiB,auto
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/candle-out}
@@ -42,6 +47,7 @@ TEXT=${TEXT:-512}
 STEPS=${STEPS:-5}
 INIT=${INIT:-normal}
 ATTENTION=${ATTENTION:-auto}
+BUDGETS=${BUDGETS:-16GiB,8GiB,auto}
 # The peer's wheels (diffusers) travel in the bundle ($B/whl) or in .whl/.
 for d in "$B/whl" .whl; do
   if ls "$d"/*.whl >/dev/null 2>&1; then
@@ -127,10 +133,11 @@ for grid in $GRIDS; do
     cp "$OUT/diffusers_$tag.json" "$W/diffusers_$tag.json"
   fi
   [ -f "$W/diffusers_out_$tag.safetensors" ] && REF=(--reference "$W/diffusers_out_$tag.safetensors")
-  growth=0
-  [ "$tag" = "$first" ] && growth=${GROWTH:-200}
-  run_step "candle $tag" 200 "$W/offload-flux-bench" --ckpt "$W/flux" --inputs "$W/inputs_$tag.safetensors" "${REF[@]}" \
-    --steps "$STEPS" --growth-steps "$growth" --attention "$ATTENTION" --json "$OUT/candle_$tag.json" \
+  growth=0 budgets=none
+  [ "$tag" = "$first" ] && growth=${GROWTH:-200} budgets=$BUDGETS
+  [ -f "$OUT/diffusers_$tag.json" ] && REF+=(--diffusers-json "$OUT/diffusers_$tag.json")
+  run_step "candle $tag" 260 "$W/offload-flux-bench" --ckpt "$W/flux" --inputs "$W/inputs_$tag.safetensors" "${REF[@]}" \
+    --steps "$STEPS" --growth-steps "$growth" --budgets "$budgets" --attention "$ATTENTION" --json "$OUT/candle_$tag.json" \
     >"$L/candle_$tag.out" 2>"$L/candle_$tag.err"
   tail -4 "$L/candle_$tag.err"
 done
@@ -212,6 +219,20 @@ p, d0 = load("planted.json"), load(f"diffusers_{first}.json")
 print(f"enable s {f(c0.get('enable_s'))} (in place / copied units {c0.get('units_registered_in_place')} / {c0.get('units_copied_to_pinned')}); "
       f"diffusers from_pretrained + group offload set-up s {f(d0.get('from_pretrained_s'))} + {f(d0.get('group_offload_setup_s'))}; "
       f"diffusers group-offload step s {f(d0.get('group_offload_step_s'))}")
+print()
+print(f"request planner budgets ({c0.get('tokens')} tokens, DiT only; step: median of the request's steps):")
+print("| budget | planned resident blocks | step s | predicted s | step vs diffusers group offload | peak in use GB (budget) | peak <= budget | == resident |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for r in c0.get("budgets", []):
+    if "error" in r:
+        print(f"| {r['budget']} | FAILED: {r['error']} | - | - | - | - | - | - |")
+        continue
+    g, s = r.get("group_offload_step_s"), r.get("step_s")
+    vs = f"{g / s:.2f}x faster ({g:.4f} s)" if g and s else "-"
+    print(f"| {r['budget']} | {r.get('resident_blocks_text')} | {f(s)} | {f(r.get('predicted_step_s'))} | {vs} "
+          f"| {f((r.get('pool_used_peak_bytes') or 0) / 1e9, '.2f')} ({f((r.get('budget_bytes') or 0) / 1e9, '.2f')}) "
+          f"| {r.get('peak_within_budget')} | {r.get('equals_resident')} |")
+print()
 print(f"growth over {c0.get('growth_steps')} steps: RSS / anon / device bytes {c0.get('growth_rss_bytes')} / "
       f"{c0.get('growth_anon_bytes')} / {c0.get('growth_device_bytes')}")
 caught = p.get("offload_equals_resident")

@@ -13,8 +13,13 @@
 //! outputs compared bit for bit, and against diffusers' (cosine, max abs
 //! error); step / limit with limit = max(resident step, streamed bytes /
 //! bandwidth); then `--growth-steps` offloaded steps at a small size with
-//! host and device memory read after the warm-up and at the end. One JSON
-//! object last.
+//! host and device memory read after the warm-up and at the end; then, for
+//! each of `--budgets`, the DiT enabled with that `device_budget` through
+//! `Runtime::enable_selected` (the runtime's request, `shape.steps` candle
+//! forwards, measured by the planned backend's warm-up), one request timed
+//! (median step), its outputs against resident bit for bit and the
+//! allocator's peak against the budget: a table row each. One JSON object
+//! last.
 //!
 //! The fast paths ([`flux::Kernels`]) are checked first, each against
 //! candle's plain operations on the same random bf16 inputs (up to 4,608
@@ -40,8 +45,10 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use offload_candle::cuda::ZeroCopy;
 use offload_candle::flux::{self, Flux, FluxConfig, FluxInputs};
+use offload_core::bytes::DeviceBudget;
 use offload_core::device::{Device as _, HostBuffer as _, HostSource};
 use offload_core::model::PipelineBuilder;
+use offload_core::request::RequestShape;
 use offload_core::runtime::{Backend, CorePlatform, Runtime, WeightSource};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
 use offload_cuda::{Cuda, CudaDevice};
@@ -89,9 +96,29 @@ struct Args {
     /// inputs' tokens; 0 skips the check and the unfused forward).
     #[arg(long, default_value_t = 4608)]
     check_tokens: usize,
+    /// Device budgets of the request planner to run the DiT under, after
+    /// the resident run: a comma-separated list of sizes ("16GiB") or
+    /// `auto`, or `none`.
+    #[arg(long, default_value = "16GiB,8GiB,auto")]
+    budgets: String,
+    /// diffusers' JSON on the same checkpoint and inputs (its
+    /// `group_offload_step_s`, if present, is what each budget's step is
+    /// set against).
+    #[arg(long)]
+    diffusers_json: Option<PathBuf>,
     /// Write the JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The budgets of `--budgets` (`none`: no budget).
+fn parse_budgets(text: &str) -> Result<Vec<DeviceBudget>> {
+    if text.trim() == "none" {
+        return Ok(Vec::new());
+    }
+    text.split(',')
+        .map(|b| DeviceBudget::parse(b.trim()).map_err(|e| anyhow!("--budgets: {e}")))
+        .collect()
 }
 
 /// The bounds of the flash-vs-unfused checks: the attention alone (both
@@ -386,6 +413,7 @@ fn run() -> Result<()> {
         .with_max_level(tracing::Level::INFO)
         .init();
     let args = Args::parse();
+    let budgets = parse_budgets(&args.budgets)?;
     if !offload_cuda::driver_present() {
         println!("SKIP: no CUDA driver found; offload-flux-bench needs a GPU");
         return Ok(());
@@ -460,15 +488,15 @@ fn run() -> Result<()> {
     candle_core::cuda_backend::set_gemm_reduced_precision_f32(args.tf32);
     report.insert("tf32".into(), args.tf32.into());
     let candle = Device::Cuda(cuda);
-    let inputs = FluxInputs::load(&args.inputs, &candle)?;
+    let inputs = Arc::new(FluxInputs::load(&args.inputs, &candle)?);
     let tokens = inputs.hidden_states.dim(1)? + inputs.encoder_hidden_states.dim(1)?;
     report.insert("tokens".into(), tokens.into());
     let model = Flux::new(cfg.clone(), &candle)?;
-    let model = match args.attention.as_str() {
+    let model = Arc::new(match args.attention.as_str() {
         "flash" => model.with_attention(flux::Attention::Flash)?,
         "unfused" => model.with_attention(flux::Attention::Unfused)?,
         _ => model,
-    };
+    });
     let flash = model.attention_path() == flux::Attention::Flash;
     eprintln!("kernels: {}", model.kernels().name());
     report.insert("attention".into(), model.attention_path().name().into());
@@ -680,6 +708,96 @@ fn run() -> Result<()> {
         report.insert("cosine_resident_vs_diffusers".into(), cos_r.into());
     }
 
+    // The request planner's budgets, each on a fresh runtime, beside
+    // nothing else of this process (the resident weights are dropped).
+    if !budgets.is_empty() {
+        let group_step = match &args.diffusers_json {
+            Some(p) => std::fs::read_to_string(p)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("group_offload_step_s").and_then(|x| x.as_f64())),
+            None => None,
+        };
+        let want = bits(&resident_out)?;
+        let bench = BudgetBench {
+            dev: &dev,
+            compute: &compute,
+            candle: &candle,
+            pipe: &pipe,
+            source: &source,
+            model: &model,
+            inputs: &inputs,
+            tokens,
+            steps: args.steps,
+            depth: args.depth,
+            want: &want,
+        };
+        let mut rows = Vec::new();
+        for &b in &budgets {
+            let row = match bench.run(b) {
+                Ok(row) => row,
+                Err(e) => serde_json::json!({ "budget": b.to_string(), "error": format!("{e:#}") }),
+            };
+            rows.push(row);
+        }
+        println!(
+            "| budget | planned resident blocks | step s | predicted s | step vs diffusers group offload | peak in use (GB) | peak ≤ budget |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for row in &mut rows {
+            let step = row.get("step_s").and_then(|v| v.as_f64());
+            let vs = match (step, group_step) {
+                (Some(s), Some(g)) if s > 0.0 => {
+                    row["group_offload_step_s"] = g.into();
+                    row["speedup_vs_group_offload"] = (g / s).into();
+                    format!("{:.2}× faster ({g:.4} s)", g / s)
+                }
+                _ => "-".to_owned(),
+            };
+            let row = &*row;
+            let f = |k: &str, prec: usize| {
+                row.get(k)
+                    .and_then(|v| v.as_f64())
+                    .map_or("-".to_owned(), |v| format!("{v:.prec$}"))
+            };
+            let peak = row
+                .get("pool_used_peak_bytes")
+                .and_then(|v| v.as_u64())
+                .map_or("-".to_owned(), |p| format!("{:.2}", p as f64 / 1e9));
+            let budget_gb = row
+                .get("budget_bytes")
+                .and_then(|v| v.as_u64())
+                .map_or(String::new(), |b| format!(" of {:.2}", b as f64 / 1e9));
+            println!(
+                "| {} | {} | {} | {} | {vs} | {peak}{budget_gb} | {} |",
+                row["budget"].as_str().unwrap_or("-"),
+                row.get("resident_blocks_text")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("-"),
+                f("step_s", 4),
+                f("predicted_step_s", 4),
+                row.get("peak_within_budget")
+                    .map_or("-".to_owned(), ToString::to_string),
+            );
+            let budget = row["budget"].as_str().unwrap_or("-").to_owned();
+            if let Some(e) = row.get("error").and_then(|v| v.as_str()) {
+                failed.push(format!("budget {budget}: {e}"));
+                continue;
+            }
+            if row.get("equals_resident").and_then(|v| v.as_bool()) != Some(true) {
+                failed.push(format!(
+                    "budget {budget}: the output differs from candle resident"
+                ));
+            }
+            if row.get("peak_within_budget").and_then(|v| v.as_bool()) != Some(true) {
+                failed.push(format!(
+                    "budget {budget}: device memory in use peaked at {peak} GB, over the budget{budget_gb} GB"
+                ));
+            }
+        }
+        report.insert("budgets".into(), rows.into());
+    }
+
     // Memory growth over many steps: most blocks resident, the last
     // `growth_streamed` blocks streaming, a small request.
     if args.growth_steps > 0 {
@@ -746,4 +864,192 @@ fn run() -> Result<()> {
         bail!("{}", failed.join("; "));
     }
     Ok(())
+}
+
+/// What every budget run shares.
+struct BudgetBench<'a> {
+    dev: &'a Arc<CudaDevice>,
+    compute: &'a Arc<offload_cuda::CudaStream>,
+    candle: &'a Device,
+    pipe: &'a Pipeline,
+    source: &'a Arc<SafetensorsSource>,
+    model: &'a Arc<Flux>,
+    inputs: &'a Arc<FluxInputs>,
+    tokens: usize,
+    steps: u32,
+    depth: u32,
+    /// candle resident's output bits.
+    want: &'a [u16],
+}
+
+/// What the runtime's request records of its steps.
+#[derive(Default)]
+struct StepLog {
+    /// Seconds of each step (forward and synchronisation).
+    times: Vec<f64>,
+    /// Whether every step's output equalled candle resident's.
+    equal: bool,
+    steps: usize,
+}
+
+/// The runtime's request (`Runtime::set_request`): `shape.steps` DiT
+/// forwards of the candle model, each synchronised, timed and compared
+/// with candle resident's output.
+struct FluxRequest {
+    model: Arc<Flux>,
+    inputs: Arc<FluxInputs>,
+    views: ZeroCopy,
+    candle: Device,
+    dev: Arc<CudaDevice>,
+    want: Vec<u16>,
+    log: std::sync::Mutex<StepLog>,
+}
+
+impl FluxRequest {
+    fn run(&self, rt: &Runtime<Cuda>, shape: &RequestShape) -> Result<()> {
+        for _ in 0..shape.steps {
+            let t = Instant::now();
+            let out = offload_candle::forward_in(rt, "transformer", &self.views, |w| {
+                self.model.forward(&self.inputs, w)
+            })?
+            .ok_or_else(|| anyhow!("the DiT's forward was skipped"))?;
+            sync(&self.candle, &self.dev, rt.compute_stream())?;
+            let s = t.elapsed().as_secs_f64();
+            let equal = bits(&out)? == self.want;
+            let mut log = self.log.lock().map_err(|_| anyhow!("poisoned step log"))?;
+            log.times.push(s);
+            log.equal &= equal;
+            log.steps += 1;
+        }
+        Ok(())
+    }
+
+    fn reset(&self) -> Result<()> {
+        *self.log.lock().map_err(|_| anyhow!("poisoned step log"))? = StepLog {
+            equal: true,
+            ..StepLog::default()
+        };
+        Ok(())
+    }
+}
+
+impl BudgetBench<'_> {
+    /// One budget: enable the DiT with `device_budget` through
+    /// `enable_selected` (the planned backend's warm-up runs the request
+    /// below at enable), then one request of `steps` steps timed, its
+    /// outputs against resident and the allocator's peak against the
+    /// budget.
+    fn run(&self, budget: DeviceBudget) -> Result<serde_json::Value> {
+        eprintln!("== budget {budget}");
+        self.candle.synchronize()?;
+        self.dev.synchronize()?;
+        self.dev.trim_pool()?;
+        let free = self.dev.memory_info()?.free_bytes;
+        let shape = RequestShape::new(self.tokens as u64, self.steps);
+        let platform = CorePlatform::<Cuda>::new(
+            "cuda",
+            Arc::clone(self.dev),
+            Arc::clone(self.compute),
+            Arc::clone(self.source) as Arc<dyn WeightSource>,
+        )
+        .with_prefetch_depth(self.depth as usize)
+        .with_request(shape.clone());
+        let config = OffloadConfig {
+            device_budget: Some(budget),
+            ..Default::default()
+        };
+        // SAFETY: as for the layerwise run: Flux returns freshly computed
+        // tensors, the views live only inside their scopes, and the request
+        // (which owns them) is dropped with the runtime, after `disable`.
+        let views = unsafe { ZeroCopy::new(self.candle)? };
+        let request = Arc::new(FluxRequest {
+            model: Arc::clone(self.model),
+            inputs: Arc::clone(self.inputs),
+            views,
+            candle: self.candle.clone(),
+            dev: Arc::clone(self.dev),
+            want: self.want.to_vec(),
+            log: std::sync::Mutex::new(StepLog::default()),
+        });
+        request.reset()?;
+        let mut rt = Runtime::new(
+            Arc::clone(self.dev),
+            Arc::clone(self.compute),
+            self.pipe.clone(),
+        );
+        let r = Arc::clone(&request);
+        rt.set_request(move |rt, shape| r.run(rt, shape).map_err(Into::into));
+        let t = Instant::now();
+        rt.enable_selected(&config, &platform)
+            .with_context(|| format!("budget {budget}: enable_selected"))?;
+        let enable_s = t.elapsed().as_secs_f64();
+        let warmup_equal = request.log.lock().map_or(false, |l| l.equal);
+        let plan = rt
+            .request_plan()
+            .cloned()
+            .ok_or_else(|| anyhow!("budget {budget}: a device budget enabled no request plan"))?;
+        eprintln!("{plan}");
+        request.reset()?;
+        sync(self.candle, self.dev, self.compute)?;
+        self.dev.reset_pool_high()?;
+        rt.serve(&shape)
+            .with_context(|| format!("budget {budget}: the timed request"))?;
+        sync(self.candle, self.dev, self.compute)?;
+        let (_, used_peak) = self.dev.pool_used()?;
+        let (_, reserved_peak) = self.dev.pool_reserved()?;
+        let info = self.dev.memory_info()?;
+        let (times, equal, steps) = {
+            let l = request
+                .log
+                .lock()
+                .map_err(|_| anyhow!("poisoned step log"))?;
+            (l.times.clone(), l.equal, l.steps)
+        };
+        if steps != self.steps as usize {
+            bail!(
+                "budget {budget}: the request ran {steps} steps, not {}",
+                self.steps
+            );
+        }
+        let replanned = rt.request_plan() != Some(&plan);
+        let plan = rt.request_plan().cloned().unwrap_or(plan);
+        rt.disable()
+            .with_context(|| format!("budget {budget}: disable"))?;
+        drop(rt);
+        let dit = plan.component("transformer");
+        let resident = dit.map_or(0, |c| c.resident_blocks.len());
+        let blocks = dit.map_or(0, |c| c.blocks);
+        let step = median(times.clone());
+        eprintln!(
+            "budget {budget}: enable {enable_s:.2} s, step {step:.4} s (median of {times:?}), predicted {:.4} s, \
+             {resident} of {blocks} blocks resident, peak in use {used_peak} of {} bytes",
+            plan.predicted_step_s(),
+            plan.budget_bytes
+        );
+        Ok(serde_json::json!({
+            "budget": budget.to_string(),
+            "budget_bytes": plan.budget_bytes,
+            "free_at_enable_bytes": free,
+            "enable_s": enable_s,
+            "mode": dit.map(|c| c.mode.to_string()),
+            "resident_blocks": resident,
+            "blocks": blocks,
+            "resident_blocks_text": format!("{resident} of {blocks}"),
+            "streamed_bytes_per_step": dit.map(|c| c.streamed_bytes),
+            "depth": dit.map(|c| c.depth),
+            "step_s": step,
+            "steps_s": times,
+            "predicted_step_s": plan.predicted_step_s(),
+            "predicted_over_measured": plan.predicted_step_s() / step,
+            "replanned": replanned,
+            "planned_peak_bytes": plan.peak_bytes,
+            "pool_used_peak_bytes": used_peak,
+            "pool_reserved_peak_bytes": reserved_peak,
+            "info_used_at_end_bytes": info.total_bytes.saturating_sub(info.free_bytes),
+            "peak_within_budget": used_peak <= plan.budget_bytes,
+            "warmup_equals_resident": warmup_equal,
+            "equals_resident": equal && warmup_equal,
+            "link_gb_s": plan.link_bytes_per_s / 1e9,
+        }))
+    }
 }
