@@ -116,6 +116,12 @@ fn workload(pipeline: Pipeline) -> Workload {
     }
 }
 
+/// The checkpoint as the weights of a `transformer.` pipeline (names,
+/// dtypes and shapes checked).
+fn dit_source(pipeline: &Pipeline, ckpt: Arc<Checkpoint>) -> SafetensorsSource {
+    SafetensorsSource::new(pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))]).unwrap()
+}
+
 /// The same bytes held in memory, keyed by the pipeline's storages: the
 /// reference a run from the file must match.
 struct InMemory(Vec<Vec<u8>>);
@@ -212,13 +218,7 @@ fn streamed_blocks_are_windows_of_the_file_and_compute_its_bytes() {
     let pipeline = pipeline_from(&ckpt);
     let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
 
-    let source = Arc::new(
-        SafetensorsSource::new(
-            &pipeline,
-            vec![(Arc::clone(&ckpt), NameMap::prefix("transformer.", ""))],
-        )
-        .unwrap(),
-    );
+    let source = Arc::new(dit_source(&pipeline, Arc::clone(&ckpt)));
     let resident = run(
         &pipeline,
         Arc::clone(&source) as Arc<dyn WeightSource>,
@@ -259,11 +259,7 @@ fn streamed_blocks_are_windows_of_the_file_and_compute_its_bytes() {
     );
 
     // Registration in place turned off: the same outputs from pinned copies.
-    let copied = Arc::new(
-        SafetensorsSource::new(&pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))])
-            .unwrap()
-            .with_in_place(false),
-    );
+    let copied = Arc::new(dit_source(&pipeline, ckpt).with_in_place(false));
     let pinned = run(&pipeline, copied as Arc<dyn WeightSource>, true);
     assert_eq!(pinned.outputs, reference.outputs);
     assert_eq!(pinned.registered, 0);
@@ -308,10 +304,7 @@ fn a_shard_set_opens_from_its_index_and_a_split_block_is_copied() {
     );
     let pipeline = pipeline_from(&ckpt);
     let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
-    let source = Arc::new(
-        SafetensorsSource::new(&pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))])
-            .unwrap(),
-    );
+    let source = Arc::new(dit_source(&pipeline, ckpt));
     let streamed = run(
         &pipeline,
         Arc::clone(&source) as Arc<dyn WeightSource>,
@@ -604,13 +597,7 @@ fn blocks_declared_in_forward_order_are_windows_of_a_file_in_name_order() {
         "the premise: the file holds a block in another order than the declaration's"
     );
     let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
-    let source = Arc::new(
-        SafetensorsSource::new(
-            &pipeline,
-            vec![(Arc::clone(&ckpt), NameMap::prefix("transformer.", ""))],
-        )
-        .unwrap(),
-    );
+    let source = Arc::new(dit_source(&pipeline, Arc::clone(&ckpt)));
     let (streamed, logs) = capture_logs(|| {
         run(
             &pipeline,
@@ -661,10 +648,7 @@ fn a_block_split_across_shards_is_copied_with_a_warning_naming_it() {
     let index = write_shards(&dir, &by_name, "transformer_blocks.1.ff.net.0.proj.weight");
     let ckpt = Arc::new(Checkpoint::open(&index).unwrap());
     let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
-    let source = Arc::new(
-        SafetensorsSource::new(&pipeline, vec![(ckpt, NameMap::prefix("transformer.", ""))])
-            .unwrap(),
-    );
+    let source = Arc::new(dit_source(&pipeline, ckpt));
     let (streamed, logs) = capture_logs(|| {
         run(
             &pipeline,
