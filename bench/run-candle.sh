@@ -14,8 +14,10 @@
 #      - offload-flux-bench: each fast path checked against candle's plain
 #        operations on random inputs (flash attention against the unfused
 #        one, the cuBLASLt bias epilogue against candle's Linear, the fused
-#        AdaLN against norm, multiply and add: cosine >= 0.9999, max abs
-#        bounded; up to 4,608 tokens); offloaded (layerwise) and resident
+#        AdaLN against norm, multiply and add, the fused q/k norm + RoPE,
+#        gate + residual, GELU epilogue and GEMM-into-columns against
+#        candle's operations written as diffusers computes: cosine >=
+#        0.9999, max abs bounded; up to 4,608 tokens); offloaded (layerwise) and resident
 #        steps, their outputs bit for bit, against diffusers' (cosine, max
 #        abs); the resident step with each fast path switched off (what each
 #        bought; the attention ones up to 4,608 tokens), compared with the
@@ -205,6 +207,12 @@ for g in grids:
     if c.get("lt_gemms_offloaded_resident") is not None:
         print(f"{g}: cuBLASLt GEMMs offloaded / resident {c.get('lt_gemms_offloaded_resident')}, "
               f"fallbacks to candle {c.get('lt_fallbacks_offloaded_resident')}")
+    if c.get("fused_launches_offloaded_resident") is not None:
+        fb = c.get("fused_fallbacks_offloaded_resident") or []
+        print(f"{g}: fused kernels offloaded / resident {c.get('fused_launches_offloaded_resident')}, "
+              f"fallbacks to candle {fb}")
+        if any(fb):
+            failures.append(f"{g}: fused kernels fell back to candle's operations {fb}")
 print()
 print(f"what each fast path bought (resident step with it off; all on: {c0.get('kernels')}):")
 print("| tokens | switched off | kernels | resident step s | all on s | cosine vs all on (max abs) |")

@@ -243,6 +243,23 @@ pub struct Kernels {
     /// `1 + scale` and bias `shift` (f32 inside, one rounding), instead of a
     /// norm then a broadcast multiply and add (batch 1; any device).
     pub fused_modulate: bool,
+    /// Queries, keys and values projected straight into the joint
+    /// sequence's `[B, L, H, D]` buffers (a double block's text rows then
+    /// image rows, no concatenation), and the q/k RMSNorm and RoPE as one
+    /// in-place kernel (bf16 in and out, f32 inside, rounded where
+    /// diffusers rounds) instead of a norm, an f32 cast, candle's RoPE and
+    /// a cast back (needs `blhd`, `gemm_bias_epilogue` and the `cuda`
+    /// feature).
+    pub fused_qk_rope: bool,
+    /// The MLPs' GELU in the cuBLASLt epilogue of the GEMM before it, and
+    /// the single block's GELU'd MLP written straight into the buffer its
+    /// output projection reads, the attention copied in beside it (one
+    /// strided copy where a concatenation copied both; needs
+    /// `gemm_bias_epilogue`).
+    pub gelu_epilogue: bool,
+    /// A residual stream's `x + gate ⊙ y` as one kernel instead of a
+    /// broadcast multiply and an add (CUDA and the `cuda` feature).
+    pub fused_gate: bool,
 }
 
 impl Kernels {
@@ -253,6 +270,9 @@ impl Kernels {
         blhd: false,
         gemm_bias_epilogue: false,
         fused_modulate: false,
+        fused_qk_rope: false,
+        gelu_epilogue: false,
+        fused_gate: false,
     };
 
     /// Every fast path this build has for `cfg` on `device`; none on the
@@ -262,11 +282,16 @@ impl Kernels {
             return Self::PLAIN;
         }
         let attention = Attention::best(cfg, device);
+        let blhd = attention == Attention::Flash;
+        let cuda = cfg!(feature = "cuda");
         Self {
             attention,
-            blhd: attention == Attention::Flash,
-            gemm_bias_epilogue: cfg!(feature = "cuda"),
+            blhd,
+            gemm_bias_epilogue: cuda,
             fused_modulate: true,
+            fused_qk_rope: cuda && blhd && cfg.attention_head_dim == 128,
+            gelu_epilogue: cuda,
+            fused_gate: cuda,
         }
     }
 
@@ -276,6 +301,26 @@ impl Kernels {
         if self.gemm_bias_epilogue && !(cfg!(feature = "cuda") && device.is_cuda()) {
             return Err(candle_core::Error::Msg(format!(
                 "the cuBLASLt bias epilogue needs the `cuda` feature and a CUDA device, not {device:?}"
+            )));
+        }
+        let cuda = cfg!(feature = "cuda") && device.is_cuda();
+        if self.fused_qk_rope
+            && !(cuda && self.blhd && self.gemm_bias_epilogue && cfg.attention_head_dim == 128)
+        {
+            return Err(candle_core::Error::Msg(format!(
+                "the fused q/k norm and RoPE needs the `cuda` feature, a CUDA device (not {device:?}), \
+                 the [B, L, H, D] layout, the cuBLASLt epilogue and head width 128 (not {})",
+                cfg.attention_head_dim
+            )));
+        }
+        if self.gelu_epilogue && !(cuda && self.gemm_bias_epilogue) {
+            return Err(candle_core::Error::Msg(format!(
+                "the GELU epilogue needs the cuBLASLt epilogue, the `cuda` feature and a CUDA device, not {device:?}"
+            )));
+        }
+        if self.fused_gate && !cuda {
+            return Err(candle_core::Error::Msg(format!(
+                "the fused gate needs the `cuda` feature and a CUDA device, not {device:?}"
             )));
         }
         Ok(())
@@ -292,6 +337,15 @@ impl Kernels {
         }
         if self.fused_modulate {
             s.push_str("+fused-adaln");
+        }
+        if self.fused_qk_rope {
+            s.push_str("+fused-qk-rope");
+        }
+        if self.gelu_epilogue {
+            s.push_str("+gelu-epilogue");
+        }
+        if self.fused_gate {
+            s.push_str("+fused-gate");
         }
         s
     }
@@ -358,11 +412,13 @@ pub struct Flux {
 
 /// Positional tables for one forward: cos and sin `[T + S, head/2]`, f32;
 /// for the `[B, L, H, D]` layout each row repeated per head, `[(T + S)·H,
-/// head/2]`.
+/// head/2]`; `per_token`, the unrepeated `[T + S, head/2]` pair the fused
+/// kernel reads.
 #[derive(Clone, Debug)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,
+    per_token: (Tensor, Tensor),
 }
 
 impl Flux {
@@ -555,8 +611,13 @@ impl Flux {
             Tensor::from_vec(cos, (n, half), dev)?,
             Tensor::from_vec(sin, (n, half), dev)?,
         );
+        let per_token = (cos.clone(), sin.clone());
         if !self.blhd() {
-            return Ok(Rope { cos, sin });
+            return Ok(Rope {
+                cos,
+                sin,
+                per_token,
+            });
         }
         let h = self.cfg.num_attention_heads;
         let per_head = |t: Tensor| -> Result<Tensor> {
@@ -568,6 +629,7 @@ impl Flux {
         Ok(Rope {
             cos: per_head(cos)?,
             sin: per_head(sin)?,
+            per_token,
         })
     }
 
@@ -640,6 +702,146 @@ impl Flux {
         Ok([q, k, v])
     }
 
+    /// The attention over the joint sequence of `parts` (each an input `[1,
+    /// Lᵢ, H]`, its q/k/v projections and its q/k norms, in sequence
+    /// order): `[B, L, H]`.
+    fn joint_attention(
+        &self,
+        w: &dyn Weights,
+        parts: &[(&Tensor, [&str; 3], [&str; 2])],
+        rope: &Rope,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.kernels.fused_qk_rope && parts.len() <= 2 {
+            // Each part's rows start 256-byte aligned in the joint buffer
+            // (cuBLASLt's output alignment), decided by shape alone.
+            let width = self.cfg.hidden();
+            let first_rows = parts.first().map_or(Ok(0), |(x, ..)| x.dim(1))?;
+            if parts.len() == 1 || crate::lt::aligned_at(first_rows, width, 0) {
+                return self.joint_attention_fused(w, parts, rope);
+            }
+        }
+        let mut qkv: [Vec<Tensor>; 3] = Default::default();
+        for (x, names, norms) in parts {
+            for (all, t) in qkv.iter_mut().zip(self.qkv(w, x, *names, *norms)?) {
+                all.push(t);
+            }
+        }
+        let axis = self.token_axis();
+        let [q, k, v] = qkv.map(|ts| {
+            if ts.len() == 1 {
+                Ok(ts[0].clone())
+            } else {
+                Tensor::cat(&ts, axis)
+            }
+        });
+        self.attention(&q?, &k?, &v?, rope)
+    }
+
+    /// [`Self::joint_attention`] with each projection written into its
+    /// place in the joint `[1, L, H, D]` buffer and the q/k norms and RoPE
+    /// applied in place by one kernel each.
+    #[cfg(feature = "cuda")]
+    fn joint_attention_fused(
+        &self,
+        w: &dyn Weights,
+        parts: &[(&Tensor, [&str; 3], [&str; 2])],
+        rope: &Rope,
+    ) -> Result<Tensor> {
+        let (heads, d) = (self.cfg.num_attention_heads, self.cfg.attention_head_dim);
+        let lens = parts
+            .iter()
+            .map(|(x, ..)| x.dim(1))
+            .collect::<Result<Vec<_>>>()?;
+        if lens.len() > 2 {
+            return Err(candle_core::Error::Msg(format!(
+                "the fused q/k norm takes one or two parts, not {}",
+                lens.len()
+            )));
+        }
+        let l: usize = lens.iter().sum();
+        let (first, _, _) = parts
+            .first()
+            .ok_or_else(|| candle_core::Error::Msg("attention over no tokens".into()))?;
+        let dev = first.device();
+        let mut qkv = Vec::with_capacity(3);
+        for which in 0..3 {
+            let t = if let [(x, names, _)] = parts {
+                self.linear(w, names[which], x)?
+            } else {
+                // SAFETY: the parts' rows tile 0..l, and each GEMM below
+                // writes all of its rows' heads·d columns.
+                let t = unsafe { crate::fused::uninit((1, l, heads * d), dev)? };
+                let mut row = 0;
+                for ((x, names, _), len) in parts.iter().zip(&lens) {
+                    let name = names[which];
+                    crate::lt::linear_into(
+                        x,
+                        &w.get(&format!("{name}.weight"))?,
+                        &w.get(&format!("{name}.bias"))?,
+                        &t,
+                        row,
+                        0,
+                        false,
+                    )?;
+                    row += len;
+                }
+                t
+            };
+            qkv.push(t.reshape((1, l, heads, d))?);
+        }
+        let (cos, sin) = &rope.per_token;
+        for (which, t) in qkv.iter().take(2).enumerate() {
+            let norm = |i: usize| w.get(&format!("{}.weight", parts[i].2[which]));
+            let (w_first, w_rest) = (norm(0)?, norm(parts.len() - 1)?);
+            crate::fused::qk_norm_rope(t, &w_first, &w_rest, lens[0], cos, sin, 1e-6)?;
+            crate::fused::count_launch();
+        }
+        let [q, k, v] = [&qkv[0], &qkv[1], &qkv[2]];
+        match self.kernels.attention {
+            Attention::Flash => attend_blhd(q, k, v),
+            path => {
+                let t = |x: &Tensor| x.transpose(1, 2);
+                attend(&t(q)?, &t(k)?, &t(v)?, path)
+            }
+        }
+    }
+
+    /// `x + g ⊙ y` for the residual stream `x` `[B, L, H]`, a block's
+    /// output `y` and its gate `g` `[B, H]`: one kernel with
+    /// [`Kernels::fused_gate`] (batch 1, 16-byte aligned operands), else a
+    /// broadcast multiply and an add.
+    fn residual(&self, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.kernels.fused_gate {
+            if x.dim(0)? == 1 && [x, y, g].iter().all(|t| crate::fused::fits(t)) {
+                crate::fused::count_launch();
+                return crate::fused::gate_residual(x, y, g);
+            }
+            crate::fused::count_fallback();
+        }
+        x + gate(y, g)?
+    }
+
+    /// A feed-forward's `linear(gelu(linear(x)))`, the GELU in the first
+    /// GEMM's epilogue with [`Kernels::gelu_epilogue`].
+    fn feed_forward(&self, w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+        let first = format!("{name}.net.0.proj");
+        let hidden = self.linear_gelu(w, &first, x)?;
+        self.linear(w, &format!("{name}.net.2"), &hidden)
+    }
+
+    /// `gelu(linear(x))`, in one GEMM with [`Kernels::gelu_epilogue`].
+    fn linear_gelu(&self, w: &dyn Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.kernels.gelu_epilogue {
+            let weight = w.get(&format!("{name}.weight"))?;
+            let bias = w.get(&format!("{name}.bias"))?;
+            return crate::lt::linear_bias_act(x, &weight, &bias, true);
+        }
+        self.linear(w, name, x)?.gelu()
+    }
+
     fn double_block(
         &self,
         w: &dyn Weights,
@@ -653,47 +855,37 @@ impl Flux {
         let c = self.linear(w, "norm1_context.linear", &silu)?.chunk(6, 1)?;
         let img_n = self.norm_modulate(img, &m[0], &m[1])?;
         let txt_n = self.norm_modulate(txt, &c[0], &c[1])?;
-        let [q, k, v] = self.qkv(
+        let attn = self.joint_attention(
             w,
-            &img_n,
-            ["attn.to_q", "attn.to_k", "attn.to_v"],
-            ["attn.norm_q", "attn.norm_k"],
+            &[
+                (
+                    &txt_n,
+                    ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+                    ["attn.norm_added_q", "attn.norm_added_k"],
+                ),
+                (
+                    &img_n,
+                    ["attn.to_q", "attn.to_k", "attn.to_v"],
+                    ["attn.norm_q", "attn.norm_k"],
+                ),
+            ],
+            rope,
         )?;
-        let [cq, ck, cv] = self.qkv(
-            w,
-            &txt_n,
-            ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
-            ["attn.norm_added_q", "attn.norm_added_k"],
-        )?;
-        let axis = self.token_axis();
-        let q = Tensor::cat(&[&cq, &q], axis)?;
-        let k = Tensor::cat(&[&ck, &k], axis)?;
-        let v = Tensor::cat(&[&cv, &v], axis)?;
-        let attn = self.attention(&q, &k, &v, rope)?;
         let t_len = txt.dim(1)?;
         let txt_attn = attn.narrow(1, 0, t_len)?;
         let img_attn = attn.narrow(1, t_len, attn.dim(1)? - t_len)?;
         let img_attn = self.linear(w, "attn.to_out.0", &img_attn)?;
         let txt_attn = self.linear(w, "attn.to_add_out", &txt_attn)?;
 
-        let gate = |g: &Tensor, x: &Tensor| gate(x, g);
-        let img = (img + gate(&m[2], &img_attn)?)?;
+        let img = self.residual(img, &img_attn, &m[2])?;
         let img_n = self.norm_modulate(&img, &m[3], &m[4])?;
-        let ff = self.linear(
-            w,
-            "ff.net.2",
-            &self.linear(w, "ff.net.0.proj", &img_n)?.gelu()?,
-        )?;
-        let img = (img + gate(&m[5], &ff)?)?;
+        let ff = self.feed_forward(w, "ff", &img_n)?;
+        let img = self.residual(&img, &ff, &m[5])?;
 
-        let txt = (txt + gate(&c[2], &txt_attn)?)?;
+        let txt = self.residual(txt, &txt_attn, &c[2])?;
         let txt_n = self.norm_modulate(&txt, &c[3], &c[4])?;
-        let ff = self.linear(
-            w,
-            "ff_context.net.2",
-            &self.linear(w, "ff_context.net.0.proj", &txt_n)?.gelu()?,
-        )?;
-        let txt = (txt + gate(&c[5], &ff)?)?;
+        let ff = self.feed_forward(w, "ff_context", &txt_n)?;
+        let txt = self.residual(&txt, &ff, &c[5])?;
         Ok((txt, img))
     }
 
@@ -706,16 +898,35 @@ impl Flux {
     ) -> Result<Tensor> {
         let m = self.linear(w, "norm.linear", &temb.silu()?)?.chunk(3, 1)?;
         let x = self.norm_modulate(hs, &m[0], &m[1])?;
-        let mlp = self.linear(w, "proj_mlp", &x)?.gelu()?;
-        let [q, k, v] = self.qkv(
-            w,
+        let qkv = (
             &x,
             ["attn.to_q", "attn.to_k", "attn.to_v"],
             ["attn.norm_q", "attn.norm_k"],
-        )?;
-        let attn = self.attention(&q, &k, &v, rope)?;
+        );
+        #[cfg(feature = "cuda")]
+        if self.kernels.gelu_epilogue
+            && crate::lt::aligned_at(0, 0, self.cfg.hidden())
+            && self.cfg.hidden() % 8 == 0
+        {
+            // The MLP's GELU'd projection into columns H.. of the output
+            // projection's input, then the attention into columns ..H.
+            let (b, l, h) = x.dims3()?;
+            let mlp_w = w.get("proj_mlp.weight")?;
+            let mlp_width = mlp_w.dim(0)?;
+            // SAFETY: the GEMM writes columns h..h + mlp_width of every row
+            // and the copy columns 0..h: every element before the read.
+            let joint = unsafe { crate::fused::uninit((b, l, h + mlp_width), x.device())? };
+            crate::lt::linear_into(&x, &mlp_w, &w.get("proj_mlp.bias")?, &joint, 0, h, true)?;
+            let attn = self.joint_attention(w, &[qkv], rope)?;
+            crate::fused::copy_into_columns(&joint, &attn.contiguous()?, 0)?;
+            crate::fused::count_launch();
+            let out = self.linear(w, "proj_out", &joint)?;
+            return self.residual(hs, &out, &m[2]);
+        }
+        let mlp = self.linear_gelu(w, "proj_mlp", &x)?;
+        let attn = self.joint_attention(w, &[qkv], rope)?;
         let out = self.linear(w, "proj_out", &Tensor::cat(&[&attn, &mlp], D::Minus1)?)?;
-        hs + gate(&out, &m[2])?
+        self.residual(hs, &out, &m[2])
     }
 }
 

@@ -30,6 +30,9 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod lt;
 
+#[cfg(feature = "cuda")]
+pub mod fused;
+
 pub use flux::{Flux, FluxConfig, FluxInputs, ModuleWeights, Weights};
 
 /// candle's element type for offload's, where candle has one.

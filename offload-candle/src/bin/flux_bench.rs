@@ -210,7 +210,118 @@ fn check_kernels(
         &mut cases,
         failed,
     )?;
+    check_fused(candle, cfg, tokens, &mut cases, failed)?;
     report.insert("kernel_checks".into(), cases.into());
+    Ok(())
+}
+
+/// The hand-written kernels (`offload_candle::fused`) and the epilogues
+/// that feed them, each against candle's operations written out the way
+/// diffusers computes: the q/k norm and RoPE (a text part of 512 rows with
+/// one weight, the rest with another), the gate and residual, the GELU
+/// epilogue, and a GEMM written into columns of a wider buffer beside a
+/// strided copy.
+fn check_fused(
+    candle: &Device,
+    cfg: &FluxConfig,
+    tokens: usize,
+    cases: &mut Vec<serde_json::Value>,
+    failed: &mut Vec<String>,
+) -> Result<()> {
+    use candle_core::D;
+    use candle_core::Module as _;
+    use offload_candle::{fused, lt};
+    let (h, heads, d) = (
+        cfg.hidden(),
+        cfg.num_attention_heads,
+        cfg.attention_head_dim,
+    );
+    let randn = |std: f32, shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, candle)?.to_dtype(DType::BF16)?)
+    };
+    let split = 512.min(tokens / 2);
+    // q/k RMSNorm + RoPE.
+    let x = (randn(1.0, &[1, tokens, heads, d])? * 3.0)?;
+    let (w0, w1) = ((randn(0.1, &[d])? + 1.0)?, (randn(0.1, &[d])? + 1.0)?);
+    let angles = (Tensor::rand(0f32, 1f32, (tokens, d / 2), candle)? * 100.0)?;
+    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let fast = x.copy()?;
+    fused::qk_norm_rope(&fast, &w0, &w1, split, &cos, &sin, 1e-6)?;
+    let xf = x.to_dtype(DType::F32)?;
+    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + 1e-6)?
+        .sqrt()?
+        .recip()?;
+    let y = xf.broadcast_mul(&r)?.to_dtype(DType::BF16)?;
+    let y = Tensor::cat(
+        &[
+            y.narrow(1, 0, split)?.broadcast_mul(&w0)?,
+            y.narrow(1, split, tokens - split)?.broadcast_mul(&w1)?,
+        ],
+        1,
+    )?;
+    let plain = candle_nn::rotary_emb::rope_i(
+        &y.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?,
+        &cos,
+        &sin,
+    )?
+    .to_dtype(DType::BF16)?
+    .transpose(1, 2)?;
+    check_case(
+        format!(
+            "fused q/k RMSNorm + RoPE vs norm, multiply, f32 RoPE, {tokens} rows (split {split})"
+        ),
+        &fast,
+        &plain,
+        cases,
+        failed,
+    )?;
+    // Gate and residual.
+    let (x, y, g) = (
+        randn(1.0, &[1, tokens, h])?,
+        randn(1.0, &[1, tokens, h])?,
+        randn(0.5, &[1, h])?,
+    );
+    let plain = (&x + y.broadcast_mul(&g.unsqueeze(1)?)?)?;
+    check_case(
+        format!("fused gate + residual vs multiply, add, {tokens} rows"),
+        &fused::gate_residual(&x, &y, &g)?,
+        &plain,
+        cases,
+        failed,
+    )?;
+    // GELU epilogue.
+    let x = randn(1.0, &[1, tokens, h])?;
+    let w = randn(1.0 / (h as f32).sqrt(), &[4 * h, h])?;
+    let b = randn(1.0 / (3.0 * h as f32).sqrt(), &[4 * h])?;
+    let plain_mlp = candle_nn::Linear::new(w.clone(), Some(b.clone()))
+        .forward(&x)?
+        .gelu()?;
+    check_case(
+        format!(
+            "cuBLASLt bias + GELU epilogue vs Linear, gelu, {h} → {}, {tokens} rows",
+            4 * h
+        ),
+        &lt::linear_bias_act(&x, &w, &b, true)?,
+        &plain_mlp,
+        cases,
+        failed,
+    )?;
+    // The GEMM into columns h.. of a [1, L, 5h] buffer, an attention-like
+    // tensor copied into columns ..h.
+    let attn = randn(1.0, &[1, tokens, h])?;
+    // SAFETY: the GEMM writes columns h..5h and the copy 0..h of every row.
+    let joint = unsafe { fused::uninit((1, tokens, 5 * h), candle)? };
+    lt::linear_into(&x, &w, &b, &joint, 0, h, true)?;
+    fused::copy_into_columns(&joint, &attn, 0)?;
+    check_case(
+        format!(
+            "GEMM + GELU into columns {h}.. and a copy into ..{h} vs concatenation, {tokens} rows"
+        ),
+        &joint,
+        &Tensor::cat(&[&attn, &plain_mlp], D::Minus1)?,
+        cases,
+        failed,
+    )?;
     Ok(())
 }
 
@@ -529,6 +640,7 @@ fn run() -> Result<()> {
     report.insert("planted".into(), args.plant.clone().into());
     let off = Offloaded { rt, views };
     let lt_before = offload_candle::lt::stats();
+    let fused_before = offload_candle::fused::stats();
     let first = off.step(&model, &inputs)?;
     sync(&candle, &dev, &compute)?;
     let mut times = Vec::new();
@@ -544,6 +656,7 @@ fn run() -> Result<()> {
     let offload_step = median(times.clone());
     report.insert("offload_step_s".into(), offload_step.into());
     let lt_offloaded = offload_candle::lt::stats();
+    let fused_offloaded = offload_candle::fused::stats();
     let lt_offloaded = (lt_offloaded.0 - lt_before.0, lt_offloaded.1 - lt_before.1);
     report.insert("offload_steps_s".into(), times.into());
     report.insert("zero_copy_views_cached".into(), off.views.cached().into());
@@ -591,6 +704,21 @@ fn run() -> Result<()> {
         "lt_fallbacks_offloaded_resident".into(),
         serde_json::json!([lt_offloaded.1, lt_resident.1]),
     );
+    let fused_now = offload_candle::fused::stats();
+    report.insert(
+        "fused_launches_offloaded_resident".into(),
+        serde_json::json!([
+            fused_offloaded.0 - fused_before.0,
+            fused_now.0 - fused_offloaded.0
+        ]),
+    );
+    report.insert(
+        "fused_fallbacks_offloaded_resident".into(),
+        serde_json::json!([
+            fused_offloaded.1 - fused_before.1,
+            fused_now.1 - fused_offloaded.1
+        ]),
+    );
     // What each fast path bought: the resident step with it switched off
     // (the attention ones only up to --check-tokens), compared with the
     // step that has them all.
@@ -598,17 +726,50 @@ fn run() -> Result<()> {
     let mut variants = Vec::new();
     if all.gemm_bias_epilogue {
         variants.push((
-            "without the cuBLASLt bias epilogue",
+            "without the cuBLASLt epilogues (nor what needs them)",
             flux::Kernels {
                 gemm_bias_epilogue: false,
+                gelu_epilogue: false,
+                fused_qk_rope: false,
                 ..all
             },
         ));
     }
     if all.blhd {
         variants.push((
-            "without the [B, L, H, D] layout",
-            flux::Kernels { blhd: false, ..all },
+            "without the [B, L, H, D] layout (nor the fused q/k norm and RoPE)",
+            flux::Kernels {
+                blhd: false,
+                fused_qk_rope: false,
+                ..all
+            },
+        ));
+    }
+    if all.fused_qk_rope {
+        variants.push((
+            "without the fused q/k norm and RoPE",
+            flux::Kernels {
+                fused_qk_rope: false,
+                ..all
+            },
+        ));
+    }
+    if all.gelu_epilogue {
+        variants.push((
+            "without the GELU epilogue and the concatenation-free MLP",
+            flux::Kernels {
+                gelu_epilogue: false,
+                ..all
+            },
+        ));
+    }
+    if all.fused_gate {
+        variants.push((
+            "without the fused gate",
+            flux::Kernels {
+                fused_gate: false,
+                ..all
+            },
         ));
     }
     if all.fused_modulate {
