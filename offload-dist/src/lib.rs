@@ -37,14 +37,20 @@
 //!
 //! [`Collective`]: offload_core::device::Collective
 
+mod channel;
 mod env;
 mod error;
 mod init;
 mod nccl;
 mod rendezvous;
+mod secret;
 
+pub use channel::{Abort, MAX_REASON_BYTES, PeerFailure, SILENCE, SideChannel};
 pub use env::{DistEnv, MAX_WORLD_SIZE};
 pub use error::{AbortCause, Aborted, DistError, PendingCollective};
 pub use init::{DistGroup, init_from_env};
 pub use nccl::{NcclCollective, NcclId, NcclInfo, nccl_info, nccl_present};
-pub use rendezvous::{MAGIC, MAX_PAYLOAD, VERSION, rendezvous};
+pub use rendezvous::{
+    HELLO_TIMEOUT, Joined, MAGIC, MAX_PAYLOAD, MAX_PENDING, RendezvousConfig, VERSION, rendezvous,
+};
+pub use secret::{MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_VAR, Secret};
