@@ -346,7 +346,9 @@ async fn greet(
     let (signed, proof) = b.split_at(HELLO_SIGNED_LEN);
     if !secret::verify(key, &[HELLO_DOMAIN, &n0, signed], proof) {
         let why = if has_secret {
-            format!("its hello does not prove the job's secret (no {SECRET_VAR}, another one, or a replayed hello)")
+            format!(
+                "its hello does not prove the job's secret (no {SECRET_VAR}, another one, or a replayed hello)"
+            )
         } else {
             "its hello's proof is corrupt".to_owned()
         };
@@ -629,7 +631,9 @@ async fn join(
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
             return Err(DistError::Protocol {
                 peer: addr.clone(),
-                what: format!("rank 0 closed the connection without answering: it refused this rank's hello (a different {SECRET_VAR}?), or it failed"),
+                what: format!(
+                    "rank 0 closed the connection without answering: it refused this rank's hello (a different {SECRET_VAR}?), or it failed"
+                ),
             });
         }
         Ok(Err(e)) => return Err(io("reading the answer of", e)),
@@ -726,7 +730,8 @@ async fn read_challenge(
             if Instant::now() >= deadline {
                 return Err(DistError::Protocol {
                     peer: addr.to_owned(),
-                    what: "rank 0 closed every connection before its challenge until the deadline".to_owned(),
+                    what: "rank 0 closed every connection before its challenge until the deadline"
+                        .to_owned(),
                 });
             }
             return Ok(None);
@@ -746,14 +751,18 @@ async fn read_challenge(
             return Err(DistError::SecretMismatch {
                 rank: env.rank,
                 addr: addr.to_owned(),
-                what: format!("rank 0 requires the job's secret, but {SECRET_VAR} is not set on this rank"),
+                what: format!(
+                    "rank 0 requires the job's secret, but {SECRET_VAR} is not set on this rank"
+                ),
             });
         }
         (false, true) => {
             return Err(DistError::SecretMismatch {
                 rank: env.rank,
                 addr: addr.to_owned(),
-                what: format!("{SECRET_VAR} is set on this rank, but rank 0 runs an open rendezvous (no secret)"),
+                what: format!(
+                    "{SECRET_VAR} is set on this rank, but rank 0 runs an open rendezvous (no secret)"
+                ),
             });
         }
         _ => {}

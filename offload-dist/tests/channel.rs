@@ -45,8 +45,9 @@ fn env(rank: u32, world_size: u32, port: u16) -> DistEnv {
 }
 
 fn config() -> RendezvousConfig {
-    RendezvousConfig::new(Duration::from_secs(10))
-        .with_secret(Some(Secret::new(b"side-channel-test-secret".to_vec()).unwrap()))
+    RendezvousConfig::new(Duration::from_secs(10)).with_secret(Some(
+        Secret::new(b"side-channel-test-secret".to_vec()).unwrap(),
+    ))
 }
 
 /// The loopback transport: one per group, shared by its ranks' threads.
@@ -109,7 +110,11 @@ impl Loopback {
         let give_up = Instant::now() + STUCK;
         let mut st = self.state.lock().unwrap();
         while st.entered.get(&n).copied().unwrap_or(0) < count && Instant::now() < give_up {
-            st = self.changed.wait_timeout(st, Duration::from_millis(50)).unwrap().0;
+            st = self
+                .changed
+                .wait_timeout(st, Duration::from_millis(50))
+                .unwrap()
+                .0;
         }
     }
 }
@@ -123,7 +128,9 @@ struct LoopbackAbort {
 impl Abort for LoopbackAbort {
     fn abort(&self, failure: &PeerFailure) {
         let mut st = self.group.state.lock().unwrap();
-        st.aborted.entry(self.rank).or_insert_with(|| failure.clone());
+        st.aborted
+            .entry(self.rank)
+            .or_insert_with(|| failure.clone());
         self.group.changed.notify_all();
     }
 }
@@ -164,8 +171,9 @@ fn scenario(world: u32, failing: u32, when: When) -> (Instant, Vec<Survivor>) {
             let failed_at = Arc::clone(&failed_at);
             thread::spawn(move || {
                 let payload = (rank == 0).then_some(&b"id"[..]);
-                let Joined { channel, .. } = rendezvous(&env(rank, world, port), payload, &config())
-                    .expect("the group forms");
+                let Joined { channel, .. } =
+                    rendezvous(&env(rank, world, port), payload, &config())
+                        .expect("the group forms");
                 channel.on_failure(Arc::new(LoopbackAbort {
                     group: Arc::clone(&group),
                     rank,
@@ -186,28 +194,40 @@ fn scenario(world: u32, failing: u32, when: When) -> (Instant, Vec<Survivor>) {
     (failed_at, survivors)
 }
 
-fn fail(group: &Loopback, channel: SideChannel, rank: u32, when: When, at: &Mutex<Option<Instant>>) {
+fn fail(
+    group: &Loopback,
+    channel: SideChannel,
+    rank: u32,
+    when: When,
+    at: &Mutex<Option<Instant>>,
+) {
     let others = group.world - 1;
     let mark = || *at.lock().unwrap() = Some(Instant::now());
     match when {
         When::Before => {
             group.wait_entered(1, others);
             mark();
-            channel.report(&format!("planted failure of rank {rank} before collective #1"));
+            channel.report(&format!(
+                "planted failure of rank {rank} before collective #1"
+            ));
         }
         When::Inside | When::Dropped => {
             group.all_gather(rank, 1).unwrap();
             group.wait_entered(2, others);
             mark();
             if matches!(when, When::Inside) {
-                channel.report(&format!("planted failure of rank {rank}: all_gather #2 refused locally"));
+                channel.report(&format!(
+                    "planted failure of rank {rank}: all_gather #2 refused locally"
+                ));
             }
         }
         When::After => {
             group.all_gather(rank, 1).unwrap();
             group.all_gather(rank, 2).unwrap();
             mark();
-            channel.report(&format!("planted failure of rank {rank} after collective #2"));
+            channel.report(&format!(
+                "planted failure of rank {rank} after collective #2"
+            ));
         }
     }
     // The process would exit now (closing its connection); a thread
@@ -241,14 +261,20 @@ fn survive(group: &Loopback, channel: &SideChannel, rank: u32) -> Survivor {
 
 /// Every survivor's error names `failing` (and `said`, its error, when
 /// it reported one) within [`WITHIN`]; returns the slowest time.
-fn check(failing: u32, said: Option<&str>, (failed_at, survivors): (Instant, Vec<Survivor>)) -> Duration {
+fn check(
+    failing: u32,
+    said: Option<&str>,
+    (failed_at, survivors): (Instant, Vec<Survivor>),
+) -> Duration {
     let mut slowest = Duration::ZERO;
     for s in &survivors {
         let took = s.at.saturating_duration_since(failed_at);
         slowest = slowest.max(took);
         let text = s.error.to_string();
         match &s.error {
-            DistError::PeerFailed { this_rank, failure, .. } => {
+            DistError::PeerFailed {
+                this_rank, failure, ..
+            } => {
                 assert_eq!(*this_rank, s.rank);
                 assert_eq!(failure.rank(), failing, "rank {}: {text}", s.rank);
                 if let Some(said) = said {
@@ -262,7 +288,11 @@ fn check(failing: u32, said: Option<&str>, (failed_at, survivors): (Instant, Vec
             other => panic!("rank {}: not a typed peer failure: {other}", s.rank),
         }
         assert!(text.contains(&format!("rank {failing} ")), "{text}");
-        assert!(took < WITHIN, "rank {}: {took:?} to its error: {text}", s.rank);
+        assert!(
+            took < WITHIN,
+            "rank {}: {took:?} to its error: {text}",
+            s.rank
+        );
     }
     println!("slowest survivor: {slowest:?} after rank {failing} failed");
     slowest
@@ -270,12 +300,20 @@ fn check(failing: u32, said: Option<&str>, (failed_at, survivors): (Instant, Vec
 
 #[test]
 fn a_rank_failing_before_a_collective_is_named_at_once() {
-    check(2, Some("before collective #1"), scenario(3, 2, When::Before));
+    check(
+        2,
+        Some("before collective #1"),
+        scenario(3, 2, When::Before),
+    );
 }
 
 #[test]
 fn a_rank_failing_inside_a_collective_is_named_at_once() {
-    check(1, Some("all_gather #2 refused locally"), scenario(3, 1, When::Inside));
+    check(
+        1,
+        Some("all_gather #2 refused locally"),
+        scenario(3, 1, When::Inside),
+    );
 }
 
 #[test]
@@ -285,7 +323,11 @@ fn a_rank_failing_after_a_collective_is_named_at_once() {
 
 #[test]
 fn rank_0_failing_inside_a_collective_is_named_at_once() {
-    check(0, Some("all_gather #2 refused locally"), scenario(3, 0, When::Inside));
+    check(
+        0,
+        Some("all_gather #2 refused locally"),
+        scenario(3, 0, When::Inside),
+    );
 }
 
 #[test]
@@ -300,7 +342,9 @@ fn a_finished_rank_is_no_failure() {
         .map(|rank| {
             thread::spawn(move || {
                 let payload = (rank == 0).then_some(&b"id"[..]);
-                rendezvous(&env(rank, 3, port), payload, &config()).unwrap().channel
+                rendezvous(&env(rank, 3, port), payload, &config())
+                    .unwrap()
+                    .channel
             })
         })
         .collect();
@@ -321,7 +365,9 @@ fn a_hook_registered_after_the_failure_runs_at_once() {
         .map(|rank| {
             thread::spawn(move || {
                 let payload = (rank == 0).then_some(&b"id"[..]);
-                rendezvous(&env(rank, 2, port), payload, &config()).unwrap().channel
+                rendezvous(&env(rank, 2, port), payload, &config())
+                    .unwrap()
+                    .channel
             })
         })
         .collect();
@@ -330,7 +376,13 @@ fn a_hook_registered_after_the_failure_runs_at_once() {
     let rank0 = channels.pop().unwrap();
     rank1.report(&"boom");
     let f = rank0.wait_for_failure(WITHIN).expect("rank 0 hears of it");
-    assert_eq!(f, PeerFailure::Failed { rank: 1, error: "boom".to_owned() });
+    assert_eq!(
+        f,
+        PeerFailure::Failed {
+            rank: 1,
+            error: "boom".to_owned()
+        }
+    );
     let (tx, rx) = std::sync::mpsc::channel();
     let tx = Mutex::new(tx);
     rank0.on_failure(Arc::new(move |f: &PeerFailure| {
@@ -355,7 +407,8 @@ fn child_rank_process() {
         return;
     }
     let env = DistEnv::from_env().unwrap();
-    let config = RendezvousConfig::new(Duration::from_secs(10)).with_secret(Secret::from_env().unwrap());
+    let config =
+        RendezvousConfig::new(Duration::from_secs(10)).with_secret(Secret::from_env().unwrap());
     let payload = (env.rank == 0).then_some(&b"id"[..]);
     let joined = rendezvous(&env, payload, &config).unwrap();
     let group = Loopback::new(2); // this rank and a peer that never comes
@@ -385,7 +438,12 @@ fn spawn_ranks(world: u32) -> Vec<Rank> {
     (0..world)
         .map(|rank| {
             let mut child = Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "child_rank_process", "--nocapture", "--test-threads=1"])
+                .args([
+                    "--exact",
+                    "child_rank_process",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
                 .env(CHILD, "1")
                 .env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
@@ -432,9 +490,15 @@ fn kill_and_check(world: u32, victim: u32) -> Duration {
         let took = killed.elapsed();
         let _ = r.child.kill();
         let _ = r.child.wait();
-        let line = line.unwrap_or_else(|_| panic!("rank {rank}: no error within {:?}", WITHIN + Duration::from_secs(5)));
+        let line = line.unwrap_or_else(|_| {
+            panic!(
+                "rank {rank}: no error within {:?}",
+                WITHIN + Duration::from_secs(5)
+            )
+        });
         assert!(
-            line.starts_with("error ") && line.contains(&format!("rank {victim} died without a word")),
+            line.starts_with("error ")
+                && line.contains(&format!("rank {victim} died without a word")),
             "rank {rank}: {line}"
         );
         assert!(took < WITHIN, "rank {rank}: {took:?} to its error");

@@ -13,11 +13,19 @@ use sha2::Sha256;
 
 /// The rendezvous, open (no secret), its payload only (the channel is
 /// finished at once).
-fn rendezvous(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>, DistError> {
+fn rendezvous(
+    env: &DistEnv,
+    payload: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<Vec<u8>, DistError> {
     meet(env, payload, &RendezvousConfig::new(timeout))
 }
 
-fn meet(env: &DistEnv, payload: Option<&[u8]>, config: &RendezvousConfig) -> Result<Vec<u8>, DistError> {
+fn meet(
+    env: &DistEnv,
+    payload: Option<&[u8]>,
+    config: &RendezvousConfig,
+) -> Result<Vec<u8>, DistError> {
     offload_dist::rendezvous(env, payload, config).map(finish)
 }
 
@@ -262,7 +270,11 @@ fn a_stray_connection_is_ignored() {
 fn another_protocol_version_is_dropped_and_named() {
     let port = free_port();
     let server = thread::spawn(move || {
-        offload_dist::rendezvous(&env(0, 2, port), Some(b"id"), &RendezvousConfig::new(Duration::from_secs(5)))
+        offload_dist::rendezvous(
+            &env(0, 2, port),
+            Some(b"id"),
+            &RendezvousConfig::new(Duration::from_secs(5)),
+        )
     });
     let mut other = raw_connect(port);
     let mut hello = MAGIC.to_vec();
@@ -275,7 +287,11 @@ fn another_protocol_version_is_dropped_and_named() {
     let peer = rendezvous(&env(1, 2, port), None, Duration::from_secs(5));
     assert_eq!(peer.unwrap(), b"id");
     let joined = server.join().unwrap().unwrap();
-    assert!(joined.dropped.iter().any(|d| d.contains("version 99")), "{:?}", joined.dropped);
+    assert!(
+        joined.dropped.iter().any(|d| d.contains("version 99")),
+        "{:?}",
+        joined.dropped
+    );
     finish(joined);
 }
 
@@ -285,7 +301,8 @@ fn a_server_that_is_not_rank_0_is_a_protocol_error() {
     let port = listener.local_addr().unwrap().port();
     let server = thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        s.write_all(&b"HTTP/1.1 400 Bad Request\r\n".repeat(4)).unwrap();
+        s.write_all(&b"HTTP/1.1 400 Bad Request\r\n".repeat(4))
+            .unwrap();
         let _ = read_all(&mut s);
     });
     let err = rendezvous(&env(1, 2, port), None, Duration::from_secs(2)).unwrap_err();
@@ -351,11 +368,22 @@ fn stranger(port: u16, hello: impl FnOnce(&[u8]) -> Vec<u8>) -> Vec<u8> {
 }
 
 /// Rank 0 of `world` with the secret, in a thread.
-fn serve(world: u32, port: u16, timeout: Duration) -> thread::JoinHandle<Result<Joined, DistError>> {
-    thread::spawn(move || offload_dist::rendezvous(&env(0, world, port), Some(b"the-id"), &with_secret(timeout)))
+fn serve(
+    world: u32,
+    port: u16,
+    timeout: Duration,
+) -> thread::JoinHandle<Result<Joined, DistError>> {
+    thread::spawn(move || {
+        offload_dist::rendezvous(&env(0, world, port), Some(b"the-id"), &with_secret(timeout))
+    })
 }
 
-fn peer(rank: u32, world: u32, port: u16, config: RendezvousConfig) -> thread::JoinHandle<Result<Vec<u8>, DistError>> {
+fn peer(
+    rank: u32,
+    world: u32,
+    port: u16,
+    config: RendezvousConfig,
+) -> thread::JoinHandle<Result<Vec<u8>, DistError>> {
     thread::spawn(move || meet(&env(rank, world, port), None, &config))
 }
 
@@ -376,25 +404,44 @@ fn a_hello_without_the_secret_takes_no_rank_and_reads_no_id() {
     let got = stranger(port, |c| forged_hello(c, 1, 2, b""));
     assert!(got.is_empty(), "the stranger was answered: {got:?}");
     // One of ours without the secret is told so at once, by name.
-    let err = meet(&env(1, 2, port), None, &RendezvousConfig::new(Duration::from_secs(3))).unwrap_err();
-    assert!(matches!(err, DistError::SecretMismatch { rank: 1, .. }), "{err:?}");
-    assert!(err.to_string().contains("OFFLOAD_DIST_SECRET is not set"), "{err}");
+    let err = meet(
+        &env(1, 2, port),
+        None,
+        &RendezvousConfig::new(Duration::from_secs(3)),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, DistError::SecretMismatch { rank: 1, .. }),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("OFFLOAD_DIST_SECRET is not set"),
+        "{err}"
+    );
     // The group still forms.
     let rank1 = peer(1, 2, port, with_secret(Duration::from_secs(5)));
     assert_eq!(rank1.join().unwrap().unwrap(), b"the-id");
     let dropped = served(server);
-    assert!(dropped.iter().any(|d| d.contains("does not prove the job's secret")), "{dropped:?}");
+    assert!(
+        dropped
+            .iter()
+            .any(|d| d.contains("does not prove the job's secret")),
+        "{dropped:?}"
+    );
 }
 
 #[test]
 fn a_wrong_secret_takes_no_rank_and_reads_no_id() {
     let port = free_port();
     let server = serve(2, port, Duration::from_secs(8));
-    let got = stranger(port, |c| forged_hello(c, 1, 2, b"another-secret-0123456789"));
+    let got = stranger(port, |c| {
+        forged_hello(c, 1, 2, b"another-secret-0123456789")
+    });
     assert!(got.is_empty(), "the stranger was answered: {got:?}");
     // A rank of another job (another secret) claiming rank 1 first.
-    let other = RendezvousConfig::new(Duration::from_secs(3))
-        .with_secret(Some(Secret::new(b"another-secret-0123456789".to_vec()).unwrap()));
+    let other = RendezvousConfig::new(Duration::from_secs(3)).with_secret(Some(
+        Secret::new(b"another-secret-0123456789".to_vec()).unwrap(),
+    ));
     let err = meet(&env(1, 2, port), None, &other).unwrap_err();
     assert!(matches!(err, DistError::Protocol { .. }), "{err:?}");
     assert!(err.to_string().contains("OFFLOAD_DIST_SECRET"), "{err}");
@@ -437,7 +484,10 @@ fn a_replayed_hello_is_dropped() {
     assert_eq!(rank1.join().unwrap().unwrap(), b"the-id");
     assert_eq!(rank2.join().unwrap().unwrap(), b"the-id");
     let dropped = served(server);
-    assert!(dropped.iter().any(|d| d.contains("replayed")), "{dropped:?}");
+    assert!(
+        dropped.iter().any(|d| d.contains("replayed")),
+        "{dropped:?}"
+    );
 }
 
 #[test]
@@ -447,20 +497,29 @@ fn a_flood_of_junk_neither_stalls_the_group_nor_reads_the_id() {
         hello_timeout: Duration::from_millis(500),
         ..with_secret(Duration::from_secs(10))
     };
-    let server = thread::spawn(move || offload_dist::rendezvous(&env(0, 3, port), Some(b"the-id"), &config));
+    let server =
+        thread::spawn(move || offload_dist::rendezvous(&env(0, 3, port), Some(b"the-id"), &config));
     let mut junk = Vec::new();
     for i in 0..100u32 {
         let mut s = raw_connect(port);
         let bytes: Vec<u8> = match i % 4 {
             // Random bytes.
-            0 => (0..300u32).map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i) >> 7) as u8).collect(),
+            0 => (0..300u32)
+                .map(|k| (k.wrapping_mul(2_654_435_761).wrapping_add(i) >> 7) as u8)
+                .collect(),
             // Half-open: connected, never a byte.
             1 => Vec::new(),
             // Our magic and version, then lengths of 4 GiB.
             2 => [&MAGIC[..], &VERSION.to_be_bytes(), &[0xff; 8]].concat(),
             // A full-size hello with a random proof, claiming rank 1 or 2.
             _ => {
-                let mut h = [&MAGIC[..], &VERSION.to_be_bytes(), &(1 + i % 2).to_be_bytes(), &3u32.to_be_bytes()].concat();
+                let mut h = [
+                    &MAGIC[..],
+                    &VERSION.to_be_bytes(),
+                    &(1 + i % 2).to_be_bytes(),
+                    &3u32.to_be_bytes(),
+                ]
+                .concat();
                 h.resize(HELLO_LEN, (i * 37) as u8);
                 h
             }
@@ -481,20 +540,32 @@ fn a_flood_of_junk_neither_stalls_the_group_nor_reads_the_id() {
     // Nothing but a challenge ever reached a junk connection.
     for (i, s) in junk.iter_mut().enumerate() {
         let got = read_all(s);
-        assert!(got.len() <= CHALLENGE_LEN, "junk connection {i} got {} bytes", got.len());
+        assert!(
+            got.len() <= CHALLENGE_LEN,
+            "junk connection {i} got {} bytes",
+            got.len()
+        );
     }
     // The 50 that sent something whole were judged before the group
     // formed; the silent and the short ones are dropped at their hello
     // deadline, whether or not the group has formed by then.
-    assert!(dropped.len() >= 50, "{} dropped: {dropped:?}", dropped.len());
+    assert!(
+        dropped.len() >= 50,
+        "{} dropped: {dropped:?}",
+        dropped.len()
+    );
 }
 
 #[test]
 fn a_secret_on_one_side_only_is_named() {
     let port = free_port();
-    let open = thread::spawn(move || rendezvous(&env(0, 2, port), Some(b"x"), Duration::from_secs(3)));
+    let open =
+        thread::spawn(move || rendezvous(&env(0, 2, port), Some(b"x"), Duration::from_secs(3)));
     let err = meet(&env(1, 2, port), None, &with_secret(Duration::from_secs(2))).unwrap_err();
-    assert!(matches!(err, DistError::SecretMismatch { rank: 1, .. }), "{err:?}");
+    assert!(
+        matches!(err, DistError::SecretMismatch { rank: 1, .. }),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("open rendezvous"), "{err}");
     let _ = open.join().unwrap();
 }
@@ -512,14 +583,24 @@ fn an_answer_that_does_not_prove_the_secret_is_refused() {
         s.write_all(&c).unwrap();
         let mut hello = [0u8; HELLO_LEN];
         s.read_exact(&mut hello).unwrap();
-        let mut a = [&MAGIC[..], &VERSION.to_be_bytes(), &[0u8], &4u32.to_be_bytes(), b"evil"].concat();
+        let mut a = [
+            &MAGIC[..],
+            &VERSION.to_be_bytes(),
+            &[0u8],
+            &4u32.to_be_bytes(),
+            b"evil",
+        ]
+        .concat();
         a.extend_from_slice(&[0u8; 32]);
         s.write_all(&a).unwrap();
         let _ = read_all(&mut s);
     });
     let err = meet(&env(1, 2, port), None, &with_secret(Duration::from_secs(3))).unwrap_err();
     assert!(matches!(err, DistError::Protocol { .. }), "{err:?}");
-    assert!(err.to_string().contains("does not prove the job's secret"), "{err}");
+    assert!(
+        err.to_string().contains("does not prove the job's secret"),
+        "{err}"
+    );
     fake.join().unwrap();
 }
 
@@ -528,10 +609,16 @@ fn secrets_are_checked() {
     assert!(Secret::new(b"short".to_vec()).is_err());
     assert!(Secret::new(vec![b'x'; 2000]).is_err());
     let e = Secret::from_value(Some(Vec::new())).unwrap_err();
-    assert!(e.to_string().contains("OFFLOAD_DIST_SECRET") && e.to_string().contains("empty"), "{e}");
+    assert!(
+        e.to_string().contains("OFFLOAD_DIST_SECRET") && e.to_string().contains("empty"),
+        "{e}"
+    );
     assert_eq!(Secret::from_value(None).unwrap(), None);
     let s = Secret::generate().unwrap();
     assert_eq!(s.to_env_value().len(), 64);
     assert_ne!(s, Secret::generate().unwrap());
-    assert!(!format!("{s:?}").contains(&s.to_env_value()), "Debug shows no secret");
+    assert!(
+        !format!("{s:?}").contains(&s.to_env_value()),
+        "Debug shows no secret"
+    );
 }
