@@ -517,3 +517,55 @@ fn a_killed_rank_is_named_by_every_other_process() {
 fn a_killed_rank_0_is_named_by_every_other_process() {
     kill_and_check(3, 0);
 }
+
+/// Collects what a tracing subscriber writes.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn an_open_rendezvous_warns_once() {
+    // The only open rendezvous of this test binary (the warning is once
+    // per process).
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let dispatch = tracing::Dispatch::new(
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish(),
+    );
+    for _ in 0..2 {
+        let port = free_port();
+        let ranks: Vec<_> = (0..2u32)
+            .map(|rank| {
+                let dispatch = dispatch.clone();
+                thread::spawn(move || {
+                    tracing::dispatcher::with_default(&dispatch, || {
+                        let payload = (rank == 0).then_some(&b"id"[..]);
+                        let open = RendezvousConfig::new(Duration::from_secs(5));
+                        rendezvous(&env(rank, 2, port), payload, &open)
+                            .unwrap()
+                            .channel
+                            .finish();
+                    })
+                })
+            })
+            .collect();
+        for r in ranks {
+            r.join().unwrap();
+        }
+    }
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(text.matches("so it is open").count(), 1, "{text}");
+    assert!(text.contains("OFFLOAD_DIST_SECRET"), "{text}");
+}
