@@ -11,7 +11,8 @@
 //! [`MAX_REASON_BYTES`]):
 //!
 //! * `PING` (1): sent by both sides after a second without other frames;
-//!   a connection silent for [`SILENCE`] counts as closed.
+//!   a connection silent for the silence limit ([`SILENCE`] unless the
+//!   rendezvous's config says otherwise) counts as closed.
 //! * `FAILED` (2): rank `rank` failed, the body says why. A peer sends it
 //!   for itself ([`SideChannel::report`], or its dropped channel); rank 0
 //!   sends it for itself and relays each peer's to every other peer.
@@ -41,9 +42,11 @@ use crate::DistError;
 /// The longest reason a frame carries (longer ones are cut).
 pub const MAX_REASON_BYTES: usize = 4096;
 /// How long a side-channel connection may stay silent (no frame, not even
-/// a ping) before it counts as closed.
+/// a ping) before it counts as closed, by default
+/// ([`crate::RendezvousConfig::silence`]).
 pub const SILENCE: Duration = Duration::from_secs(6);
-/// How often an idle side-channel connection sends a ping.
+/// How often an idle side-channel connection sends a ping (at most; a
+/// quarter of the silence limit where that is shorter).
 const HEARTBEAT: Duration = Duration::from_secs(1);
 /// How long [`SideChannel::report`] and [`SideChannel::finish`] wait for
 /// their frames to be written.
@@ -440,10 +443,14 @@ enum Event {
 /// A frame to write, and who waits for it to be written.
 type Outgoing = (Vec<u8>, Option<oneshot::Sender<()>>);
 
-async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
+async fn write_loop(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    heartbeat: Duration,
+) {
     let ping = frame_bytes(PING, 0, "");
     loop {
-        let (bytes, ack) = match tokio::time::timeout(HEARTBEAT, rx.recv()).await {
+        let (bytes, ack) = match tokio::time::timeout(heartbeat, rx.recv()).await {
             Ok(Some(out)) => out,
             Ok(None) => break,
             Err(_) => (ping.clone(), None),
@@ -461,9 +468,14 @@ async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Outgo
     let _ = w.shutdown().await;
 }
 
-async fn read_loop(rank: u32, mut r: OwnedReadHalf, tx: mpsc::UnboundedSender<Event>) {
+async fn read_loop(
+    rank: u32,
+    mut r: OwnedReadHalf,
+    tx: mpsc::UnboundedSender<Event>,
+    silence: Duration,
+) {
     loop {
-        let event = match tokio::time::timeout(SILENCE, read_frame(&mut r)).await {
+        let event = match tokio::time::timeout(silence, read_frame(&mut r)).await {
             Ok(Ok(frame)) if frame.kind == PING => continue,
             Ok(Ok(frame)) => {
                 let bye = frame.kind == BYE;
@@ -474,7 +486,7 @@ async fn read_loop(rank: u32, mut r: OwnedReadHalf, tx: mpsc::UnboundedSender<Ev
                 continue;
             }
             Ok(Err(why)) => Event::Lost(rank, why),
-            Err(_) => Event::Lost(rank, format!("its connection was silent for {SILENCE:?}")),
+            Err(_) => Event::Lost(rank, format!("its connection was silent for {silence:?}")),
         };
         let _ = tx.send(event);
         return;
@@ -493,7 +505,9 @@ pub(crate) async fn run(
     shared: Arc<Shared>,
     links: Links,
     mut commands: mpsc::UnboundedReceiver<Command>,
+    silence: Duration,
 ) {
+    let heartbeat = HEARTBEAT.min(silence / 4);
     let me = shared.rank;
     let (events_tx, mut events) = mpsc::unbounded_channel::<Event>();
     let mut map: std::collections::BTreeMap<u32, Link> = std::collections::BTreeMap::new();
@@ -501,8 +515,8 @@ pub(crate) async fn run(
         let _ = stream.set_nodelay(true);
         let (r, w) = stream.into_split();
         let (wtx, wrx) = mpsc::unbounded_channel();
-        tokio::spawn(write_loop(w, wrx));
-        tokio::spawn(read_loop(rank, r, events_tx.clone()));
+        tokio::spawn(write_loop(w, wrx, heartbeat));
+        tokio::spawn(read_loop(rank, r, events_tx.clone(), silence));
         map.insert(
             rank,
             Link {

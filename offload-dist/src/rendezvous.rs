@@ -59,7 +59,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::channel::{self, Links, SideChannel};
+use crate::channel::{self, Links, SILENCE, SideChannel};
 use crate::env::endpoint;
 use crate::secret::{self, MAC_LEN, NONCE_LEN, SECRET_VAR, Secret};
 use crate::{DistEnv, DistError};
@@ -107,6 +107,10 @@ pub struct RendezvousConfig {
     pub secret: Option<Secret>,
     /// How long rank 0 waits for each connection's hello.
     pub hello_timeout: Duration,
+    /// How long a side-channel connection may be silent before its rank
+    /// counts as dead ([`SILENCE`]; pings go every second, or a quarter of
+    /// this where that is shorter).
+    pub silence: Duration,
 }
 
 impl RendezvousConfig {
@@ -116,6 +120,7 @@ impl RendezvousConfig {
             timeout,
             secret: None,
             hello_timeout: HELLO_TIMEOUT,
+            silence: SILENCE,
         }
     }
 
@@ -178,6 +183,12 @@ pub fn rendezvous(
         }
         (_, None) => None,
     };
+    if config.silence < Duration::from_millis(100) {
+        return Err(DistError::Usage {
+            what: format!("a side-channel silence limit of {:?}", config.silence),
+            allowed: "at least 100 ms (pings go every second, or a quarter of it)".to_owned(),
+        });
+    }
     if env.world_size == 1 {
         return Ok(Joined {
             payload: payload.unwrap_or_default(),
@@ -226,7 +237,7 @@ pub fn rendezvous(
                 match met {
                     Ok((payload, links, dropped)) => {
                         if result_tx.send(Ok((payload, dropped))).is_ok() {
-                            channel::run(shared, links, command_rx).await;
+                            channel::run(shared, links, command_rx, config.silence).await;
                         }
                     }
                     Err(e) => {

@@ -569,3 +569,77 @@ fn an_open_rendezvous_warns_once() {
     assert_eq!(text.matches("so it is open").count(), 1, "{text}");
     assert!(text.contains("OFFLOAD_DIST_SECRET"), "{text}");
 }
+
+/// Forwards one connection to `upstream` until `frozen` is set, then
+/// swallows everything both ways while keeping both sockets open: a host
+/// that vanished without closing anything.
+fn freezing_proxy(upstream: u16, frozen: Arc<std::sync::atomic::AtomicBool>) -> u16 {
+    use std::io::{Read, Write};
+    use std::sync::atomic::Ordering;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    thread::spawn(move || {
+        let (client, _) = listener.accept().unwrap();
+        let server = std::net::TcpStream::connect(("127.0.0.1", upstream)).unwrap();
+        for (mut from, mut to) in [
+            (client.try_clone().unwrap(), server.try_clone().unwrap()),
+            (server, client),
+        ] {
+            let frozen = Arc::clone(&frozen);
+            thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = from.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    if !frozen.load(Ordering::Relaxed) && to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn a_silent_rank_is_named_as_dead() {
+    let port = free_port();
+    let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let via = freezing_proxy(port, Arc::clone(&frozen));
+    let silence = Duration::from_millis(800);
+    let ranks: Vec<_> = [(0u32, port), (1, via)]
+        .into_iter()
+        .map(|(rank, port)| {
+            thread::spawn(move || {
+                let payload = (rank == 0).then_some(&b"id"[..]);
+                let config = RendezvousConfig {
+                    silence,
+                    ..config()
+                };
+                rendezvous(&env(rank, 2, port), payload, &config)
+                    .unwrap()
+                    .channel
+            })
+        })
+        .collect();
+    let channels: Vec<SideChannel> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+    // Pings keep a quiet but live group alive past the silence limit.
+    assert_eq!(channels[0].wait_for_failure(silence * 2), None);
+    frozen.store(true, std::sync::atomic::Ordering::Relaxed);
+    let frozen_at = Instant::now();
+    for (rank, c) in channels.iter().enumerate() {
+        let other = 1 - rank as u32;
+        let f = c.wait_for_failure(WITHIN).expect("the silence is noticed");
+        assert!(
+            matches!(&f, PeerFailure::Vanished { rank, detail } if *rank == other && detail.contains("silent")),
+            "rank {rank}: {f}"
+        );
+    }
+    let took = frozen_at.elapsed();
+    assert!(took < silence * 3, "{took:?}");
+    println!("both ranks named the silent other {took:?} after the link froze");
+    for c in channels {
+        c.finish();
+    }
+}

@@ -622,3 +622,29 @@ fn secrets_are_checked() {
         "Debug shows no secret"
     );
 }
+
+#[test]
+fn ranks_missing_at_the_deadline_name_the_connections_dropped() {
+    let port = free_port();
+    let server = serve(2, port, Duration::from_millis(1500));
+    // One of ours with another secret: dropped, so rank 1 never arrives.
+    let got = stranger(port, |c| forged_hello(c, 1, 2, b"yet-another-secret-0123"));
+    assert!(got.is_empty(), "{got:?}");
+    let err = server.join().unwrap().unwrap_err();
+    assert!(
+        matches!(&err, DistError::MissingRanks { missing, dropped: 1, first_dropped: Some(first), .. }
+            if missing == &[1] && first.contains("does not prove the job's secret")),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("1 connection(s) dropped"), "{err}");
+}
+
+#[test]
+fn a_silence_limit_too_short_is_refused() {
+    let config = RendezvousConfig {
+        silence: Duration::from_millis(10),
+        ..RendezvousConfig::new(Duration::from_secs(1))
+    };
+    let err = meet(&env(1, 2, 1), None, &config).unwrap_err();
+    assert!(matches!(err, DistError::Usage { .. }), "{err:?}");
+}
