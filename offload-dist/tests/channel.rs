@@ -643,3 +643,90 @@ fn a_silent_rank_is_named_as_dead() {
         c.finish();
     }
 }
+
+// ------------------------------------------------------ on the simulator
+
+/// The simulated gather group (offload-sim) with a real side channel per
+/// rank: rank 2 fails before collective #1 but its handle stays alive
+/// (as a rank in another process would: it neither enters nor leaves),
+/// so without the side channel the others would wait for the group's
+/// last-resort hang limit (30 s here); with it, their hooks abort the
+/// group and every gather returns a typed error naming rank 2.
+#[test]
+fn on_the_simulator_a_failed_rank_aborts_the_gathers_of_the_others() {
+    use offload_core::device::{Collective, Device};
+    use offload_sim::{DeviceProfile, SimConfig, SimDevice, SimGroup};
+
+    let world = 3u32;
+    let devices: Vec<SimDevice> = (0..world)
+        .map(|_| {
+            SimDevice::new(SimConfig::sampled(
+                DeviceProfile::h200().for_ranks(world),
+                1,
+            ))
+            .unwrap()
+        })
+        .collect();
+    let ranks = SimGroup::new(&devices)
+        .wait_limit(Duration::from_secs(30))
+        .ranks()
+        .unwrap();
+    let port = free_port();
+    let failed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let threads: Vec<_> = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(rank, col)| {
+            let failed_at = Arc::clone(&failed_at);
+            let device = devices[rank].clone();
+            thread::spawn(move || {
+                let rank = rank as u32;
+                let payload = (rank == 0).then_some(&b"id"[..]);
+                let channel = rendezvous(&env(rank, world, port), payload, &config())
+                    .unwrap()
+                    .channel;
+                let hook = col.clone();
+                channel.on_failure(Arc::new(move |f: &PeerFailure| hook.abort(&f.to_string())));
+                let stream = device.create_stream().unwrap();
+                let shard = device.alloc_device(64).unwrap();
+                let dst = device.alloc_device(64 * u64::from(world)).unwrap();
+                if rank == 2 {
+                    thread::sleep(Duration::from_millis(200));
+                    *failed_at.lock().unwrap() = Some(Instant::now());
+                    channel.report(&"planted failure before collective #1");
+                    thread::sleep(Duration::from_millis(300));
+                    channel.finish();
+                    return (rank, None, col);
+                }
+                // SAFETY: both ranges lie within their buffers, which
+                // outlive the gather (the stream is synchronised below).
+                let gathered = unsafe { col.all_gather(&stream, &shard, 0, 64, &dst, 0) };
+                let at = Instant::now();
+                let _ = device.synchronize_stream(&stream);
+                let error = gathered.err().map(|e| (e.to_string(), channel.check(), at));
+                channel.finish();
+                (rank, error, col)
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let failed_at = failed_at.lock().unwrap().expect("rank 2 failed");
+    for (rank, error, _col) in &outcomes {
+        if *rank == 2 {
+            continue;
+        }
+        let (sim, check, at) = error.as_ref().expect("the gather failed");
+        let took = at.saturating_duration_since(failed_at);
+        assert!(
+            sim.contains("rank 2 failed: planted failure"),
+            "rank {rank}: {sim}"
+        );
+        let e = check.as_ref().unwrap_err();
+        assert!(
+            matches!(e, DistError::PeerFailed { failure, .. } if failure.rank() == 2),
+            "rank {rank}: {e}"
+        );
+        assert!(took < WITHIN, "rank {rank}: {took:?}");
+        println!("rank {rank}: the simulated gather failed {took:?} after rank 2 did: {sim}");
+    }
+}

@@ -180,6 +180,22 @@ impl SimCollective {
         self.rank.group.depart(self.rank.index);
     }
 
+    /// Aborts the group from this rank, as `ncclCommAbort` does (for
+    /// offload-dist's side channel, from any thread): every open
+    /// collective, this rank's own blocked one included, fails with `why`,
+    /// and the group is broken. Idempotent.
+    pub fn abort(&self, why: &str) {
+        let group = &self.rank.group;
+        let mut st = lock(&group.state);
+        let why = format!("rank {} aborted the group: {why}", self.rank.index);
+        let open: Vec<u64> = st.rounds.keys().copied().collect();
+        let n = open.first().copied().unwrap_or(st.ranks[self.rank.index as usize].issued);
+        for m in open {
+            group.fail(&mut st, m, why.clone());
+        }
+        group.fail(&mut st, n, why);
+    }
+
     /// The collectives this rank completed, in order.
     pub fn log(&self) -> Vec<GatherRecord> {
         lock(&self.rank.log).clone()
