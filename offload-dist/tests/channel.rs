@@ -407,10 +407,19 @@ fn child_rank_process() {
         return;
     }
     let env = DistEnv::from_env().unwrap();
-    let config =
-        RendezvousConfig::new(Duration::from_secs(10)).with_secret(Secret::from_env().unwrap());
+    let secret = Secret::from_env().unwrap();
+    let has_secret = secret.is_some();
+    let config = RendezvousConfig::new(Duration::from_secs(10)).with_secret(secret);
     let payload = (env.rank == 0).then_some(&b"id"[..]);
     let joined = rendezvous(&env, payload, &config).unwrap();
+    if std::env::var(CHILD).as_deref() == Ok("form") {
+        println!(
+            "CHILD formed {} secret={has_secret} payload={:?}",
+            env.rank, joined.payload
+        );
+        joined.channel.finish();
+        std::process::exit(0);
+    }
     let group = Loopback::new(2); // this rank and a peer that never comes
     joined.channel.on_failure(Arc::new(LoopbackAbort {
         group: Arc::clone(&group),
@@ -488,8 +497,9 @@ fn kill_and_check(world: u32, victim: u32) -> Duration {
         }
         let line = r.lines.recv_timeout(WITHIN + Duration::from_secs(5));
         let took = killed.elapsed();
-        let _ = r.child.kill();
-        let _ = r.child.wait();
+        if line.is_err() {
+            let _ = r.child.kill();
+        }
         let line = line.unwrap_or_else(|_| {
             panic!(
                 "rank {rank}: no error within {:?}",
@@ -504,6 +514,16 @@ fn kill_and_check(world: u32, victim: u32) -> Duration {
         assert!(took < WITHIN, "rank {rank}: {took:?} to its error");
         slowest = slowest.max(took);
     }
+    // The survivors exit by themselves (a survivor killed early could
+    // close its connection before it relayed what it knows).
+    let give_up = Instant::now() + Duration::from_secs(5);
+    for r in &mut ranks {
+        while matches!(r.child.try_wait(), Ok(None)) && Instant::now() < give_up {
+            thread::sleep(Duration::from_millis(10));
+        }
+        let _ = r.child.kill();
+        let _ = r.child.wait();
+    }
     println!("slowest survivor: {slowest:?} after rank {victim} was killed");
     slowest
 }
@@ -516,6 +536,34 @@ fn a_killed_rank_is_named_by_every_other_process() {
 #[test]
 fn a_killed_rank_0_is_named_by_every_other_process() {
     kill_and_check(3, 0);
+}
+
+#[test]
+fn the_launchers_secret_lets_its_ranks_in() {
+    let out = Command::new(env!("CARGO_BIN_EXE_offload-launch"))
+        .args(["-n", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_rank_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "form")
+        .env_remove("OFFLOAD_DIST_SECRET")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut formed: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.find("CHILD formed ").map(|at| &l[at + 13..]))
+        .collect();
+    formed.sort();
+    let expect: Vec<String> = (0..3)
+        .map(|r| format!("{r} secret=true payload=[105, 100]"))
+        .collect();
+    assert_eq!(formed, expect, "{stdout}");
 }
 
 /// Collects what a tracing subscriber writes.
@@ -580,7 +628,18 @@ fn freezing_proxy(upstream: u16, frozen: Arc<std::sync::atomic::AtomicBool>) -> 
     let port = listener.local_addr().unwrap().port();
     thread::spawn(move || {
         let (client, _) = listener.accept().unwrap();
-        let server = std::net::TcpStream::connect(("127.0.0.1", upstream)).unwrap();
+        // Rank 0 may not listen yet.
+        let give_up = Instant::now() + Duration::from_secs(5);
+        let server = loop {
+            match std::net::TcpStream::connect(("127.0.0.1", upstream)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < give_up => {
+                    let _ = e;
+                    thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("rank 0 never listened: {e}"),
+            }
+        };
         for (mut from, mut to) in [
             (client.try_clone().unwrap(), server.try_clone().unwrap()),
             (server, client),
@@ -703,7 +762,10 @@ fn on_the_simulator_a_failed_rank_aborts_the_gathers_of_the_others() {
                 let gathered = unsafe { col.all_gather(&stream, &shard, 0, 64, &dst, 0) };
                 let at = Instant::now();
                 let _ = device.synchronize_stream(&stream);
-                let error = gathered.err().map(|e| (e.to_string(), channel.check(), at));
+                // Another rank's abort may fail the gather before this rank's own
+                // channel has the relayed failure: ask it, waiting a little.
+                let why = |_| channel.wait_for_failure(WITHIN).map(|f| channel.error(f));
+                let error = gathered.err().map(|e| (e.to_string(), why(()), at));
                 channel.finish();
                 (rank, error, col)
             })
@@ -721,7 +783,7 @@ fn on_the_simulator_a_failed_rank_aborts_the_gathers_of_the_others() {
             sim.contains("rank 2 failed: planted failure"),
             "rank {rank}: {sim}"
         );
-        let e = check.as_ref().unwrap_err();
+        let e = check.as_ref().expect("the channel names the failure");
         assert!(
             matches!(e, DistError::PeerFailed { failure, .. } if failure.rank() == 2),
             "rank {rank}: {e}"
