@@ -537,6 +537,7 @@ fn a_flood_of_junk_neither_stalls_the_group_nor_reads_the_id() {
     let formed = start.elapsed();
     let dropped = served(server);
     assert!(formed < Duration::from_secs(5), "formed after {formed:?}");
+    println!("formed {formed:?} after the ranks started, through 100 junk connections");
     // Nothing but a challenge ever reached a junk connection.
     for (i, s) in junk.iter_mut().enumerate() {
         let got = read_all(s);
