@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use offload_cuda::CudaError;
 
+use crate::PeerFailure;
+
 /// What went wrong while bootstrapping or running a distributed group.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -111,8 +113,9 @@ pub enum DistError {
 
     /// Some ranks never reached rank 0 before the deadline.
     #[error(
-        "rendezvous: rank(s) {} did not arrive within {timeout:?} ({arrived} of {expected} peers did)",
-        list(missing)
+        "rendezvous: rank(s) {} did not arrive within {timeout:?} ({arrived} of {expected} peers did){}",
+        list(missing),
+        dropped_note(*dropped, first_dropped.as_deref())
     )]
     MissingRanks {
         /// The ranks that never arrived.
@@ -123,6 +126,39 @@ pub enum DistError {
         expected: usize,
         /// The time allowed.
         timeout: Duration,
+        /// How many connections rank 0 dropped (not ours: no or another
+        /// secret, another version, junk, silence).
+        dropped: usize,
+        /// The first of them, "address: why".
+        first_dropped: Option<String>,
+    },
+
+    /// A peer's `OFFLOAD_DIST_SECRET` and rank 0's disagree: one has a
+    /// secret, the other none.
+    #[error(
+        "rendezvous: rank {rank}: {what} (rank 0 at {addr}); set the same OFFLOAD_DIST_SECRET on every rank, or on none"
+    )]
+    SecretMismatch {
+        /// This rank.
+        rank: u32,
+        /// `MASTER_ADDR:MASTER_PORT`.
+        addr: String,
+        /// Which side has one.
+        what: String,
+    },
+
+    /// Another rank of the group failed or died: this rank learned it
+    /// through its side channel (and aborted its communicator).
+    #[error(
+        "rank {this_rank} of {world_size} stopped because {failure}; the group is broken (start a new one)"
+    )]
+    PeerFailed {
+        /// This rank.
+        this_rank: u32,
+        /// The group size.
+        world_size: u32,
+        /// Which rank failed, and its error.
+        failure: PeerFailure,
     },
 
     /// Rank 0 ended the rendezvous with an error and told this peer why.
@@ -227,6 +263,16 @@ impl DistError {
     }
 }
 
+fn dropped_note(dropped: usize, first: Option<&str>) -> String {
+    match (dropped, first) {
+        (0, _) => String::new(),
+        (n, Some(first)) => format!(
+            "; {n} connection(s) dropped as not the job's (a rank with no or another OFFLOAD_DIST_SECRET, or another build?), the first {first}"
+        ),
+        (n, None) => format!("; {n} connection(s) dropped as not the job's"),
+    }
+}
+
 fn list(ranks: &[u32]) -> String {
     let parts: Vec<String> = ranks.iter().map(u32::to_string).collect();
     parts.join(", ")
@@ -245,6 +291,9 @@ pub enum AbortCause {
     EventFailed(String),
     /// The caller called [`crate::NcclCollective::abort`].
     ByCaller,
+    /// Another rank failed or died (the side channel's hook,
+    /// [`crate::NcclCollective::abort_handle`]).
+    PeerFailed(PeerFailure),
 }
 
 /// A collective that was pending when its communicator was aborted.
@@ -297,6 +346,7 @@ impl fmt::Display for Aborted {
             AbortCause::NcclError(e) => write!(f, "{what}; NCCL reported: {e}"),
             AbortCause::EventFailed(e) => write!(f, "{what}; its ready event failed: {e}"),
             AbortCause::ByCaller => write!(f, "{what}; aborted by the caller"),
+            AbortCause::PeerFailed(p) => write!(f, "{what}; aborted because {p}"),
         }?;
         f.write_str("; later collectives on it fail (build a new group)")
     }

@@ -150,3 +150,45 @@ fn the_check_skips_only_when_allowed_where_there_is_no_gpu() {
         "{refused:?}"
     );
 }
+
+#[test]
+fn every_rank_gets_the_same_fresh_secret() {
+    let run = || {
+        let out = Command::new(LAUNCH)
+            .args(["-n", "3", "--", "sh", "-c", "echo \"$OFFLOAD_DIST_SECRET\""])
+            .env_remove("OFFLOAD_DIST_SECRET")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let stdout = text(&out.stdout);
+        let lines: Vec<String> = stdout.lines().map(str::to_owned).collect();
+        assert_eq!(lines.len(), 3, "{stdout}");
+        assert!(lines.iter().all(|l| l == &lines[0]), "{lines:?}");
+        assert_eq!(lines[0].len(), 64, "{lines:?}");
+        assert!(lines[0].bytes().all(|b| b.is_ascii_hexdigit()), "{lines:?}");
+        // The launcher never prints it.
+        assert!(!text(&out.stderr).contains(&lines[0]));
+        lines[0].clone()
+    };
+    assert_ne!(run(), run(), "a fresh secret for each job");
+    // One given to the launcher is passed on as it is; a bad one is refused.
+    let given = Command::new(LAUNCH)
+        .args(["-n", "2", "--", "sh", "-c", "echo \"$OFFLOAD_DIST_SECRET\""])
+        .env("OFFLOAD_DIST_SECRET", "a-secret-of-my-own-choosing")
+        .output()
+        .unwrap();
+    assert_eq!(
+        text(&given.stdout),
+        "a-secret-of-my-own-choosing\na-secret-of-my-own-choosing\n"
+    );
+    let short = Command::new(LAUNCH)
+        .args(["-n", "2", "--", "true"])
+        .env("OFFLOAD_DIST_SECRET", "short")
+        .output()
+        .unwrap();
+    assert_eq!(short.status.code(), Some(2), "{short:?}");
+    assert!(
+        text(&short.stderr).contains("OFFLOAD_DIST_SECRET"),
+        "{short:?}"
+    );
+}

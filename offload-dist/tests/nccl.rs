@@ -8,8 +8,8 @@ use offload_core::device::{
 };
 use offload_cuda::{CudaDevice, driver_present};
 use offload_dist::{
-    AbortCause, Aborted, DistError, NcclCollective, NcclId, PendingCollective, init_from_env,
-    nccl_info, nccl_present,
+    Abort, AbortCause, Aborted, DistError, NcclCollective, NcclId, PeerFailure, PendingCollective,
+    init_from_env, nccl_info, nccl_present,
 };
 
 /// NCCL and a GPU, or a clear skip line.
@@ -156,4 +156,52 @@ fn a_one_rank_group_gathers_and_aborts() {
     let e = unsafe { col.all_gather(&stream, &shard, 0, size, &dst, front) }.unwrap_err();
     assert_eq!(e.kind(), DeviceErrorKind::TransferFailed);
     assert!(e.to_string().contains("aborted by the caller"), "{e}");
+}
+
+#[test]
+fn a_peer_failure_is_named_in_the_abort() {
+    let failure = PeerFailure::Failed {
+        rank: 3,
+        error: "CUDA out of memory".to_owned(),
+    };
+    let a = Aborted {
+        rank: 0,
+        ranks: 4,
+        collective: None,
+        timeout: Duration::from_secs(300),
+        cause: AbortCause::PeerFailed(failure.clone()),
+    };
+    let text = a.to_string();
+    assert!(
+        text.contains("aborted because rank 3 failed: CUDA out of memory"),
+        "{text}"
+    );
+    let e = DistError::PeerFailed {
+        this_rank: 0,
+        world_size: 4,
+        failure,
+    };
+    assert!(e.to_string().contains("rank 3 failed"), "{e}");
+}
+
+#[test]
+fn the_abort_handle_aborts_from_another_thread() {
+    let Some(dev) = gpu() else { return };
+    let id = NcclCollective::unique_id().unwrap();
+    let col = NcclCollective::init(&dev, &id, 0, 1, Duration::from_secs(20)).unwrap();
+    let handle = col.abort_handle();
+    let failure = PeerFailure::Vanished {
+        rank: 1,
+        detail: "its connection closed".to_owned(),
+    };
+    std::thread::spawn(move || handle.abort(&failure))
+        .join()
+        .unwrap();
+    let a = col.aborted().expect("aborted");
+    assert!(
+        matches!(&a.cause, AbortCause::PeerFailed(f) if f.rank() == 1),
+        "{a}"
+    );
+    let e = col.wait_idle().unwrap_err();
+    assert!(e.to_string().contains("rank 1 died without a word"), "{e}");
 }

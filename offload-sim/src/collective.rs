@@ -44,7 +44,10 @@
 //!   dropped, or that calls [`SimCollective::depart`], has left: every rank
 //!   waiting on a collective it never entered gets an error naming it. After
 //!   any failure the group is broken, as an aborted NCCL communicator is:
-//!   every later collective on every rank fails at once. Errors are of kind
+//!   every later collective on every rank fails at once
+//!   ([`SimCollective::abort`] breaks it from any thread, as
+//!   `ncclCommAbort` does: offload-dist's side channel calls it when
+//!   another rank fails). Errors are of kind
 //!   [`DeviceErrorKind::TransferFailed`] unless the failing rank's own error
 //!   says otherwise. A group of one never breaks (it has no peer to lose
 //!   track of): a failed gather fails alone, as it always did.
@@ -178,6 +181,25 @@ impl SimCollective {
     /// clone does the same.
     pub fn depart(&self) {
         self.rank.group.depart(self.rank.index);
+    }
+
+    /// Aborts the group from this rank, as `ncclCommAbort` does (for
+    /// offload-dist's side channel, from any thread): every open
+    /// collective, this rank's own blocked one included, fails with `why`,
+    /// and the group is broken. Idempotent.
+    pub fn abort(&self, why: &str) {
+        let group = &self.rank.group;
+        let mut st = lock(&group.state);
+        let why = format!("rank {} aborted the group: {why}", self.rank.index);
+        let open: Vec<u64> = st.rounds.keys().copied().collect();
+        let n = open
+            .first()
+            .copied()
+            .unwrap_or(st.ranks[self.rank.index as usize].issued);
+        for m in open {
+            group.fail(&mut st, m, why.clone());
+        }
+        group.fail(&mut st, n, why);
     }
 
     /// The collectives this rank completed, in order.

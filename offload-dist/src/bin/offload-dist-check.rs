@@ -75,6 +75,13 @@ fn main() -> ExitCode {
         }
     };
     let code = run(&group);
+    if code != 0 {
+        group
+            .channel
+            .report(&"offload-dist-check: a check failed on this rank");
+    }
+    // Done: the other ranks are not to take this rank's exit for a death.
+    group.channel.finish();
     // Skip destructors: see the module docs.
     std::process::exit(code);
 }

@@ -2,7 +2,9 @@
 //!
 //! Starts G copies of CMD with the variables torchrun sets (`RANK`,
 //! `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
-//! `MASTER_PORT`) and `NCCL_NVLS_ENABLE=0` unless already set, and waits.
+//! `MASTER_PORT`), the job's rendezvous secret `OFFLOAD_DIST_SECRET` (a
+//! fresh random one, unless the launcher's environment has one already:
+//! then that one) and `NCCL_NVLS_ENABLE=0` unless already set, and waits.
 //! Output is not prefixed (stdout and stderr are inherited; stdin is
 //! closed). When a rank exits non-zero or by a signal, the others are
 //! stopped (SIGTERM to each rank's process group, SIGKILL after a grace)
@@ -15,6 +17,7 @@ use std::process::{ExitCode, ExitStatus};
 use std::time::Duration;
 
 use clap::Parser;
+use offload_dist::{SECRET_VAR, Secret};
 use tokio::process::Command;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -119,6 +122,23 @@ async fn launch(args: Args) -> u8 {
         args.master_addr
     );
     let nvls_set = std::env::var_os("NCCL_NVLS_ENABLE").is_some();
+    // The job's secret: its ranks' hellos prove it, so that nobody else
+    // reaching MASTER_ADDR:MASTER_PORT can take a rank or read the id.
+    // One given to the launcher is inherited by its ranks as it is.
+    let generated = match Secret::from_env() {
+        Ok(Some(_)) => None,
+        Ok(None) => match Secret::generate() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("offload-launch: cannot make the job's secret: {e}");
+                return 1;
+            }
+        },
+        Err(e) => {
+            eprintln!("offload-launch: {e}");
+            return 2;
+        }
+    };
     let (tx, mut rx) = mpsc::unbounded_channel::<(u32, std::io::Result<ExitStatus>)>();
     // Process group ids of the ranks still running (index = rank).
     let mut groups: Vec<Option<u32>> = Vec::new();
@@ -136,6 +156,9 @@ async fn launch(args: Args) -> u8 {
             .process_group(0);
         if !nvls_set {
             cmd.env("NCCL_NVLS_ENABLE", "0");
+        }
+        if let Some(s) = &generated {
+            cmd.env(SECRET_VAR, s.to_env_value());
         }
         let mut child = match cmd.spawn() {
             Ok(c) => c,

@@ -6,6 +6,7 @@ pub(crate) mod ffi;
 
 use std::ffi::c_int;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclUniqueId};
 use offload_core::device::{Collective, DeviceBuffer};
 use offload_cuda::{Cuda, CudaBuffer, CudaContext, CudaDevice, CudaError, CudaStream};
 
-use crate::{AbortCause, Aborted, DistError, PendingCollective};
+use crate::{Abort, AbortCause, Aborted, DistError, PeerFailure, PendingCollective, SideChannel};
 use ffi::{IN_PROGRESS, INVALID_ARGUMENT, INVALID_USAGE, Nccl, SUCCESS};
 
 /// How often the watchdog polls while collectives are queued.
@@ -158,6 +159,10 @@ struct Shared {
     /// Signalled when the queue shrinks, the communicator is aborted, or
     /// the watchdog should stop.
     changed: Condvar,
+    /// Set (with `interrupt_cause`) by an abort from another thread, so
+    /// that an enqueue polling in `settle` lets go of the handle at once.
+    interrupted: AtomicBool,
+    interrupt_cause: Mutex<Option<AbortCause>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -168,10 +173,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 enum Settle {
     Failed(u32),
     TimedOut,
+    /// `stop` said so (an abort from another thread, a peer's failure).
+    Interrupted,
 }
 
-/// Polls `comm` until the call that returned `rc` settles, or `deadline`.
-fn settle(nccl: &Nccl, comm: ncclComm_t, mut rc: u32, deadline: Instant) -> Result<(), Settle> {
+/// Polls `comm` until the call that returned `rc` settles, `deadline`
+/// passes, or `stop` returns true (asked between polls).
+fn settle(
+    nccl: &Nccl,
+    comm: ncclComm_t,
+    mut rc: u32,
+    deadline: Instant,
+    stop: &dyn Fn() -> bool,
+) -> Result<(), Settle> {
     let mut polls = 0u32;
     loop {
         match rc {
@@ -181,6 +195,9 @@ fn settle(nccl: &Nccl, comm: ncclComm_t, mut rc: u32, deadline: Instant) -> Resu
         }
         if Instant::now() >= deadline {
             return Err(Settle::TimedOut);
+        }
+        if stop() {
+            return Err(Settle::Interrupted);
         }
         if polls < 64 {
             std::thread::yield_now();
@@ -197,6 +214,20 @@ fn settle(nccl: &Nccl, comm: ncclComm_t, mut rc: u32, deadline: Instant) -> Resu
 }
 
 impl Shared {
+    /// Aborts from any thread, even while another is inside `all_gather`:
+    /// raises the interrupt first, so an enqueue polling in `settle`
+    /// releases the handle's mutex within one poll, then aborts.
+    fn abort_from_anywhere(&self, cause: AbortCause) {
+        lock(&self.interrupt_cause).get_or_insert_with(|| cause.clone());
+        self.interrupted.store(true, Ordering::Release);
+        let oldest = lock(&self.state).oldest();
+        self.abort(oldest, cause);
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::Acquire)
+    }
+
     /// Aborts the communicator (once), recording why.
     fn abort(&self, culprit: Option<Culprit>, cause: AbortCause) {
         let taken = self.mark_aborted(&mut lock(&self.comm), culprit, cause);
@@ -450,6 +481,38 @@ impl NcclCollective {
         world_size: u32,
         timeout: Duration,
     ) -> Result<Self, DistError> {
+        Self::init_inner(device, id, rank, world_size, timeout, &|| None)
+    }
+
+    /// [`Self::init`], watched by the group's side channel: a peer that
+    /// fails while the communicator forms ends the wait at once (the
+    /// half-made communicator aborted, [`DistError::PeerFailed`]); and
+    /// once formed, the communicator is aborted when a peer fails
+    /// ([`Self::abort_handle`] registered with
+    /// [`SideChannel::on_failure`]).
+    pub fn init_watched(
+        device: &CudaDevice,
+        id: &NcclId,
+        rank: u32,
+        world_size: u32,
+        timeout: Duration,
+        channel: &SideChannel,
+    ) -> Result<Self, DistError> {
+        let comm = Self::init_inner(device, id, rank, world_size, timeout, &|| {
+            channel.check().err()
+        })?;
+        channel.on_failure(Arc::new(comm.abort_handle()));
+        Ok(comm)
+    }
+
+    fn init_inner(
+        device: &CudaDevice,
+        id: &NcclId,
+        rank: u32,
+        world_size: u32,
+        timeout: Duration,
+        stop: &dyn Fn() -> Option<DistError>,
+    ) -> Result<Self, DistError> {
         if world_size == 0 || world_size > c_int::MAX as u32 {
             return Err(DistError::Usage {
                 what: format!("an NCCL group of {world_size} ranks"),
@@ -494,8 +557,25 @@ impl NcclCollective {
             // frees it.
             let _ = unsafe { (nccl.comm_abort)(comm) };
         };
-        match settle(nccl, comm, rc, deadline) {
+        let stopped = std::cell::RefCell::new(None);
+        let ask = || {
+            let e = stop();
+            let some = e.is_some();
+            if some {
+                *stopped.borrow_mut() = e;
+            }
+            some
+        };
+        match settle(nccl, comm, rc, deadline, &ask) {
             Ok(()) => {}
+            Err(Settle::Interrupted) => {
+                abort(comm);
+                return Err(stopped.take().unwrap_or(DistError::InitTimedOut {
+                    rank,
+                    world_size,
+                    timeout,
+                }));
+            }
             Err(Settle::TimedOut) => {
                 abort(comm);
                 return Err(DistError::InitTimedOut {
@@ -548,6 +628,8 @@ impl NcclCollective {
                 stop: false,
             }),
             changed: Condvar::new(),
+            interrupted: AtomicBool::new(false),
+            interrupt_cause: Mutex::new(None),
         });
         let for_thread = Arc::clone(&shared);
         let spawned = std::thread::Builder::new()
@@ -615,8 +697,43 @@ impl NcclCollective {
     /// are not waited for; some NCCL versions wait for the host's other
     /// ranks to abort too). Later collectives fail; idempotent.
     pub fn abort(&self) {
-        let oldest = lock(&self.shared.state).oldest();
-        self.shared.abort(oldest, AbortCause::ByCaller);
+        self.shared.abort_from_anywhere(AbortCause::ByCaller);
+    }
+
+    /// A handle that aborts this communicator from any thread, even while
+    /// another thread is inside [`Collective::all_gather`] (its enqueue
+    /// lets go within one poll) or waits for a collective on the device
+    /// (`ncclCommAbort` releases the kernels waiting for peers): the
+    /// [`Abort`] hook of the group's [`SideChannel`]. Every later call
+    /// fails with [`Aborted`], its cause [`AbortCause::PeerFailed`]
+    /// naming the rank that failed and its error.
+    pub fn abort_handle(&self) -> NcclAbortHandle {
+        NcclAbortHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// Aborts an [`NcclCollective`] from any thread
+/// ([`NcclCollective::abort_handle`]); idempotent, and a no-op once the
+/// communicator is gone.
+#[derive(Clone)]
+pub struct NcclAbortHandle {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for NcclAbortHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclAbortHandle")
+            .field("rank", &self.shared.rank)
+            .finish()
+    }
+}
+
+impl Abort for NcclAbortHandle {
+    fn abort(&self, failure: &PeerFailure) {
+        self.shared
+            .abort_from_anywhere(AbortCause::PeerFailed(failure.clone()));
     }
 }
 
@@ -713,7 +830,7 @@ impl Collective<Cuda> for NcclCollective {
                 stream.raw().cast(),
             )
         };
-        match settle(shared.nccl, comm.0, rc, deadline) {
+        match settle(shared.nccl, comm.0, rc, deadline, &|| shared.interrupted()) {
             Ok(()) => {}
             Err(Settle::Failed(code)) if code == INVALID_ARGUMENT || code == INVALID_USAGE => {
                 // Checked by NCCL before anything was enqueued: the
@@ -728,6 +845,9 @@ impl Collective<Cuda> for NcclCollective {
                 let cause = match failure {
                     Settle::Failed(code) => AbortCause::NcclError(shared.nccl.describe(code)),
                     Settle::TimedOut => AbortCause::TimedOut,
+                    Settle::Interrupted => lock(&shared.interrupt_cause)
+                        .clone()
+                        .unwrap_or(AbortCause::ByCaller),
                 };
                 let taken = shared.mark_aborted(&mut slot, Some(this), cause);
                 drop(slot);
@@ -797,7 +917,7 @@ impl Drop for NcclCollective {
             // SAFETY: the communicator is live and ours alone (the
             // watchdog is joined, `self` is going away).
             let rc = unsafe { (shared.nccl.comm_finalize)(comm.0) };
-            match settle(shared.nccl, comm.0, rc, deadline) {
+            match settle(shared.nccl, comm.0, rc, deadline, &|| shared.interrupted()) {
                 Ok(()) => {
                     // SAFETY: finalized; destroy frees it.
                     let rc = unsafe { (shared.nccl.comm_destroy)(comm.0) };
@@ -809,6 +929,7 @@ impl Drop for NcclCollective {
                     let why = match e {
                         Settle::Failed(code) => shared.nccl.describe(code),
                         Settle::TimedOut => "timed out".to_owned(),
+                        Settle::Interrupted => "interrupted by an abort".to_owned(),
                     };
                     tracing::error!("ncclCommFinalize: {why}; aborting the communicator");
                     // SAFETY: still live and ours; abort frees it.
