@@ -234,6 +234,17 @@ mod corruption {
                 Ok(_) => panic!("{what}: decoded"),
             }
         }
+        // Tile 1's entries moved past the escapes, its count kept: only the
+        // bound on `index[tile + 1]` stops tile 1 (decoded alone, as a GPU
+        // block does) reading past the blob.
+        let mut b = good.clone();
+        let get = |b: &[u8], k: usize| u32::from_le_bytes(b[idx + 4 * k..idx + 4 * k + 4].try_into().unwrap());
+        let count = get(&b, 2) - get(&b, 1);
+        set_u32(&mut b, idx + 4, total_esc + 100_000);
+        set_u32(&mut b, idx + 8, total_esc + 100_000 + count);
+        let p = Packed::parse(&b).unwrap();
+        assert!(matches!(p.decode_tile(1, &mut [0; 8192]), Err(DecodeError::BadEscapeIndex { tile: 1, .. })));
+        assert_eq!(p.escape_index_disorder(), Some(2), "the loader's check sees it too");
         // Raw blobs too.
         let mut raw = format::encode_raw(&[1, 2, 3]).blob;
         raw[24] = 0;
