@@ -107,6 +107,7 @@ __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsig
     const unsigned int sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
     unsigned short* dst = out + first;
     unsigned int packed[16];
+#pragma unroll
     for (unsigned int b = 0; b < 32u; ++b) {
         const unsigned int code = ((p0 >> b) & 1u) | (((p1 >> b) & 1u) << 1) | (((p2 >> b) & 1u) << 2);
         const unsigned int sm_byte = (sw[b >> 2] >> ((b & 3u) * 8u)) & 0xffu;
@@ -130,8 +131,11 @@ __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsig
         d[2] = make_uint4(packed[8], packed[9], packed[10], packed[11]);
         d[3] = make_uint4(packed[12], packed[13], packed[14], packed[15]);
     } else {
-        for (unsigned int b = 0; b < live; ++b) {
-            dst[b] = (unsigned short)(packed[b >> 1] >> ((b & 1u) * 16u));
+#pragma unroll
+        for (unsigned int b = 0; b < 32u; ++b) {
+            if (b < live) {
+                dst[b] = (unsigned short)(packed[b >> 1] >> ((b & 1u) * 16u));
+            }
         }
     }
 }

@@ -665,30 +665,32 @@ impl<'a> Packed<'a> {
         let esc = &self.blob[esc_off + start as usize..esc_off + end as usize];
         let inclusive = plant.is("slot_inclusive");
         // Phase 3: per lane, its 32 weights.
+        let base = u16::from(lo).wrapping_sub(1);
         for w in 0..WORDS_PER_TILE {
             let live = valid.saturating_sub(32 * w).min(32);
-            for b in 0..live {
-                let j = 32 * w + b;
-                let code = ((planes[0][w] >> b) & 1)
-                    | (((planes[1][w] >> b) & 1) << 1)
-                    | (((planes[2][w] >> b) & 1) << 2);
+            let (p0, p1, p2, m) = (planes[0][w], planes[1][w], planes[2][w], mask[w]);
+            let sm_w = &sm[32 * w..32 * w + live];
+            let at = (64 * w).min(out.len());
+            let out_w = &mut out[at..at + 2 * live];
+            for (b, (o, &s)) in out_w.chunks_exact_mut(2).zip(sm_w).enumerate() {
+                let code = ((p0 >> b) & 1) | (((p1 >> b) & 1) << 1) | (((p2 >> b) & 1) << 2);
                 let exp = if code != 0 {
-                    // lo ≤ 249 and code ≤ 7: no overflow.
-                    u16::from(lo) + code as u16 - 1
+                    // lo ≤ 249 and code ≤ 7: lo + code − 1 ≤ 255.
+                    base.wrapping_add(code as u16)
                 } else {
                     let below = if inclusive {
-                        (mask[w] & (((2u64 << b) - 1) as u32)).count_ones()
+                        (m & (((2u64 << b) - 1) as u32)).count_ones()
                     } else {
-                        (mask[w] & ((1u32 << b) - 1)).count_ones()
+                        (m & ((1u32 << b) - 1)).count_ones()
                     };
                     // In range: slot[w] + below < counted = esc.len(), except
                     // under the planted bug, which may read one past.
                     let k = (slot[w] + below) as usize;
                     u16::from(*esc.get(k).unwrap_or(&0))
                 };
-                let s = u16::from(sm[j]);
+                let s = u16::from(s);
                 let bits = ((s & 0x80) << 8) | (exp << 7) | (s & 0x7f);
-                out[2 * j..2 * j + 2].copy_from_slice(&bits.to_le_bytes());
+                o.copy_from_slice(&bits.to_le_bytes());
             }
         }
         Ok(())
@@ -1003,37 +1005,48 @@ fn verify(data: &[u8], encoded: &Encoded, threads: usize, plant: Plant) -> Resul
 /// weights get code 1, never an escape), appending its escapes to `esc`.
 fn encode_tile(src: &[u8], lo: u8, sm: &mut [u8], codes: &mut [u8], esc: &mut Vec<u8>) -> u32 {
     let n = src.len() / 2;
-    let mut count = 0u32;
+    let first = esc.len();
+    // Room for every weight to escape; the escapes are written branch-free
+    // and the vector cut to their count at the end.
+    esc.resize(first + n, 0);
+    let mut k = first;
+    let mut planes = [[0u32; WORDS_PER_TILE]; 3];
     for w in 0..WORDS_PER_TILE {
         let (mut p0, mut p1, mut p2) = (0u32, 0u32, 0u32);
-        for b in 0..32 {
-            let j = 32 * w + b;
-            let code = if j < n {
-                let bits = u16::from_le_bytes([src[2 * j], src[2 * j + 1]]);
-                sm[j] = ((bits >> 8) as u8 & 0x80) | (bits as u8 & 0x7f);
-                let e = (bits >> 7) as u8;
-                let d = e.wrapping_sub(lo);
-                if usize::from(d) < WINDOW {
-                    u32::from(d) + 1
-                } else {
-                    esc.push(e);
-                    count += 1;
-                    0
-                }
-            } else {
-                sm[j] = 0;
-                1
-            };
+        let live = n.saturating_sub(32 * w).min(32);
+        let at = (64 * w).min(src.len());
+        let src_w = &src[at..at + 2 * live];
+        let sm_w = &mut sm[32 * w..32 * w + 32];
+        for (b, (pair, out)) in src_w.chunks_exact(2).zip(sm_w.iter_mut()).enumerate() {
+            let bits = u16::from_le_bytes([pair[0], pair[1]]);
+            *out = ((bits >> 8) as u8 & 0x80) | (bits as u8 & 0x7f);
+            let e = (bits >> 7) as u8;
+            let d = e.wrapping_sub(lo);
+            let hit = usize::from(d) < WINDOW;
+            let code = if hit { u32::from(d) + 1 } else { 0 };
+            esc[k] = e;
+            k += usize::from(!hit);
             p0 |= (code & 1) << b;
             p1 |= ((code >> 1) & 1) << b;
             p2 |= ((code >> 2) & 1) << b;
         }
-        codes[4 * w..4 * w + 4].copy_from_slice(&p0.to_le_bytes());
-        codes[PLANE_BYTES + 4 * w..PLANE_BYTES + 4 * w + 4].copy_from_slice(&p1.to_le_bytes());
-        codes[2 * PLANE_BYTES + 4 * w..2 * PLANE_BYTES + 4 * w + 4]
-            .copy_from_slice(&p2.to_le_bytes());
+        // Padding weights: sign+mantissa 0, code 1 (never an escape).
+        sm_w[live..].fill(0);
+        if live < 32 {
+            p0 |= !((1u64 << live) - 1) as u32;
+        }
+        planes[0][w] = p0;
+        planes[1][w] = p1;
+        planes[2][w] = p2;
     }
-    count
+    for (p, plane) in planes.iter().enumerate() {
+        let out = &mut codes[p * PLANE_BYTES..(p + 1) * PLANE_BYTES];
+        for (o, word) in out.chunks_exact_mut(4).zip(plane) {
+            o.copy_from_slice(&word.to_le_bytes());
+        }
+    }
+    esc.truncate(k);
+    (k - first) as u32
 }
 
 /// Encodes bf16 data with the window starting at `lo`, tiles spread over

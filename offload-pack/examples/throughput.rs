@@ -1,0 +1,48 @@
+//! Host throughput of each stage on one Flux-sized weight (3072 × 12288,
+//! normal at its init scale): histogram, encode, decode (the reference
+//! tile decoder, as the round trip check runs it), on 1 and all threads.
+use std::time::Instant;
+
+use offload_pack::format::{EncodeConfig, Packed, encode_window3, exponent_histogram, plan_bf16};
+use offload_pack::synth::{FluxShape, Law, tensor_bytes};
+
+fn main() {
+    let all = FluxShape::dev().tensors();
+    let (i, (name, shape)) = all
+        .iter()
+        .enumerate()
+        .find(|(_, (n, _))| n == "transformer_blocks.0.ff.net.0.proj.weight")
+        .expect("Flux has this tensor");
+    let data = tensor_bytes(Law::Normal, 1, i, name, shape, &all, 2);
+    let gb = data.len() as f64 / 1e9;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("{name} {shape:?}: {:.3} GB of bf16, {cores} cores", gb);
+    for threads in [1, cores] {
+        let t = Instant::now();
+        let hist = exponent_histogram(&data, threads);
+        let h = t.elapsed().as_secs_f64();
+        let cfg = EncodeConfig { threads, ..EncodeConfig::default() };
+        let lo = match plan_bf16(&data, &cfg).unwrap().code {
+            offload_pack::Code::Window3 { lo } => lo,
+            offload_pack::Code::Raw => unreachable!("a weight is coded"),
+        };
+        let t = Instant::now();
+        let enc = encode_window3(&data, lo, threads).unwrap();
+        let e = t.elapsed().as_secs_f64();
+        let p = Packed::parse(&enc.blob).unwrap();
+        let mut out = vec![0u8; data.len()];
+        let t = Instant::now();
+        p.decode_into(&mut out, threads).unwrap();
+        let d = t.elapsed().as_secs_f64();
+        assert_eq!(out, data);
+        println!(
+            "{threads} threads: histogram {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s, encode + check {:.2} GB/s (ratio {:.4}, {} distinct exponents)",
+            gb / h,
+            gb / e,
+            gb / d,
+            gb / (h + e + d),
+            enc.stats.ratio(),
+            hist.iter().filter(|&&c| c > 0).count()
+        );
+    }
+}
