@@ -811,3 +811,38 @@ unsafe impl HostRegion for Window {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The manifest entry's JSON, as `docs/PACKED_FORMAT.md` §4 shows it.
+    #[test]
+    fn manifest_entry_json() {
+        let m = ManifestTensor {
+            dtype: DType::Bf16,
+            shape: vec![3072, 3072],
+            stats: Stats {
+                code: Code::Window3 { lo: 118 },
+                decoded_bytes: 18_874_368,
+                packed_bytes: 13_216_704,
+                escapes: 212_000,
+            },
+        };
+        let text = serde_json::to_string(&m).unwrap();
+        assert_eq!(
+            text,
+            r#"{"dtype":"bf16","shape":[3072,3072],"code":"window3","lo":118,"decoded_bytes":18874368,"packed_bytes":13216704,"escapes":212000}"#
+        );
+        assert_eq!(serde_json::from_str::<ManifestTensor>(&text).unwrap(), m);
+        let raw = ManifestTensor {
+            stats: Stats {
+                code: Code::Raw,
+                ..m.stats
+            },
+            ..m
+        };
+        let text = serde_json::to_string(&raw).unwrap();
+        assert!(text.contains(r#""code":"raw","decoded_bytes""#), "{text}");
+    }
+}

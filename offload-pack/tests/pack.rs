@@ -528,6 +528,7 @@ mod planted {
 
 mod kernel {
     use offload_pack::kernels::{DECODE_CU, DECODE_KERNEL, HOST_SHIM_H};
+    use std::path::Path;
 
     #[test]
     fn the_cuda_source_names_its_kernel_and_includes_nothing() {
@@ -549,13 +550,80 @@ mod kernel {
         std::fs::write(dir.join("shim.h"), HOST_SHIM_H).unwrap();
         std::fs::write(dir.join("decode.cu"), DECODE_CU).unwrap();
         let out = std::process::Command::new(cxx)
-            .args(["-fsyntax-only", "-Wall", "-Werror", "-x", "c++", "-include"])
+            .args(["-fsyntax-only", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-x", "c++", "-include"])
             .arg(dir.join("shim.h"))
             .arg(dir.join("decode.cu"))
             .output()
             .unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Where a C++20 compiler exists, the kernel's own source runs on the
+    /// CPU (`tests/cuda_emu/emu.cc`: a std::thread per CUDA thread, block
+    /// barriers for `__syncthreads` and `__shfl_up_sync`) over blobs the
+    /// encoder wrote: two tensors in one launch, 16-byte aligned and
+    /// misaligned outputs, a partial last tile, and a damaged tile that
+    /// sets the error flag.
+    #[test]
+    fn the_cuda_kernel_decodes_as_the_reference_when_run_on_the_cpu() {
+        use super::*;
+        let Ok(cxx) = which("c++") else {
+            eprintln!("skipped: no c++ compiler");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("offload-pack-emu-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let exe = dir.join("emu");
+        let built = std::process::Command::new(cxx)
+            .args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-o"])
+            .arg(&exe)
+            .arg("-I")
+            .arg(root.join("src"))
+            .arg(root.join("tests/cuda_emu/emu.cc"))
+            .output()
+            .unwrap();
+        if !built.status.success() {
+            let err = String::from_utf8_lossy(&built.stderr);
+            if err.contains("barrier") {
+                eprintln!("skipped: no C++20 <barrier>: {err}");
+                return;
+            }
+            panic!("{err}");
+        }
+        let bits: Vec<u16> = (0..2 * TILE_ELEMS as u32 + 77)
+            .map(|i| match i % 29 { 0 => 0x0001, 1 => 0xff81, 2 => 0x7f80, _ => 0x3c00 | (i.wrapping_mul(2_654_435_761) >> 21) as u16 & 0x7ff })
+            .collect();
+        let data = bytes_of(&bits);
+        let enc = encode_bf16_as(&data, Code::Window3 { lo: 118 }, &cfg1()).unwrap();
+        assert!(enc.stats.escapes > 100);
+        let run = |blob: &[u8], copies: usize, misalign: usize| -> (String, Vec<u8>) {
+            std::fs::write(dir.join("blob"), blob).unwrap();
+            let out = std::process::Command::new(&exe)
+                .arg(dir.join("blob"))
+                .arg(copies.to_string())
+                .arg(misalign.to_string())
+                .arg(dir.join("out"))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+            (String::from_utf8_lossy(&out.stdout).trim().to_owned(), std::fs::read(dir.join("out")).unwrap())
+        };
+        for misalign in [0, 1] {
+            let (flag, out) = run(&enc.blob, 2, misalign);
+            assert_eq!(flag, "error=0");
+            assert_eq!(out.len(), 2 * data.len());
+            assert_eq!(&out[..data.len()], &data[..], "first tensor, misalign {misalign}");
+            assert_eq!(&out[data.len()..], &data[..], "second tensor, misalign {misalign}");
+        }
+        let mut bad = enc.blob.clone();
+        let planes = 64 + 3 * 4096;
+        for p in 0..3 {
+            bad[planes + 512 * p] = 0;
+        }
+        assert_eq!(run(&bad, 1, 0).0, "error=1");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn which(name: &str) -> Result<std::path::PathBuf, ()> {
