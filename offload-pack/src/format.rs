@@ -593,8 +593,7 @@ impl<'a> Packed<'a> {
                         .collect();
                     handles
                         .into_iter()
-                        .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                        .collect::<Result<(), DecodeError>>()
+                        .try_for_each(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
                 })
             }
         }
@@ -903,7 +902,7 @@ pub fn encode_raw(data: &[u8]) -> Encoded {
 /// [`choose`] on the data's exponent histogram) and the exact figures of
 /// the blob it gives (length, escapes), before encoding anything.
 pub fn plan_bf16(data: &[u8], cfg: &EncodeConfig) -> Result<Stats, EncodeError> {
-    if data.len() % 2 != 0 {
+    if !data.len().is_multiple_of(2) {
         return Err(EncodeError::OddLength { bytes: data.len() });
     }
     let plant = cfg.plant();
@@ -956,7 +955,7 @@ pub fn encode_bf16(data: &[u8], cfg: &EncodeConfig) -> Result<Encoded, EncodeErr
 /// Encodes bf16 data with `code`, then checks the round trip (unless
 /// `cfg.verify` is off).
 pub fn encode_bf16_as(data: &[u8], code: Code, cfg: &EncodeConfig) -> Result<Encoded, EncodeError> {
-    if data.len() % 2 != 0 {
+    if !data.len().is_multiple_of(2) {
         return Err(EncodeError::OddLength { bytes: data.len() });
     }
     let threads = cfg.threads();
@@ -1052,7 +1051,7 @@ fn encode_tile(src: &[u8], lo: u8, sm: &mut [u8], codes: &mut [u8], esc: &mut Ve
 /// Encodes bf16 data with the window starting at `lo`, tiles spread over
 /// `threads` threads (no verification: [`encode_bf16`] does that).
 pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, EncodeError> {
-    if data.len() % 2 != 0 {
+    if !data.len().is_multiple_of(2) {
         return Err(EncodeError::OddLength { bytes: data.len() });
     }
     if lo > MAX_LO {

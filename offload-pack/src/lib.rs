@@ -15,7 +15,7 @@
 //! no bit stream running across a tensor. [`format::Packed::decode_tile`]
 //! is the CPU reference in the kernel's shape.
 //!
-//! - [`format`]: one tensor's blob: header, sections, encoder
+//! - [`format`](mod@format): one tensor's blob: header, sections, encoder
 //!   ([`format::encode_bf16`], its round trip always checked), validating
 //!   parser and decoders (typed [`format::DecodeError`]s on any input).
 //! - [`container`]: packed checkpoints (a safetensors container of blobs,

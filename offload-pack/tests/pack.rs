@@ -204,7 +204,8 @@ mod corruption {
         let tiles = 3usize;
         let total_esc = u32::from_le_bytes(good[idx + 4 * tiles..idx + 4 * tiles + 4].try_into().unwrap());
         type Damage = Box<dyn Fn(&mut Vec<u8>)>;
-        let rows: Vec<(&str, Damage, fn(&DecodeError) -> bool)> = vec![
+        type Expect = fn(&DecodeError) -> bool;
+        let rows: Vec<(&str, Damage, Expect)> = vec![
             ("empty", Box::new(|b| b.clear()), |e| matches!(e, DecodeError::Truncated { what: "header", .. })),
             ("header cut", Box::new(|b| b.truncate(40)), |e| matches!(e, DecodeError::Truncated { .. })),
             ("sections cut", Box::new(|b| b.truncate(200)), |e| matches!(e, DecodeError::Truncated { .. })),
@@ -273,10 +274,10 @@ mod corruption {
                 let n = b.len();
                 b.truncate(c % (n + 1));
             }
-            if let Ok(p) = Packed::parse(&b) {
-                if let Ok(out) = p.decode() {
-                    prop_assert_eq!(out.len() as u64, p.header().decoded_bytes);
-                }
+            if let Ok(p) = Packed::parse(&b)
+                && let Ok(out) = p.decode()
+            {
+                prop_assert_eq!(out.len() as u64, p.header().decoded_bytes);
             }
         }
 
@@ -528,7 +529,6 @@ mod planted {
 
 mod kernel {
     use offload_pack::kernels::{DECODE_CU, DECODE_KERNEL, HOST_SHIM_H};
-    use std::path::Path;
 
     #[test]
     fn the_cuda_source_names_its_kernel_and_includes_nothing() {
