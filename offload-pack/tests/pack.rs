@@ -461,6 +461,20 @@ mod ratios {
         assert!(seen[2] < seen[0] && seen[0] < seen[1], "{seen:?}");
     }
 
+    /// Sampling blocks (the Flux.1-dev-sized report draws 2 of each
+    /// stack) gives the full model's ratio: later blocks are twins.
+    #[test]
+    fn sampled_blocks_give_the_full_ratio() {
+        let shape = FluxShape { heads: 2, double: 2, single: 2, joint: 128, ..FluxShape::small() };
+        let cfg = EncodeConfig::default();
+        let full = offload_pack::synth::pack_synthetic(&shape, Law::StudentT4, 5, &cfg).unwrap();
+        let sampled = offload_pack::synth::pack_synthetic_sampled(&shape, Law::StudentT4, 5, &cfg, 1).unwrap();
+        assert_eq!(sampled.tensors.len(), full.tensors.len());
+        assert_eq!(sampled.decoded_bytes(), full.decoded_bytes());
+        assert!(sampled.drawn_bytes < full.drawn_bytes / 2);
+        assert!((sampled.ratio() - full.ratio()).abs() < 0.001, "{} vs {}", sampled.ratio(), full.ratio());
+    }
+
     #[test]
     fn packed_file_is_the_host_memory() {
         let shape = FluxShape {
