@@ -6,6 +6,16 @@ use std::time::Instant;
 use offload_pack::format::{EncodeConfig, Packed, encode_window3, exponent_histogram, plan_bf16};
 use offload_pack::synth::{FluxShape, Law, tensor_bytes};
 
+/// Nanoseconds this thread has run on a CPU (Linux schedstat; 0 elsewhere):
+/// the one-thread figures below are also given per CPU second, as the
+/// machine may be shared.
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 fn main() {
     let all = FluxShape::dev().tensors();
     let (i, (name, shape)) = all
@@ -18,6 +28,7 @@ fn main() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("{name} {shape:?}: {:.3} GB of bf16, {cores} cores", gb);
     for threads in [1, cores] {
+        let c0 = cpu_ns();
         let t = Instant::now();
         let hist = exponent_histogram(&data, threads);
         let h = t.elapsed().as_secs_f64();
@@ -26,15 +37,27 @@ fn main() {
             offload_pack::Code::Window3 { lo } => lo,
             offload_pack::Code::Raw => unreachable!("a weight is coded"),
         };
+        let c1 = cpu_ns();
         let t = Instant::now();
         let enc = encode_window3(&data, lo, threads).unwrap();
         let e = t.elapsed().as_secs_f64();
+        let c2 = cpu_ns();
         let p = Packed::parse(&enc.blob).unwrap();
         let mut out = vec![0u8; data.len()];
         let t = Instant::now();
         p.decode_into(&mut out, threads).unwrap();
         let d = t.elapsed().as_secs_f64();
+        let c3 = cpu_ns();
         assert_eq!(out, data);
+        if threads == 1 && c3 > c0 {
+            let per = |ns: u64| gb / (ns as f64 / 1e9);
+            println!(
+                "1 thread, per CPU second: histogram + plan {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s",
+                per(c1 - c0),
+                per(c2 - c1),
+                per(c3 - c2)
+            );
+        }
         println!(
             "{threads} threads: histogram {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s, encode + check {:.2} GB/s (ratio {:.4}, {} distinct exponents)",
             gb / h,

@@ -973,70 +973,109 @@ pub fn encode_bf16_as(data: &[u8], code: Code, cfg: &EncodeConfig) -> Result<Enc
 /// that differs.
 fn verify(data: &[u8], encoded: &Encoded, threads: usize, plant: Plant) -> Result<(), EncodeError> {
     let code = encoded.stats.code.label();
-    let packed = Packed::parse(&encoded.blob).map_err(|source| EncodeError::RoundTripDecode {
+    let decode_err = |source| EncodeError::RoundTripDecode {
         code: code.clone(),
         source,
-    })?;
-    let mut out = vec![0u8; data.len()];
-    packed
-        .decode_into_planted(&mut out, threads, plant)
-        .map_err(|source| EncodeError::RoundTripDecode {
-            code: code.clone(),
-            source,
-        })?;
-    if out != data {
+    };
+    let packed = Packed::parse(&encoded.blob).map_err(decode_err)?;
+    let first_difference = |out: &[u8], input: &[u8], base: usize| {
         let i = out
             .chunks_exact(2)
-            .zip(data.chunks_exact(2))
+            .zip(input.chunks_exact(2))
             .position(|(a, b)| a != b)
             .unwrap_or(0);
-        return Err(EncodeError::RoundTrip {
-            code,
-            weight: i as u64,
-            input: u16::from_le_bytes([data[2 * i], data[2 * i + 1]]),
+        EncodeError::RoundTrip {
+            code: code.clone(),
+            weight: (base + i) as u64,
+            input: u16::from_le_bytes([input[2 * i], input[2 * i + 1]]),
             output: u16::from_le_bytes([out[2 * i], out[2 * i + 1]]),
-        });
+        }
+    };
+    check_output(packed.header().decoded_bytes, data.len()).map_err(decode_err)?;
+    if packed.header().code == Code::Raw {
+        let out = &encoded.blob[HEADER_BYTES..HEADER_BYTES + data.len()];
+        return if out == data { Ok(()) } else { Err(first_difference(out, data, 0)) };
     }
-    Ok(())
+    // Tile by tile into a small buffer, compared with the input at once:
+    // no second copy of the tensor.
+    let tiles = packed.n_tiles() as usize;
+    let threads = threads.clamp(1, (tiles / 8).max(1));
+    let per = tiles.div_ceil(threads).max(1);
+    let check = |first: usize, input: &[u8]| -> Result<(), EncodeError> {
+        let mut buf = vec![0u8; TILE_ELEMS * 2];
+        for (k, want) in input.chunks(TILE_ELEMS * 2).enumerate() {
+            let out = &mut buf[..want.len()];
+            packed
+                .decode_tile_planted((first + k) as u32, out, plant)
+                .map_err(decode_err)?;
+            if out != want {
+                return Err(first_difference(out, want, (first + k) * TILE_ELEMS));
+            }
+        }
+        Ok(())
+    };
+    if threads == 1 {
+        return check(0, data);
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = data
+            .chunks(per * TILE_ELEMS * 2)
+            .enumerate()
+            .map(|(i, part)| s.spawn(move || check(i * per, part)))
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
 /// Encodes one tile: its sign+mantissa bytes and bit planes (padding
 /// weights get code 1, never an escape), appending its escapes to `esc`.
 fn encode_tile(src: &[u8], lo: u8, sm: &mut [u8], codes: &mut [u8], esc: &mut Vec<u8>) -> u32 {
+    /// Gathers bit 0 of each of a u64's 8 bytes into one byte (byte i's
+    /// bit to bit i): the products of distinct bit pairs never overlap.
+    fn gather(x: u64) -> u32 {
+        (((x & 0x0101_0101_0101_0101).wrapping_mul(0x0102_0408_1020_4080)) >> 56) as u32
+    }
     let n = src.len() / 2;
-    let first = esc.len();
-    // Room for every weight to escape; the escapes are written branch-free
-    // and the vector cut to their count at the end.
-    esc.resize(first + n, 0);
-    let mut k = first;
+    let mut count = 0u32;
     let mut planes = [[0u32; WORDS_PER_TILE]; 3];
     for w in 0..WORDS_PER_TILE {
-        let (mut p0, mut p1, mut p2) = (0u32, 0u32, 0u32);
         let live = n.saturating_sub(32 * w).min(32);
         let at = (64 * w).min(src.len());
         let src_w = &src[at..at + 2 * live];
         let sm_w = &mut sm[32 * w..32 * w + 32];
-        for (b, (pair, out)) in src_w.chunks_exact(2).zip(sm_w.iter_mut()).enumerate() {
-            let bits = u16::from_le_bytes([pair[0], pair[1]]);
-            *out = ((bits >> 8) as u8 & 0x80) | (bits as u8 & 0x7f);
-            let e = (bits >> 7) as u8;
-            let d = e.wrapping_sub(lo);
-            let hit = usize::from(d) < WINDOW;
-            let code = if hit { u32::from(d) + 1 } else { 0 };
-            esc[k] = e;
-            k += usize::from(!hit);
-            p0 |= (code & 1) << b;
-            p1 |= ((code >> 1) & 1) << b;
-            p2 |= ((code >> 2) & 1) << b;
-        }
+        let mut exps = [0u8; 32];
         // Padding weights: sign+mantissa 0, code 1 (never an escape).
-        sm_w[live..].fill(0);
-        if live < 32 {
-            p0 |= !((1u64 << live) - 1) as u32;
+        let mut cd = [1u8; 32];
+        for (b, pair) in src_w.chunks_exact(2).enumerate() {
+            let bits = u16::from_le_bytes([pair[0], pair[1]]);
+            sm_w[b] = ((bits >> 8) as u8 & 0x80) | (bits as u8 & 0x7f);
+            let e = (bits >> 7) as u8;
+            exps[b] = e;
+            let d = e.wrapping_sub(lo);
+            cd[b] = if usize::from(d) < WINDOW { d + 1 } else { 0 };
         }
-        planes[0][w] = p0;
-        planes[1][w] = p1;
-        planes[2][w] = p2;
+        sm_w[live..].fill(0);
+        let mut p = [0u32; 3];
+        for (k, chunk) in cd.chunks_exact(8).enumerate() {
+            let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+            for (bit, plane) in p.iter_mut().enumerate() {
+                *plane |= gather(x >> bit) << (8 * k);
+            }
+        }
+        let esc_mask = !(p[0] | p[1] | p[2]);
+        if esc_mask != 0 {
+            for (b, &e) in exps.iter().enumerate() {
+                if esc_mask >> b & 1 == 1 {
+                    esc.push(e);
+                }
+            }
+            count += esc_mask.count_ones();
+        }
+        for (plane, word) in planes.iter_mut().zip(p) {
+            plane[w] = word;
+        }
     }
     for (p, plane) in planes.iter().enumerate() {
         let out = &mut codes[p * PLANE_BYTES..(p + 1) * PLANE_BYTES];
@@ -1044,8 +1083,7 @@ fn encode_tile(src: &[u8], lo: u8, sm: &mut [u8], codes: &mut [u8], esc: &mut Ve
             o.copy_from_slice(&word.to_le_bytes());
         }
     }
-    esc.truncate(k);
-    (k - first) as u32
+    count
 }
 
 /// Encodes bf16 data with the window starting at `lo`, tiles spread over
@@ -1063,8 +1101,11 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
     }
     let bare = Layout::window3(elems, 0).expect("an in-memory tensor's layout fits");
     let tiles = bare.n_tiles as usize;
-    let mut sm = vec![0u8; tiles * TILE_ELEMS];
-    let mut codes = vec![0u8; tiles * TILE_CODE_BYTES];
+    // The sections before the escapes do not depend on them: encode into
+    // the blob itself (one allocation, no copy), grown for the escapes.
+    let mut blob = vec![0u8; bare.escapes.start as usize];
+    let (sm, codes) = blob[HEADER_BYTES..bare.esc_index.start as usize]
+        .split_at_mut(tiles * TILE_ELEMS);
     // Eight tiles a thread at least: a spawn costs more than a tile.
         let threads = threads.clamp(1, (tiles / 8).max(1));
     let per = tiles.div_ceil(threads).max(1);
@@ -1082,7 +1123,7 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
         (esc, counts)
     };
     let parts: Vec<(Vec<u8>, Vec<u32>)> = if threads == 1 {
-        vec![run(data, &mut sm, &mut codes)]
+        vec![run(data, sm, codes)]
     } else {
         std::thread::scope(|s| {
             let handles: Vec<_> = data
@@ -1099,7 +1140,7 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
     };
     let escapes: u64 = parts.iter().map(|(e, _)| e.len() as u64).sum();
     let layout = Layout::window3(elems, escapes).expect("an in-memory tensor's layout fits");
-    let mut blob = vec![0u8; layout.total_bytes as usize];
+    blob.resize(layout.total_bytes as usize, 0);
     Header {
         code: Code::Window3 { lo },
         decoded_bytes: data.len() as u64,
@@ -1113,9 +1154,6 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
         total_bytes: layout.total_bytes,
     }
     .write(&mut blob);
-    let r = |x: &Range<u64>| x.start as usize..x.end as usize;
-    blob[r(&layout.signman)].copy_from_slice(&sm);
-    blob[r(&layout.codes)].copy_from_slice(&codes);
     let mut idx = layout.esc_index.start as usize;
     let mut esc_at = layout.escapes.start as usize;
     let mut cum = 0u32;
