@@ -3,7 +3,9 @@
 //! tile decoder, as the round trip check runs it), on 1 and all threads.
 use std::time::Instant;
 
-use offload_pack::format::{EncodeConfig, Packed, encode_window3, exponent_histogram, plan_bf16};
+use offload_pack::format::{
+    EncodeConfig, Packed, encode_bf16, encode_window3, exponent_histogram, plan_bf16,
+};
 use offload_pack::synth::{FluxShape, Law, tensor_bytes};
 
 /// Nanoseconds this thread has run on a CPU (Linux schedstat; 0 elsewhere):
@@ -58,6 +60,22 @@ fn main() {
                 per(c3 - c2)
             );
         }
+        let c4 = cpu_ns();
+        let t = Instant::now();
+        let whole = encode_bf16(&data, &cfg).unwrap();
+        let all = t.elapsed().as_secs_f64();
+        let c5 = cpu_ns();
+        assert_eq!(whole.stats, enc.stats);
+        if threads == 1 && c5 > c4 {
+            println!(
+                "1 thread, per CPU second: encode_bf16 (plan, encode, round trip) {:.2} GB/s",
+                gb / ((c5 - c4) as f64 / 1e9)
+            );
+        }
+        println!(
+            "{threads} threads: encode_bf16 (plan, encode, round trip) {:.2} GB/s wall",
+            gb / all
+        );
         println!(
             "{threads} threads: histogram {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s, encode + check {:.2} GB/s (ratio {:.4}, {} distinct exponents)",
             gb / h,

@@ -663,38 +663,69 @@ impl<'a> Packed<'a> {
         }
         let esc = &self.blob[esc_off + start as usize..esc_off + end as usize];
         let inclusive = plant.is("slot_inclusive");
-        // Phase 3: per lane, its 32 weights.
+        // Phase 3: per lane, its 32 weights (all 32 rebuilt, the live ones
+        // stored; a padding weight's byte and code are in the tile).
         let base = u16::from(lo).wrapping_sub(1);
         for w in 0..WORDS_PER_TILE {
             let live = valid.saturating_sub(32 * w).min(32);
-            let (p0, p1, p2, m) = (planes[0][w], planes[1][w], planes[2][w], mask[w]);
-            let sm_w = &sm[32 * w..32 * w + live];
-            let at = (64 * w).min(out.len());
-            let out_w = &mut out[at..at + 2 * live];
-            for (b, (o, &s)) in out_w.chunks_exact_mut(2).zip(sm_w).enumerate() {
-                let code = ((p0 >> b) & 1) | (((p1 >> b) & 1) << 1) | (((p2 >> b) & 1) << 2);
-                let exp = if code != 0 {
-                    // lo ≤ 249 and code ≤ 7: lo + code − 1 ≤ 255.
-                    base.wrapping_add(code as u16)
-                } else {
-                    let below = if inclusive {
-                        (m & (((2u64 << b) - 1) as u32)).count_ones()
-                    } else {
-                        (m & ((1u32 << b) - 1)).count_ones()
-                    };
-                    // In range: slot[w] + below < counted = esc.len(), except
-                    // under the planted bug, which may read one past.
-                    let k = (slot[w] + below) as usize;
-                    u16::from(*esc.get(k).unwrap_or(&0))
-                };
-                let s = u16::from(s);
-                let bits = ((s & 0x80) << 8) | (exp << 7) | (s & 0x7f);
-                o.copy_from_slice(&bits.to_le_bytes());
+            if live == 0 {
+                break;
             }
+            let (p0, p1, p2, m) = (planes[0][w], planes[1][w], planes[2][w], mask[w]);
+            let sm_w: &[u8; 32] = sm[32 * w..32 * w + 32].try_into().expect("32 bytes");
+            let mut vals = [0u8; 64];
+            for g in 0..4 {
+                let byte = |p: u32| SPREAD[((p >> (8 * g)) & 0xff) as usize];
+                // Byte i of `c8`: the code of weight 8g + i.
+                let c8 = byte(p0) | (byte(p1) << 1) | (byte(p2) << 2);
+                for i in 0..8 {
+                    let b = 8 * g + i;
+                    let code = ((c8 >> (8 * i)) & 7) as u16;
+                    let exp = if code != 0 {
+                        // lo ≤ 249 and code ≤ 7: lo + code − 1 ≤ 255.
+                        base.wrapping_add(code)
+                    } else {
+                        let below = if inclusive {
+                            (m & (((2u64 << b) - 1) as u32)).count_ones()
+                        } else {
+                            (m & ((1u32 << b) - 1)).count_ones()
+                        };
+                        // In range for a live weight: slot[w] + below <
+                        // counted = esc.len(), except under the planted bug,
+                        // which may read one past; a padding weight's code
+                        // is never 0 in a blob this crate wrote, and reads
+                        // 0 if it is.
+                        let k = (slot[w] + below) as usize;
+                        u16::from(*esc.get(k).unwrap_or(&0))
+                    };
+                    let s = u16::from(sm_w[b]);
+                    let bits = ((s & 0x80) << 8) | (exp << 7) | (s & 0x7f);
+                    vals[2 * b..2 * b + 2].copy_from_slice(&bits.to_le_bytes());
+                }
+            }
+            out[64 * w..64 * w + 2 * live].copy_from_slice(&vals[..2 * live]);
         }
         Ok(())
     }
 }
+
+/// `SPREAD[b]`: bit i of `b` moved to bit 0 of byte i (eight codes'
+/// plane bits side by side, one byte each).
+const SPREAD: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut i = 0;
+        while i < 8 {
+            if (b >> i) & 1 == 1 {
+                t[b] |= 1 << (8 * i);
+            }
+            i += 1;
+        }
+        b += 1;
+    }
+    t
+};
 
 fn check_output(expected: u64, found: usize) -> Result<(), DecodeError> {
     if expected == found as u64 {
