@@ -34,7 +34,10 @@ fn main() {
         let t = Instant::now();
         let hist = exponent_histogram(&data, threads);
         let h = t.elapsed().as_secs_f64();
-        let cfg = EncodeConfig { threads, ..EncodeConfig::default() };
+        let cfg = EncodeConfig {
+            threads,
+            ..EncodeConfig::default()
+        };
         let lo = match plan_bf16(&data, &cfg).unwrap().code {
             offload_pack::Code::Window3 { lo } => lo,
             offload_pack::Code::Raw => unreachable!("a weight is coded"),

@@ -205,12 +205,18 @@ pub struct PackedModel {
 impl PackedModel {
     /// Bytes of the tensors as given.
     pub fn decoded_bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.encoded.stats.decoded_bytes).sum()
+        self.tensors
+            .iter()
+            .map(|t| t.encoded.stats.decoded_bytes)
+            .sum()
     }
 
     /// Bytes of the blobs.
     pub fn packed_bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.encoded.stats.packed_bytes).sum()
+        self.tensors
+            .iter()
+            .map(|t| t.encoded.stats.packed_bytes)
+            .sum()
     }
 }
 
@@ -342,10 +348,14 @@ pub fn write_packed(
     let mut text = serde_json::to_string(&header).expect("a header serialises");
     // Pad with spaces (allowed by safetensors) so the data starts on a page.
     let data_start = (8 + text.len() as u64).div_ceil(FILE_ALIGN) * FILE_ALIGN;
-    text.extend(std::iter::repeat_n(' ', (data_start - 8) as usize - text.len()));
+    text.extend(std::iter::repeat_n(
+        ' ',
+        (data_start - 8) as usize - text.len(),
+    ));
     let file = File::create(path).map_err(io(path))?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
-    w.write_all(&(text.len() as u64).to_le_bytes()).map_err(io(path))?;
+    w.write_all(&(text.len() as u64).to_le_bytes())
+        .map_err(io(path))?;
     w.write_all(text.as_bytes()).map_err(io(path))?;
     for (i, (name, _, _, st)) in entries.iter().enumerate() {
         let b = blob(i)?;
@@ -373,7 +383,9 @@ pub fn write_model(path: &Path, model: &PackedModel) -> Result<u64, PackError> {
         .iter()
         .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.encoded.stats))
         .collect();
-    write_packed(path, &entries, |i| Ok(model.tensors[i].encoded.blob.clone()))
+    write_packed(path, &entries, |i| {
+        Ok(model.tensors[i].encoded.blob.clone())
+    })
 }
 
 /// The packed file written beside `input` (a `.safetensors` file, a shard
@@ -412,14 +424,21 @@ pub fn pack_checkpoint(
     names.sort_by_key(|(_, t)| (t.file, t.range.start));
     let mut entries = Vec::with_capacity(names.len());
     for (name, e) in &names {
-        let bytes = ckpt.bytes(name).expect("a tensor of the checkpoint has bytes");
+        let bytes = ckpt
+            .bytes(name)
+            .expect("a tensor of the checkpoint has bytes");
         let t = TensorIn {
             name,
             dtype: e.dtype,
             shape: &e.shape,
             bytes,
         };
-        entries.push(((*name).clone(), e.dtype, e.shape.clone(), plan_tensor(&t, cfg)?));
+        entries.push((
+            (*name).clone(),
+            e.dtype,
+            e.shape.clone(),
+            plan_tensor(&t, cfg)?,
+        ));
     }
     let tmp = output.with_extension(format!("{EXTENSION}.partial"));
     let written = write_packed(&tmp, &entries, |i| {
@@ -428,7 +447,9 @@ pub fn pack_checkpoint(
             name,
             dtype: *dtype,
             shape,
-            bytes: ckpt.bytes(name).expect("a tensor of the checkpoint has bytes"),
+            bytes: ckpt
+                .bytes(name)
+                .expect("a tensor of the checkpoint has bytes"),
         };
         let enc = encode_tensor(&t, st.code, cfg)?;
         if enc.stats != *st {
@@ -529,7 +550,10 @@ impl PackedCheckpoint {
                 source,
             })?;
             let m = &e.manifest;
-            let expect_bytes = m.shape.iter().try_fold(m.dtype.size_bytes(), |a, &d| a.checked_mul(d));
+            let expect_bytes = m
+                .shape
+                .iter()
+                .try_fold(m.dtype.size_bytes(), |a, &d| a.checked_mul(d));
             let mismatch = |reason: String| PackError::Mismatch {
                 path: this.path.clone(),
                 tensor: name.clone(),
@@ -674,14 +698,16 @@ impl PackedCheckpoint {
     }
 
     fn entry(&self, name: &str) -> Result<&PackedEntry, PackError> {
-        self.tensors.get(name).ok_or_else(|| PackError::UnknownTensor {
-            name: name.to_owned(),
-            nearest: self
-                .tensors
-                .keys()
-                .max_by_key(|k| common_prefix(k, name))
-                .cloned(),
-        })
+        self.tensors
+            .get(name)
+            .ok_or_else(|| PackError::UnknownTensor {
+                name: name.to_owned(),
+                nearest: self
+                    .tensors
+                    .keys()
+                    .max_by_key(|k| common_prefix(k, name))
+                    .cloned(),
+            })
     }
 
     /// A tensor's blob (from the mapping).
@@ -702,7 +728,8 @@ impl PackedCheckpoint {
             offset: start,
             len: end - start,
             page_offset: start % PAGE_BYTES,
-            pages: start / PAGE_BYTES * PAGE_BYTES..(end.div_ceil(PAGE_BYTES) * PAGE_BYTES).min(file),
+            pages: start / PAGE_BYTES * PAGE_BYTES
+                ..(end.div_ceil(PAGE_BYTES) * PAGE_BYTES).min(file),
         }
     }
 
@@ -744,7 +771,10 @@ impl PackedCheckpoint {
             return Err(PackError::Mismatch {
                 path: self.path.clone(),
                 tensor: String::new(),
-                reason: format!("window {range:?} runs past the file's {} bytes", self.map.len()),
+                reason: format!(
+                    "window {range:?} runs past the file's {} bytes",
+                    self.map.len()
+                ),
             });
         }
         Ok(Box::new(Window {
@@ -770,7 +800,10 @@ impl PackedCheckpoint {
 
     /// Bytes of the tensors decoded.
     pub fn decoded_bytes(&self) -> u64 {
-        self.tensors.values().map(|e| e.manifest.stats.decoded_bytes).sum()
+        self.tensors
+            .values()
+            .map(|e| e.manifest.stats.decoded_bytes)
+            .sum()
     }
 
     /// Bytes of the blobs.

@@ -181,7 +181,10 @@ pub enum EncodeError {
         output: u16,
     },
     /// A tensor too large for the window code's 32-bit escape index.
-    #[error("{elems} weights in one tensor: the window code holds at most {} (code it raw)", u32::MAX)]
+    #[error(
+        "{elems} weights in one tensor: the window code holds at most {} (code it raw)",
+        u32::MAX
+    )]
     TooLarge {
         /// Its weights.
         elems: u64,
@@ -330,7 +333,11 @@ impl Header {
             Code::Window3 { lo } => lo,
         };
         out[8..16].copy_from_slice(&self.decoded_bytes.to_le_bytes());
-        let tile = if self.code == Code::Raw { 0 } else { TILE_ELEMS as u32 };
+        let tile = if self.code == Code::Raw {
+            0
+        } else {
+            TILE_ELEMS as u32
+        };
         out[16..20].copy_from_slice(&tile.to_le_bytes());
         out[20..24].copy_from_slice(&self.n_tiles.to_le_bytes());
         for (i, o) in self.offsets.iter().enumerate() {
@@ -482,13 +489,12 @@ impl<'a> Packed<'a> {
                         found: u64::from(escapes),
                     });
                 }
-                let full = Layout::window3(elems, u64::from(escapes)).ok_or(
-                    DecodeError::BadHeader {
+                let full =
+                    Layout::window3(elems, u64::from(escapes)).ok_or(DecodeError::BadHeader {
                         field: "decoded bytes",
                         expected: isize::MAX as u64 / 4,
                         found: decoded_bytes,
-                    },
-                )?;
+                    })?;
                 check("blob length", full.total_bytes, total_bytes)?;
                 if have < full.escapes.end {
                     return Err(truncated("escapes", full.escapes.end));
@@ -569,7 +575,7 @@ impl<'a> Packed<'a> {
             Code::Window3 { .. } => {
                 let tiles = self.header.n_tiles as usize;
                 // Eight tiles a thread at least: a spawn costs more than a tile.
-        let threads = threads.clamp(1, (tiles / 8).max(1));
+                let threads = threads.clamp(1, (tiles / 8).max(1));
                 let per = tiles.div_ceil(threads).max(1);
                 let chunk = per * TILE_ELEMS * 2;
                 if threads == 1 {
@@ -615,7 +621,12 @@ impl<'a> Packed<'a> {
         self.decode_tile_planted(tile, out, Plant::default())
     }
 
-    fn decode_tile_planted(&self, tile: u32, out: &mut [u8], plant: Plant) -> Result<(), DecodeError> {
+    fn decode_tile_planted(
+        &self,
+        tile: u32,
+        out: &mut [u8],
+        plant: Plant,
+    ) -> Result<(), DecodeError> {
         let Code::Window3 { lo } = self.header.code else {
             // A raw blob has no tiles.
             return Err(DecodeError::TileOutOfRange { tile, n_tiles: 0 });
@@ -630,7 +641,8 @@ impl<'a> Packed<'a> {
         let [sm_off, codes_off, idx_off, esc_off] = self.header.offsets.map(|o| o as usize);
         let t = tile as usize;
         let sm = &self.blob[sm_off + t * TILE_ELEMS..sm_off + (t + 1) * TILE_ELEMS];
-        let codes = &self.blob[codes_off + t * TILE_CODE_BYTES..codes_off + (t + 1) * TILE_CODE_BYTES];
+        let codes =
+            &self.blob[codes_off + t * TILE_CODE_BYTES..codes_off + (t + 1) * TILE_CODE_BYTES];
         let start = u32_at(self.blob, idx_off + 4 * t);
         let end = u32_at(self.blob, idx_off + 4 * (t + 1));
 
@@ -643,7 +655,11 @@ impl<'a> Packed<'a> {
                 plane[w] = u32_at(codes, p * PLANE_BYTES + 4 * w);
             }
             let live = valid.saturating_sub(32 * w).min(32);
-            let live_mask = if live == 32 { u32::MAX } else { (1u32 << live) - 1 };
+            let live_mask = if live == 32 {
+                u32::MAX
+            } else {
+                (1u32 << live) - 1
+            };
             mask[w] = !(planes[0][w] | planes[1][w] | planes[2][w]) & live_mask;
         }
         // Phase 2: the block-wide exclusive scan.
@@ -848,7 +864,10 @@ pub fn exponent_histogram(bf16: &[u8], threads: usize) -> [u64; 256] {
     }
     let chunk = (bf16.len() / 2).div_ceil(threads) * 2;
     std::thread::scope(|s| {
-        let parts: Vec<_> = bf16.chunks(chunk).map(|c| s.spawn(move || one(c))).collect();
+        let parts: Vec<_> = bf16
+            .chunks(chunk)
+            .map(|c| s.spawn(move || one(c)))
+            .collect();
         let mut out = [0u64; 256];
         for p in parts {
             let h = p.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
@@ -1025,7 +1044,11 @@ fn verify(data: &[u8], encoded: &Encoded, threads: usize, plant: Plant) -> Resul
     check_output(packed.header().decoded_bytes, data.len()).map_err(decode_err)?;
     if packed.header().code == Code::Raw {
         let out = &encoded.blob[HEADER_BYTES..HEADER_BYTES + data.len()];
-        return if out == data { Ok(()) } else { Err(first_difference(out, data, 0)) };
+        return if out == data {
+            Ok(())
+        } else {
+            Err(first_difference(out, data, 0))
+        };
     }
     // Tile by tile into a small buffer, compared with the input at once:
     // no second copy of the tensor.
@@ -1135,10 +1158,10 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
     // The sections before the escapes do not depend on them: encode into
     // the blob itself (one allocation, no copy), grown for the escapes.
     let mut blob = vec![0u8; bare.escapes.start as usize];
-    let (sm, codes) = blob[HEADER_BYTES..bare.esc_index.start as usize]
-        .split_at_mut(tiles * TILE_ELEMS);
+    let (sm, codes) =
+        blob[HEADER_BYTES..bare.esc_index.start as usize].split_at_mut(tiles * TILE_ELEMS);
     // Eight tiles a thread at least: a spawn costs more than a tile.
-        let threads = threads.clamp(1, (tiles / 8).max(1));
+    let threads = threads.clamp(1, (tiles / 8).max(1));
     let per = tiles.div_ceil(threads).max(1);
     // Per chunk of tiles: its escapes, and each tile's count.
     let run = |src: &[u8], sm: &mut [u8], codes: &mut [u8]| {

@@ -33,8 +33,8 @@ pub mod kernels;
 pub mod synth;
 
 pub use container::{
-    PackError, PackReport, PackedCheckpoint, PackedModel, PackedWindow, TensorIn,
-    encode_in_memory, pack_checkpoint,
+    PackError, PackReport, PackedCheckpoint, PackedModel, PackedWindow, TensorIn, encode_in_memory,
+    pack_checkpoint,
 };
 pub use format::{Code, DecodeError, EncodeConfig, EncodeError, Packed, Stats};
 

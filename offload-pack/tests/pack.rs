@@ -11,8 +11,8 @@ use offload_pack::container::{
     write_model,
 };
 use offload_pack::format::{
-    self, Code, DecodeError, EncodeConfig, EncodeError, MAX_LO, Packed, TILE_ELEMS,
-    encode_bf16, encode_bf16_as,
+    self, Code, DecodeError, EncodeConfig, EncodeError, MAX_LO, Packed, TILE_ELEMS, encode_bf16,
+    encode_bf16_as,
 };
 use offload_pack::synth::{FluxShape, Law, pack_synthetic, tensor_bytes};
 use offload_pack::{PackError, check_ratio};
@@ -81,10 +81,30 @@ mod round_trips {
     /// codes, one and several threads.
     #[test]
     fn tile_boundary_lengths() {
-        for n in [0usize, 1, 2, 31, 32, 33, 4095, 4096, 4097, 8191, 8192, 8193, 3 * 4096 + 5] {
-            let bits: Vec<u16> = (0..n).map(|i| 0x3c00u16.wrapping_add((i * 7919) as u16)).collect();
+        for n in [
+            0usize,
+            1,
+            2,
+            31,
+            32,
+            33,
+            4095,
+            4096,
+            4097,
+            8191,
+            8192,
+            8193,
+            3 * 4096 + 5,
+        ] {
+            let bits: Vec<u16> = (0..n)
+                .map(|i| 0x3c00u16.wrapping_add((i * 7919) as u16))
+                .collect();
             let data = bytes_of(&bits);
-            for code in [Code::Raw, Code::Window3 { lo: 118 }, Code::Window3 { lo: 0 }] {
+            for code in [
+                Code::Raw,
+                Code::Window3 { lo: 118 },
+                Code::Window3 { lo: 0 },
+            ] {
                 round_trip(&data, code, 1);
                 round_trip(&data, code, 3);
             }
@@ -133,7 +153,15 @@ mod round_trips {
     #[test]
     fn the_best_window_covers_the_most() {
         let mut hist = [0u64; 256];
-        for (e, c) in [(10, 5u64), (100, 50), (101, 60), (102, 70), (106, 80), (107, 1), (108, 90)] {
+        for (e, c) in [
+            (10, 5u64),
+            (100, 50),
+            (101, 60),
+            (102, 70),
+            (106, 80),
+            (107, 1),
+            (108, 90),
+        ] {
             hist[e] = c;
         }
         // 102..=108 holds 70 + 80 + 1 + 90 = 241; 100..=106 holds 260.
@@ -151,11 +179,21 @@ mod round_trips {
         let norm = bytes_of(&vec![0x3f80u16; 128]);
         assert_eq!(encode_bf16(&norm, &cfg).unwrap().stats.code, Code::Raw);
         // Uniformly random bit patterns: the window does not pay.
-        let noise: Vec<u16> = (0..20_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 16) as u16).collect();
-        assert_eq!(encode_bf16(&bytes_of(&noise), &cfg).unwrap().stats.code, Code::Raw);
+        let noise: Vec<u16> = (0..20_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 16) as u16)
+            .collect();
+        assert_eq!(
+            encode_bf16(&bytes_of(&noise), &cfg).unwrap().stats.code,
+            Code::Raw
+        );
         // A weight-like tensor: coded.
-        let w: Vec<u16> = (0..20_000u32).map(|i| 0x3c00 | (i % 0x3ff) as u16).collect();
-        assert!(matches!(encode_bf16(&bytes_of(&w), &cfg).unwrap().stats.code, Code::Window3 { .. }));
+        let w: Vec<u16> = (0..20_000u32)
+            .map(|i| 0x3c00 | (i % 0x3ff) as u16)
+            .collect();
+        assert!(matches!(
+            encode_bf16(&bytes_of(&w), &cfg).unwrap().stats.code,
+            Code::Window3 { .. }
+        ));
     }
 
     #[test]
@@ -177,7 +215,13 @@ mod corruption {
 
     fn sample() -> Vec<u8> {
         let bits: Vec<u16> = (0..2 * TILE_ELEMS as u32 + 77)
-            .map(|i| if i % 23 == 0 { 0x0001 } else { 0x3c00 | (i % 0x7ff) as u16 })
+            .map(|i| {
+                if i % 23 == 0 {
+                    0x0001
+                } else {
+                    0x3c00 | (i % 0x7ff) as u16
+                }
+            })
             .collect();
         let enc = encode_bf16_as(&bytes_of(&bits), Code::Window3 { lo: 118 }, &cfg1()).unwrap();
         assert!(enc.stats.escapes > 0);
@@ -202,30 +246,135 @@ mod corruption {
         let good = sample();
         let idx = u64::from_le_bytes(good[40..48].try_into().unwrap()) as usize;
         let tiles = 3usize;
-        let total_esc = u32::from_le_bytes(good[idx + 4 * tiles..idx + 4 * tiles + 4].try_into().unwrap());
+        let total_esc = u32::from_le_bytes(
+            good[idx + 4 * tiles..idx + 4 * tiles + 4]
+                .try_into()
+                .unwrap(),
+        );
         type Damage = Box<dyn Fn(&mut Vec<u8>)>;
         type Expect = fn(&DecodeError) -> bool;
         let rows: Vec<(&str, Damage, Expect)> = vec![
-            ("empty", Box::new(|b| b.clear()), |e| matches!(e, DecodeError::Truncated { what: "header", .. })),
-            ("header cut", Box::new(|b| b.truncate(40)), |e| matches!(e, DecodeError::Truncated { .. })),
-            ("sections cut", Box::new(|b| b.truncate(200)), |e| matches!(e, DecodeError::Truncated { .. })),
-            ("escapes cut", Box::new(|b| { let n = b.len() - 64; b.truncate(n) }), |e| matches!(e, DecodeError::Truncated { what: "escapes", .. })),
-            ("magic", Box::new(|b| b[0] = b'X'), |e| matches!(e, DecodeError::BadMagic { .. })),
-            ("version", Box::new(|b| b[4] = 9), |e| matches!(e, DecodeError::BadVersion { found: 9 })),
-            ("code id", Box::new(|b| b[6] = 7), |e| matches!(e, DecodeError::BadCode { found: 7 })),
-            ("window start", Box::new(|b| b[7] = 250), |e| matches!(e, DecodeError::BadHeader { field: "window start", .. })),
-            ("odd decoded bytes", Box::new(|b| { let n = u64::from_le_bytes(b[8..16].try_into().unwrap()); set_u64(b, 8, n + 1) }), |e| matches!(e, DecodeError::BadHeader { .. })),
-            ("huge decoded bytes", Box::new(|b| set_u64(b, 8, u64::MAX - 1)), |e| matches!(e, DecodeError::BadHeader { .. })),
-            ("tile size", Box::new(|b| set_u32(b, 16, 1024)), |e| matches!(e, DecodeError::BadHeader { field: "tile weights", .. })),
-            ("tile count", Box::new(|b| set_u32(b, 20, 2)), |e| matches!(e, DecodeError::BadHeader { field: "tiles", .. })),
-            ("bit-plane offset", Box::new(|b| set_u64(b, 32, 64)), |e| matches!(e, DecodeError::BadHeader { field: "bit-plane offset", .. })),
-            ("escapes offset", Box::new(|b| set_u64(b, 48, u64::MAX)), |e| matches!(e, DecodeError::BadHeader { .. })),
-            ("blob length", Box::new(|b| set_u64(b, 56, 1 << 40)), |e| matches!(e, DecodeError::BadHeader { field: "blob length", .. })),
-            ("index[0]", Box::new(move |b| set_u32(b, idx, 1)), |e| matches!(e, DecodeError::BadHeader { .. })),
-            ("index past the escapes", Box::new(move |b| set_u32(b, idx + 4, total_esc + 5)), |e| matches!(e, DecodeError::BadEscapeIndex { tile: 0, .. })),
-            ("index off by one", Box::new(move |b| { let v = u32::from_le_bytes(b[idx + 4..idx + 8].try_into().unwrap()); set_u32(b, idx + 4, v - 1) }), |e| matches!(e, DecodeError::BadEscapeIndex { .. })),
-            ("total escapes", Box::new(move |b| set_u32(b, idx + 4 * tiles, u32::MAX)), |e| matches!(e, DecodeError::BadHeader { .. })),
-            ("a code turned escape", Box::new(|b| { b[64 + 3 * 4096] = 0; b[64 + 3 * 4096 + 512] = 0; b[64 + 3 * 4096 + 1024] = 0 }), |e| matches!(e, DecodeError::BadEscapeIndex { tile: 0, .. })),
+            ("empty", Box::new(|b| b.clear()), |e| {
+                matches!(e, DecodeError::Truncated { what: "header", .. })
+            }),
+            ("header cut", Box::new(|b| b.truncate(40)), |e| {
+                matches!(e, DecodeError::Truncated { .. })
+            }),
+            ("sections cut", Box::new(|b| b.truncate(200)), |e| {
+                matches!(e, DecodeError::Truncated { .. })
+            }),
+            (
+                "escapes cut",
+                Box::new(|b| {
+                    let n = b.len() - 64;
+                    b.truncate(n)
+                }),
+                |e| {
+                    matches!(
+                        e,
+                        DecodeError::Truncated {
+                            what: "escapes",
+                            ..
+                        }
+                    )
+                },
+            ),
+            ("magic", Box::new(|b| b[0] = b'X'), |e| {
+                matches!(e, DecodeError::BadMagic { .. })
+            }),
+            ("version", Box::new(|b| b[4] = 9), |e| {
+                matches!(e, DecodeError::BadVersion { found: 9 })
+            }),
+            ("code id", Box::new(|b| b[6] = 7), |e| {
+                matches!(e, DecodeError::BadCode { found: 7 })
+            }),
+            ("window start", Box::new(|b| b[7] = 250), |e| {
+                matches!(
+                    e,
+                    DecodeError::BadHeader {
+                        field: "window start",
+                        ..
+                    }
+                )
+            }),
+            (
+                "odd decoded bytes",
+                Box::new(|b| {
+                    let n = u64::from_le_bytes(b[8..16].try_into().unwrap());
+                    set_u64(b, 8, n + 1)
+                }),
+                |e| matches!(e, DecodeError::BadHeader { .. }),
+            ),
+            (
+                "huge decoded bytes",
+                Box::new(|b| set_u64(b, 8, u64::MAX - 1)),
+                |e| matches!(e, DecodeError::BadHeader { .. }),
+            ),
+            ("tile size", Box::new(|b| set_u32(b, 16, 1024)), |e| {
+                matches!(
+                    e,
+                    DecodeError::BadHeader {
+                        field: "tile weights",
+                        ..
+                    }
+                )
+            }),
+            ("tile count", Box::new(|b| set_u32(b, 20, 2)), |e| {
+                matches!(e, DecodeError::BadHeader { field: "tiles", .. })
+            }),
+            ("bit-plane offset", Box::new(|b| set_u64(b, 32, 64)), |e| {
+                matches!(
+                    e,
+                    DecodeError::BadHeader {
+                        field: "bit-plane offset",
+                        ..
+                    }
+                )
+            }),
+            (
+                "escapes offset",
+                Box::new(|b| set_u64(b, 48, u64::MAX)),
+                |e| matches!(e, DecodeError::BadHeader { .. }),
+            ),
+            ("blob length", Box::new(|b| set_u64(b, 56, 1 << 40)), |e| {
+                matches!(
+                    e,
+                    DecodeError::BadHeader {
+                        field: "blob length",
+                        ..
+                    }
+                )
+            }),
+            ("index[0]", Box::new(move |b| set_u32(b, idx, 1)), |e| {
+                matches!(e, DecodeError::BadHeader { .. })
+            }),
+            (
+                "index past the escapes",
+                Box::new(move |b| set_u32(b, idx + 4, total_esc + 5)),
+                |e| matches!(e, DecodeError::BadEscapeIndex { tile: 0, .. }),
+            ),
+            (
+                "index off by one",
+                Box::new(move |b| {
+                    let v = u32::from_le_bytes(b[idx + 4..idx + 8].try_into().unwrap());
+                    set_u32(b, idx + 4, v - 1)
+                }),
+                |e| matches!(e, DecodeError::BadEscapeIndex { .. }),
+            ),
+            (
+                "total escapes",
+                Box::new(move |b| set_u32(b, idx + 4 * tiles, u32::MAX)),
+                |e| matches!(e, DecodeError::BadHeader { .. }),
+            ),
+            (
+                "a code turned escape",
+                Box::new(|b| {
+                    b[64 + 3 * 4096] = 0;
+                    b[64 + 3 * 4096 + 512] = 0;
+                    b[64 + 3 * 4096 + 1024] = 0
+                }),
+                |e| matches!(e, DecodeError::BadEscapeIndex { tile: 0, .. }),
+            ),
         ];
         for (what, damage, expect) in rows {
             let mut b = good.clone();
@@ -239,20 +388,44 @@ mod corruption {
         // bound on `index[tile + 1]` stops tile 1 (decoded alone, as a GPU
         // block does) reading past the blob.
         let mut b = good.clone();
-        let get = |b: &[u8], k: usize| u32::from_le_bytes(b[idx + 4 * k..idx + 4 * k + 4].try_into().unwrap());
+        let get = |b: &[u8], k: usize| {
+            u32::from_le_bytes(b[idx + 4 * k..idx + 4 * k + 4].try_into().unwrap())
+        };
         let count = get(&b, 2) - get(&b, 1);
         set_u32(&mut b, idx + 4, total_esc + 100_000);
         set_u32(&mut b, idx + 8, total_esc + 100_000 + count);
         let p = Packed::parse(&b).unwrap();
-        assert!(matches!(p.decode_tile(1, &mut [0; 8192]), Err(DecodeError::BadEscapeIndex { tile: 1, .. })));
-        assert_eq!(p.escape_index_disorder(), Some(2), "the loader's check sees it too");
+        assert!(matches!(
+            p.decode_tile(1, &mut [0; 8192]),
+            Err(DecodeError::BadEscapeIndex { tile: 1, .. })
+        ));
+        assert_eq!(
+            p.escape_index_disorder(),
+            Some(2),
+            "the loader's check sees it too"
+        );
         // Raw blobs too.
         let mut raw = format::encode_raw(&[1, 2, 3]).blob;
         raw[24] = 0;
-        assert!(matches!(decode(&raw), Err(DecodeError::BadHeader { field: "data offset", .. })));
+        assert!(matches!(
+            decode(&raw),
+            Err(DecodeError::BadHeader {
+                field: "data offset",
+                ..
+            })
+        ));
         let p = Packed::parse(&good).unwrap();
-        assert!(matches!(p.decode_tile(3, &mut [0; 8192]), Err(DecodeError::TileOutOfRange { tile: 3, n_tiles: 3 })));
-        assert!(matches!(p.decode_tile(0, &mut [0; 10]), Err(DecodeError::OutputSize { .. })));
+        assert!(matches!(
+            p.decode_tile(3, &mut [0; 8192]),
+            Err(DecodeError::TileOutOfRange {
+                tile: 3,
+                n_tiles: 3
+            })
+        ));
+        assert!(matches!(
+            p.decode_tile(0, &mut [0; 10]),
+            Err(DecodeError::OutputSize { .. })
+        ));
     }
 
     proptest! {
@@ -301,15 +474,36 @@ mod container {
     fn write_checkpoint(dir: &Path) -> Vec<(String, DType, Vec<u64>, Vec<u8>)> {
         let shape = FluxShape::small();
         let all = shape.tensors();
-        let pick = ["transformer_blocks.0.attn.to_q.weight", "transformer_blocks.0.attn.to_q.bias", "transformer_blocks.0.attn.norm_q.weight", "proj_out.weight"];
+        let pick = [
+            "transformer_blocks.0.attn.to_q.weight",
+            "transformer_blocks.0.attn.to_q.bias",
+            "transformer_blocks.0.attn.norm_q.weight",
+            "proj_out.weight",
+        ];
         let mut tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)> = all
             .iter()
             .enumerate()
             .filter(|(_, (n, _))| pick.contains(&n.as_str()))
-            .map(|(i, (n, s))| (n.clone(), DType::Bf16, s.clone(), tensor_bytes(Law::Normal, 7, i, n, s, &all, 2)))
+            .map(|(i, (n, s))| {
+                (
+                    n.clone(),
+                    DType::Bf16,
+                    s.clone(),
+                    tensor_bytes(Law::Normal, 7, i, n, s, &all, 2),
+                )
+            })
             .collect();
-        tensors.push(("scale".into(), DType::F32, vec![3], [1.0f32, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect()));
-        offload_safetensors::write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
+        tensors.push((
+            "scale".into(),
+            DType::F32,
+            vec![3],
+            [1.0f32, 2.0, 3.0]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        ));
+        offload_safetensors::write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors)
+            .unwrap();
         tensors
     }
 
@@ -328,10 +522,23 @@ mod container {
         assert_eq!(out, dir.join("diffusion_pytorch_model.opack"));
         let report = pack_checkpoint(&dir, &out, &cfg1()).unwrap();
         assert_eq!(report.tensors.len(), tensors.len());
-        let codes: Vec<_> = report.tensors.iter().map(|t| (t.name.as_str(), t.stats.code)).collect();
-        assert!(codes.iter().any(|(n, c)| *n == "transformer_blocks.0.attn.to_q.weight" && matches!(c, Code::Window3 { .. })));
+        let codes: Vec<_> = report
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.stats.code))
+            .collect();
+        assert!(
+            codes
+                .iter()
+                .any(|(n, c)| *n == "transformer_blocks.0.attn.to_q.weight"
+                    && matches!(c, Code::Window3 { .. }))
+        );
         assert!(codes.iter().any(|(n, c)| *n == "scale" && *c == Code::Raw));
-        assert!(codes.iter().any(|(n, c)| n.ends_with("norm_q.weight") && *c == Code::Raw));
+        assert!(
+            codes
+                .iter()
+                .any(|(n, c)| n.ends_with("norm_q.weight") && *c == Code::Raw)
+        );
         // The plain checkpoint beside it still opens as it did.
         let plain = offload_safetensors::Checkpoint::open(&dir).unwrap();
         assert_eq!(plain.tensors().len(), tensors.len());
@@ -350,11 +557,18 @@ mod container {
             let region = packed.region(&w).unwrap();
             assert_eq!(region.bytes(), packed.blob(name).unwrap());
             assert!(region.read_only());
-            assert_eq!(region.enclosing().unwrap().len() as u64, packed.file_bytes());
+            assert_eq!(
+                region.enclosing().unwrap().len() as u64,
+                packed.file_bytes()
+            );
             names.push(name.as_str());
         }
         // The data starts on a page: the first blob's window.
-        let first = names.iter().map(|n| packed.window(n).unwrap().offset).min().unwrap();
+        let first = names
+            .iter()
+            .map(|n| packed.window(n).unwrap().offset)
+            .min()
+            .unwrap();
         assert_eq!(first % 4096, 0);
         // Every tensor back to back: one window for all.
         let all = packed.span(&names).unwrap();
@@ -363,7 +577,10 @@ mod container {
         let bytes = std::fs::read(&out).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(st.len(), tensors.len());
-        assert!(matches!(packed.blob("nope"), Err(PackError::UnknownTensor { .. })));
+        assert!(matches!(
+            packed.blob("nope"),
+            Err(PackError::UnknownTensor { .. })
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -384,14 +601,28 @@ mod container {
         };
         // A plain safetensors file is not a packed one.
         let plain = std::fs::read(dir.join("diffusion_pytorch_model.safetensors")).unwrap();
-        check("plain", &plain, |e| matches!(e, PackError::Container { reason, .. } if reason.contains(MANIFEST_KEY)));
+        check(
+            "plain",
+            &plain,
+            |e| matches!(e, PackError::Container { reason, .. } if reason.contains(MANIFEST_KEY)),
+        );
         check("empty", &[], |e| matches!(e, PackError::Container { .. }));
-        check("cut", &good[..good.len() - 64], |e| matches!(e, PackError::Container { .. }));
+        check("cut", &good[..good.len() - 64], |e| {
+            matches!(e, PackError::Container { .. })
+        });
         // A blob's header damaged: the first blob starts on the data page.
         let n = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize + 8;
         let mut bad = good.clone();
         bad[n] = b'X';
-        check("blob magic", &bad, |e| matches!(e, PackError::Blob { source: DecodeError::BadMagic { .. }, .. }));
+        check("blob magic", &bad, |e| {
+            matches!(
+                e,
+                PackError::Blob {
+                    source: DecodeError::BadMagic { .. },
+                    ..
+                }
+            )
+        });
         // The manifest disagreeing with a blob (its escapes).
         let text = String::from_utf8(good[8..n].to_vec()).unwrap();
         let at = text.find("\\\"escapes\\\":").unwrap() + 12;
@@ -399,9 +630,17 @@ mod container {
         t2[at] = if t2[at] == b'9' { b'8' } else { b'9' };
         let mut bad = good.clone();
         bad[8..n].copy_from_slice(&t2);
-        check("manifest escapes", &bad, |e| matches!(e, PackError::Mismatch { .. } | PackError::Container { .. }));
-        assert!(matches!(PackedCheckpoint::open(dir.join("absent")), Err(PackError::Io { .. })));
-        assert!(matches!(pack_checkpoint(&dir.join("absent"), &out, &cfg1()), Err(PackError::Checkpoint(_))));
+        check("manifest escapes", &bad, |e| {
+            matches!(e, PackError::Mismatch { .. } | PackError::Container { .. })
+        });
+        assert!(matches!(
+            PackedCheckpoint::open(dir.join("absent")),
+            Err(PackError::Io { .. })
+        ));
+        assert!(matches!(
+            pack_checkpoint(&dir.join("absent"), &out, &cfg1()),
+            Err(PackError::Checkpoint(_))
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -423,14 +662,30 @@ mod container {
         }
         let buf = Buf::default();
         let writer = buf.clone();
-        let sub = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_max_level(tracing::Level::INFO).finish();
-        let bits: Vec<u16> = (0..3 * TILE_ELEMS as u32).map(|i| 0x3c00 | (i % 0x3ff) as u16).collect();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::INFO)
+            .finish();
+        let bits: Vec<u16> = (0..3 * TILE_ELEMS as u32)
+            .map(|i| 0x3c00 | (i % 0x3ff) as u16)
+            .collect();
         let data = bytes_of(&bits);
         let shape = [3 * TILE_ELEMS as u64];
-        let tensors = [TensorIn { name: "w", dtype: DType::Bf16, shape: &shape, bytes: &data }];
-        let model = tracing::subscriber::with_default(sub, || encode_in_memory(&tensors, &EncodeConfig::default())).unwrap();
+        let tensors = [TensorIn {
+            name: "w",
+            dtype: DType::Bf16,
+            shape: &shape,
+            bytes: &data,
+        }];
+        let model = tracing::subscriber::with_default(sub, || {
+            encode_in_memory(&tensors, &EncodeConfig::default())
+        })
+        .unwrap();
         let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
-        assert!(log.contains("encoding 1 tensors") && log.contains("at enable"), "{log}");
+        assert!(
+            log.contains("encoding 1 tensors") && log.contains("at enable"),
+            "{log}"
+        );
         assert!(log.contains("round trips checked"), "{log}");
         let dir = tmp("mem");
         write_model(&dir.join("m.opack"), &model).unwrap();
@@ -451,9 +706,19 @@ mod ratios {
         let shape = FluxShape::small();
         let cfg = EncodeConfig::default();
         let mut seen = Vec::new();
-        for (law, target) in [(Law::Normal, 0.71), (Law::StudentT4, 0.72), (Law::Uniform, 0.71)] {
+        for (law, target) in [
+            (Law::Normal, 0.71),
+            (Law::StudentT4, 0.72),
+            (Law::Uniform, 0.71),
+        ] {
             let r = pack_synthetic(&shape, law, 1, &cfg).unwrap();
-            eprintln!("{}: ratio {:.4}, escapes {:.2} %, codes {:?}", law.name(), r.ratio(), 100.0 * r.escape_share(), r.codes());
+            eprintln!(
+                "{}: ratio {:.4}, escapes {:.2} %, codes {:?}",
+                law.name(),
+                r.ratio(),
+                100.0 * r.escape_share(),
+                r.codes()
+            );
             check_ratio(law.name(), r.ratio(), target).unwrap();
             seen.push(r.ratio());
         }
@@ -465,14 +730,27 @@ mod ratios {
     /// stack) gives the full model's ratio: later blocks are twins.
     #[test]
     fn sampled_blocks_give_the_full_ratio() {
-        let shape = FluxShape { heads: 2, double: 2, single: 2, joint: 128, ..FluxShape::small() };
+        let shape = FluxShape {
+            heads: 2,
+            double: 2,
+            single: 2,
+            joint: 128,
+            ..FluxShape::small()
+        };
         let cfg = EncodeConfig::default();
         let full = offload_pack::synth::pack_synthetic(&shape, Law::StudentT4, 5, &cfg).unwrap();
-        let sampled = offload_pack::synth::pack_synthetic_sampled(&shape, Law::StudentT4, 5, &cfg, 1).unwrap();
+        let sampled =
+            offload_pack::synth::pack_synthetic_sampled(&shape, Law::StudentT4, 5, &cfg, 1)
+                .unwrap();
         assert_eq!(sampled.tensors.len(), full.tensors.len());
         assert_eq!(sampled.decoded_bytes(), full.decoded_bytes());
         assert!(sampled.drawn_bytes < full.drawn_bytes);
-        assert!((sampled.ratio() - full.ratio()).abs() < 0.001, "{} vs {}", sampled.ratio(), full.ratio());
+        assert!(
+            (sampled.ratio() - full.ratio()).abs() < 0.001,
+            "{} vs {}",
+            sampled.ratio(),
+            full.ratio()
+        );
     }
 
     #[test]
@@ -483,11 +761,20 @@ mod ratios {
             ..FluxShape::small()
         };
         let all = shape.tensors();
-        let data: Vec<Vec<u8>> = all.iter().enumerate().map(|(i, (n, s))| tensor_bytes(Law::StudentT4, 3, i, n, s, &all, 2)).collect();
+        let data: Vec<Vec<u8>> = all
+            .iter()
+            .enumerate()
+            .map(|(i, (n, s))| tensor_bytes(Law::StudentT4, 3, i, n, s, &all, 2))
+            .collect();
         let tensors: Vec<TensorIn<'_>> = all
             .iter()
             .zip(&data)
-            .map(|((n, s), d)| TensorIn { name: n, dtype: DType::Bf16, shape: s, bytes: d })
+            .map(|((n, s), d)| TensorIn {
+                name: n,
+                dtype: DType::Bf16,
+                shape: s,
+                bytes: d,
+            })
             .collect();
         let model = encode_in_memory(&tensors, &EncodeConfig::default()).unwrap();
         let dir = std::env::temp_dir().join(format!("offload-pack-host-{}", std::process::id()));
@@ -501,8 +788,15 @@ mod ratios {
     #[test]
     fn a_raw_encoder_fails_the_ratio_check() {
         // What the check says of an encoder that always picks raw.
-        let shape = FluxShape { double: 0, single: 1, ..FluxShape::small() };
-        let cfg = EncodeConfig { force: Some(Code::Raw), ..EncodeConfig::default() };
+        let shape = FluxShape {
+            double: 0,
+            single: 1,
+            ..FluxShape::small()
+        };
+        let cfg = EncodeConfig {
+            force: Some(Code::Raw),
+            ..EncodeConfig::default()
+        };
         let r = pack_synthetic(&shape, Law::Normal, 1, &cfg).unwrap();
         assert!(r.ratio() >= 1.0);
         assert!(check_ratio("raw", r.ratio(), 0.71).is_err());
@@ -515,29 +809,63 @@ mod planted {
     use offload_pack::format::PlantedBug;
 
     fn planted(bug: PlantedBug) -> EncodeConfig {
-        EncodeConfig { planted: Some(bug), ..EncodeConfig::default() }
+        EncodeConfig {
+            planted: Some(bug),
+            ..EncodeConfig::default()
+        }
     }
 
     #[test]
     fn always_raw_turns_the_ratio_check_red() {
-        let shape = FluxShape { double: 0, single: 1, ..FluxShape::small() };
+        let shape = FluxShape {
+            double: 0,
+            single: 1,
+            ..FluxShape::small()
+        };
         let r = pack_synthetic(&shape, Law::Normal, 1, &planted(PlantedBug::AlwaysRaw)).unwrap();
-        assert!(check_ratio("normal", r.ratio(), 0.71).is_err(), "ratio {}", r.ratio());
+        assert!(
+            check_ratio("normal", r.ratio(), 0.71).is_err(),
+            "ratio {}",
+            r.ratio()
+        );
     }
 
     #[test]
     fn an_escape_slot_off_by_one_turns_the_round_trip_red() {
-        let bits: Vec<u16> = (0..2 * TILE_ELEMS as u32 + 9).map(|i| if i % 5 == 0 { 0x0001 } else { 0x3c00 | (i % 0x3ff) as u16 }).collect();
-        let e = encode_bf16_as(&bytes_of(&bits), Code::Window3 { lo: 118 }, &planted(PlantedBug::EscapeSlotInclusive)).unwrap_err();
+        let bits: Vec<u16> = (0..2 * TILE_ELEMS as u32 + 9)
+            .map(|i| {
+                if i % 5 == 0 {
+                    0x0001
+                } else {
+                    0x3c00 | (i % 0x3ff) as u16
+                }
+            })
+            .collect();
+        let e = encode_bf16_as(
+            &bytes_of(&bits),
+            Code::Window3 { lo: 118 },
+            &planted(PlantedBug::EscapeSlotInclusive),
+        )
+        .unwrap_err();
         assert!(matches!(e, EncodeError::RoundTrip { .. }), "{e}");
     }
 
     #[test]
     fn a_window_off_by_one_costs_bytes_not_exactness() {
-        let shape = FluxShape { double: 0, single: 1, ..FluxShape::small() };
+        let shape = FluxShape {
+            double: 0,
+            single: 1,
+            ..FluxShape::small()
+        };
         let good = pack_synthetic(&shape, Law::Normal, 1, &EncodeConfig::default()).unwrap();
-        let bad = pack_synthetic(&shape, Law::Normal, 1, &planted(PlantedBug::WindowOffByOne)).unwrap();
-        assert!(bad.ratio() > good.ratio() + 0.002, "{} vs {}", bad.ratio(), good.ratio());
+        let bad =
+            pack_synthetic(&shape, Law::Normal, 1, &planted(PlantedBug::WindowOffByOne)).unwrap();
+        assert!(
+            bad.ratio() > good.ratio() + 0.002,
+            "{} vs {}",
+            bad.ratio(),
+            good.ratio()
+        );
     }
 }
 
@@ -546,8 +874,13 @@ mod kernel {
 
     #[test]
     fn the_cuda_source_names_its_kernel_and_includes_nothing() {
-        assert!(DECODE_CU.contains(&format!("extern \"C\" __global__ void __launch_bounds__(128) {DECODE_KERNEL}(")));
-        assert!(!DECODE_CU.contains("#include"), "nvrtc has no system headers here");
+        assert!(DECODE_CU.contains(&format!(
+            "extern \"C\" __global__ void __launch_bounds__(128) {DECODE_KERNEL}("
+        )));
+        assert!(
+            !DECODE_CU.contains("#include"),
+            "nvrtc has no system headers here"
+        );
     }
 
     /// Where a C++ compiler exists, the kernel source parses and types
@@ -564,13 +897,25 @@ mod kernel {
         std::fs::write(dir.join("shim.h"), HOST_SHIM_H).unwrap();
         std::fs::write(dir.join("decode.cu"), DECODE_CU).unwrap();
         let out = std::process::Command::new(cxx)
-            .args(["-fsyntax-only", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-x", "c++", "-include"])
+            .args([
+                "-fsyntax-only",
+                "-Wall",
+                "-Werror",
+                "-Wno-unknown-pragmas",
+                "-x",
+                "c++",
+                "-include",
+            ])
             .arg(dir.join("shim.h"))
             .arg(dir.join("decode.cu"))
             .output()
             .unwrap();
         let _ = std::fs::remove_dir_all(&dir);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Where a C++20 compiler exists, the kernel's own source runs on the
@@ -591,7 +936,13 @@ mod kernel {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let exe = dir.join("emu");
         let built = std::process::Command::new(cxx)
-            .args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-o"])
+            .args([
+                "-std=c++20",
+                "-O1",
+                "-pthread",
+                "-fno-strict-aliasing",
+                "-o",
+            ])
             .arg(&exe)
             .arg("-I")
             .arg(root.join("src"))
@@ -607,7 +958,12 @@ mod kernel {
             panic!("{err}");
         }
         let bits: Vec<u16> = (0..2 * TILE_ELEMS as u32 + 77)
-            .map(|i| match i % 29 { 0 => 0x0001, 1 => 0xff81, 2 => 0x7f80, _ => 0x3c00 | (i.wrapping_mul(2_654_435_761) >> 21) as u16 & 0x7ff })
+            .map(|i| match i % 29 {
+                0 => 0x0001,
+                1 => 0xff81,
+                2 => 0x7f80,
+                _ => 0x3c00 | (i.wrapping_mul(2_654_435_761) >> 21) as u16 & 0x7ff,
+            })
             .collect();
         let data = bytes_of(&bits);
         let enc = encode_bf16_as(&data, Code::Window3 { lo: 118 }, &cfg1()).unwrap();
@@ -622,14 +978,25 @@ mod kernel {
                 .output()
                 .unwrap();
             assert!(out.status.success(), "{out:?}");
-            (String::from_utf8_lossy(&out.stdout).trim().to_owned(), std::fs::read(dir.join("out")).unwrap())
+            (
+                String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+                std::fs::read(dir.join("out")).unwrap(),
+            )
         };
         for misalign in [0, 1] {
             let (flag, out) = run(&enc.blob, 2, misalign);
             assert_eq!(flag, "error=0");
             assert_eq!(out.len(), 2 * data.len());
-            assert_eq!(&out[..data.len()], &data[..], "first tensor, misalign {misalign}");
-            assert_eq!(&out[data.len()..], &data[..], "second tensor, misalign {misalign}");
+            assert_eq!(
+                &out[..data.len()],
+                &data[..],
+                "first tensor, misalign {misalign}"
+            );
+            assert_eq!(
+                &out[data.len()..],
+                &data[..],
+                "second tensor, misalign {misalign}"
+            );
         }
         let mut bad = enc.blob.clone();
         let planes = 64 + 3 * 4096;
@@ -642,7 +1009,11 @@ mod kernel {
 
     fn which(name: &str) -> Result<std::path::PathBuf, ()> {
         std::env::var_os("PATH")
-            .and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
+            .and_then(|p| {
+                std::env::split_paths(&p)
+                    .map(|d| d.join(name))
+                    .find(|p| p.is_file())
+            })
             .ok_or(())
     }
 }

@@ -82,7 +82,10 @@ fn run() -> anyhow::Result<()> {
     let report = pack_checkpoint(input, &output, &cfg)
         .with_context(|| format!("packing {}", input.display()))?;
     if !args.quiet {
-        println!("{:<70} {:>14} {:>10} {:>8} {:>8}", "tensor", "bf16 bytes", "code", "escapes", "ratio");
+        println!(
+            "{:<70} {:>14} {:>10} {:>8} {:>8}",
+            "tensor", "bf16 bytes", "code", "escapes", "ratio"
+        );
         for t in &report.tensors {
             let esc = match t.stats.code {
                 Code::Window3 { .. } => format!(
@@ -136,7 +139,11 @@ fn synthetic(args: &Args, laws: &str, cfg: &EncodeConfig) -> anyhow::Result<()> 
         Law::ALL.to_vec()
     } else {
         laws.split(',')
-            .map(|l| Law::from_name(l).with_context(|| format!("law `{l}`: expected normal, student-t, uniform or all")))
+            .map(|l| {
+                Law::from_name(l).with_context(|| {
+                    format!("law `{l}`: expected normal, student-t, uniform or all")
+                })
+            })
             .collect::<anyhow::Result<_>>()?
     };
     let shape = FluxShape {
@@ -156,13 +163,24 @@ fn synthetic(args: &Args, laws: &str, cfg: &EncodeConfig) -> anyhow::Result<()> 
         cfg.threads()
     );
     if let Some(n) = args.sample_blocks {
-        println!("blocks drawn: the first {n} of each stack; the others count with their twin's figures");
+        println!(
+            "blocks drawn: the first {n} of each stack; the others count with their twin's figures"
+        );
     }
-    println!("{:<10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>12}", "law", "ratio", "escapes", "coded/raw", "draw s", "encode s", "encode GB/s");
+    println!(
+        "{:<10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>12}",
+        "law", "ratio", "escapes", "coded/raw", "draw s", "encode s", "encode GB/s"
+    );
     let mut rows = Vec::new();
     for law in laws {
         let t = Instant::now();
-        let r = pack_synthetic_sampled(&shape, law, args.seed, cfg, args.sample_blocks.unwrap_or(usize::MAX))?;
+        let r = pack_synthetic_sampled(
+            &shape,
+            law,
+            args.seed,
+            cfg,
+            args.sample_blocks.unwrap_or(usize::MAX),
+        )?;
         let (w, raw) = r.codes();
         println!(
             "{:<10} {:>8.4} {:>9.2}% {:>12} {:>10.1} {:>10.1} {:>12.2}",
@@ -188,7 +206,10 @@ fn synthetic(args: &Args, laws: &str, cfg: &EncodeConfig) -> anyhow::Result<()> 
         }));
     }
     if args.json {
-        println!("{}", serde_json::json!({"hidden": shape.hidden(), "double": shape.double, "single": shape.single, "weights": shape.weights(), "laws": rows}));
+        println!(
+            "{}",
+            serde_json::json!({"hidden": shape.hidden(), "double": shape.double, "single": shape.single, "weights": shape.weights(), "laws": rows})
+        );
     }
     Ok(())
 }
