@@ -644,6 +644,49 @@ mod container {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// The command packs beside the checkpoint and prints every tensor's
+    /// code and ratio and the totals; a bad file is one line of error and
+    /// exit status 1.
+    #[test]
+    fn the_command_packs_and_reports() {
+        let dir = tmp("cli");
+        let tensors = write_checkpoint(&dir);
+        let exe = env!("CARGO_BIN_EXE_offload-pack");
+        let out = std::process::Command::new(exe)
+            .arg(&dir)
+            .args(["--threads", "2"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for (name, ..) in &tensors {
+            assert!(text.contains(name.as_str()), "{name} missing from {text}");
+        }
+        assert!(text.contains("w3@") && text.contains("raw"), "{text}");
+        assert!(
+            text.contains("every round trip checked") && text.contains(" s on 2 threads"),
+            "{text}"
+        );
+        let packed = PackedCheckpoint::open(dir.join("diffusion_pytorch_model.opack")).unwrap();
+        assert_eq!(packed.tensors().len(), tensors.len());
+        std::fs::write(dir.join("bad.bin"), b"not a checkpoint at all").unwrap();
+        let bad = std::process::Command::new(exe)
+            .arg(dir.join("bad.bin"))
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(
+            err.starts_with("offload-pack: error: packing") && err.lines().count() == 1,
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The fallback encodes in memory, logs that it did, and its file
     /// loads as one written by the command.
     #[test]
