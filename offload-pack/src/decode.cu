@@ -1,0 +1,162 @@
+// offload-pack's window3 decoder, CUDA C for nvrtc (no includes, no host
+// code). The format is docs/PACKED_FORMAT.md; `Packed::decode_tile` in
+// offload-pack/src/format.rs is the CPU reference of the same steps.
+//
+// One 128-thread block decodes one 4096-weight tile; thread w owns code
+// word w of the tile (weights 32w .. 32w + 32):
+//   1. load word w of the three bit planes (coalesced u32 loads), form the
+//      escape mask ~(p0 | p1 | p2), bits past the tensor's end cleared;
+//   2. a block-wide exclusive scan of the masks' popcounts (warp shuffles,
+//      then four warp sums in shared memory) gives the thread's first
+//      escape slot, from index[tile]; the scan's total must equal
+//      index[tile + 1] - index[tile], else *error is set;
+//   3. rebuild 32 bf16 values: exponent lo + code - 1, or for code 0 the
+//      escape byte at slot + popc(mask & ((1 << b) - 1)); sign and mantissa
+//      from the weight's byte (two 16-byte loads); store 64 bytes (four
+//      16-byte stores when the output is 16-byte aligned and the word full).
+//
+// Launch: grid = the tiles of every tensor in the table, block = 128.
+// Raw-coded tensors are not in the table: their bytes are the tensor
+// (copy them, from blob + 64).
+
+#define OPK_TILE 4096u
+#define OPK_WORDS 128u
+#define OPK_PLANE_WORDS 128u
+#define OPK_TILE_CODE_BYTES 1536u
+
+// One window3 tensor of a launch. `first_tile`: tiles of the tensors before
+// it in the table (an exclusive prefix sum; the table sorted by it).
+struct OpkTensor {
+    const unsigned char* blob;      // the blob, 64-byte aligned on the device
+    unsigned short* out;            // the decoded bf16 tensor
+    unsigned long long first_tile;
+};
+
+__device__ __forceinline__ unsigned long long opk_u64(const unsigned char* p)
+{
+    return *(const unsigned long long*)p; // header fields are 8-byte aligned
+}
+
+__device__ __forceinline__ unsigned short opk_value(unsigned int sm_byte, unsigned int exp)
+{
+    return (unsigned short)(((sm_byte & 0x80u) << 8) | (exp << 7) | (sm_byte & 0x7fu));
+}
+
+__device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsigned short* out,
+                                                unsigned int tile, int* error)
+{
+    __shared__ unsigned int warp_sums[4];
+    const unsigned int w = threadIdx.x;
+    const unsigned int lane = w & 31u;
+    const unsigned int warp = w >> 5;
+
+    const unsigned int lo = blob[7];
+    const unsigned long long n = opk_u64(blob + 8) >> 1;
+    const unsigned long long sm_off = opk_u64(blob + 24);
+    const unsigned long long codes_off = opk_u64(blob + 32);
+    const unsigned long long idx_off = opk_u64(blob + 40);
+    const unsigned long long esc_off = opk_u64(blob + 48);
+
+    // 1. The thread's code word and escape mask.
+    const unsigned int* planes =
+        (const unsigned int*)(blob + codes_off + (unsigned long long)tile * OPK_TILE_CODE_BYTES);
+    const unsigned int p0 = planes[w];
+    const unsigned int p1 = planes[OPK_PLANE_WORDS + w];
+    const unsigned int p2 = planes[2u * OPK_PLANE_WORDS + w];
+    const unsigned long long first = (unsigned long long)tile * OPK_TILE + 32ull * w;
+    unsigned int live = 0;
+    if (n > first) {
+        live = (n - first >= 32ull) ? 32u : (unsigned int)(n - first);
+    }
+    const unsigned int live_mask = (live == 32u) ? 0xffffffffu : ((1u << live) - 1u);
+    const unsigned int esc = ~(p0 | p1 | p2) & live_mask;
+    const unsigned int count = __popc(esc);
+
+    // 2. Block-wide exclusive scan of the counts.
+    unsigned int incl = count;
+    for (unsigned int d = 1; d < 32u; d <<= 1) {
+        const unsigned int v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) {
+            incl += v;
+        }
+    }
+    if (lane == 31u) {
+        warp_sums[warp] = incl;
+    }
+    __syncthreads();
+    unsigned int before = 0;
+    for (unsigned int k = 0; k < warp; ++k) {
+        before += warp_sums[k];
+    }
+    const unsigned int total = warp_sums[0] + warp_sums[1] + warp_sums[2] + warp_sums[3];
+    const unsigned int* index = (const unsigned int*)(blob + idx_off);
+    const unsigned int start = index[tile];
+    const unsigned int end = index[tile + 1u];
+    if (end < start || end - start != total) {
+        if (w == 0u) {
+            atomicExch(error, 1);
+        }
+        return; // every thread returns: no barrier follows
+    }
+    const unsigned char* escapes = blob + esc_off + start + (before + incl - count);
+
+    // 3. The thread's 32 weights.
+    const uint4* smv = (const uint4*)(blob + sm_off + (unsigned long long)tile * OPK_TILE + 32ull * w);
+    const uint4 s0 = smv[0];
+    const uint4 s1 = smv[1];
+    const unsigned int sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+    unsigned short* dst = out + first;
+    unsigned int packed[16];
+#pragma unroll
+    for (unsigned int b = 0; b < 32u; ++b) {
+        const unsigned int code = ((p0 >> b) & 1u) | (((p1 >> b) & 1u) << 1) | (((p2 >> b) & 1u) << 2);
+        const unsigned int sm_byte = (sw[b >> 2] >> ((b & 3u) * 8u)) & 0xffu;
+        unsigned int exp;
+        if (code != 0u) {
+            exp = lo + code - 1u;
+        } else {
+            exp = escapes[__popc(esc & ((1u << b) - 1u))];
+        }
+        const unsigned int v = opk_value(sm_byte, exp);
+        if (b & 1u) {
+            packed[b >> 1] |= v << 16;
+        } else {
+            packed[b >> 1] = v;
+        }
+    }
+    if (live == 32u && (((unsigned long long)dst) & 15ull) == 0ull) {
+        uint4* d = (uint4*)dst;
+        d[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        d[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+        d[2] = make_uint4(packed[8], packed[9], packed[10], packed[11]);
+        d[3] = make_uint4(packed[12], packed[13], packed[14], packed[15]);
+    } else {
+#pragma unroll
+        for (unsigned int b = 0; b < 32u; ++b) {
+            if (b < live) {
+                dst[b] = (unsigned short)(packed[b >> 1] >> ((b & 1u) * 16u));
+            }
+        }
+    }
+}
+
+// Decodes every tile of the `n_tensors` window3 tensors of `tensors`
+// (grid.x = their tiles in all, blockDim.x = 128). A tile whose escape
+// index disagrees with its codes sets *error to 1 and writes nothing.
+extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
+    const OpkTensor* tensors, unsigned int n_tensors, int* error)
+{
+    const unsigned long long g = blockIdx.x;
+    unsigned int a = 0;
+    unsigned int z = n_tensors;
+    while (z - a > 1u) {
+        const unsigned int mid = a + (z - a) / 2u;
+        if (tensors[mid].first_tile <= g) {
+            a = mid;
+        } else {
+            z = mid;
+        }
+    }
+    const OpkTensor t = tensors[a];
+    opk_decode_tile(t.blob, t.out, (unsigned int)(g - t.first_tile), error);
+}

@@ -1,0 +1,32 @@
+//! The CUDA C source of the GPU decoder, for offload-cuda to compile with
+//! nvrtc (`docs/PACKED_FORMAT.md` §Decoding on the GPU).
+
+/// `decode.cu`: the kernel `opk_decode_window3` (grid = tiles, 128
+/// threads a block) and its tensor table `OpkTensor`. No includes, no
+/// host code: nvrtc compiles it as it is.
+pub const DECODE_CU: &str = include_str!("decode.cu");
+
+/// The kernel's name in [`DECODE_CU`].
+pub const DECODE_KERNEL: &str = "opk_decode_window3";
+
+/// Threads of one block of [`DECODE_KERNEL`] (one per code word of a tile).
+pub const DECODE_BLOCK_THREADS: u32 = crate::format::WORDS_PER_TILE as u32;
+
+/// A host C++ shim that lets a C++ compiler check [`DECODE_CU`]'s syntax
+/// and types where there is no CUDA toolkit (the CUDA built-ins declared,
+/// not implemented): `c++ -fsyntax-only -x c++ -include shim.h decode.cu`.
+pub const HOST_SHIM_H: &str = r#"
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(x)
+struct uint4 { unsigned int x, y, z, w; };
+struct dim3 { unsigned int x, y, z; };
+extern dim3 threadIdx, blockIdx, blockDim;
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
+unsigned int __popc(unsigned int);
+unsigned int __shfl_up_sync(unsigned int, unsigned int, unsigned int);
+void __syncthreads();
+int atomicExch(int*, int);
+"#;
