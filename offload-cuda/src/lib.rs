@@ -24,6 +24,7 @@
 //! and then frees, and if draining fails it is leaked with a logged error:
 //! memory the device may still touch is never freed.
 
+pub mod decode;
 mod perturb;
 pub mod proxy;
 mod timeline;

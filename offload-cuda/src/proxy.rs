@@ -117,23 +117,24 @@ fn driver<T>(r: Result<T, result::DriverError>, operation: &str) -> Result<T, Pr
 /// context).
 fn ptx() -> Result<&'static CString, ProxyError> {
     static PTX: OnceLock<Result<CString, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        // SAFETY: only probes for the shared library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(
-                "libnvrtc was not found (is the CUDA toolkit's lib on LD_LIBRARY_PATH?)".to_owned(),
-            );
-        }
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS_SRC).map_err(|e| match e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
-            }
-            e => format!("{e:?}"),
-        })?;
-        CString::new(ptx.to_src()).map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| ProxyError::Nvrtc(e.clone()))
+    PTX.get_or_init(|| compile(KERNELS_SRC))
+        .as_ref()
+        .map_err(|e| ProxyError::Nvrtc(e.clone()))
+}
+
+/// `src` compiled by nvrtc to NUL-terminated PTX, or nvrtc's log.
+pub(crate) fn compile(src: &str) -> Result<CString, String> {
+    // SAFETY: only probes for the shared library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(
+            "libnvrtc was not found (is the CUDA toolkit's lib on LD_LIBRARY_PATH?)".to_owned(),
+        );
+    }
+    let ptx = cudarc::nvrtc::compile_ptx(src).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+        e => format!("{e:?}"),
+    })?;
+    CString::new(ptx.to_src()).map_err(|e| e.to_string())
 }
 
 /// A cuBLAS handle, destroyed on drop.
@@ -152,10 +153,10 @@ impl Drop for Blas {
     }
 }
 
-/// The kernels' module, unloaded on drop once the context has drained.
-struct Module {
-    ctx: Arc<CudaContext>,
-    raw: sys::CUmodule,
+/// A loaded module, unloaded on drop once the context has drained.
+pub(crate) struct Module {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) raw: sys::CUmodule,
 }
 
 impl Drop for Module {
@@ -166,7 +167,7 @@ impl Drop for Module {
                 // the module's kernels is pending.
                 let _ = unsafe { result::module::unload(self.raw) };
             }
-            Err(e) => tracing::error!("compute proxy: {e}; leaving its module loaded"),
+            Err(e) => tracing::error!("unloading a module: {e}; leaving it loaded"),
         }
     }
 }
