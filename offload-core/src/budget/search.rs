@@ -42,7 +42,7 @@ const MAX_KEPT_SEARCH: usize = 8;
 const SWAP_ROUNDS: usize = 8;
 /// Relative difference below which two times are equal (then more
 /// resident bytes, then a shallower ring, win).
-const TIE: f64 = 1e-3;
+pub(super) const TIE: f64 = 1e-3;
 
 /// One block as the planner sees it.
 #[derive(Clone, Debug)]
