@@ -138,7 +138,7 @@ pub fn sweep_point(
     max_depth: usize,
     bugs: &[PlantedBug],
 ) -> Result<SweepRow, SweepError> {
-    const STEPS: usize = 2;
+    const STEPS: usize = 1;
     let lookahead = lookahead(preset, profile, tokens, max_depth)?;
     let depth = lookahead.depth;
     let divisor = (preset.weight_bytes() / (64 << 20))
@@ -209,37 +209,70 @@ mod tests {
     use super::*;
     use crate::presets::flux1_dev;
 
+    /// The deepest look-ahead the sweep allows: the `prefetch_depth` key's
+    /// range (1 to 16). Today's main capped the benchmark's choice at 4.
+    const MAX_DEPTH: usize = 16;
+
     /// Every 1,024 tokens from 1,024 to 16,896.
     fn token_counts() -> impl Iterator<Item = u64> {
         (1..=16u64).map(|k| k * 1024).chain([16_896])
     }
 
-    fn sweep(max_depth: usize) -> Vec<SweepRow> {
+    /// Default layerwise of Flux.1-dev's DiT (19 double, 38 single blocks)
+    /// on the simulated H200 at every token count, each at the chooser's
+    /// look-ahead: within 1.02 of what no schedule beats, bit-identical to
+    /// resident, nothing the checkers see. (The simulated device slows
+    /// kernels beside copies by 3.3 %, which no schedule hides where
+    /// compute binds: there its floor lies up to 2 % above the plain limit;
+    /// both ratios are printed.)
+    #[test]
+    fn default_layerwise_reaches_its_floor_at_every_token_count() {
         let preset = flux1_dev();
         let profile = DeviceProfile::h200();
-        token_counts()
-            .map(|t| sweep_point(&preset, &profile, t, max_depth, &[]).expect("runs"))
-            .collect()
-    }
-
-    #[test]
-    fn print_sweep() {
-        for max_depth in [4, 16] {
-            for r in sweep(max_depth) {
-                eprintln!(
-                    "max {max_depth} tokens {} depth {} step {:.2} limit {:.2} ratio {:.4} floor {:.4} pred {:.4} slots {:.2} GB v{} ok{}",
-                    r.tokens,
-                    r.lookahead.depth,
-                    r.step_ms,
-                    r.limit_ms,
-                    r.ratio(),
-                    r.ratio_to_floor(),
-                    r.lookahead.predicted_step_s * 1e3 / r.limit_ms,
-                    r.lookahead.slot_memory_bytes as f64 / 1e9,
-                    r.violations.len(),
-                    r.output_matches
-                );
+        let mut failed = Vec::new();
+        for t in token_counts() {
+            let r = sweep_point(&preset, &profile, t, MAX_DEPTH, &[]).expect("runs");
+            eprintln!(
+                "tokens {:>6}  depth {:>2}  slots {:>5.2} GB  step {:>7.2} ms  limit {:>7.2} ms  step/limit {:.4}  step/floor {:.4}  predicted/limit {:.4}",
+                r.tokens,
+                r.lookahead.depth,
+                r.lookahead.slot_memory_bytes as f64 / 1e9,
+                r.step_ms,
+                r.limit_ms,
+                r.ratio(),
+                r.ratio_to_floor(),
+                r.lookahead.predicted_step_s * 1e3 / r.limit_ms,
+            );
+            assert!(r.violations.is_empty(), "{t} tokens: {:?}", r.violations);
+            assert!(r.output_matches, "{t} tokens: output differs from resident");
+            if r.ratio_to_floor() > 1.02 {
+                failed.push((t, r.lookahead.depth, r.ratio_to_floor()));
             }
         }
+        assert!(failed.is_empty(), "step / floor above 1.02 (tokens, depth, ratio): {failed:?}");
+    }
+
+    /// The deeper look-ahead's wrap-around (the next step's first blocks
+    /// fetched during this step's compute-bound tail, into slots this
+    /// step's last blocks read) is ordered by the slot's last use: with
+    /// that wait planted away, the device's happens-before checker reports
+    /// INV-3 at the crossover's depth.
+    #[cfg(feature = "planted-bugs")]
+    #[test]
+    fn a_wrapped_prefetch_that_skips_the_last_use_is_caught_at_depth() {
+        let preset = flux1_dev();
+        let profile = DeviceProfile::h200();
+        let tokens = 10_240;
+        let clean = sweep_point(&preset, &profile, tokens, MAX_DEPTH, &[]).expect("runs");
+        assert!(clean.lookahead.depth > 4, "{:?}", clean.lookahead);
+        assert!(clean.violations.is_empty(), "{:?}", clean.violations);
+        let bug = PlantedBug::WrapAroundSkipLastUseWait;
+        let r = sweep_point(&preset, &profile, tokens, MAX_DEPTH, &[bug]).expect("runs");
+        assert!(
+            r.violations.iter().any(|v| v.contains("INV-3")),
+            "{bug:?} at depth {}: {:?}",
+            r.lookahead.depth,
+            r.violations
+        );
     }
 }
