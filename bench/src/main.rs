@@ -1370,7 +1370,11 @@ fn print_lookahead_summary(rows: &[Row]) {
             l.depth,
             l.slots,
             l.slot_memory_bytes as f64 / 1e9,
-            rs.iter().map(|r| r.peak_device_weight_bytes).max().unwrap_or(0) as f64 / 1e9,
+            rs.iter()
+                .map(|r| r.peak_device_weight_bytes)
+                .max()
+                .unwrap_or(0) as f64
+                / 1e9,
             rs.iter().all(|r| r.output_equals_resident)
         );
     }

@@ -59,8 +59,8 @@ pub enum SweepError {
     Lookahead {
         /// Tokens per forward.
         tokens: u64,
-        /// Why.
-        source: BudgetError,
+        /// Why (boxed: a budget error is large).
+        source: Box<BudgetError>,
     },
     /// The simulated run failed.
     #[error("simulating layerwise at {tokens} tokens, depth {depth}: {source}")]
@@ -69,8 +69,8 @@ pub enum SweepError {
         tokens: u64,
         /// Its depth.
         depth: usize,
-        /// Why.
-        source: OffloadError,
+        /// Why (boxed: an offload error is large).
+        source: Box<OffloadError>,
     },
     /// The preset has no DiT to stream.
     #[error("preset `{preset}` has no DiT blocks to stream")]
@@ -123,8 +123,12 @@ pub fn lookahead(
         other_s: other,
         interference: profile.copy_interference,
     };
-    budget::choose_lookahead(&shape, slot_bytes, max_depth, None)
-        .map_err(|source| SweepError::Lookahead { tokens, source })
+    budget::choose_lookahead(&shape, slot_bytes, max_depth, None).map_err(|source| {
+        SweepError::Lookahead {
+            tokens,
+            source: Box::new(source),
+        }
+    })
 }
 
 /// Default layerwise at `tokens` on `profile`, at the chooser's look-ahead
@@ -166,7 +170,7 @@ pub fn sweep_point(
     let failed = |f: crate::harness::RunFailure| SweepError::Run {
         tokens,
         depth,
-        source: f.error,
+        source: Box::new(f.error),
     };
     // Two requests' denoising, `STEPS` and `2 × STEPS` steps: their
     // difference is `STEPS` steady-state steps (the cold first fill and
@@ -262,7 +266,10 @@ mod tests {
                 failed.push((t, r.lookahead.depth, r.ratio_to_floor()));
             }
         }
-        assert!(failed.is_empty(), "step / floor above 1.02 (tokens, depth, ratio): {failed:?}");
+        assert!(
+            failed.is_empty(),
+            "step / floor above 1.02 (tokens, depth, ratio): {failed:?}"
+        );
     }
 
     /// The deeper look-ahead's wrap-around (the next step's first blocks

@@ -214,7 +214,12 @@ pub fn choose_lookahead(
         );
     }
     let finite = |v: f64| v.is_finite() && v >= 0.0;
-    if !shape.compute_s.iter().chain(shape.copy_s).all(|v| finite(*v)) || !finite(shape.other_s)
+    if !shape
+        .compute_s
+        .iter()
+        .chain(shape.copy_s)
+        .all(|v| finite(*v))
+        || !finite(shape.other_s)
     {
         return bad(
             "ring shape",
@@ -416,14 +421,31 @@ mod tests {
             Err(super::super::BudgetError::Input { input, .. }) => input,
             other => panic!("expected an input error, got {other:?}"),
         };
-        assert_eq!(input(choose_lookahead(&shape(&[1.0; 2], 0.0), 1, 4, None)), "ring shape");
         assert_eq!(
-            input(choose_lookahead(&shape(&[f64::NAN, 1.0, 1.0], 0.0), 1, 4, None)),
+            input(choose_lookahead(&shape(&[1.0; 2], 0.0), 1, 4, None)),
             "ring shape"
         );
-        assert_eq!(input(choose_lookahead(&shape(&[1.0; 3], 2.0), 1, 4, None)), "copy_interference");
-        assert_eq!(input(choose_lookahead(&shape(&[1.0; 3], 0.0), 1, 0, None)), "max_depth");
-        assert_eq!(input(choose_lookahead(&shape(&[1.0; 3], 0.0), 1, 65, None)), "max_depth");
+        assert_eq!(
+            input(choose_lookahead(
+                &shape(&[f64::NAN, 1.0, 1.0], 0.0),
+                1,
+                4,
+                None
+            )),
+            "ring shape"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 2.0), 1, 4, None)),
+            "copy_interference"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 0.0), 1, 0, None)),
+            "max_depth"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 0.0), 1, 65, None)),
+            "max_depth"
+        );
         assert_eq!(
             input(choose_lookahead(&shape(&[1.0; 3], 0.0), 10, 4, Some(19))),
             "max_slot_memory_bytes"
