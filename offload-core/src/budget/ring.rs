@@ -11,6 +11,15 @@
 //! are filled on demand: the planned backend allocates a phase's slots when
 //! it begins), so its first forward pays the first fill.
 
+use super::types::BudgetError;
+
+/// Relative difference below which two predicted times are equal (the
+/// planner's tie, and the chooser's knee).
+pub(super) const TIE: f64 = 1e-3;
+
+/// The deepest prefetch the planner and the chooser accept.
+pub(super) const MAX_DEPTH: usize = 64;
+
 /// How many forwards the recurrence runs: the first (cold) and two more,
 /// whose difference is the steady state.
 const FORWARDS: usize = 3;
@@ -193,9 +202,9 @@ pub fn choose_lookahead(
     slot_bytes: u64,
     max_depth: usize,
     max_slot_memory_bytes: Option<u64>,
-) -> Result<Lookahead, super::BudgetError> {
+) -> Result<Lookahead, BudgetError> {
     let bad = |input: &str, value: String, allowed: &str| {
-        Err(super::BudgetError::Input {
+        Err(BudgetError::Input {
             input: input.to_owned(),
             value,
             allowed: allowed.to_owned(),
@@ -234,7 +243,7 @@ pub fn choose_lookahead(
             "a finite number from 0 to 1",
         );
     }
-    if !(1..=super::search::MAX_DEPTH).contains(&max_depth) {
+    if !(1..=MAX_DEPTH).contains(&max_depth) {
         return bad("max_depth", max_depth.to_string(), "1 to 64");
     }
     let depths = match max_slot_memory_bytes {
@@ -272,7 +281,7 @@ pub fn choose_lookahead(
     // where the recurrence predicts both alike).
     let knee = predicted
         .iter()
-        .position(|t| *t <= best * (1.0 + super::search::TIE))
+        .position(|t| *t <= best * (1.0 + TIE))
         .unwrap_or(0);
     let i = (knee + 1).min(depths - 1);
     let predicted_step_s = predicted[i];
@@ -417,8 +426,8 @@ mod tests {
             other_s: 0.0,
             interference,
         };
-        let input = |r: Result<Lookahead, super::super::BudgetError>| match r {
-            Err(super::super::BudgetError::Input { input, .. }) => input,
+        let input = |r: Result<Lookahead, BudgetError>| match r {
+            Err(BudgetError::Input { input, .. }) => input,
             other => panic!("expected an input error, got {other:?}"),
         };
         assert_eq!(
