@@ -20,8 +20,10 @@
 # JSON and logs under $OUT (default /tmp/crossover-out). Exit status 0 only
 # if both runs completed with every output equal to resident.
 #   TOKENS=1024,2048,...  REPEATS=3  STEPS=3  WARMUP=1
-#   BUDGETS=16GiB,8GiB  BUDGET_TOKENS=4608  BUDGET_STEPS=28  REQUESTS=2
-#   BUDGET_S=400 (the deadline of both runs together, seconds)
+#   BUDGETS=16GiB,8GiB  BUDGET_TOKENS=4608  BUDGET_STEPS=12  REQUESTS=2
+#   BUDGET_S=400 (the deadline of both runs together, seconds), of which
+#   SWEEP_S=270 at most for the sweep (estimated on an H200: ~40 s of set-up,
+#   ~35 s resident, ~150 s for the 3 × 17 layerwise rows; the budgets ~100 s)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 BIN=${1:-}
@@ -41,7 +43,7 @@ STEPS=${STEPS:-3}
 WARMUP=${WARMUP:-1}
 BUDGETS=${BUDGETS:-16GiB,8GiB}
 BUDGET_TOKENS=${BUDGET_TOKENS:-4608}
-BUDGET_STEPS=${BUDGET_STEPS:-28}
+BUDGET_STEPS=${BUDGET_STEPS:-12}
 REQUESTS=${REQUESTS:-2}
 BEGAN=$(date +%s)
 DEADLINE=$((BEGAN + ${BUDGET_S:-400}))
@@ -49,7 +51,9 @@ left() { echo $((DEADLINE - $(date +%s))); }
 status=0
 
 echo "== sweep: default layerwise at the chooser's look-ahead, tokens $TOKENS, $REPEATS repeats"
-timeout "$(left)" "$BIN" --tokens "$TOKENS" --depths "" --repeats "$REPEATS" \
+sweep_s=${SWEEP_S:-270}
+[ "$sweep_s" -lt "$(left)" ] || sweep_s=$(left)
+timeout "$sweep_s" "$BIN" --tokens "$TOKENS" --depths "" --repeats "$REPEATS" \
   --steps "$STEPS" --warmup "$WARMUP" --no-simulate \
   --json "$OUT/crossover.json" >"$OUT/crossover.log" 2>"$OUT/crossover.err"
 rc=$?
