@@ -70,9 +70,9 @@ const MAX_WARMUP: u64 = 100;
 /// Device memory kept free beside weights and scratch (cuBLAS workspace,
 /// the allocator's granules, the bandwidth probe).
 const HEADROOM_BYTES: u64 = 4 << 30;
-/// The deepest prefetch the DiT-only mode's ring recurrence considers
-/// (the request planner's default `max_depth`).
-const MAX_PLANNED_DEPTH: usize = 4;
+/// The deepest look-ahead the DiT-only mode's chooser considers
+/// (`budget::choose_lookahead`): the `prefetch_depth` key's range, 1 to 16.
+const MAX_PLANNED_DEPTH: usize = 16;
 
 #[derive(Parser)]
 #[command(
@@ -115,6 +115,15 @@ pub(crate) struct Args {
     /// Write each row's traced step here as a Perfetto trace.
     #[arg(long)]
     trace_dir: Option<std::path::PathBuf>,
+    /// Run the layerwise rows (each `--depths` and the chooser's) this many
+    /// times in the one process, 1..=10, to report their spread (the
+    /// resident rows and the bandwidth are measured once).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10))]
+    repeats: u32,
+    /// Skip the simulator's prediction of every row (it runs on the host's
+    /// CPU, seconds a row): for sweeps over many token counts.
+    #[arg(long)]
+    no_simulate: bool,
     /// Whole requests of the Flux.1-dev pipeline (CLIP-L, T5-XXL, the DiT,
     /// the VAE) through the request planner instead of the DiT alone.
     #[arg(long)]
@@ -642,6 +651,12 @@ struct Row {
     tokens: u64,
     /// Prefetch depth (0 for resident).
     depth: usize,
+    /// Which of `--repeats` this row is (0-based).
+    repeat: u32,
+    /// The chooser's look-ahead at this token count (for the chooser's
+    /// rows): depth, slots, slot bytes, their device memory and its
+    /// prediction.
+    lookahead: Option<budget::Lookahead>,
     streamed_bytes: u64,
     step_s: f64,
     /// `max(resident step, streamed / fresh pinned bandwidth)`.
@@ -673,6 +688,10 @@ struct Row {
 /// One run: a backend and the token counts it runs.
 struct Spec<'a> {
     name: String,
+    /// Which of `--repeats`.
+    repeat: u32,
+    /// The chooser's look-ahead per token count (its rows only).
+    lookahead: BTreeMap<u64, budget::Lookahead>,
     /// The proxy it computes with.
     proxy: &'a Proxy,
     depth: usize,
@@ -821,6 +840,25 @@ impl Ring {
             other_s: (resident_step - sum).max(0.0),
             interference: offload_sim::DeviceProfile::h200().copy_interference,
         }
+    }
+
+    /// The chooser's look-ahead with every block streamed, through slots
+    /// of `slot_bytes` (no memory cap: default layerwise).
+    fn choose(&self, slot_bytes: u64) -> Result<budget::Lookahead> {
+        let resident = vec![false; self.compute_s.len()];
+        let shape = budget::RingShape {
+            compute_s: &self.compute_s,
+            copy_s: &self.copy_s,
+            resident: &resident,
+            other_s: self.other_s,
+            interference: self.interference,
+        };
+        Ok(budget::choose_lookahead(
+            &shape,
+            slot_bytes,
+            MAX_PLANNED_DEPTH,
+            None,
+        )?)
     }
 
     /// The steady-state step with every block streamed at `depth`.
@@ -1051,6 +1089,8 @@ fn run() -> Result<()> {
                 run: spec.name.clone(),
                 tokens,
                 depth: spec.depth,
+                repeat: spec.repeat,
+                lookahead: spec.lookahead.get(&tokens).copied(),
                 streamed_bytes: spec.streamed,
                 step_s: median(&mut times).context("no timed steps")?,
                 limit_s: 0.0,
@@ -1084,6 +1124,8 @@ fn run() -> Result<()> {
     run(
         &Spec {
             name: "resident".to_owned(),
+            repeat: 0,
+            lookahead: BTreeMap::new(),
             proxy: &proxy,
             depth: 0,
             streamed: 0,
@@ -1101,34 +1143,42 @@ fn run() -> Result<()> {
         .map(|(t, (step_s, _, a))| (*t, Ring::new(a, *step_s, master_gbps, &block_units)))
         .collect();
     let mut specs: Vec<Spec<'_>> = Vec::new();
-    for &d in &settings.depths {
-        specs.push(Spec {
-            name: format!("layerwise depth {d}{suffix}"),
-            proxy: &proxy,
-            depth: d,
-            streamed: streamed_all,
-            tokens: settings.tokens.clone(),
-            make: layerwise_at(layerwise.clone(), d),
-        });
-    }
-    // The depth the ring recurrence chooses with every block streamed: the
-    // shallowest within 0.5% of the best predicted step.
-    let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+    // The look-ahead the chooser picks with every block streamed (one
+    // slot beyond the shallowest depth the recurrence finds as short as
+    // any up to MAX_PLANNED_DEPTH), per token count.
+    let mut chosen: BTreeMap<u64, budget::Lookahead> = BTreeMap::new();
     for (&t, ring) in &rings {
-        let preds: Vec<f64> = (1..=MAX_PLANNED_DEPTH).map(|d| ring.predict(d)).collect();
-        let best = preds.iter().copied().fold(f64::INFINITY, f64::min);
-        let d = 1 + preds.iter().position(|p| *p <= best * 1.005).unwrap_or(0);
-        by_depth.entry(d).or_default().push(t);
+        chosen.insert(t, ring.choose(largest)?);
     }
-    for (d, tokens) in by_depth {
-        specs.push(Spec {
-            name: format!("layerwise planner depth {d}{suffix}"),
-            proxy: &proxy,
-            depth: d,
-            streamed: streamed_all,
-            tokens,
-            make: layerwise_at(layerwise.clone(), d),
-        });
+    for repeat in 0..args.repeats {
+        for &d in &settings.depths {
+            specs.push(Spec {
+                name: format!("layerwise depth {d}{suffix}"),
+                repeat,
+                lookahead: BTreeMap::new(),
+                proxy: &proxy,
+                depth: d,
+                streamed: streamed_all,
+                tokens: settings.tokens.clone(),
+                make: layerwise_at(layerwise.clone(), d),
+            });
+        }
+        let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for (&t, l) in &chosen {
+            by_depth.entry(l.depth).or_default().push(t);
+        }
+        for (d, tokens) in by_depth {
+            specs.push(Spec {
+                name: format!("layerwise planner depth {d}{suffix}"),
+                repeat,
+                lookahead: chosen.clone(),
+                proxy: &proxy,
+                depth: d,
+                streamed: streamed_all,
+                tokens,
+                make: layerwise_at(layerwise.clone(), d),
+            });
+        }
     }
     for spec in &specs {
         run(spec, &mut rows)?;
@@ -1149,7 +1199,9 @@ fn run() -> Result<()> {
             rings[&r.tokens].predict(r.depth)
         };
         let config = (r.depth > 0).then_some(&layerwise);
-        r.simulated_s = Some(simulate(config, r.depth, r.tokens, master_gbps)?);
+        if !args.no_simulate {
+            r.simulated_s = Some(simulate(config, r.depth, r.tokens, master_gbps)?);
+        }
     }
     let sim_resident: BTreeMap<u64, f64> = rows
         .iter()
@@ -1267,6 +1319,7 @@ fn run() -> Result<()> {
         .with_context(|| format!("writing {}", args.json.display()))?;
     drop(specs);
     proxy.free()?;
+    print_lookahead_summary(&rows);
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     match &plant_name {
         None if differing > 0 => {
@@ -1281,6 +1334,50 @@ fn run() -> Result<()> {
         None => println!("every output equals resident"),
     }
     Ok(())
+}
+
+/// The chooser's rows, one line per token count (printed last): its
+/// look-ahead and the device memory its slots take, the median step of
+/// its `--repeats` and their spread in step / limit.
+fn print_lookahead_summary(rows: &[Row]) {
+    let mut by_tokens: BTreeMap<u64, Vec<&Row>> = BTreeMap::new();
+    for r in rows.iter().filter(|r| r.lookahead.is_some()) {
+        by_tokens.entry(r.tokens).or_default().push(r);
+    }
+    if by_tokens.is_empty() {
+        return;
+    }
+    println!(
+        "\nDefault layerwise at the chooser's look-ahead (step: median over repeats; spread: max − min of step / limit)"
+    );
+    println!(
+        "| tokens | step s | limit s | step / limit | spread | repeats | look-ahead (depth) | slots | slot memory GB | peak device weight GB | output = resident |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (t, rs) in by_tokens {
+        let mut steps: Vec<f64> = rs.iter().map(|r| r.step_s).collect();
+        let ratios: Vec<f64> = rs.iter().map(|r| r.ratio).collect();
+        let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let l = rs[0].lookahead.expect("filtered");
+        let limit = rs[0].limit_s;
+        let step = median(&mut steps).unwrap_or(0.0);
+        println!(
+            "| {t} | {step:.4} | {limit:.4} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} | {} |",
+            step / limit,
+            hi - lo,
+            rs.len(),
+            l.depth,
+            l.slots,
+            l.slot_memory_bytes as f64 / 1e9,
+            rs.iter()
+                .map(|r| r.peak_device_weight_bytes)
+                .max()
+                .unwrap_or(0) as f64
+                / 1e9,
+            rs.iter().all(|r| r.output_equals_resident)
+        );
+    }
 }
 
 /// A file-name-safe form of a run's name.

@@ -74,8 +74,10 @@ fn latency() -> f64 {
     10e-6
 }
 
+/// The `prefetch_depth` key's range: a ring near the crossover must run
+/// further ahead than four blocks (docs/CONTRACT.md §7a).
 fn depth() -> usize {
-    4
+    16
 }
 
 fn granule() -> u64 {

@@ -11,6 +11,7 @@
 //! the kernel model.
 
 pub mod collective;
+pub mod crossover;
 pub mod device;
 pub mod faults;
 pub mod harness;

@@ -36,7 +36,7 @@ use crate::config::OffloadConfig;
 pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;
 use crate::plan::PlanError;
-pub use ring::{forward_ends, forwards_s, predict_step};
+pub use ring::{Lookahead, RingShape, choose_lookahead, forward_ends, forwards_s, predict_step};
 pub use search::{Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint};
 pub use types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,

@@ -11,6 +11,15 @@
 //! are filled on demand: the planned backend allocates a phase's slots when
 //! it begins), so its first forward pays the first fill.
 
+use super::types::BudgetError;
+
+/// Relative difference below which two predicted times are equal (the
+/// planner's tie, and the chooser's knee).
+pub(super) const TIE: f64 = 1e-3;
+
+/// The deepest prefetch the planner and the chooser accept.
+pub(super) const MAX_DEPTH: usize = 64;
+
 /// How many forwards the recurrence runs: the first (cold) and two more,
 /// whose difference is the steady state.
 const FORWARDS: usize = 3;
@@ -120,6 +129,173 @@ pub fn forwards_s(ends: &[f64; FORWARDS], forwards: f64) -> f64 {
     }
 }
 
+/// One stack's ring as the look-ahead chooser sees it: per block (forward
+/// order) its compute and its copy (seconds), whether it stays resident,
+/// the stack's compute outside its blocks and the copy interference.
+#[derive(Clone, Copy, Debug)]
+pub struct RingShape<'a> {
+    /// Compute of each block, seconds.
+    pub compute_s: &'a [f64],
+    /// Copy of each block from its host master, seconds.
+    pub copy_s: &'a [f64],
+    /// Which blocks stay resident (never streamed).
+    pub resident: &'a [bool],
+    /// Compute of one forward outside the blocks, seconds.
+    pub other_s: f64,
+    /// How much a running copy slows the kernels it overlaps (0 to 1).
+    pub interference: f64,
+}
+
+impl RingShape<'_> {
+    /// `max(compute, streamed copies)` of one forward (seconds): what no
+    /// schedule beats (docs/PERFORMANCE.md, "The limit").
+    pub fn limit_s(&self) -> f64 {
+        let compute: f64 = self.compute_s.iter().sum::<f64>() + self.other_s;
+        let copy: f64 = self
+            .copy_s
+            .iter()
+            .zip(self.resident)
+            .filter(|(_, r)| !**r)
+            .map(|(c, _)| c)
+            .sum();
+        compute.max(copy)
+    }
+}
+
+/// The look-ahead a ring runs at, chosen by [`choose_lookahead`]: how many
+/// blocks the copy engine may run ahead of compute (`depth`, through
+/// `depth + 1` slots of `slot_bytes`), the device memory the slots take,
+/// and what the recurrence predicts of one steady-state forward.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Lookahead {
+    /// Blocks prefetched ahead of the computing one (wrapping into the next
+    /// forward's first blocks).
+    pub depth: usize,
+    /// Slots: `depth + 1`.
+    pub slots: usize,
+    /// Bytes of one slot (the largest streamed block).
+    pub slot_bytes: u64,
+    /// Device memory the slots take: `slots × slot_bytes`.
+    pub slot_memory_bytes: u64,
+    /// The recurrence's steady-state forward at this depth, seconds.
+    pub predicted_step_s: f64,
+    /// `max(compute, streamed copies)`, seconds.
+    pub limit_s: f64,
+}
+
+/// The look-ahead of a ring measured in time and bytes rather than a fixed
+/// count of blocks: one deeper than the shallowest depth (1 to
+/// `max_depth`, its slots within `max_slot_memory_bytes` when given) whose
+/// steady-state forward, by the recurrence, is as short as any depth
+/// allowed gives (within the planner's tie, a thousandth); the one slot
+/// beyond that knee is the margin for a block that lands late. Where copies longer than compute follow
+/// one another (Flux's double blocks near the crossover), the copy engine
+/// must have run that far ahead during the compute-bound stretch before
+/// (the single blocks, wrapping into the next forward), and only the
+/// recurrence knows how far that is.
+///
+/// Fails (typed) on unusable input: lengths that differ, a time that is
+/// not a finite number ≥ 0, an interference above 1, a `max_depth`
+/// outside 1 to 64, or a memory cap below two slots.
+pub fn choose_lookahead(
+    shape: &RingShape<'_>,
+    slot_bytes: u64,
+    max_depth: usize,
+    max_slot_memory_bytes: Option<u64>,
+) -> Result<Lookahead, BudgetError> {
+    let bad = |input: &str, value: String, allowed: &str| {
+        Err(BudgetError::Input {
+            input: input.to_owned(),
+            value,
+            allowed: allowed.to_owned(),
+        })
+    };
+    let n = shape.compute_s.len();
+    if shape.copy_s.len() != n || shape.resident.len() != n {
+        return bad(
+            "ring shape",
+            format!(
+                "{n} computes, {} copies, {} residency flags",
+                shape.copy_s.len(),
+                shape.resident.len()
+            ),
+            "one compute, one copy and one residency flag per block",
+        );
+    }
+    let finite = |v: f64| v.is_finite() && v >= 0.0;
+    if !shape
+        .compute_s
+        .iter()
+        .chain(shape.copy_s)
+        .all(|v| finite(*v))
+        || !finite(shape.other_s)
+    {
+        return bad(
+            "ring shape",
+            "a time that is negative or not finite".to_owned(),
+            "finite times ≥ 0, seconds",
+        );
+    }
+    if !finite(shape.interference) || shape.interference > 1.0 {
+        return bad(
+            "copy_interference",
+            shape.interference.to_string(),
+            "a finite number from 0 to 1",
+        );
+    }
+    if !(1..=MAX_DEPTH).contains(&max_depth) {
+        return bad("max_depth", max_depth.to_string(), "1 to 64");
+    }
+    let depths = match max_slot_memory_bytes {
+        None => max_depth,
+        Some(cap) => {
+            let fit = usize::try_from(cap / slot_bytes.max(1)).unwrap_or(usize::MAX);
+            if fit < 2 {
+                return bad(
+                    "max_slot_memory_bytes",
+                    cap.to_string(),
+                    "at least two slots of the largest streamed block",
+                );
+            }
+            max_depth.min(fit - 1)
+        }
+    };
+    let limit_s = shape.limit_s();
+    let predicted: Vec<f64> = (1..=depths)
+        .map(|d| {
+            predict_step(
+                shape.compute_s,
+                shape.copy_s,
+                shape.resident,
+                d,
+                shape.other_s,
+                shape.interference,
+            )
+        })
+        .collect();
+    let best = predicted.iter().copied().fold(f64::INFINITY, f64::min);
+    // The knee: the shallowest depth as short as the best. One slot more
+    // than the knee, where allowed: the recurrence knows no jitter, and a
+    // block that lands late at the knee stalls compute (on the H200 at
+    // 4,608 tokens, depth 1 ran at 1.043× the limit and depth 2 at 1.019×
+    // where the recurrence predicts both alike).
+    let knee = predicted
+        .iter()
+        .position(|t| *t <= best * (1.0 + TIE))
+        .unwrap_or(0);
+    let i = (knee + 1).min(depths - 1);
+    let predicted_step_s = predicted[i];
+    let depth = i + 1;
+    Ok(Lookahead {
+        depth,
+        slots: depth + 1,
+        slot_bytes,
+        slot_memory_bytes: (depth as u64 + 1).saturating_mul(slot_bytes),
+        predicted_step_s,
+        limit_s,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,5 +356,116 @@ mod tests {
         let t = forwards_s(&ends, 5.0);
         assert!((t - (9.0 + 4.0 * 8.0)).abs() < 1e-9, "{t}");
         assert!((forwards_s(&ends, 0.5) - 4.5).abs() < 1e-9);
+    }
+
+    /// Flux's blocks near the crossover (ms): 19 double blocks whose copy
+    /// exceeds their compute, then 38 single blocks whose compute exceeds
+    /// their copy. Four blocks of look-ahead (the old cap) leave the step
+    /// above 1.02× its limit; the chooser runs as far ahead as the
+    /// recurrence says it must, and stops there.
+    fn crossover() -> (Vec<f64>, Vec<f64>) {
+        let mut compute = vec![9.8e-3; 19];
+        compute.extend([9.1e-3; 38]);
+        let mut copy = vec![12.4e-3; 19];
+        copy.extend([5.2e-3; 38]);
+        (compute, copy)
+    }
+
+    #[test]
+    fn the_lookahead_runs_ahead_as_far_as_the_crossover_needs() {
+        let (compute, copy) = crossover();
+        let resident = vec![false; compute.len()];
+        let shape = RingShape {
+            compute_s: &compute,
+            copy_s: &copy,
+            resident: &resident,
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        let old = choose_lookahead(&shape, 100, 4, None).unwrap();
+        assert!(
+            old.predicted_step_s / old.limit_s > 1.02,
+            "capped at 4: {old:?}"
+        );
+        let l = choose_lookahead(&shape, 100, 16, None).unwrap();
+        assert!(l.predicted_step_s / l.limit_s <= 1.0 + 1e-9, "{l:?}");
+        assert!(l.depth > 4 && l.depth < 16, "{l:?}");
+        assert_eq!(l.slot_memory_bytes, 100 * (l.depth as u64 + 1));
+        // One beyond the knee: two less is slower.
+        let shallower = predict_step(&compute, &copy, &resident, l.depth - 2, 0.0, 0.0);
+        assert!(shallower > l.predicted_step_s * (1.0 + 1e-3), "{shallower}");
+        let knee = predict_step(&compute, &copy, &resident, l.depth - 1, 0.0, 0.0);
+        assert!(knee <= l.predicted_step_s * (1.0 + 1e-3), "{knee}");
+        // A memory cap bounds the depth.
+        let capped = choose_lookahead(&shape, 100, 16, Some(350)).unwrap();
+        assert_eq!((capped.depth, capped.slot_memory_bytes), (2, 300));
+    }
+
+    #[test]
+    fn a_uniform_ring_runs_one_slot_beyond_its_knee() {
+        let shape = RingShape {
+            compute_s: &[1.0; 8],
+            copy_s: &[2.0; 8],
+            resident: &[false; 8],
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        let l = choose_lookahead(&shape, 10, 16, None).unwrap();
+        assert_eq!(l.depth, 2, "the knee is depth 1: {l:?}");
+        assert!((l.predicted_step_s - 16.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn unusable_lookahead_inputs_are_typed_errors() {
+        let ok = [1.0; 3];
+        let res = [false; 3];
+        let shape = |compute: &'static [f64], interference: f64| RingShape {
+            compute_s: compute,
+            copy_s: &[1.0; 3],
+            resident: &[false; 3],
+            other_s: 0.0,
+            interference,
+        };
+        let input = |r: Result<Lookahead, BudgetError>| match r {
+            Err(BudgetError::Input { input, .. }) => input,
+            other => panic!("expected an input error, got {other:?}"),
+        };
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 2], 0.0), 1, 4, None)),
+            "ring shape"
+        );
+        assert_eq!(
+            input(choose_lookahead(
+                &shape(&[f64::NAN, 1.0, 1.0], 0.0),
+                1,
+                4,
+                None
+            )),
+            "ring shape"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 2.0), 1, 4, None)),
+            "copy_interference"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 0.0), 1, 0, None)),
+            "max_depth"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 0.0), 1, 65, None)),
+            "max_depth"
+        );
+        assert_eq!(
+            input(choose_lookahead(&shape(&[1.0; 3], 0.0), 10, 4, Some(19))),
+            "max_slot_memory_bytes"
+        );
+        let fine = RingShape {
+            compute_s: &ok,
+            copy_s: &ok,
+            resident: &res,
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        assert!(choose_lookahead(&fine, 10, 4, Some(20)).is_ok());
     }
 }

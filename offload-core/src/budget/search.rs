@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::ring::{forward_ends, forwards_s};
+use super::ring::{MAX_DEPTH, TIE, forward_ends, forwards_s};
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
     DeviceMemory, Limit, MinimumBudget, PeakParts, RequestPlan,
@@ -40,9 +40,6 @@ const EXACT_BLOCKS: usize = 10;
 const MAX_KEPT_SEARCH: usize = 8;
 /// Rounds of the large-stack local search.
 const SWAP_ROUNDS: usize = 8;
-/// Relative difference below which two times are equal (then more
-/// resident bytes, then a shallower ring, win).
-const TIE: f64 = 1e-3;
 
 /// One block as the planner sees it.
 #[derive(Clone, Debug)]
@@ -978,9 +975,6 @@ impl<'a> Request<'a> {
         Ok(out)
     }
 }
-
-/// The deepest prefetch the planner considers.
-pub(super) const MAX_DEPTH: usize = 64;
 
 fn component_list(resolved: &crate::plan::ResolvedPlan) -> String {
     resolved

@@ -1,0 +1,298 @@
+//! The crossover sweep: default layerwise on the simulated device at every
+//! token count of a range, each at the look-ahead the core's chooser
+//! ([`offload_core::budget::choose_lookahead`]) picks from the kernel
+//! model's per-block compute and the link's per-block copy, against the
+//! limit `max(compute, streamed bytes / bandwidth)` (docs/PERFORMANCE.md).
+//! The same chooser is what the GPU benchmark runs at; here the step is
+//! measured on the simulated device, whose happens-before checker sees
+//! every fill, wrap-around and slot reuse the deeper look-ahead issues.
+
+use offload_core::OffloadConfig;
+use offload_core::budget::{self, BudgetError, Lookahead, RingShape};
+use offload_core::lifecycle::OffloadError;
+use offload_core::runtime::PlantedBug;
+
+use crate::harness::{RunOptions, StrategyChoice, Workload, blocks_of, dit_charges, run};
+use crate::presets::Preset;
+use crate::profile::DeviceProfile;
+
+/// One token count of the sweep.
+#[derive(Clone, Debug)]
+pub struct SweepRow {
+    /// Tokens per DiT forward.
+    pub tokens: u64,
+    /// The look-ahead it ran at (the chooser's).
+    pub lookahead: Lookahead,
+    /// The simulated steady-state step, ms.
+    pub step_ms: f64,
+    /// `max(compute, streamed / bandwidth)` of one step, ms.
+    pub limit_ms: f64,
+    /// What no schedule beats on the simulated device, ms: the limit, or
+    /// where the device slows kernels beside copies (its profile's
+    /// `copy_interference` i), `compute + i / (1 + i) · streamed /
+    /// bandwidth` if longer. (Of the step T, the copies overlap compute
+    /// for at least `W/B − (T − C)`, which slows it by i times that.)
+    pub floor_ms: f64,
+    /// What the device's checkers saw broken.
+    pub violations: Vec<String>,
+    /// Whether the output equals the resident run's (INV-8).
+    pub output_matches: bool,
+}
+
+impl SweepRow {
+    /// Simulated step over its limit.
+    pub fn ratio(&self) -> f64 {
+        self.step_ms / self.limit_ms
+    }
+
+    /// Simulated step over what no schedule beats on the simulated device.
+    pub fn ratio_to_floor(&self) -> f64 {
+        self.step_ms / self.floor_ms
+    }
+}
+
+/// Why a sweep point could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    /// The chooser refused its inputs.
+    #[error("choosing the look-ahead at {tokens} tokens: {source}")]
+    Lookahead {
+        /// Tokens per forward.
+        tokens: u64,
+        /// Why (boxed: a budget error is large).
+        source: Box<BudgetError>,
+    },
+    /// The simulated run failed.
+    #[error("simulating layerwise at {tokens} tokens, depth {depth}: {source}")]
+    Run {
+        /// Tokens per forward.
+        tokens: u64,
+        /// Its depth.
+        depth: usize,
+        /// Why (boxed: an offload error is large).
+        source: Box<OffloadError>,
+    },
+    /// The preset has no DiT to stream.
+    #[error("preset `{preset}` has no DiT blocks to stream")]
+    NoDit {
+        /// The preset's name.
+        preset: &'static str,
+    },
+}
+
+/// The ring of `preset`'s (first) DiT at `tokens` as the chooser sees it:
+/// each block's compute (the kernel model), its copy (`profile`'s link),
+/// the DiT's compute outside its blocks, and the largest block's bytes.
+pub fn ring_inputs(
+    preset: &Preset,
+    profile: &DeviceProfile,
+    tokens: u64,
+) -> Option<(Vec<f64>, Vec<f64>, f64, u64)> {
+    let p = &preset.pipeline;
+    let dit = p.module_id(preset.dits.first()?)?;
+    let charges = dit_charges(preset, p, profile, tokens);
+    let blocks = blocks_of(p, dit);
+    if blocks.is_empty() {
+        return None;
+    }
+    let s = |ns: u64| ns as f64 * 1e-9;
+    let compute = blocks.iter().map(|b| s(charges[b].duration_ns)).collect();
+    let bytes: Vec<u64> = blocks.iter().map(|b| p.subtree_bytes(*b)).collect();
+    let copy = bytes.iter().map(|b| s(profile.h2d_ns(*b))).collect();
+    let other = s(charges[&dit].duration_ns);
+    Some((compute, copy, other, bytes.into_iter().max().unwrap_or(0)))
+}
+
+/// The look-ahead the chooser picks for `preset` at `tokens` (every block
+/// streamed, no memory cap: default layerwise), deepest `max_depth`.
+pub fn lookahead(
+    preset: &Preset,
+    profile: &DeviceProfile,
+    tokens: u64,
+    max_depth: usize,
+) -> Result<Lookahead, SweepError> {
+    let (compute, copy, other, slot_bytes) =
+        ring_inputs(preset, profile, tokens).ok_or(SweepError::NoDit {
+            preset: preset.name,
+        })?;
+    let resident = vec![false; compute.len()];
+    let shape = RingShape {
+        compute_s: &compute,
+        copy_s: &copy,
+        resident: &resident,
+        other_s: other,
+        interference: profile.copy_interference,
+    };
+    budget::choose_lookahead(&shape, slot_bytes, max_depth, None).map_err(|source| {
+        SweepError::Lookahead {
+            tokens,
+            source: Box::new(source),
+        }
+    })
+}
+
+/// Default layerwise at `tokens` on `profile`, at the chooser's look-ahead
+/// (deepest `max_depth`), with `bugs` planted: the steady-state step from
+/// two runs (`steps` and `2 × steps` denoising steps, one request each
+/// after a warm-up one), the limit, and what the checkers saw.
+pub fn sweep_point(
+    preset: &Preset,
+    profile: &DeviceProfile,
+    tokens: u64,
+    max_depth: usize,
+    bugs: &[PlantedBug],
+) -> Result<SweepRow, SweepError> {
+    const STEPS: usize = 1;
+    let lookahead = lookahead(preset, profile, tokens, max_depth)?;
+    let depth = lookahead.depth;
+    // One payload byte per MiB of weights: the checksums still read every
+    // slot a kernel reads, at a debug build's pace.
+    let divisor = (preset.weight_bytes() / (1 << 20))
+        .max(1)
+        .next_power_of_two();
+    let opts = RunOptions {
+        prefetch_depth: depth,
+        payload_divisor: divisor,
+        bugs: bugs.to_vec(),
+        ..RunOptions::new(profile.clone())
+    };
+    let config = OffloadConfig {
+        enable_layerwise_offload: true,
+        ..OffloadConfig::default()
+    };
+    let layerwise = StrategyChoice::Config(config);
+    let workload = |steps: usize| Workload {
+        preset: preset.clone(),
+        tokens,
+        steps,
+        requests: 1,
+    };
+    let failed = |f: crate::harness::RunFailure| SweepError::Run {
+        tokens,
+        depth,
+        source: Box::new(f.error),
+    };
+    // Two requests' denoising, `STEPS` and `2 × STEPS` steps: their
+    // difference is `STEPS` steady-state steps (the cold first fill and
+    // the wrap into the decode cancel).
+    let short = run(&workload(STEPS), &layerwise, &opts).map_err(failed)?;
+    let long = run(&workload(2 * STEPS), &layerwise, &opts).map_err(failed)?;
+    let resident = run(&workload(STEPS), &StrategyChoice::Resident, &opts).map_err(failed)?;
+    let output_matches = short
+        .requests
+        .iter()
+        .map(|r| r.output)
+        .eq(resident.requests.iter().map(|r| r.output));
+    let violations = short
+        .violations
+        .iter()
+        .chain(&long.violations)
+        .map(ToString::to_string)
+        .collect();
+    let denoise = |o: &crate::harness::RunOutcome| o.requests.last().map_or(0, |r| r.denoise_ns);
+    let step_ms = denoise(&long).saturating_sub(denoise(&short)) as f64 / STEPS as f64 / 1e6;
+    let per_step = |ns: u64| ns as f64 / STEPS as f64 / 1e6;
+    let last = resident.requests.last().cloned().unwrap_or_default();
+    let compute_ms = per_step(last.dit_compute_ns);
+    let block_bytes = short.requests.last().map_or(0, |r| r.block_bytes) / STEPS as u64;
+    let transfer_ms = block_bytes as f64 / (profile.h2d_pinned_gbps * 1e9) * 1e3;
+    let limit_ms = compute_ms.max(transfer_ms);
+    let i = profile.copy_interference;
+    let floor_ms = limit_ms.max(compute_ms + i / (1.0 + i) * transfer_ms);
+    Ok(SweepRow {
+        tokens,
+        lookahead,
+        step_ms,
+        limit_ms,
+        floor_ms,
+        violations,
+        output_matches,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::{flux1_dev, flux1_dev_dit};
+
+    /// Flux.1-dev's DiT alone (its blocks, shapes and kernel model; no
+    /// encoders or VAE to run between the steps).
+    fn flux_dit() -> Preset {
+        Preset {
+            pipeline: flux1_dev_dit(),
+            encoders: Vec::new(),
+            vaes: Vec::new(),
+            ..flux1_dev()
+        }
+    }
+
+    /// The deepest look-ahead the sweep allows: the `prefetch_depth` key's
+    /// range (1 to 16). Today's main capped the benchmark's choice at 4.
+    const MAX_DEPTH: usize = 16;
+
+    /// Every 1,024 tokens from 1,024 to 16,896.
+    fn token_counts() -> impl Iterator<Item = u64> {
+        (1..=16u64).map(|k| k * 1024).chain([16_896])
+    }
+
+    /// Default layerwise of Flux.1-dev's DiT (19 double, 38 single blocks)
+    /// on the simulated H200 at every token count, each at the chooser's
+    /// look-ahead: within 1.02 of what no schedule beats, bit-identical to
+    /// resident, nothing the checkers see. (The simulated device slows
+    /// kernels beside copies by 3.3 %, which no schedule hides where
+    /// compute binds: there its floor lies up to 2 % above the plain limit;
+    /// both ratios are printed.)
+    #[test]
+    fn default_layerwise_reaches_its_floor_at_every_token_count() {
+        let preset = flux_dit();
+        let profile = DeviceProfile::h200();
+        let mut failed = Vec::new();
+        for t in token_counts() {
+            let r = sweep_point(&preset, &profile, t, MAX_DEPTH, &[]).expect("runs");
+            eprintln!(
+                "tokens {:>6}  depth {:>2}  slots {:>5.2} GB  step {:>7.2} ms  limit {:>7.2} ms  step/limit {:.4}  step/floor {:.4}  predicted/limit {:.4}",
+                r.tokens,
+                r.lookahead.depth,
+                r.lookahead.slot_memory_bytes as f64 / 1e9,
+                r.step_ms,
+                r.limit_ms,
+                r.ratio(),
+                r.ratio_to_floor(),
+                r.lookahead.predicted_step_s * 1e3 / r.limit_ms,
+            );
+            assert!(r.violations.is_empty(), "{t} tokens: {:?}", r.violations);
+            assert!(r.output_matches, "{t} tokens: output differs from resident");
+            if r.ratio_to_floor() > 1.02 {
+                failed.push((t, r.lookahead.depth, r.ratio_to_floor()));
+            }
+        }
+        assert!(
+            failed.is_empty(),
+            "step / floor above 1.02 (tokens, depth, ratio): {failed:?}"
+        );
+    }
+
+    /// The deeper look-ahead's wrap-around (the next step's first blocks
+    /// fetched during this step's compute-bound tail, into slots this
+    /// step's last blocks read) is ordered by the slot's last use: with
+    /// that wait planted away, the device's happens-before checker reports
+    /// INV-3 at the crossover's depth.
+    #[cfg(feature = "planted-bugs")]
+    #[test]
+    fn a_wrapped_prefetch_that_skips_the_last_use_is_caught_at_depth() {
+        let preset = flux_dit();
+        let profile = DeviceProfile::h200();
+        let tokens = 10_240;
+        let clean = sweep_point(&preset, &profile, tokens, MAX_DEPTH, &[]).expect("runs");
+        assert!(clean.lookahead.depth > 4, "{:?}", clean.lookahead);
+        assert!(clean.violations.is_empty(), "{:?}", clean.violations);
+        let bug = PlantedBug::WrapAroundSkipLastUseWait;
+        let r = sweep_point(&preset, &profile, tokens, MAX_DEPTH, &[bug]).expect("runs");
+        assert!(
+            r.violations.iter().any(|v| v.contains("INV-3")),
+            "{bug:?} at depth {}: {:?}",
+            r.lookahead.depth,
+            r.violations
+        );
+    }
+}
