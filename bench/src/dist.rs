@@ -221,6 +221,9 @@ pub(crate) fn main(
             group.env.world_size
         );
     }
+    // Kept to the end: dropped on an error path it tells the other ranks
+    // this one failed; `finish` on success says it is done.
+    let channel = group.channel;
     let device = Arc::new(group.device);
     let stream = Arc::new(device.create_stream()?);
     let g = Group {
@@ -421,6 +424,7 @@ pub(crate) fn main(
         Some(b) => println!("planted {}: outputs differ (caught)", b.name()),
         None => {}
     }
+    channel.finish();
     Ok(())
 }
 
