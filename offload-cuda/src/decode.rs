@@ -112,8 +112,8 @@ impl PackDecoder {
             "cuModuleGetFunction(opk_decode_window3)",
         )?;
         let flag = device.alloc_device(4)?;
-        // SAFETY: the flag is ours, 4 bytes, not yet used by any stream.
         driver(
+            // SAFETY: the flag is ours, 4 bytes, not yet used by any stream.
             unsafe { result::memset_d8_sync(flag.ptr(), 0, 4) },
             "cuMemsetD8(decode flag)",
         )?;
@@ -183,13 +183,13 @@ impl PackDecoder {
         device.synchronize_stream(stream)?;
         self.module.ctx.bind()?;
         let mut v = [0i32; 1];
-        // SAFETY: the flag holds one i32; the stream that wrote it is drained.
         driver(
+            // SAFETY: the flag holds one i32; the stream that wrote it is drained.
             unsafe { result::memcpy_dtoh_sync(&mut v, self.flag.ptr()) },
             "cuMemcpyDtoH(decode flag)",
         )?;
-        // SAFETY: as above.
         driver(
+            // SAFETY: as above.
             unsafe { result::memset_d8_sync(self.flag.ptr(), 0, 4) },
             "cuMemsetD8(decode flag)",
         )?;
