@@ -418,6 +418,8 @@ pub struct Flux {
 struct Rope {
     cos: Tensor,
     sin: Tensor,
+    // Read by the fused kernel only (the `cuda` feature).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     per_token: (Tensor, Tensor),
 }
 
