@@ -714,7 +714,10 @@ impl Flux {
         rope: &Rope,
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if self.kernels.fused_qk_rope && parts.len() <= 2 {
+        if self.kernels.fused_qk_rope
+            && parts.len() <= 2
+            && parts.iter().all(|(x, ..)| x.dim(0).is_ok_and(|b| b == 1))
+        {
             // Each part's rows start 256-byte aligned in the joint buffer
             // (cuBLASLt's output alignment), decided by shape alone.
             let width = self.cfg.hidden();
@@ -907,8 +910,10 @@ impl Flux {
         );
         #[cfg(feature = "cuda")]
         if self.kernels.gelu_epilogue
+            && x.dim(0)? == 1
             && crate::lt::aligned_at(0, 0, self.cfg.hidden())
             && self.cfg.hidden() % 8 == 0
+            && w.get("proj_mlp.weight")?.dim(0)? % 8 == 0
         {
             // The MLP's GELU'd projection into columns H.. of the output
             // projection's input, then the attention into columns ..H.

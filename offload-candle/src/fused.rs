@@ -131,6 +131,25 @@ fn slice_of<'a, T: candle_core::cuda_backend::CudaDType>(
     Ok(c.as_cuda_slice::<T>()?.slice(a..z))
 }
 
+/// An error unless `view`'s first element is `align`-byte aligned (what
+/// the kernel's vector loads of it need: a misaligned load would fault and
+/// take the context with it).
+fn check_aligned<T>(
+    what: &str,
+    view: &impl DevicePtr<T>,
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    align: u64,
+) -> Result<()> {
+    let (ptr, _record) = view.device_ptr(stream);
+    if ptr % align == 0 {
+        Ok(())
+    } else {
+        Err(msg(format!(
+            "fused kernels: {what} at {ptr:#x} is not {align}-byte aligned"
+        )))
+    }
+}
+
 /// Launch shape for `threads` threads in blocks of 256.
 fn grid(threads: usize) -> Result<LaunchConfig> {
     let blocks = u32::try_from(threads.div_ceil(256))
@@ -222,7 +241,14 @@ impl candle_core::InplaceOp1 for QkNormRope {
         let (gs, ls) = self.sin.storage_and_layout();
         let (w0, w1) = (slice_of::<bf16>(&g0, l0)?, slice_of::<bf16>(&g1, l1)?);
         let (cos, sin) = (slice_of::<f32>(&gc, lc)?, slice_of::<f32>(&gs, ls)?);
+        let stream = dev.cuda_stream();
+        for (what, v) in [("w_first", &w0), ("w_rest", &w1)] {
+            check_aligned(what, v, &stream, 8)?;
+        }
+        check_aligned("cos", &cos, &stream, 8)?;
+        check_aligned("sin", &sin, &stream, 8)?;
         let mut xs = x.as_cuda_slice_mut::<bf16>()?.slice_mut(a..z);
+        check_aligned("x", &xs, &stream, 8)?;
         let func = dev.get_or_load_custom_func("qk_norm_rope", MODULE, ptx()?)?;
         let (rows, heads, split) = (
             i32::try_from(self.rows).map_err(|_| msg("qk_norm_rope: rows"))?,
@@ -303,6 +329,10 @@ impl candle_core::CustomOp3 for GateResidual {
             Ok(s.as_cuda_slice::<bf16>()?.slice(a..z))
         }
         let (xs, ys, gs) = (slice(x, xl)?, slice(y, yl)?, slice(g, gl)?);
+        let stream = dev.cuda_stream();
+        for (what, v) in [("x", &xs), ("y", &ys), ("the gate", &gs)] {
+            check_aligned(what, v, &stream, 16)?;
+        }
         let n = xl.shape().elem_count();
         // SAFETY: the kernel writes all n values before anything reads them.
         let out = unsafe { dev.alloc::<bf16>(n)? };
@@ -368,6 +398,9 @@ impl candle_core::InplaceOp2 for CopyCols {
             .ok_or_else(|| msg("copy_into_columns: a strided destination"))?;
         let ss = src.as_cuda_slice::<bf16>()?.slice(a..z);
         let mut ds = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(da..dz);
+        let stream = dev.cuda_stream();
+        check_aligned("the copy's source", &ss, &stream, 16)?;
+        check_aligned("the copy's destination", &ds, &stream, 16)?;
         let cols = *sl
             .dims()
             .last()

@@ -297,6 +297,9 @@ pub fn linear_into(
     let rows = if k == 0 { 0 } else { x.elem_count() / k };
     let (n, wk) = w.dims2()?;
     let (db, dl, width) = dst.dims3()?;
+    if rows == 0 {
+        return Ok(());
+    }
     let fits = [x, w, b]
         .iter()
         .all(|t| t.dtype() == DType::BF16 && t.is_contiguous() && aligned(t))

@@ -94,10 +94,13 @@ fn upload(dev: &CudaDevice, ts: &[Tensor]) -> Result<OnDevice, Error> {
 /// Synchronous copy of `bytes` into `buf` at `offset`.
 fn put(dev: &CudaDevice, buf: &CudaBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
     dev.bind()?;
-    // SAFETY: the range lies within `buf` (sized from these blobs); no
-    // stream uses `buf` yet.
+    // SAFETY: the range lies within `buf` (sized from these blobs); the
+    // caller has drained every stream that used `buf`.
     unsafe { cudarc::driver::result::memcpy_htod_sync(buf.ptr() + offset, bytes) }
         .map_err(|e| format!("cuMemcpyHtoD: {e:?}"))?;
+    // From pageable memory the copy may return before its DMA lands: drain
+    // it before a decode on another stream reads the bytes.
+    dev.synchronize()?;
     Ok(())
 }
 

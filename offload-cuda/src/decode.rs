@@ -117,6 +117,9 @@ impl PackDecoder {
             unsafe { result::memset_d8_sync(flag.ptr(), 0, 4) },
             "cuMemsetD8(decode flag)",
         )?;
+        // A memset of device memory may return before it lands; the first
+        // decode (on a non-blocking stream) must see the cleared flag.
+        device.synchronize()?;
         Ok(Self {
             module,
             function,
@@ -175,6 +178,8 @@ impl PackDecoder {
 
     /// Waits for `stream`, then reads and clears the error flag: whether a
     /// tile decoded since the last call had an inconsistent escape index.
+    /// The flag is the decoder's, shared by every stream it launches on:
+    /// one stream's decodes at a time between two calls.
     pub fn take_error(
         &self,
         device: &CudaDevice,
@@ -193,6 +198,8 @@ impl PackDecoder {
             unsafe { result::memset_d8_sync(self.flag.ptr(), 0, 4) },
             "cuMemsetD8(decode flag)",
         )?;
+        // The clear lands before any later decode is enqueued.
+        device.synchronize()?;
         Ok(v[0] != 0)
     }
 }
