@@ -4,7 +4,7 @@
 //! A failure prints the target, the seed and the input (hex).
 //!
 //! `OFFLOAD_FUZZ_ITERS` sets the mutated inputs per target (default
-//! 1,500), `OFFLOAD_FUZZ_SEED` the seed (default: fixed).
+//! 10,000), `OFFLOAD_FUZZ_SEED` the seed (default: fixed).
 
 use std::path::{Path, PathBuf};
 
@@ -68,7 +68,7 @@ fn bounded(target: &str) {
         run_one(target, &path.display().to_string(), f, data);
     }
     let seeds: Vec<Vec<u8>> = corpus.into_iter().map(|(_, d)| d).collect();
-    let iters = env_u64("OFFLOAD_FUZZ_ITERS", 1_500);
+    let iters = env_u64("OFFLOAD_FUZZ_ITERS", 10_000);
     let seed = env_u64("OFFLOAD_FUZZ_SEED", 0x0ff1_0ad0);
     let mut rng = Rng::new(seed ^ target.len() as u64);
     let mut current = seeds[0].clone();
