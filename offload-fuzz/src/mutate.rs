@@ -81,7 +81,7 @@ pub fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
     let mut out = input.to_vec();
     for _ in 0..1 + rng.below(4) {
         let len = out.len();
-        match rng.below(8) {
+        match rng.below(9) {
             0 if len > 0 => {
                 let i = rng.below(len);
                 out[i] ^= 1 << rng.below(8);
@@ -125,6 +125,22 @@ pub fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
                 let at = rng.below(len + 1);
                 out.truncate(at);
                 out.extend_from_slice(&other[from..to]);
+            }
+            8 if len > 0 => {
+                // A decimal of the input (a list index, a shape, an offset)
+                // replaced by an interesting one, as libFuzzer's
+                // ChangeASCIIInteger does.
+                let i = rng.below(len);
+                if let Some(at) = out[i..].iter().position(u8::is_ascii_digit) {
+                    let from = i + at;
+                    let to = from
+                        + out[from..]
+                            .iter()
+                            .take_while(|b| b.is_ascii_digit())
+                            .count();
+                    let v = INTERESTING[rng.below(INTERESTING.len())].to_string();
+                    out.splice(from..to, v.bytes());
+                }
             }
             7 => {
                 // A number somewhere turned into an interesting decimal.

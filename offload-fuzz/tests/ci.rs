@@ -42,7 +42,8 @@ fn hex(data: &[u8]) -> String {
 
 /// Runs `f` on `data`; on a panic, says which input it was and fails.
 fn run_one(target: &str, what: &str, f: fn(&[u8]), data: &[u8]) {
-    if std::panic::catch_unwind(|| f(data)).is_err() {
+    let caught = offload_fuzz::alloc_cap::with_input(data, || std::panic::catch_unwind(|| f(data)));
+    if caught.is_err() {
         let shown = &data[..data.len().min(2048)];
         panic!(
             "target `{target}`: {what} panicked; input (hex, first 2 KiB of {}): {}",
