@@ -16,6 +16,7 @@
 //! | [`config`] | `OffloadConfig::from_json_str` / `from_toml_str` and `select`, `ByteSize::parse`, `DeviceBudget::parse` |
 //! | [`plan`] | `OffloadPlan::from_json_str` / `from_toml_str` |
 //! | [`measurements`] | `PlannerInputs::from_json_str` |
+//! | [`planner`] | `budget::plan` over a fixed small pipeline from measurements parsed from the input |
 //!
 //! The same functions run under libFuzzer (`fuzz/`, see the README) and
 //! in a bounded, seeded run in `cargo test` ([`mutate`], `tests/ci.rs`).
@@ -24,12 +25,14 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use offload_core::budget::DeviceMemory;
 use offload_core::bytes::{ByteSize, DeviceBudget};
 use offload_core::config::OffloadConfig;
 use offload_core::measurements::PlannerInputs;
-use offload_core::model::{DType, PipelineBuilder};
+use offload_core::model::{DType, Pipeline, PipelineBuilder};
 use offload_core::runtime::WeightSource;
 use offload_core::schema::OffloadPlan;
+use offload_core::{ComponentDeclaration, budget};
 use offload_safetensors::{Checkpoint, NameMap, write_file};
 
 pub mod alloc_cap;
@@ -39,13 +42,14 @@ pub mod mutate;
 pub type Harness = fn(&[u8]);
 
 /// The targets by name, as the corpus and regression folders name them.
-pub const TARGETS: [(&str, Harness); 6] = [
+pub const TARGETS: [(&str, Harness); 7] = [
     ("safetensors_file", safetensors_file),
     ("safetensors_index", safetensors_index),
     ("name_map", name_map),
     ("config", config),
     ("plan", plan),
     ("measurements", measurements),
+    ("planner", planner),
 ];
 
 /// A scratch directory of this process and thread (file-based parsers
@@ -403,4 +407,68 @@ pub fn measurements(data: &[u8]) {
         m.components.keys().collect::<Vec<_>>()
     );
     assert_eq!(back.pipeline_type, m.pipeline_type);
+}
+
+/// A small pipeline for [`planner`]: a DiT of two block containers (4 and
+/// 2 blocks of two sizes) and a text encoder of 2 layers, declared.
+fn small_pipeline() -> &'static Pipeline {
+    static PIPELINE: std::sync::OnceLock<Pipeline> = std::sync::OnceLock::new();
+    PIPELINE.get_or_init(|| {
+        let mut b = PipelineBuilder::new("FuzzPipeline");
+        {
+            let mut te = b.module("text_encoder");
+            te.parameter("embed.weight", DType::Bf16, &[64, 32]);
+            te.list("layers", 2, |_, l| {
+                l.parameter("mlp.weight", DType::Bf16, &[32, 32]);
+            });
+            te.block_containers(&["layers"]);
+        }
+        {
+            let mut dit = b.module("transformer");
+            dit.parameter("x_embedder.weight", DType::Bf16, &[64, 16]);
+            dit.list("big_blocks", 4, |_, blk| {
+                blk.parameter("attn.weight", DType::Bf16, &[64, 64]);
+            });
+            dit.list("small_blocks", 2, |_, blk| {
+                blk.parameter("attn.weight", DType::F32, &[32, 32]);
+            });
+            dit.parameter("proj_out.weight", DType::Bf16, &[16, 64]);
+            dit.block_containers(&["big_blocks", "small_blocks"]);
+        }
+        b.declare_components(ComponentDeclaration {
+            dit: vec!["transformer".into()],
+            encoder: vec!["text_encoder".into()],
+            ..Default::default()
+        });
+        b.build().expect("the fuzz pipeline builds")
+    })
+}
+
+/// `budget::plan` over [`small_pipeline`] from `PlannerInputs` parsed
+/// from the input (measurements a second start reloads, or a caller
+/// writes: untrusted), for a budget of a size and of `"auto"`: a plan or
+/// a typed error, never a panic, a hang or an unbounded allocation.
+pub fn planner(data: &[u8]) {
+    let Ok(inputs) = PlannerInputs::from_json_str(&text(data)) else {
+        return;
+    };
+    let pipeline = small_pipeline();
+    for (budget, memory) in [
+        (r#"device_budget = "40KiB""#, DeviceMemory::of(1 << 30)),
+        (
+            "device_budget = \"auto\"\ndevice_headroom = \"16KiB\"",
+            DeviceMemory {
+                total_bytes: 1 << 20,
+                free_bytes: 1 << 17,
+            },
+        ),
+    ] {
+        let config = OffloadConfig::from_toml_str(budget).expect("a fixed budget parses");
+        match budget::plan(pipeline, &config, &inputs, memory) {
+            Ok(plan) => {
+                let _ = plan.predicted_step_s();
+            }
+            Err(e) => said(&e),
+        }
+    }
 }

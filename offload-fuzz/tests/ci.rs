@@ -4,7 +4,7 @@
 //! A failure prints the target, the seed and the input (hex).
 //!
 //! `OFFLOAD_FUZZ_ITERS` sets the mutated inputs per target (default
-//! 10,000), `OFFLOAD_FUZZ_SEED` the seed (default: fixed).
+//! 10,000; a quarter for `planner`), `OFFLOAD_FUZZ_SEED` the seed (default: fixed).
 
 use std::path::{Path, PathBuf};
 
@@ -54,8 +54,13 @@ fn run_one(target: &str, what: &str, f: fn(&[u8]), data: &[u8]) {
 }
 
 /// Replays `target`'s corpus and regressions, then `OFFLOAD_FUZZ_ITERS`
-/// mutations of them from `OFFLOAD_FUZZ_SEED`.
+/// mutations of them from `OFFLOAD_FUZZ_SEED` (`divisor` fewer for a
+/// slow target).
 fn bounded(target: &str) {
+    bounded_by(target, 1);
+}
+
+fn bounded_by(target: &str, divisor: u64) {
     let f = offload_fuzz::TARGETS
         .iter()
         .find(|(n, _)| *n == target)
@@ -69,7 +74,7 @@ fn bounded(target: &str) {
         run_one(target, &path.display().to_string(), f, data);
     }
     let seeds: Vec<Vec<u8>> = corpus.into_iter().map(|(_, d)| d).collect();
-    let iters = env_u64("OFFLOAD_FUZZ_ITERS", 10_000);
+    let iters = env_u64("OFFLOAD_FUZZ_ITERS", 10_000) / divisor;
     let seed = env_u64("OFFLOAD_FUZZ_SEED", 0x0ff1_0ad0);
     let mut rng = Rng::new(seed ^ target.len() as u64);
     let mut current = seeds[0].clone();
@@ -117,4 +122,10 @@ fn plan() {
 #[test]
 fn measurements() {
     bounded("measurements");
+}
+
+#[test]
+fn planner() {
+    // A plan search per input: a quarter of the mutants.
+    bounded_by("planner", 4);
 }
