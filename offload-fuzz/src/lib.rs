@@ -444,10 +444,11 @@ fn small_pipeline() -> &'static Pipeline {
     })
 }
 
-/// `budget::plan` over a small pipeline (a DiT of 4 + 2 blocks, a text encoder) from `PlannerInputs` parsed
-/// from the input (measurements a second start reloads, or a caller
-/// writes: untrusted), for a budget of a size and of `"auto"`: a plan or
-/// a typed error, never a panic, a hang or an unbounded allocation.
+/// `budget::plan` over a small pipeline (a DiT of 4 + 2 blocks, a text
+/// encoder) from `PlannerInputs` parsed from the input (measurements a
+/// second start reloads, or a caller writes: untrusted), for a budget of a
+/// size and of `"auto"`: a plan or a typed error, never a panic, a hang or
+/// an unbounded allocation.
 pub fn planner(data: &[u8]) {
     let Ok(inputs) = PlannerInputs::from_json_str(&text(data)) else {
         return;
