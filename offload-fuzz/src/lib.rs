@@ -52,12 +52,22 @@ pub const TARGETS: [(&str, Harness); 7] = [
     ("planner", planner),
 ];
 
+thread_local! {
+    /// This thread's scratch directory, once made.
+    static DIR: RefCell<Option<PathBuf>> = const { RefCell::new(None) };
+}
+
+/// Removes this thread's scratch directory, if any (the bounded run calls
+/// it after each target; a fuzzing process leaves its own behind).
+pub fn remove_scratch() {
+    if let Some(dir) = DIR.with(|d| d.borrow_mut().take()) {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 /// A scratch directory of this process and thread (file-based parsers
 /// read their input from a file in it).
 fn scratch(name: &str) -> PathBuf {
-    thread_local! {
-        static DIR: RefCell<Option<PathBuf>> = const { RefCell::new(None) };
-    }
     DIR.with(|d| {
         let mut d = d.borrow_mut();
         let dir = d.get_or_insert_with(|| {

@@ -92,6 +92,7 @@ fn bounded_by(target: &str, divisor: u64) {
             &current,
         );
     }
+    offload_fuzz::remove_scratch();
 }
 
 #[test]
