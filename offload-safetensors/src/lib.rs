@@ -350,12 +350,13 @@ impl Checkpoint {
             // checkpoint loader, this relies on the file not being truncated
             // or rewritten while it is mapped (documented on `Checkpoint`).
             let map = unsafe { Mmap::map(&file) }.map_err(io(path))?;
-            let (n, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
-                CheckpointError::Header {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                }
-            })?;
+            let header = |reason: String| CheckpointError::Header {
+                path: path.clone(),
+                reason,
+            };
+            offsets_within(&map).map_err(header)?;
+            let (n, meta) =
+                safetensors::SafeTensors::read_metadata(&map).map_err(|e| header(e.to_string()))?;
             let data_start = 8 + n;
             let index = files.len();
             for (name, info) in meta.tensors() {
@@ -364,11 +365,23 @@ impl Checkpoint {
                     file: path.clone(),
                     dtype: format!("{:?}", info.dtype),
                 })?;
+                // Checked again here, whatever the parser let through: a
+                // tensor's bytes lie within the file.
+                let (start, end) = info.data_offsets;
+                let range = data_start
+                    .checked_add(start)
+                    .zip(data_start.checked_add(end));
+                let Some((start, end)) = range.filter(|(s, e)| s <= e && *e <= map.len()) else {
+                    return Err(header(format!(
+                        "tensor `{name}`: data_offsets [{start}, {end}] are not within the {} data bytes after the header",
+                        map.len() - data_start
+                    )));
+                };
                 let entry = TensorEntry {
                     file: index,
                     dtype,
                     shape: info.shape.iter().map(|&d| d as u64).collect(),
-                    range: data_start + info.data_offsets.0..data_start + info.data_offsets.1,
+                    range: start..end,
                 };
                 if let Some(prev) = tensors.insert(name.clone(), entry) {
                     return Err(CheckpointError::Duplicate {
@@ -477,6 +490,51 @@ impl Checkpoint {
         }
         Ok(ordered.len())
     }
+}
+
+/// The header's largest parser accepts (safetensors' own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Refuses a header whose `data_offsets` reach past the file's data bytes,
+/// before `safetensors` reads it: its `read_metadata` (0.8) adds the last
+/// tensor's end to the header's length unchecked, so offsets summing near
+/// 2^64 (eight tensors of 2^61 bytes) overflow there: a panic where
+/// overflow is checked (debug builds, `cargo test`); in release the
+/// wrapped sum is below the file's length and the header is refused.
+/// Anything else malformed is left to `safetensors` to report.
+fn offsets_within(buffer: &[u8]) -> Result<(), String> {
+    let Some(prefix) = buffer.first_chunk::<8>() else {
+        return Ok(());
+    };
+    let n = u64::from_le_bytes(*prefix);
+    let header = usize::try_from(n)
+        .ok()
+        .filter(|_| n <= MAX_HEADER_BYTES)
+        .and_then(|n| buffer.get(8..8 + n));
+    let Some(header) = header else {
+        return Ok(());
+    };
+    let data_bytes = (buffer.len() - 8 - header.len()) as u64;
+    // The most lenient reading of the header (any JSON object): whatever
+    // `safetensors` accepts, this reads too, with the same entries.
+    let Ok(entries) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
+        return Ok(());
+    };
+    for (name, entry) in &entries {
+        let Some(offsets) = entry.get("data_offsets").and_then(|o| o.as_array()) else {
+            continue;
+        };
+        if offsets
+            .iter()
+            .any(|o| o.as_u64().is_some_and(|o| o > data_bytes))
+        {
+            return Err(format!(
+                "tensor `{name}`: data_offsets {} reach past the {data_bytes} data bytes after the header",
+                serde_json::Value::Array(offsets.clone())
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn dtype(d: safetensors::Dtype) -> Option<DType> {

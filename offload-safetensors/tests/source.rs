@@ -748,3 +748,94 @@ fn a_block_mixing_dtypes_is_apart_in_a_file_grouped_by_dtype() {
     assert_eq!(source.windows_and_copies(), (0, 2));
     assert_eq!(source.copied_bytes(), 2 * 160);
 }
+
+/// A `.safetensors` file of an 8-byte length prefix and `header`, padded
+/// to `n` bytes when given, then `data` bytes.
+fn crafted_file(header: &str, pad_to: Option<usize>, data: usize) -> Vec<u8> {
+    let mut h = header.as_bytes().to_vec();
+    if let Some(n) = pad_to {
+        h.resize(n, b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    out.extend(std::iter::repeat_n(0u8, data));
+    out
+}
+
+/// Headers that claim more than the file holds (found writing the fuzz
+/// harnesses, `offload-fuzz`): each a typed `Header` error naming what is
+/// wrong, never a panic, an allocation of the claimed size, or a tensor
+/// outside the file.
+#[test]
+fn headers_claiming_more_than_the_file_are_typed_errors() {
+    let dir = scratch("claims");
+    // Eight U8 tensors of about 2^61 bytes: offsets summing to 2^64 - 1008,
+    // past u64 with the header's 1000 bytes and the prefix (safetensors
+    // 0.8's `read_metadata` added them unchecked).
+    let mut entries = Vec::new();
+    let (mut off, total) = (0u64, u64::MAX - 1007);
+    for i in 0..8 {
+        let size = if i < 7 { (1 << 61) - 1 } else { total - off };
+        entries.push(format!(
+            r#""t{i}":{{"dtype":"U8","shape":[{size}],"data_offsets":[{off},{}]}}"#,
+            off + size
+        ));
+        off += size;
+    }
+    let wrapping = format!("{{{}}}", entries.join(","));
+    let cases: Vec<(&str, Vec<u8>, &[&str])> = vec![
+        (
+            "offsets past 2^64",
+            crafted_file(&wrapping, Some(1000), 0),
+            &["data_offsets", "t0", "0 data bytes"],
+        ),
+        (
+            "offsets past the file",
+            crafted_file(
+                r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+                None,
+                8,
+            ),
+            &["`a`", "data_offsets [0,16]", "8 data bytes"],
+        ),
+        (
+            "a header length of 2^63",
+            {
+                let mut f = (1u64 << 63).to_le_bytes().to_vec();
+                f.extend(b"{}");
+                f
+            },
+            &["not a valid safetensors file"],
+        ),
+        (
+            "a header longer than the file",
+            {
+                let mut f = 100u64.to_le_bytes().to_vec();
+                f.extend(b"{}");
+                f
+            },
+            &["not a valid safetensors file"],
+        ),
+        (
+            "a shape whose product overflows",
+            crafted_file(
+                r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}"#,
+                None,
+                0,
+            ),
+            &["not a valid safetensors file"],
+        ),
+        (
+            "no length prefix",
+            vec![1, 2, 3],
+            &["not a valid safetensors file"],
+        ),
+        ("empty", Vec::new(), &["not a valid safetensors file"]),
+    ];
+    for (what, bytes, needles) in cases {
+        let path = dir.join("crafted.safetensors");
+        std::fs::write(&path, &bytes).unwrap();
+        let e = expect_err(Checkpoint::open(&path), needles);
+        assert!(matches!(e, CheckpointError::Header { .. }), "{what}: {e:?}");
+    }
+}
