@@ -42,7 +42,7 @@ pub mod mutate;
 pub type Harness = fn(&[u8]);
 
 /// The targets by name, as the corpus and regression folders name them.
-pub const TARGETS: [(&str, Harness); 7] = [
+pub const TARGETS: [(&str, Harness); 9] = [
     ("safetensors_file", safetensors_file),
     ("safetensors_index", safetensors_index),
     ("name_map", name_map),
@@ -50,6 +50,8 @@ pub const TARGETS: [(&str, Harness); 7] = [
     ("plan", plan),
     ("measurements", measurements),
     ("planner", planner),
+    ("packed_blob", packed_blob),
+    ("packed_checkpoint", packed_checkpoint),
 ];
 
 thread_local! {
@@ -479,6 +481,75 @@ pub fn planner(data: &[u8]) {
             Ok(plan) => {
                 let _ = plan.predicted_step_s();
             }
+            Err(e) => said(&e),
+        }
+    }
+}
+
+/// `offload-pack`'s blob parser on `data` (one packed tensor): on success
+/// the whole decode and every tile decoded alone either both fail with a
+/// typed error or agree byte for byte, and a decode is exactly the
+/// header's decoded size (bounded by the blob's length, so no input
+/// allocates past it).
+pub fn packed_blob(data: &[u8]) {
+    use offload_pack::format::Packed;
+    let p = match Packed::parse(data) {
+        Ok(p) => p,
+        Err(e) => return said(&e),
+    };
+    let decoded = p.header().decoded_bytes;
+    assert!(
+        decoded <= 2 * data.len() as u64,
+        "a blob of {} bytes claims {decoded} decoded bytes and parsed",
+        data.len()
+    );
+    let whole = p.decode();
+    if let Err(e) = &whole {
+        said(e);
+    }
+    let tiles = p.n_tiles();
+    if tiles == 0 {
+        return;
+    }
+    let mut ok = true;
+    let mut by_tiles = vec![0u8; decoded as usize];
+    for t in 0..tiles {
+        let range = p.tile_output(t);
+        if range.end > by_tiles.len() {
+            ok = false;
+            continue;
+        }
+        if let Err(e) = p.decode_tile(t, &mut by_tiles[range]) {
+            said(&e);
+            ok = false;
+        }
+    }
+    if let (Ok(whole), true) = (&whole, ok) {
+        assert!(
+            *whole == by_tiles,
+            "the whole decode and the tile decodes differ"
+        );
+    }
+}
+
+/// `PackedCheckpoint::open` on `data` written as a `.opack` file: on
+/// success every tensor decodes to its manifest's decoded bytes, or fails
+/// with a typed error.
+pub fn packed_checkpoint(data: &[u8]) {
+    let path = scratch("fuzz.opack");
+    std::fs::write(&path, data).expect("the scratch file");
+    let ck = match offload_pack::container::PackedCheckpoint::open(&path) {
+        Ok(ck) => ck,
+        Err(e) => return said(&e),
+    };
+    for (name, entry) in ck.tensors() {
+        match ck.decode(name, 1) {
+            Ok(bytes) => assert!(
+                entry.range.len() as u64 * 2 + 64 >= bytes.len() as u64,
+                "`{name}`: {} decoded bytes from a {}-byte blob",
+                bytes.len(),
+                entry.range.len()
+            ),
             Err(e) => said(&e),
         }
     }

@@ -130,3 +130,15 @@ fn planner() {
     // A plan search per input: a quarter of the mutants.
     bounded_by("planner", 4);
 }
+
+#[test]
+fn packed_blob() {
+    // A 57 KB blob decoded twice per input: a twentieth of the mutants.
+    bounded_by("packed_blob", 20);
+}
+
+#[test]
+fn packed_checkpoint() {
+    // A 61 KB file written, mapped and decoded per input: a twentieth.
+    bounded_by("packed_checkpoint", 20);
+}

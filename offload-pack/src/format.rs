@@ -434,7 +434,8 @@ impl<'a> Packed<'a> {
                 {
                     check(f, 0, *o)?;
                 }
-                let expected = HEADER_BYTES as u64 + decoded_bytes;
+                // The bound first: the sum below must not overflow (a header
+                // claiming 2^64 − 1 decoded bytes panicked here in debug).
                 if decoded_bytes > isize::MAX as u64 / 2 {
                     return Err(DecodeError::BadHeader {
                         field: "decoded bytes",
@@ -442,6 +443,7 @@ impl<'a> Packed<'a> {
                         found: decoded_bytes,
                     });
                 }
+                let expected = HEADER_BYTES as u64 + decoded_bytes;
                 check("blob length", Layout::raw_bytes(decoded_bytes), total_bytes)?;
                 if have < expected {
                     return Err(truncated("raw data", expected));
