@@ -14,6 +14,7 @@ use std::time::Instant;
 use memmap2::Mmap;
 use offload_core::device::HostRegion;
 use offload_core::model::DType;
+use offload_safetensors::MappedWindow;
 use offload_safetensors::{Checkpoint, CheckpointError};
 use serde::{Deserialize, Serialize};
 
@@ -767,20 +768,17 @@ impl PackedCheckpoint {
     /// the whole file is its enclosing memory, registered once).
     pub fn region(&self, window: &PackedWindow) -> Result<Box<dyn HostRegion>, PackError> {
         let range = window.offset as usize..(window.offset + window.len) as usize;
-        if range.end > self.map.len() {
-            return Err(PackError::Mismatch {
+        match MappedWindow::new(Arc::clone(&self.map), range.clone()) {
+            Some(w) => Ok(Box::new(w)),
+            None => Err(PackError::Mismatch {
                 path: self.path.clone(),
                 tensor: String::new(),
                 reason: format!(
                     "window {range:?} runs past the file's {} bytes",
                     self.map.len()
                 ),
-            });
+            }),
         }
-        Ok(Box::new(Window {
-            map: Arc::clone(&self.map),
-            range,
-        }))
     }
 
     /// Decodes a tensor (tiles over `threads` threads).
@@ -819,30 +817,6 @@ impl PackedCheckpoint {
 
 fn common_prefix(a: &str, b: &str) -> usize {
     a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count()
-}
-
-/// A window of a read-only file mapping, holding the mapping alive.
-struct Window {
-    map: Arc<Mmap>,
-    range: Range<usize>,
-}
-
-// SAFETY: the mapping is read-only, never remapped or unmapped while an
-// `Arc` to it lives, so `bytes` and `enclosing` return the same slices on
-// every call and nothing writes them through this process (the packed file
-// must not be rewritten while mapped, as `PackedCheckpoint` documents).
-unsafe impl HostRegion for Window {
-    fn bytes(&self) -> &[u8] {
-        &self.map[self.range.clone()]
-    }
-
-    fn enclosing(&self) -> Option<&[u8]> {
-        Some(&self.map[..])
-    }
-
-    fn read_only(&self) -> bool {
-        true
-    }
 }
 
 #[cfg(test)]

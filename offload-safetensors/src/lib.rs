@@ -813,7 +813,7 @@ impl SafetensorsSource {
 
     /// The window of a mapping that holds `unit` exactly as it is packed,
     /// or why not.
-    fn window(&self, unit: &Unit) -> Result<Window, String> {
+    fn window(&self, unit: &Unit) -> Result<MappedWindow, String> {
         let mut bound = Vec::with_capacity(unit.entries.len());
         for e in &unit.entries {
             let b = self.storages[e.storage.index()]
@@ -870,10 +870,8 @@ impl SafetensorsSource {
         let start = base as usize;
         let range = start..start + unit.bytes as usize;
         let map = Arc::clone(&self.mapped(first).map);
-        if range.end > map.len() {
-            return Err("its window runs past the end of the file".to_owned());
-        }
-        Ok(Window { map, range })
+        MappedWindow::new(map, range)
+            .ok_or_else(|| "its window runs past the end of the file".to_owned())
     }
 }
 
@@ -944,17 +942,27 @@ impl WeightSource for SafetensorsSource {
     }
 }
 
-/// A window of a read-only file mapping, holding the mapping alive.
-struct Window {
+/// A window of a read-only file mapping, holding the mapping alive: a host
+/// region registered in place (the whole mapping its enclosing memory).
+/// `offload-pack` serves its packed windows with it too.
+pub struct MappedWindow {
     map: Arc<Mmap>,
     range: Range<usize>,
 }
 
+impl MappedWindow {
+    /// `range` of `map`, or `None` where it runs past the mapping's end.
+    pub fn new(map: Arc<Mmap>, range: Range<usize>) -> Option<Self> {
+        (range.start <= range.end && range.end <= map.len()).then_some(Self { map, range })
+    }
+}
+
 // SAFETY: the mapping is read-only, never remapped or unmapped while an
 // `Arc` to it lives, so `bytes` and `enclosing` return the same slices on
-// every call and nothing writes them through this process (the checkpoint
-// file must not be rewritten while mapped, as `Checkpoint` documents).
-unsafe impl HostRegion for Window {
+// every call and nothing writes them through this process (the mapped file
+// must not be rewritten while mapped, as `Checkpoint` and offload-pack's
+// `PackedCheckpoint` document).
+unsafe impl HostRegion for MappedWindow {
     fn bytes(&self) -> &[u8] {
         &self.map[self.range.clone()]
     }
