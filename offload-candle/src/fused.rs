@@ -120,15 +120,25 @@ fn check_cuda(t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// The `T` elements of a storage [`cuda_of`] checked, as a view.
+/// The `T` elements of a storage [`check_cuda`] checked, as a view.
 fn slice_of<'a, T: candle_core::cuda_backend::CudaDType>(
     storage: &'a Storage,
     layout: &Layout,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    let (Storage::Cuda(c), Some((a, z))) = (storage, layout.contiguous_offsets()) else {
+    let Storage::Cuda(c) = storage else {
         return Err(msg("fused kernels: a strided or non-CUDA operand"));
     };
-    Ok(c.as_cuda_slice::<T>()?.slice(a..z))
+    view_of(c, layout, "fused kernels: a strided or non-CUDA operand")
+}
+
+/// The `T` elements `l` lays out in `s` (contiguous, else the error `err`).
+fn view_of<'a, T: candle_core::cuda_backend::CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    err: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let (a, z) = l.contiguous_offsets().ok_or_else(|| msg(err))?;
+    Ok(s.as_cuda_slice::<T>()?.slice(a..z))
 }
 
 /// An error unless `view`'s first element is `align`-byte aligned (what
@@ -319,16 +329,12 @@ impl candle_core::CustomOp3 for GateResidual {
         gl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dev = x.device().clone();
-        fn slice<'a>(
-            s: &'a CudaStorage,
-            l: &Layout,
-        ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, bf16>> {
-            let (a, z) = l
-                .contiguous_offsets()
-                .ok_or_else(|| msg("gate_residual: a strided operand"))?;
-            Ok(s.as_cuda_slice::<bf16>()?.slice(a..z))
-        }
-        let (xs, ys, gs) = (slice(x, xl)?, slice(y, yl)?, slice(g, gl)?);
+        let strided = "gate_residual: a strided operand";
+        let (xs, ys, gs) = (
+            view_of::<bf16>(x, xl, strided)?,
+            view_of::<bf16>(y, yl, strided)?,
+            view_of::<bf16>(g, gl, strided)?,
+        );
         let stream = dev.cuda_stream();
         for (what, v) in [("x", &xs), ("y", &ys), ("the gate", &gs)] {
             check_aligned(what, v, &stream, 16)?;
@@ -390,13 +396,10 @@ impl candle_core::InplaceOp2 for CopyCols {
         sl: &Layout,
     ) -> Result<()> {
         let dev = dst.device().clone();
-        let (a, z) = sl
-            .contiguous_offsets()
-            .ok_or_else(|| msg("copy_into_columns: a strided source"))?;
+        let ss = view_of::<bf16>(src, sl, "copy_into_columns: a strided source")?;
         let (da, dz) = dl
             .contiguous_offsets()
             .ok_or_else(|| msg("copy_into_columns: a strided destination"))?;
-        let ss = src.as_cuda_slice::<bf16>()?.slice(a..z);
         let mut ds = dst.as_cuda_slice_mut::<bf16>()?.slice_mut(da..dz);
         let stream = dev.cuda_stream();
         check_aligned("the copy's source", &ss, &stream, 16)?;
