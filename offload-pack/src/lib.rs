@@ -25,8 +25,11 @@
 //!   fallback [`container::encode_in_memory`].
 //! - [`synth`]: Flux-shaped synthetic models (normal, Student-t ν = 4,
 //!   uniform) and their ratios.
+//! - [`block`]: one streamed block's coded bytes (its tensors' blobs behind
+//!   a table), what a ring engine stages and decodes in one launch.
 //! - [`kernels`]: the CUDA C decoder for nvrtc.
 
+pub mod block;
 pub mod container;
 pub mod format;
 pub mod kernels;

@@ -1,0 +1,530 @@
+//! One streamed block's coded bytes: the unit a ring engine copies to a
+//! device staging buffer and decodes into a slot in one launch
+//! (`docs/PACKED_FORMAT.md` §Coded blocks).
+//!
+//! A block's unit (its storages packed end to end, CONTRACT §7) is split
+//! into spans (its tensors; any byte no span covers becomes a raw span), each
+//! encoded as one tensor blob (window3 where it pays, raw otherwise), laid
+//! out behind a header and a table the decoder reads from device memory:
+//!
+//! | offset | type | field |
+//! | --- | --- | --- |
+//! | 0 | `[u8; 4]` | magic `OPB1` |
+//! | 4 | `u16` | version (1) |
+//! | 6 | `u16` | 0 |
+//! | 8 | `u32` | entries |
+//! | 12 | `u32` | 0 |
+//! | 16 | `u64` | decoded bytes (the unit's length) |
+//! | 24 | `u64` | work items (one GPU thread block each) |
+//! | 32 | `u64` | blob length |
+//! | 40 | 24 bytes | 0 |
+//! | 64 | entries × 32 bytes | `u64` tensor blob offset, `u64` output offset, `u64` first work item, `u32` work items, `u8` code id, 3 bytes 0 |
+//!
+//! Entries are in output order and tile `[0, decoded bytes)` exactly; a
+//! window3 entry has one work item per 4,096-weight tile, a raw one per
+//! [`RAW_CHUNK`] bytes; first work items are the prefix sums. Tensor blobs
+//! start on 64-byte boundaries. [`BlockView::parse`] checks all of it, so a
+//! decoder that trusts a parsed block reads and writes only inside it.
+
+use crate::format::{Code, DecodeError, EncodeConfig, Packed, encode_bf16_as, encode_raw, plan_bf16};
+
+/// The block blob's magic.
+pub const BLOCK_MAGIC: [u8; 4] = *b"OPB1";
+/// The block blob's version.
+pub const BLOCK_VERSION: u16 = 1;
+/// Header bytes before the table.
+pub const BLOCK_HEADER_BYTES: usize = 64;
+/// Bytes per table entry.
+pub const ENTRY_BYTES: usize = 32;
+/// Bytes one work item of a raw entry copies (128 threads × 64 bytes).
+pub const RAW_CHUNK: u64 = 8192;
+
+/// One tensor of a unit: where it lies and whether it is bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// Offset in the unit.
+    pub offset: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Whether it holds bf16 values (only those are window-coded).
+    pub bf16: bool,
+}
+
+/// A coded block and its figures.
+#[derive(Clone, Debug)]
+pub struct EncodedBlock {
+    /// The blob the device decodes.
+    pub blob: Vec<u8>,
+    /// Work items (the decode launch's grid).
+    pub work: u64,
+    /// Bytes of the unit.
+    pub decoded_bytes: u64,
+    /// Spans window-coded, of all spans.
+    pub coded_spans: (usize, usize),
+}
+
+/// One validated table entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// The tensor blob's offset in the block blob.
+    pub blob_offset: u64,
+    /// The tensor blob's length.
+    pub blob_bytes: u64,
+    /// Where its bytes go in the unit.
+    pub out_offset: u64,
+    /// Its decoded bytes.
+    pub out_bytes: u64,
+    /// Its first work item.
+    pub first_work: u64,
+    /// Its work items.
+    pub work: u32,
+    /// Its code.
+    pub code: Code,
+}
+
+/// What is wrong with a span list given to [`encode_block`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BlockEncodeError {
+    /// A span outside the unit, or overlapping the one before it.
+    #[error("span {index} ({offset}+{bytes}) is outside the unit of {unit} bytes or overlaps the span before it (spans must be sorted and disjoint)")]
+    BadSpan {
+        /// Its index.
+        index: usize,
+        /// Its offset.
+        offset: u64,
+        /// Its bytes.
+        bytes: u64,
+        /// The unit's length.
+        unit: u64,
+    },
+    /// A tensor could not be encoded or its round trip failed.
+    #[error("span at {offset}: {source}")]
+    Encode {
+        /// The span's offset.
+        offset: u64,
+        /// Why.
+        source: crate::format::EncodeError,
+    },
+    /// The whole block's round trip differed (a bug in this crate).
+    #[error("coded block round trip differs at byte {at} of {bytes}")]
+    RoundTrip {
+        /// The first differing byte.
+        at: u64,
+        /// The unit's length.
+        bytes: u64,
+    },
+    /// The block's own decoder refused what the encoder wrote.
+    #[error("coded block does not parse: {0}")]
+    Decode(#[from] DecodeError),
+}
+
+fn align64(x: u64) -> u64 {
+    x.div_ceil(64) * 64
+}
+
+fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn get_u64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Encodes `unit` (its tensors at `spans`, sorted and disjoint; bytes no span
+/// covers travel raw). Each bf16 span is window-coded where that pays (as
+/// [`crate::container::plan_tensor`] decides for a tensor); the whole
+/// block's round trip is checked unless `cfg.verify` is off.
+pub fn encode_block(
+    unit: &[u8],
+    spans: &[Span],
+    cfg: &EncodeConfig,
+) -> Result<EncodedBlock, BlockEncodeError> {
+    let len = unit.len() as u64;
+    // The spans, gaps filled with raw spans.
+    let mut all = Vec::with_capacity(spans.len() * 2 + 1);
+    let mut at = 0u64;
+    for (index, s) in spans.iter().enumerate() {
+        let end = s.offset.checked_add(s.bytes);
+        if s.offset < at || end.is_none_or(|e| e > len) {
+            return Err(BlockEncodeError::BadSpan {
+                index,
+                offset: s.offset,
+                bytes: s.bytes,
+                unit: len,
+            });
+        }
+        if s.offset > at {
+            all.push(Span {
+                offset: at,
+                bytes: s.offset - at,
+                bf16: false,
+            });
+        }
+        if s.bytes > 0 {
+            all.push(*s);
+        }
+        at = s.offset + s.bytes;
+    }
+    if at < len {
+        all.push(Span {
+            offset: at,
+            bytes: len - at,
+            bf16: false,
+        });
+    }
+    let mut tensor_blobs = Vec::with_capacity(all.len());
+    let mut coded = 0usize;
+    for s in &all {
+        let data = &unit[s.offset as usize..(s.offset + s.bytes) as usize];
+        let encoded = if s.bf16 && s.bytes.is_multiple_of(2) {
+            let err = |source| BlockEncodeError::Encode {
+                offset: s.offset,
+                source,
+            };
+            let planned = plan_bf16(data, cfg).map_err(err)?;
+            encode_bf16_as(data, planned.code, cfg).map_err(err)?
+        } else {
+            encode_raw(data)
+        };
+        if encoded.stats.code != Code::Raw {
+            coded += 1;
+        }
+        tensor_blobs.push((s.offset, encoded));
+    }
+    let table_end = align64((BLOCK_HEADER_BYTES + ENTRY_BYTES * tensor_blobs.len()) as u64);
+    let total = table_end + tensor_blobs.iter().map(|(_, e)| e.blob.len() as u64).sum::<u64>();
+    let mut blob = vec![0u8; total as usize];
+    let mut work = 0u64;
+    let mut cursor = table_end;
+    for (i, (out_offset, e)) in tensor_blobs.iter().enumerate() {
+        let items = work_items(e.stats.code, e.stats.decoded_bytes);
+        let at = BLOCK_HEADER_BYTES + ENTRY_BYTES * i;
+        put_u64(&mut blob, at, cursor);
+        put_u64(&mut blob, at + 8, *out_offset);
+        put_u64(&mut blob, at + 16, work);
+        put_u32(&mut blob, at + 24, items as u32);
+        blob[at + 28] = e.stats.code.id();
+        blob[cursor as usize..cursor as usize + e.blob.len()].copy_from_slice(&e.blob);
+        cursor += e.blob.len() as u64;
+        work += items;
+    }
+    blob[..4].copy_from_slice(&BLOCK_MAGIC);
+    blob[4..6].copy_from_slice(&BLOCK_VERSION.to_le_bytes());
+    put_u32(&mut blob, 8, tensor_blobs.len() as u32);
+    put_u64(&mut blob, 16, len);
+    put_u64(&mut blob, 24, work);
+    put_u64(&mut blob, 32, total);
+    if cfg.verify {
+        let mut back = vec![0u8; unit.len()];
+        decode_block(&blob, &mut back, 1)?;
+        if let Some(at) = back.iter().zip(unit).position(|(a, b)| a != b) {
+            return Err(BlockEncodeError::RoundTrip {
+                at: at as u64,
+                bytes: len,
+            });
+        }
+    }
+    Ok(EncodedBlock {
+        blob,
+        work,
+        decoded_bytes: len,
+        coded_spans: (coded, all.len()),
+    })
+}
+
+/// Work items of one tensor blob.
+fn work_items(code: Code, decoded_bytes: u64) -> u64 {
+    match code {
+        Code::Raw => decoded_bytes.div_ceil(RAW_CHUNK),
+        Code::Window3 { .. } => (decoded_bytes / 2).div_ceil(crate::format::TILE_ELEMS as u64),
+    }
+}
+
+/// A validated view of a block blob.
+#[derive(Clone, Debug)]
+pub struct BlockView<'a> {
+    blob: &'a [u8],
+    entries: Vec<Entry>,
+    decoded_bytes: u64,
+    work: u64,
+}
+
+fn truncated(what: &'static str, needed: u64, have: u64) -> DecodeError {
+    DecodeError::Truncated { what, needed, have }
+}
+
+fn bad(field: &'static str, expected: u64, found: u64) -> DecodeError {
+    DecodeError::BadHeader {
+        field,
+        expected,
+        found,
+    }
+}
+
+impl<'a> BlockView<'a> {
+    /// Checks `blob` (untrusted) whole: header, table, every tensor blob.
+    pub fn parse(blob: &'a [u8]) -> Result<Self, DecodeError> {
+        let have = blob.len() as u64;
+        if blob.len() < BLOCK_HEADER_BYTES {
+            return Err(truncated("block header", BLOCK_HEADER_BYTES as u64, have));
+        }
+        let magic = [blob[0], blob[1], blob[2], blob[3]];
+        if magic != BLOCK_MAGIC {
+            return Err(DecodeError::BadMagic { found: magic });
+        }
+        let version = u16::from_le_bytes([blob[4], blob[5]]);
+        if version != BLOCK_VERSION {
+            return Err(DecodeError::BadVersion { found: version });
+        }
+        let n = u64::from(get_u32(blob, 8));
+        let decoded_bytes = get_u64(blob, 16);
+        let work = get_u64(blob, 24);
+        let total = get_u64(blob, 32);
+        if total != have {
+            return Err(bad("block length", have, total));
+        }
+        let table_end = n
+            .checked_mul(ENTRY_BYTES as u64)
+            .and_then(|t| t.checked_add(BLOCK_HEADER_BYTES as u64))
+            .map(align64)
+            .filter(|&t| t <= have)
+            .ok_or_else(|| truncated("block table", n.saturating_mul(ENTRY_BYTES as u64), have))?;
+        let mut entries = Vec::with_capacity(n as usize);
+        let (mut out_at, mut work_at, mut blob_at) = (0u64, 0u64, table_end);
+        for i in 0..n as usize {
+            let at = BLOCK_HEADER_BYTES + ENTRY_BYTES * i;
+            let blob_offset = get_u64(blob, at);
+            let out_offset = get_u64(blob, at + 8);
+            let first_work = get_u64(blob, at + 16);
+            let items = get_u32(blob, at + 24);
+            let code_id = blob[at + 28];
+            if blob_offset != blob_at {
+                return Err(bad("entry tensor blob offset", blob_at, blob_offset));
+            }
+            if out_offset != out_at {
+                return Err(bad("entry output offset", out_at, out_offset));
+            }
+            if first_work != work_at {
+                return Err(bad("entry first work item", work_at, first_work));
+            }
+            let inner = &blob[blob_offset as usize..];
+            let packed = Packed::parse(inner)?;
+            let header = packed.header().clone();
+            let blob_bytes = packed.total_bytes();
+            if blob_bytes > inner.len() as u64 {
+                return Err(truncated("entry tensor blob", blob_bytes, inner.len() as u64));
+            }
+            // A GPU decoder trusts the escape index within a tile's bounds:
+            // a disordered one could point it past the escapes.
+            if let Some(tile) = packed.escape_index_disorder() {
+                return Err(DecodeError::BadEscapeIndex {
+                    tile,
+                    start: 0,
+                    end: 0,
+                    total: packed.escapes(),
+                    counted: 0,
+                });
+            }
+            if header.code.id() != code_id {
+                return Err(bad("entry code id", u64::from(header.code.id()), u64::from(code_id)));
+            }
+            let expected_items = work_items(header.code, header.decoded_bytes);
+            if u64::from(items) != expected_items {
+                return Err(bad("entry work items", expected_items, u64::from(items)));
+            }
+            entries.push(Entry {
+                blob_offset,
+                blob_bytes,
+                out_offset,
+                out_bytes: header.decoded_bytes,
+                first_work,
+                work: items,
+                code: header.code,
+            });
+            out_at = out_at
+                .checked_add(header.decoded_bytes)
+                .ok_or_else(|| bad("entry output offset", u64::MAX, out_at))?;
+            work_at += expected_items;
+            blob_at += blob_bytes;
+        }
+        if out_at != decoded_bytes {
+            return Err(bad("block decoded bytes", out_at, decoded_bytes));
+        }
+        if work_at != work {
+            return Err(bad("block work items", work_at, work));
+        }
+        if blob_at != have {
+            return Err(bad("block length", blob_at, have));
+        }
+        Ok(Self {
+            blob,
+            entries,
+            decoded_bytes,
+            work,
+        })
+    }
+
+    /// The table.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// Bytes of the decoded unit.
+    pub fn decoded_bytes(&self) -> u64 {
+        self.decoded_bytes
+    }
+
+    /// Work items (the decode launch's grid).
+    pub fn work(&self) -> u64 {
+        self.work
+    }
+
+    /// Decodes into `out` (exactly the unit's length), each tensor with up
+    /// to `threads` threads.
+    pub fn decode_into(&self, out: &mut [u8], threads: usize) -> Result<(), DecodeError> {
+        if out.len() as u64 != self.decoded_bytes {
+            return Err(DecodeError::OutputSize {
+                expected: self.decoded_bytes,
+                found: out.len() as u64,
+            });
+        }
+        for e in &self.entries {
+            let inner = &self.blob[e.blob_offset as usize..(e.blob_offset + e.blob_bytes) as usize];
+            let packed = Packed::parse(inner)?;
+            packed.decode_into(
+                &mut out[e.out_offset as usize..(e.out_offset + e.out_bytes) as usize],
+                threads,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks and decodes a block blob into `out` (the unit's length).
+pub fn decode_block(blob: &[u8], out: &mut [u8], threads: usize) -> Result<(), DecodeError> {
+    BlockView::parse(blob)?.decode_into(out, threads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn normal_bf16(n: usize, seed: u64) -> Vec<u8> {
+        // A cheap normal-ish draw (sum of uniforms), scaled like a weight.
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut out = Vec::with_capacity(n * 2);
+        for _ in 0..n {
+            let mut acc = 0f32;
+            for _ in 0..4 {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                acc += (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            }
+            let v = acc * 0.02;
+            out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+        }
+        out
+    }
+
+    #[test]
+    fn a_block_of_tensors_round_trips_and_codes_its_large_bf16_spans() {
+        let mut unit = normal_bf16(3 * 4096 + 17, 1);
+        unit.extend_from_slice(&[7u8; 13]); // a raw gap
+        let tail = normal_bf16(100, 2); // under one tile: raw
+        unit.extend_from_slice(&tail);
+        let spans = [
+            Span { offset: 0, bytes: (3 * 4096 + 17) * 2, bf16: true },
+            Span { offset: (3 * 4096 + 17) * 2 + 13, bytes: 200, bf16: true },
+        ];
+        let b = encode_block(&unit, &spans, &EncodeConfig::default()).unwrap();
+        assert_eq!(b.coded_spans, (1, 3));
+        assert!(b.blob.len() < unit.len(), "{} !< {}", b.blob.len(), unit.len());
+        let view = BlockView::parse(&b.blob).unwrap();
+        assert_eq!(view.work(), b.work);
+        assert_eq!(b.work, 4 + 1 + 1);
+        let mut out = vec![0u8; unit.len()];
+        view.decode_into(&mut out, 2).unwrap();
+        assert_eq!(out, unit);
+    }
+
+    #[test]
+    fn overlapping_or_outside_spans_are_refused() {
+        let unit = vec![0u8; 64];
+        let e = encode_block(
+            &unit,
+            &[Span { offset: 0, bytes: 40, bf16: true }, Span { offset: 30, bytes: 4, bf16: true }],
+            &EncodeConfig::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, BlockEncodeError::BadSpan { index: 1, .. }), "{e}");
+        let e = encode_block(&unit, &[Span { offset: 60, bytes: 8, bf16: false }], &EncodeConfig::default())
+            .unwrap_err();
+        assert!(matches!(e, BlockEncodeError::BadSpan { index: 0, .. }), "{e}");
+    }
+
+    #[test]
+    fn a_damaged_table_is_a_typed_error() {
+        let unit = normal_bf16(2 * 4096, 3);
+        let spans = [Span { offset: 0, bytes: unit.len() as u64, bf16: true }];
+        let b = encode_block(&unit, &spans, &EncodeConfig::default()).unwrap();
+        for at in [8usize, 16, 24, 32, 64, 72, 80, 88, 92] {
+            let mut bad = b.blob.clone();
+            bad[at] ^= 0x41;
+            assert!(BlockView::parse(&bad).is_err(), "byte {at} flipped still parses");
+        }
+        let mut out = vec![0u8; unit.len() - 2];
+        assert!(matches!(
+            decode_block(&b.blob, &mut out, 1),
+            Err(DecodeError::OutputSize { .. })
+        ));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn any_bytes_and_spans_round_trip(
+            data in proptest::collection::vec(any::<u8>(), 0..40_000),
+            cuts in proptest::collection::vec((any::<u16>(), any::<u16>(), any::<bool>()), 0..6),
+        ) {
+            let len = data.len() as u64;
+            let mut spans = Vec::new();
+            let mut at = 0u64;
+            for (gap, bytes, bf16) in cuts {
+                let offset = at + u64::from(gap) % 64;
+                let bytes = (u64::from(bytes) * 2).min(len.saturating_sub(offset));
+                if offset > len { break; }
+                spans.push(Span { offset, bytes, bf16 });
+                at = offset + bytes;
+            }
+            let cfg = EncodeConfig { min_elems: 1, ..EncodeConfig::default() };
+            let b = encode_block(&data, &spans, &cfg).unwrap();
+            let mut out = vec![0u8; data.len()];
+            decode_block(&b.blob, &mut out, 1).unwrap();
+            prop_assert_eq!(out, data);
+        }
+
+        #[test]
+        fn any_blob_parses_or_is_a_typed_error(mut blob in proptest::collection::vec(any::<u8>(), 0..512), magic in any::<bool>()) {
+            if magic && blob.len() >= 6 {
+                blob[..4].copy_from_slice(&BLOCK_MAGIC);
+                blob[4..6].copy_from_slice(&BLOCK_VERSION.to_le_bytes());
+            }
+            if let Ok(v) = BlockView::parse(&blob) {
+                let mut out = vec![0u8; v.decoded_bytes() as usize];
+                let _ = v.decode_into(&mut out, 1);
+            }
+        }
+    }
+}
