@@ -400,6 +400,81 @@ pub struct OffloadConfig {
     /// distributed layerwise only; a `device_budget` chooses its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch_depth: Option<u32>,
+    /// How streamed blocks cross the link (CONTRACT §7b): `"none"` (the
+    /// default: bf16 as stored), `"lossless"` (every streamed block coded
+    /// on the host at enable, decoded on the device into its slot,
+    /// bit-identical) or `"auto"` (reserved for the request planner, which
+    /// does not choose coded blocks yet: refused). `"lossless"` with
+    /// layerwise offload only; it needs a platform with a codec
+    /// (`CorePlatform::with_codec`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_compression: Option<WeightCompression>,
+}
+
+/// The values `weight_compression` takes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightCompression {
+    /// Blocks cross the link as stored.
+    #[default]
+    None,
+    /// Every streamed block is coded and decoded on the device.
+    Lossless,
+    /// The request planner chooses per streamed component.
+    Auto,
+}
+
+impl std::fmt::Display for WeightCompression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WeightCompression::None => "none",
+            WeightCompression::Lossless => "lossless",
+            WeightCompression::Auto => "auto",
+        })
+    }
+}
+
+impl OffloadConfig {
+    /// `weight_compression`, `"none"` when unset.
+    pub fn compression(&self) -> WeightCompression {
+        self.weight_compression.unwrap_or_default()
+    }
+}
+
+/// The error for `weight_compression` on a platform without a codec.
+pub(crate) fn no_codec(c: WeightCompression) -> ConfigError {
+    invalid(
+        "weight_compression",
+        format!("\"{c}\""),
+        "\"none\" on this platform: it has no codec to decode blocks on the device (CorePlatform::with_codec; offload-sim and offload-cuda give one)",
+    )
+}
+
+/// Checks `weight_compression` against the strategy selected.
+fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
+    let c = config.compression();
+    let value = format!("\"{c}\"");
+    match (c, selection.strategy) {
+        (WeightCompression::None, _) => Ok(()),
+        (WeightCompression::Lossless, OffloadStrategy::Layerwise) => Ok(()),
+        (_, OffloadStrategy::Planned) => Err(invalid(
+            "weight_compression",
+            value,
+            "\"none\" with a device_budget (the request planner does not choose coded blocks yet); \"lossless\" with layerwise offload (enable_layerwise_offload = true, no device_budget)",
+        )),
+        (WeightCompression::Auto, _) => Err(invalid(
+            "weight_compression",
+            value,
+            "\"lossless\" or \"none\" (\"auto\" is reserved for the request planner, which does not choose coded blocks yet)",
+        )),
+        (WeightCompression::Lossless, strategy) => Err(invalid(
+            "weight_compression",
+            value,
+            format!(
+                "with layerwise offload only (this configuration selects {strategy}; a gathered or model-level block is not decoded on the device): \"none\""
+            ),
+        )),
+    }
 }
 
 /// The prefetch depths `prefetch_depth` takes.
@@ -823,7 +898,9 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
                 "the request planner chooses each streamed component's depth under a budget: remove prefetch_depth",
             ));
         }
-        return select_budget(config, budget, &set_flags);
+        let selection = select_budget(config, budget, &set_flags)?;
+        check_compression(config, &selection)?;
+        return Ok(selection);
     }
     if let Some(headroom) = config.device_headroom {
         return Err(invalid(
@@ -838,6 +915,7 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
     };
 
     check_residency_keys(config, &selection)?;
+    check_compression(config, &selection)?;
     if let Some(depth) = config.prefetch_depth
         && !matches!(
             selection.strategy,

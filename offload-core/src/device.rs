@@ -1,6 +1,7 @@
 //! The device trait family, in the wgpu-hal manner: [`Api`] holds only
 //! associated types; behaviour lives on [`Device`] (memory, streams,
-//! events, copies) and [`Collective`] (weight gathering across ranks).
+//! events, copies), [`Collective`] (weight gathering across ranks) and
+//! [`Codec`] (a lossless block code the device decodes, CONTRACT §7b).
 //!
 //! Backends translate and report only what the caller could not foresee
 //! ([`DeviceErrorKind::OutOfMemory`], [`DeviceErrorKind::DeviceLost`], a
@@ -434,5 +435,79 @@ pub trait Collective<A: Api>: Send + Sync {
         shard_bytes: u64,
         dst: &A::DeviceBuffer,
         dst_offset: u64,
+    ) -> Result<(), A::Error>;
+}
+
+/// One tensor of a block's unit, as a [`Codec`] sees it: where it lies and
+/// whether it holds bf16 values (the only ones a lossless exponent code
+/// compresses; everything else travels raw).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CodecSpan {
+    /// Offset in the unit.
+    pub offset: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Whether the tensor is bf16.
+    pub bf16: bool,
+}
+
+/// The most bytes a coded unit of `len` bytes with `spans` spans may take:
+/// its raw bytes plus 512 bytes of headers and alignment per span and for
+/// the block (what INV-7's bounds count for a staging buffer and a coded
+/// host master before anything is encoded).
+pub fn coded_bound(len: u64, spans: usize) -> u64 {
+    len.saturating_add(512 * (spans as u64 + 1))
+}
+
+/// One block's coded bytes, as a [`Codec`] encoded them.
+#[derive(Clone, Debug)]
+pub struct Coded {
+    /// The bytes the host keeps and the link carries.
+    pub blob: Vec<u8>,
+    /// The decode's work items (the codec's own measure; handed back to
+    /// [`Codec::decode`]).
+    pub work: u64,
+}
+
+/// A lossless block code the device decodes (CONTRACT §7b): the ring
+/// engine's *decode* transport copies a block's coded bytes to a device
+/// staging buffer and has the device decode them into the block's slot.
+///
+/// Life cycle: one per device (it may hold the device's compiled decoder);
+/// [`Codec::encode`] runs on the host at `enable`, from any thread;
+/// [`Codec::decode`] enqueues device work.
+pub trait Codec<A: Api>: Send + Sync {
+    /// The code's name, for logs and reports.
+    fn name(&self) -> &str;
+
+    /// Encodes one block's unit of `len` bytes, read from `unit` (its
+    /// tensors at `spans`, sorted and disjoint; bytes no span covers
+    /// travel raw). Decoding the result must give back exactly those
+    /// bytes; an encoder that cannot promise it (a round trip that failed)
+    /// returns `Err` with the reason, and the block streams raw. A blob
+    /// longer than [`coded_bound`] is refused the same way (INV-7's bounds
+    /// count that much before anything is encoded).
+    fn encode(&self, unit: &dyn ByteSource, len: u64, spans: &[CodecSpan])
+    -> Result<Coded, String>;
+
+    /// Enqueues on `stream` the decode of the `coded_bytes` bytes at the
+    /// start of `src` (a [`Coded`] blob, with its `work`) into the first
+    /// `decoded_bytes` bytes of `dst`.
+    ///
+    /// # Safety
+    ///
+    /// * `src` holds, once `stream` reaches this call, the blob that
+    ///   [`Codec::encode`] returned (both ranges lie within their buffers);
+    /// * the same rules as [`Device::copy_h2d`] hold for `src` (read) and
+    ///   `dst`'s range (written) until an event recorded on `stream` after
+    ///   this call has completed.
+    unsafe fn decode(
+        &self,
+        stream: &A::Stream,
+        src: &A::DeviceBuffer,
+        coded_bytes: u64,
+        work: u64,
+        dst: &A::DeviceBuffer,
+        decoded_bytes: u64,
     ) -> Result<(), A::Error>;
 }

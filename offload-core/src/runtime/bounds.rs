@@ -48,6 +48,12 @@ pub struct MemoryBounds {
     /// zero padding of `s = ceil(bytes / G)`, less than one byte per
     /// gathered block.
     pub padding_bytes: u64,
+    /// With `weight_compression = "lossless"`: what coded masters may take
+    /// beyond their blocks' bytes ([`crate::device::coded_bound`]'s headers,
+    /// included in `host_weight_bytes`), before anything is encoded; the
+    /// device bound then also counts two staging buffers of the largest
+    /// coded block's bound.
+    pub coded_overhead_bytes: u64,
 }
 
 /// INV-7's bounds for `pipeline` under `config` at prefetch `depth` (the
@@ -77,6 +83,7 @@ pub fn memory_bounds(
             .unwrap_or(0)
     };
     let (mut gathered_bytes, mut group_size, mut padding_bytes) = (0, 1, 0);
+    let mut coded_overhead_bytes = 0;
     let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy {
         OffloadStrategy::None => (total, 0, units, largest_unit(&|_| false)),
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
@@ -96,12 +103,38 @@ pub fn memory_bounds(
             // `disable` restores gathered blocks through one pinned buffer of
             // the largest.
             let restore = gathered.iter().map(|b| b.unit.bytes).max().unwrap_or(0);
+            // Coded blocks (CONTRACT §7b): masters up to their bound, and two
+            // staging buffers of the largest bound on the device.
+            let coded: Vec<u64> = if config.compression()
+                == crate::config::WeightCompression::Lossless
+            {
+                layout
+                    .blocks()
+                    .filter(|b| b.shard.is_none())
+                    .map(|b| crate::device::coded_bound(b.unit.bytes, b.unit.entries.len()))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let coded_raw: u64 = layout
+                .blocks()
+                .filter(|b| b.shard.is_none() && !coded.is_empty())
+                .map(|b| b.unit.bytes)
+                .sum();
+            coded_overhead_bytes = coded.iter().sum::<u64>() - coded_raw;
+            let staging_buffers = if coded.is_empty() {
+                0
+            } else {
+                crate::runtime::layerwise::STAGING_BUFFERS as u64
+            };
+            let staging_device = staging_buffers * coded.iter().copied().max().unwrap_or(0);
             (
                 total - streamed
                     + (depth + 1) * layout.slot_bytes
-                    + layout.shard_buffers() * layout.shard_bytes,
+                    + layout.shard_buffers() * layout.shard_bytes
+                    + staging_device,
                 streamed,
-                units - blocks + depth + 1 + layout.shard_buffers(),
+                units - blocks + depth + 1 + layout.shard_buffers() + staging_buffers,
                 largest_unit(&|u| streamed_modules.contains(&u.module)).max(restore),
             )
         }
@@ -148,12 +181,14 @@ pub fn memory_bounds(
         host_weight_bytes: gathered_bytes.div_ceil(u64::from(group_size))
             + padding_bytes
             + local_bytes
+            + coded_overhead_bytes
             + staging_bytes,
         staging_bytes,
         device_allocations,
         gathered_bytes,
         group_size,
         padding_bytes,
+        coded_overhead_bytes,
     })
 }
 
@@ -172,7 +207,8 @@ impl MemoryBounds {
             host_weight_bytes: peak_host_weight_bytes,
             offloaded_weight_bytes: self.gathered_bytes,
             group_size: self.group_size,
-            local_weight_bytes: self.offloaded_bytes - self.gathered_bytes,
+            local_weight_bytes: self.offloaded_bytes - self.gathered_bytes
+                + self.coded_overhead_bytes,
             staging_bytes: self.staging_bytes,
         }
     }
@@ -272,6 +308,7 @@ impl PlanBounds {
             gathered_bytes: 0,
             group_size: 1,
             padding_bytes: 0,
+            coded_overhead_bytes: 0,
         }
     }
 }

@@ -94,11 +94,24 @@ pub enum PlantedBug {
     /// denoising phases held, so a first request on a full device runs out
     /// of memory there and the backend re-plans.
     UnderstateActivations,
+    /// INV-3 (decode transport): the decode does not wait for the copy of
+    /// its coded bytes into the staging buffer.
+    DecodeBeforeCopy,
+    /// INV-3 (decode transport): a slot's ready event is recorded on the
+    /// copy stream after the staging copy, so compute waits for the copy
+    /// but not for the decode that writes the slot.
+    ComputeBeforeDecode,
+    /// INV-3 (decode transport): a staging copy does not wait for the
+    /// decode that last read its staging buffer.
+    StagingReuseBeforeDecode,
+    /// INV-3 (decode transport): the decode does not wait for its slot's
+    /// last use, so it writes a slot compute may still be reading.
+    DecodeIntoSlotInUse,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 30] = [
+    pub const ALL: [PlantedBug; 34] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -129,6 +142,10 @@ impl PlantedBug {
         PlantedBug::KeepPoolAcrossPhases,
         PlantedBug::SkipPhaseEviction,
         PlantedBug::UnderstateActivations,
+        PlantedBug::DecodeBeforeCopy,
+        PlantedBug::ComputeBeforeDecode,
+        PlantedBug::StagingReuseBeforeDecode,
+        PlantedBug::DecodeIntoSlotInUse,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

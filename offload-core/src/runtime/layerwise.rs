@@ -45,8 +45,8 @@ use std::collections::BTreeSet;
 
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
-use crate::config::{OffloadConfig, OffloadStrategy};
-use crate::device::{Api, Collective, Device, DeviceBuffer, HostBuffer};
+use crate::config::{OffloadConfig, OffloadStrategy, WeightCompression, no_codec};
+use crate::device::{Api, Codec, CodecSpan, Collective, Device, DeviceBuffer, HostBuffer, coded_bound};
 use crate::discovery::{Role, log_warnings};
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
@@ -72,6 +72,9 @@ struct Master<A: Api> {
     /// the rings it builds; otherwise the ring's own.
     host: Arc<HostMaster<A>>,
     shard: Option<Shard>,
+    /// A coded master (CONTRACT §7b): its coded bytes and the decode's work
+    /// items; `host` then holds the coded bytes.
+    coded: Option<(u64, u64)>,
 }
 
 /// One ring: the streamed blocks of one stack, in forward order.
@@ -88,20 +91,29 @@ struct Slot<A: Api> {
     last_use: A::Event,
 }
 
-/// A device buffer a rank's shard is copied into before the gather reads
-/// it, with the events that order its reuse.
-struct ShardBuffer<A: Api> {
+/// A device buffer a transfer stages into before the stage that writes the
+/// slot reads it (a rank's shard before its gather, coded bytes before
+/// their decode), with the events that order its reuse.
+struct Staging<A: Api> {
     buffer: Arc<A::DeviceBuffer>,
-    /// Recorded on the copy stream after the shard copy.
+    /// Recorded on the copy stream after the copy into it.
     copied: A::Event,
-    /// Recorded on the communication stream after the gather that read it.
+    /// Recorded on the stream that read it (communication, decode) after
+    /// the gather or decode that read it.
     consumed: A::Event,
 }
 
 /// What a gathering engine adds: the group and its shard buffers.
 struct Gather<A: Api> {
     collective: Arc<dyn Collective<A>>,
-    shards: Vec<ShardBuffer<A>>,
+    shards: Vec<Staging<A>>,
+    next: usize,
+}
+
+/// What a decoding engine adds: the codec and its staging buffers.
+struct Decoding<A: Api> {
+    codec: Arc<dyn Codec<A>>,
+    staging: Vec<Staging<A>>,
     next: usize,
 }
 
@@ -113,6 +125,7 @@ struct State<A: Api> {
     table: SlotTable,
     depth: usize,
     gather: Option<Gather<A>>,
+    decoding: Option<Decoding<A>>,
     /// Extra host masters kept only when a planted bug asks for them.
     shadow_masters: Vec<HostMaster<A>>,
     /// The slot each block was last filled into (read only by the
@@ -158,6 +171,9 @@ impl<A: Api> StrategyState<A> for State<A> {
             self.slots.iter().map(|s| Arc::clone(&s.buffer)).collect();
         if let Some(g) = &self.gather {
             buffers.extend(g.shards.iter().map(|s| Arc::clone(&s.buffer)));
+        }
+        if let Some(d) = &self.decoding {
+            buffers.extend(d.staging.iter().map(|s| Arc::clone(&s.buffer)));
         }
         bytes_of::<A>(&self.resident) + bytes_of::<A>(&buffers)
     }
@@ -231,6 +247,9 @@ enum Transport {
     /// This rank's shard → shard buffer on the copy stream, then an
     /// all-gather into the slot on the communication stream.
     Gather,
+    /// The block's coded bytes → a staging buffer on the copy stream, then
+    /// the codec's decode into the slot on the decode stream.
+    Decode,
 }
 
 impl Transport {
@@ -381,6 +400,102 @@ impl Transport {
                     .record_event(&buffer.consumed, comm)
                     .map_err(|e| dev_err("record_event(shard consumed)", e))
             }
+            Transport::Decode => {
+                let decode = h
+                    .decode
+                    .as_ref()
+                    .expect("a decoding engine has a decode stream");
+                let (coded_bytes, work) = master.coded.expect("a decoded block is coded");
+                let decoded_bytes = master.unit.bytes;
+                let decoding = st.decoding.as_mut().expect("a decoding engine");
+                let j = decoding.next;
+                decoding.next = (j + 1) % decoding.staging.len();
+                let buffer = &decoding.staging[j];
+                // The copy writes only the staging buffer: it waits for the
+                // decode that last read it, never for compute.
+                if !engine.bug(PlantedBug::StagingReuseBeforeDecode) {
+                    h.device
+                        .stream_wait_event(&h.copy, &buffer.consumed)
+                        .map_err(|e| dev_err("stream_wait_event(copy, staging consumed)", e))?;
+                }
+                if let Some(t) = &st.timer {
+                    t.mark(&h.copy, Mark::CopyStart { bytes: coded_bytes })?;
+                }
+                if !stale {
+                    let _span = transfer_span(name, coded_bytes, "copy", "h2d coded").entered();
+                    // SAFETY: the master is exactly `coded_bytes` (its coded
+                    // blob) and the staging buffer holds the largest; the
+                    // copy stream waits above for the decode that last read
+                    // the buffer, and the decode reading it waits for
+                    // `copied` (next); the master is freed only after
+                    // draining.
+                    unsafe {
+                        h.device.copy_h2d(
+                            &h.copy,
+                            master.host.source(),
+                            0,
+                            &buffer.buffer,
+                            0,
+                            coded_bytes,
+                        )
+                    }
+                    .map_err(|e| dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e))?;
+                }
+                if let Some(t) = &st.timer {
+                    t.mark(&h.copy, Mark::CopyEnd)?;
+                }
+                h.device
+                    .record_event(&buffer.copied, &h.copy)
+                    .map_err(|e| dev_err("record_event(staging copied)", e))?;
+                if engine.bug(PlantedBug::ComputeBeforeDecode) {
+                    h.device
+                        .record_event(&slot.ready, &h.copy)
+                        .map_err(|e| dev_err("record_event(ready)", e))?;
+                }
+                if !engine.bug(PlantedBug::DecodeBeforeCopy) {
+                    h.device
+                        .stream_wait_event(decode, &buffer.copied)
+                        .map_err(|e| dev_err("stream_wait_event(decode, staging copied)", e))?;
+                }
+                if !engine.bug(PlantedBug::DecodeIntoSlotInUse) {
+                    wait(decode, "decode")?;
+                }
+                let _span = transfer_span(name, decoded_bytes, "decode", "decode").entered();
+                // SAFETY: the staging buffer holds the coded bytes once the
+                // decode stream reaches this call (it waits for `copied`
+                // above) and is not rewritten before `consumed` (recorded
+                // next, waited for by the next copy into it); the decode
+                // writes `decoded_bytes` ≤ the slot after the slot's last
+                // use, and compute waits for `ready` (recorded next).
+                unsafe {
+                    decoding.codec.decode(
+                        decode,
+                        &buffer.buffer,
+                        coded_bytes,
+                        work,
+                        &slot.buffer,
+                        decoded_bytes,
+                    )
+                }
+                .map_err(|e| {
+                    dev_err(
+                        format!(
+                            "decode of `{}` ({coded_bytes} → {decoded_bytes} bytes, {})",
+                            master.unit.name,
+                            decoding.codec.name()
+                        ),
+                        e,
+                    )
+                })?;
+                if !engine.bug(PlantedBug::ComputeBeforeDecode) {
+                    h.device
+                        .record_event(&slot.ready, decode)
+                        .map_err(|e| dev_err("record_event(ready)", e))?;
+                }
+                h.device
+                    .record_event(&buffer.consumed, decode)
+                    .map_err(|e| dev_err("record_event(staging consumed)", e))
+            }
         }
     }
 }
@@ -415,6 +530,8 @@ fn fill<A: Api>(
     };
     let transport = if st.rings[ring].gathered {
         Transport::Gather
+    } else if st.rings[ring].blocks[source].coded.is_some() {
+        Transport::Decode
     } else {
         Transport::Copy
     };
@@ -487,6 +604,11 @@ fn release_state<A: Api>(
                 first.get_or_insert(e);
             }
         }
+        for staging in st.decoding.into_iter().flat_map(|d| d.staging) {
+            if let Err(e) = h.free(staging.buffer, &[&staging.copied, &staging.consumed], "staging") {
+                first.get_or_insert(e);
+            }
+        }
         h.free_all(st.resident, "resident unit", first);
         for master in st
             .rings
@@ -512,6 +634,107 @@ fn release_state<A: Api>(
             }
         }
     })
+}
+
+/// Staging buffers of a decoding engine: a copy may run one block ahead of
+/// the decode reading the other.
+pub(crate) const STAGING_BUFFERS: usize = 2;
+
+/// Storages every tensor of which is bf16 (their spans are coded).
+fn bf16_storages(p: &crate::model::Pipeline) -> BTreeSet<StorageId> {
+    let mut other = BTreeSet::new();
+    let mut bf16 = BTreeSet::new();
+    for (_, t) in p.tensors() {
+        if t.dtype == crate::model::DType::Bf16 {
+            bf16.insert(t.storage);
+        } else {
+            other.insert(t.storage);
+        }
+    }
+    bf16.difference(&other).copied().collect()
+}
+
+/// A unit's storages as a codec's spans, in unit order.
+fn spans_of(unit: &Unit, bf16: &BTreeSet<StorageId>) -> Vec<CodecSpan> {
+    let mut spans: Vec<CodecSpan> = unit
+        .entries
+        .iter()
+        .map(|e| CodecSpan {
+            offset: e.offset,
+            bytes: e.bytes,
+            bf16: bf16.contains(&e.storage),
+        })
+        .collect();
+    spans.sort_by_key(|s| s.offset);
+    spans
+}
+
+/// What encoding at enable did, for its log line.
+#[derive(Default)]
+struct CodingTally {
+    blocks: usize,
+    raw: usize,
+    decoded: u64,
+    coded: u64,
+    seconds: f64,
+}
+
+impl CodingTally {
+    fn log(&self, codec: Option<&dyn Codec<impl Api>>) {
+        let Some(codec) = codec else { return };
+        tracing::info!(
+            blocks = self.blocks,
+            raw_blocks = self.raw,
+            bytes = self.decoded,
+            coded_bytes = self.coded,
+            seconds = self.seconds,
+            "weight_compression = \"lossless\": no packed checkpoint, so {} blocks were encoded ({}) at enable: {} of {} bytes ({:.4}) in {:.2} s; {} stream raw",
+            self.blocks,
+            codec.name(),
+            self.coded,
+            self.decoded,
+            self.coded as f64 / self.decoded.max(1) as f64,
+            self.seconds,
+            self.raw
+        );
+    }
+}
+
+/// The coded master of `unit`, or `None` (logged) where the codec refused
+/// it or its blob exceeds [`coded_bound`] (then it is freed and the block
+/// streams raw).
+fn coded_master<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+    spans: &[CodecSpan],
+    codec: &dyn Codec<A>,
+    tally: &mut CodingTally,
+) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
+    let start = std::time::Instant::now();
+    let made = h.coded_master(unit, spans, codec)?;
+    tally.seconds += start.elapsed().as_secs_f64();
+    tally.decoded += unit.bytes;
+    let bound = coded_bound(unit.bytes, spans.len());
+    match made {
+        Some((master, work)) if master.len_bytes() <= bound => {
+            tally.blocks += 1;
+            tally.coded += master.len_bytes();
+            Ok(Some((master, work)))
+        }
+        Some((master, _)) => {
+            tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, master.len_bytes(), unit.bytes);
+            // SAFETY: no copy has read the master yet.
+            unsafe { h.free_master(master) }?;
+            tally.raw += 1;
+            tally.coded += unit.bytes;
+            Ok(None)
+        }
+        None => {
+            tally.raw += 1;
+            tally.coded += unit.bytes;
+            Ok(None)
+        }
+    }
 }
 
 /// The hook on one block.
@@ -672,6 +895,8 @@ pub struct LayerwiseBackend<A: Api> {
     lifecycle: Lifecycle,
     engine: Arc<Engine<A>>,
     collective: Option<Arc<dyn Collective<A>>>,
+    /// The codec, when `weight_compression = "lossless"`.
+    codec: Option<Arc<dyn Codec<A>>>,
     hooked: Vec<ModuleId>,
 }
 
@@ -711,7 +936,29 @@ impl<A: Api> LayerwiseBackend<A> {
             weights,
             config,
             depth,
-            collective,
+            (collective, None),
+            Bugs::default(),
+        )
+    }
+
+    /// A layerwise backend whose streamed blocks cross the link coded by
+    /// `codec` when the configuration says `weight_compression =
+    /// "lossless"` (CONTRACT §7b).
+    pub fn with_codec(
+        device: Arc<A::Device>,
+        compute: Arc<A::Stream>,
+        weights: Arc<dyn WeightSource>,
+        config: OffloadConfig,
+        depth: usize,
+        codec: Arc<dyn Codec<A>>,
+    ) -> Result<Self, OffloadError> {
+        Self::build_backend(
+            device,
+            compute,
+            weights,
+            config,
+            depth,
+            (None, Some(codec)),
             Bugs::default(),
         )
     }
@@ -722,7 +969,7 @@ impl<A: Api> LayerwiseBackend<A> {
         weights: Arc<dyn WeightSource>,
         config: OffloadConfig,
         depth: usize,
-        collective: Option<Arc<dyn Collective<A>>>,
+        (collective, codec): (Option<Arc<dyn Collective<A>>>, Option<Arc<dyn Codec<A>>>),
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
         let selection = config.select()?;
@@ -761,9 +1008,20 @@ impl<A: Api> LayerwiseBackend<A> {
         } else {
             None
         };
+        let coding = config.compression() == WeightCompression::Lossless;
+        let codec = if coding {
+            Some(codec.ok_or_else(|| {
+                OffloadError::Config(Box::new(no_codec(config.compression())))
+            })?)
+        } else {
+            None
+        };
         let mut handles = Handles::new(device, compute, weights)?;
         if gathers {
             handles = handles.with_comm()?;
+        }
+        if coding {
+            handles = handles.with_decode()?;
         }
         // The configuration's depth, else the platform's.
         let depth = config.prefetch_depth.map_or(depth, |d| d as usize);
@@ -778,6 +1036,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 group: group.size,
             }),
             collective,
+            codec,
             hooked: Vec::new(),
         })
     }
@@ -791,6 +1050,7 @@ impl<A: Api> LayerwiseBackend<A> {
             table: SlotTable::new(0),
             depth,
             gather: None,
+            decoding: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
             timer: None,
@@ -823,7 +1083,10 @@ impl<A: Api> LayerwiseBackend<A> {
             Default::default()
         };
         // Host masters, pinned once, exact size: whole blocks, or this
-        // rank's shards.
+        // rank's shards, or (`weight_compression = "lossless"`) a block's
+        // coded bytes.
+        let bf16 = bf16_storages(&model.pipeline);
+        let mut coding = CodingTally::default();
         for spec in &layout.rings {
             st.rings.push(Ring {
                 blocks: Vec::new(),
@@ -833,10 +1096,24 @@ impl<A: Api> LayerwiseBackend<A> {
             st.filled_into.push(vec![None; spec.blocks.len()]);
             for block in &spec.blocks {
                 let unit = block.unit.clone();
-                let host = Arc::new(match &block.shard {
-                    Some(shard) => h.counted(HostMaster::Pinned(h.fill_shard(&unit, shard)?)),
-                    None => h.master(&unit, &skip)?,
-                });
+                let (host, coded) = match (&block.shard, &self.codec) {
+                    (Some(shard), _) => (
+                        h.counted(HostMaster::Pinned(h.fill_shard(&unit, shard)?)),
+                        None,
+                    ),
+                    (None, Some(codec)) if skip.is_empty() => {
+                        let spans = spans_of(&unit, &bf16);
+                        match coded_master(h, &unit, &spans, &**codec, &mut coding)? {
+                            Some((master, work)) => {
+                                let len = master.len_bytes();
+                                (master, Some((len, work)))
+                            }
+                            None => (h.master(&unit, &skip)?, None),
+                        }
+                    }
+                    _ => (h.master(&unit, &skip)?, None),
+                };
+                let host = Arc::new(host);
                 st.placement.claim(&unit)?;
                 st.rings
                     .last_mut()
@@ -846,6 +1123,7 @@ impl<A: Api> LayerwiseBackend<A> {
                         unit,
                         host,
                         shard: block.shard,
+                        coded,
                     });
                 if engine.bug(PlantedBug::SecondHostCopy) {
                     // Counted: the report shows the second copy it plants.
@@ -884,12 +1162,34 @@ impl<A: Api> LayerwiseBackend<A> {
                 last_use: self.event()?,
             });
         }
+        coding.log(self.codec.as_deref());
+        let staging_bytes = st
+            .rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .filter_map(|m| m.coded.map(|(bytes, _)| bytes))
+            .max();
+        if let (Some(codec), Some(bytes)) = (&self.codec, staging_bytes) {
+            let mut staging = Vec::new();
+            for j in 0..STAGING_BUFFERS {
+                staging.push(Staging {
+                    buffer: self.alloc(bytes, &format!("staging{j}"))?,
+                    copied: self.event()?,
+                    consumed: self.event()?,
+                });
+            }
+            st.decoding = Some(Decoding {
+                codec: Arc::clone(codec),
+                staging,
+                next: 0,
+            });
+        }
         if let Some(collective) = &self.collective
             && layout.gathers()
         {
             let mut shards = Vec::new();
             for j in 0..layout.shard_buffers() {
-                shards.push(ShardBuffer {
+                shards.push(Staging {
                     buffer: self.alloc(layout.shard_bytes, &format!("shard{j}"))?,
                     copied: self.event()?,
                     consumed: self.event()?,
@@ -1278,6 +1578,7 @@ impl<A: Api> RingEngine<A> {
             table: SlotTable::new(0),
             depth: 1,
             gather: None,
+            decoding: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
             timer,
@@ -1311,6 +1612,7 @@ impl<A: Api> RingEngine<A> {
                         unit,
                         host,
                         shard: None,
+                        coded: None,
                     });
                 }
             }

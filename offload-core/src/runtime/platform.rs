@@ -5,7 +5,7 @@
 use crate::sync::Arc;
 
 use crate::config::{OffloadStrategy, ParallelConfig};
-use crate::device::{Api, Collective};
+use crate::device::{Api, Codec, Collective};
 use crate::lifecycle::{BackendRequest, DeviceSpec, OffloadError, Platform, get_offload_backend};
 use crate::runtime::backend::{Backend, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
@@ -24,6 +24,7 @@ pub struct CorePlatform<A: Api> {
     planner: Option<crate::budget::PlannerInputs>,
     request: Option<crate::request::RequestShape>,
     collective: Option<Arc<dyn Collective<A>>>,
+    codec: Option<Arc<dyn Codec<A>>>,
     bugs: Vec<PlantedBug>,
 }
 
@@ -44,6 +45,7 @@ impl<A: Api> CorePlatform<A> {
             planner: None,
             request: None,
             collective: None,
+            codec: None,
             bugs: Vec::new(),
         }
     }
@@ -104,6 +106,14 @@ impl<A: Api> CorePlatform<A> {
         self
     }
 
+    /// The device's lossless block codec (CONTRACT §7b): what
+    /// `weight_compression = "lossless"` codes streamed blocks with.
+    /// Without it, that key is refused.
+    pub fn with_codec(mut self, codec: Arc<dyn Codec<A>>) -> Self {
+        self.codec = Some(codec);
+        self
+    }
+
     /// A layerwise or distributed layerwise backend for `config` (whichever
     /// it selects; to plant test bugs in, or to skip the factory).
     pub fn layerwise(
@@ -116,7 +126,7 @@ impl<A: Api> CorePlatform<A> {
             Arc::clone(&self.weights),
             config,
             self.prefetch_depth,
-            self.collective.clone(),
+            (self.collective.clone(), self.codec.clone()),
             self.bugs(),
         )
     }

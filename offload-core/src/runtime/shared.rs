@@ -7,7 +7,7 @@ use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use std::collections::BTreeSet;
 
 use crate::config::{OffloadConfig, OffloadStrategy};
-use crate::device::{Api, ByteSource, Device, DeviceBuffer, HostBuffer, HostSource};
+use crate::device::{Api, ByteSource, Codec, CodecSpan, Device, DeviceBuffer, HostBuffer, HostSource};
 use crate::lifecycle::OffloadError;
 use crate::model::{Pipeline, StorageId};
 use crate::plan::{ResolvedPlan, resolve};
@@ -50,6 +50,8 @@ pub(crate) struct Handles<A: Api> {
     pub(crate) copy: A::Stream,
     /// The communication stream gathers run on (gathering backends only).
     pub(crate) comm: Option<A::Stream>,
+    /// The stream decodes run on (a ring that decodes, CONTRACT §7b).
+    pub(crate) decode: Option<A::Stream>,
     pub(crate) weights: Arc<dyn WeightSource>,
     /// The host masters made through these handles and not yet freed.
     masters: Mutex<HostMasters>,
@@ -137,6 +139,7 @@ impl<A: Api> Handles<A> {
             compute,
             copy,
             comm: None,
+            decode: None,
             weights,
             masters: Mutex::new(HostMasters::default()),
         })
@@ -154,12 +157,28 @@ impl<A: Api> Handles<A> {
         Ok(self)
     }
 
+    /// Adds the stream a decoding ring runs its decodes on.
+    pub(crate) fn with_decode(mut self) -> Result<Self, OffloadError> {
+        let decode = self
+            .device
+            .create_stream()
+            .map_err(|e| dev_err("create_stream", e))?;
+        self.device.name_stream(&decode, "decode");
+        self.decode = Some(decode);
+        Ok(self)
+    }
+
     /// Waits for everything enqueued on its streams (enable, disable,
     /// rollback: never on the hot path).
     pub(crate) fn drain(&self) -> Result<(), OffloadError> {
         self.device
             .synchronize_stream(&self.copy)
             .map_err(|e| dev_err("synchronize_stream(copy)", e))?;
+        if let Some(decode) = &self.decode {
+            self.device
+                .synchronize_stream(decode)
+                .map_err(|e| dev_err("synchronize_stream(decode)", e))?;
+        }
         if let Some(comm) = &self.comm {
             self.device
                 .synchronize_stream(comm)
@@ -221,6 +240,38 @@ impl<A: Api> Handles<A> {
             );
         }
         Ok(host)
+    }
+
+    /// The coded host master of `unit` (CONTRACT §7b): its bytes read from
+    /// the weight source, encoded by `codec`, pinned at the coded size;
+    /// with the decode's work items. `None` (logged) where the codec
+    /// refuses: the block then streams raw.
+    pub(crate) fn coded_master(
+        &self,
+        unit: &Unit,
+        spans: &[CodecSpan],
+        codec: &dyn Codec<A>,
+    ) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
+        let reader = UnitBytes {
+            weights: &*self.weights,
+            unit,
+        };
+        let coded = match codec.encode(&reader, unit.bytes, spans) {
+            Ok(coded) => coded,
+            Err(reason) => {
+                tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
+                return Ok(None);
+            }
+        };
+        let len = coded.blob.len() as u64;
+        let mut host = self.device.alloc_pinned(len).map_err(|e| {
+            dev_err(
+                format!("alloc_pinned({len} bytes) for the coded `{}`", unit.name),
+                e,
+            )
+        })?;
+        host.write_from(0, len, &coded.blob);
+        Ok(Some((self.counted(HostMaster::Pinned(host)), coded.work)))
     }
 
     /// A pinned host buffer of exactly `shard.bytes`: bytes
@@ -454,6 +505,25 @@ struct StorageBytes<'a> {
 impl ByteSource for StorageBytes<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         self.weights.read(self.storage, self.base + position, dst);
+    }
+}
+
+/// A unit's bytes in its packing, read from the weight source.
+struct UnitBytes<'a> {
+    weights: &'a dyn WeightSource,
+    unit: &'a Unit,
+}
+
+impl ByteSource for UnitBytes<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        let end = position + dst.len() as u64;
+        for e in &self.unit.entries {
+            let (from, to) = (e.offset.max(position), (e.offset + e.bytes).min(end));
+            if from < to {
+                let out = &mut dst[(from - position) as usize..(to - position) as usize];
+                self.weights.read(e.storage, from - e.offset, out);
+            }
+        }
     }
 }
 
