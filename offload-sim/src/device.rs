@@ -322,6 +322,9 @@ enum Engine {
     D2h,
     Compute,
     Collective,
+    /// Lossless decodes (CONTRACT §7b): concurrent with compute, which they
+    /// slow by the profile's `decode_interference`.
+    Decode,
 }
 
 /// A data effect waiting for its simulated time.
@@ -341,19 +344,47 @@ enum Effect {
         inputs: Vec<(u64, Range<u64>)>,
         accumulator: usize,
     },
-    /// An all-gather lands (at its completion): the bytes every rank
-    /// contributed, assembled, with a payload divisor only the kept ones
-    /// of `dst_offset..dst_offset + len`.
+    /// An all-gather or a decode lands (at its completion): the bytes every
+    /// rank contributed, assembled (or the decoded bytes), with a payload
+    /// divisor only the kept ones of `dst_offset..dst_offset + len`.
     Gather {
         dst: u64,
         dst_offset: u64,
         len: u64,
         data: Vec<u8>,
     },
+    /// A decode starts (CONTRACT §7b): it reads the kept bytes of
+    /// `src[..coded]` as they are now, decodes them, and schedules their
+    /// landing in `dst[..decoded]` at `end` (zeros where they do not
+    /// decode).
+    Decode {
+        src: u64,
+        coded: u64,
+        dst: u64,
+        decoded: u64,
+        /// When it lands, and the sequence number reserved for the landing
+        /// when the decode was issued (so it lands before work issued
+        /// after it that starts at the same time).
+        end: (u64, u64),
+        decoder: Decoder,
+    },
     /// The device reaches a free: the memory goes.
     Free { id: u64 },
     /// A memset of an accumulator.
     Reset { accumulator: usize },
+}
+
+/// What a decode runs on the bytes it reads ([`SimDevice::decode`]).
+pub type DecodeFn = Arc<dyn Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync>;
+
+/// A [`DecodeFn`] held by a pending effect.
+#[derive(Clone)]
+pub struct Decoder(DecodeFn);
+
+impl fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Decoder")
+    }
 }
 
 /// Seeded stretching of the timeline: before each device operation, with
@@ -441,6 +472,14 @@ pub struct SimStats {
     pub copies: u64,
     /// Kernels so far.
     pub kernels: u64,
+    /// Lossless decodes so far (CONTRACT §7b).
+    pub decodes: u64,
+    /// Bytes those decodes wrote.
+    pub decoded_bytes: u64,
+    /// Decodes whose input did not decode (the bytes a staging buffer held
+    /// when the decode started were not a whole coded block): each wrote
+    /// zeros, as a GPU decoder raises its error flag.
+    pub decode_errors: u64,
     /// Host synchronisations (of a stream or an event) so far.
     pub syncs: u64,
 }
@@ -470,7 +509,7 @@ struct State {
     pending: BTreeMap<(u64, u64), Effect>,
     next_id: u64,
     next_seq: u64,
-    engines: [u64; 4],
+    engines: [u64; 5],
     op_clocks: Vec<VectorClock>,
     checker: BufferOrderChecker,
     violations: Vec<Violation>,
@@ -685,6 +724,37 @@ impl State {
                     let n = out.len().min(data.len());
                     out[..n].copy_from_slice(&data[..n]);
                 }
+            }
+            Effect::Decode {
+                src,
+                coded,
+                dst,
+                decoded,
+                end,
+                decoder,
+            } => {
+                let from = kept(0, coded, d);
+                let input: Vec<u8> = self
+                    .memory(Loc::Device(src))
+                    .and_then(|m| m.get(from.clone()))
+                    .map_or_else(|| vec![0; from.len()], <[u8]>::to_vec);
+                let kept_len = kept(0, decoded, d).len();
+                let data = match (decoder.0)(&input) {
+                    Some(out) if out.len() == kept_len => out,
+                    _ => {
+                        self.stats.decode_errors += 1;
+                        vec![0; kept_len]
+                    }
+                };
+                self.pending.insert(
+                    end,
+                    Effect::Gather {
+                        dst,
+                        dst_offset: 0,
+                        len: decoded,
+                        data,
+                    },
+                );
             }
             Effect::Reset { accumulator } => self.accumulators[accumulator] = 0,
             Effect::Free { id } => {
@@ -983,6 +1053,7 @@ impl State {
             Engine::D2h => "d2h",
             Engine::Collective => "all_gather",
             Engine::Compute => "compute",
+            Engine::Decode => "decode",
         };
         let op_name = format!("{kind} {} → {}", src.name, dst.name);
         self.check_range(&op_name, "source", src.offset, bytes, src.len)?;
@@ -1198,7 +1269,7 @@ impl SimDevice {
                 pending: BTreeMap::new(),
                 next_id: 1,
                 next_seq: 0,
-                engines: [0; 4],
+                engines: [0; 5],
                 op_clocks: Vec::new(),
                 checker: BufferOrderChecker::new(),
                 violations: Vec::new(),
@@ -1515,6 +1586,14 @@ impl SimDevice {
             let k = st.profile.copy_interference;
             let overlap = copying.min(duration_ns) as f64;
             (duration_ns as f64 + overlap * k).round() as u64
+        } else {
+            duration_ns
+        };
+        // And by a decode beside it, for the part of it the decode runs.
+        let decoding = st.engines[Engine::Decode as usize].saturating_sub(start);
+        let duration_ns = if decoding > 0 {
+            let k = st.profile.decode_interference;
+            (duration_ns as f64 + decoding.min(duration_ns) as f64 * k).round() as u64
         } else {
             duration_ns
         };
@@ -2054,6 +2133,73 @@ impl SimDevice {
         );
     }
 
+    /// A lossless decode on `stream` (CONTRACT §7b): reads
+    /// `src[..coded_bytes]` when it starts and writes `dst[..decoded_bytes]`
+    /// when it ends (INV-3 checks both, with the stream's clock); runs on
+    /// the decode engine for the profile's `decode_ns`. At its start
+    /// (simulated time: copies that land before it are seen, whenever
+    /// they were issued), `decode` turns the kept bytes `src` holds (every
+    /// one with no payload divisor) into the kept bytes of the output, or
+    /// `None` where they do not decode (counted in `decode_errors`; zeros
+    /// land instead).
+    pub fn decode(
+        &self,
+        stream: &SimStream,
+        (src, coded_bytes): (&SimDeviceBuffer, u64),
+        (dst, decoded_bytes): (&SimDeviceBuffer, u64),
+        decode: DecodeFn,
+    ) -> Result<(), SimError> {
+        let mut st = self.state();
+        let name = format!("decode {} → {}", st.dev_name(src.id), st.dev_name(dst.id));
+        for (what, buffer) in [("source", src), ("destination", dst)] {
+            if !Arc::ptr_eq(&buffer.shared, &self.shared) {
+                return Err(st.err(
+                    name,
+                    DeviceErrorKind::Other,
+                    format!("the {what} buffer belongs to another device"),
+                ));
+            }
+        }
+        st.check_range(&name, "source", 0, coded_bytes, src.len)?;
+        st.check_range(&name, "destination", 0, decoded_bytes, dst.len)?;
+        let duration = st.profile.decode_ns(decoded_bytes);
+        let (op, start, end) = st.enqueue(stream.index, Engine::Decode, duration, &name)?;
+        st.stats.decodes += 1;
+        st.stats.decoded_bytes += decoded_bytes;
+        let stream_name = st.streams[stream.index].name.clone();
+        let (src_name, dst_name) = (st.dev_name(src.id), st.dev_name(dst.id));
+        st.observe(
+            op,
+            src_name,
+            0..coded_bytes,
+            stream_name.clone(),
+            Access::Read,
+            name.clone(),
+        );
+        st.observe(
+            op,
+            dst_name,
+            0..decoded_bytes,
+            stream_name,
+            Access::Write,
+            name,
+        );
+        st.next_seq += 1;
+        let landing = (end, st.next_seq);
+        st.schedule(
+            start,
+            Effect::Decode {
+                src: src.id,
+                coded: coded_bytes,
+                dst: dst.id,
+                decoded: decoded_bytes,
+                end: landing,
+                decoder: Decoder(decode),
+            },
+        );
+        Ok(())
+    }
+
     /// Records a violation seen outside this device (by its collective
     /// group).
     pub(crate) fn report(&self, invariant: Invariant, detail: String) {
@@ -2061,7 +2207,7 @@ impl SimDevice {
     }
 
     /// The payload divisor.
-    pub(crate) fn payload_divisor(&self) -> u64 {
+    pub fn payload_divisor(&self) -> u64 {
         self.state().divisor
     }
 

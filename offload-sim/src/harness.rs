@@ -97,6 +97,9 @@ pub struct RunOptions {
     /// What a device budget is planned from (saved measurements), instead
     /// of a warm-up.
     pub planner: Option<offload_core::budget::PlannerInputs>,
+    /// Weights that look trained ([`crate::presets::TrainedWeights`])
+    /// instead of uniform bytes: what a lossless code's ratio is honest on.
+    pub trained_weights: bool,
 }
 
 impl RunOptions {
@@ -121,6 +124,7 @@ impl RunOptions {
             jitter: None,
             bugs: Vec::new(),
             planner: None,
+            trained_weights: false,
         }
     }
 }
@@ -738,7 +742,11 @@ impl Rig {
 
     /// A fresh device with `pipeline` and synthetic weights of `opts.seed`.
     pub fn new(pipeline: offload_core::Pipeline, opts: &RunOptions) -> Result<Self, OffloadError> {
-        let weights: Arc<dyn WeightSource> = Arc::new(SyntheticWeights { seed: opts.seed });
+        let weights: Arc<dyn WeightSource> = if opts.trained_weights {
+            Arc::new(crate::presets::TrainedWeights::new(opts.seed, &pipeline))
+        } else {
+            Arc::new(SyntheticWeights { seed: opts.seed })
+        };
         Self::with_weights(pipeline, opts, weights)
     }
 
@@ -774,7 +782,8 @@ impl Rig {
                 Arc::clone(&compute),
                 weights,
             )
-            .with_prefetch_depth(opts.prefetch_depth),
+            .with_prefetch_depth(opts.prefetch_depth)
+            .with_codec(Arc::new(crate::codec::SimCodec::new(&device))),
             &opts.bugs,
         );
         let platform = match collective {

@@ -302,7 +302,13 @@ pub struct Preset {
 
 impl Preset {
     /// Every preset name.
-    pub const NAMES: [&'static str; 4] = ["flux1-dev", "wan2.2-t2v-a14b", "qwen-image", "tiny"];
+    pub const NAMES: [&'static str; 5] = [
+        "flux1-dev",
+        "wan2.2-t2v-a14b",
+        "qwen-image",
+        "tiny",
+        "tiny-wide",
+    ];
 
     /// The preset called `name`.
     pub fn by_name(name: &str) -> Option<Self> {
@@ -311,6 +317,7 @@ impl Preset {
             "wan2.2-t2v-a14b" => Some(wan22_t2v_a14b()),
             "qwen-image" => Some(qwen_image()),
             "tiny" => Some(tiny()),
+            "tiny-wide" => Some(tiny_wide()),
             _ => None,
         }
     }
@@ -916,7 +923,17 @@ pub fn qwen_image() -> Preset {
 /// Wan2.2 (the second half of the steps), a tied embedding, a
 /// non-persistent buffer, mixed dtypes.
 pub fn tiny() -> Preset {
-    let d = 32u64;
+    tiny_with("tiny", 32)
+}
+
+/// [`tiny`] with hidden size 128: its linear weights (12,288 to 65,536
+/// values) are large enough for a lossless exponent code to take them
+/// (CONTRACT §7b), the streamed blocks about 2.3 MB in all.
+pub fn tiny_wide() -> Preset {
+    tiny_with("tiny-wide", 128)
+}
+
+fn tiny_with(name: &'static str, d: u64) -> Preset {
     let mut b = PipelineBuilder::new("TinyPipeline");
     {
         let mut t = b.module("transformer");
@@ -965,7 +982,7 @@ pub fn tiny() -> Preset {
     );
     b.warmup_request(warmup(64, 4, 16, 1));
     Preset {
-        name: "tiny",
+        name,
         pipeline: b.build().expect("tiny preset builds"),
         dits: vec!["transformer", "transformer_2"],
         encoders: vec!["text_encoder"],
@@ -1005,6 +1022,78 @@ impl WeightSource for SyntheticWeights {
             let p = position + i as u64;
             let word = splitmix(base ^ (p / 8));
             *out = (word >> ((p % 8) * 8)) as u8;
+        }
+    }
+
+    /// Every byte can be regenerated: nothing to hand back at disable.
+    fn wants_restore(&self) -> bool {
+        false
+    }
+}
+
+/// Weights that look trained, deterministic: each bf16 storage's values
+/// are N(0, 1/fan-in) (fan-in: the second dimension of its first 2-D
+/// tensor, else the last), as initialised weights are and trained ones
+/// stay within half a point of for an exponent code; every other storage's
+/// bytes are [`SyntheticWeights`]'. What a lossless code's ratio is honest
+/// on (`SyntheticWeights`' uniform bytes give a code nothing to take).
+#[derive(Clone, Debug)]
+pub struct TrainedWeights {
+    seed: u64,
+    /// Per bf16 storage, its standard deviation.
+    scale: std::collections::BTreeMap<StorageId, f32>,
+    other: SyntheticWeights,
+}
+
+impl TrainedWeights {
+    /// Trained-looking weights for `pipeline` from `seed`.
+    pub fn new(seed: u64, pipeline: &offload_core::Pipeline) -> Self {
+        let mut scale = std::collections::BTreeMap::new();
+        let mut not_bf16 = std::collections::BTreeSet::new();
+        for (_, t) in pipeline.tensors() {
+            if t.dtype != offload_core::DType::Bf16 {
+                not_bf16.insert(t.storage);
+                continue;
+            }
+            let fan_in = match t.shape.as_slice() {
+                [_, f, ..] => *f,
+                [f] => *f,
+                [] => 1,
+            }
+            .max(1);
+            scale
+                .entry(t.storage)
+                .or_insert((1.0 / (fan_in as f64).sqrt()) as f32);
+        }
+        scale.retain(|s, _| !not_bf16.contains(s));
+        Self {
+            seed,
+            scale,
+            other: SyntheticWeights { seed },
+        }
+    }
+
+    /// bf16 value `e` of storage `storage` at `sigma`.
+    fn value(&self, storage: StorageId, e: u64, sigma: f32) -> u16 {
+        let base = splitmix(self.seed ^ 0x7261_696e ^ (storage.index() as u64).wrapping_mul(0x1000_0000_01b3));
+        let z = splitmix(base ^ e);
+        let u1 = ((z >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
+        let u2 = ((z >> 16) & 0xff_ffff) as f32 / (1u64 << 24) as f32;
+        let n = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+        let b = (n * sigma).to_bits();
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
+impl WeightSource for TrainedWeights {
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        let Some(&sigma) = self.scale.get(&storage) else {
+            return self.other.read(storage, position, dst);
+        };
+        for (i, out) in dst.iter_mut().enumerate() {
+            let p = position + i as u64;
+            let v = self.value(storage, p / 2, sigma);
+            *out = v.to_le_bytes()[(p % 2) as usize];
         }
     }
 

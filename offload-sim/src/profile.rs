@@ -17,6 +17,18 @@ pub struct LinkProfile {
     pub latency_us: f64,
 }
 
+/// The lossless decoder's rate as a share of the device's memory
+/// bandwidth: `offload-cuda`'s decoder wrote 1.30 TB/s of bf16 on the lent
+/// H200 (BENCHMARKS.md, "Packed weights decoded on the GPU"), 0.325 of the
+/// 4,000 GB/s this profile gives its memory; other cards are assumed to
+/// keep the share.
+pub const DECODE_SHARE_OF_HBM: f64 = 0.325;
+
+/// The share of a decode's duration a kernel beside it loses: an estimate
+/// (the decode is memory-bound and takes about a third of the memory
+/// bandwidth while it runs), not yet fitted to a GPU timeline.
+pub const DECODE_INTERFERENCE: f64 = 0.35;
+
 /// What one simulated GPU and its link can do.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct DeviceProfile {
@@ -52,6 +64,13 @@ pub struct DeviceProfile {
     /// How much slower a kernel runs while a host→device copy runs beside
     /// it (0.035: 3.5 %): the copy's traffic competes for device memory.
     pub copy_interference: f64,
+    /// The lossless decoder's rate (CONTRACT §7b), GB/s of decoded bytes
+    /// written: what a decode on the decode stream takes
+    /// ([`Self::decode_ns`]).
+    pub decode_gbps: f64,
+    /// How much of a decode's duration a compute kernel running beside it
+    /// loses (the decode takes SMs and memory bandwidth).
+    pub decode_interference: f64,
     /// Bandwidth of elementwise kernels over activations (a read and a
     /// write per element), GB/s: what [`BlockWork::activation_bytes`]
     /// costs.
@@ -113,6 +132,8 @@ impl DeviceProfile {
             attention_tflops: 450.0,
             elementwise_gbps: 3900.0,
             copy_interference: 0.033,
+            decode_gbps: DECODE_SHARE_OF_HBM * 4000.0,
+            decode_interference: DECODE_INTERFERENCE,
             kernel_latency_us: 6.0,
             memory_bytes: 141_000_000_000,
             host_mapping_divisor: 0,
@@ -149,6 +170,8 @@ impl DeviceProfile {
             attention_tflops: 100.0,
             elementwise_gbps: 700.0,
             copy_interference: 0.0,
+            decode_gbps: DECODE_SHARE_OF_HBM * 1008.0,
+            decode_interference: DECODE_INTERFERENCE,
             kernel_latency_us: 4.0,
             // 24 GiB of GDDR6X (the card reports 24,564 MiB; a budget of
             // "24GiB" names the whole card).
@@ -179,6 +202,8 @@ impl DeviceProfile {
             attention_tflops: 70.0,
             elementwise_gbps: 600.0,
             copy_interference: 0.0,
+            decode_gbps: DECODE_SHARE_OF_HBM * 864.0,
+            decode_interference: DECODE_INTERFERENCE,
             kernel_latency_us: 4.0,
             // 48 GiB of GDDR6.
             memory_bytes: 48 << 30,
@@ -239,6 +264,11 @@ impl DeviceProfile {
     /// Every profile.
     pub fn all() -> Vec<Self> {
         vec![Self::h200(), Self::rtx4090(), Self::l20()]
+    }
+
+    /// A lossless decode of `decoded_bytes` on the device, ns.
+    pub fn decode_ns(&self, decoded_bytes: u64) -> u64 {
+        transfer_ns(decoded_bytes, self.decode_gbps, self.kernel_latency_us)
     }
 
     /// Nanoseconds to copy `bytes` host→device from pinned memory.

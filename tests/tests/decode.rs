@@ -1,0 +1,186 @@
+//! The decode transport (CONTRACT §7b) on the simulator: layerwise with
+//! `weight_compression = "lossless"` on weights that look trained is
+//! bit-identical to resident, moves fewer bytes over the link, and every
+//! ordering the transport adds is seen: each planted bug of the transport
+//! is reported by the device's happens-before checker (INV-3) or changes
+//! the output (INV-8), beside a clean control under the same delays.
+
+use offload_core::config::{OffloadConfig, WeightCompression};
+use offload_core::invariants::{Invariant, Violation};
+use offload_core::runtime::PlantedBug;
+use offload_sim::DeviceProfile;
+use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
+use offload_sim::job::memory_violations;
+use offload_sim::presets::tiny_wide;
+use offload_sim::Jitter;
+
+fn workload() -> Workload {
+    let preset = tiny_wide();
+    Workload {
+        tokens: preset.default_tokens,
+        preset,
+        steps: 3,
+        requests: 2,
+    }
+}
+
+fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>) -> RunOptions {
+    RunOptions {
+        bugs: bugs.to_vec(),
+        prefetch_depth: depth,
+        trained_weights: true,
+        jitter: jitter.map(|seed| Jitter {
+            seed,
+            probability: 0.3,
+            max_ns: 50_000,
+        }),
+        ..RunOptions::new(DeviceProfile::h200())
+    }
+}
+
+fn layerwise(compression: WeightCompression) -> StrategyChoice {
+    StrategyChoice::Config(OffloadConfig {
+        enable_layerwise_offload: true,
+        weight_compression: Some(compression),
+        ..OffloadConfig::default()
+    })
+}
+
+fn outputs(o: &RunOutcome) -> Vec<u64> {
+    o.requests.iter().map(|r| r.output).collect()
+}
+
+fn resident() -> Vec<u64> {
+    outputs(&run(&workload(), &StrategyChoice::Resident, &opts(&[], 1, None)).unwrap())
+}
+
+fn all_violations(o: &RunOutcome) -> Vec<Violation> {
+    let mut v = o.violations.clone();
+    v.extend(memory_violations(o));
+    v
+}
+
+#[test]
+fn lossless_layerwise_is_bit_identical_and_moves_fewer_bytes() {
+    let want = resident();
+    for depth in [1, 2, 3] {
+        for jitter in [None, Some(1), Some(2)] {
+            let none = run(
+                &workload(),
+                &layerwise(WeightCompression::None),
+                &opts(&[], depth, jitter),
+            )
+            .unwrap();
+            let o = run(
+                &workload(),
+                &layerwise(WeightCompression::Lossless),
+                &opts(&[], depth, jitter),
+            )
+            .unwrap();
+            assert_eq!(outputs(&o), want, "depth {depth}, jitter {jitter:?}");
+            assert_eq!(all_violations(&o), vec![], "depth {depth}, jitter {jitter:?}");
+            assert!(o.at_end.decodes > 0);
+            assert_eq!(o.at_end.decode_errors, 0);
+            let (coded, raw) = (
+                o.requests[1].denoise_h2d_bytes,
+                none.requests[1].denoise_h2d_bytes,
+            );
+            assert!(
+                (coded as f64) < 0.75 * raw as f64,
+                "coded {coded} vs raw {raw} bytes on the link"
+            );
+            // Host masters: coded, so fewer bytes pinned than bf16.
+            assert!((o.host_weight_bytes as f64) < 0.75 * none.host_weight_bytes as f64);
+        }
+    }
+}
+
+/// Whether `bug` is seen (a checker violation or an output that differs
+/// from resident) at some depth and seed; the same runs without it are
+/// clean.
+fn seen(bug: PlantedBug) -> (bool, bool, Vec<String>) {
+    let want = resident();
+    let (mut violated, mut differs, mut what) = (false, false, Vec::new());
+    for depth in [1, 2] {
+        for jitter in [None, Some(1), Some(2), Some(3)] {
+            let clean = run(
+                &workload(),
+                &layerwise(WeightCompression::Lossless),
+                &opts(&[], depth, jitter),
+            )
+            .unwrap();
+            assert_eq!(outputs(&clean), want, "control, depth {depth}, {jitter:?}");
+            assert_eq!(all_violations(&clean), vec![], "control, depth {depth}, {jitter:?}");
+            let o = run(
+                &workload(),
+                &layerwise(WeightCompression::Lossless),
+                &opts(&[bug], depth, jitter),
+            )
+            .unwrap();
+            let v = all_violations(&o);
+            if v.iter().any(|v| v.invariant == Invariant::NoEarlyFree) {
+                violated = true;
+                what.extend(v.iter().take(1).map(|v| v.to_string()));
+            }
+            differs |= outputs(&o) != want;
+        }
+    }
+    (violated, differs, what)
+}
+
+#[test]
+fn a_decode_before_its_copy_landed_is_caught() {
+    let (violated, differs, what) = seen(PlantedBug::DecodeBeforeCopy);
+    assert!(violated, "no INV-3 violation");
+    assert!(differs, "the output never differed ({what:?})");
+}
+
+#[test]
+fn compute_before_its_decode_finished_is_caught() {
+    let (violated, differs, what) = seen(PlantedBug::ComputeBeforeDecode);
+    assert!(violated, "no INV-3 violation");
+    assert!(differs, "the output never differed ({what:?})");
+}
+
+#[test]
+fn a_staging_buffer_overwritten_before_its_decode_is_caught() {
+    let (violated, differs, what) = seen(PlantedBug::StagingReuseBeforeDecode);
+    assert!(violated, "no INV-3 violation");
+    assert!(differs, "the output never differed ({what:?})");
+}
+
+#[test]
+fn a_decode_into_a_slot_still_read_is_caught() {
+    let (violated, differs, what) = seen(PlantedBug::DecodeIntoSlotInUse);
+    assert!(violated, "no INV-3 violation");
+    assert!(differs, "the output never differed ({what:?})");
+}
+
+#[test]
+fn weight_compression_is_checked_where_it_cannot_apply() {
+    for (json, needle) in [
+        (
+            r#"{"enable_cpu_offload": true, "weight_compression": "lossless"}"#,
+            "with layerwise offload only",
+        ),
+        (
+            r#"{"enable_layerwise_offload": true, "weight_compression": "auto"}"#,
+            "reserved for the request planner",
+        ),
+        (
+            r#"{"device_budget": "8GiB", "weight_compression": "lossless"}"#,
+            "with a device_budget",
+        ),
+    ] {
+        let c = OffloadConfig::from_json_str(json).unwrap();
+        let e = c.select().unwrap_err().to_string();
+        assert!(e.contains("weight_compression") && e.contains(needle), "{json}: {e}");
+    }
+    let e = OffloadConfig::from_json_str(
+        r#"{"enable_layerwise_offload": true, "weight_compression": "zstd"}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("weight_compression") && e.contains("lossless"), "{e}");
+}
+
