@@ -142,6 +142,10 @@ pub struct RequestMeasure {
     pub denoise_h2d_bytes: u64,
     /// Time compute waited on events during denoising, ns.
     pub denoise_wait_ns: u64,
+    /// Decodes during denoising (CONTRACT §7b).
+    pub denoise_decodes: u64,
+    /// Bytes those decodes wrote.
+    pub denoise_decoded_bytes: u64,
     /// Bytes of the DiT blocks forwarded during denoising.
     pub block_bytes: u64,
     /// Bytes of the distinct DiTs used.
@@ -165,6 +169,8 @@ pub struct RequestMeasure {
 pub struct RunOutcome {
     /// The strategy that ran.
     pub strategy: OffloadStrategy,
+    /// The configuration it ran.
+    pub config: OffloadConfig,
     /// Per request.
     pub requests: Vec<RequestMeasure>,
     /// Virtual time `enable` took, ns.
@@ -543,6 +549,8 @@ fn request_inner(
     let s1 = device.stats();
     m.denoise_h2d_bytes = s1.h2d_bytes - s0.h2d_bytes;
     m.denoise_wait_ns = device.waited_ns(compute) - wait0;
+    m.denoise_decodes = s1.decodes - s0.decodes;
+    m.denoise_decoded_bytes = s1.decoded_bytes - s0.decoded_bytes;
     m.dit_bytes = used
         .iter()
         .filter_map(|d| p.module_id(d))
@@ -1062,6 +1070,7 @@ pub fn drive(
     }
     Ok(RunOutcome {
         strategy,
+        config: config.clone(),
         requests: measured,
         enable_ns,
         after_enable,

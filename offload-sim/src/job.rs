@@ -243,6 +243,18 @@ pub struct Report {
     pub streamed_weight_bytes: Option<u64>,
     /// Host→device bytes per denoising step.
     pub h2d_bytes_per_step: Option<u64>,
+    /// `weight_compression` of the row's configuration (CONTRACT §7b).
+    pub weight_compression: String,
+    /// Host→device bytes per step over the bf16 bytes of the blocks the
+    /// step streamed (layerwise): 1.0 uncoded, the code's ratio with
+    /// `"lossless"` (weights drawn like trained ones, see
+    /// `presets::TrainedWeights`).
+    pub link_ratio: Option<f64>,
+    /// Decodes per step and the decoder's time per step on the decode
+    /// engine (the profile's `decode_gbps`).
+    pub decodes_per_step: Option<f64>,
+    /// The decode engine's time per step, ms.
+    pub decode_ms_per_step: Option<f64>,
     /// Time compute waited on transfers per step.
     pub compute_wait_ms: Option<f64>,
     /// Time `enable` took.
@@ -552,6 +564,13 @@ fn report(
         host_bound_bytes: Some(out.bounds.host_weight_bytes),
         streamed_weight_bytes: Some(out.host_weight_bytes),
         h2d_bytes_per_step: Some(last.denoise_h2d_bytes / steps as u64),
+        weight_compression: compression_of(out),
+        link_ratio: (last.block_bytes > 0)
+            .then(|| last.denoise_h2d_bytes as f64 / last.block_bytes as f64),
+        decodes_per_step: Some(last.denoise_decodes as f64 / steps as f64),
+        decode_ms_per_step: Some(
+            profile.decode_ns(last.denoise_decoded_bytes) as f64 / steps as f64 / 1e6,
+        ),
         compute_wait_ms: Some(last.denoise_wait_ns as f64 / steps as f64 / 1e6),
         enable_ms: Some(out.enable_ns as f64 / 1e6),
         output_matches_resident: Some(matches),
@@ -651,6 +670,10 @@ impl Report {
             host_bound_bytes: None,
             streamed_weight_bytes: None,
             h2d_bytes_per_step: None,
+            weight_compression: String::new(),
+            link_ratio: None,
+            decodes_per_step: None,
+            decode_ms_per_step: None,
             compute_wait_ms: None,
             enable_ms: None,
             output_matches_resident: None,
@@ -1027,6 +1050,10 @@ fn run_dlo(
         host_bound_bytes: Some(first.bounds.host_weight_bytes),
         streamed_weight_bytes: Some(first.host_weight_bytes),
         h2d_bytes_per_step: Some(last.denoise_h2d_bytes / w.steps as u64),
+        weight_compression: "none".to_owned(),
+        link_ratio: None,
+        decodes_per_step: None,
+        decode_ms_per_step: None,
         compute_wait_ms: Some(last.denoise_wait_ns as f64 / w.steps as f64 / 1e6),
         enable_ms: Some(first.enable_ns as f64 / 1e6),
         output_matches_resident: Some(matches),
@@ -1042,6 +1069,11 @@ fn run_dlo(
         phases: Vec::new(),
         replanned: false,
     })
+}
+
+/// The `weight_compression` a run's configuration gave.
+fn compression_of(out: &RunOutcome) -> String {
+    out.config.compression().to_string()
 }
 
 fn strategy_name(choice: &StrategyChoice) -> String {
@@ -1074,7 +1106,12 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
     let total = 1 + choices.len();
     let ranks = ranks_of(args, &choices)?;
     let divisor = gather_divisor(args, &w, ranks, divisor)?;
+    // A coded row's ratio is honest only on weights that look trained.
+    let trained_weights = choices.iter().any(|c| {
+        c.config().compression() != offload_core::config::WeightCompression::None
+    });
     let opts = RunOptions {
+        trained_weights,
         prefetch_depth: args.prefetch_depth.unwrap_or(1),
         payload_divisor: divisor,
         faults: FaultPlan::none(),

@@ -339,6 +339,25 @@ fn print_table(r: &Report) {
     for (k, v) in rows {
         println!("  {k:<38} {v:>14}");
     }
+    if !matches!(r.weight_compression.as_str(), "" | "none") {
+        let coded = [
+            ("weight_compression", r.weight_compression.clone()),
+            (
+                "link bytes / bf16 block bytes",
+                r.link_ratio
+                    .map_or_else(|| "–".to_owned(), |v| format!("{v:.4}")),
+            ),
+            (
+                "decodes per step",
+                r.decodes_per_step
+                    .map_or_else(|| "–".to_owned(), |v| format!("{v:.1}")),
+            ),
+            ("decode engine per step", ms(r.decode_ms_per_step)),
+        ];
+        for (k, v) in coded {
+            println!("  {k:<38} {v:>14}");
+        }
+    }
     if !r.per_rank.is_empty() {
         println!(
             "  limit for {} ranks: max(compute, streamed / (G × per-rank bandwidth) + exposed gather {}); gathers {} per step on rank 0",
