@@ -245,10 +245,11 @@ pub struct Report {
     pub h2d_bytes_per_step: Option<u64>,
     /// `weight_compression` of the row's configuration (CONTRACT §7b).
     pub weight_compression: String,
-    /// Host→device bytes per step over the bf16 bytes of the blocks the
-    /// step streamed (layerwise): 1.0 uncoded, the code's ratio with
-    /// `"lossless"` (weights drawn like trained ones, see
-    /// `presets::TrainedWeights`).
+    /// Bytes a streamed block puts on the link over its bf16 bytes, for
+    /// all streamed blocks together (their host masters, which is what
+    /// each copy moves, over the bf16 bytes INV-7 counts for them): 1.0
+    /// uncoded, the code's ratio with `"lossless"` (on weights drawn like
+    /// trained ones, see `presets::TrainedWeights`).
     pub link_ratio: Option<f64>,
     /// Decodes per step and the decoder's time per step on the decode
     /// engine (the profile's `decode_gbps`).
@@ -565,8 +566,12 @@ fn report(
         streamed_weight_bytes: Some(out.host_weight_bytes),
         h2d_bytes_per_step: Some(last.denoise_h2d_bytes / steps as u64),
         weight_compression: compression_of(out),
-        link_ratio: (last.block_bytes > 0)
-            .then(|| last.denoise_h2d_bytes as f64 / last.block_bytes as f64),
+        link_ratio: (out.bounds.offloaded_bytes > 0 && out.strategy == OffloadStrategy::Layerwise)
+            .then(|| {
+                // The device's own count of the host masters after enable.
+                (out.after_enable.pinned_bytes + out.after_enable.registered_bytes) as f64
+                    / out.bounds.offloaded_bytes as f64
+            }),
         decodes_per_step: Some(last.denoise_decodes as f64 / steps as f64),
         decode_ms_per_step: Some(
             profile.decode_ns(last.denoise_decoded_bytes) as f64 / steps as f64 / 1e6,
