@@ -184,3 +184,43 @@ fn weight_compression_is_checked_where_it_cannot_apply() {
     assert!(e.contains("weight_compression") && e.contains("lossless"), "{e}");
 }
 
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("OFFLOAD_DECODE_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(12)
+        ))]
+        /// Any depth, any seeded delays (probability and length), any
+        /// weights' seed: a lossless layerwise run is the resident run
+        /// with no rule broken and no decode error.
+        #[test]
+        fn any_timing_keeps_lossless_layerwise_exact(
+            depth in 1usize..5,
+            seed in any::<u64>(),
+            probability in 0.0f64..0.9,
+            max_ns in 1u64..200_000,
+            weights in 0u64..4,
+        ) {
+            let mk = |jitter: Option<Jitter>| RunOptions {
+                prefetch_depth: depth,
+                trained_weights: true,
+                seed: weights,
+                jitter,
+                ..RunOptions::new(DeviceProfile::h200())
+            };
+            let want = outputs(&run(&workload(), &StrategyChoice::Resident, &mk(None)).unwrap());
+            let o = run(
+                &workload(),
+                &layerwise(WeightCompression::Lossless),
+                &mk(Some(Jitter { seed, probability, max_ns })),
+            )
+            .unwrap();
+            prop_assert_eq!(outputs(&o), want);
+            prop_assert_eq!(all_violations(&o), vec![]);
+            prop_assert_eq!(o.at_end.decode_errors, 0);
+        }
+    }
+}
