@@ -36,7 +36,10 @@ use crate::config::OffloadConfig;
 pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;
 use crate::plan::PlanError;
-pub use ring::{Lookahead, RingShape, choose_lookahead, forward_ends, forwards_s, predict_step};
+pub use ring::{
+    CompressionChoice, DecodeStage, Lookahead, RingShape, choose_compression, choose_lookahead,
+    forward_ends, forwards_s, predict_step, staged_ends,
+};
 pub use search::{Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint};
 pub use types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,

@@ -37,38 +37,119 @@ pub fn forward_ends(
     other_s: f64,
     interference: f64,
 ) -> [f64; FORWARDS] {
+    staged_ends(compute_s, copy_s, None, resident, depth, other_s, interference)
+}
+
+/// The decode stage of a coded ring (CONTRACT §7b): each streamed block's
+/// decode, seconds, and how much of a decode's overlap a kernel beside it
+/// loses.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeStage<'a> {
+    /// Decode of each block, seconds (forward order; resident blocks'
+    /// entries unused).
+    pub decode_s: &'a [f64],
+    /// How much of the overlap with a running decode a kernel loses (0 to
+    /// 1).
+    pub interference: f64,
+}
+
+/// The fills of [`staged_ends`], computed lazily in order: fill k needs
+/// only the compute of streamed block k − depth − 1, always known by the
+/// time it is asked.
+#[derive(Default)]
+struct Fills {
+    depth: usize,
+    /// End of the last copy and of the last decode.
+    t_copy: f64,
+    t_decode: f64,
+    /// When each fill's block is ready.
+    filled: Vec<f64>,
+    /// Each fill's copy window, and (coded) its decode's.
+    copies: Vec<(f64, f64)>,
+    decodes: Vec<(f64, f64)>,
+}
+
+impl Fills {
+    /// When fill `g` (of streamed block `streamed[g % m]`) is ready.
+    fn fill(
+        &mut self,
+        g: usize,
+        done: &[f64],
+        streamed: &[usize],
+        copy_s: &[f64],
+        decode: Option<DecodeStage<'_>>,
+    ) -> f64 {
+        let m = streamed.len();
+        while self.filled.len() <= g {
+            let k = self.filled.len();
+            let slot_free = if k > self.depth {
+                done.get(k - self.depth - 1).copied().unwrap_or(f64::INFINITY)
+            } else {
+                0.0
+            };
+            let block = streamed[k % m];
+            match decode {
+                None => {
+                    let start = self.t_copy.max(slot_free);
+                    self.t_copy = start + copy_s[block];
+                    self.copies.push((start, self.t_copy));
+                    self.filled.push(self.t_copy);
+                }
+                Some(d) => {
+                    let staging_free = if k >= 2 { self.decodes[k - 2].1 } else { 0.0 };
+                    let start = self.t_copy.max(staging_free);
+                    self.t_copy = start + copy_s[block];
+                    self.copies.push((start, self.t_copy));
+                    let d_start = self.t_copy.max(slot_free).max(self.t_decode);
+                    self.t_decode = d_start + d.decode_s[block];
+                    self.decodes.push((d_start, self.t_decode));
+                    self.filled.push(self.t_decode);
+                }
+            }
+        }
+        self.filled[g]
+    }
+}
+
+/// [`forward_ends`] with the fills of a coded ring when `decode` is given:
+/// the copy of streamed block k (its coded bytes, `copy_s`) starts after
+/// the copy before it and after the decode of block k − 2 (which read the
+/// staging buffer it overwrites: two staging buffers); its decode starts
+/// after that copy, after the decode before it and after the compute of
+/// streamed block k − depth − 1 (whose slot it writes); the block is ready
+/// when its decode ends. A kernel loses `interference` of its overlap with
+/// a running copy and `decode.interference` of its overlap with a running
+/// decode.
+pub fn staged_ends(
+    compute_s: &[f64],
+    copy_s: &[f64],
+    decode: Option<DecodeStage<'_>>,
+    resident: &[bool],
+    depth: usize,
+    other_s: f64,
+    interference: f64,
+) -> [f64; FORWARDS] {
     let n = compute_s.len();
     let streamed: Vec<usize> = (0..n).filter(|&i| !resident[i]).collect();
     let m = streamed.len();
     let mut t_compute = 0.0f64; // end of the last compute
-    let mut t_copy = 0.0f64; // end of the last fill
     // End of compute of each streamed block, in fill order.
     let mut done: Vec<f64> = Vec::with_capacity(m * FORWARDS);
-    let mut filled: Vec<f64> = Vec::with_capacity(m * FORWARDS);
-    let mut starts: Vec<f64> = Vec::with_capacity(m * FORWARDS);
-    let mut ends = [0.0f64; FORWARDS];
-    let depth = depth.min(m.saturating_sub(1)).max(1);
-    // Fills are computed lazily in order: fill k needs only the compute of
-    // streamed block k − depth − 1, always known by the time it is asked.
-    let fill = |g: usize,
-                done: &Vec<f64>,
-                filled: &mut Vec<f64>,
-                starts: &mut Vec<f64>,
-                t_copy: &mut f64| {
-        while filled.len() <= g {
-            let k = filled.len();
-            let slot_free = if k > depth {
-                done.get(k - depth - 1).copied().unwrap_or(f64::INFINITY)
-            } else {
-                0.0
-            };
-            let start = t_copy.max(slot_free);
-            starts.push(start);
-            *t_copy = start + copy_s[streamed[k % m]];
-            filled.push(*t_copy);
-        }
-        filled[g]
+    let mut fills = Fills {
+        depth: depth.min(m.saturating_sub(1)).max(1),
+        ..Fills::default()
     };
+    let depth = fills.depth;
+    let mut ends = [0.0f64; FORWARDS];
+    let overlap = |windows: &[(f64, f64)], start: f64, compute: f64| {
+        windows
+            .iter()
+            .rev()
+            .take(depth + 3)
+            .find(|(s, e)| *s <= start && start < *e)
+            .map_or(0.0, |(_, e)| (e - start).min(compute))
+    };
+    let decode_k = decode.map_or(0.0, |d| d.interference);
     for end in ends.iter_mut() {
         t_compute += other_s;
         for i in 0..n {
@@ -76,23 +157,21 @@ pub fn forward_ends(
                 t_compute
             } else {
                 let g = done.len();
-                let ready = fill(g, &done, &mut filled, &mut starts, &mut t_copy);
-                t_compute.max(ready)
+                t_compute.max(fills.fill(g, &done, &streamed, copy_s, decode))
             };
             // Fills are issued up to `depth` streamed blocks ahead; one
             // still running slows this block's kernels.
-            if m > 0 {
+            let (copying, decoding) = if m > 0 {
                 let ahead = done.len() + usize::from(!resident[i]) + depth - 1;
-                fill(ahead, &done, &mut filled, &mut starts, &mut t_copy);
-            }
-            let copying = filled
-                .iter()
-                .zip(&starts)
-                .rev()
-                .take(depth + 2)
-                .find(|(end, s)| **s <= start && start < **end)
-                .map_or(0.0, |(end, _)| (end - start).min(compute_s[i]));
-            t_compute = start + compute_s[i] + copying * interference;
+                fills.fill(ahead, &done, &streamed, copy_s, decode);
+                (
+                    overlap(&fills.copies, start, compute_s[i]),
+                    overlap(&fills.decodes, start, compute_s[i]),
+                )
+            } else {
+                (0.0, 0.0)
+            };
+            t_compute = start + compute_s[i] + copying * interference + decoding * decode_k;
             if !resident[i] {
                 done.push(t_compute);
             }
@@ -296,9 +375,143 @@ pub fn choose_lookahead(
     })
 }
 
+/// What [`choose_compression`] chose for one ring: whether it streams
+/// coded, and the recurrence's steady-state forward either way.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct CompressionChoice {
+    /// Whether the ring streams its blocks coded.
+    pub lossless: bool,
+    /// Its forward uncoded, seconds.
+    pub none_s: f64,
+    /// Its forward coded, seconds.
+    pub lossless_s: f64,
+    /// `max(compute, streamed bf16 copies)`, seconds: today's limit.
+    pub limit_s: f64,
+}
+
+/// `weight_compression = "auto"` for one ring (CONTRACT §7b): coded when
+/// the recurrence ([`staged_ends`]) says its steady-state forward at
+/// `depth` is shorter coded (`coded_copy_s` and `decode`) than uncoded
+/// (`shape.copy_s`) by more than the planner's tie (a thousandth): where
+/// the copies are exposed; a compute-bound ring stays uncoded, the decode's
+/// interference being all it would add. Typed errors on unusable input, as
+/// [`choose_lookahead`]'s.
+pub fn choose_compression(
+    shape: &RingShape<'_>,
+    coded_copy_s: &[f64],
+    decode: DecodeStage<'_>,
+    depth: usize,
+) -> Result<CompressionChoice, BudgetError> {
+    let n = shape.compute_s.len();
+    if coded_copy_s.len() != n || decode.decode_s.len() != n {
+        return Err(BudgetError::Input {
+            input: "coded ring shape".to_owned(),
+            value: format!(
+                "{n} computes, {} coded copies, {} decodes",
+                coded_copy_s.len(),
+                decode.decode_s.len()
+            ),
+            allowed: "one coded copy and one decode per block".to_owned(),
+        });
+    }
+    let finite = |v: &f64| v.is_finite() && *v >= 0.0;
+    if !coded_copy_s.iter().chain(decode.decode_s).all(finite)
+        || !finite(&decode.interference)
+        || decode.interference > 1.0
+    {
+        return Err(BudgetError::Input {
+            input: "coded ring shape".to_owned(),
+            value: "a time or an interference that is negative, not finite, or above 1".to_owned(),
+            allowed: "finite times ≥ 0, an interference from 0 to 1".to_owned(),
+        });
+    }
+    // The uncoded shape's own checks.
+    choose_lookahead(shape, 1, depth.clamp(1, MAX_DEPTH), None)?;
+    let step = |copy: &[f64], decode: Option<DecodeStage<'_>>| {
+        let e = staged_ends(
+            shape.compute_s,
+            copy,
+            decode,
+            shape.resident,
+            depth,
+            shape.other_s,
+            shape.interference,
+        );
+        e[FORWARDS - 1] - e[FORWARDS - 2]
+    };
+    let none_s = step(shape.copy_s, None);
+    let lossless_s = step(coded_copy_s, Some(decode));
+    Ok(CompressionChoice {
+        lossless: lossless_s < none_s * (1.0 - TIE),
+        none_s,
+        lossless_s,
+        limit_s: shape.limit_s(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn choice(compute: f64, copy: f64, ratio: f64, decode: f64) -> CompressionChoice {
+        let n = 12;
+        let compute_s = vec![compute; n];
+        let copy_s = vec![copy; n];
+        let coded: Vec<f64> = copy_s.iter().map(|c| c * ratio).collect();
+        let decode_s = vec![decode; n];
+        let resident = vec![false; n];
+        let shape = RingShape {
+            compute_s: &compute_s,
+            copy_s: &copy_s,
+            resident: &resident,
+            other_s: 0.0,
+            interference: 0.03,
+        };
+        choose_compression(
+            &shape,
+            &coded,
+            DecodeStage {
+                decode_s: &decode_s,
+                interference: 0.35,
+            },
+            2,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_transfer_bound_ring_streams_coded_at_the_coded_link() {
+        // Copies 3× compute: coded at 0.7 the ring runs at its coded copies.
+        let c = choice(1.0, 3.0, 0.7, 0.1);
+        assert!(c.lossless);
+        assert!((c.none_s - 36.0).abs() / 36.0 < 0.02, "{c:?}");
+        assert!((c.lossless_s - 0.7 * 36.0).abs() / (0.7 * 36.0) < 0.03, "{c:?}");
+    }
+
+    #[test]
+    fn a_compute_bound_ring_stays_uncoded() {
+        // Copies half of compute: coding only adds the decode's interference.
+        let c = choice(2.0, 1.0, 0.7, 0.2);
+        assert!(!c.lossless, "{c:?}");
+        assert!(c.lossless_s >= c.none_s, "{c:?}");
+    }
+
+    #[test]
+    fn the_decode_stage_gates_a_fill_on_its_slot_and_its_staging() {
+        // A decode longer than everything else bounds the ring.
+        let c = choice(1.0, 1.0, 0.5, 4.0);
+        assert!(!c.lossless);
+        assert!(c.lossless_s >= 12.0 * 4.0 * 0.99, "{c:?}");
+        // Bad input: lengths, values.
+        let (a, r) = (vec![1.0; 3], vec![false; 3]);
+        let shape = RingShape { compute_s: &a, copy_s: &a, resident: &r, other_s: 0.0, interference: 0.0 };
+        let d = DecodeStage { decode_s: &a, interference: 0.3 };
+        assert!(choose_compression(&shape, &a[..2], d, 1).is_err());
+        let bad = [1.0, f64::NAN, 1.0];
+        assert!(choose_compression(&shape, &bad, d, 1).is_err());
+        let d2 = DecodeStage { decode_s: &a, interference: 2.0 };
+        assert!(choose_compression(&shape, &a, d2, 1).is_err());
+    }
 
     /// Transfer-bound, uniform blocks, depth 1: the step is the copies.
     #[test]
