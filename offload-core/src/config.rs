@@ -403,10 +403,11 @@ pub struct OffloadConfig {
     /// How streamed blocks cross the link (CONTRACT §7b): `"none"` (the
     /// default: bf16 as stored), `"lossless"` (every streamed block coded
     /// on the host at enable, decoded on the device into its slot,
-    /// bit-identical) or `"auto"` (reserved for the request planner, which
-    /// does not choose coded blocks yet: refused). `"lossless"` with
-    /// layerwise offload only; it needs a platform with a codec
-    /// (`CorePlatform::with_codec`).
+    /// bit-identical) or `"auto"` (each ring coded only where the ring
+    /// recurrence, from the platform's planner inputs and a decode measured
+    /// at enable, says it is faster). Layerwise offload only; both need a
+    /// platform with a codec (`CorePlatform::with_codec`), `"auto"` planner
+    /// inputs too (`CorePlatform::with_planner`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_compression: Option<WeightCompression>,
 }
@@ -450,24 +451,30 @@ pub(crate) fn no_codec(c: WeightCompression) -> ConfigError {
     )
 }
 
+/// The error for `weight_compression = "auto"` without planner inputs.
+pub(crate) fn auto_without_inputs() -> ConfigError {
+    invalid(
+        "weight_compression",
+        "\"auto\"",
+        "\"lossless\" or \"none\" on this platform: \"auto\" decides from each block's compute and the link (CorePlatform::with_planner, a warm-up's saved measurements)",
+    )
+}
+
 /// Checks `weight_compression` against the strategy selected.
 fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
     let c = config.compression();
     let value = format!("\"{c}\"");
     match (c, selection.strategy) {
         (WeightCompression::None, _) => Ok(()),
-        (WeightCompression::Lossless, OffloadStrategy::Layerwise) => Ok(()),
+        (WeightCompression::Lossless | WeightCompression::Auto, OffloadStrategy::Layerwise) => {
+            Ok(())
+        }
         (_, OffloadStrategy::Planned) => Err(invalid(
             "weight_compression",
             value,
-            "\"none\" with a device_budget (the request planner does not choose coded blocks yet); \"lossless\" with layerwise offload (enable_layerwise_offload = true, no device_budget)",
+            "\"none\" with a device_budget (the request planner does not choose coded blocks yet); \"lossless\" or \"auto\" with layerwise offload (enable_layerwise_offload = true, no device_budget)",
         )),
-        (WeightCompression::Auto, _) => Err(invalid(
-            "weight_compression",
-            value,
-            "\"lossless\" or \"none\" (\"auto\" is reserved for the request planner, which does not choose coded blocks yet)",
-        )),
-        (WeightCompression::Lossless, strategy) => Err(invalid(
+        (_, strategy) => Err(invalid(
             "weight_compression",
             value,
             format!(

@@ -24,10 +24,9 @@ pub struct LinkProfile {
 /// keep the share.
 pub const DECODE_SHARE_OF_HBM: f64 = 0.325;
 
-/// The share of a decode's duration a kernel beside it loses: an estimate
-/// (the decode is memory-bound and takes about a third of the memory
-/// bandwidth while it runs), not yet fitted to a GPU timeline.
-pub const DECODE_INTERFERENCE: f64 = 0.35;
+/// The share of a decode's duration a kernel beside it loses: core's
+/// estimate, which the `"auto"` choice assumes too.
+pub const DECODE_INTERFERENCE: f64 = offload_core::budget::DECODE_INTERFERENCE;
 
 /// What one simulated GPU and its link can do.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -156,16 +156,74 @@ fn a_decode_into_a_slot_still_read_is_caught() {
     assert!(differs, "the output never differed ({what:?})");
 }
 
+/// "auto" on planner inputs scaled so that the DiT's blocks compute
+/// `scale` times what the kernel model says: which rings stream coded, and
+/// the run against resident.
+fn auto_at(scale: f64) -> (Vec<(String, bool)>, RunOutcome) {
+    let w = workload();
+    let profile = DeviceProfile::h200();
+    let mut inputs = offload_sim::plan::estimated_inputs(&w.preset, &profile, w.tokens, 3);
+    for c in inputs.components.values_mut() {
+        for v in c.block_compute_s.values_mut() {
+            *v *= scale;
+        }
+    }
+    let o = RunOptions {
+        planner: Some(inputs.clone()),
+        ..opts(&[], 2, Some(5))
+    };
+    let out = run(&w, &layerwise(WeightCompression::Auto), &o).unwrap();
+    // The choice itself, from a backend built the same way.
+    let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &o).unwrap();
+    let mut rt = rig.runtime;
+    let mut backend = rig
+        .platform
+        .layerwise(layerwise(WeightCompression::Auto).config())
+        .unwrap();
+    use offload_core::OffloadBackend;
+    let model = rt.model_mut();
+    backend.enable(model).unwrap();
+    let choices = backend
+        .compression_choices()
+        .into_iter()
+        .map(|(n, c)| (n, c.lossless))
+        .collect();
+    backend.disable(model).unwrap();
+    (choices, out)
+}
+
+#[test]
+fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
+    let want = resident();
+    // A hundredth of the kernel model's compute on tiny-wide: every ring
+    // is transfer-bound and streams coded.
+    let (fast, out) = auto_at(0.01);
+    assert!(!fast.is_empty() && fast.iter().all(|(_, l)| *l), "{fast:?}");
+    assert_eq!(outputs(&out), want);
+    assert_eq!(all_violations(&out), vec![]);
+    assert!(out.at_end.decodes > 0);
+    // A thousand times the compute: every ring compute-bound, none coded,
+    // the staging buffers freed, nothing decoded.
+    let (slow, out) = auto_at(1000.0);
+    assert!(!slow.is_empty() && slow.iter().all(|(_, l)| !*l), "{slow:?}");
+    assert_eq!(outputs(&out), want);
+    assert_eq!(all_violations(&out), vec![]);
+    assert_eq!(out.at_end.decodes, 2, "only the enable-time measurement decodes (twice)");
+    // Without planner inputs "auto" is a typed error naming the key.
+    let e = run(&workload(), &layerwise(WeightCompression::Auto), &opts(&[], 1, None))
+        .err()
+        .expect("auto without inputs fails")
+        .error
+        .to_string();
+    assert!(e.contains("weight_compression") && e.contains("with_planner"), "{e}");
+}
+
 #[test]
 fn weight_compression_is_checked_where_it_cannot_apply() {
     for (json, needle) in [
         (
             r#"{"enable_cpu_offload": true, "weight_compression": "lossless"}"#,
             "with layerwise offload only",
-        ),
-        (
-            r#"{"enable_layerwise_offload": true, "weight_compression": "auto"}"#,
-            "reserved for the request planner",
         ),
         (
             r#"{"device_budget": "8GiB", "weight_compression": "lossless"}"#,

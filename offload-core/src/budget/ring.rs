@@ -17,6 +17,13 @@ use super::types::BudgetError;
 /// planner's tie, and the chooser's knee).
 pub(super) const TIE: f64 = 1e-3;
 
+/// How much of its overlap with a running decode a kernel loses, as the
+/// `"auto"` choice assumes (CONTRACT §7b): an estimate (the decode is
+/// memory-bound and takes about a third of an H200's memory bandwidth
+/// while it runs), not yet fitted to a GPU timeline; the simulator's
+/// profiles use it too.
+pub const DECODE_INTERFERENCE: f64 = 0.35;
+
 /// The deepest prefetch the planner and the chooser accept.
 pub(super) const MAX_DEPTH: usize = 64;
 

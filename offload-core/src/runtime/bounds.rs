@@ -48,7 +48,7 @@ pub struct MemoryBounds {
     /// zero padding of `s = ceil(bytes / G)`, less than one byte per
     /// gathered block.
     pub padding_bytes: u64,
-    /// With `weight_compression = "lossless"`: what coded masters may take
+    /// With `weight_compression` `"lossless"` or `"auto"`: what coded masters may take
     /// beyond their blocks' bytes ([`crate::device::coded_bound`]'s headers,
     /// included in `host_weight_bytes`), before anything is encoded; the
     /// device bound then also counts two staging buffers of the largest
@@ -105,8 +105,9 @@ pub fn memory_bounds(
             let restore = gathered.iter().map(|b| b.unit.bytes).max().unwrap_or(0);
             // Coded blocks (CONTRACT §7b): masters up to their bound, and two
             // staging buffers of the largest bound on the device.
+            // `"auto"` may code every block: it is bounded as `"lossless"`.
             let coded: Vec<u64> = if config.compression()
-                == crate::config::WeightCompression::Lossless
+                != crate::config::WeightCompression::None
             {
                 layout
                     .blocks()

@@ -895,8 +895,13 @@ pub struct LayerwiseBackend<A: Api> {
     lifecycle: Lifecycle,
     engine: Arc<Engine<A>>,
     collective: Option<Arc<dyn Collective<A>>>,
-    /// The codec, when `weight_compression = "lossless"`.
+    /// The codec, when `weight_compression` is `"lossless"` or `"auto"`.
     codec: Option<Arc<dyn Codec<A>>>,
+    /// What `"auto"` decides from (the platform's planner inputs).
+    pub(crate) auto_inputs: Option<crate::budget::PlannerInputs>,
+    /// What `"auto"` chose at the last enable, per ring (its first block's
+    /// path).
+    choices: crate::sync::Mutex<Vec<(String, crate::budget::CompressionChoice)>>,
     hooked: Vec<ModuleId>,
 }
 
@@ -1008,7 +1013,10 @@ impl<A: Api> LayerwiseBackend<A> {
         } else {
             None
         };
-        let coding = config.compression() == WeightCompression::Lossless;
+        let coding = matches!(
+            config.compression(),
+            WeightCompression::Lossless | WeightCompression::Auto
+        );
         let codec = if coding {
             Some(codec.ok_or_else(|| {
                 OffloadError::Config(Box::new(no_codec(config.compression())))
@@ -1037,6 +1045,8 @@ impl<A: Api> LayerwiseBackend<A> {
             }),
             collective,
             codec,
+            auto_inputs: None,
+            choices: crate::sync::Mutex::new(Vec::new()),
             hooked: Vec::new(),
         })
     }
@@ -1217,12 +1227,217 @@ impl<A: Api> LayerwiseBackend<A> {
         } else {
             (engine.strategy == OffloadStrategy::Layerwise).then_some(0)
         };
+        if config.compression() == WeightCompression::Auto {
+            self.choose_compression(st, &skip)?;
+        }
         if let Some(r) = first
             && st.rings.get(r).is_some_and(|r| !r.blocks.is_empty())
         {
             fill(engine, st, r, 0, FillKind::Initial)?;
         }
         Ok(())
+    }
+
+    /// What `weight_compression = "auto"` chose at the last enable, per
+    /// ring (named by its first block): whether it streams coded and the
+    /// recurrence's forward either way (CONTRACT §7b).
+    pub fn compression_choices(&self) -> Vec<(String, crate::budget::CompressionChoice)> {
+        crate::sync::lock(&self.choices).clone()
+    }
+
+    /// `weight_compression = "auto"` (CONTRACT §7b): with every streamed
+    /// block coded, measures one decode on the device, then per ring asks
+    /// the recurrence (`budget::choose_compression`, from the platform's
+    /// planner inputs: each block's compute, the link) whether it is faster
+    /// coded; a ring that is not streams its raw masters instead (the coded
+    /// ones freed), and with no coded ring left the staging buffers go.
+    fn choose_compression(
+        &self,
+        st: &mut State<A>,
+        skip: &BTreeSet<StorageId>,
+    ) -> Result<(), OffloadError> {
+        let inputs = self.auto_inputs.as_ref().ok_or_else(|| {
+            OffloadError::Config(Box::new(crate::config::auto_without_inputs()))
+        })?;
+        let Some((r0, b0)) = st.rings.iter().enumerate().find_map(|(r, ring)| {
+            ring.blocks.iter().position(|m| m.coded.is_some()).map(|b| (r, b))
+        }) else {
+            return Ok(());
+        };
+        let decode_bytes_per_s = self.measure_decode(st, r0, b0)?;
+        let link = inputs.link_bytes_per_s.max(1.0);
+        let compute_of = |path: &str| {
+            inputs
+                .components
+                .values()
+                .find_map(|c| c.block_compute_s.get(path).copied())
+                .unwrap_or(0.0)
+        };
+        let h = &self.engine.handles;
+        let mut choices = Vec::new();
+        for r in 0..st.rings.len() {
+            let ring = &st.rings[r];
+            if ring.gathered || ring.blocks.iter().all(|m| m.coded.is_none()) {
+                continue;
+            }
+            let compute_s: Vec<f64> = ring.blocks.iter().map(|m| compute_of(&m.unit.name)).collect();
+            let copy = |bytes: u64| inputs.copy_latency_s + bytes as f64 / link;
+            let copy_s: Vec<f64> = ring.blocks.iter().map(|m| copy(m.unit.bytes)).collect();
+            let coded_s: Vec<f64> = ring
+                .blocks
+                .iter()
+                .map(|m| copy(m.coded.map_or(m.unit.bytes, |(b, _)| b)))
+                .collect();
+            let decode_s: Vec<f64> = ring
+                .blocks
+                .iter()
+                .map(|m| {
+                    if m.coded.is_some() {
+                        m.unit.bytes as f64 / decode_bytes_per_s
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let resident = vec![false; ring.blocks.len()];
+            let shape = crate::budget::RingShape {
+                compute_s: &compute_s,
+                copy_s: &copy_s,
+                resident: &resident,
+                other_s: 0.0,
+                interference: inputs.copy_interference,
+            };
+            let choice = crate::budget::choose_compression(
+                &shape,
+                &coded_s,
+                crate::budget::DecodeStage {
+                    decode_s: &decode_s,
+                    interference: crate::budget::DECODE_INTERFERENCE,
+                },
+                st.depth,
+            )
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+            let name = ring.blocks[0].unit.name.clone();
+            tracing::info!(
+                ring = %name,
+                lossless = choice.lossless,
+                none_s = choice.none_s,
+                lossless_s = choice.lossless_s,
+                "weight_compression = \"auto\": the ring of `{name}` streams {} (predicted forward {:.4} s coded, {:.4} s uncoded; decoder {:.0} GB/s measured)",
+                if choice.lossless { "coded" } else { "uncoded" },
+                choice.lossless_s,
+                choice.none_s,
+                decode_bytes_per_s / 1e9
+            );
+            if !choice.lossless {
+                // Each coded master is freed before its raw one is made,
+                // so host memory never holds both (INV-7's host bound).
+                let mut rest = std::mem::take(&mut st.rings[r].blocks).into_iter();
+                while let Some(m) = rest.next() {
+                    if m.coded.is_none() {
+                        st.rings[r].blocks.push(m);
+                        continue;
+                    }
+                    let Master {
+                        unit, host, shard, ..
+                    } = m;
+                    let raw = match Arc::try_unwrap(host) {
+                        // SAFETY: the one decode that read a coded master
+                        // (the measurement) was synchronised before.
+                        Ok(coded) => unsafe { h.free_master(coded) }
+                            .and_then(|()| h.master(&unit, skip)),
+                        Err(_) => Err(OffloadError::Forward {
+                            module: unit.name.clone(),
+                            reason: "its coded master is shared".to_owned(),
+                        }),
+                    };
+                    match raw {
+                        Ok(raw) => st.rings[r].blocks.push(Master {
+                            unit,
+                            host: Arc::new(raw),
+                            shard,
+                            coded: None,
+                        }),
+                        Err(e) => {
+                            st.rings[r].blocks.extend(rest);
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+            choices.push((name, choice));
+        }
+        *crate::sync::lock(&self.choices) = choices;
+        if st.rings.iter().flat_map(|r| &r.blocks).all(|m| m.coded.is_none())
+            && let Some(d) = st.decoding.take()
+        {
+            for staging in d.staging {
+                h.free(staging.buffer, &[&staging.copied, &staging.consumed], "staging")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The decoder's rate on this device, bytes written per second: block
+    /// `(ring, block)` copied to staging buffer 0 and decoded into slot 0
+    /// twice (enable time: no slot holds a block yet), the second decode
+    /// timed with the device's events, then synchronised.
+    fn measure_decode(&self, st: &State<A>, ring: usize, block: usize) -> Result<f64, OffloadError> {
+        let h = &self.engine.handles;
+        let decode = h.decode.as_ref().expect("a coding engine has a decode stream");
+        let d = st.decoding.as_ref().expect("coded masters have staging");
+        let m = &st.rings[ring].blocks[block];
+        let (coded_bytes, work) = m.coded.expect("a coded block");
+        let (staging, slot) = (&d.staging[0], st.slots.first().ok_or_else(|| OffloadError::Forward {
+            module: m.unit.name.clone(),
+            reason: "no slot to measure a decode into".to_owned(),
+        })?);
+        let timing = || {
+            h.device
+                .create_timing_event()
+                .map_err(|e| dev_err("create_timing_event", e))
+        };
+        let (t0, t1) = (timing()?, timing()?);
+        // SAFETY: at enable nothing else uses staging buffer 0 or slot 0;
+        // the decode stream waits for the copy (`copied`) and the host
+        // synchronises on `t1`, after both decodes, before anything else
+        // touches either buffer or the master is freed.
+        unsafe {
+            h.device
+                .copy_h2d(&h.copy, m.host.source(), 0, &staging.buffer, 0, coded_bytes)
+                .map_err(|e| dev_err("copy_h2d (decode measurement)", e))?;
+            h.device
+                .record_event(&staging.copied, &h.copy)
+                .map_err(|e| dev_err("record_event(staging copied)", e))?;
+            h.device
+                .stream_wait_event(decode, &staging.copied)
+                .map_err(|e| dev_err("stream_wait_event(decode, staging copied)", e))?;
+            for timed in [false, true] {
+                if timed {
+                    h.device
+                        .record_event(&t0, decode)
+                        .map_err(|e| dev_err("record_event(decode start)", e))?;
+                }
+                d.codec
+                    .decode(decode, &staging.buffer, coded_bytes, work, &slot.buffer, m.unit.bytes)
+                    .map_err(|e| dev_err("decode (measurement)", e))?;
+            }
+            h.device
+                .record_event(&t1, decode)
+                .map_err(|e| dev_err("record_event(decode end)", e))?;
+            h.device
+                .record_event(&staging.consumed, decode)
+                .map_err(|e| dev_err("record_event(staging consumed)", e))?;
+        }
+        h.device
+            .synchronize_event(&t1)
+            .map_err(|e| dev_err("synchronize_event(decode end)", e))?;
+        let ns = h
+            .device
+            .elapsed_ns(&t0, &t1)
+            .map_err(|e| dev_err("elapsed_ns(decode)", e))?
+            .max(1);
+        Ok(m.unit.bytes as f64 / (ns as f64 / 1e9))
     }
 
     fn alloc(&self, bytes: u64, name: &str) -> Result<Arc<A::DeviceBuffer>, OffloadError> {

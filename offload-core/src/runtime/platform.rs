@@ -120,7 +120,7 @@ impl<A: Api> CorePlatform<A> {
         &self,
         config: crate::config::OffloadConfig,
     ) -> Result<LayerwiseBackend<A>, OffloadError> {
-        LayerwiseBackend::build_backend(
+        let mut backend = LayerwiseBackend::build_backend(
             Arc::clone(&self.device),
             Arc::clone(&self.compute),
             Arc::clone(&self.weights),
@@ -128,7 +128,9 @@ impl<A: Api> CorePlatform<A> {
             self.prefetch_depth,
             (self.collective.clone(), self.codec.clone()),
             self.bugs(),
-        )
+        )?;
+        backend.auto_inputs = self.planner.clone();
+        Ok(backend)
     }
 
     /// A planned backend for `config` (a `device_budget` configuration).
