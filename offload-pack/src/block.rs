@@ -26,7 +26,9 @@
 //! start on 64-byte boundaries. [`BlockView::parse`] checks all of it, so a
 //! decoder that trusts a parsed block reads and writes only inside it.
 
-use crate::format::{Code, DecodeError, EncodeConfig, Packed, encode_bf16_as, encode_raw, plan_bf16};
+use crate::format::{
+    Code, DecodeError, EncodeConfig, Packed, encode_bf16_as, encode_raw, plan_bf16,
+};
 
 /// The block blob's magic.
 pub const BLOCK_MAGIC: [u8; 4] = *b"OPB1";
@@ -86,7 +88,9 @@ pub struct Entry {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum BlockEncodeError {
     /// A span outside the unit, or overlapping the one before it.
-    #[error("span {index} ({offset}+{bytes}) is outside the unit of {unit} bytes or overlaps the span before it (spans must be sorted and disjoint)")]
+    #[error(
+        "span {index} ({offset}+{bytes}) is outside the unit of {unit} bytes or overlaps the span before it (spans must be sorted and disjoint)"
+    )]
     BadSpan {
         /// Its index.
         index: usize,
@@ -202,7 +206,11 @@ pub fn encode_block(
         tensor_blobs.push((s.offset, encoded));
     }
     let table_end = align64((BLOCK_HEADER_BYTES + ENTRY_BYTES * tensor_blobs.len()) as u64);
-    let total = table_end + tensor_blobs.iter().map(|(_, e)| e.blob.len() as u64).sum::<u64>();
+    let total = table_end
+        + tensor_blobs
+            .iter()
+            .map(|(_, e)| e.blob.len() as u64)
+            .sum::<u64>();
     let mut blob = vec![0u8; total as usize];
     let mut work = 0u64;
     let mut cursor = table_end;
@@ -226,7 +234,7 @@ pub fn encode_block(
     put_u64(&mut blob, 32, total);
     if cfg.verify {
         let mut back = vec![0u8; unit.len()];
-        decode_block(&blob, &mut back, 1)?;
+        decode_block(&blob, &mut back, cfg.threads())?;
         if let Some(at) = back.iter().zip(unit).position(|(a, b)| a != b) {
             return Err(BlockEncodeError::RoundTrip {
                 at: at as u64,
@@ -322,7 +330,11 @@ impl<'a> BlockView<'a> {
             let header = packed.header().clone();
             let blob_bytes = packed.total_bytes();
             if blob_bytes > inner.len() as u64 {
-                return Err(truncated("entry tensor blob", blob_bytes, inner.len() as u64));
+                return Err(truncated(
+                    "entry tensor blob",
+                    blob_bytes,
+                    inner.len() as u64,
+                ));
             }
             // A GPU decoder trusts the escape index within a tile's bounds:
             // a disordered one could point it past the escapes.
@@ -336,7 +348,11 @@ impl<'a> BlockView<'a> {
                 });
             }
             if header.code.id() != code_id {
-                return Err(bad("entry code id", u64::from(header.code.id()), u64::from(code_id)));
+                return Err(bad(
+                    "entry code id",
+                    u64::from(header.code.id()),
+                    u64::from(code_id),
+                ));
             }
             let expected_items = work_items(header.code, header.decoded_bytes);
             if u64::from(items) != expected_items {
@@ -445,12 +461,25 @@ mod tests {
         let tail = normal_bf16(100, 2); // under one tile: raw
         unit.extend_from_slice(&tail);
         let spans = [
-            Span { offset: 0, bytes: (3 * 4096 + 17) * 2, bf16: true },
-            Span { offset: (3 * 4096 + 17) * 2 + 13, bytes: 200, bf16: true },
+            Span {
+                offset: 0,
+                bytes: (3 * 4096 + 17) * 2,
+                bf16: true,
+            },
+            Span {
+                offset: (3 * 4096 + 17) * 2 + 13,
+                bytes: 200,
+                bf16: true,
+            },
         ];
         let b = encode_block(&unit, &spans, &EncodeConfig::default()).unwrap();
         assert_eq!(b.coded_spans, (1, 3));
-        assert!(b.blob.len() < unit.len(), "{} !< {}", b.blob.len(), unit.len());
+        assert!(
+            b.blob.len() < unit.len(),
+            "{} !< {}",
+            b.blob.len(),
+            unit.len()
+        );
         let view = BlockView::parse(&b.blob).unwrap();
         assert_eq!(view.work(), b.work);
         assert_eq!(b.work, 4 + 1 + 1);
@@ -464,25 +493,57 @@ mod tests {
         let unit = vec![0u8; 64];
         let e = encode_block(
             &unit,
-            &[Span { offset: 0, bytes: 40, bf16: true }, Span { offset: 30, bytes: 4, bf16: true }],
+            &[
+                Span {
+                    offset: 0,
+                    bytes: 40,
+                    bf16: true,
+                },
+                Span {
+                    offset: 30,
+                    bytes: 4,
+                    bf16: true,
+                },
+            ],
             &EncodeConfig::default(),
         )
         .unwrap_err();
-        assert!(matches!(e, BlockEncodeError::BadSpan { index: 1, .. }), "{e}");
-        let e = encode_block(&unit, &[Span { offset: 60, bytes: 8, bf16: false }], &EncodeConfig::default())
-            .unwrap_err();
-        assert!(matches!(e, BlockEncodeError::BadSpan { index: 0, .. }), "{e}");
+        assert!(
+            matches!(e, BlockEncodeError::BadSpan { index: 1, .. }),
+            "{e}"
+        );
+        let e = encode_block(
+            &unit,
+            &[Span {
+                offset: 60,
+                bytes: 8,
+                bf16: false,
+            }],
+            &EncodeConfig::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, BlockEncodeError::BadSpan { index: 0, .. }),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_damaged_table_is_a_typed_error() {
         let unit = normal_bf16(2 * 4096, 3);
-        let spans = [Span { offset: 0, bytes: unit.len() as u64, bf16: true }];
+        let spans = [Span {
+            offset: 0,
+            bytes: unit.len() as u64,
+            bf16: true,
+        }];
         let b = encode_block(&unit, &spans, &EncodeConfig::default()).unwrap();
         for at in [8usize, 16, 24, 32, 64, 72, 80, 88, 92] {
             let mut bad = b.blob.clone();
             bad[at] ^= 0x41;
-            assert!(BlockView::parse(&bad).is_err(), "byte {at} flipped still parses");
+            assert!(
+                BlockView::parse(&bad).is_err(),
+                "byte {at} flipped still parses"
+            );
         }
         let mut out = vec![0u8; unit.len() - 2];
         assert!(matches!(

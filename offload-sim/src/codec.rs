@@ -17,8 +17,8 @@
 //!   reads the wrong staging contents still writes the wrong block.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use offload_core::device::{ByteSource, Codec, CodecSpan, Coded};
 use offload_pack::block::{self, BlockView, Span};
@@ -90,7 +90,8 @@ impl SimCodec {
         if at < len {
             pieces.push((len - at, false, at));
         }
-        let mut total = align((block::BLOCK_HEADER_BYTES + block::ENTRY_BYTES * pieces.len()) as u64);
+        let mut total =
+            align((block::BLOCK_HEADER_BYTES + block::ENTRY_BYTES * pieces.len()) as u64);
         let mut work = 0;
         for (bytes, bf16, offset) in pieces {
             let raw = Layout::raw_bytes(bytes);
@@ -195,8 +196,12 @@ impl Codec<Sim> for SimCodec {
                     .cloned()
             }
         };
-        self.device
-            .decode(stream, (src, coded_bytes), (dst, decoded_bytes), Arc::new(decode))
+        self.device.decode(
+            stream,
+            (src, coded_bytes),
+            (dst, decoded_bytes),
+            Arc::new(decode),
+        )
     }
 }
 
@@ -210,24 +215,40 @@ mod tests {
         let mut unit = Vec::new();
         let mut z = 7u64;
         for _ in 0..600_000 {
-            z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let u1 = ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-            z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let u2 = (z >> 11) as f64 / (1u64 << 53) as f64;
             let v = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * 0.02;
             unit.extend_from_slice(&(((v as f32).to_bits() >> 16) as u16).to_le_bytes());
         }
         unit.extend_from_slice(&[1u8; 100]);
         let spans = [
-            CodecSpan { offset: 0, bytes: 600_000, bf16: true },
-            CodecSpan { offset: 600_000, bytes: 600_000, bf16: true },
+            CodecSpan {
+                offset: 0,
+                bytes: 600_000,
+                bf16: true,
+            },
+            CodecSpan {
+                offset: 600_000,
+                bytes: 600_000,
+                bf16: true,
+            },
         ];
-        let real = block::encode_block(&unit, &SimCodec::spans(&spans), &SimCodec::config()).unwrap();
+        let real =
+            block::encode_block(&unit, &SimCodec::spans(&spans), &SimCodec::config()).unwrap();
         let (est, work) = SimCodec::estimate(&unit.as_slice(), unit.len() as u64, &spans);
         assert_eq!(work, real.work);
         let err = (est as f64 - real.blob.len() as f64).abs() / real.blob.len() as f64;
-        assert!(err < 0.01, "estimate {est} vs {} ({err:.4})", real.blob.len());
+        assert!(
+            err < 0.01,
+            "estimate {est} vs {} ({err:.4})",
+            real.blob.len()
+        );
         assert!((real.blob.len() as f64) < 0.75 * unit.len() as f64);
     }
 }
-

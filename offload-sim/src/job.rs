@@ -1112,9 +1112,9 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
     let ranks = ranks_of(args, &choices)?;
     let divisor = gather_divisor(args, &w, ranks, divisor)?;
     // A coded row's ratio is honest only on weights that look trained.
-    let trained_weights = choices.iter().any(|c| {
-        c.config().compression() != offload_core::config::WeightCompression::None
-    });
+    let trained_weights = choices
+        .iter()
+        .any(|c| c.config().compression() != offload_core::config::WeightCompression::None);
     let opts = RunOptions {
         trained_weights,
         prefetch_depth: args.prefetch_depth.unwrap_or(1),

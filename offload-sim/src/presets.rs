@@ -1075,7 +1075,9 @@ impl TrainedWeights {
 
     /// bf16 value `e` of storage `storage` at `sigma`.
     fn value(&self, storage: StorageId, e: u64, sigma: f32) -> u16 {
-        let base = splitmix(self.seed ^ 0x7261_696e ^ (storage.index() as u64).wrapping_mul(0x1000_0000_01b3));
+        let base = splitmix(
+            self.seed ^ 0x7261_696e ^ (storage.index() as u64).wrapping_mul(0x1000_0000_01b3),
+        );
         let z = splitmix(base ^ e);
         let u1 = ((z >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
         let u2 = ((z >> 16) & 0xff_ffff) as f32 / (1u64 << 24) as f32;

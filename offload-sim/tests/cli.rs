@@ -745,7 +745,14 @@ fn weight_compression_in_the_jobs_configuration_codes_the_link() {
     );
     let config = toml.to_str().unwrap();
     let o = sim(&[
-        "run", "--model", "tiny-wide", "--steps", "2", "--json", "--config", config,
+        "run",
+        "--model",
+        "tiny-wide",
+        "--steps",
+        "2",
+        "--json",
+        "--config",
+        config,
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
@@ -757,17 +764,38 @@ fn weight_compression_in_the_jobs_configuration_codes_the_link() {
     assert!(row["decodes_per_step"].as_f64().unwrap() > 0.0);
     assert_eq!(row["output_matches_resident"], true);
     assert_eq!(row["checker_violations"], 0);
-    let text_out = text(&sim(&["run", "--model", "tiny-wide", "--steps", "2", "--config", config])).0;
-    assert!(text_out.contains("link bytes / bf16 block bytes"), "{text_out}");
+    let text_out = text(&sim(&[
+        "run",
+        "--model",
+        "tiny-wide",
+        "--steps",
+        "2",
+        "--config",
+        config,
+    ]))
+    .0;
+    assert!(
+        text_out.contains("link bytes / bf16 block bytes"),
+        "{text_out}"
+    );
     // A value the key does not take, from the job's configuration: a typed
     // error naming the key and the file, exit non-zero.
     let bad = write(
         "bad.toml",
         "enable_layerwise_offload = true\nweight_compression = \"zstd\"\n",
     );
-    let o = sim(&["run", "--model", "tiny-wide", "--config", bad.to_str().unwrap()]);
+    let o = sim(&[
+        "run",
+        "--model",
+        "tiny-wide",
+        "--config",
+        bad.to_str().unwrap(),
+    ]);
     let (_, err) = text(&o);
     assert!(!o.status.success());
-    assert!(err.contains("weight_compression") && err.contains("lossless"), "{err}");
+    assert!(
+        err.contains("weight_compression") && err.contains("lossless"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }

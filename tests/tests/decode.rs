@@ -9,10 +9,10 @@ use offload_core::config::{OffloadConfig, WeightCompression};
 use offload_core::invariants::{Invariant, Violation};
 use offload_core::runtime::PlantedBug;
 use offload_sim::DeviceProfile;
+use offload_sim::Jitter;
 use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
 use offload_sim::job::memory_violations;
 use offload_sim::presets::tiny_wide;
-use offload_sim::Jitter;
 
 fn workload() -> Workload {
     let preset = tiny_wide();
@@ -78,7 +78,11 @@ fn lossless_layerwise_is_bit_identical_and_moves_fewer_bytes() {
             )
             .unwrap();
             assert_eq!(outputs(&o), want, "depth {depth}, jitter {jitter:?}");
-            assert_eq!(all_violations(&o), vec![], "depth {depth}, jitter {jitter:?}");
+            assert_eq!(
+                all_violations(&o),
+                vec![],
+                "depth {depth}, jitter {jitter:?}"
+            );
             assert!(o.at_end.decodes > 0);
             assert_eq!(o.at_end.decode_errors, 0);
             let (coded, raw) = (
@@ -110,7 +114,11 @@ fn seen(bug: PlantedBug) -> (bool, bool, Vec<String>) {
             )
             .unwrap();
             assert_eq!(outputs(&clean), want, "control, depth {depth}, {jitter:?}");
-            assert_eq!(all_violations(&clean), vec![], "control, depth {depth}, {jitter:?}");
+            assert_eq!(
+                all_violations(&clean),
+                vec![],
+                "control, depth {depth}, {jitter:?}"
+            );
             let o = run(
                 &workload(),
                 &layerwise(WeightCompression::Lossless),
@@ -205,17 +213,30 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
     // A thousand times the compute: every ring compute-bound, none coded,
     // the staging buffers freed, nothing decoded.
     let (slow, out) = auto_at(1000.0);
-    assert!(!slow.is_empty() && slow.iter().all(|(_, l)| !*l), "{slow:?}");
+    assert!(
+        !slow.is_empty() && slow.iter().all(|(_, l)| !*l),
+        "{slow:?}"
+    );
     assert_eq!(outputs(&out), want);
     assert_eq!(all_violations(&out), vec![]);
-    assert_eq!(out.at_end.decodes, 2, "only the enable-time measurement decodes (twice)");
+    assert_eq!(
+        out.at_end.decodes, 2,
+        "only the enable-time measurement decodes (twice)"
+    );
     // Without planner inputs "auto" is a typed error naming the key.
-    let e = run(&workload(), &layerwise(WeightCompression::Auto), &opts(&[], 1, None))
-        .err()
-        .expect("auto without inputs fails")
-        .error
-        .to_string();
-    assert!(e.contains("weight_compression") && e.contains("with_planner"), "{e}");
+    let e = run(
+        &workload(),
+        &layerwise(WeightCompression::Auto),
+        &opts(&[], 1, None),
+    )
+    .err()
+    .expect("auto without inputs fails")
+    .error
+    .to_string();
+    assert!(
+        e.contains("weight_compression") && e.contains("with_planner"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -232,16 +253,21 @@ fn weight_compression_is_checked_where_it_cannot_apply() {
     ] {
         let c = OffloadConfig::from_json_str(json).unwrap();
         let e = c.select().unwrap_err().to_string();
-        assert!(e.contains("weight_compression") && e.contains(needle), "{json}: {e}");
+        assert!(
+            e.contains("weight_compression") && e.contains(needle),
+            "{json}: {e}"
+        );
     }
     let e = OffloadConfig::from_json_str(
         r#"{"enable_layerwise_offload": true, "weight_compression": "zstd"}"#,
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("weight_compression") && e.contains("lossless"), "{e}");
+    assert!(
+        e.contains("weight_compression") && e.contains("lossless"),
+        "{e}"
+    );
 }
-
 
 mod props {
     use super::*;

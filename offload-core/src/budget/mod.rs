@@ -37,8 +37,8 @@ pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;
 use crate::plan::PlanError;
 pub use ring::{
-    CompressionChoice, DECODE_INTERFERENCE, DecodeStage, Lookahead, RingShape, choose_compression, choose_lookahead,
-    forward_ends, forwards_s, predict_step, staged_ends,
+    CompressionChoice, DECODE_INTERFERENCE, DecodeStage, Lookahead, RingShape, choose_compression,
+    choose_lookahead, forward_ends, forwards_s, predict_step, staged_ends,
 };
 pub use search::{Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint};
 pub use types::{

@@ -44,7 +44,15 @@ pub fn forward_ends(
     other_s: f64,
     interference: f64,
 ) -> [f64; FORWARDS] {
-    staged_ends(compute_s, copy_s, None, resident, depth, other_s, interference)
+    staged_ends(
+        compute_s,
+        copy_s,
+        None,
+        resident,
+        depth,
+        other_s,
+        interference,
+    )
 }
 
 /// The decode stage of a coded ring (CONTRACT §7b): each streamed block's
@@ -90,7 +98,9 @@ impl Fills {
         while self.filled.len() <= g {
             let k = self.filled.len();
             let slot_free = if k > self.depth {
-                done.get(k - self.depth - 1).copied().unwrap_or(f64::INFINITY)
+                done.get(k - self.depth - 1)
+                    .copied()
+                    .unwrap_or(f64::INFINITY)
             } else {
                 0.0
             };
@@ -492,7 +502,10 @@ mod tests {
         let c = choice(1.0, 3.0, 0.7, 0.1);
         assert!(c.lossless);
         assert!((c.none_s - 36.0).abs() / 36.0 < 0.02, "{c:?}");
-        assert!((c.lossless_s - 0.7 * 36.0).abs() / (0.7 * 36.0) < 0.03, "{c:?}");
+        assert!(
+            (c.lossless_s - 0.7 * 36.0).abs() / (0.7 * 36.0) < 0.03,
+            "{c:?}"
+        );
     }
 
     #[test]
@@ -511,12 +524,24 @@ mod tests {
         assert!(c.lossless_s >= 12.0 * 4.0 * 0.99, "{c:?}");
         // Bad input: lengths, values.
         let (a, r) = (vec![1.0; 3], vec![false; 3]);
-        let shape = RingShape { compute_s: &a, copy_s: &a, resident: &r, other_s: 0.0, interference: 0.0 };
-        let d = DecodeStage { decode_s: &a, interference: 0.3 };
+        let shape = RingShape {
+            compute_s: &a,
+            copy_s: &a,
+            resident: &r,
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        let d = DecodeStage {
+            decode_s: &a,
+            interference: 0.3,
+        };
         assert!(choose_compression(&shape, &a[..2], d, 1).is_err());
         let bad = [1.0, f64::NAN, 1.0];
         assert!(choose_compression(&shape, &bad, d, 1).is_err());
-        let d2 = DecodeStage { decode_s: &a, interference: 2.0 };
+        let d2 = DecodeStage {
+            decode_s: &a,
+            interference: 2.0,
+        };
         assert!(choose_compression(&shape, &a, d2, 1).is_err());
     }
 

@@ -106,8 +106,7 @@ pub fn memory_bounds(
             // Coded blocks (CONTRACT §7b): masters up to their bound, and two
             // staging buffers of the largest bound on the device.
             // `"auto"` may code every block: it is bounded as `"lossless"`.
-            let coded: Vec<u64> = if config.compression()
-                != crate::config::WeightCompression::None
+            let coded: Vec<u64> = if config.compression() != crate::config::WeightCompression::None
             {
                 layout
                     .blocks()

@@ -46,7 +46,9 @@ use std::collections::BTreeSet;
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
 use crate::config::{OffloadConfig, OffloadStrategy, WeightCompression, no_codec};
-use crate::device::{Api, Codec, CodecSpan, Collective, Device, DeviceBuffer, HostBuffer, coded_bound};
+use crate::device::{
+    Api, Codec, CodecSpan, Collective, Device, DeviceBuffer, HostBuffer, coded_bound,
+};
 use crate::discovery::{Role, log_warnings};
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
@@ -439,7 +441,9 @@ impl Transport {
                             coded_bytes,
                         )
                     }
-                    .map_err(|e| dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e))?;
+                    .map_err(|e| {
+                        dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e)
+                    })?;
                 }
                 if let Some(t) = &st.timer {
                     t.mark(&h.copy, Mark::CopyEnd)?;
@@ -605,7 +609,11 @@ fn release_state<A: Api>(
             }
         }
         for staging in st.decoding.into_iter().flat_map(|d| d.staging) {
-            if let Err(e) = h.free(staging.buffer, &[&staging.copied, &staging.consumed], "staging") {
+            if let Err(e) = h.free(
+                staging.buffer,
+                &[&staging.copied, &staging.consumed],
+                "staging",
+            ) {
                 first.get_or_insert(e);
             }
         }
@@ -635,6 +643,10 @@ fn release_state<A: Api>(
         }
     })
 }
+
+/// What a ring engine's transports beyond the copy need: the gather
+/// group, the codec.
+pub(crate) type Transports<A> = (Option<Arc<dyn Collective<A>>>, Option<Arc<dyn Codec<A>>>);
 
 /// Staging buffers of a decoding engine: a copy may run one block ahead of
 /// the decode reading the other.
@@ -974,7 +986,7 @@ impl<A: Api> LayerwiseBackend<A> {
         weights: Arc<dyn WeightSource>,
         config: OffloadConfig,
         depth: usize,
-        (collective, codec): (Option<Arc<dyn Collective<A>>>, Option<Arc<dyn Codec<A>>>),
+        (collective, codec): Transports<A>,
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
         let selection = config.select()?;
@@ -1017,13 +1029,14 @@ impl<A: Api> LayerwiseBackend<A> {
             config.compression(),
             WeightCompression::Lossless | WeightCompression::Auto
         );
-        let codec = if coding {
-            Some(codec.ok_or_else(|| {
-                OffloadError::Config(Box::new(no_codec(config.compression())))
-            })?)
-        } else {
-            None
-        };
+        let codec =
+            if coding {
+                Some(codec.ok_or_else(|| {
+                    OffloadError::Config(Box::new(no_codec(config.compression())))
+                })?)
+            } else {
+                None
+            };
         let mut handles = Handles::new(device, compute, weights)?;
         if gathers {
             handles = handles.with_comm()?;
@@ -1256,11 +1269,15 @@ impl<A: Api> LayerwiseBackend<A> {
         st: &mut State<A>,
         skip: &BTreeSet<StorageId>,
     ) -> Result<(), OffloadError> {
-        let inputs = self.auto_inputs.as_ref().ok_or_else(|| {
-            OffloadError::Config(Box::new(crate::config::auto_without_inputs()))
-        })?;
+        let inputs = self
+            .auto_inputs
+            .as_ref()
+            .ok_or_else(|| OffloadError::Config(Box::new(crate::config::auto_without_inputs())))?;
         let Some((r0, b0)) = st.rings.iter().enumerate().find_map(|(r, ring)| {
-            ring.blocks.iter().position(|m| m.coded.is_some()).map(|b| (r, b))
+            ring.blocks
+                .iter()
+                .position(|m| m.coded.is_some())
+                .map(|b| (r, b))
         }) else {
             return Ok(());
         };
@@ -1280,7 +1297,11 @@ impl<A: Api> LayerwiseBackend<A> {
             if ring.gathered || ring.blocks.iter().all(|m| m.coded.is_none()) {
                 continue;
             }
-            let compute_s: Vec<f64> = ring.blocks.iter().map(|m| compute_of(&m.unit.name)).collect();
+            let compute_s: Vec<f64> = ring
+                .blocks
+                .iter()
+                .map(|m| compute_of(&m.unit.name))
+                .collect();
             let copy = |bytes: u64| inputs.copy_latency_s + bytes as f64 / link;
             let copy_s: Vec<f64> = ring.blocks.iter().map(|m| copy(m.unit.bytes)).collect();
             let coded_s: Vec<f64> = ring
@@ -1342,10 +1363,13 @@ impl<A: Api> LayerwiseBackend<A> {
                         unit, host, shard, ..
                     } = m;
                     let raw = match Arc::try_unwrap(host) {
-                        // SAFETY: the one decode that read a coded master
-                        // (the measurement) was synchronised before.
-                        Ok(coded) => unsafe { h.free_master(coded) }
-                            .and_then(|()| h.master(&unit, skip)),
+                        Ok(coded) => {
+                            // SAFETY: the one decode that read a coded
+                            // master (the measurement) was synchronised
+                            // before.
+                            let freed = unsafe { h.free_master(coded) };
+                            freed.and_then(|()| h.master(&unit, skip))
+                        }
                         Err(_) => Err(OffloadError::Forward {
                             module: unit.name.clone(),
                             reason: "its coded master is shared".to_owned(),
@@ -1368,11 +1392,19 @@ impl<A: Api> LayerwiseBackend<A> {
             choices.push((name, choice));
         }
         *crate::sync::lock(&self.choices) = choices;
-        if st.rings.iter().flat_map(|r| &r.blocks).all(|m| m.coded.is_none())
+        if st
+            .rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .all(|m| m.coded.is_none())
             && let Some(d) = st.decoding.take()
         {
             for staging in d.staging {
-                h.free(staging.buffer, &[&staging.copied, &staging.consumed], "staging")?;
+                h.free(
+                    staging.buffer,
+                    &[&staging.copied, &staging.consumed],
+                    "staging",
+                )?;
             }
         }
         Ok(())
@@ -1382,16 +1414,27 @@ impl<A: Api> LayerwiseBackend<A> {
     /// `(ring, block)` copied to staging buffer 0 and decoded into slot 0
     /// twice (enable time: no slot holds a block yet), the second decode
     /// timed with the device's events, then synchronised.
-    fn measure_decode(&self, st: &State<A>, ring: usize, block: usize) -> Result<f64, OffloadError> {
+    fn measure_decode(
+        &self,
+        st: &State<A>,
+        ring: usize,
+        block: usize,
+    ) -> Result<f64, OffloadError> {
         let h = &self.engine.handles;
-        let decode = h.decode.as_ref().expect("a coding engine has a decode stream");
+        let decode = h
+            .decode
+            .as_ref()
+            .expect("a coding engine has a decode stream");
         let d = st.decoding.as_ref().expect("coded masters have staging");
         let m = &st.rings[ring].blocks[block];
         let (coded_bytes, work) = m.coded.expect("a coded block");
-        let (staging, slot) = (&d.staging[0], st.slots.first().ok_or_else(|| OffloadError::Forward {
-            module: m.unit.name.clone(),
-            reason: "no slot to measure a decode into".to_owned(),
-        })?);
+        let (staging, slot) = (
+            &d.staging[0],
+            st.slots.first().ok_or_else(|| OffloadError::Forward {
+                module: m.unit.name.clone(),
+                reason: "no slot to measure a decode into".to_owned(),
+            })?,
+        );
         let timing = || {
             h.device
                 .create_timing_event()
@@ -1419,7 +1462,14 @@ impl<A: Api> LayerwiseBackend<A> {
                         .map_err(|e| dev_err("record_event(decode start)", e))?;
                 }
                 d.codec
-                    .decode(decode, &staging.buffer, coded_bytes, work, &slot.buffer, m.unit.bytes)
+                    .decode(
+                        decode,
+                        &staging.buffer,
+                        coded_bytes,
+                        work,
+                        &slot.buffer,
+                        m.unit.bytes,
+                    )
                     .map_err(|e| dev_err("decode (measurement)", e))?;
             }
             h.device

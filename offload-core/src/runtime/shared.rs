@@ -7,7 +7,9 @@ use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use std::collections::BTreeSet;
 
 use crate::config::{OffloadConfig, OffloadStrategy};
-use crate::device::{Api, ByteSource, Codec, CodecSpan, Device, DeviceBuffer, HostBuffer, HostSource};
+use crate::device::{
+    Api, ByteSource, Codec, CodecSpan, Device, DeviceBuffer, HostBuffer, HostSource,
+};
 use crate::lifecycle::OffloadError;
 use crate::model::{Pipeline, StorageId};
 use crate::plan::{ResolvedPlan, resolve};
