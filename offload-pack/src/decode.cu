@@ -15,9 +15,11 @@
 //      from the weight's byte (two 16-byte loads); store 64 bytes (four
 //      16-byte stores when the output is 16-byte aligned and the word full).
 //
-// Launch: grid = the tiles of every tensor in the table, block = 128.
-// Raw-coded tensors are not in the table: their bytes are the tensor
-// (copy them, from blob + 64).
+// Two kernels share it: opk_decode_window3 (a table of window3 tensors,
+// grid = their tiles, block = 128; raw-coded tensors are not in its table:
+// their bytes are the tensor, from blob + 64) and opk_decode_block (one
+// coded block, `OPB1`, below: its table is in the blob, raw entries
+// copied by the kernel).
 
 #define OPK_TILE 4096u
 #define OPK_WORDS 128u
@@ -42,7 +44,10 @@ __device__ __forceinline__ unsigned short opk_value(unsigned int sm_byte, unsign
     return (unsigned short)(((sm_byte & 0x80u) << 8) | (exp << 7) | (sm_byte & 0x7fu));
 }
 
-__device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsigned short* out,
+// Decodes tile `tile` of the window3 blob `blob` into the tensor whose
+// first byte is `out` (any alignment: 16-byte vector stores where the
+// output allows them, else 2-byte stores, else bytes).
+__device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsigned char* out,
                                                 unsigned int tile, int* error)
 {
     __shared__ unsigned int warp_sums[4];
@@ -105,7 +110,7 @@ __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsig
     const uint4 s0 = smv[0];
     const uint4 s1 = smv[1];
     const unsigned int sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-    unsigned short* dst = out + first;
+    unsigned char* dst = out + 2ull * first;
     unsigned int packed[16];
 #pragma unroll
     for (unsigned int b = 0; b < 32u; ++b) {
@@ -130,11 +135,22 @@ __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsig
         d[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
         d[2] = make_uint4(packed[8], packed[9], packed[10], packed[11]);
         d[3] = make_uint4(packed[12], packed[13], packed[14], packed[15]);
-    } else {
+    } else if ((((unsigned long long)dst) & 1ull) == 0ull) {
+        unsigned short* d = (unsigned short*)dst;
 #pragma unroll
         for (unsigned int b = 0; b < 32u; ++b) {
             if (b < live) {
-                dst[b] = (unsigned short)(packed[b >> 1] >> ((b & 1u) * 16u));
+                d[b] = (unsigned short)(packed[b >> 1] >> ((b & 1u) * 16u));
+            }
+        }
+    } else {
+        // An odd output address (a tensor at an odd offset of its slot).
+#pragma unroll
+        for (unsigned int b = 0; b < 32u; ++b) {
+            if (b < live) {
+                const unsigned int v = packed[b >> 1] >> ((b & 1u) * 16u);
+                dst[2u * b] = (unsigned char)(v & 0xffu);
+                dst[2u * b + 1u] = (unsigned char)((v >> 8) & 0xffu);
             }
         }
     }
@@ -158,5 +174,89 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
         }
     }
     const OpkTensor t = tensors[a];
-    opk_decode_tile(t.blob, t.out, (unsigned int)(g - t.first_tile), error);
+    opk_decode_tile(t.blob, (unsigned char*)t.out, (unsigned int)(g - t.first_tile), error);
+}
+
+// ---------------------------------------------------------------------------
+// One coded block (offload-pack/src/block.rs, `OPB1`): the blob a ring
+// engine copied into a staging buffer, decoded into the block's slot in one
+// launch. The table is in the blob itself (device memory):
+//   u32 entries at byte 8, u64 work items at byte 24; entry i at
+//   64 + 32 i: u64 tensor blob offset, u64 output offset, u64 first work
+//   item, u32 work items, u8 code id.
+// Each 128-thread block finds its entry by binary search over the first
+// work items; a window3 entry (code 1) decodes one tile with the tile
+// decoder above, a raw entry (code 0) copies one OPK_RAW_CHUNK-byte chunk
+// of its tensor blob's data (at +64) to its output, the last chunk partial.
+// An entry that does not hold the work item, or an unknown code, sets
+// *error to 2 and writes nothing (`BlockView::parse` rules both out).
+
+#define OPK_RAW_CHUNK 8192u
+#define OPK_BLOCK_HEADER 64u
+#define OPK_ENTRY_BYTES 32u
+
+// Copies `len` (≤ OPK_RAW_CHUNK) bytes from `src` to `dst`: 16-byte
+// vectors (coalesced, thread w takes vectors w, w + 128, ...) where both
+// are 16-byte aligned, bytes for the rest and for any other alignment.
+__device__ __forceinline__ void opk_copy_chunk(const unsigned char* src, unsigned char* dst,
+                                               unsigned int len)
+{
+    const unsigned int w = threadIdx.x;
+    unsigned int done = 0;
+    if (((((unsigned long long)src) | ((unsigned long long)dst)) & 15ull) == 0ull) {
+        const unsigned int vectors = len >> 4;
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (unsigned int v = w; v < vectors; v += OPK_WORDS) {
+            d[v] = s[v];
+        }
+        done = vectors << 4;
+    }
+    for (unsigned int i = done + w; i < len; i += OPK_WORDS) {
+        dst[i] = src[i];
+    }
+}
+
+// Decodes the coded block `blob` (the staging buffer: 256-byte aligned, so
+// every tensor blob is 64-byte aligned) into `out` (the slot), grid.x = the
+// block's work items (header u64 at byte 24), blockDim.x = 128. A tile
+// whose escape index disagrees with its codes sets *error to 1.
+extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
+    const unsigned char* blob, unsigned char* out, int* error)
+{
+    const unsigned long long g = blockIdx.x;
+    const unsigned int n = *(const unsigned int*)(blob + 8);
+    const unsigned char* table = blob + OPK_BLOCK_HEADER;
+    unsigned int a = 0;
+    unsigned int z = n;
+    while (z - a > 1u) {
+        const unsigned int mid = a + (z - a) / 2u;
+        if (opk_u64(table + (unsigned long long)mid * OPK_ENTRY_BYTES + 16u) <= g) {
+            a = mid;
+        } else {
+            z = mid;
+        }
+    }
+    const unsigned char* e = table + (unsigned long long)a * OPK_ENTRY_BYTES;
+    const unsigned long long first = opk_u64(e + 16);
+    const unsigned int items = *(const unsigned int*)(e + 24);
+    const unsigned int code = e[28];
+    if (n == 0u || g < first || g - first >= (unsigned long long)items || code > 1u) {
+        if (threadIdx.x == 0u) {
+            atomicExch(error, 2);
+        }
+        return;
+    }
+    const unsigned int item = (unsigned int)(g - first);
+    const unsigned char* t = blob + opk_u64(e);
+    unsigned char* dst = out + opk_u64(e + 8);
+    if (code == 1u) {
+        opk_decode_tile(t, dst, item, error);
+    } else {
+        const unsigned long long bytes = opk_u64(t + 8);
+        const unsigned long long at = (unsigned long long)item * OPK_RAW_CHUNK;
+        const unsigned long long left = bytes - at;
+        const unsigned int len = left < OPK_RAW_CHUNK ? (unsigned int)left : OPK_RAW_CHUNK;
+        opk_copy_chunk(t + 64u + at, dst + at, len);
+    }
 }
