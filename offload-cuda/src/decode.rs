@@ -190,9 +190,11 @@ impl PackDecoder {
     }
 
     /// Enqueues on `stream` the decode of the coded block (`OPB1`,
-    /// `offload_pack::block`) at device address `blob` into the unit at
-    /// `out`: `work` 128-thread blocks (the block's work items; 0 enqueues
-    /// nothing).
+    /// `offload_pack::block`) of `blob_bytes` at device address `blob`
+    /// into the unit at `out` (`out_bytes` of room): `work` 128-thread
+    /// blocks (the block's work items; 0 enqueues nothing). The kernel
+    /// reads and writes nothing outside those two ranges whatever the
+    /// blob holds (a damaged one raises the error flag instead).
     ///
     /// # Safety
     ///
@@ -206,8 +208,8 @@ impl PackDecoder {
     pub unsafe fn decode_block(
         &self,
         stream: &CudaStream,
-        blob: sys::CUdeviceptr,
-        out: sys::CUdeviceptr,
+        (blob, blob_bytes): (sys::CUdeviceptr, u64),
+        (out, out_bytes): (sys::CUdeviceptr, u64),
         work: u64,
     ) -> Result<(), DecodeError> {
         if work == 0 {
@@ -218,14 +220,18 @@ impl PackDecoder {
             .filter(|&g| g <= u32::MAX >> 1)
             .ok_or(DecodeError::TooManyTiles { tiles: work })?;
         self.module.ctx.bind()?;
-        let (mut b, mut o, mut flag) = (blob, out, self.flag.ptr());
-        let mut params: [*mut c_void; 3] = [
+        let (mut b, mut bb, mut o, mut ob, mut flag) =
+            (blob, blob_bytes, out, out_bytes, self.flag.ptr());
+        let mut params: [*mut c_void; 5] = [
             (&raw mut b).cast(),
+            (&raw mut bb).cast(),
             (&raw mut o).cast(),
+            (&raw mut ob).cast(),
             (&raw mut flag).cast(),
         ];
-        // SAFETY: the kernel takes (const unsigned char*, unsigned char*,
-        // int*), the three locals above (the driver copies them at launch);
+        // SAFETY: the kernel takes (const unsigned char*, unsigned long
+        // long, unsigned char*, unsigned long long, int*), the five locals
+        // above (the driver copies them at launch);
         // the blob and the output are the caller's contract; the flag is
         // ours.
         let launched = unsafe {
@@ -444,8 +450,12 @@ impl Codec<Cuda> for CudaCodec {
         // `decoded_bytes` (checked above) the blob decodes to; neither is
         // touched by other work until an event after it completes.
         unsafe {
-            self.decoder
-                .decode_block(stream, src.ptr(), dst.ptr(), work)
+            self.decoder.decode_block(
+                stream,
+                (src.ptr(), coded_bytes),
+                (dst.ptr(), decoded_bytes),
+                work,
+            )
         }
         .map_err(as_cuda)?;
         self.decodes.fetch_add(1, Ordering::Relaxed);

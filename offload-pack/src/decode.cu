@@ -47,8 +47,11 @@ __device__ __forceinline__ unsigned short opk_value(unsigned int sm_byte, unsign
 // Decodes tile `tile` of the window3 blob `blob` into the tensor whose
 // first byte is `out` (any alignment: 16-byte vector stores where the
 // output allows them, else 2-byte stores, else bytes).
+// `blob_len`: the bytes of `blob` the caller vouches for; an escape slot
+// past them sets *error and writes nothing.
 __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsigned char* out,
-                                                unsigned int tile, int* error)
+                                                unsigned int tile, unsigned long long blob_len,
+                                                int* error)
 {
     __shared__ unsigned int warp_sums[4];
     const unsigned int w = threadIdx.x;
@@ -97,7 +100,7 @@ __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsig
     const unsigned int* index = (const unsigned int*)(blob + idx_off);
     const unsigned int start = index[tile];
     const unsigned int end = index[tile + 1u];
-    if (end < start || end - start != total) {
+    if (end < start || end - start != total || esc_off + end > blob_len) {
         if (w == 0u) {
             atomicExch(error, 1);
         }
@@ -174,7 +177,8 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
         }
     }
     const OpkTensor t = tensors[a];
-    opk_decode_tile(t.blob, (unsigned char*)t.out, (unsigned int)(g - t.first_tile), error);
+    opk_decode_tile(t.blob, (unsigned char*)t.out, (unsigned int)(g - t.first_tile),
+                    opk_u64(t.blob + 56), error);
 }
 
 // ---------------------------------------------------------------------------
@@ -188,8 +192,12 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 // work items; a window3 entry (code 1) decodes one tile with the tile
 // decoder above, a raw entry (code 0) copies one OPK_RAW_CHUNK-byte chunk
 // of its tensor blob's data (at +64) to its output, the last chunk partial.
-// An entry that does not hold the work item, or an unknown code, sets
-// *error to 2 and writes nothing (`BlockView::parse` rules both out).
+// The kernel also bounds what it reads and writes by `blob_bytes` (the
+// coded bytes in the staging buffer) and `out_bytes` (the unit): an entry
+// that does not hold the work item, an unknown code, or a table, tensor
+// header or output range outside those bounds sets *error to 2 and writes
+// nothing (`BlockView::parse` rules all of them out; a staging buffer read
+// before its copy landed, a planted ordering bug, does not).
 
 #define OPK_RAW_CHUNK 8192u
 #define OPK_BLOCK_HEADER 64u
@@ -218,14 +226,22 @@ __device__ __forceinline__ void opk_copy_chunk(const unsigned char* src, unsigne
 }
 
 // Decodes the coded block `blob` (the staging buffer: 256-byte aligned, so
-// every tensor blob is 64-byte aligned) into `out` (the slot), grid.x = the
+// every tensor blob is 64-byte aligned; `blob_bytes` of it are the block's)
+// into `out` (the slot; `out_bytes` of it are the unit's), grid.x = the
 // block's work items (header u64 at byte 24), blockDim.x = 128. A tile
 // whose escape index disagrees with its codes sets *error to 1.
 extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
-    const unsigned char* blob, unsigned char* out, int* error)
+    const unsigned char* blob, unsigned long long blob_bytes, unsigned char* out,
+    unsigned long long out_bytes, int* error)
 {
     const unsigned long long g = blockIdx.x;
-    const unsigned int n = *(const unsigned int*)(blob + 8);
+    unsigned int n = 0;
+    if (blob_bytes >= OPK_BLOCK_HEADER) {
+        n = *(const unsigned int*)(blob + 8);
+    }
+    if ((unsigned long long)n * OPK_ENTRY_BYTES + OPK_BLOCK_HEADER > blob_bytes) {
+        n = 0; // a table past the coded bytes: refused below
+    }
     const unsigned char* table = blob + OPK_BLOCK_HEADER;
     unsigned int a = 0;
     unsigned int z = n;
@@ -237,23 +253,54 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
             z = mid;
         }
     }
-    const unsigned char* e = table + (unsigned long long)a * OPK_ENTRY_BYTES;
-    const unsigned long long first = opk_u64(e + 16);
-    const unsigned int items = *(const unsigned int*)(e + 24);
-    const unsigned int code = e[28];
-    if (n == 0u || g < first || g - first >= (unsigned long long)items || code > 1u) {
+    bool ok = n != 0u;
+    unsigned long long first = 0, blob_off = 0, out_off = 0, bytes = 0, t_len = 0;
+    unsigned int items = 0, code = 0;
+    if (ok) {
+        const unsigned char* e = table + (unsigned long long)a * OPK_ENTRY_BYTES;
+        blob_off = opk_u64(e);
+        out_off = opk_u64(e + 8);
+        first = opk_u64(e + 16);
+        items = *(const unsigned int*)(e + 24);
+        code = e[28];
+        ok = g >= first && g - first < (unsigned long long)items && code <= 1u
+            && (blob_off & 63ull) == 0ull && blob_off <= blob_bytes
+            && blob_bytes - blob_off >= 64ull;
+    }
+    if (ok) {
+        const unsigned char* t = blob + blob_off;
+        bytes = opk_u64(t + 8);
+        t_len = opk_u64(t + 56);
+        ok = t[6] == code && t_len >= 64ull && t_len <= blob_bytes - blob_off && out_off <= out_bytes
+            && bytes <= out_bytes - out_off;
+        if (ok && code == 0u) {
+            ok = bytes <= t_len - 64ull
+                && (unsigned long long)items * OPK_RAW_CHUNK >= bytes
+                && (g - first) * OPK_RAW_CHUNK < bytes;
+        } else if (ok) {
+            // Every section offset inside the blob, the tile among its tiles.
+            const unsigned int tiles = *(const unsigned int*)(t + 20);
+            ok = (bytes & 1ull) == 0ull && g - first < (unsigned long long)tiles
+                && opk_u64(t + 24) == 64ull
+                && opk_u64(t + 32) == 64ull + 4096ull * tiles
+                && opk_u64(t + 40) == 64ull + 5632ull * tiles
+                && opk_u64(t + 48) <= t_len
+                && opk_u64(t + 40) + 4ull * ((unsigned long long)tiles + 1ull) <= t_len
+                && bytes <= 8192ull * tiles;
+        }
+    }
+    if (!ok) {
         if (threadIdx.x == 0u) {
             atomicExch(error, 2);
         }
-        return;
+        return; // uniform over the block: every thread returns
     }
     const unsigned int item = (unsigned int)(g - first);
-    const unsigned char* t = blob + opk_u64(e);
-    unsigned char* dst = out + opk_u64(e + 8);
+    const unsigned char* t = blob + blob_off;
+    unsigned char* dst = out + out_off;
     if (code == 1u) {
-        opk_decode_tile(t, dst, item, error);
+        opk_decode_tile(t, dst, item, t_len, error);
     } else {
-        const unsigned long long bytes = opk_u64(t + 8);
         const unsigned long long at = (unsigned long long)item * OPK_RAW_CHUNK;
         const unsigned long long left = bytes - at;
         const unsigned int len = left < OPK_RAW_CHUNK ? (unsigned int)left : OPK_RAW_CHUNK;

@@ -12,13 +12,17 @@ pub const DECODE_CU: &str = include_str!("decode.cu");
 pub const DECODE_KERNEL: &str = "opk_decode_window3";
 
 /// The coded-block kernel's name in [`DECODE_CU`]:
-/// `opk_decode_block(const unsigned char* blob, unsigned char* out, int*
-/// error)`, `blob` the block blob in device memory (256-byte aligned),
-/// `out` the unit's first byte, grid = the block's work items
+/// `opk_decode_block(const unsigned char* blob, unsigned long long
+/// blob_bytes, unsigned char* out, unsigned long long out_bytes, int*
+/// error)`, `blob` the block blob in device memory (256-byte aligned, its
+/// `blob_bytes` coded bytes), `out` the unit's first byte (`out_bytes`
+/// of room), grid = the block's work items
 /// ([`crate::block::EncodedBlock::work`]), [`DECODE_BLOCK_THREADS`]
 /// threads a block. `*error` becomes 1 on a tile whose escape index
 /// disagrees with its codes, 2 on a table entry that does not hold its
-/// work item or names an unknown code.
+/// work item, names an unknown code, or points outside either bound (then
+/// that work item writes nothing: stale staging bytes never write outside
+/// the slot).
 pub const BLOCK_KERNEL: &str = "opk_decode_block";
 
 /// Threads of one block of [`DECODE_KERNEL`] and [`BLOCK_KERNEL`] (one per code word of a tile).

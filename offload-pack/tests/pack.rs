@@ -1156,6 +1156,16 @@ mod kernel {
             bad[planes + 512 * p] = 0;
         }
         assert_eq!(run(&bad, 0).0, "error=1");
+        // A table entry pointing outside the unit, or a table longer than
+        // the blob (stale staging bytes): refused, nothing written there.
+        let mut bad = block.blob.clone();
+        bad[64 + 8..64 + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert_eq!(run(&bad, 0).0, "error=2");
+        let mut bad = block.blob.clone();
+        bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let (flag, out) = run(&bad, 0);
+        assert_eq!(flag, "error=2");
+        assert!(out.iter().all(|&b| b == 0xa5), "a refused block writes nothing");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

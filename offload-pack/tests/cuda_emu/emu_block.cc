@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
             threads.emplace_back([&, t, g] {
                 threadIdx = dim3{t, 0, 0};
                 blockIdx = dim3{(unsigned int)g, 0, 0};
-                opk_decode_block(blob, out, &error);
+                opk_decode_block(blob, (unsigned long long)len, out, decoded, &error);
             });
         }
         for (auto& th : threads) th.join();
