@@ -159,6 +159,11 @@ pub(crate) struct Args {
     /// one; `none`: no such run).
     #[arg(long)]
     saved_from: Option<String>,
+    /// DiT-only mode: leave out the rows at the depth the ring recurrence
+    /// chooses (one enable per distinct chosen depth; a lossless enable
+    /// encodes every block): only `--depths` run.
+    #[arg(long)]
+    no_planner: bool,
     /// DiT-only mode: `weight_compression` values to run the layerwise
     /// rows with, comma-separated (`none`, `lossless`: every streamed
     /// block coded on the host at enable and decoded on the GPU by
@@ -1376,7 +1381,7 @@ fn run() -> Result<()> {
                 });
             }
             let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
-            for (&t, l) in &chosen {
+            for (&t, l) in chosen.iter().filter(|_| !args.no_planner) {
                 by_depth.entry(l.depth).or_default().push(t);
             }
             for (d, tokens) in by_depth {
