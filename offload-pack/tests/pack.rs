@@ -1165,7 +1165,10 @@ mod kernel {
         bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         let (flag, out) = run(&bad, 0);
         assert_eq!(flag, "error=2");
-        assert!(out.iter().all(|&b| b == 0xa5), "a refused block writes nothing");
+        assert!(
+            out.iter().all(|&b| b == 0xa5),
+            "a refused block writes nothing"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
