@@ -370,6 +370,34 @@ impl CudaCodec {
     }
 }
 
+/// [`CudaCodec`]'s encoder, which needs no device: the unit's `len` bytes
+/// read from `unit`, coded by `offload_pack::block::encode_block` (its
+/// round trip checked unless `cfg.verify` is off) over `spans`; the reason
+/// as text where it refuses.
+pub fn encode_unit(
+    unit: &dyn ByteSource,
+    len: u64,
+    spans: &[CodecSpan],
+    cfg: &offload_pack::format::EncodeConfig,
+) -> Result<Coded, String> {
+    let n = usize::try_from(len).map_err(|_| format!("a unit of {len} bytes"))?;
+    let mut bytes = vec![0u8; n];
+    unit.read_at(0, &mut bytes);
+    let spans: Vec<Span> = spans
+        .iter()
+        .map(|s| Span {
+            offset: s.offset,
+            bytes: s.bytes,
+            bf16: s.bf16,
+        })
+        .collect();
+    let block = encode_block(&bytes, &spans, cfg).map_err(|e| e.to_string())?;
+    Ok(Coded {
+        blob: block.blob,
+        work: block.work,
+    })
+}
+
 /// A decoder error as the device trait's error: a driver error as it is,
 /// anything else (nvrtc, an oversized grid) with `CUDA_ERROR_INVALID_VALUE`.
 fn as_cuda(e: DecodeError) -> CudaError {
@@ -393,22 +421,7 @@ impl Codec<Cuda> for CudaCodec {
         len: u64,
         spans: &[CodecSpan],
     ) -> Result<Coded, String> {
-        let n = usize::try_from(len).map_err(|_| format!("a unit of {len} bytes"))?;
-        let mut bytes = vec![0u8; n];
-        unit.read_at(0, &mut bytes);
-        let spans: Vec<Span> = spans
-            .iter()
-            .map(|s| Span {
-                offset: s.offset,
-                bytes: s.bytes,
-                bf16: s.bf16,
-            })
-            .collect();
-        let block = encode_block(&bytes, &spans, &self.config).map_err(|e| e.to_string())?;
-        Ok(Coded {
-            blob: block.blob,
-            work: block.work,
-        })
+        encode_unit(unit, len, spans, &self.config)
     }
 
     unsafe fn decode(
@@ -468,6 +481,73 @@ impl Codec<Cuda> for CudaCodec {
 
 #[cfg(test)]
 mod tests {
+    use offload_core::device::{CodecSpan, coded_bound};
+    use offload_pack::block::{BlockView, decode_block};
+    use offload_pack::format::EncodeConfig;
+    use offload_pack::synth::{Law, tensor_bytes};
+
+    /// The codec's encoder on a block-shaped unit (two normal bf16
+    /// weights, a raw f32 norm between them, a gap): its blob parses with
+    /// the work items it reports, decodes to the unit, stays within
+    /// `coded_bound` and codes the weights (under 0.8 of the bytes); bad
+    /// spans are refused with a reason.
+    #[test]
+    fn the_encoder_gives_a_block_the_kernel_can_decode() {
+        let all = vec![
+            ("b.q.weight".to_owned(), vec![512u64, 512]),
+            ("b.norm_q.weight".to_owned(), vec![512u64]),
+            ("b.up.weight".to_owned(), vec![1024u64, 512]),
+        ];
+        let q = tensor_bytes(Law::Normal, 3, 0, &all[0].0, &all[0].1, &all, 2);
+        let up = tensor_bytes(Law::Normal, 3, 2, &all[2].0, &all[2].1, &all, 2);
+        let norm: Vec<u8> = (0..2048u32).map(|i| (i * 37) as u8).collect();
+        let mut unit = q.clone();
+        unit.extend_from_slice(&norm);
+        unit.extend_from_slice(&[0u8; 6]);
+        let up_at = unit.len() as u64;
+        unit.extend_from_slice(&up);
+        let spans = [
+            CodecSpan {
+                offset: 0,
+                bytes: q.len() as u64,
+                bf16: true,
+            },
+            CodecSpan {
+                offset: q.len() as u64,
+                bytes: norm.len() as u64,
+                bf16: false,
+            },
+            CodecSpan {
+                offset: up_at,
+                bytes: up.len() as u64,
+                bf16: true,
+            },
+        ];
+        let len = unit.len() as u64;
+        let coded = super::encode_unit(&unit, len, &spans, &EncodeConfig::default()).unwrap();
+        let view = BlockView::parse(&coded.blob).unwrap();
+        assert_eq!(view.work(), coded.work);
+        assert_eq!(view.decoded_bytes(), len);
+        assert!(coded.blob.len() as u64 <= coded_bound(len, spans.len()));
+        assert!(
+            (coded.blob.len() as u64) * 10 < len * 8,
+            "{} of {len} bytes",
+            coded.blob.len()
+        );
+        let mut back = vec![0u8; unit.len()];
+        decode_block(&coded.blob, &mut back, 2).unwrap();
+        assert_eq!(back, unit);
+        let overlapping = [
+            spans[0],
+            CodecSpan {
+                offset: 8,
+                ..spans[1]
+            },
+        ];
+        let e = super::encode_unit(&unit, len, &overlapping, &EncodeConfig::default()).unwrap_err();
+        assert!(e.contains("overlaps"), "{e}");
+    }
+
     /// Where nvrtc is found (the toolkit's lib on `LD_LIBRARY_PATH`; no GPU
     /// needed), the decoder source compiles as the device will compile it,
     /// and defines both kernels.
