@@ -44,26 +44,51 @@ __device__ __forceinline__ unsigned short opk_value(unsigned int sm_byte, unsign
     return (unsigned short)(((sm_byte & 0x80u) << 8) | (exp << 7) | (sm_byte & 0x7fu));
 }
 
-// Decodes tile `tile` of the window3 blob `blob` into the tensor whose
-// first byte is `out` (any alignment: 16-byte vector stores where the
-// output allows them, else 2-byte stores, else bytes).
-// `blob_len`: the bytes of `blob` the caller vouches for; an escape slot
-// past them sets *error and writes nothing.
-__device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, unsigned char* out,
-                                                unsigned int tile, unsigned long long blob_len,
-                                                int* error)
+// A window3 blob's header fields the tile decoder uses, and `blob_len`:
+// the bytes of the blob the caller vouches for (an escape slot past them
+// sets *error and writes nothing).
+struct OpkHeader {
+    unsigned long long n;
+    unsigned long long sm_off;
+    unsigned long long codes_off;
+    unsigned long long idx_off;
+    unsigned long long esc_off;
+    unsigned long long blob_len;
+    unsigned int lo;
+};
+
+__device__ __forceinline__ OpkHeader opk_header(const unsigned char* blob)
+{
+    OpkHeader h;
+    h.lo = blob[7];
+    h.n = opk_u64(blob + 8) >> 1;
+    h.sm_off = opk_u64(blob + 24);
+    h.codes_off = opk_u64(blob + 32);
+    h.idx_off = opk_u64(blob + 40);
+    h.esc_off = opk_u64(blob + 48);
+    h.blob_len = opk_u64(blob + 56);
+    return h;
+}
+
+// Decodes tile `tile` of the window3 blob `blob` (its header `h`, read
+// once by the caller) into the tensor whose first byte is `out` (any
+// alignment: 16-byte vector stores where the output allows them, else
+// 2-byte stores, else bytes).
+__device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, const OpkHeader h,
+                                                unsigned char* out, unsigned int tile, int* error)
 {
     __shared__ unsigned int warp_sums[4];
     const unsigned int w = threadIdx.x;
     const unsigned int lane = w & 31u;
     const unsigned int warp = w >> 5;
 
-    const unsigned int lo = blob[7];
-    const unsigned long long n = opk_u64(blob + 8) >> 1;
-    const unsigned long long sm_off = opk_u64(blob + 24);
-    const unsigned long long codes_off = opk_u64(blob + 32);
-    const unsigned long long idx_off = opk_u64(blob + 40);
-    const unsigned long long esc_off = opk_u64(blob + 48);
+    const unsigned int lo = h.lo;
+    const unsigned long long n = h.n;
+    const unsigned long long sm_off = h.sm_off;
+    const unsigned long long codes_off = h.codes_off;
+    const unsigned long long idx_off = h.idx_off;
+    const unsigned long long esc_off = h.esc_off;
+    const unsigned long long blob_len = h.blob_len;
 
     // 1. The thread's code word and escape mask.
     const unsigned int* planes =
@@ -177,8 +202,8 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
         }
     }
     const OpkTensor t = tensors[a];
-    opk_decode_tile(t.blob, (unsigned char*)t.out, (unsigned int)(g - t.first_tile),
-                    opk_u64(t.blob + 56), error);
+    opk_decode_tile(t.blob, opk_header(t.blob), (unsigned char*)t.out,
+                    (unsigned int)(g - t.first_tile), error);
 }
 
 // ---------------------------------------------------------------------------
@@ -225,16 +250,15 @@ __device__ __forceinline__ void opk_copy_chunk(const unsigned char* src, unsigne
     }
 }
 
-// Decodes the coded block `blob` (the staging buffer: 256-byte aligned, so
-// every tensor blob is 64-byte aligned; `blob_bytes` of it are the block's)
-// into `out` (the slot; `out_bytes` of it are the unit's), grid.x = the
-// block's work items (header u64 at byte 24), blockDim.x = 128. A tile
-// whose escape index disagrees with its codes sets *error to 1.
-extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
-    const unsigned char* blob, unsigned long long blob_bytes, unsigned char* out,
-    unsigned long long out_bytes, int* error)
+// The block kernel's decision for work item `g` (thread 0 alone): the
+// entry holding it and whether every bound holds.
+__device__ __forceinline__ void opk_block_entry(const unsigned char* blob,
+                                                unsigned long long blob_bytes,
+                                                unsigned long long out_bytes,
+                                                unsigned long long g,
+                                                unsigned long long* entry, unsigned int* code_ok,
+                                                OpkHeader* header)
 {
-    const unsigned long long g = blockIdx.x;
     unsigned int n = 0;
     if (blob_bytes >= OPK_BLOCK_HEADER) {
         n = *(const unsigned int*)(blob + 8);
@@ -278,18 +302,57 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
                 && (unsigned long long)items * OPK_RAW_CHUNK >= bytes
                 && (g - first) * OPK_RAW_CHUNK < bytes;
         } else if (ok) {
-            // Every section offset inside the blob, the tile among its tiles.
-            const unsigned int tiles = *(const unsigned int*)(t + 20);
-            ok = (bytes & 1ull) == 0ull && g - first < (unsigned long long)tiles
-                && opk_u64(t + 24) == 64ull
-                && opk_u64(t + 32) == 64ull + 4096ull * tiles
-                && opk_u64(t + 40) == 64ull + 5632ull * tiles
-                && opk_u64(t + 48) <= t_len
-                && opk_u64(t + 40) + 4ull * ((unsigned long long)tiles + 1ull) <= t_len
-                && bytes <= 8192ull * tiles;
+            // Every section offset inside the blob, the tile among its
+            // tiles: checked on the copy the block will use (the bytes may
+            // change under a racing copy; the decision may not).
+            OpkHeader h = opk_header(t);
+            h.n = bytes >> 1;
+            h.blob_len = t_len;
+            const unsigned long long tiles = *(const unsigned int*)(t + 20);
+            ok = (bytes & 1ull) == 0ull && g - first < tiles && h.sm_off == 64ull
+                && h.codes_off == 64ull + 4096ull * tiles
+                && h.idx_off == 64ull + 5632ull * tiles && h.esc_off <= t_len
+                && h.idx_off + 4ull * (tiles + 1ull) <= t_len && bytes <= 8192ull * tiles;
+            *header = h;
         }
     }
-    if (!ok) {
+    entry[0] = blob_off;
+    entry[1] = out_off;
+    entry[2] = first;
+    entry[3] = bytes;
+    entry[4] = t_len;
+    code_ok[0] = code;
+    code_ok[1] = ok ? 1u : 0u;
+}
+
+// Decodes the coded block `blob` (the staging buffer: 256-byte aligned, so
+// every tensor blob is 64-byte aligned; `blob_bytes` of it are the block's)
+// into `out` (the slot; `out_bytes` of it are the unit's), grid.x = the
+// block's work items (header u64 at byte 24), blockDim.x = 128. A tile
+// whose escape index disagrees with its codes sets *error to 1.
+extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
+    const unsigned char* blob, unsigned long long blob_bytes, unsigned char* out,
+    unsigned long long out_bytes, int* error)
+{
+    const unsigned long long g = blockIdx.x;
+    // Thread 0 reads the header and the entry and decides; the block reads
+    // its decision from shared memory, so that every thread takes the same
+    // path even when the staging bytes change under it (a planted bug's
+    // decode racing its copy): no thread leaves a barrier or a shuffle
+    // the others reach.
+    __shared__ unsigned long long s_entry[5]; // blob_off, out_off, first, bytes, t_len
+    __shared__ unsigned int s_code[2];        // code, ok
+    __shared__ OpkHeader s_header;            // a window3 entry's, as checked
+    if (threadIdx.x == 0u) {
+        opk_block_entry(blob, blob_bytes, out_bytes, g, s_entry, s_code, &s_header);
+    }
+    __syncthreads();
+    const unsigned long long blob_off = s_entry[0];
+    const unsigned long long out_off = s_entry[1];
+    const unsigned long long first = s_entry[2];
+    const unsigned long long bytes = s_entry[3];
+    const unsigned int code = s_code[0];
+    if (s_code[1] == 0u) {
         if (threadIdx.x == 0u) {
             atomicExch(error, 2);
         }
@@ -299,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_block(
     const unsigned char* t = blob + blob_off;
     unsigned char* dst = out + out_off;
     if (code == 1u) {
-        opk_decode_tile(t, dst, item, t_len, error);
+        opk_decode_tile(t, s_header, dst, item, error);
     } else {
         const unsigned long long at = (unsigned long long)item * OPK_RAW_CHUNK;
         const unsigned long long left = bytes - at;
