@@ -246,7 +246,7 @@ pub(crate) fn main(
     };
     g.barrier()?;
     let t = Instant::now();
-    let loaded = Arc::new(load(&pipeline)?);
+    let loaded = Arc::new(load(&pipeline, settings.law)?);
     eprintln!(
         "rank {}: weights in host memory: {:.1} GB in {:.1} s",
         g.rank,

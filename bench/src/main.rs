@@ -23,6 +23,15 @@
 //! resident run's. Device budgets are whole-request plans now: they are
 //! the pipeline mode's.
 //!
+//! `--weight-compression none,lossless` runs the layerwise rows once per
+//! value: `lossless` codes every streamed block at enable (`CudaCodec`,
+//! `offload_pack::block`) and decodes it on the GPU in each fill; its rows
+//! add the bytes on the link per step and in host memory against bf16,
+//! the step against the bf16 link limit (streamed bf16 bytes / pinned
+//! bandwidth) and the decoder's error flag. `--law` draws every loaded
+//! bf16 tensor from `offload_pack::synth`'s laws at its init scale
+//! (default normal, what trained weights look like to the code).
+//!
 //! **Pipeline** (`--pipeline`, [`pipeline`]): whole Flux.1-dev requests
 //! (both text encoders, the denoising steps, the VAE decode) under each
 //! `--budgets` through the request planner, against a resident run.
@@ -40,14 +49,17 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use offload_core::budget;
+use offload_core::config::WeightCompression;
 use offload_core::device::{Device, DeviceBuffer, HostRegion, HostSource};
 use offload_core::model::{DType, Pipeline, StorageId, TensorId};
 #[cfg(feature = "planted-bugs")]
 use offload_core::runtime::PlantedBug;
 use offload_core::runtime::{Backend, CorePlatform, Entry, Runtime, Scope, Unit, WeightSource};
 use offload_core::{OffloadConfig, resolve};
+use offload_cuda::decode::CudaCodec;
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
+use offload_pack::synth::{Law, tensor_bytes};
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::{TokenSplit, flux1_dev_dit, linear_rows};
 use serde::Serialize;
@@ -147,6 +159,61 @@ pub(crate) struct Args {
     /// one; `none`: no such run).
     #[arg(long)]
     saved_from: Option<String>,
+    /// DiT-only mode: leave out the rows at the depth the ring recurrence
+    /// chooses (one enable per distinct chosen depth; a lossless enable
+    /// encodes every block): only `--depths` run.
+    #[arg(long)]
+    no_planner: bool,
+    /// DiT-only mode: `weight_compression` values to run the layerwise
+    /// rows with, comma-separated (`none`, `lossless`: every streamed
+    /// block coded on the host at enable and decoded on the GPU by
+    /// `CudaCodec`); rows per value.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "none")]
+    weight_compression: Vec<Compression>,
+    /// The law each loaded bf16 tensor is drawn from at its init scale
+    /// (`offload_pack::synth`: N(0, 1/fan-in), Student-t ν = 4 at the same
+    /// variance, or uniform ±1/√fan-in); other dtypes stay random bytes.
+    #[arg(long, value_enum, default_value = "normal")]
+    law: LawArg,
+}
+
+/// `--weight-compression` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Compression {
+    /// bf16 as stored.
+    None,
+    /// Coded blocks decoded on the device.
+    Lossless,
+}
+
+impl Compression {
+    fn config(self) -> WeightCompression {
+        match self {
+            Compression::None => WeightCompression::None,
+            Compression::Lossless => WeightCompression::Lossless,
+        }
+    }
+}
+
+/// `--law` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LawArg {
+    /// N(0, 1/fan-in).
+    Normal,
+    /// Student-t, ν = 4, at the same variance.
+    StudentT,
+    /// Uniform ±1/√fan-in.
+    Uniform,
+}
+
+impl LawArg {
+    pub(crate) fn law(self) -> Law {
+        match self {
+            LawArg::Normal => Law::Normal,
+            LawArg::StudentT => Law::StudentT4,
+            LawArg::Uniform => Law::Uniform,
+        }
+    }
 }
 
 /// The flags of the DiT-only mode, checked.
@@ -155,6 +222,9 @@ pub(crate) struct Settings {
     pub(crate) steps: u64,
     pub(crate) warmup: u64,
     depths: Vec<usize>,
+    /// The law of the loaded bf16 weights.
+    pub(crate) law: Law,
+    compressions: Vec<Compression>,
 }
 
 /// A comma-separated list of `flag`, each parsed by `parse`; empty items
@@ -227,11 +297,23 @@ impl Settings {
                 .filter(|d| (1..=8).contains(d))
                 .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
         })?;
+        let mut compressions = Vec::new();
+        for c in &args.weight_compression {
+            if !compressions.contains(c) {
+                compressions.push(*c);
+            }
+        }
+        ensure!(
+            !compressions.is_empty(),
+            "--weight-compression: name at least one of none, lossless"
+        );
         Ok(Self {
             tokens,
             steps,
             warmup,
             depths,
+            law: args.law.law(),
+            compressions,
         })
     }
 }
@@ -321,6 +403,67 @@ fn name_seed(name: &str) -> u64 {
     })
 }
 
+/// Each bf16 storage's tensor (for drawing it): its index among the
+/// storages, its path and shape; and every tensor's path and shape (a
+/// bias's scale reads its weight's fan-in).
+struct Drawn {
+    bf16: BTreeMap<StorageId, (usize, String, Vec<u64>)>,
+    all: Vec<(String, Vec<u64>)>,
+    law: Law,
+}
+
+impl Drawn {
+    fn new(pipeline: &Pipeline, law: Law) -> Self {
+        let mut by_storage: BTreeMap<StorageId, Vec<TensorId>> = BTreeMap::new();
+        for (id, t) in pipeline.tensors() {
+            by_storage.entry(t.storage).or_default().push(id);
+        }
+        let index: BTreeMap<StorageId, usize> = pipeline
+            .storages()
+            .enumerate()
+            .map(|(i, (s, _))| (s, i))
+            .collect();
+        let bf16 = by_storage
+            .into_iter()
+            .filter(|(_, ts)| ts.len() == 1 && pipeline.tensor(ts[0]).dtype == DType::Bf16)
+            .map(|(s, ts)| {
+                let t = pipeline.tensor(ts[0]);
+                (s, (index[&s], pipeline.tensor_path(ts[0]), t.shape.clone()))
+            })
+            .collect();
+        let all = pipeline
+            .tensors()
+            .map(|(id, t)| (pipeline.tensor_path(id), t.shape.clone()))
+            .collect();
+        Self { bf16, all, law }
+    }
+
+    /// One unit's bytes: each bf16 tensor drawn from the law at its init
+    /// scale (seeded by the unit's name and the storage), everything else
+    /// [`generate`]'s random bytes.
+    fn unit(&self, unit: &Unit) -> Vec<u8> {
+        let mut buf = generate(unit);
+        for e in &unit.entries {
+            let Some((index, name, shape)) = self.bf16.get(&e.storage) else {
+                continue;
+            };
+            let bytes = tensor_bytes(
+                self.law,
+                name_seed(&unit.name),
+                *index,
+                name,
+                shape,
+                &self.all,
+                1,
+            );
+            if bytes.len() as u64 == e.bytes {
+                buf[e.offset as usize..(e.offset + e.bytes) as usize].copy_from_slice(&bytes);
+            }
+        }
+        buf
+    }
+}
+
 /// One unit's random bf16 values, small and finite (never zeros).
 fn generate(unit: &Unit) -> Vec<u8> {
     let mut buf = vec![0u8; unit.bytes as usize];
@@ -344,8 +487,11 @@ pub(crate) fn packing(pipeline: &Pipeline) -> Result<offload_core::runtime::Part
     offload_core::runtime::packing(pipeline).context("resolving the packing")
 }
 
-/// Random weights written by 16 threads straight into the loader's buffers.
-pub(crate) fn load(pipeline: &Pipeline) -> Result<Loaded> {
+/// Weights written by 16 threads straight into the loader's buffers: every
+/// bf16 tensor drawn from `law` at its init scale, the rest random bytes.
+pub(crate) fn load(pipeline: &Pipeline, law: Law) -> Result<Loaded> {
+    let drawn = Drawn::new(pipeline, law);
+    let drawn = &drawn;
     let part = packing(pipeline)?;
     let units: Vec<&Unit> = part.all().collect();
     let mut at = BTreeMap::new();
@@ -365,7 +511,7 @@ pub(crate) fn load(pipeline: &Pipeline) -> Result<Loaded> {
                 s.spawn(move || {
                     chunk
                         .into_iter()
-                        .map(|u| (u.name.clone(), generate(u)))
+                        .map(|u| (u.name.clone(), drawn.unit(u)))
                         .collect::<Vec<_>>()
                 })
             })
@@ -683,6 +829,22 @@ struct Row {
     output_equals_resident: bool,
     /// The traced step.
     timeline: Analysis,
+    /// `none` or `lossless`.
+    weight_compression: String,
+    /// Lossless rows: the bytes the link carried per timed step (coded
+    /// blocks as decoded, any block the codec refused as bf16).
+    link_bytes_per_step: Option<u64>,
+    /// Lossless rows: `link_bytes_per_step` / the streamed bf16 bytes.
+    link_over_bf16: Option<f64>,
+    /// Host master bytes / the streamed bf16 bytes.
+    host_over_bf16: f64,
+    /// The bf16 link limit: streamed bf16 bytes / the fresh pinned
+    /// bandwidth (what no bf16 schedule beats on the link).
+    bf16_link_limit_s: f64,
+    /// `step_s / bf16_link_limit_s`.
+    step_over_bf16_link: f64,
+    /// Lossless rows: the decoder's error flag after the row (0: none).
+    decode_error: Option<i32>,
 }
 
 /// One run: a backend and the token counts it runs.
@@ -697,6 +859,8 @@ struct Spec<'a> {
     depth: usize,
     streamed: u64,
     tokens: Vec<u64>,
+    /// Its `weight_compression`.
+    compression: Compression,
     make: Box<MakeBackend<'a>>,
 }
 
@@ -980,7 +1144,7 @@ fn run() -> Result<()> {
     let bw = bandwidth(&device, &stream)?;
     eprintln!("pinned host→device (fresh 1 GiB buffer): {bw:.2} GB/s");
     let t = Instant::now();
-    let loaded = Arc::new(load(&pipeline)?);
+    let loaded = Arc::new(load(&pipeline, settings.law)?);
     eprintln!(
         "weights in host memory: {:.1} GB in {:.1} s",
         weight_bytes as f64 / 1e9,
@@ -1017,6 +1181,13 @@ fn run() -> Result<()> {
     let (proxy, activation_bytes) = measured_proxy(&device, &stream, &pipeline, max_t)?;
     let elementwise_gbps = traffic_gbps(&device, &stream, &proxy)?;
     eprintln!("elementwise traffic kernel: {elementwise_gbps:.0} GB/s");
+    let codec: Option<Arc<CudaCodec>> = if settings.compressions.contains(&Compression::Lossless) {
+        Some(Arc::new(
+            CudaCodec::new(&device).context("loading the block decoder (nvrtc)")?,
+        ))
+    } else {
+        None
+    };
     let platform = |depth, plant: bool| {
         let p = CorePlatform::<Cuda>::new(
             "cuda",
@@ -1025,6 +1196,10 @@ fn run() -> Result<()> {
             Arc::clone(&loaded) as Arc<dyn WeightSource>,
         )
         .with_prefetch_depth(depth);
+        let p = match &codec {
+            Some(c) => p.with_codec(Arc::clone(c) as _),
+            None => p,
+        };
         #[cfg(feature = "planted-bugs")]
         let p = if plant { p.with_planted_bugs(&bugs) } else { p };
         #[cfg(not(feature = "planted-bugs"))]
@@ -1054,12 +1229,19 @@ fn run() -> Result<()> {
         device.synchronize_stream(&stream)?;
         let enable_s = t.elapsed().as_secs_f64();
         let host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
+        let coded = codec
+            .as_ref()
+            .filter(|_| spec.compression == Compression::Lossless);
         for &tokens in &spec.tokens {
             let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
             let proxy = spec.proxy;
             proxy.reset(&stream)?;
+            let mut stats_before = None;
             for i in 0..settings.warmup + settings.steps {
+                if i == settings.warmup {
+                    stats_before = coded.map(|c| c.stats());
+                }
                 device.synchronize_stream(&stream)?;
                 let t = Instant::now();
                 step(&rt, proxy, tokens)?;
@@ -1074,6 +1256,21 @@ fn run() -> Result<()> {
             // enable (the proxy's scratch): device bytes held for weights.
             let peak = device.pool_used()?.1.saturating_sub(used_before);
             let output = proxy.read_output()?;
+            // Coded bytes as decoded, plus any block the codec refused
+            // (streamed as bf16): every block crosses the link once a step.
+            let link_bytes_per_step = match (coded, stats_before) {
+                (Some(c), Some(b)) => {
+                    let a = c.stats();
+                    let streamed = spec.streamed * settings.steps;
+                    let raw = streamed.saturating_sub(a.decoded_bytes - b.decoded_bytes);
+                    Some((a.coded_bytes - b.coded_bytes + raw) / settings.steps)
+                }
+                _ => None,
+            };
+            let decode_error = match coded {
+                Some(c) => Some(c.take_error()?),
+                None => None,
+            };
             // One more step, traced (not timed: the events cost launches).
             device.timeline_start()?;
             let traced = step_marked(&rt, proxy, tokens, Some(&device));
@@ -1107,6 +1304,13 @@ fn run() -> Result<()> {
                 output,
                 output_equals_resident: false,
                 timeline: analysis,
+                weight_compression: format!("{:?}", spec.compression).to_lowercase(),
+                link_bytes_per_step,
+                link_over_bf16: None,
+                host_over_bf16: 0.0,
+                bf16_link_limit_s: 0.0,
+                step_over_bf16_link: 0.0,
+                decode_error,
             });
             let r = rows.last().context("pushed")?;
             eprintln!(
@@ -1130,6 +1334,7 @@ fn run() -> Result<()> {
             depth: 0,
             streamed: 0,
             tokens: settings.tokens.clone(),
+            compression: Compression::None,
             make: Box::new(|| Ok(platform(1, false).resident()?)),
         },
         &mut rows,
@@ -1151,33 +1356,47 @@ fn run() -> Result<()> {
         chosen.insert(t, ring.choose(largest)?);
     }
     for repeat in 0..args.repeats {
-        for &d in &settings.depths {
-            specs.push(Spec {
-                name: format!("layerwise depth {d}{suffix}"),
-                repeat,
-                lookahead: BTreeMap::new(),
-                proxy: &proxy,
-                depth: d,
-                streamed: streamed_all,
-                tokens: settings.tokens.clone(),
-                make: layerwise_at(layerwise.clone(), d),
-            });
-        }
-        let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
-        for (&t, l) in &chosen {
-            by_depth.entry(l.depth).or_default().push(t);
-        }
-        for (d, tokens) in by_depth {
-            specs.push(Spec {
-                name: format!("layerwise planner depth {d}{suffix}"),
-                repeat,
-                lookahead: chosen.clone(),
-                proxy: &proxy,
-                depth: d,
-                streamed: streamed_all,
-                tokens,
-                make: layerwise_at(layerwise.clone(), d),
-            });
+        for &compression in &settings.compressions {
+            let (config, coded) = match compression {
+                Compression::None => (layerwise.clone(), String::new()),
+                Compression::Lossless => (
+                    OffloadConfig {
+                        weight_compression: Some(compression.config()),
+                        ..layerwise.clone()
+                    },
+                    " lossless".to_owned(),
+                ),
+            };
+            for &d in &settings.depths {
+                specs.push(Spec {
+                    name: format!("layerwise depth {d}{coded}{suffix}"),
+                    repeat,
+                    lookahead: BTreeMap::new(),
+                    proxy: &proxy,
+                    depth: d,
+                    streamed: streamed_all,
+                    tokens: settings.tokens.clone(),
+                    compression,
+                    make: layerwise_at(config.clone(), d),
+                });
+            }
+            let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+            for (&t, l) in chosen.iter().filter(|_| !args.no_planner) {
+                by_depth.entry(l.depth).or_default().push(t);
+            }
+            for (d, tokens) in by_depth {
+                specs.push(Spec {
+                    name: format!("layerwise planner depth {d}{coded}{suffix}"),
+                    repeat,
+                    lookahead: chosen.clone(),
+                    proxy: &proxy,
+                    depth: d,
+                    streamed: streamed_all,
+                    tokens,
+                    compression,
+                    make: layerwise_at(config.clone(), d),
+                });
+            }
         }
     }
     for spec in &specs {
@@ -1192,6 +1411,12 @@ fn run() -> Result<()> {
         r.ratio = r.step_s / r.limit_s;
         r.limit_masters_s = resident_step.max(streamed / (master_gbps * 1e9));
         r.ratio_masters = r.step_s / r.limit_masters_s;
+        if r.depth > 0 {
+            r.bf16_link_limit_s = streamed / (bw * 1e9);
+            r.step_over_bf16_link = r.step_s / r.bf16_link_limit_s;
+            r.host_over_bf16 = r.host_weight_bytes as f64 / streamed.max(1.0);
+            r.link_over_bf16 = r.link_bytes_per_step.map(|b| b as f64 / streamed.max(1.0));
+        }
         r.output_equals_resident = r.output == *resident_output;
         r.predicted_s = if r.depth == 0 {
             *resident_step
@@ -1312,6 +1537,7 @@ fn run() -> Result<()> {
         "streamed_bytes": streamed_all,
         "activation_bytes": activation_bytes,
         "planted": plant_name,
+        "law": settings.law.name(),
         "rows": rows,
         "resident_block_compute_s": resident.iter().map(|(t, (_, _, a))| (t.to_string(), a.per_block_s.clone())).collect::<BTreeMap<_, _>>(),
     });
@@ -1320,6 +1546,7 @@ fn run() -> Result<()> {
     drop(specs);
     proxy.free()?;
     print_lookahead_summary(&rows);
+    print_compression_summary(&rows);
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     match &plant_name {
         None if differing > 0 => {
@@ -1376,6 +1603,38 @@ fn print_lookahead_summary(rows: &[Row]) {
                 .unwrap_or(0) as f64
                 / 1e9,
             rs.iter().all(|r| r.output_equals_resident)
+        );
+    }
+}
+
+/// The layerwise rows by `weight_compression` (printed last): bytes on
+/// the link and in host memory against bf16, the step against the bf16
+/// link limit and against `max(resident, bf16 link)`, bit identity.
+fn print_compression_summary(rows: &[Row]) {
+    if !rows.iter().any(|r| r.weight_compression == "lossless") {
+        return;
+    }
+    println!("\nWeight compression (bf16 link limit = streamed bf16 bytes / pinned bandwidth)");
+    println!(
+        "| run | tokens | compression | link bytes / bf16 | host masters / bf16 | enable s | s / step | bf16 link limit s | step / bf16 link limit | step / limit | decode errors | output = resident |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows.iter().filter(|r| r.depth > 0) {
+        println!(
+            "| {} | {} | {} | {} | {:.4} | {:.2} | {:.4} | {:.4} | {:.3} | {:.3} | {} | {} |",
+            r.run,
+            r.tokens,
+            r.weight_compression,
+            r.link_over_bf16
+                .map_or("1 (bf16)".to_owned(), |x| format!("{x:.4}")),
+            r.host_over_bf16,
+            r.enable_s,
+            r.step_s,
+            r.bf16_link_limit_s,
+            r.step_over_bf16_link,
+            r.ratio,
+            r.decode_error.map_or("–".to_owned(), |e| e.to_string()),
+            r.output_equals_resident
         );
     }
 }
@@ -1443,6 +1702,56 @@ mod tests {
                 (Err(got), Err(want)) => assert!(got.contains(want), "{flags:?}: {got}"),
                 (got, want) => panic!("{flags:?}: got {got:?}, want {want:?}"),
             }
+        }
+    }
+
+    /// `--weight-compression` and `--law`: lists and names checked by
+    /// clap (typed errors naming the allowed values), duplicates dropped.
+    #[test]
+    fn compression_and_law_flags_are_checked() {
+        use super::{Compression, LawArg};
+        let parse = |flags: &[&str]| {
+            Args::try_parse_from(std::iter::once("offload-bench").chain(flags.iter().copied()))
+                .map_err(|e| e.to_string())
+                .and_then(|a| {
+                    Settings::from_args(&a)
+                        .map(|s| (s.compressions, a.law))
+                        .map_err(|e| e.to_string())
+                })
+        };
+        assert_eq!(
+            parse(&[]).unwrap(),
+            (vec![Compression::None], LawArg::Normal)
+        );
+        assert_eq!(
+            parse(&[
+                "--weight-compression",
+                "none,lossless,none",
+                "--law",
+                "student-t"
+            ])
+            .unwrap(),
+            (
+                vec![Compression::None, Compression::Lossless],
+                LawArg::StudentT
+            )
+        );
+        for (flags, want) in [
+            (
+                &["--weight-compression", "lossy"][..],
+                "invalid value 'lossy' for '--weight-compression",
+            ),
+            (
+                &["--weight-compression", "none,auto"][..],
+                "possible values: none, lossless",
+            ),
+            (
+                &["--law", "cauchy"][..],
+                "possible values: normal, student-t, uniform",
+            ),
+        ] {
+            let e = parse(flags).unwrap_err();
+            assert!(e.contains(want), "{flags:?}: {e}");
         }
     }
 

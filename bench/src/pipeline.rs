@@ -1118,7 +1118,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
     let bw = bandwidth(&device, &stream)?;
     eprintln!("pinned host→device (fresh 1 GiB buffer): {bw:.2} GB/s");
     let t = Instant::now();
-    let loaded = Arc::new(load(&pipeline)?);
+    let loaded = Arc::new(load(&pipeline, args.law.law())?);
     let load_s = t.elapsed().as_secs_f64();
     eprintln!(
         "weights in host memory: {:.1} GB in {load_s:.1} s",
@@ -1771,7 +1771,7 @@ mod tests {
         use offload_sim::harness::{Rig, RunOptions, Workload, request};
         let preset = offload_sim::presets::tiny();
         let p = preset.pipeline.clone();
-        let loaded = Arc::new(load(&p).unwrap());
+        let loaded = Arc::new(load(&p, offload_pack::synth::Law::Normal).unwrap());
         let opts = RunOptions::new(offload_sim::DeviceProfile::h200());
         let w = Workload {
             preset: preset.clone(),

@@ -10,7 +10,12 @@
 //! link time becomes), whether every decoded tensor equals its bf16 source
 //! bit for bit, and two planted checks that must fail: a blob whose escape
 //! index was damaged (the kernel's flag) and a kernel whose escape slot is
-//! off by one (the output differs). Exit status 1 if any check failed.
+//! off by one (the output differs). Then the coded-block kernel
+//! (`opk_decode_block`, what the ring's `CudaCodec` launches): each block
+//! (the double, the single) as one unit, coded by
+//! `offload_pack::block::encode_block`, decoded in one launch `--iters`
+//! times: coded / bf16 bytes, decoded bf16 bytes per second of device
+//! time, bit identity. Exit status 1 if any check failed.
 //!
 //! `cargo build --release -p offload-cuda --example decode_bench`, then
 //! `target/release/examples/decode_bench [--iters 50] [--json out.json]`.
@@ -20,6 +25,7 @@ use std::time::Instant;
 use offload_core::device::{Device, HostBuffer, HostSource};
 use offload_cuda::decode::{OpkTensor, PackDecoder};
 use offload_cuda::{CudaBuffer, CudaDevice, CudaStream};
+use offload_pack::block::{Span, encode_block};
 use offload_pack::format::{Code, EncodeConfig, encode_bf16};
 use offload_pack::synth::{FluxShape, Law, tensor_bytes};
 
@@ -189,6 +195,70 @@ fn block_tensors(law: Law) -> Result<Vec<Tensor>, Error> {
     Ok(out)
 }
 
+/// The coded-block kernel on one block (`ts`, the tensors whose names
+/// start with `prefix`, back to back as one unit): its JSON row, and
+/// whether it decoded bit for bit.
+fn block_row(
+    dev: &CudaDevice,
+    dec: &PackDecoder,
+    stream: &CudaStream,
+    ts: &[Tensor],
+    prefix: &str,
+    iters: u32,
+) -> Result<(serde_json::Value, bool), Error> {
+    let mut unit = Vec::new();
+    let mut spans = Vec::new();
+    for t in ts.iter().filter(|t| t.name.starts_with(prefix)) {
+        spans.push(Span {
+            offset: unit.len() as u64,
+            bytes: t.bf16.len() as u64,
+            bf16: true,
+        });
+        unit.extend_from_slice(&t.bf16);
+    }
+    let block = encode_block(&unit, &spans, &EncodeConfig::default())?;
+    let blob = dev.alloc_device(block.blob.len() as u64)?;
+    put(dev, &blob, 0, &block.blob)?;
+    let out = dev.alloc_device(unit.len() as u64)?;
+    let (coded, decoded) = (block.blob.len() as u64, unit.len() as u64);
+    let decode_s = timed(dev, stream, iters, || {
+        // SAFETY: `blob` holds the block `encode_block` wrote (its round
+        // trip checked), `out` its unit's bytes; both live until the
+        // stream is synchronised below.
+        unsafe {
+            dec.decode_block(
+                stream,
+                (blob.ptr(), coded),
+                (out.ptr(), decoded),
+                block.work,
+            )?
+        };
+        Ok(())
+    })?;
+    let flagged = dec.take_error(dev, stream)?;
+    let identical = !flagged && get(dev, &out, 0, unit.len())? == unit;
+    // SAFETY: the stream that used both is synchronised (take_error).
+    unsafe {
+        dev.free_device(blob, &[])?;
+        dev.free_device(out, &[])?;
+    }
+    Ok((
+        serde_json::json!({
+            "block": prefix.trim_end_matches('.'),
+            "tensors": spans.len(),
+            "coded_spans": block.coded_spans.0,
+            "work_items": block.work,
+            "bf16_bytes": decoded,
+            "coded_bytes": coded,
+            "ratio": coded as f64 / decoded as f64,
+            "decode_s": decode_s,
+            "decode_bf16_tb_s": decoded as f64 / decode_s / 1e12,
+            "bit_identical": identical,
+        }),
+        identical,
+    ))
+}
+
 /// Pinned host→device seconds for `bytes` (best of 5).
 fn h2d(dev: &CudaDevice, stream: &CudaStream, bytes: u64) -> Result<f64, Error> {
     let mut host = dev.alloc_pinned(bytes)?;
@@ -315,7 +385,19 @@ fn main() -> Result<(), Error> {
                 law.name()
             ));
         }
+        let mut blocks = Vec::new();
+        for prefix in ["transformer_blocks.0.", "single_transformer_blocks.0."] {
+            let (row, identical) = block_row(&dev, &dec, &stream, &ts, prefix, iters)?;
+            if !identical {
+                failed.push(format!(
+                    "{}: the coded block {prefix} decoded differs (or raised the flag)",
+                    law.name()
+                ));
+            }
+            blocks.push(row);
+        }
         let row = serde_json::json!({
+            "blocks": blocks,
             "law": law.name(),
             "tensors": ts.len(),
             "window3_tensors": d.n_window3,
@@ -357,6 +439,25 @@ fn main() -> Result<(), Error> {
             r["planted_damaged_index_caught"],
             r["planted_escape_slot_caught"],
         );
+    }
+    println!(
+        "\n| law | block | tensors (coded) | work items | coded / bf16 | block decode TB/s (bf16 out) | bit-identical |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for r in out["laws"].as_array().into_iter().flatten() {
+        for b in r["blocks"].as_array().into_iter().flatten() {
+            println!(
+                "| {} | {} | {} ({}) | {} | {:.4} | {:.3} | {} |",
+                r["law"].as_str().unwrap_or("?"),
+                b["block"].as_str().unwrap_or("?"),
+                b["tensors"],
+                b["coded_spans"],
+                b["work_items"],
+                b["ratio"].as_f64().unwrap_or(0.0),
+                b["decode_bf16_tb_s"].as_f64().unwrap_or(0.0),
+                b["bit_identical"],
+            );
+        }
     }
     if failed.is_empty() {
         println!("RESULT: all checks held");

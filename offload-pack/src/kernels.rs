@@ -1,15 +1,31 @@
 //! The CUDA C source of the GPU decoder, for offload-cuda to compile with
 //! nvrtc (`docs/PACKED_FORMAT.md` §Decoding on the GPU).
 
-/// `decode.cu`: the kernel `opk_decode_window3` (grid = tiles, 128
-/// threads a block) and its tensor table `OpkTensor`. No includes, no
-/// host code: nvrtc compiles it as it is.
+/// `decode.cu`: the kernels `opk_decode_window3` (grid = tiles, 128
+/// threads a block) with its tensor table `OpkTensor`, and
+/// `opk_decode_block` (one coded block, [`crate::block`]: grid = its work
+/// items, 128 threads a block, the table read from the blob). No includes,
+/// no host code: nvrtc compiles it as it is.
 pub const DECODE_CU: &str = include_str!("decode.cu");
 
 /// The kernel's name in [`DECODE_CU`].
 pub const DECODE_KERNEL: &str = "opk_decode_window3";
 
-/// Threads of one block of [`DECODE_KERNEL`] (one per code word of a tile).
+/// The coded-block kernel's name in [`DECODE_CU`]:
+/// `opk_decode_block(const unsigned char* blob, unsigned long long
+/// blob_bytes, unsigned char* out, unsigned long long out_bytes, int*
+/// error)`, `blob` the block blob in device memory (256-byte aligned, its
+/// `blob_bytes` coded bytes), `out` the unit's first byte (`out_bytes`
+/// of room), grid = the block's work items
+/// ([`crate::block::EncodedBlock::work`]), [`DECODE_BLOCK_THREADS`]
+/// threads a block. `*error` becomes 1 on a tile whose escape index
+/// disagrees with its codes, 2 on a table entry that does not hold its
+/// work item, names an unknown code, or points outside either bound (then
+/// that work item writes nothing: stale staging bytes never write outside
+/// the slot).
+pub const BLOCK_KERNEL: &str = "opk_decode_block";
+
+/// Threads of one block of [`DECODE_KERNEL`] and [`BLOCK_KERNEL`] (one per code word of a tile).
 pub const DECODE_BLOCK_THREADS: u32 = crate::format::WORDS_PER_TILE as u32;
 
 /// A host C++ shim that lets a C++ compiler check [`DECODE_CU`]'s syntax

@@ -1050,6 +1050,128 @@ mod kernel {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Where a C++20 compiler exists, `opk_decode_block`'s own source runs
+    /// on the CPU (`tests/cuda_emu/emu_block.cc`) over a coded block the
+    /// encoder wrote: window3 tensors (one with a partial last tile, one at
+    /// an odd offset of the unit), a raw tensor of several 8 KiB chunks
+    /// with a partial last one, raw gaps; the output 16-byte aligned, 2-byte
+    /// aligned and odd; and a damaged tile that sets the error flag.
+    #[test]
+    fn the_block_kernel_decodes_as_the_reference_when_run_on_the_cpu() {
+        use super::*;
+        use offload_pack::block::{Span, encode_block};
+        let Ok(cxx) = which("c++") else {
+            eprintln!("skipped: no c++ compiler");
+            return;
+        };
+        let dir =
+            std::env::temp_dir().join(format!("offload-pack-emu-block-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let exe = dir.join("emu_block");
+        let built = std::process::Command::new(cxx)
+            .args([
+                "-std=c++20",
+                "-O1",
+                "-pthread",
+                "-fno-strict-aliasing",
+                "-o",
+            ])
+            .arg(&exe)
+            .arg("-I")
+            .arg(root.join("src"))
+            .arg(root.join("tests/cuda_emu/emu_block.cc"))
+            .output()
+            .unwrap();
+        if !built.status.success() {
+            let err = String::from_utf8_lossy(&built.stderr);
+            if err.contains("barrier") {
+                eprintln!("skipped: no C++20 <barrier>: {err}");
+                return;
+            }
+            panic!("{err}");
+        }
+        let weights = |n: u32, salt: u32| -> Vec<u8> {
+            let bits: Vec<u16> = (0..n)
+                .map(|i| match (i + salt) % 31 {
+                    0 => 0x0001,
+                    1 => 0xff81,
+                    _ => 0x3c00 | ((i ^ salt).wrapping_mul(2_654_435_761) >> 21) as u16 & 0x1ff,
+                })
+                .collect();
+            bytes_of(&bits)
+        };
+        // [w3: 6 tiles + 77][gap 3][w3 at an odd offset: 4 tiles + 5][raw
+        // f32-like: 3 chunks + 100 bytes][w3 under a tile: raw][tail 9]
+        let mut unit = Vec::new();
+        let mut spans = Vec::new();
+        let mut push = |unit: &mut Vec<u8>, bytes: Vec<u8>, bf16: bool| {
+            spans.push(Span {
+                offset: unit.len() as u64,
+                bytes: bytes.len() as u64,
+                bf16,
+            });
+            unit.extend_from_slice(&bytes);
+        };
+        push(&mut unit, weights(6 * TILE_ELEMS as u32 + 77, 0), true);
+        unit.extend_from_slice(&[1, 2, 3]);
+        push(&mut unit, weights(4 * TILE_ELEMS as u32 + 5, 7), true);
+        let raw: Vec<u8> = (0..3 * 8192 + 100).map(|i| (i * 7 + 3) as u8).collect();
+        push(&mut unit, raw, false);
+        push(&mut unit, weights(300, 3), true);
+        unit.extend_from_slice(&[9u8; 9]);
+        let block = encode_block(&unit, &spans, &EncodeConfig::default()).unwrap();
+        assert_eq!(block.coded_spans.0, 2, "two window3 tensors");
+        let run = |blob: &[u8], misalign: usize| -> (String, Vec<u8>) {
+            std::fs::write(dir.join("blob"), blob).unwrap();
+            let out = std::process::Command::new(&exe)
+                .arg(dir.join("blob"))
+                .arg(misalign.to_string())
+                .arg(dir.join("out"))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+            (
+                String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+                std::fs::read(dir.join("out")).unwrap(),
+            )
+        };
+        for misalign in [0, 1, 2, 3, 8] {
+            let (flag, out) = run(&block.blob, misalign);
+            assert_eq!(flag, "error=0", "misalign {misalign}");
+            assert_eq!(out.len(), unit.len());
+            if let Some(at) = out.iter().zip(&unit).position(|(a, b)| a != b) {
+                panic!("misalign {misalign}: the decoded unit differs at byte {at}");
+            }
+        }
+        // Eight codes of the first tensor's first tile made escapes:
+        // its escape count no longer matches the index.
+        let view = offload_pack::block::BlockView::parse(&block.blob).unwrap();
+        let first = view.entries()[0];
+        assert_ne!(first.code, Code::Raw);
+        let mut bad = block.blob.clone();
+        let at = first.blob_offset as usize;
+        let planes = at + u64::from_le_bytes(bad[at + 32..at + 40].try_into().unwrap()) as usize;
+        for p in 0..3 {
+            bad[planes + 512 * p] = 0;
+        }
+        assert_eq!(run(&bad, 0).0, "error=1");
+        // A table entry pointing outside the unit, or a table longer than
+        // the blob (stale staging bytes): refused, nothing written there.
+        let mut bad = block.blob.clone();
+        bad[64 + 8..64 + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert_eq!(run(&bad, 0).0, "error=2");
+        let mut bad = block.blob.clone();
+        bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let (flag, out) = run(&bad, 0);
+        assert_eq!(flag, "error=2");
+        assert!(
+            out.iter().all(|&b| b == 0xa5),
+            "a refused block writes nothing"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     fn which(name: &str) -> Result<std::path::PathBuf, ()> {
         std::env::var_os("PATH")
             .and_then(|p| {

@@ -18,6 +18,11 @@
 //!   output differs from resident (or a forward fails) within a bounded
 //!   number of seeds; each prints `planted <name>: caught on seed S after N
 //!   runs`, beside a clean control.
+//! * Layerwise with `weight_compression = "lossless"` (`CudaCodec`, the
+//!   blocks decoded on the device) over trained-looking weights is
+//!   bit-identical to resident, within INV-7 and under perturbation, with
+//!   no decode error; each planted decode-transport ordering bug makes it
+//!   differ, beside a clean control on the same seed.
 //! * The timeline recorder puts copies and marked spans on their streams'
 //!   tracks, in order, and refuses a span never ended.
 //! * Dropping an enabled runtime, or panicking inside a forward, leaks no
@@ -30,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use offload_core::budget::ComponentMode;
 use offload_core::bytes::ByteSize;
+use offload_core::config::WeightCompression;
 use offload_core::device::{
     Device, DeviceBuffer, DeviceError, DeviceErrorKind, HostBuffer, HostSource,
 };
@@ -39,9 +45,11 @@ use offload_core::runtime::{
     Backend, CorePlatform, PlantedBug, Runtime, Scope, WeightSource, memory_bounds, plan_bounds,
 };
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
+use offload_cuda::decode::CudaCodec;
 use offload_cuda::proxy::Proxy;
 use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
 use offload_hooks::BoxError;
+use offload_pack::synth::{Law, tensor_bytes};
 use offload_sim::harness::blocks_of;
 use offload_sim::presets::SyntheticWeights;
 use offload_tests::BlockCache;
@@ -97,6 +105,63 @@ impl WeightSource for FiniteWeights {
             if (position + i as u64) % 2 == 1 {
                 *b = (*b & 0x81) | 0x3c;
             }
+        }
+    }
+}
+
+/// Trained-looking weights: every bf16 storage drawn from `law` at its
+/// tensor's init scale (`offload_pack::synth`: N(0, 1/fan-in) for the
+/// normal law), per storage and seed; every other storage as
+/// [`FiniteWeights`]. What the lossless code compresses (uniform random
+/// bits would stream raw).
+struct TrainedWeights {
+    bf16: std::collections::BTreeMap<StorageId, Vec<u8>>,
+    other: FiniteWeights,
+}
+
+impl TrainedWeights {
+    fn new(p: &Pipeline, law: Law, seed: u64) -> Self {
+        let mut dtypes: std::collections::BTreeMap<StorageId, Vec<(TensorId, DType)>> =
+            Default::default();
+        for (id, t) in p.tensors() {
+            dtypes.entry(t.storage).or_default().push((id, t.dtype));
+        }
+        let all: Vec<(String, Vec<u64>)> = p
+            .tensors()
+            .map(|(id, t)| (p.tensor_path(id), t.shape.clone()))
+            .collect();
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let mut bf16 = std::collections::BTreeMap::new();
+        for (index, (storage, s)) in p.storages().enumerate() {
+            let Some(ts) = dtypes.get(&storage) else {
+                continue;
+            };
+            if ts.iter().any(|(_, d)| *d != DType::Bf16) {
+                continue;
+            }
+            let t = p.tensor(ts[0].0);
+            let name = p.tensor_path(ts[0].0);
+            let fan_in = t.shape.get(1).copied().unwrap_or(1).max(1);
+            let shape = [s.bytes / 2 / fan_in, fan_in];
+            let mut bytes = tensor_bytes(law, seed, index, &name, &shape, &all, threads);
+            bytes.resize(s.bytes as usize, 0x3c);
+            bf16.insert(storage, bytes);
+        }
+        Self {
+            bf16,
+            other: FiniteWeights(SyntheticWeights { seed }),
+        }
+    }
+}
+
+impl WeightSource for TrainedWeights {
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        match self.bf16.get(&storage) {
+            Some(b) => {
+                let at = position as usize;
+                dst.copy_from_slice(&b[at..at + dst.len()]);
+            }
+            None => self.other.read(storage, position, dst),
         }
     }
 }
@@ -212,7 +277,14 @@ fn component_with(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Strategy {
     Resident,
-    Layerwise { depth: usize },
+    Layerwise {
+        depth: usize,
+    },
+    /// Layerwise with `weight_compression = "lossless"`: coded blocks
+    /// decoded on the device (the rig's [`CudaCodec`]).
+    Lossless {
+        depth: usize,
+    },
     ModelLevel,
 }
 
@@ -224,6 +296,11 @@ impl Strategy {
                 enable_layerwise_offload: true,
                 ..OffloadConfig::default()
             },
+            Strategy::Lossless { .. } => OffloadConfig {
+                enable_layerwise_offload: true,
+                weight_compression: Some(WeightCompression::Lossless),
+                ..OffloadConfig::default()
+            },
             Strategy::ModelLevel => OffloadConfig {
                 enable_cpu_offload: true,
                 ..OffloadConfig::default()
@@ -233,7 +310,7 @@ impl Strategy {
 
     fn depth(self) -> usize {
         match self {
-            Strategy::Layerwise { depth } => depth,
+            Strategy::Layerwise { depth } | Strategy::Lossless { depth } => depth,
             _ => 1,
         }
     }
@@ -242,7 +319,9 @@ impl Strategy {
         let e = |e: OffloadError| e.to_string();
         Ok(match self {
             Strategy::Resident => platform.resident().map_err(e)?,
-            Strategy::Layerwise { .. } => Box::new(platform.layerwise(self.config()).map_err(e)?),
+            Strategy::Layerwise { .. } | Strategy::Lossless { .. } => {
+                Box::new(platform.layerwise(self.config()).map_err(e)?)
+            }
             Strategy::ModelLevel => offload_core::get_offload_backend(&self.config(), platform)
                 .map_err(e)?
                 .ok_or("model level selects no backend")?,
@@ -264,9 +343,30 @@ struct Rig {
     proxy: Arc<Proxy>,
     pipeline: Pipeline,
     skip: Arc<Mutex<BTreeSet<ModuleId>>>,
+    /// Where set ([`Rig::trained`]): the law of the bf16 weights
+    /// ([`TrainedWeights`]) and the codec every platform carries.
+    trained: Option<(Law, Arc<CudaCodec>)>,
+    /// The last trained weights made (seed, weights): a resident run and
+    /// an offloaded one of the same seed share them.
+    last_weights: Mutex<Option<(u64, Arc<TrainedWeights>)>>,
 }
 
 impl Rig {
+    /// A rig whose weights are trained-looking (`law`) and whose
+    /// platforms carry a [`CudaCodec`] (for [`Strategy::Lossless`]).
+    fn trained(device: &Arc<CudaDevice>, pipeline: Pipeline, law: Law) -> Self {
+        let codec = Arc::new(CudaCodec::new(device).expect("the decoder compiles (nvrtc)"));
+        Self {
+            trained: Some((law, codec)),
+            ..Self::new(device, pipeline)
+        }
+    }
+
+    /// The codec of a trained rig.
+    fn codec(&self) -> &CudaCodec {
+        &self.trained.as_ref().expect("a trained rig").1
+    }
+
     fn new(device: &Arc<CudaDevice>, pipeline: Pipeline) -> Self {
         // Freed memory stays mapped in the pool until `settle` trims it
         // after synchronising: a planted use-after-free then reads stale
@@ -282,6 +382,8 @@ impl Rig {
             proxy,
             pipeline,
             skip: Arc::default(),
+            trained: None,
+            last_weights: Mutex::new(None),
         }
     }
 
@@ -310,15 +412,35 @@ impl Rig {
 
     /// A platform over weights of `seed`, with `bugs` planted.
     fn platform(&self, seed: u64, depth: usize, bugs: &[PlantedBug]) -> CorePlatform<Cuda> {
-        let weights = Arc::new(FiniteWeights(SyntheticWeights { seed }));
-        CorePlatform::<Cuda>::new(
+        let weights: Arc<dyn WeightSource> = match &self.trained {
+            None => Arc::new(FiniteWeights(SyntheticWeights { seed })),
+            Some((law, _)) => {
+                let mut last = self
+                    .last_weights
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                match &*last {
+                    Some((s, w)) if *s == seed => Arc::clone(w) as Arc<dyn WeightSource>,
+                    _ => {
+                        let w = Arc::new(TrainedWeights::new(&self.pipeline, *law, seed));
+                        *last = Some((seed, Arc::clone(&w)));
+                        w
+                    }
+                }
+            }
+        };
+        let platform = CorePlatform::<Cuda>::new(
             "cuda",
             Arc::clone(&self.device),
             Arc::clone(&self.stream),
             weights,
         )
         .with_prefetch_depth(depth)
-        .with_planted_bugs(bugs)
+        .with_planted_bugs(bugs);
+        match &self.trained {
+            Some((_, codec)) => platform.with_codec(Arc::clone(codec) as _),
+            None => platform,
+        }
     }
 
     /// A runtime of the pipeline with the cache hook on every DiT block.
@@ -858,6 +980,185 @@ fn planted_ordering_bugs_are_caught_on_the_gpu() {
         }
     }
     assert!(missed.is_empty(), "planted bugs not caught: {missed:?}");
+}
+
+/// Lossless layerwise (coded blocks decoded on the device by
+/// `opk_decode_block`) over normal bf16 weights: bit-identical to resident
+/// and within INV-7 unperturbed, bit-identical under perturbation at depth
+/// 1 and 2, every block decoded (its coded bytes fewer than its bf16
+/// bytes), the decoder's error flag never raised.
+#[test]
+fn lossless_layerwise_is_bit_identical_and_decodes_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::trained(&g.device, pipeline(), Law::Normal);
+    rig.warm_up();
+    let p = &rig.pipeline;
+    let resident = measured_run(&rig, Strategy::Resident);
+    let before = rig.codec().stats();
+    let lossless = Strategy::Lossless { depth: 1 };
+    let out = measured_run(&rig, lossless);
+    let stats = rig.codec().stats();
+    let b = memory_bounds(p, &lossless.config(), 1).unwrap();
+    let bound = lossless.bound_bytes(p);
+    println!(
+        "{lossless:?}: allocator peak {} B, cuMemGetInfo peak {} B; INV-7 {} B + {} allocations x 2 MiB = {bound} B; {} decodes, {} coded of {} decoded bytes ({:.4})",
+        out.peak_allocated_bytes,
+        out.peak_used_bytes,
+        b.device_weight_bytes,
+        b.device_allocations,
+        stats.decodes - before.decodes,
+        stats.coded_bytes - before.coded_bytes,
+        stats.decoded_bytes - before.decoded_bytes,
+        (stats.coded_bytes - before.coded_bytes) as f64
+            / (stats.decoded_bytes - before.decoded_bytes).max(1) as f64
+    );
+    assert_eq!(
+        rig.codec().take_error().unwrap(),
+        0,
+        "the decoder's error flag"
+    );
+    assert_eq!(out.outputs, resident.outputs, "lossless vs resident");
+    assert!(stats.decodes > before.decodes, "no block was decoded");
+    assert!(
+        (stats.coded_bytes - before.coded_bytes) * 100
+            < (stats.decoded_bytes - before.decoded_bytes) * 80,
+        "normal weights code to under 0.8 of their bytes: {stats:?}"
+    );
+    assert!(
+        out.peak_allocated_bytes <= bound,
+        "allocator peak {} B > {bound} B",
+        out.peak_allocated_bytes
+    );
+    assert!(
+        under_sanitizer() || out.peak_used_bytes <= bound,
+        "cuMemGetInfo peak {} B > {bound} B",
+        out.peak_used_bytes
+    );
+    let seeds = if under_sanitizer() { 1 } else { 4 };
+    for seed in 0..seeds {
+        let weights = 7000 + seed;
+        let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
+        for depth in [1, 2] {
+            let strategy = Strategy::Lossless { depth };
+            let got = timing_run(&rig, strategy, weights, &[], Some(wide(seed)));
+            assert_eq!(
+                got,
+                Ok(expected.clone()),
+                "{strategy:?} under perturbation seed {seed}"
+            );
+            assert_eq!(
+                rig.codec().take_error().unwrap(),
+                0,
+                "{strategy:?} seed {seed}: the decoder's error flag"
+            );
+        }
+    }
+    println!(
+        "perturbed: lossless layerwise depth 1 and 2 equal resident on {seeds} seeds, 0 decode errors ({:?})",
+        rig.codec().stats()
+    );
+}
+
+/// The decode transport's planted ordering bugs (CONTRACT §7b), each
+/// under [`wide`] perturbation (spins before the staging copy, before the
+/// decode launch and the decode stream's waits, before event records,
+/// and at the start of each block's kernels).
+const PLANTED_DECODE: [(PlantedBug, &str); 4] = [
+    (
+        PlantedBug::DecodeBeforeCopy,
+        "a spin before the staging copy delays it; the decode, not waiting for `copied`, decodes the staging buffer's previous blob (or refuses stale bytes) into the slot",
+    ),
+    (
+        PlantedBug::ComputeBeforeDecode,
+        "ready is recorded after the staging copy; a spin before the decode delays it while compute reads the slot's previous block",
+    ),
+    (
+        PlantedBug::StagingReuseBeforeDecode,
+        "a spin on the decode stream delays the decode of fill k while the copy of fill k+2 (not waiting for `consumed`) overwrites its staging buffer; fill k decodes the wrong block",
+    ),
+    (
+        PlantedBug::DecodeIntoSlotInUse,
+        "compute spins keep block i-1's reads pending while the decode of block i+1, not waiting for the slot's last use, overwrites it",
+    ),
+];
+
+#[test]
+fn planted_decode_bugs_are_caught_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    if under_sanitizer() {
+        println!(
+            "under compute-sanitizer: the planted timing races are skipped (they test ordering, not memory)"
+        );
+        return;
+    }
+    let rig = Rig::trained(&g.device, pipeline(), Law::Normal);
+    let lossless = Strategy::Lossless { depth: 1 };
+    // Weights differ per (bug, seed), and the planted run goes first, as
+    // in `planted_ordering_bugs_are_caught_on_the_gpu`.
+    let weights = |row: usize, seed: u64| 20_000 * (row as u64 + 1) + seed;
+    let mut missed = Vec::new();
+    for (row, (bug, why)) in PLANTED_DECODE.iter().enumerate() {
+        let mut caught = None;
+        for seed in 0..PLANTED_SEEDS {
+            let got = timing_run(
+                &rig,
+                lossless,
+                weights(row, seed),
+                &[*bug],
+                Some(wide(seed)),
+            );
+            let flag = rig.codec().take_error().unwrap();
+            let expected =
+                timing_run(&rig, Strategy::Resident, weights(row, seed), &[], None).unwrap();
+            match got {
+                Ok(out) if out == expected => continue,
+                Ok(_) => {
+                    caught = Some((
+                        seed,
+                        format!("output differs from resident; decoder flag {flag}"),
+                    ))
+                }
+                Err(e) => caught = Some((seed, format!("the run failed: {e}"))),
+            }
+            break;
+        }
+        match caught {
+            Some((seed, how)) => {
+                // The clean control: the same weights and perturbation,
+                // no bug, equal resident.
+                let control = timing_run(&rig, lossless, weights(row, seed), &[], Some(wide(seed)));
+                let expected =
+                    timing_run(&rig, Strategy::Resident, weights(row, seed), &[], None).unwrap();
+                assert_eq!(
+                    control,
+                    Ok(expected),
+                    "clean control of {} on seed {seed}",
+                    bug.name()
+                );
+                assert_eq!(
+                    rig.codec().take_error().unwrap(),
+                    0,
+                    "clean control's decoder flag"
+                );
+                println!(
+                    "planted {}: caught on seed {seed} after {} runs ({how}; {why}); clean control on seed {seed} equals resident",
+                    bug.name(),
+                    seed + 1
+                );
+            }
+            None => {
+                println!(
+                    "planted {}: NOT caught in {PLANTED_SEEDS} runs ({why})",
+                    bug.name()
+                );
+                missed.push(bug.name());
+            }
+        }
+    }
+    assert!(
+        missed.is_empty(),
+        "planted decode bugs not caught: {missed:?}"
+    );
 }
 
 /// One DiT block's forward on its own; no host synchronisation.
