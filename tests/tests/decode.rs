@@ -224,15 +224,14 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
         "only the enable-time measurement decodes (twice)"
     );
     // Without planner inputs "auto" is a typed error naming the key.
-    let e = run(
+    let Err(failure) = run(
         &workload(),
         &layerwise(WeightCompression::Auto),
         &opts(&[], 1, None),
-    )
-    .err()
-    .expect("auto without inputs fails")
-    .error
-    .to_string();
+    ) else {
+        panic!("auto without planner inputs ran");
+    };
+    let e = failure.error.to_string();
     assert!(
         e.contains("weight_compression") && e.contains("with_planner"),
         "{e}"
