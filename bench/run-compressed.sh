@@ -109,7 +109,7 @@ fi
 if [ -n "$BENCH" ]; then
   run_step sweep "$(left)" "$BENCH" --tokens "$TOKENS" --depths "$DEPTHS" --no-planner \
     --weight-compression none,lossless --law "$LAW" --steps "$STEPS" --warmup "$WARMUP" \
-    --no-simulate --json "$OUT/compressed.json"
+    --no-simulate --trace-dir "$OUT/traces" --json "$OUT/compressed.json"
 else
   echo "== sweep: offload-bench not found"; status=1
 fi
