@@ -480,6 +480,14 @@ pub trait Codec<A: Api>: Send + Sync {
     /// The code's name, for logs and reports.
     fn name(&self) -> &str;
 
+    /// The blob format this codec decodes, as a packed checkpoint names it
+    /// (`offload-pack OPB1`): a weight source's coded region
+    /// (`WeightSource::take_coded`) is used only when its format is this.
+    /// `None`: the codec decodes nothing it did not encode itself.
+    fn format(&self) -> Option<&str> {
+        None
+    }
+
     /// Encodes one block's unit of `len` bytes, read from `unit` (its
     /// tensors at `spans`, sorted and disjoint; bytes no span covers
     /// travel raw). Decoding the result must give back exactly those

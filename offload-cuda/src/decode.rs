@@ -415,6 +415,10 @@ impl Codec<Cuda> for CudaCodec {
         "offload-pack OPB1"
     }
 
+    fn format(&self) -> Option<&str> {
+        Some(offload_pack::blocks_file::BLOCKS_FORMAT)
+    }
+
     fn encode(
         &self,
         unit: &dyn ByteSource,

@@ -27,9 +27,13 @@
 //!   uniform) and their ratios.
 //! - [`block`]: one streamed block's coded bytes (its tensors' blobs behind
 //!   a table), what a ring engine stages and decodes in one launch.
+//! - [`blocks_file`]: a coded-block checkpoint (every streamed block's
+//!   coded bytes, mapped and registered in place at enable) and
+//!   [`blocks_file::WithCodedBlocks`], the weight source that hands them out.
 //! - [`kernels`]: the CUDA C decoder for nvrtc.
 
 pub mod block;
+pub mod blocks_file;
 pub mod container;
 pub mod format;
 pub mod kernels;

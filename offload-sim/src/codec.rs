@@ -130,6 +130,13 @@ impl Codec<Sim> for SimCodec {
         "offload-pack OPB1 window3 (simulated decode)"
     }
 
+    /// `offload-pack OPB1` where every payload byte is kept (a coded-block
+    /// file's blobs decode for real); none with a payload divisor, whose
+    /// blobs are this codec's own.
+    fn format(&self) -> Option<&str> {
+        (self.device.payload_divisor() == 1).then_some(offload_pack::blocks_file::BLOCKS_FORMAT)
+    }
+
     fn encode(
         &self,
         unit: &dyn ByteSource,

@@ -307,3 +307,57 @@ mod props {
         }
     }
 }
+
+/// A coded-block file written once (`offload_pack::blocks_file::pack_blocks`)
+/// and mapped: every streamed block's coded master is registered in place
+/// (nothing encoded at enable, nothing pinned for the blocks), the output
+/// is resident's.
+#[test]
+fn coded_masters_register_in_place_from_a_coded_block_file() {
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, pack_blocks};
+    use offload_sim::presets::TrainedWeights;
+    use std::sync::Arc;
+    let w = workload();
+    let pipeline = w.preset.pipeline.clone();
+    let weights = TrainedWeights::new(0, &pipeline);
+    let dir = std::env::temp_dir().join(format!("decode-inplace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny-wide.opackb");
+    let report = pack_blocks(
+        &path,
+        &pipeline,
+        &weights,
+        &offload_pack::format::EncodeConfig::default(),
+    )
+    .unwrap();
+    assert!(
+        report.coded_bytes < report.decoded_bytes * 3 / 4,
+        "{report:?}"
+    );
+    let source = Arc::new(WithCodedBlocks {
+        inner: weights,
+        blocks: CodedBlocks::open(&path).unwrap(),
+    });
+    let o = opts(&[], 2, Some(7));
+    let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, source).unwrap();
+    let want = resident();
+    let out = offload_sim::harness::drive(
+        rig,
+        &layerwise(WeightCompression::Lossless),
+        &layerwise(WeightCompression::Lossless).config(),
+        &o,
+        w.requests,
+        |rig| rig.request(&w),
+        |_| {},
+    )
+    .unwrap_or_else(|f| panic!("{}", f.error));
+    assert_eq!(outputs(&out), want);
+    assert_eq!(all_violations(&out), vec![]);
+    // The coded masters are the file's windows, registered in place.
+    assert!(out.after_enable.registered_bytes > 0);
+    assert!(out.after_enable.registered_bytes <= report.coded_bytes);
+    assert_eq!(
+        out.after_enable.pinned_bytes, 0,
+        "no block master pinned (every streamed block came from the file)"
+    );
+}

@@ -14,6 +14,23 @@ use crate::residency::Residency;
 use crate::runtime::hooks::Model;
 use crate::runtime::layout::{SourcePosition, Unit};
 
+/// A unit's coded bytes held by a weight source ([`WeightSource::take_coded`]).
+pub struct CodedRegion {
+    /// The coded bytes, exactly.
+    pub region: Box<dyn crate::device::HostRegion>,
+    /// The decode's work items.
+    pub work: u64,
+}
+
+impl std::fmt::Debug for CodedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CodedRegion")
+            .field("bytes", &self.region.bytes().len())
+            .field("work", &self.work)
+            .finish()
+    }
+}
+
 /// Where the weights' bytes come from (a checkpoint reader, a generator).
 pub trait WeightSource: Send + Sync {
     /// Fills `dst` with the bytes of `storage` at
@@ -38,6 +55,18 @@ pub trait WeightSource: Send + Sync {
     /// it from then on. `None` (the default): masters are filled by `read`.
     fn take_region(&self, unit: &Unit) -> Option<Box<dyn crate::device::HostRegion>> {
         let _ = unit;
+        None
+    }
+
+    /// Memory that already holds `unit` coded in `format` (a packed
+    /// checkpoint's window, CONTRACT §7b): its coded bytes and the decode's
+    /// work items, registered in place as the coded host master instead of
+    /// encoding at enable. `format` is the device codec's
+    /// ([`crate::device::Codec::format`]); a source holding another format,
+    /// or a unit laid out otherwise than [`Unit::entries`], returns `None`
+    /// (the default), and the block is encoded.
+    fn take_coded(&self, unit: &Unit, format: &str) -> Option<CodedRegion> {
+        let _ = (unit, format);
         None
     }
 

@@ -652,39 +652,12 @@ pub(crate) type Transports<A> = (Option<Arc<dyn Collective<A>>>, Option<Arc<dyn 
 /// the decode reading the other.
 pub(crate) const STAGING_BUFFERS: usize = 2;
 
-/// Storages every tensor of which is bf16 (their spans are coded).
-fn bf16_storages(p: &crate::model::Pipeline) -> BTreeSet<StorageId> {
-    let mut other = BTreeSet::new();
-    let mut bf16 = BTreeSet::new();
-    for (_, t) in p.tensors() {
-        if t.dtype == crate::model::DType::Bf16 {
-            bf16.insert(t.storage);
-        } else {
-            other.insert(t.storage);
-        }
-    }
-    bf16.difference(&other).copied().collect()
-}
-
-/// A unit's storages as a codec's spans, in unit order.
-fn spans_of(unit: &Unit, bf16: &BTreeSet<StorageId>) -> Vec<CodecSpan> {
-    let mut spans: Vec<CodecSpan> = unit
-        .entries
-        .iter()
-        .map(|e| CodecSpan {
-            offset: e.offset,
-            bytes: e.bytes,
-            bf16: bf16.contains(&e.storage),
-        })
-        .collect();
-    spans.sort_by_key(|s| s.offset);
-    spans
-}
-
 /// What encoding at enable did, for its log line.
 #[derive(Default)]
 struct CodingTally {
     blocks: usize,
+    /// Of `blocks`, those registered in place from a packed checkpoint.
+    in_place: usize,
     raw: usize,
     decoded: u64,
     coded: u64,
@@ -696,13 +669,16 @@ impl CodingTally {
         let Some(codec) = codec else { return };
         tracing::info!(
             blocks = self.blocks,
+            in_place = self.in_place,
             raw_blocks = self.raw,
             bytes = self.decoded,
             coded_bytes = self.coded,
             seconds = self.seconds,
-            "weight_compression = \"lossless\": no packed checkpoint, so {} blocks were encoded ({}) at enable: {} of {} bytes ({:.4}) in {:.2} s; {} stream raw",
+            "weight_compression: {} blocks coded ({}), {} of them registered in place from a packed checkpoint and {} encoded at enable: {} of {} bytes ({:.4}) in {:.2} s; {} stream raw",
             self.blocks,
             codec.name(),
+            self.in_place,
+            self.blocks - self.in_place,
             self.coded,
             self.decoded,
             self.coded as f64 / self.decoded.max(1) as f64,
@@ -728,12 +704,13 @@ fn coded_master<A: Api>(
     tally.decoded += unit.bytes;
     let bound = coded_bound(unit.bytes, spans.len());
     match made {
-        Some((master, work)) if master.len_bytes() <= bound => {
+        Some((master, work, in_place)) if master.len_bytes() <= bound => {
             tally.blocks += 1;
+            tally.in_place += usize::from(in_place);
             tally.coded += master.len_bytes();
             Ok(Some((master, work)))
         }
-        Some((master, _)) => {
+        Some((master, _, _)) => {
             tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, master.len_bytes(), unit.bytes);
             // SAFETY: no copy has read the master yet.
             unsafe { h.free_master(master) }?;
@@ -1108,7 +1085,7 @@ impl<A: Api> LayerwiseBackend<A> {
         // Host masters, pinned once, exact size: whole blocks, or this
         // rank's shards, or (`weight_compression = "lossless"`) a block's
         // coded bytes.
-        let bf16 = bf16_storages(&model.pipeline);
+        let bf16 = crate::runtime::layout::bf16_storages(&model.pipeline);
         let mut coding = CodingTally::default();
         for spec in &layout.rings {
             st.rings.push(Ring {
@@ -1125,7 +1102,7 @@ impl<A: Api> LayerwiseBackend<A> {
                         None,
                     ),
                     (None, Some(codec)) if skip.is_empty() => {
-                        let spans = spans_of(&unit, &bf16);
+                        let spans = crate::runtime::layout::codec_spans(&unit, &bf16);
                         match coded_master(h, &unit, &spans, &**codec, &mut coding)? {
                             Some((master, work)) => {
                                 let len = master.len_bytes();

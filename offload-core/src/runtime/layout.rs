@@ -133,6 +133,37 @@ fn alignments(pipeline: &Pipeline) -> BTreeMap<StorageId, u64> {
     align
 }
 
+/// Storages every tensor of which is bf16: the ones a lossless exponent
+/// code takes (CONTRACT §7b).
+pub fn bf16_storages(p: &Pipeline) -> BTreeSet<StorageId> {
+    let mut other = BTreeSet::new();
+    let mut bf16 = BTreeSet::new();
+    for (_, t) in p.tensors() {
+        if t.dtype == crate::model::DType::Bf16 {
+            bf16.insert(t.storage);
+        } else {
+            other.insert(t.storage);
+        }
+    }
+    bf16.difference(&other).copied().collect()
+}
+
+/// `unit`'s storages as a codec's spans, by offset (`bf16`: what
+/// [`bf16_storages`] gives).
+pub fn codec_spans(unit: &Unit, bf16: &BTreeSet<StorageId>) -> Vec<crate::device::CodecSpan> {
+    let mut spans: Vec<crate::device::CodecSpan> = unit
+        .entries
+        .iter()
+        .map(|e| crate::device::CodecSpan {
+            offset: e.offset,
+            bytes: e.bytes,
+            bf16: bf16.contains(&e.storage),
+        })
+        .collect();
+    spans.sort_by_key(|s| s.offset);
+    spans
+}
+
 /// The whole pipeline in units.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Partition {

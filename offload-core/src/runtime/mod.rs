@@ -37,7 +37,7 @@ mod shared;
 mod slots;
 mod timer;
 
-pub use backend::{Backend, DeviceLocation, Disabled, HostMasters, WeightSource};
+pub use backend::{Backend, CodedRegion, DeviceLocation, Disabled, HostMasters, WeightSource};
 pub use bounds::{
     MemoryBounds, PhaseBounds, PlanBounds, memory_bounds, offloaded_storages, plan_bounds,
 };
@@ -45,7 +45,7 @@ pub use bugs::PlantedBug;
 pub use forward::{RequestFn, Runtime, Scope, View};
 pub use hooks::{ForwardCtx, HookMap, Model};
 pub use layerwise::{DistributedLayerwiseBackend, LayerwiseBackend};
-pub use layout::{Entry, Partition, SourcePosition, Unit, partition};
+pub use layout::{Entry, Partition, SourcePosition, Unit, bf16_storages, codec_spans, partition};
 pub use model_level::ModelLevelBackend;
 pub use planned::PlannedBackend;
 pub use platform::CorePlatform;

@@ -253,7 +253,31 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         spans: &[CodecSpan],
         codec: &dyn Codec<A>,
-    ) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
+    ) -> Result<Option<(HostMaster<A>, u64, bool)>, OffloadError> {
+        // A packed checkpoint's window in the codec's format: registered in
+        // place, nothing encoded.
+        if let Some(format) = codec.format()
+            && let Some(coded) = self.weights.take_coded(unit, format)
+        {
+            let len = coded.region.bytes().len() as u64;
+            let bound = crate::device::coded_bound(unit.bytes, spans.len());
+            if len > bound {
+                tracing::warn!(unit = %unit.name, "the packed `{}` takes {len} bytes, above the bound of {bound}; encoding it instead", unit.name);
+            } else {
+                match self.device.register_host(coded.region) {
+                    Ok(r) => {
+                        return Ok(Some((
+                            self.counted(HostMaster::Registered(r)),
+                            coded.work,
+                            true,
+                        )));
+                    }
+                    Err(e) => {
+                        tracing::warn!(unit = %unit.name, "registering the packed `{}` in place failed ({}); encoding it instead", unit.name, e.error);
+                    }
+                }
+            }
+        }
         let reader = UnitBytes {
             weights: &*self.weights,
             unit,
@@ -273,7 +297,11 @@ impl<A: Api> Handles<A> {
             )
         })?;
         host.write_from(0, len, &coded.blob);
-        Ok(Some((self.counted(HostMaster::Pinned(host)), coded.work)))
+        Ok(Some((
+            self.counted(HostMaster::Pinned(host)),
+            coded.work,
+            false,
+        )))
     }
 
     /// A pinned host buffer of exactly `shard.bytes`: bytes
