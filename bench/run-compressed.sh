@@ -23,6 +23,9 @@
 # /tmp/compressed-out). Exit status 0 only if every step passed.
 #   TOKENS=1024,2048,4608,8192,12288,16896  DEPTHS=2  STEPS=3  WARMUP=1
 #   LAW=normal  ITERS=50
+#   CODED_BLOCKS=/tmp/offload-flux.opackb: the lossless rows enable from this
+#   coded-block file (written first from the loaded weights when absent, so
+#   it is in the page cache), their coded masters registered in place
 #   BUDGET_S=540 (every step together, seconds): TESTS_S=150, DECODE_S=70,
 #   the sweep what is left (estimated on an H200: set-up and loading
 #   ~60 s, resident ~25 s, none ~30 s, lossless ~60 s of encoding at
@@ -109,7 +112,8 @@ fi
 if [ -n "$BENCH" ]; then
   run_step sweep "$(left)" "$BENCH" --tokens "$TOKENS" --depths "$DEPTHS" --no-planner \
     --weight-compression none,lossless --law "$LAW" --steps "$STEPS" --warmup "$WARMUP" \
-    --no-simulate --trace-dir "$OUT/traces" --json "$OUT/compressed.json"
+    --no-simulate --trace-dir "$OUT/traces" --coded-blocks "${CODED_BLOCKS:-/tmp/offload-flux.opackb}" \
+    --json "$OUT/compressed.json"
 else
   echo "== sweep: offload-bench not found"; status=1
 fi

@@ -164,6 +164,12 @@ pub(crate) struct Args {
     /// encodes every block): only `--depths` run.
     #[arg(long)]
     no_planner: bool,
+    /// With `--weight-compression lossless`: a coded-block file
+    /// (offload-pack's `.opackb`) to enable the lossless rows from, its
+    /// coded masters registered in place; written first from the loaded
+    /// weights if it does not exist (timed), so it is in the page cache.
+    #[arg(long)]
+    coded_blocks: Option<std::path::PathBuf>,
     /// DiT-only mode: `weight_compression` values to run the layerwise
     /// rows with, comma-separated (`none`, `lossless`: every streamed
     /// block coded on the host at enable and decoded on the GPU by
@@ -1188,14 +1194,49 @@ fn run() -> Result<()> {
     } else {
         None
     };
-    let platform = |depth, plant: bool| {
-        let p = CorePlatform::<Cuda>::new(
-            "cuda",
-            Arc::clone(&device),
-            Arc::clone(&stream),
-            Arc::clone(&loaded) as Arc<dyn WeightSource>,
-        )
-        .with_prefetch_depth(depth);
+    // The lossless rows' weights: the loaded ones, with a coded-block
+    // file beside them when one is asked for.
+    let coded_source: Arc<dyn WeightSource> = match (&args.coded_blocks, &codec) {
+        (Some(path), Some(_)) => {
+            if !path.exists() {
+                let t = Instant::now();
+                let r = offload_pack::blocks_file::pack_blocks(
+                    path,
+                    &pipeline,
+                    &*loaded,
+                    &offload_pack::format::EncodeConfig::default(),
+                )
+                .with_context(|| format!("writing the coded-block file {}", path.display()))?;
+                eprintln!(
+                    "coded-block file {}: {} blocks, {:.2} of {:.2} GB ({:.4}) written in {:.1} s",
+                    path.display(),
+                    r.blocks,
+                    r.coded_bytes as f64 / 1e9,
+                    r.decoded_bytes as f64 / 1e9,
+                    r.coded_bytes as f64 / r.decoded_bytes.max(1) as f64,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            let t = Instant::now();
+            let blocks = offload_pack::blocks_file::CodedBlocks::open(path)
+                .with_context(|| format!("opening the coded-block file {}", path.display()))?;
+            eprintln!(
+                "coded-block file opened and every block checked in {:.2} s ({:.2} GB)",
+                t.elapsed().as_secs_f64(),
+                blocks.coded_bytes() as f64 / 1e9
+            );
+            Arc::new(offload_pack::blocks_file::WithCodedBlocks {
+                inner: Arc::clone(&loaded) as Arc<dyn WeightSource>,
+                blocks,
+            })
+        }
+        (Some(_), None) => bail!("--coded-blocks: with --weight-compression lossless only"),
+        _ => Arc::clone(&loaded) as Arc<dyn WeightSource>,
+    };
+    let platform = |depth, plant: bool, weights: Arc<dyn WeightSource>| {
+        let p =
+            CorePlatform::<Cuda>::new("cuda", Arc::clone(&device), Arc::clone(&stream), weights)
+                .with_prefetch_depth(depth);
         let p = match &codec {
             Some(c) => p.with_codec(Arc::clone(c) as _),
             None => p,
@@ -1210,9 +1251,16 @@ fn run() -> Result<()> {
         .as_ref()
         .map_or(String::new(), |n| format!(" (planted {n})"));
     let layerwise_at = |config: OffloadConfig, depth: usize| -> Box<MakeBackend<'_>> {
+        let weights = if config.compression() == WeightCompression::None {
+            Arc::clone(&loaded) as Arc<dyn WeightSource>
+        } else {
+            Arc::clone(&coded_source)
+        };
         Box::new(move || {
-            Ok(Box::new(platform(depth, true).layerwise(config.clone())?)
-                as Box<dyn Backend<Cuda>>)
+            Ok(
+                Box::new(platform(depth, true, Arc::clone(&weights)).layerwise(config.clone())?)
+                    as Box<dyn Backend<Cuda>>,
+            )
         })
     };
     let mut rows: Vec<Row> = Vec::new();
@@ -1335,7 +1383,9 @@ fn run() -> Result<()> {
             streamed: 0,
             tokens: settings.tokens.clone(),
             compression: Compression::None,
-            make: Box::new(|| Ok(platform(1, false).resident()?)),
+            make: Box::new(|| {
+                Ok(platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>).resident()?)
+            }),
         },
         &mut rows,
     )?;

@@ -312,14 +312,14 @@ impl CodedBlocks {
 /// `inner` answers, and each block the file holds, laid out as the engine
 /// lays it out, handed out coded ([`WeightSource::take_coded`]) for a
 /// codec of [`BLOCKS_FORMAT`].
-pub struct WithCodedBlocks<W> {
+pub struct WithCodedBlocks {
     /// The source of every byte.
-    pub inner: W,
+    pub inner: Arc<dyn WeightSource>,
     /// The coded blocks.
     pub blocks: CodedBlocks,
 }
 
-impl<W: WeightSource> WeightSource for WithCodedBlocks<W> {
+impl WeightSource for WithCodedBlocks {
     fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
         self.inner.read(storage, position, dst);
     }

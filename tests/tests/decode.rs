@@ -335,7 +335,7 @@ fn coded_masters_register_in_place_from_a_coded_block_file() {
         "{report:?}"
     );
     let source = Arc::new(WithCodedBlocks {
-        inner: weights,
+        inner: Arc::new(weights),
         blocks: CodedBlocks::open(&path).unwrap(),
     });
     let o = opts(&[], 2, Some(7));
