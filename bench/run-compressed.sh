@@ -22,7 +22,9 @@
 # target/release/examples). JSON and logs under $OUT (default
 # /tmp/compressed-out). Exit status 0 only if every step passed.
 #   TOKENS=1024,2048,4608,8192,12288,16896  DEPTHS=2  STEPS=3  WARMUP=1
-#   LAW=normal  ITERS=50
+#   LAW=normal  ITERS=50  COMPRESSIONS=none,lossless,auto  REPEATS=1
+#   (auto: one enable per token count, from the resident step's traced
+#   per-block compute there)
 #   CODED_BLOCKS=/tmp/offload-flux.opackb: the lossless rows enable from this
 #   coded-block file (written first from the loaded weights when absent, so
 #   it is in the page cache), their coded masters registered in place
@@ -111,7 +113,8 @@ else
 fi
 if [ -n "$BENCH" ]; then
   run_step sweep "$(left)" "$BENCH" --tokens "$TOKENS" --depths "$DEPTHS" --no-planner \
-    --weight-compression none,lossless --law "$LAW" --steps "$STEPS" --warmup "$WARMUP" \
+    --weight-compression "${COMPRESSIONS:-none,lossless,auto}" --repeats "${REPEATS:-1}" \
+    --law "$LAW" --steps "$STEPS" --warmup "$WARMUP" \
     --no-simulate --trace-dir "$OUT/traces" --coded-blocks "${CODED_BLOCKS:-/tmp/offload-flux.opackb}" \
     --json "$OUT/compressed.json"
 else
@@ -137,13 +140,29 @@ sweep, dec = load(sys.argv[1]), load(sys.argv[2])
 if sweep:
     print(f"device {sweep.get('device')}; law {sweep.get('law')}; pinned host→device {sweep.get('pinned_h2d_gbps', 0):.2f} GB/s; streamed bf16 {sweep.get('streamed_bytes', 0) / 1e9:.2f} GB")
     res = {r["tokens"]: r for r in sweep["rows"] if r["depth"] == 0}
-    print("| tokens | depth | compression | link / bf16 | host / bf16 | enable s | resident s | step s | bf16 link limit s | step / bf16 link | step / max(C, W/B) | decode errors | = resident |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    rows = sorted((r for r in sweep["rows"] if r["depth"] > 0), key=lambda r: (r["tokens"], r["depth"], r["weight_compression"]))
+    print("| tokens | depth | compression | repeat | link / bf16 | host / bf16 | enable s | resident s | step s | bf16 link limit s | step / bf16 link | step / max(C, W/B) | decode errors | = resident |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = sorted((r for r in sweep["rows"] if r["depth"] > 0), key=lambda r: (r["tokens"], r["depth"], r["weight_compression"], r.get("repeat", 0)))
     for r in rows:
         link = r.get("link_over_bf16")
         err = r.get("decode_error")
-        print(f"| {r['tokens']} | {r['depth']} | {r['weight_compression']} | {'1' if link is None else f'{link:.4f}'} | {r['host_over_bf16']:.4f} | {r['enable_s']:.1f} | {res.get(r['tokens'], {}).get('step_s', 0):.4f} | {r['step_s']:.4f} | {r['bf16_link_limit_s']:.4f} | {r['step_over_bf16_link']:.3f} | {r['ratio']:.3f} | {'–' if err is None else err} | {r['output_equals_resident']} |")
+        print(f"| {r['tokens']} | {r['depth']} | {r['weight_compression']} | {r.get('repeat', 0)} | {'1' if link is None else f'{link:.4f}'} | {r['host_over_bf16']:.4f} | {r['enable_s']:.2f} | {res.get(r['tokens'], {}).get('step_s', 0):.4f} | {r['step_s']:.4f} | {r['bf16_link_limit_s']:.4f} | {r['step_over_bf16_link']:.3f} | {r['ratio']:.3f} | {'–' if err is None else err} | {r['output_equals_resident']} |")
+    # Spread over the repeats, and auto against the better of none and lossless.
+    by = {}
+    for r in rows:
+        by.setdefault((r["tokens"], r["depth"], r["weight_compression"]), []).append(r["step_s"])
+    print()
+    print("| tokens | none s (spread) | lossless s (spread) | auto s (spread) | auto / min(none, lossless) |")
+    print("| --- | --- | --- | --- | --- |")
+    for t in sorted({k[0] for k in by}):
+        cell = {}
+        for c in ("none", "lossless", "auto"):
+            v = [x for (tt, _, cc), xs in by.items() if tt == t and cc == c for x in xs]
+            cell[c] = (min(v), max(v)) if v else None
+        fmt = lambda c: "–" if cell[c] is None else f"{cell[c][0]:.4f}–{cell[c][1]:.4f} ({cell[c][1] / cell[c][0] - 1:.3f})"
+        best = min((cell[c][0] for c in ("none", "lossless") if cell[c]), default=None)
+        auto = "–" if cell["auto"] is None or best is None else f"{cell['auto'][0] / best:.3f}"
+        print(f"| {t} | {fmt('none')} | {fmt('lossless')} | {fmt('auto')} | {auto} |")
 if dec:
     print()
     print("| law | kernel | bytes / bf16 | decode TB/s (bf16 out) | bit-identical |")

@@ -190,6 +190,10 @@ pub(crate) enum Compression {
     None,
     /// Coded blocks decoded on the device.
     Lossless,
+    /// Each ring coded where the ring recurrence says it is faster, from
+    /// the resident step's traced per-block compute at the row's token
+    /// count and a decode measured at enable (one enable per token count).
+    Auto,
 }
 
 impl Compression {
@@ -197,6 +201,7 @@ impl Compression {
         match self {
             Compression::None => WeightCompression::None,
             Compression::Lossless => WeightCompression::Lossless,
+            Compression::Auto => WeightCompression::Auto,
         }
     }
 }
@@ -1012,6 +1017,25 @@ impl Ring {
         }
     }
 
+    /// What `weight_compression = "auto"` decides from at this token
+    /// count: the link (the masters' bandwidth), the copy latency and
+    /// interference the recurrence assumes, the resident step's traced
+    /// compute of each block (by path) and outside them.
+    fn inputs(&self, blocks: &[Unit], master_gbps: f64, steps: u64) -> budget::PlannerInputs {
+        let mut dit = offload_core::budget::ComponentInputs::new(1.0, true, 0);
+        dit.own_compute_s = self.other_s;
+        dit.block_compute_s = blocks
+            .iter()
+            .zip(&self.compute_s)
+            .map(|(u, c)| (u.name.clone(), *c))
+            .collect();
+        let mut inputs = budget::PlannerInputs::new(master_gbps * 1e9, steps as u32)
+            .component("transformer", dit);
+        inputs.copy_latency_s = COPY_LATENCY_S;
+        inputs.copy_interference = self.interference;
+        inputs
+    }
+
     /// The chooser's look-ahead with every block streamed, through slots
     /// of `slot_bytes` (no memory cap: default layerwise).
     fn choose(&self, slot_bytes: u64) -> Result<budget::Lookahead> {
@@ -1187,7 +1211,11 @@ fn run() -> Result<()> {
     let (proxy, activation_bytes) = measured_proxy(&device, &stream, &pipeline, max_t)?;
     let elementwise_gbps = traffic_gbps(&device, &stream, &proxy)?;
     eprintln!("elementwise traffic kernel: {elementwise_gbps:.0} GB/s");
-    let codec: Option<Arc<CudaCodec>> = if settings.compressions.contains(&Compression::Lossless) {
+    let codec: Option<Arc<CudaCodec>> = if settings
+        .compressions
+        .iter()
+        .any(|c| *c != Compression::None)
+    {
         Some(Arc::new(
             CudaCodec::new(&device).context("loading the block decoder (nvrtc)")?,
         ))
@@ -1233,10 +1261,17 @@ fn run() -> Result<()> {
         (Some(_), None) => bail!("--coded-blocks: with --weight-compression lossless only"),
         _ => Arc::clone(&loaded) as Arc<dyn WeightSource>,
     };
-    let platform = |depth, plant: bool, weights: Arc<dyn WeightSource>| {
+    let platform = |depth,
+                    plant: bool,
+                    weights: Arc<dyn WeightSource>,
+                    planner: Option<budget::PlannerInputs>| {
         let p =
             CorePlatform::<Cuda>::new("cuda", Arc::clone(&device), Arc::clone(&stream), weights)
                 .with_prefetch_depth(depth);
+        let p = match planner {
+            Some(inputs) => p.with_planner(inputs),
+            None => p,
+        };
         let p = match &codec {
             Some(c) => p.with_codec(Arc::clone(c) as _),
             None => p,
@@ -1250,17 +1285,20 @@ fn run() -> Result<()> {
     let suffix = plant_name
         .as_ref()
         .map_or(String::new(), |n| format!(" (planted {n})"));
-    let layerwise_at = |config: OffloadConfig, depth: usize| -> Box<MakeBackend<'_>> {
+    let layerwise_at = |config: OffloadConfig,
+                        depth: usize,
+                        planner: Option<budget::PlannerInputs>|
+     -> Box<MakeBackend<'_>> {
         let weights = if config.compression() == WeightCompression::None {
             Arc::clone(&loaded) as Arc<dyn WeightSource>
         } else {
             Arc::clone(&coded_source)
         };
         Box::new(move || {
-            Ok(
-                Box::new(platform(depth, true, Arc::clone(&weights)).layerwise(config.clone())?)
-                    as Box<dyn Backend<Cuda>>,
-            )
+            Ok(Box::new(
+                platform(depth, true, Arc::clone(&weights), planner.clone())
+                    .layerwise(config.clone())?,
+            ) as Box<dyn Backend<Cuda>>)
         })
     };
     let mut rows: Vec<Row> = Vec::new();
@@ -1279,7 +1317,7 @@ fn run() -> Result<()> {
         let host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
         let coded = codec
             .as_ref()
-            .filter(|_| spec.compression == Compression::Lossless);
+            .filter(|_| spec.compression != Compression::None);
         for &tokens in &spec.tokens {
             let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
@@ -1384,7 +1422,10 @@ fn run() -> Result<()> {
             tokens: settings.tokens.clone(),
             compression: Compression::None,
             make: Box::new(|| {
-                Ok(platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>).resident()?)
+                Ok(
+                    platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>, None)
+                        .resident()?,
+                )
             }),
         },
         &mut rows,
@@ -1409,14 +1450,38 @@ fn run() -> Result<()> {
         for &compression in &settings.compressions {
             let (config, coded) = match compression {
                 Compression::None => (layerwise.clone(), String::new()),
-                Compression::Lossless => (
+                Compression::Lossless | Compression::Auto => (
                     OffloadConfig {
                         weight_compression: Some(compression.config()),
                         ..layerwise.clone()
                     },
-                    " lossless".to_owned(),
+                    format!(" {}", format!("{compression:?}").to_lowercase()),
                 ),
             };
+            if compression == Compression::Auto {
+                // "auto" decides at enable for one token count's compute:
+                // an enable per count.
+                for &d in &settings.depths {
+                    for (&t, ring) in &rings {
+                        specs.push(Spec {
+                            name: format!("layerwise depth {d}{coded}{suffix}"),
+                            repeat,
+                            lookahead: BTreeMap::new(),
+                            proxy: &proxy,
+                            depth: d,
+                            streamed: streamed_all,
+                            tokens: vec![t],
+                            compression,
+                            make: layerwise_at(
+                                config.clone(),
+                                d,
+                                Some(ring.inputs(&block_units, master_gbps, settings.steps)),
+                            ),
+                        });
+                    }
+                }
+                continue;
+            }
             for &d in &settings.depths {
                 specs.push(Spec {
                     name: format!("layerwise depth {d}{coded}{suffix}"),
@@ -1427,7 +1492,7 @@ fn run() -> Result<()> {
                     streamed: streamed_all,
                     tokens: settings.tokens.clone(),
                     compression,
-                    make: layerwise_at(config.clone(), d),
+                    make: layerwise_at(config.clone(), d, None),
                 });
             }
             let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
@@ -1444,7 +1509,7 @@ fn run() -> Result<()> {
                     streamed: streamed_all,
                     tokens,
                     compression,
-                    make: layerwise_at(config.clone(), d),
+                    make: layerwise_at(config.clone(), d, None),
                 });
             }
         }
@@ -1776,13 +1841,13 @@ mod tests {
         assert_eq!(
             parse(&[
                 "--weight-compression",
-                "none,lossless,none",
+                "none,lossless,none,auto",
                 "--law",
                 "student-t"
             ])
             .unwrap(),
             (
-                vec![Compression::None, Compression::Lossless],
+                vec![Compression::None, Compression::Lossless, Compression::Auto],
                 LawArg::StudentT
             )
         );
@@ -1792,8 +1857,8 @@ mod tests {
                 "invalid value 'lossy' for '--weight-compression",
             ),
             (
-                &["--weight-compression", "none,auto"][..],
-                "possible values: none, lossless",
+                &["--weight-compression", "none,zstd"][..],
+                "possible values: none, lossless, auto",
             ),
             (
                 &["--law", "cauchy"][..],

@@ -25,7 +25,8 @@ pub struct LinkProfile {
 pub const DECODE_SHARE_OF_HBM: f64 = 0.325;
 
 /// The share of a decode's duration a kernel beside it loses: core's
-/// estimate, which the `"auto"` choice assumes too.
+/// figure fitted on the H200 (`offload_core::budget::DECODE_INTERFERENCE`),
+/// which the `"auto"` choice assumes too.
 pub const DECODE_INTERFERENCE: f64 = offload_core::budget::DECODE_INTERFERENCE;
 
 /// What one simulated GPU and its link can do.

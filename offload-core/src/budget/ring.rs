@@ -18,11 +18,13 @@ use super::types::BudgetError;
 pub(super) const TIE: f64 = 1e-3;
 
 /// How much of its overlap with a running decode a kernel loses, as the
-/// `"auto"` choice assumes (CONTRACT §7b): an estimate (the decode is
-/// memory-bound and takes about a third of an H200's memory bandwidth
-/// while it runs), not yet fitted to a GPU timeline; the simulator's
-/// profiles use it too.
-pub const DECODE_INTERFERENCE: f64 = 0.35;
+/// `"auto"` choice assumes (CONTRACT §7b): fitted on the H200's timeline of
+/// 2026-12-02 (BENCHMARKS.md, "Lossless weight compression"), where a
+/// block's compute grew by 0.79–1.08 of the decodes beside it (Flux's
+/// double and single blocks at 12,288 and 16,896 tokens, coded against
+/// uncoded: the decode takes the SMs and a third of the memory bandwidth
+/// while it runs); the simulator's profiles use it too.
+pub const DECODE_INTERFERENCE: f64 = 0.9;
 
 /// The deepest prefetch the planner and the chooser accept.
 pub(super) const MAX_DEPTH: usize = 64;
