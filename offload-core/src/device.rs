@@ -498,6 +498,15 @@ pub trait Codec<A: Api>: Send + Sync {
     fn encode(&self, unit: &dyn ByteSource, len: u64, spans: &[CodecSpan])
     -> Result<Coded, String>;
 
+    /// Whether every decode so far found a whole coded block: `Err` (the
+    /// backend's error, naming what it saw) where one did not (a damaged or
+    /// stale blob), which it also clears. The host calls it only after
+    /// synchronising with the decodes it covers (the ring engine: after
+    /// its enable-time measurement and after `disable` drained).
+    fn check(&self) -> Result<(), A::Error> {
+        Ok(())
+    }
+
     /// Enqueues on `stream` the decode of the `coded_bytes` bytes at the
     /// start of `src` (a [`Coded`] blob, with its `work`) into the first
     /// `decoded_bytes` bytes of `dst`.

@@ -419,6 +419,27 @@ impl Codec<Cuda> for CudaCodec {
         Some(offload_pack::blocks_file::BLOCKS_FORMAT)
     }
 
+    /// The kernel's error flag, read and cleared: `Err` naming it where a
+    /// tile's escape index disagreed with its codes (1) or a table entry
+    /// did not fit the blob or the slot (2).
+    fn check(&self) -> Result<(), CudaError> {
+        match self.take_error() {
+            Ok(0) => Ok(()),
+            Ok(flag) => Err(CudaError::new(
+                format!(
+                    "opk_decode_block raised its error flag ({flag}: {}); the slot kept its previous bytes",
+                    if flag == 1 {
+                        "a tile's escape index disagrees with its codes"
+                    } else {
+                        "a table entry does not fit the blob or the slot"
+                    }
+                ),
+                sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+            )),
+            Err(e) => Err(as_cuda(e)),
+        }
+    }
+
     fn encode(
         &self,
         unit: &dyn ByteSource,

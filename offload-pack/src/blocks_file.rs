@@ -150,7 +150,10 @@ pub fn write_blocks(
     let mut sizes = Vec::with_capacity(names.len());
     for (i, (name, layout)) in names.iter().enumerate() {
         let b = coded(i)?;
-        let decoded: u64 = layout.iter().map(|(_, n)| n).sum();
+        let decoded = layout
+            .iter()
+            .try_fold(0u64, |a, (_, n)| a.checked_add(*n))
+            .unwrap_or(u64::MAX);
         if b.decoded_bytes != decoded {
             return Err(PackError::Mismatch {
                 path: path.to_owned(),
@@ -257,7 +260,12 @@ impl CodedBlocks {
                 tensor: name.clone(),
                 source,
             })?;
-            let decoded: u64 = entry.layout.iter().map(|(_, n)| *n).sum();
+            // A crafted layout may not sum in 64 bits: that is a mismatch.
+            let decoded = entry
+                .layout
+                .iter()
+                .try_fold(0u64, |a, (_, n)| a.checked_add(*n))
+                .unwrap_or(u64::MAX);
             if view.decoded_bytes() != entry.decoded_bytes
                 || decoded != entry.decoded_bytes
                 || view.work() != entry.work

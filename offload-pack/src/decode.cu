@@ -145,7 +145,10 @@ __device__ __forceinline__ void opk_decode_tile(const unsigned char* blob, const
         const unsigned int code = ((p0 >> b) & 1u) | (((p1 >> b) & 1u) << 1) | (((p2 >> b) & 1u) << 2);
         const unsigned int sm_byte = (sw[b >> 2] >> ((b & 3u) * 8u)) & 0xffu;
         unsigned int exp;
-        if (code != 0u) {
+        // A weight past the tensor's end (b >= live) is never stored and
+        // never an escape: it reads no escape byte (a stale blob's padding
+        // could otherwise read one past the blob).
+        if (code != 0u || b >= live) {
             exp = lo + code - 1u;
         } else {
             exp = escapes[__popc(esc & ((1u << b) - 1u))];

@@ -35,6 +35,8 @@ pub struct SimCodec {
     /// Sampled mode: each encode's kept unit bytes, by its number.
     sampled: Arc<Mutex<BTreeMap<u64, Vec<u8>>>>,
     next: AtomicU64,
+    /// The device's `decode_errors` at the last [`Codec::check`].
+    checked_errors: AtomicU64,
 }
 
 impl std::fmt::Debug for SimCodec {
@@ -50,6 +52,7 @@ impl SimCodec {
             device: device.clone(),
             sampled: Arc::new(Mutex::new(BTreeMap::new())),
             next: AtomicU64::new(1),
+            checked_errors: AtomicU64::new(device.stats().decode_errors),
         }
     }
 
@@ -172,6 +175,25 @@ impl Codec<Sim> for SimCodec {
             blob[k * d as usize] = b;
         }
         Ok(Coded { blob, work })
+    }
+
+    /// `Err` when decodes since the last check found no whole coded block
+    /// (the device's `decode_errors` grew), as a GPU decoder's error flag.
+    fn check(&self) -> Result<(), SimError> {
+        let now = self.device.stats().decode_errors;
+        let before = self.checked_errors.swap(now, Ordering::Relaxed);
+        if now > before {
+            return Err(SimError {
+                operation: "decode".to_owned(),
+                kind: offload_core::device::DeviceErrorKind::Other,
+                detail: format!(
+                    "{} decode(s) found no whole coded block in their staging buffer (their slot got zeros)",
+                    now - before
+                ),
+                shortfall_bytes: None,
+            });
+        }
+        Ok(())
     }
 
     unsafe fn decode(

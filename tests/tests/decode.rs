@@ -99,9 +99,9 @@ fn lossless_layerwise_is_bit_identical_and_moves_fewer_bytes() {
     }
 }
 
-/// Whether `bug` is seen (a checker violation or an output that differs
-/// from resident) at some depth and seed; the same runs without it are
-/// clean.
+/// Whether `bug` is seen (a checker violation, and an output that differs
+/// from resident or a typed error from the decoder's check at disable) at
+/// some depth and seed; the same runs without it are clean.
 fn seen(bug: PlantedBug) -> (bool, bool, Vec<String>) {
     let want = resident();
     let (mut violated, mut differs, mut what) = (false, false, Vec::new());
@@ -119,18 +119,23 @@ fn seen(bug: PlantedBug) -> (bool, bool, Vec<String>) {
                 vec![],
                 "control, depth {depth}, {jitter:?}"
             );
-            let o = run(
+            let (v, differed) = match run(
                 &workload(),
                 &layerwise(WeightCompression::Lossless),
                 &opts(&[bug], depth, jitter),
-            )
-            .unwrap();
-            let v = all_violations(&o);
+            ) {
+                Ok(o) => (all_violations(&o), outputs(&o) != want),
+                Err(f) => {
+                    let e = f.error.to_string();
+                    assert!(e.contains("decoder's check"), "an untyped failure: {e}");
+                    (f.violations.clone(), true)
+                }
+            };
             if v.iter().any(|v| v.invariant == Invariant::NoEarlyFree) {
                 violated = true;
                 what.extend(v.iter().take(1).map(|v| v.to_string()));
             }
-            differs |= outputs(&o) != want;
+            differs |= differed;
         }
     }
     (violated, differs, what)
@@ -168,17 +173,27 @@ fn a_decode_into_a_slot_still_read_is_caught() {
 /// `scale` times what the kernel model says: which rings stream coded, and
 /// the run against resident.
 fn auto_at(scale: f64) -> (Vec<(String, bool)>, RunOutcome) {
+    auto_scaled(&|_| scale, 2, Some(5))
+}
+
+/// "auto" with each component's block compute scaled by `scale(path)`.
+fn auto_scaled(
+    scale: &dyn Fn(&str) -> f64,
+    depth: usize,
+    jitter: Option<u64>,
+) -> (Vec<(String, bool)>, RunOutcome) {
     let w = workload();
     let profile = DeviceProfile::h200();
     let mut inputs = offload_sim::plan::estimated_inputs(&w.preset, &profile, w.tokens, 3);
-    for c in inputs.components.values_mut() {
+    for (path, c) in inputs.components.iter_mut() {
+        let k = scale(path);
         for v in c.block_compute_s.values_mut() {
-            *v *= scale;
+            *v *= k;
         }
     }
     let o = RunOptions {
         planner: Some(inputs.clone()),
-        ..opts(&[], 2, Some(5))
+        ..opts(&[], depth, jitter)
     };
     let out = run(&w, &layerwise(WeightCompression::Auto), &o).unwrap();
     // The choice itself, from a backend built the same way.
@@ -220,9 +235,21 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
     assert_eq!(outputs(&out), want);
     assert_eq!(all_violations(&out), vec![]);
     assert_eq!(
-        out.at_end.decodes, 2,
-        "only the enable-time measurement decodes (twice)"
+        out.at_end.decodes, 4,
+        "only the enable-time measurement decodes (four times)"
     );
+    // ...and the staging buffers went: the rings hold only their slots,
+    // as an uncoded run's do.
+    let (_, uncoded) = (
+        (),
+        run(
+            &workload(),
+            &layerwise(WeightCompression::None),
+            &opts(&[], 2, Some(5)),
+        )
+        .unwrap(),
+    );
+    assert_eq!(out.at_end.device_bytes, uncoded.at_end.device_bytes);
     // Without planner inputs "auto" is a typed error naming the key.
     let Err(failure) = run(
         &workload(),
@@ -236,6 +263,34 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
         e.contains("weight_compression") && e.contains("with_planner"),
         "{e}"
     );
+}
+
+/// One ring coded, the other raw, sharing one slot pool: a copy fill that
+/// evicts a decoded prefetch must wait for that decode (its slot's ready),
+/// not only for the slot's last use.
+#[test]
+fn a_coded_ring_and_a_raw_ring_share_their_slots_safely() {
+    let want = resident();
+    for depth in [1, 2, 3] {
+        for jitter in [None, Some(1), Some(2), Some(3), Some(4)] {
+            let (choices, out) = auto_scaled(
+                &|path| if path == "transformer" { 0.01 } else { 1000.0 },
+                depth,
+                jitter,
+            );
+            assert_eq!(
+                choices.iter().map(|(_, l)| *l).collect::<Vec<_>>(),
+                vec![true, false],
+                "{choices:?}"
+            );
+            assert_eq!(
+                all_violations(&out),
+                vec![],
+                "depth {depth}, jitter {jitter:?}"
+            );
+            assert_eq!(outputs(&out), want, "depth {depth}, jitter {jitter:?}");
+        }
+    }
 }
 
 #[test]

@@ -291,6 +291,14 @@ impl Transport {
         match self {
             Transport::Copy => {
                 wait(&h.copy, "copy")?;
+                // Where rings decode, the slot's last writer may be a decode
+                // on the decode stream (a prefetch this fill evicts): its
+                // `ready` orders this copy after it.
+                if h.decode.is_some() {
+                    h.device
+                        .stream_wait_event(&h.copy, &slot.ready)
+                        .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+                }
                 if let Some(t) = &st.timer {
                     t.mark(&h.copy, Mark::CopyStart { bytes })?;
                 }
@@ -1228,6 +1236,11 @@ impl<A: Api> LayerwiseBackend<A> {
         Ok(())
     }
 
+    /// The configuration's `weight_compression`.
+    pub(crate) fn compression(&self) -> WeightCompression {
+        self.config.compression()
+    }
+
     /// What `weight_compression = "auto"` chose at the last enable, per
     /// ring (named by its first block): whether it streams coded and the
     /// recurrence's forward either way (CONTRACT §7b).
@@ -1265,7 +1278,13 @@ impl<A: Api> LayerwiseBackend<A> {
                 .components
                 .values()
                 .find_map(|c| c.block_compute_s.get(path).copied())
-                .unwrap_or(0.0)
+                .ok_or_else(|| {
+                    OffloadError::Budget(Box::new(crate::budget::BudgetError::Input {
+                        input: "planner inputs".to_owned(),
+                        value: format!("no compute for block `{path}`"),
+                        allowed: "every streamed block's compute (`block_compute_s`), which weight_compression = \"auto\" decides from".to_owned(),
+                    }))
+                })
         };
         let h = &self.engine.handles;
         let mut choices = Vec::new();
@@ -1278,7 +1297,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 .blocks
                 .iter()
                 .map(|m| compute_of(&m.unit.name))
-                .collect();
+                .collect::<Result<_, _>>()?;
             let copy = |bytes: u64| inputs.copy_latency_s + bytes as f64 / link;
             let copy_s: Vec<f64> = ring.blocks.iter().map(|m| copy(m.unit.bytes)).collect();
             let coded_s: Vec<f64> = ring
@@ -1376,12 +1395,19 @@ impl<A: Api> LayerwiseBackend<A> {
             .all(|m| m.coded.is_none())
             && let Some(d) = st.decoding.take()
         {
+            // Every free runs; the first error is returned.
+            let mut first = None;
             for staging in d.staging {
-                h.free(
+                if let Err(e) = h.free(
                     staging.buffer,
                     &[&staging.copied, &staging.consumed],
                     "staging",
-                )?;
+                ) {
+                    first.get_or_insert(e);
+                }
+            }
+            if let Some(e) = first {
+                return Err(e);
             }
         }
         Ok(())
@@ -1389,8 +1415,9 @@ impl<A: Api> LayerwiseBackend<A> {
 
     /// The decoder's rate on this device, bytes written per second: block
     /// `(ring, block)` copied to staging buffer 0 and decoded into slot 0
-    /// twice (enable time: no slot holds a block yet), the second decode
-    /// timed with the device's events, then synchronised.
+    /// four times (enable time: no slot holds a block yet), the last three
+    /// timed with the device's events and the shortest taken, then
+    /// synchronised and the decoder's check read.
     fn measure_decode(
         &self,
         st: &State<A>,
@@ -1417,11 +1444,15 @@ impl<A: Api> LayerwiseBackend<A> {
                 .create_timing_event()
                 .map_err(|e| dev_err("create_timing_event", e))
         };
-        let (t0, t1) = (timing()?, timing()?);
+        // Three timed decodes after an untimed one (the module's first
+        // launch): the shortest is the rate, a delay on the stream (a
+        // perturbation, another process) lengthening only one of them.
+        const TIMED: usize = 3;
+        let marks: Vec<A::Event> = (0..=TIMED).map(|_| timing()).collect::<Result<_, _>>()?;
         // SAFETY: at enable nothing else uses staging buffer 0 or slot 0;
         // the decode stream waits for the copy (`copied`) and the host
-        // synchronises on `t1`, after both decodes, before anything else
-        // touches either buffer or the master is freed.
+        // synchronises on the last mark, after every decode, before
+        // anything else touches either buffer or the master is freed.
         unsafe {
             h.device
                 .copy_h2d(&h.copy, m.host.source(), 0, &staging.buffer, 0, coded_bytes)
@@ -1432,11 +1463,11 @@ impl<A: Api> LayerwiseBackend<A> {
             h.device
                 .stream_wait_event(decode, &staging.copied)
                 .map_err(|e| dev_err("stream_wait_event(decode, staging copied)", e))?;
-            for timed in [false, true] {
-                if timed {
+            for k in 0..=TIMED {
+                if k > 0 {
                     h.device
-                        .record_event(&t0, decode)
-                        .map_err(|e| dev_err("record_event(decode start)", e))?;
+                        .record_event(&marks[k - 1], decode)
+                        .map_err(|e| dev_err("record_event(decode mark)", e))?;
                 }
                 d.codec
                     .decode(
@@ -1450,20 +1481,26 @@ impl<A: Api> LayerwiseBackend<A> {
                     .map_err(|e| dev_err("decode (measurement)", e))?;
             }
             h.device
-                .record_event(&t1, decode)
+                .record_event(&marks[TIMED], decode)
                 .map_err(|e| dev_err("record_event(decode end)", e))?;
             h.device
                 .record_event(&staging.consumed, decode)
                 .map_err(|e| dev_err("record_event(staging consumed)", e))?;
         }
         h.device
-            .synchronize_event(&t1)
+            .synchronize_event(&marks[TIMED])
             .map_err(|e| dev_err("synchronize_event(decode end)", e))?;
-        let ns = h
-            .device
-            .elapsed_ns(&t0, &t1)
-            .map_err(|e| dev_err("elapsed_ns(decode)", e))?
-            .max(1);
+        d.codec
+            .check()
+            .map_err(|e| dev_err("the decoder's check after the measured decodes", e))?;
+        let mut ns = u64::MAX;
+        for k in 0..TIMED {
+            let e = h
+                .device
+                .elapsed_ns(&marks[k], &marks[k + 1])
+                .map_err(|e| dev_err("elapsed_ns(decode)", e))?;
+            ns = ns.min(e.max(1));
+        }
         Ok(m.unit.bytes as f64 / (ns as f64 / 1e9))
     }
 
@@ -1718,7 +1755,16 @@ impl<A: Api> OffloadBackend for LayerwiseBackend<A> {
                     first = Some(e);
                 }
                 let drain = !self.engine.bug(PlantedBug::FreeWithoutDrain);
-                self.release(st, drain)
+                self.release(st, drain).and_then(|()| {
+                    // Drained: every decode has run; one that found no
+                    // whole block fed compute other weights.
+                    match &self.codec {
+                        Some(c) => c.check().map_err(|e| {
+                            dev_err("the decoder's check at disable (a decode found no whole coded block)", e)
+                        }),
+                        None => Ok(()),
+                    }
+                })
             }
         };
         self.lifecycle.finish_disable();

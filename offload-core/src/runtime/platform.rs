@@ -130,6 +130,14 @@ impl<A: Api> CorePlatform<A> {
             self.bugs(),
         )?;
         backend.auto_inputs = self.planner.clone();
+        if backend.auto_inputs.is_none()
+            && backend.compression() == crate::config::WeightCompression::Auto
+        {
+            // Before anything is encoded or pinned.
+            return Err(OffloadError::Config(Box::new(
+                crate::config::auto_without_inputs(),
+            )));
+        }
         Ok(backend)
     }
 
