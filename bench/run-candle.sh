@@ -36,7 +36,8 @@
 # under $WORK.
 #   INIT=normal GRIDS="64x64 16x32 128x128" TEXT=512 STEPS=5 GROWTH=200
 #   NO_PEER=1 BUDGET_S=560 ATTENTION=auto (flash | unfused)
-#   BUDGETS=16GiB,8GiB,auto
+#   BUDGETS=16GiB,8GiB,auto  WEIGHT_COMPRESSION=none (lossless: the layerwise
+#   rows' blocks coded at enable and decoded on the GPU beside candle)
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/candle-out}
@@ -140,7 +141,8 @@ for grid in $GRIDS; do
   [ "$tag" = "$first" ] && growth=${GROWTH:-200} budgets=$BUDGETS
   [ -f "$OUT/diffusers_$tag.json" ] && REF+=(--diffusers-json "$OUT/diffusers_$tag.json")
   run_step "candle $tag" 260 "$W/offload-flux-bench" --ckpt "$W/flux" --inputs "$W/inputs_$tag.safetensors" "${REF[@]}" \
-    --steps "$STEPS" --growth-steps "$growth" --budgets "$budgets" --attention "$ATTENTION" --json "$OUT/candle_$tag.json" \
+    --steps "$STEPS" --growth-steps "$growth" --budgets "$budgets" --attention "$ATTENTION" \
+    --weight-compression "${WEIGHT_COMPRESSION:-none}" --json "$OUT/candle_$tag.json" \
     >"$L/candle_$tag.out" 2>"$L/candle_$tag.err"
   tail -4 "$L/candle_$tag.err"
 done
@@ -207,6 +209,13 @@ for g in grids:
         failures.append(f"{g}: no comparison with diffusers")
     if "attention_check" in c:
         checks.append((g, c["attention_check"]))
+print()
+for g in grids:
+    c = load(f"candle_{g}.json")
+    if c.get("weight_compression") == "lossless":
+        print(f"lossless {c.get('tokens', g)} tokens: step / bf16 link {f(c.get('step_over_bf16_link'), '.3f')}, "
+              f"link / bf16 {f(c.get('link_over_bf16'), '.4f')}, host masters / bf16 {f(c.get('host_masters_over_bf16'), '.4f')}, "
+              f"enable {f(c.get('enable_s'))} s, decoder flag {c.get('decode_error')}, offloaded == resident {c.get('offload_equals_resident')}")
 print()
 for g, a in checks:
     for case in a["cases"]:
