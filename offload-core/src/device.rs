@@ -333,6 +333,14 @@ pub trait Device<A: Api>: Send + Sync {
     /// Creates a non-blocking stream.
     fn create_stream(&self) -> Result<A::Stream, A::Error>;
 
+    /// A new stream whose work the device schedules ahead of other
+    /// streams' pending work where it can (the decode stream of CONTRACT
+    /// §7b: a short decode that compute waits for should not queue behind
+    /// the compute it feeds). Default: [`Device::create_stream`].
+    fn create_priority_stream(&self) -> Result<A::Stream, A::Error> {
+        self.create_stream()
+    }
+
     /// Creates an unrecorded event.
     fn create_event(&self) -> Result<A::Event, A::Error>;
 

@@ -1118,6 +1118,39 @@ impl Device<Cuda> for CudaDevice {
         })
     }
 
+    /// A non-blocking stream at the context's greatest priority
+    /// (`cuStreamCreateWithPriority`): the driver starts its pending
+    /// blocks ahead of lower-priority streams' as SMs free up.
+    fn create_priority_stream(&self) -> Result<CudaStream, CudaError> {
+        self.bind()?;
+        let (mut least, mut greatest) = (0i32, 0i32);
+        // SAFETY: two valid out-pointers; the context is current (bind).
+        wrap(
+            unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }.result(),
+            || "cuCtxGetStreamPriorityRange".to_owned(),
+        )?;
+        let mut raw = std::mem::MaybeUninit::uninit();
+        // SAFETY: a valid out-pointer; flags and priority are the driver's
+        // own (non-blocking, its greatest); the stream is destroyed by
+        // CudaStream's Drop, as `create_stream`'s.
+        wrap(
+            unsafe {
+                sys::cuStreamCreateWithPriority(
+                    raw.as_mut_ptr(),
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    greatest,
+                )
+            }
+            .result(),
+            || format!("cuStreamCreateWithPriority(priority {greatest})"),
+        )?;
+        Ok(CudaStream {
+            // SAFETY: written by the successful call above.
+            raw: unsafe { raw.assume_init() },
+            _ctx: Arc::clone(&self.ctx),
+        })
+    }
+
     fn create_event(&self) -> Result<CudaEvent, CudaError> {
         CudaEvent::create(&self.ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
     }

@@ -163,8 +163,8 @@ impl<A: Api> Handles<A> {
     pub(crate) fn with_decode(mut self) -> Result<Self, OffloadError> {
         let decode = self
             .device
-            .create_stream()
-            .map_err(|e| dev_err("create_stream", e))?;
+            .create_priority_stream()
+            .map_err(|e| dev_err("create_priority_stream", e))?;
         self.device.name_stream(&decode, "decode");
         self.decode = Some(decode);
         Ok(self)
