@@ -1125,25 +1125,22 @@ impl Device<Cuda> for CudaDevice {
         self.bind()?;
         let (mut least, mut greatest) = (0i32, 0i32);
         // SAFETY: two valid out-pointers; the context is current (bind).
-        wrap(
-            unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }.result(),
-            || "cuCtxGetStreamPriorityRange".to_owned(),
-        )?;
+        let range = unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) };
+        wrap(range.result(), || "cuCtxGetStreamPriorityRange".to_owned())?;
         let mut raw = std::mem::MaybeUninit::uninit();
         // SAFETY: a valid out-pointer; flags and priority are the driver's
         // own (non-blocking, its greatest); the stream is destroyed by
         // CudaStream's Drop, as `create_stream`'s.
-        wrap(
-            unsafe {
-                sys::cuStreamCreateWithPriority(
-                    raw.as_mut_ptr(),
-                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                    greatest,
-                )
-            }
-            .result(),
-            || format!("cuStreamCreateWithPriority(priority {greatest})"),
-        )?;
+        let created = unsafe {
+            sys::cuStreamCreateWithPriority(
+                raw.as_mut_ptr(),
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                greatest,
+            )
+        };
+        wrap(created.result(), || {
+            format!("cuStreamCreateWithPriority(priority {greatest})")
+        })?;
         Ok(CudaStream {
             // SAFETY: written by the successful call above.
             raw: unsafe { raw.assume_init() },
