@@ -255,14 +255,7 @@ pub const DEVICE_BUDGET_FORMS: &str = "\"auto\" (the device's free memory at ena
 impl DeviceBudget {
     /// Parses `"auto"` or a [`ByteSize`].
     pub fn parse(text: &str) -> Result<Self, String> {
-        if text.trim() == "auto" {
-            return Ok(Self::Auto);
-        }
-        ByteSize::parse(text).map(Self::Bytes).map_err(|e| {
-            // The byte count's own complaint, with the wider choice.
-            let what = e.split("; allowed:").next().unwrap_or(&e);
-            format!("{what} (and not \"auto\"); allowed: {DEVICE_BUDGET_FORMS}")
-        })
+        parse_auto_or_size(text)
     }
 
     /// `bytes` of a budget as errors write them: in the unit `budget` was
@@ -307,35 +300,124 @@ impl Serialize for DeviceBudget {
     }
 }
 
-impl<'de> Deserialize<'de> for DeviceBudget {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = DeviceBudget;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(DEVICE_BUDGET_FORMS)
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<DeviceBudget, E> {
-                if v == 0 {
-                    Err(E::custom(format!(
-                        "`0` is zero bytes; allowed: {DEVICE_BUDGET_FORMS}"
-                    )))
-                } else {
-                    Ok(DeviceBudget::Bytes(ByteSize::new(v)))
-                }
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<DeviceBudget, E> {
-                u64::try_from(v)
-                    .map_err(|_| {
-                        E::custom(format!("`{v}` is negative; allowed: {DEVICE_BUDGET_FORMS}"))
-                    })
-                    .and_then(|v| self.visit_u64(v))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DeviceBudget, E> {
-                DeviceBudget::parse(v).map_err(E::custom)
+/// A budget written `"auto"` or as a size ([`DeviceBudget`],
+/// [`HostBudget`]): one parser, one visitor, each with its own words.
+trait AutoOrSize: Sized {
+    /// What the key accepts, for error messages.
+    const FORMS: &'static str;
+    fn auto() -> Self;
+    fn sized(b: ByteSize) -> Self;
+}
+
+/// Parses `"auto"` or a [`ByteSize`] into `T`.
+fn parse_auto_or_size<T: AutoOrSize>(text: &str) -> Result<T, String> {
+    if text.trim() == "auto" {
+        return Ok(T::auto());
+    }
+    ByteSize::parse(text).map(T::sized).map_err(|e| {
+        // The byte count's own complaint, with the wider choice.
+        let what = e.split("; allowed:").next().unwrap_or(&e);
+        format!("{what} (and not \"auto\"); allowed: {}", T::FORMS)
+    })
+}
+
+fn deserialize_auto_or_size<'de, T: AutoOrSize, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
+    struct V<T>(std::marker::PhantomData<T>);
+    impl<T: AutoOrSize> serde::de::Visitor<'_> for V<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(T::FORMS)
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<T, E> {
+            if v == 0 {
+                Err(E::custom(format!("`0` is zero bytes; allowed: {}", T::FORMS)))
+            } else {
+                Ok(T::sized(ByteSize::new(v)))
             }
         }
-        d.deserialize_any(V)
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<T, E> {
+            u64::try_from(v)
+                .map_err(|_| E::custom(format!("`{v}` is negative; allowed: {}", T::FORMS)))
+                .and_then(|v| self.visit_u64(v))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<T, E> {
+            parse_auto_or_size(v).map_err(E::custom)
+        }
+    }
+    d.deserialize_any(V(std::marker::PhantomData))
+}
+
+impl AutoOrSize for DeviceBudget {
+    const FORMS: &'static str = DEVICE_BUDGET_FORMS;
+    fn auto() -> Self {
+        Self::Auto
+    }
+    fn sized(b: ByteSize) -> Self {
+        Self::Bytes(b)
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceBudget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        deserialize_auto_or_size(d)
+    }
+}
+
+/// What `host_budget` says (CONTRACT §7c): the most page-locked host
+/// memory (pinned copies, registrations in place, staging buffers) offload
+/// may hold, `"auto"` (what this process may still use at enable, less a
+/// headroom: `crate::budget::host_limits`) or this many bytes. Masters
+/// beyond it stay in pageable memory and stream through staging buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HostBudget {
+    /// What this process may use at enable (the cgroup's limit less its
+    /// use, else `MemAvailable`), less [`crate::budget::host_headroom`].
+    Auto,
+    /// This many bytes.
+    Bytes(ByteSize),
+}
+
+/// What [`HostBudget`] accepts, for error messages.
+pub const HOST_BUDGET_FORMS: &str = "\"auto\" (what this process may still use at enable: the cgroup's memory.max less its memory.current, else MemAvailable, less a headroom of 10 %, at least 2 GiB) or a positive byte count: an integer of bytes, or a number with a unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. \"8GiB\"";
+
+impl AutoOrSize for HostBudget {
+    const FORMS: &'static str = HOST_BUDGET_FORMS;
+    fn auto() -> Self {
+        Self::Auto
+    }
+    fn sized(b: ByteSize) -> Self {
+        Self::Bytes(b)
+    }
+}
+
+impl HostBudget {
+    /// Parses `"auto"` or a [`ByteSize`].
+    pub fn parse(text: &str) -> Result<Self, String> {
+        parse_auto_or_size(text)
+    }
+}
+
+impl fmt::Display for HostBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Bytes(b) => b.fmt(f),
+        }
+    }
+}
+
+impl Serialize for HostBudget {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::Bytes(b) => b.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HostBudget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        deserialize_auto_or_size(d)
     }
 }
 
@@ -401,6 +483,19 @@ mod tests {
             ByteSize::parse("1000").unwrap().written_at_least(1001),
             "\"1001\""
         );
+    }
+
+    #[test]
+    fn host_budgets_parse_auto_or_a_size() {
+        assert_eq!(HostBudget::parse("auto"), Ok(HostBudget::Auto));
+        assert_eq!(
+            HostBudget::parse("8GiB"),
+            Ok(HostBudget::Bytes(ByteSize::new(8 << 30)))
+        );
+        for bad in ["", "Auto", "0", "-1GiB", "8 gigs"] {
+            let e = HostBudget::parse(bad).unwrap_err();
+            assert!(e.contains("MemAvailable") && e.contains("allowed"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -410,6 +410,14 @@ pub struct OffloadConfig {
     /// inputs too (`CorePlatform::with_planner`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_compression: Option<WeightCompression>,
+    /// The most page-locked host memory offload may hold for weights
+    /// (pinned copies, registrations in place, staging buffers; CONTRACT
+    /// §7c): `"auto"` (what this process may still use at enable, less a
+    /// headroom) or a size. Streamed blocks beyond it stay in pageable
+    /// memory (the mapped checkpoint, or the heap) and stream through a
+    /// ring of pinned staging buffers. Layerwise offload only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_budget: Option<crate::bytes::HostBudget>,
 }
 
 /// The values `weight_compression` takes.
@@ -482,6 +490,25 @@ fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<()
             ),
         )),
     }
+}
+
+/// Checks `host_budget` and unpinned masters against the strategy selected:
+/// only layerwise offload stages masters (CONTRACT §7c).
+fn check_host_budget(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
+    let Some(budget) = config.host_budget else {
+        return Ok(());
+    };
+    if selection.strategy == OffloadStrategy::Layerwise {
+        return Ok(());
+    }
+    Err(invalid(
+        "host_budget",
+        format!("\"{budget}\""),
+        format!(
+            "with layerwise offload only (enable_layerwise_offload = true, no device_budget; this configuration selects {}): its streamed blocks are the ones that can stay pageable and stream through staging buffers; remove host_budget",
+            selection.strategy
+        ),
+    ))
 }
 
 /// The prefetch depths `prefetch_depth` takes.
@@ -827,9 +854,12 @@ impl Selection {
             .any(|l| l.weight_transfer == WeightTransfer::Allgather)
     }
 
-    /// Refuses unpinned host masters, which no backend streams from: a
-    /// pageable host→device copy runs at 6–8 GB/s against 55 GB/s pinned
+    /// Refuses unpinned host masters where the strategy has no staging
+    /// transport (model level, distributed layerwise, a device budget):
+    /// a pageable host→device copy runs at 6–8 GB/s against 55 GB/s pinned
     /// on the lent H200 (8× slower), and would stage through the driver.
+    /// Layerwise offload stages them itself (CONTRACT §7c) and never calls
+    /// this.
     pub fn require_pinned(&self) -> Result<(), ConfigError> {
         if self.pin_memory {
             return Ok(());
@@ -841,7 +871,10 @@ impl Selection {
         Err(invalid(
             key,
             false,
-            "true: host masters are pinned once at enable; streaming from pageable memory (6–8 GB/s against 55 GB/s pinned) is not supported",
+            format!(
+                "true with {}: its host masters are pinned once at enable; false (every master staged through pinned staging buffers) with layerwise offload only",
+                self.strategy
+            ),
         ))
     }
 
@@ -907,6 +940,7 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
         }
         let selection = select_budget(config, budget, &set_flags)?;
         check_compression(config, &selection)?;
+        check_host_budget(config, &selection)?;
         return Ok(selection);
     }
     if let Some(headroom) = config.device_headroom {
@@ -923,6 +957,7 @@ pub fn select(config: &OffloadConfig) -> Result<Selection, ConfigError> {
 
     check_residency_keys(config, &selection)?;
     check_compression(config, &selection)?;
+    check_host_budget(config, &selection)?;
     if let Some(depth) = config.prefetch_depth
         && !matches!(
             selection.strategy,

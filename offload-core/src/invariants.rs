@@ -413,6 +413,9 @@ pub struct MemoryObservation {
     pub local_weight_bytes: u64,
     /// Declared host staging bytes.
     pub staging_bytes: u64,
+    /// `host_budget` as a size (CONTRACT §7c): host weight bytes never
+    /// exceed it.
+    pub host_budget_bytes: Option<u64>,
 }
 
 /// INV-7: device weight memory ≤ resident + slots, and host weight memory
@@ -445,6 +448,17 @@ pub fn bounded_memory(m: &MemoryObservation, padding_bytes: u64) -> Result<(), V
                 padding_bytes,
                 m.local_weight_bytes,
                 m.staging_bytes
+            ),
+        ));
+    }
+    if let Some(budget) = m.host_budget_bytes
+        && m.host_weight_bytes > budget
+    {
+        return Err(violation(
+            Invariant::BoundedMemory,
+            format!(
+                "host weight bytes {} (pinned + registered) > host_budget {budget}",
+                m.host_weight_bytes
             ),
         ));
     }

@@ -27,11 +27,13 @@
 //! [`PlannerInputs`] (measured, reloaded or given) and the device's memory.
 //! Nothing here names a device.
 
+pub mod host;
 mod ring;
 mod search;
 mod types;
 
-pub use crate::bytes::{BYTE_SIZE_FORMS, ByteSize, DEFAULT_HEADROOM, DeviceBudget};
+pub use crate::bytes::{BYTE_SIZE_FORMS, ByteSize, DEFAULT_HEADROOM, DeviceBudget, HostBudget};
+pub use host::{HostLimits, HostPlan, StageReason, host_limits, plan_host};
 use crate::config::OffloadConfig;
 pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;

@@ -70,6 +70,25 @@ pub trait WeightSource: Send + Sync {
         None
     }
 
+    /// A staged unit's bytes (CONTRACT §7c) will be read soon (the next
+    /// staged block in ring order): a source backed by a mapped file may
+    /// start reading them ahead (`madvise(MADV_WILLNEED)`). Default:
+    /// nothing.
+    fn prefetch(&self, unit: &Unit) {
+        let _ = unit;
+    }
+
+    /// A staged unit's bytes were read into a staging buffer and are not
+    /// needed before the next step: a source backed by a mapped file may
+    /// drop their pages from this process (`madvise(MADV_DONTNEED)`; read
+    /// again from the page cache or the file next time), so that resident
+    /// memory stays within the host budget whatever the checkpoint's size.
+    /// Called only when the engine's host budget asks for it
+    /// ([`crate::runtime::HostPlan::release_after_read`]). Default: nothing.
+    fn release(&self, unit: &Unit) {
+        let _ = unit;
+    }
+
     /// Distributed layerwise `disable` hands back every block this rank held
     /// only a shard of, gathered once more across the group and packed as
     /// [`Unit::entries`] lays it out (exactly `unit.bytes`), so a source
@@ -105,6 +124,12 @@ pub struct HostMasters {
     pub copied_units: u64,
     /// Their bytes.
     pub copied_bytes: u64,
+    /// Units left in the source's pageable memory, streamed through pinned
+    /// staging buffers (CONTRACT §7c: beyond the host budget, pinning
+    /// refused, or `pin_cpu_memory = false`).
+    pub staged_units: u64,
+    /// Their bytes (not pinned: what the staging saves).
+    pub staged_bytes: u64,
 }
 
 /// Where one storage's bytes are readable by device kernels now.

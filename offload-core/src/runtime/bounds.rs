@@ -54,6 +54,15 @@ pub struct MemoryBounds {
     /// device bound then also counts two staging buffers of the largest
     /// coded block's bound.
     pub coded_overhead_bytes: u64,
+    /// With `host_budget` or `pin_cpu_memory = false` (layerwise, CONTRACT
+    /// §7c): the staging ring staged masters stream through, two pinned
+    /// buffers of the largest streamed block (included in `staging_bytes`
+    /// and `host_weight_bytes`).
+    pub host_staging_bytes: u64,
+    /// `host_budget` when it is a size: the most pinned + registered bytes
+    /// the host may hold for weights (`"auto"` is read at enable, so only
+    /// the device's own report can be checked against it).
+    pub host_budget_bytes: Option<u64>,
 }
 
 /// INV-7's bounds for `pipeline` under `config` at prefetch `depth` (the
@@ -84,6 +93,7 @@ pub fn memory_bounds(
     };
     let (mut gathered_bytes, mut group_size, mut padding_bytes) = (0, 1, 0);
     let mut coded_overhead_bytes = 0;
+    let mut host_staging_bytes = 0;
     let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy {
         OffloadStrategy::None => (total, 0, units, largest_unit(&|_| false)),
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
@@ -128,6 +138,12 @@ pub fn memory_bounds(
                 crate::runtime::layerwise::STAGING_BUFFERS as u64
             };
             let staging_device = staging_buffers * coded.iter().copied().max().unwrap_or(0);
+            if strategy == OffloadStrategy::Layerwise
+                && (config.host_budget.is_some() || config.pin_cpu_memory == Some(false))
+            {
+                host_staging_bytes = crate::budget::host::HOST_STAGING_BUFFERS
+                    * layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0);
+            }
             (
                 total - streamed
                     + (depth + 1) * layout.slot_bytes
@@ -173,6 +189,7 @@ pub fn memory_bounds(
         }
     };
     let local_bytes = offloaded_bytes - gathered_bytes;
+    let staging_bytes = staging_bytes + host_staging_bytes;
     Ok(MemoryBounds {
         strategy,
         device_weight_bytes,
@@ -189,6 +206,11 @@ pub fn memory_bounds(
         group_size,
         padding_bytes,
         coded_overhead_bytes,
+        host_staging_bytes,
+        host_budget_bytes: match config.host_budget {
+            Some(crate::bytes::HostBudget::Bytes(b)) => Some(b.bytes()),
+            _ => None,
+        },
     })
 }
 
@@ -210,6 +232,7 @@ impl MemoryBounds {
             local_weight_bytes: self.offloaded_bytes - self.gathered_bytes
                 + self.coded_overhead_bytes,
             staging_bytes: self.staging_bytes,
+            host_budget_bytes: self.host_budget_bytes,
         }
     }
 }
@@ -309,6 +332,8 @@ impl PlanBounds {
             group_size: 1,
             padding_bytes: 0,
             coded_overhead_bytes: 0,
+            host_staging_bytes: 0,
+            host_budget_bytes: None,
         }
     }
 }

@@ -107,11 +107,15 @@ pub enum PlantedBug {
     /// INV-3 (decode transport): the decode does not wait for its slot's
     /// last use, so it writes a slot compute may still be reading.
     DecodeIntoSlotInUse,
+    /// INV-3 (staging transport, CONTRACT §7c): the host refills a pinned
+    /// staging buffer without waiting for the copy that last read it, so
+    /// the copy may carry the next block's bytes into the slot.
+    HostStagingReuseBeforeCopy,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 34] = [
+    pub const ALL: [PlantedBug; 35] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -146,6 +150,7 @@ impl PlantedBug {
         PlantedBug::ComputeBeforeDecode,
         PlantedBug::StagingReuseBeforeDecode,
         PlantedBug::DecodeIntoSlotInUse,
+        PlantedBug::HostStagingReuseBeforeCopy,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

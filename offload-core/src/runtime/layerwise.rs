@@ -119,6 +119,27 @@ struct Decoding<A: Api> {
     next: usize,
 }
 
+/// What a staging engine adds (CONTRACT §7c): the pinned host buffers a
+/// staged master passes through on its way to a slot.
+struct HostStaging<A: Api> {
+    buffers: Vec<HostStage<A>>,
+    next: usize,
+    /// Host threads one fill splits over.
+    threads: usize,
+    /// Whether each staged block's pages are released after it is read
+    /// ([`WeightSource::release`]: the staged masters exceed the host
+    /// budget's room, so a mapped checkpoint must not stay resident).
+    release: bool,
+}
+
+/// One pinned staging buffer and the event that orders its reuse.
+struct HostStage<A: Api> {
+    buffer: A::HostBuffer,
+    /// Recorded on the copy stream after the copy that read it: the host
+    /// waits for it before filling the buffer again.
+    copied: A::Event,
+}
+
 struct State<A: Api> {
     placement: Placement<A>,
     resident: Vec<Arc<A::DeviceBuffer>>,
@@ -128,6 +149,7 @@ struct State<A: Api> {
     depth: usize,
     gather: Option<Gather<A>>,
     decoding: Option<Decoding<A>>,
+    host_staging: Option<HostStaging<A>>,
     /// Extra host masters kept only when a planted bug asks for them.
     shadow_masters: Vec<HostMaster<A>>,
     /// The slot each block was last filled into (read only by the
@@ -188,7 +210,13 @@ impl<A: Api> StrategyState<A> for State<A> {
             .map(|m| m.host.len_bytes())
             .sum();
         let shadows: u64 = self.shadow_masters.iter().map(HostMaster::len_bytes).sum();
-        masters + shadows
+        let staging: u64 = self
+            .host_staging
+            .iter()
+            .flat_map(|s| &s.buffers)
+            .map(|b| b.buffer.len_bytes())
+            .sum();
+        masters + shadows + staging
     }
 }
 
@@ -252,6 +280,10 @@ enum Transport {
     /// The block's coded bytes → a staging buffer on the copy stream, then
     /// the codec's decode into the slot on the decode stream.
     Decode,
+    /// A staged master (pageable, CONTRACT §7c) → a pinned host staging
+    /// buffer by host threads, once the copy that last read the buffer
+    /// has completed; then staging buffer → slot on the copy stream.
+    Stage,
 }
 
 impl Transport {
@@ -310,11 +342,13 @@ impl Transport {
                     // reads the slot while it is overwritten), compute waits
                     // for `ready` (recorded next) before reading it, and the
                     // master is freed only after draining.
+                    let what = format!("copy_h2d of `{}`", master.unit.name);
+                    let source = master.host.copy_source(&what)?;
                     unsafe {
                         h.device
-                            .copy_h2d(&h.copy, master.host.source(), 0, &slot.buffer, 0, bytes)
+                            .copy_h2d(&h.copy, source, 0, &slot.buffer, 0, bytes)
                     }
-                    .map_err(|e| dev_err(format!("copy_h2d of `{}`", master.unit.name), e))?;
+                    .map_err(|e| dev_err(what, e))?;
                 }
                 if let Some(t) = &st.timer {
                     t.mark(&h.copy, Mark::CopyEnd)?;
@@ -340,19 +374,16 @@ impl Transport {
                 }
                 if !stale {
                     let _span = transfer_span(name, shard.bytes, "copy", "h2d shard").entered();
+                    let source = master
+                        .host
+                        .copy_source(&format!("copy_h2d of this rank's shard of `{name}`"))?;
                     // SAFETY: the master is exactly `shard.bytes` and the
                     // shard buffer holds the largest shard; the copy stream
                     // waits above for the gather that last read the buffer,
                     // and the gather reading it waits for `copied` (next).
                     unsafe {
-                        h.device.copy_h2d(
-                            &h.copy,
-                            master.host.source(),
-                            0,
-                            &buffer.buffer,
-                            0,
-                            shard.bytes,
-                        )
+                        h.device
+                            .copy_h2d(&h.copy, source, 0, &buffer.buffer, 0, shard.bytes)
                     }
                     .map_err(|e| {
                         dev_err(
@@ -433,6 +464,9 @@ impl Transport {
                 }
                 if !stale {
                     let _span = transfer_span(name, coded_bytes, "copy", "h2d coded").entered();
+                    let source = master
+                        .host
+                        .copy_source(&format!("copy_h2d of the coded `{name}`"))?;
                     // SAFETY: the master is exactly `coded_bytes` (its coded
                     // blob) and the staging buffer holds the largest; the
                     // copy stream waits above for the decode that last read
@@ -440,14 +474,8 @@ impl Transport {
                     // `copied` (next); the master is freed only after
                     // draining.
                     unsafe {
-                        h.device.copy_h2d(
-                            &h.copy,
-                            master.host.source(),
-                            0,
-                            &buffer.buffer,
-                            0,
-                            coded_bytes,
-                        )
+                        h.device
+                            .copy_h2d(&h.copy, source, 0, &buffer.buffer, 0, coded_bytes)
                     }
                     .map_err(|e| {
                         dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e)
@@ -508,7 +536,109 @@ impl Transport {
                     .record_event(&buffer.consumed, decode)
                     .map_err(|e| dev_err("record_event(staging consumed)", e))
             }
+            Transport::Stage => {
+                let staging = st
+                    .host_staging
+                    .as_mut()
+                    .expect("a ring with a staged master has host staging");
+                let j = staging.next;
+                staging.next = (j + 1) % staging.buffers.len();
+                let (threads, release) = (staging.threads, staging.release);
+                let stage = &mut staging.buffers[j];
+                // The host rewrites the buffer only once the copy that last
+                // read it has completed (the staged path's one host wait:
+                // for the copy two staged blocks back, never for compute).
+                if !engine.bug(PlantedBug::HostStagingReuseBeforeCopy) {
+                    h.device
+                        .synchronize_event(&stage.copied)
+                        .map_err(|e| dev_err("synchronize_event(host staging copied)", e))?;
+                }
+                if !stale {
+                    let _span = transfer_span(name, bytes, "host", "stage").entered();
+                    stage.buffer.write_from(
+                        0,
+                        bytes,
+                        &ParallelUnitBytes {
+                            weights: &*h.weights,
+                            unit: &master.unit,
+                            threads,
+                        },
+                    );
+                    if release {
+                        h.weights.release(&master.unit);
+                    }
+                }
+                wait(&h.copy, "copy")?;
+                if h.decode.is_some() {
+                    h.device
+                        .stream_wait_event(&h.copy, &slot.ready)
+                        .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+                }
+                if let Some(t) = &st.timer {
+                    t.mark(&h.copy, Mark::CopyStart { bytes })?;
+                }
+                if !stale {
+                    let _span = transfer_span(name, bytes, "copy", "h2d staged").entered();
+                    // SAFETY: the staging buffer holds the largest staged
+                    // block and the slot the largest block, so both ranges
+                    // are in bounds; the host filled the buffer above, after
+                    // the copy that last read it completed, and rewrites it
+                    // only after `copied` (recorded next); the copy stream
+                    // waits for the slot's last use, compute for `ready`.
+                    unsafe {
+                        h.device.copy_h2d(
+                            &h.copy,
+                            crate::device::HostSource::Pinned(&stage.buffer),
+                            0,
+                            &slot.buffer,
+                            0,
+                            bytes,
+                        )
+                    }
+                    .map_err(|e| dev_err(format!("copy_h2d of the staged `{name}`"), e))?;
+                }
+                if let Some(t) = &st.timer {
+                    t.mark(&h.copy, Mark::CopyEnd)?;
+                }
+                h.device
+                    .record_event(&stage.copied, &h.copy)
+                    .map_err(|e| dev_err("record_event(host staging copied)", e))?;
+                h.device
+                    .record_event(&slot.ready, &h.copy)
+                    .map_err(|e| dev_err("record_event(ready)", e))
+            }
         }
+    }
+}
+
+/// A unit's bytes read from the weight source by up to `threads` host
+/// threads, each a contiguous part (page-aligned), into one staging buffer.
+struct ParallelUnitBytes<'a> {
+    weights: &'a dyn WeightSource,
+    unit: &'a Unit,
+    threads: usize,
+}
+
+impl crate::device::ByteSource for ParallelUnitBytes<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        /// Below this a read stays on one thread.
+        const PER_THREAD: usize = 4 << 20;
+        let reader = crate::runtime::shared::UnitBytes {
+            weights: self.weights,
+            unit: self.unit,
+        };
+        let threads = self.threads.min(dst.len() / PER_THREAD).max(1);
+        if threads == 1 {
+            reader.read_at(position, dst);
+            return;
+        }
+        let per = dst.len().div_ceil(threads).next_multiple_of(4096);
+        std::thread::scope(|s| {
+            for (i, part) in dst.chunks_mut(per).enumerate() {
+                let reader = &reader;
+                s.spawn(move || reader.read_at(position + (i * per) as u64, part));
+            }
+        });
     }
 }
 
@@ -542,6 +672,8 @@ fn fill<A: Api>(
     };
     let transport = if st.rings[ring].gathered {
         Transport::Gather
+    } else if matches!(*st.rings[ring].blocks[source].host, HostMaster::Staged(_)) {
+        Transport::Stage
     } else if st.rings[ring].blocks[source].coded.is_some() {
         Transport::Decode
     } else {
@@ -625,6 +757,14 @@ fn release_state<A: Api>(
                 first.get_or_insert(e);
             }
         }
+        for stage in st.host_staging.into_iter().flat_map(|s| s.buffers) {
+            // SAFETY: every stream was drained, so the copy that last read
+            // the buffer has completed.
+            if let Err(e) = unsafe { h.device.free_pinned(stage.buffer) } {
+                first.get_or_insert(dev_err("free_pinned(host staging)", e));
+            }
+            drop(stage.copied);
+        }
         h.free_all(st.resident, "resident unit", first);
         for master in st
             .rings
@@ -650,6 +790,217 @@ fn release_state<A: Api>(
             }
         }
     })
+}
+
+/// Host threads a staged block's fill splits over: the machine's cores, at
+/// most 8 (a pageable → pinned copy saturates a socket's memory bandwidth
+/// well before that on the lent H200's host).
+fn fill_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// The host plan of `layout`'s streamed blocks under `config`
+/// (`host_budget`, `pin_cpu_memory`), `transient` the largest resident
+/// unit (uploaded through pinned memory at enable).
+fn host_plan<A: Api>(
+    engine: &Engine<A>,
+    config: &OffloadConfig,
+    layout: &RingLayout,
+    transient: u64,
+) -> Result<crate::budget::HostPlan, OffloadError> {
+    let selection = config.select()?;
+    let pin = selection.pin_memory || engine.strategy != OffloadStrategy::Layerwise;
+    let limits = match config.host_budget {
+        Some(budget) => Some(
+            crate::budget::host_limits(budget, &crate::budget::host::ProcProbe::default())
+                .map_err(|e| {
+                    OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
+                        key: "host_budget".to_owned(),
+                        value: format!("\"{budget}\""),
+                        allowed: format!("a size on this machine ({e})"),
+                    }))
+                })?,
+        ),
+        None => None,
+    };
+    let blocks: Vec<u64> = layout.blocks().map(|b| b.unit.bytes).collect();
+    let plan = crate::budget::plan_host(&blocks, transient, limits.as_ref().map(|l| l.budget), pin)
+        .map_err(|e| {
+            OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
+                key: "host_budget".to_owned(),
+                value: config
+                    .host_budget
+                    .map_or_else(String::new, |b| format!("\"{b}\"")),
+                allowed: format!("at least {} on this pipeline ({e})", e.least),
+            }))
+        })?;
+    if let Some(l) = &limits {
+        tracing::info!(
+            budget = l.budget,
+            pinned_bytes = plan.pinned_bytes,
+            staged_bytes = plan.staged_bytes,
+            staging_bytes = plan.staging_bytes,
+            least_budget = plan.least_budget,
+            "host budget {} ({}): {} of masters pinned or registered, {} staged through {} of staging buffers; the least host budget these blocks need is {}",
+            crate::bytes::ByteSize::new(l.budget),
+            l.source,
+            crate::bytes::ByteSize::new(plan.pinned_bytes),
+            crate::bytes::ByteSize::new(plan.staged_bytes),
+            crate::bytes::ByteSize::new(plan.staging_bytes),
+            crate::bytes::ByteSize::new(plan.least_budget),
+        );
+    }
+    Ok(plan)
+}
+
+/// What staging decided at enable, for its log lines.
+#[derive(Default)]
+struct StagedTally {
+    units: usize,
+    bytes: u64,
+    refused: usize,
+}
+
+impl StagedTally {
+    fn log(&self, plan: &crate::budget::HostPlan) {
+        if self.units > 0 {
+            tracing::info!(
+                staged_units = self.units,
+                staged_bytes = self.bytes,
+                refused = self.refused,
+                "{} streamed blocks ({} bytes) stay in pageable memory and stream through pinned staging buffers ({} refused by the device; planned: {} pinned, {} staged)",
+                self.units,
+                self.bytes,
+                self.refused,
+                plan.pinned_bytes,
+                plan.staged_bytes
+            );
+        }
+    }
+}
+
+/// A staged master of `unit` (counted, logged with `why`).
+fn staged_master<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+    why: crate::budget::StageReason,
+    tally: &mut StagedTally,
+) -> HostMaster<A> {
+    tally.units += 1;
+    tally.bytes += unit.bytes;
+    tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
+    h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
+        bytes: unit.bytes,
+    }))
+}
+
+/// Uploads `unit` to a new device buffer through the staging ring's first
+/// buffer, a chunk at a time (enable only: the host waits for each chunk's
+/// copy before refilling the buffer). Nothing is left allocated on failure.
+fn upload_staged<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+    staging: &mut HostStaging<A>,
+) -> Result<A::DeviceBuffer, OffloadError> {
+    let buffer = h.device.alloc_device(unit.bytes).map_err(|e| {
+        dev_err(
+            format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
+            e,
+        )
+    })?;
+    h.device.name_buffer(&buffer, &unit.name);
+    let threads = staging.threads;
+    let stage = &mut staging.buffers[0];
+    let chunk = stage.buffer.len_bytes().max(1);
+    let mut copy = || -> Result<(), OffloadError> {
+        let mut at = 0;
+        while at < unit.bytes {
+            let len = chunk.min(unit.bytes - at);
+            h.device
+                .synchronize_event(&stage.copied)
+                .map_err(|e| dev_err("synchronize_event(host staging copied)", e))?;
+            stage.buffer.write_from(
+                0,
+                len,
+                &Offset(
+                    &ParallelUnitBytes {
+                        weights: &*h.weights,
+                        unit,
+                        threads,
+                    },
+                    at,
+                ),
+            );
+            // SAFETY: `len` ≤ the staging buffer and `at + len` ≤ the new
+            // buffer of `unit.bytes`; the host filled the staging buffer
+            // after its last copy completed and waits for `copied`
+            // (recorded next) before refilling it; the device buffer is
+            // lent only after the copy stream is synchronised below.
+            unsafe {
+                h.device.copy_h2d(
+                    &h.copy,
+                    crate::device::HostSource::Pinned(&stage.buffer),
+                    0,
+                    &buffer,
+                    at,
+                    len,
+                )
+            }
+            .map_err(|e| dev_err(format!("copy_h2d of `{}` (staged upload)", unit.name), e))?;
+            h.device
+                .record_event(&stage.copied, &h.copy)
+                .map_err(|e| dev_err("record_event(host staging copied)", e))?;
+            at += len;
+        }
+        h.device
+            .synchronize_stream(&h.copy)
+            .map_err(|e| dev_err("synchronize_stream(copy)", e))
+    };
+    match copy() {
+        Ok(()) => Ok(buffer),
+        Err(e) => {
+            if h.device.synchronize_stream(&h.copy).is_ok() {
+                // SAFETY: the copy stream is drained: nothing uses `buffer`.
+                let _ = unsafe { h.device.free_device(buffer, &[]) };
+            } else {
+                tracing::error!("staged upload of `{}`: {e}; leaking its device buffer", unit.name);
+                std::mem::forget(buffer);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// A byte source read from `.1` on.
+struct Offset<'a>(&'a dyn crate::device::ByteSource, u64);
+
+impl crate::device::ByteSource for Offset<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        self.0.read_at(self.1 + position, dst);
+    }
+}
+
+/// The pinned or registered master of `unit`, or a staged one where the
+/// device refuses to pin it (out of memory, a platform that refuses):
+/// the block then streams through the staging ring (CONTRACT §7c). A lost
+/// device is still an error.
+fn pinned_or_staged<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+    skip: &BTreeSet<StorageId>,
+    tally: &mut StagedTally,
+) -> Result<HostMaster<A>, OffloadError> {
+    match h.master(unit, skip) {
+        Ok(m) => Ok(m),
+        Err(OffloadError::DeviceOp { kind, cause, .. })
+            if kind != crate::device::DeviceErrorKind::DeviceLost && skip.is_empty() =>
+        {
+            tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); it streams staged", unit.name);
+            tally.refused += 1;
+            Ok(staged_master(h, unit, crate::budget::StageReason::Refused, tally))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// What a ring engine's transports beyond the copy need: the gather
@@ -975,7 +1326,9 @@ impl<A: Api> LayerwiseBackend<A> {
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
         let selection = config.select()?;
-        selection.require_pinned()?;
+        if selection.strategy != OffloadStrategy::Layerwise {
+            selection.require_pinned()?;
+        }
         let strategy = match selection.strategy {
             s @ (OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise) => s,
             other => {
@@ -1059,6 +1412,7 @@ impl<A: Api> LayerwiseBackend<A> {
             depth,
             gather: None,
             decoding: None,
+            host_staging: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
             timer: None,
@@ -1095,6 +1449,26 @@ impl<A: Api> LayerwiseBackend<A> {
         // coded bytes.
         let bf16 = crate::runtime::layout::bf16_storages(&model.pipeline);
         let mut coding = CodingTally::default();
+        // The host plan (CONTRACT §7c): which streamed blocks keep a pinned
+        // or registered master within the host budget, which stay pageable
+        // and stream through the staging ring.
+        let streamed_modules: BTreeSet<ModuleId> = layout.blocks().map(|b| b.unit.module).collect();
+        let transient = partition
+            .rest
+            .iter()
+            .chain(
+                partition
+                    .blocks
+                    .iter()
+                    .filter(|(m, _)| !streamed_modules.contains(m))
+                    .map(|(_, u)| u),
+            )
+            .map(|u| u.bytes)
+            .max()
+            .unwrap_or(0);
+        let host_plan = host_plan(engine, config, &layout, transient)?;
+        let mut staged_at = host_plan.staged.iter().copied();
+        let mut staged_log = StagedTally::default();
         for spec in &layout.rings {
             st.rings.push(Ring {
                 blocks: Vec::new(),
@@ -1104,22 +1478,24 @@ impl<A: Api> LayerwiseBackend<A> {
             st.filled_into.push(vec![None; spec.blocks.len()]);
             for block in &spec.blocks {
                 let unit = block.unit.clone();
-                let (host, coded) = match (&block.shard, &self.codec) {
-                    (Some(shard), _) => (
+                let planned = staged_at.next().flatten();
+                let (host, coded) = match (&block.shard, &self.codec, planned) {
+                    (None, _, Some(why)) => (staged_master(h, &unit, why, &mut staged_log), None),
+                    (Some(shard), _, _) => (
                         h.counted(HostMaster::Pinned(h.fill_shard(&unit, shard)?)),
                         None,
                     ),
-                    (None, Some(codec)) if skip.is_empty() => {
+                    (None, Some(codec), None) if skip.is_empty() => {
                         let spans = crate::runtime::layout::codec_spans(&unit, &bf16);
                         match coded_master(h, &unit, &spans, &**codec, &mut coding)? {
                             Some((master, work)) => {
                                 let len = master.len_bytes();
                                 (master, Some((len, work)))
                             }
-                            None => (h.master(&unit, &skip)?, None),
+                            None => (pinned_or_staged(h, &unit, &skip, &mut staged_log)?, None),
                         }
                     }
-                    _ => (h.master(&unit, &skip)?, None),
+                    _ => (pinned_or_staged(h, &unit, &skip, &mut staged_log)?, None),
                 };
                 let host = Arc::new(host);
                 st.placement.claim(&unit)?;
@@ -1140,8 +1516,39 @@ impl<A: Api> LayerwiseBackend<A> {
                 }
             }
         }
+        staged_log.log(&host_plan);
+        // The staging ring, when any master is staged: two pinned buffers
+        // of the largest staged block.
+        let largest_staged = st
+            .rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .filter(|m| matches!(*m.host, HostMaster::Staged(_)))
+            .map(|m| m.unit.bytes)
+            .max();
+        if let Some(bytes) = largest_staged {
+            // Built in `st`, so that an error here releases what was made.
+            let staging = st.host_staging.insert(HostStaging {
+                buffers: Vec::new(),
+                next: 0,
+                threads: fill_threads(),
+                release: host_plan.release_after_read(),
+            });
+            for _ in 0..crate::budget::host::HOST_STAGING_BUFFERS {
+                let copied = self.event()?;
+                let buffer = h.device.alloc_pinned(bytes).map_err(|e| {
+                    dev_err(
+                        format!(
+                            "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters stream through two, CONTRACT §7c)"
+                        ),
+                        e,
+                    )
+                })?;
+                staging.buffers.push(HostStage { buffer, copied });
+            }
+        }
         // Everything else stays resident (resident leading layers included).
-        let streamed: BTreeSet<ModuleId> = layout.blocks().map(|b| b.unit.module).collect();
+        let streamed = streamed_modules;
         let resident_units = partition.rest.iter().chain(
             partition
                 .blocks
@@ -1150,7 +1557,21 @@ impl<A: Api> LayerwiseBackend<A> {
                 .map(|(_, u)| u),
         );
         for unit in resident_units {
-            let buffer = Arc::new(h.upload(unit, &skip)?);
+            let buffer = match h.upload(unit, &skip) {
+                Ok(b) => b,
+                // Pinning refused for the upload: through the staging ring,
+                // where there is one.
+                Err(OffloadError::DeviceOp { kind, cause, .. })
+                    if kind != crate::device::DeviceErrorKind::DeviceLost
+                        && skip.is_empty()
+                        && st.host_staging.is_some() =>
+                {
+                    tracing::warn!(unit = %unit.name, "pinning `{}` for its upload was refused ({cause}); uploading it through the staging ring", unit.name);
+                    upload_staged(h, unit, st.host_staging.as_mut().expect("checked above"))?
+                }
+                Err(e) => return Err(e),
+            };
+            let buffer = Arc::new(buffer);
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(unit, &buffer)?;
         }
@@ -1455,7 +1876,14 @@ impl<A: Api> LayerwiseBackend<A> {
         // anything else touches either buffer or the master is freed.
         unsafe {
             h.device
-                .copy_h2d(&h.copy, m.host.source(), 0, &staging.buffer, 0, coded_bytes)
+                .copy_h2d(
+                    &h.copy,
+                    m.host.copy_source("copy_h2d (decode measurement)")?,
+                    0,
+                    &staging.buffer,
+                    0,
+                    coded_bytes,
+                )
                 .map_err(|e| dev_err("copy_h2d (decode measurement)", e))?;
             h.device
                 .record_event(&staging.copied, &h.copy)
@@ -1867,6 +2295,7 @@ impl<A: Api> RingEngine<A> {
             depth: 1,
             gather: None,
             decoding: None,
+            host_staging: None,
             shadow_masters: Vec::new(),
             filled_into: Vec::new(),
             timer,

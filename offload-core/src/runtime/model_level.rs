@@ -109,13 +109,14 @@ impl<A: Api> Shared<A, State<A>> {
                 let _span =
                     crate::runtime::shared::transfer_span(&unit.name, unit.bytes, "copy", "h2d")
                         .entered();
+                let source = host.copy_source(&format!("copy_h2d of `{}`", unit.name))?;
                 // SAFETY: the buffer is new and exactly `unit.bytes`, as is
                 // the master; compute waits for `ready` (recorded below,
                 // after every copy) before reading it; it is freed only
                 // after `ready` and `last_use`.
                 unsafe {
                     h.device
-                        .copy_h2d(&h.copy, host.source(), 0, &buffer, 0, unit.bytes)
+                        .copy_h2d(&h.copy, source, 0, &buffer, 0, unit.bytes)
                 }
                 .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e))?;
             }

@@ -19,29 +19,55 @@ use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::hooks::Model;
 use crate::runtime::layout::{Partition, Unit, partition};
 
-/// One host master: pinned memory we filled, or the loader's memory
-/// registered in place.
+/// One host master: pinned memory we filled, the loader's memory
+/// registered in place, or (CONTRACT §7c) the loader's pageable memory left
+/// where it is, streamed through pinned staging buffers.
 pub(crate) enum HostMaster<A: Api> {
     Pinned(A::HostBuffer),
     Registered(A::Registration),
+    Staged(Staged),
+}
+
+/// A master left in pageable memory (the weight source's: its mapped file
+/// or its heap), read through [`WeightSource::read`] into a pinned staging
+/// buffer before each copy.
+#[derive(Clone, Debug)]
+pub(crate) struct Staged {
+    /// The unit's bytes.
+    pub(crate) bytes: u64,
 }
 
 impl<A: Api> HostMaster<A> {
-    /// Its size in bytes.
+    /// Its pinned or registered bytes: what it holds of page-locked host
+    /// memory (0 for a staged master, whose bytes stay pageable).
     pub(crate) fn len_bytes(&self) -> u64 {
         use crate::device::Registration;
         match self {
             HostMaster::Pinned(b) => b.len_bytes(),
             HostMaster::Registered(r) => r.len_bytes(),
+            HostMaster::Staged(_) => 0,
         }
     }
 
-    /// As a copy source.
-    pub(crate) fn source(&self) -> HostSource<'_, A> {
+    /// As a copy source: `None` for a staged master (only the staging
+    /// transport reads it, through a pinned staging buffer).
+    pub(crate) fn source(&self) -> Option<HostSource<'_, A>> {
         match self {
-            HostMaster::Pinned(b) => HostSource::Pinned(b),
-            HostMaster::Registered(r) => HostSource::Registered(r),
+            HostMaster::Pinned(b) => Some(HostSource::Pinned(b)),
+            HostMaster::Registered(r) => Some(HostSource::Registered(r)),
+            HostMaster::Staged(_) => None,
         }
+    }
+
+    /// As a copy source, or the typed error of a staged master where only a
+    /// pinned or registered one can be read (`what` names the copy).
+    pub(crate) fn copy_source(&self, what: &str) -> Result<HostSource<'_, A>, OffloadError> {
+        self.source().ok_or_else(|| OffloadError::DeviceOp {
+            operation: what.to_owned(),
+            kind: crate::device::DeviceErrorKind::Other,
+            shortfall_bytes: None,
+            cause: "its host master is staged (pageable memory): only the staging transport reads a staged master".into(),
+        })
     }
 }
 
@@ -380,8 +406,12 @@ impl<A: Api> Handles<A> {
         let (units, bytes) = match master {
             HostMaster::Pinned(_) => (&mut m.copied_units, &mut m.copied_bytes),
             HostMaster::Registered(_) => (&mut m.in_place_units, &mut m.in_place_bytes),
+            HostMaster::Staged(_) => (&mut m.staged_units, &mut m.staged_bytes),
         };
-        let len = master.len_bytes();
+        let len = match master {
+            HostMaster::Staged(s) => s.bytes,
+            _ => master.len_bytes(),
+        };
         if made {
             *units += 1;
             *bytes += len;
@@ -414,6 +444,8 @@ impl<A: Api> Handles<A> {
                 let region = unsafe { self.device.unregister_host(r) };
                 region.map(drop).map_err(|e| dev_err("unregister_host", e))
             }
+            // Nothing pinned: its bytes stay with the weight source.
+            HostMaster::Staged(_) => Ok(()),
         }
     }
 
@@ -454,6 +486,7 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         staging: &HostMaster<A>,
     ) -> Result<A::DeviceBuffer, OffloadError> {
+        let source = staging.copy_source(&format!("copy_h2d of `{}`", unit.name))?;
         let buffer = self.device.alloc_device(unit.bytes).map_err(|e| {
             dev_err(
                 format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
@@ -467,7 +500,7 @@ impl<A: Api> Handles<A> {
         // staging buffer is freed or the device buffer is lent.
         let copied = unsafe {
             self.device
-                .copy_h2d(&self.copy, staging.source(), 0, &buffer, 0, unit.bytes)
+                .copy_h2d(&self.copy, source, 0, &buffer, 0, unit.bytes)
         }
         .map_err(|e| dev_err(format!("copy_h2d of `{}`", unit.name), e));
         drop(span);
@@ -539,9 +572,11 @@ impl ByteSource for StorageBytes<'_> {
 }
 
 /// A unit's bytes in its packing, read from the weight source.
-struct UnitBytes<'a> {
-    weights: &'a dyn WeightSource,
-    unit: &'a Unit,
+/// A unit's bytes, packed as its entries lay them out, read from the
+/// weight source.
+pub(crate) struct UnitBytes<'a> {
+    pub(crate) weights: &'a dyn WeightSource,
+    pub(crate) unit: &'a Unit,
 }
 
 impl ByteSource for UnitBytes<'_> {

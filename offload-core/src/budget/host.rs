@@ -1,0 +1,467 @@
+//! The host side of a plan (CONTRACT §7c): how much page-locked memory
+//! this process may hold (`host_budget`), and which streamed blocks keep a
+//! pinned (or registered) master within it while the rest stay in pageable
+//! memory and stream through a ring of pinned staging buffers.
+//!
+//! Pure functions of what they are given: [`host_limits`] reads the
+//! machine through a [`HostProbe`] (the real one reads `/proc` and the
+//! cgroup files; tests give their own), [`plan_host`] decides from sizes.
+
+use crate::bytes::{ByteSize, HostBudget};
+
+/// Staging buffers a staged ring streams through: the host fills one while
+/// the copy engine reads the other.
+pub const HOST_STAGING_BUFFERS: u64 = 2;
+
+/// What `host_budget = "auto"` leaves free: 10 % of what is available, at
+/// least 2 GiB (the process's own growth: activations' host copies, the
+/// runtime's heap, the page cache a mapped checkpoint is read through).
+pub fn host_headroom(available: u64) -> u64 {
+    (available / 10).max(2 << 30)
+}
+
+/// What a machine says about the memory this process may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostReadings {
+    /// The tightest cgroup memory limit over this process's cgroup and its
+    /// ancestors (v2 `memory.max`, v1 `memory.limit_in_bytes`), and that
+    /// cgroup's use (`memory.current` / `memory.usage_in_bytes`): `None`
+    /// where no cgroup limits memory.
+    pub cgroup: Option<(u64, u64)>,
+    /// `MemAvailable` of `/proc/meminfo`.
+    pub mem_available: Option<u64>,
+    /// `RLIMIT_MEMLOCK` (`Max locked memory` of `/proc/self/limits`):
+    /// `None` for unlimited. Reported, not applied: CUDA's pinned
+    /// allocations and host registrations are not charged to it on Linux.
+    pub memlock: Option<u64>,
+}
+
+/// Where readings come from.
+pub trait HostProbe {
+    /// The machine's readings now.
+    fn read(&self) -> HostReadings;
+}
+
+/// The real machine: `/proc/self/cgroup`, `/sys/fs/cgroup`, `/proc/meminfo`
+/// and `/proc/self/limits`, under `root` (`/` for the machine itself; a
+/// test's directory otherwise).
+#[derive(Clone, Debug)]
+pub struct ProcProbe {
+    /// The file system root the files are read under.
+    pub root: std::path::PathBuf,
+}
+
+impl Default for ProcProbe {
+    fn default() -> Self {
+        Self {
+            root: std::path::PathBuf::from("/"),
+        }
+    }
+}
+
+fn number(text: &str) -> Option<u64> {
+    text.trim().parse().ok()
+}
+
+impl ProcProbe {
+    fn file(&self, path: &str) -> Option<String> {
+        std::fs::read_to_string(self.root.join(path.trim_start_matches('/'))).ok()
+    }
+
+    /// The tightest (limit, use) over the cgroup at `dir` and its
+    /// ancestors: v2 files where present, else v1's.
+    fn cgroup_at(&self, dir: &str, max: &str, current: &str) -> Option<(u64, u64)> {
+        let mut best: Option<(u64, u64)> = None;
+        let mut path = dir.trim_end_matches('/').to_owned();
+        loop {
+            let limit = self.file(&format!("{path}/{max}")).and_then(|t| number(&t));
+            let used = self.file(&format!("{path}/{current}")).and_then(|t| number(&t));
+            // v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages).
+            if let (Some(limit), Some(used)) = (limit, used)
+                && limit < 1 << 60
+                && best.is_none_or(|(l, u)| limit.saturating_sub(used) < l.saturating_sub(u))
+            {
+                best = Some((limit, used));
+            }
+            match path.rfind('/') {
+                Some(i) if i > 0 => path.truncate(i),
+                _ => break,
+            }
+        }
+        best
+    }
+}
+
+impl HostProbe for ProcProbe {
+    fn read(&self) -> HostReadings {
+        let cgroups = self.file("/proc/self/cgroup").unwrap_or_default();
+        let mut cgroup = None;
+        for line in cgroups.lines() {
+            // `hierarchy:controllers:path`: v2 is `0::/path`.
+            let mut parts = line.splitn(3, ':');
+            let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+            else {
+                continue;
+            };
+            let found = if controllers.is_empty() {
+                self.cgroup_at(
+                    &format!("/sys/fs/cgroup{path}"),
+                    "memory.max",
+                    "memory.current",
+                )
+            } else if controllers.split(',').any(|c| c == "memory") {
+                self.cgroup_at(
+                    &format!("/sys/fs/cgroup/memory{path}"),
+                    "memory.limit_in_bytes",
+                    "memory.usage_in_bytes",
+                )
+            } else {
+                None
+            };
+            if let Some((l, u)) = found
+                && cgroup.is_none_or(|(bl, bu): (u64, u64)| l.saturating_sub(u) < bl.saturating_sub(bu))
+            {
+                cgroup = Some((l, u));
+            }
+        }
+        let mem_available = self.file("/proc/meminfo").and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| number(v.trim().trim_end_matches("kB")))
+                .map(|kib| kib.saturating_mul(1024))
+        });
+        let memlock = self.file("/proc/self/limits").and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("Max locked memory"))?;
+            let soft = line["Max locked memory".len()..].split_whitespace().next()?;
+            number(soft)
+        });
+        HostReadings {
+            cgroup,
+            mem_available,
+            memlock,
+        }
+    }
+}
+
+/// The host budget enable plans with, and how it was found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLimits {
+    /// The most page-locked bytes offload may hold.
+    pub budget: u64,
+    /// How `budget` was found (the log's words).
+    pub source: String,
+    /// The readings `"auto"` used (for a size: `None`).
+    pub readings: Option<HostReadings>,
+}
+
+/// `host_budget = "auto"` found nothing to read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "host_budget = \"auto\": this machine gives no memory limit to read (no cgroup memory limit, no MemAvailable in /proc/meminfo); set host_budget to a size, e.g. \"8GiB\""
+)]
+pub struct NoHostReadings;
+
+/// The host budget `budget` means on the machine `probe` reads: a size as
+/// written; `"auto"`, the cgroup's limit less its use where a cgroup limits
+/// memory (on machines whose `MemTotal` grows as memory is touched,
+/// `/proc/meminfo` alone sees too little), else `MemAvailable`, less
+/// [`host_headroom`].
+pub fn host_limits(budget: HostBudget, probe: &dyn HostProbe) -> Result<HostLimits, NoHostReadings> {
+    match budget {
+        HostBudget::Bytes(b) => Ok(HostLimits {
+            budget: b.bytes(),
+            source: format!("host_budget = \"{b}\""),
+            readings: None,
+        }),
+        HostBudget::Auto => {
+            let r = probe.read();
+            let (available, from) = match (r.cgroup, r.mem_available) {
+                (Some((limit, used)), _) => (
+                    limit.saturating_sub(used),
+                    format!(
+                        "the cgroup's memory.max {} less its use {}",
+                        ByteSize::new(limit),
+                        ByteSize::new(used)
+                    ),
+                ),
+                (None, Some(avail)) => (avail, "MemAvailable".to_owned()),
+                (None, None) => return Err(NoHostReadings),
+            };
+            let headroom = host_headroom(available);
+            let budget = available.saturating_sub(headroom);
+            let memlock = match r.memlock {
+                Some(m) => format!("; RLIMIT_MEMLOCK {} (not charged for CUDA's pinned memory)", ByteSize::new(m)),
+                None => String::new(),
+            };
+            Ok(HostLimits {
+                budget,
+                source: format!(
+                    "host_budget = \"auto\": {} available ({from}) less a headroom of {}{memlock}",
+                    ByteSize::new(available),
+                    ByteSize::new(headroom)
+                ),
+                readings: Some(r),
+            })
+        }
+    }
+}
+
+/// Why a streamed block's master is staged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageReason {
+    /// `pin_cpu_memory = false`.
+    Unpinned,
+    /// Beyond the host budget.
+    Budget,
+    /// The device refused to pin or register it (or a planted fault did).
+    Refused,
+}
+
+impl std::fmt::Display for StageReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StageReason::Unpinned => "pin_cpu_memory = false",
+            StageReason::Budget => "beyond the host budget",
+            StageReason::Refused => "pinning or registration refused",
+        })
+    }
+}
+
+/// Which streamed blocks are pinned within a host budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostPlan {
+    /// Per streamed block (the order given), `None` for a pinned (or
+    /// registered) master, else why it is staged.
+    pub staged: Vec<Option<StageReason>>,
+    /// Bytes of the pinned masters.
+    pub pinned_bytes: u64,
+    /// Bytes of the staged masters (pageable).
+    pub staged_bytes: u64,
+    /// The staging ring's pinned bytes ([`HOST_STAGING_BUFFERS`] of the
+    /// largest staged block; 0 when nothing is staged).
+    pub staging_bytes: u64,
+    /// Page-locked bytes the plan holds at most: pinned masters, the
+    /// staging ring and `transient` (a resident unit's upload buffer).
+    pub peak_bytes: u64,
+    /// The least host budget any plan of these blocks needs: every block
+    /// staged (the staging ring and `transient`).
+    pub least_budget: u64,
+    /// The budget planned for (`None`: no budget).
+    pub budget: Option<u64>,
+}
+
+impl HostPlan {
+    /// Whether staged blocks' pages are released after each read: when a
+    /// budget binds and the staged bytes exceed what it leaves beside the
+    /// pinned masters and the staging ring (a checkpoint larger than the
+    /// budget), so that the mapped file does not stay resident.
+    pub fn release_after_read(&self) -> bool {
+        self.budget
+            .is_some_and(|b| self.staged_bytes > b.saturating_sub(self.peak_bytes))
+    }
+}
+
+/// The host budget is below what the least plan needs.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "host budget of {budget} is below the least any plan of these blocks needs, {least} ({buffers} staging buffers of the largest block, {largest}, plus {transient} for the largest resident unit's upload): raise host_budget to at least {least}"
+)]
+pub struct HostBudgetTooSmall {
+    /// The budget.
+    pub budget: ByteSize,
+    /// The least.
+    pub least: ByteSize,
+    /// The staging buffers.
+    pub buffers: u64,
+    /// The largest streamed block.
+    pub largest: ByteSize,
+    /// The transient upload buffer.
+    pub transient: ByteSize,
+}
+
+/// Which of the streamed `blocks` (bytes, in ring order) keep a pinned
+/// master: all of them when `pin` and no `budget` binds; none without
+/// `pin`; under a `budget`, as many bytes as fit beside the staging ring
+/// and `transient` (the largest unit uploaded through pinned memory at
+/// enable), spread evenly over the ring, so that the host fills the next
+/// staged block while the copy engine streams pinned ones.
+pub fn plan_host(
+    blocks: &[u64],
+    transient: u64,
+    budget: Option<u64>,
+    pin: bool,
+) -> Result<HostPlan, HostBudgetTooSmall> {
+    let total: u64 = blocks.iter().sum();
+    let largest = blocks.iter().copied().max().unwrap_or(0);
+    let ring = HOST_STAGING_BUFFERS * largest;
+    let least = ring + transient;
+    let plan = |staged: Vec<Option<StageReason>>| {
+        let staged_bytes: u64 = blocks
+            .iter()
+            .zip(&staged)
+            .filter(|(_, s)| s.is_some())
+            .map(|(b, _)| b)
+            .sum();
+        let staging_bytes = HOST_STAGING_BUFFERS
+            * blocks
+                .iter()
+                .zip(&staged)
+                .filter(|(_, s)| s.is_some())
+                .map(|(b, _)| *b)
+                .max()
+                .unwrap_or(0);
+        let pinned_bytes = total - staged_bytes;
+        HostPlan {
+            staged,
+            pinned_bytes,
+            staged_bytes,
+            staging_bytes,
+            peak_bytes: pinned_bytes + staging_bytes + transient,
+            least_budget: least,
+            budget,
+        }
+    };
+    if !pin {
+        return Ok(plan(vec![Some(StageReason::Unpinned); blocks.len()]));
+    }
+    let Some(budget) = budget else {
+        return Ok(plan(vec![None; blocks.len()]));
+    };
+    if total + transient <= budget {
+        return Ok(plan(vec![None; blocks.len()]));
+    }
+    if budget < least {
+        return Err(HostBudgetTooSmall {
+            budget: ByteSize::new(budget),
+            least: ByteSize::new(least),
+            buffers: HOST_STAGING_BUFFERS,
+            largest: ByteSize::new(largest),
+            transient: ByteSize::new(transient),
+        });
+    }
+    // Pinned bytes may reach `room`; spread them: block i is pinned while
+    // the pinned share of the bytes so far stays within room / total.
+    let room = budget - least;
+    let mut staged = vec![Some(StageReason::Budget); blocks.len()];
+    let (mut pinned, mut seen) = (0u64, 0u64);
+    for (i, &b) in blocks.iter().enumerate() {
+        seen += b;
+        let share = (u128::from(room) * u128::from(seen) / u128::from(total.max(1))) as u64;
+        if pinned + b <= share && pinned + b <= room {
+            staged[i] = None;
+            pinned += b;
+        }
+    }
+    // What the even pass left: the largest blocks that still fit.
+    let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| staged[i].is_some()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(blocks[i]));
+    for i in order {
+        if pinned + blocks[i] <= room {
+            staged[i] = None;
+            pinned += blocks[i];
+        }
+    }
+    Ok(plan(staged))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed(HostReadings);
+    impl HostProbe for Fixed {
+        fn read(&self) -> HostReadings {
+            self.0
+        }
+    }
+
+    #[test]
+    fn auto_prefers_the_cgroup_then_mem_available() {
+        let gib = 1u64 << 30;
+        let r = HostReadings {
+            cgroup: Some((64 * gib, 4 * gib)),
+            mem_available: Some(30 * gib),
+            memlock: Some(8 << 20),
+        };
+        let l = host_limits(HostBudget::Auto, &Fixed(r)).unwrap();
+        assert_eq!(l.budget, 60 * gib - 6 * gib);
+        assert!(l.source.contains("memory.max") && l.source.contains("RLIMIT_MEMLOCK"), "{}", l.source);
+        let r = HostReadings {
+            cgroup: None,
+            mem_available: Some(10 * gib),
+            memlock: None,
+        };
+        let l = host_limits(HostBudget::Auto, &Fixed(r)).unwrap();
+        assert_eq!(l.budget, 8 * gib, "the 2 GiB floor of the headroom");
+        assert!(l.source.contains("MemAvailable"));
+        assert_eq!(
+            host_limits(HostBudget::Auto, &Fixed(HostReadings::default())),
+            Err(NoHostReadings)
+        );
+        let sized = host_limits(HostBudget::Bytes(ByteSize::new(123)), &Fixed(r)).unwrap();
+        assert_eq!(sized.budget, 123);
+    }
+
+    #[test]
+    fn the_proc_probe_reads_cgroup_v2_and_v1_files() {
+        let dir = std::env::temp_dir().join(format!("offload-host-probe-{}", std::process::id()));
+        let w = |p: &str, t: &str| {
+            let f = dir.join(p);
+            std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+            std::fs::write(f, t).unwrap();
+        };
+        w("proc/self/cgroup", "0::/job/step\n");
+        w("sys/fs/cgroup/job/step/memory.max", "max\n");
+        w("sys/fs/cgroup/job/step/memory.current", "100\n");
+        w("sys/fs/cgroup/job/memory.max", "1000\n");
+        w("sys/fs/cgroup/job/memory.current", "400\n");
+        w("proc/meminfo", "MemTotal: 100 kB\nMemAvailable:   2048 kB\n");
+        w(
+            "proc/self/limits",
+            "Limit Soft Hard Units\nMax locked memory         8388608              8388608              bytes\n",
+        );
+        let r = ProcProbe { root: dir.clone() }.read();
+        assert_eq!(r.cgroup, Some((1000, 400)), "the ancestor's limit binds");
+        assert_eq!(r.mem_available, Some(2048 * 1024));
+        assert_eq!(r.memlock, Some(8 << 20));
+        w("proc/self/cgroup", "4:memory:/a\n3:cpu:/a\n");
+        w("sys/fs/cgroup/memory/a/memory.limit_in_bytes", "9223372036854771712\n");
+        w("sys/fs/cgroup/memory/a/memory.usage_in_bytes", "5\n");
+        w(
+            "proc/self/limits",
+            "Max locked memory         unlimited            unlimited            bytes\n",
+        );
+        let r = ProcProbe { root: dir.clone() }.read();
+        assert_eq!(r.cgroup, None, "v1's no-limit value is no limit");
+        assert_eq!(r.memlock, None);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_budget_pins_what_fits_spread_over_the_ring() {
+        let blocks = vec![10u64; 10];
+        // No budget: all pinned; unpinned: all staged.
+        let all = plan_host(&blocks, 5, None, true).unwrap();
+        assert!(all.staged.iter().all(Option::is_none));
+        assert_eq!((all.staging_bytes, all.peak_bytes), (0, 105));
+        let none = plan_host(&blocks, 5, Some(1000), false).unwrap();
+        assert!(none.staged.iter().all(|s| *s == Some(StageReason::Unpinned)));
+        assert_eq!(none.peak_bytes, 25);
+        // 65 bytes: ring 20 + transient 5 leaves 40, four blocks, spread.
+        let p = plan_host(&blocks, 5, Some(65), true).unwrap();
+        let pinned: Vec<usize> = (0..10).filter(|&i| p.staged[i].is_none()).collect();
+        assert_eq!(pinned.len(), 4, "{pinned:?}");
+        assert!(pinned.windows(2).all(|w| w[1] - w[0] >= 2), "spread: {pinned:?}");
+        assert!(p.peak_bytes <= 65, "{p:?}");
+        assert_eq!(p.least_budget, 25);
+        let e = plan_host(&blocks, 5, Some(24), true).unwrap_err();
+        assert!(e.to_string().contains("at least 25 B"), "{e}");
+        // Heterogeneous blocks: never above the budget.
+        for budget in 40..200 {
+            let blocks = [30, 7, 7, 30, 7, 7, 30, 7, 7];
+            if let Ok(p) = plan_host(&blocks, 3, Some(budget), true) {
+                assert!(p.peak_bytes <= budget, "{budget}: {p:?}");
+            }
+        }
+    }
+}
