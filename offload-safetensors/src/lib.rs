@@ -937,8 +937,47 @@ impl WeightSource for SafetensorsSource {
         }
     }
 
+    /// Reads a staged unit's pages ahead (`madvise(MADV_WILLNEED)`).
+    fn prefetch(&self, unit: &Unit) {
+        for (map, range) in self.ranges_of(unit) {
+            // Advice only: a refusal changes nothing but speed.
+            let _ = map.advise_range(memmap2::Advice::WillNeed, range.start, range.len());
+        }
+    }
+
+    /// Drops a staged unit's pages from this process once they were read
+    /// into a staging buffer (`madvise(MADV_DONTNEED)`), so that a mapped
+    /// checkpoint larger than the host budget never stays resident.
+    fn release(&self, unit: &Unit) {
+        for (map, range) in self.ranges_of(unit) {
+            // SAFETY: the mapping is read-only and file-backed (`Mmap`), so
+            // dropping its pages loses nothing: a later read faults the
+            // same bytes in again from the page cache or the file. Pages a
+            // registration pinned stay pinned (the driver holds them).
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
+    }
+
     fn wants_restore(&self) -> bool {
         false // the file still holds every byte
+    }
+}
+
+impl SafetensorsSource {
+    /// The mapped byte ranges `unit`'s storages lie in.
+    fn ranges_of(&self, unit: &Unit) -> Vec<(&Mmap, Range<usize>)> {
+        unit.entries
+            .iter()
+            .filter_map(|e| self.storages.get(e.storage.index())?.as_ref())
+            .map(|b| (&*self.mapped(b).map, b.range.clone()))
+            .filter(|(_, r)| !r.is_empty())
+            .collect()
     }
 }
 

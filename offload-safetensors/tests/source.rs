@@ -616,6 +616,8 @@ fn blocks_declared_in_forward_order_are_windows_of_a_file_in_name_order() {
             in_place_bytes: block_bytes,
             copied_units: 0,
             copied_bytes: 0,
+            staged_units: 0,
+            staged_bytes: 0,
         },
         "every streamed block a window of the mapping, none copied"
     );
@@ -670,6 +672,8 @@ fn a_block_split_across_shards_is_copied_with_a_warning_naming_it() {
             in_place_bytes: block_bytes - split,
             copied_units: 1,
             copied_bytes: split,
+            staged_units: 0,
+            staged_bytes: 0,
         },
         "block 1 spans both shards: its master is the one copy"
     );

@@ -482,6 +482,10 @@ pub struct SimStats {
     pub decode_errors: u64,
     /// Host synchronisations (of a stream or an event) so far.
     pub syncs: u64,
+    /// Requests to pin host memory (pinned allocations, registrations).
+    pub pin_requests: u64,
+    /// Of them, refused by the `refuse_pin_every` fault.
+    pub pins_refused: u64,
 }
 
 /// One host allocation (pinned or registered) and its bytes, as the device
@@ -1176,6 +1180,26 @@ impl State {
         Ok(())
     }
 
+    /// A request to pin host memory: an allocation (counted), refused by
+    /// the `refuse_pin_every` fault on every N-th such request.
+    fn count_pin_request(&mut self, what: &str) -> Result<(), SimError> {
+        self.count_allocation(what)?;
+        self.stats.pin_requests += 1;
+        let n = self.stats.pin_requests;
+        if let Some(every) = self.faults.refuse_pin_every
+            && every > 0
+            && n.is_multiple_of(every)
+        {
+            self.stats.pins_refused += 1;
+            return Err(self.err(
+                what,
+                DeviceErrorKind::Other,
+                format!("pinning refused (injected: every {every}th pin request; this is #{n})"),
+            ));
+        }
+        Ok(())
+    }
+
     fn new_id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
@@ -1695,7 +1719,7 @@ impl Device<Sim> for SimDevice {
 
     fn alloc_pinned(&self, bytes: u64) -> Result<SimHostBuffer, SimError> {
         let mut st = self.state();
-        st.count_allocation(&format!("alloc_pinned({bytes} bytes)"))?;
+        st.count_pin_request(&format!("alloc_pinned({bytes} bytes)"))?;
         let id = st.new_id();
         let divisor = st.divisor;
         st.pinned.insert(
@@ -1736,7 +1760,7 @@ impl Device<Sim> for SimDevice {
         region: Box<dyn HostRegion>,
     ) -> Result<SimRegistration, RegisterError<Sim>> {
         let mut st = self.state();
-        if let Err(error) = st.count_allocation("register_host") {
+        if let Err(error) = st.count_pin_request("register_host") {
             return Err(RegisterError { error, region });
         }
         let id = st.new_id();

@@ -22,6 +22,11 @@ pub struct FaultPlan {
     /// on a lost device: a strategy must then leak what the device may
     /// still touch rather than free it.
     pub fail_sync_at: Option<u64>,
+    /// Every N-th request to pin host memory (a pinned allocation or a
+    /// registration in place) is refused, as a platform that limits pinned
+    /// memory refuses it (WSL2, a loaded Windows process): the strategy must
+    /// then stream that block staged (CONTRACT §7c).
+    pub refuse_pin_every: Option<u64>,
 }
 
 impl FaultPlan {
@@ -41,6 +46,7 @@ impl FaultPlan {
             fail_copy_at: pick(copies),
             fail_collective_at: pick(collectives),
             fail_sync_at: None,
+            refuse_pin_every: None,
         }
     }
 
@@ -50,6 +56,7 @@ impl FaultPlan {
             || self.fail_copy_at.is_some()
             || self.fail_collective_at.is_some()
             || self.fail_sync_at.is_some()
+            || self.refuse_pin_every.is_some()
     }
 }
 

@@ -299,8 +299,28 @@ fn inv7_bounded_memory() {
         group_size: 1,
         local_weight_bytes: 0,
         staging_bytes: 0,
+        host_budget_bytes: None,
     };
     assert!(bounded_memory(&good, 0).is_ok());
+    // A host budget (CONTRACT §7c): the host's pinned + registered bytes
+    // stay within it, whatever one copy would allow.
+    let budgeted = MemoryObservation {
+        host_weight_bytes: 4_000,
+        host_budget_bytes: Some(4_000),
+        ..good
+    };
+    assert!(bounded_memory(&budgeted, 0).is_ok());
+    caught(
+        bounded_memory(
+            &MemoryObservation {
+                host_weight_bytes: 4_001,
+                ..budgeted
+            },
+            0,
+        ),
+        Invariant::BoundedMemory,
+        "> host_budget 4000",
+    );
     // Planted: a third slot allocated on the side.
     let over = MemoryObservation {
         peak_device_weight_bytes: good.peak_device_weight_bytes + 300,

@@ -566,6 +566,14 @@ impl Transport {
                     );
                     if release {
                         h.weights.release(&master.unit);
+                        // The next staged block of the ring, read ahead.
+                        let blocks = &st.rings[ring].blocks;
+                        if let Some(next) = (1..blocks.len())
+                            .map(|d| &blocks[(source + d) % blocks.len()])
+                            .find(|m| matches!(*m.host, HostMaster::Staged(_)))
+                        {
+                            h.weights.prefetch(&next.unit);
+                        }
                     }
                 }
                 wait(&h.copy, "copy")?;
