@@ -54,10 +54,12 @@ pub struct MemoryBounds {
     /// device bound then also counts two staging buffers of the largest
     /// coded block's bound.
     pub coded_overhead_bytes: u64,
-    /// With `host_budget` or `pin_cpu_memory = false` (layerwise, CONTRACT
-    /// §7c): the staging ring staged masters stream through, two pinned
-    /// buffers of the largest streamed block (included in `staging_bytes`
-    /// and `host_weight_bytes`).
+    /// Layerwise (CONTRACT §7c): the staging ring staged masters stream
+    /// through (beyond `host_budget`, with `pin_cpu_memory = false`, or
+    /// where the device refuses a pin), two pinned buffers of the largest
+    /// streamed block (included in `staging_bytes` and `host_weight_bytes`;
+    /// a staged master holds no pinned copy, so pinned masters and the ring
+    /// stay within one copy + this).
     pub host_staging_bytes: u64,
     /// `host_budget` when it is a size: the most pinned + registered bytes
     /// the host may hold for weights (`"auto"` is read at enable, so only
@@ -138,9 +140,9 @@ pub fn memory_bounds(
                 crate::runtime::layerwise::STAGING_BUFFERS as u64
             };
             let staging_device = staging_buffers * coded.iter().copied().max().unwrap_or(0);
-            if strategy == OffloadStrategy::Layerwise
-                && (config.host_budget.is_some() || config.pin_cpu_memory == Some(false))
-            {
+            // Any layerwise ring may stage: beyond a host budget, with
+            // `pin_cpu_memory = false`, or where the device refuses a pin.
+            if strategy == OffloadStrategy::Layerwise && layout.blocks().next().is_some() {
                 host_staging_bytes = crate::budget::host::HOST_STAGING_BUFFERS
                     * layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0);
             }

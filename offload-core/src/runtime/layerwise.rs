@@ -1542,17 +1542,37 @@ impl<A: Api> LayerwiseBackend<A> {
                 threads: fill_threads(),
                 release: host_plan.release_after_read(),
             });
-            for _ in 0..crate::budget::host::HOST_STAGING_BUFFERS {
+            // Each buffer asked for up to three times (a platform that
+            // limits pinned memory may refuse one request and grant the
+            // next); a ring of one buffer where the second is refused (the
+            // host then waits for each staged copy before the next fill).
+            for j in 0..crate::budget::host::HOST_STAGING_BUFFERS {
                 let copied = self.event()?;
-                let buffer = h.device.alloc_pinned(bytes).map_err(|e| {
-                    dev_err(
-                        format!(
-                            "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters stream through two, CONTRACT §7c)"
-                        ),
-                        e,
-                    )
-                })?;
-                staging.buffers.push(HostStage { buffer, copied });
+                let mut last = None;
+                for _ in 0..3 {
+                    match h.device.alloc_pinned(bytes) {
+                        Ok(buffer) => {
+                            staging.buffers.push(HostStage { buffer, copied });
+                            last = None;
+                            break;
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                }
+                if let Some(e) = last {
+                    if j == 0 {
+                        return Err(dev_err(
+                            format!(
+                                "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters stream through pinned staging buffers, CONTRACT §7c)"
+                            ),
+                            e,
+                        ));
+                    }
+                    tracing::warn!(
+                        "a second host staging buffer of {bytes} bytes was refused ({e}); staged blocks stream through one (each fill waits for the previous staged copy)"
+                    );
+                    break;
+                }
             }
         }
         // Everything else stays resident (resident leading layers included).

@@ -1,0 +1,255 @@
+//! Staged masters (CONTRACT §7c) on the simulator: layerwise with
+//! `pin_cpu_memory = false`, with a `host_budget` smaller than the streamed
+//! weights, and with pinning refused by the device on every fifth request
+//! runs to the end bit-identical to resident, with no checker violation,
+//! the device's own pinned + registered peak within the budget, and every
+//! staged block named in the log; the staging ring's one ordering (the host
+//! refills a staging buffer only after the copy that read it) is seen by
+//! the device's happens-before checker when a planted bug drops it.
+
+use offload_core::bytes::{ByteSize, HostBudget};
+use offload_core::config::OffloadConfig;
+use offload_core::invariants::{Invariant, Violation};
+use offload_core::runtime::PlantedBug;
+use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
+use offload_sim::job::memory_violations;
+use offload_sim::presets::tiny_wide;
+use offload_sim::{DeviceProfile, FaultPlan, Jitter};
+use offload_tests::capture_logs;
+
+fn workload() -> Workload {
+    let preset = tiny_wide();
+    Workload {
+        tokens: preset.default_tokens,
+        preset,
+        steps: 3,
+        requests: 2,
+    }
+}
+
+fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>) -> RunOptions {
+    RunOptions {
+        bugs: bugs.to_vec(),
+        prefetch_depth: depth,
+        trained_weights: true,
+        jitter: jitter.map(|seed| Jitter {
+            seed,
+            probability: 0.3,
+            max_ns: 50_000,
+        }),
+        ..RunOptions::new(DeviceProfile::h200())
+    }
+}
+
+fn layerwise(pin: Option<bool>, budget: Option<u64>) -> StrategyChoice {
+    StrategyChoice::Config(OffloadConfig {
+        enable_layerwise_offload: true,
+        pin_cpu_memory: pin,
+        host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
+        ..OffloadConfig::default()
+    })
+}
+
+fn outputs(o: &RunOutcome) -> Vec<u64> {
+    o.requests.iter().map(|r| r.output).collect()
+}
+
+fn resident() -> Vec<u64> {
+    outputs(&run(&workload(), &StrategyChoice::Resident, &opts(&[], 1, None)).unwrap())
+}
+
+fn all_violations(o: &RunOutcome) -> Vec<Violation> {
+    let mut v = o.violations.clone();
+    v.extend(memory_violations(o));
+    v
+}
+
+/// The device's own pinned + registered peak.
+fn host_peak(o: &RunOutcome) -> u64 {
+    o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
+}
+
+/// One copy of the streamed blocks and the largest resident unit, from a
+/// plain layerwise run's bounds.
+fn sizes() -> (u64, u64, u64) {
+    let o = run(&workload(), &layerwise(None, None), &opts(&[], 1, None)).unwrap();
+    let b = o.bounds;
+    (
+        b.offloaded_bytes,
+        b.host_staging_bytes,
+        b.staging_bytes - b.host_staging_bytes,
+    )
+}
+
+#[test]
+fn every_master_staged_is_bit_identical_and_pins_only_the_ring() {
+    let want = resident();
+    let (streamed, ring, transient) = sizes();
+    for depth in [1, 2, 3] {
+        for jitter in [None, Some(1), Some(2)] {
+            let (o, log) = capture_logs(|| {
+                run(
+                    &workload(),
+                    &layerwise(Some(false), None),
+                    &opts(&[], depth, jitter),
+                )
+                .unwrap()
+            });
+            assert_eq!(outputs(&o), want, "depth {depth}, jitter {jitter:?}");
+            assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+            // Pinned: the ring and one resident unit's upload at a time,
+            // nothing of the streamed weights.
+            assert!(
+                host_peak(&o) <= ring + transient,
+                "pinned peak {} > ring {ring} + upload {transient}",
+                host_peak(&o)
+            );
+            assert!(host_peak(&o) < streamed / 2, "the masters stay pageable");
+            assert!(
+                log.contains("streams staged (pin_cpu_memory = false)"),
+                "the log names the staged blocks: {log}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_host_budget_pins_what_fits_and_stages_the_rest() {
+    let want = resident();
+    let (streamed, ring, transient) = sizes();
+    for share in [0.0, 0.3, 0.6, 0.95] {
+        let budget = ring + transient + (share * streamed as f64) as u64;
+        for depth in [1, 2] {
+            let o = run(
+                &workload(),
+                &layerwise(None, Some(budget)),
+                &opts(&[], depth, Some(7)),
+            )
+            .unwrap();
+            assert_eq!(outputs(&o), want, "share {share}, depth {depth}");
+            assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+            assert!(
+                host_peak(&o) <= budget,
+                "share {share}: pinned + registered peak {} > budget {budget}",
+                host_peak(&o)
+            );
+            assert!(
+                host_peak(&o) >= (share * streamed as f64) as u64 / 2,
+                "share {share}: the budget is used ({} pinned)",
+                host_peak(&o)
+            );
+        }
+    }
+    // A budget the whole model fits in stages nothing.
+    let o = run(
+        &workload(),
+        &layerwise(None, Some(4 * streamed)),
+        &opts(&[], 1, None),
+    )
+    .unwrap();
+    assert!(host_peak(&o) >= streamed, "everything pinned");
+}
+
+#[test]
+fn a_host_budget_below_the_least_plan_is_a_typed_error() {
+    let (_, ring, transient) = sizes();
+    let least = ring + transient;
+    let e = run(
+        &workload(),
+        &layerwise(None, Some(least - 1)),
+        &opts(&[], 1, None),
+    )
+    .err()
+    .expect("refused");
+    let text = e.to_string();
+    assert!(
+        text.contains("host_budget") && text.contains("at least"),
+        "{text}"
+    );
+}
+
+#[test]
+fn host_budget_outside_layerwise_is_refused_with_where_it_works() {
+    for json in [
+        r#"{"enable_cpu_offload": true, "host_budget": "8GiB"}"#,
+        r#"{"enable_distributed_layerwise_offload": true, "host_budget": "auto"}"#,
+        r#"{"device_budget": "16GiB", "host_budget": "8GiB"}"#,
+    ] {
+        let c = OffloadConfig::from_json_str(json).unwrap();
+        let e = c.select().unwrap_err().to_string();
+        assert!(
+            e.contains("host_budget") && e.contains("layerwise offload only"),
+            "{json}: {e}"
+        );
+    }
+    for bad in [r#""0""#, r#""8 gigs""#, "-1", r#""Auto""#] {
+        let json = format!(r#"{{"enable_layerwise_offload": true, "host_budget": {bad}}}"#);
+        let e = OffloadConfig::from_json_str(&json).unwrap_err().to_string();
+        assert!(e.contains("host_budget") && e.contains("allowed"), "{bad}: {e}");
+    }
+    let toml = OffloadConfig::from_toml_str("enable_layerwise_offload = true\nhost_budget = \"8GiB\"\n")
+        .unwrap();
+    assert_eq!(
+        toml.host_budget,
+        Some(HostBudget::Bytes(ByteSize::new(8 << 30)))
+    );
+    // Unpinned masters elsewhere: refused, naming where false works.
+    let c = OffloadConfig::from_json_str(r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#)
+        .unwrap();
+    assert!(c.select().is_ok(), "selection itself accepts it");
+}
+
+#[test]
+fn refused_pins_stream_staged_and_the_log_names_each_block() {
+    let want = resident();
+    for every in [5, 7, 4] {
+        let o_opts = RunOptions {
+            faults: FaultPlan {
+                refuse_pin_every: Some(every),
+                ..FaultPlan::none()
+            },
+            ..opts(&[], 2, Some(3))
+        };
+        let (o, log) = capture_logs(|| run(&workload(), &layerwise(None, None), &o_opts).unwrap());
+        assert!(o.at_end.pins_refused > 0, "every {every}: the fault fired");
+        assert_eq!(outputs(&o), want, "every {every}");
+        assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+        let named = log.matches("streams staged (pinning or registration refused)").count();
+        assert!(named > 0, "every {every}: {log}");
+        assert!(
+            log.contains("was refused"),
+            "the refusal's cause is logged: {log}"
+        );
+    }
+}
+
+#[test]
+fn planted_staging_reuse_before_copy_is_caught_and_its_control_is_clean() {
+    let bug = PlantedBug::HostStagingReuseBeforeCopy;
+    let want = resident();
+    let mut caught = false;
+    for depth in [1, 2, 3] {
+        for jitter in [None, Some(1), Some(2), Some(3)] {
+            let clean = run(
+                &workload(),
+                &layerwise(Some(false), None),
+                &opts(&[], depth, jitter),
+            )
+            .unwrap();
+            assert!(all_violations(&clean).is_empty(), "control, depth {depth}");
+            assert_eq!(outputs(&clean), want, "control, depth {depth}");
+            let o = run(
+                &workload(),
+                &layerwise(Some(false), None),
+                &opts(&[bug], depth, jitter),
+            )
+            .unwrap();
+            caught |= o
+                .violations
+                .iter()
+                .any(|v| v.invariant == Invariant::NoEarlyFree)
+                || outputs(&o) != want;
+        }
+    }
+    assert!(caught, "{bug:?}: neither the checker nor the output saw it");
+}
