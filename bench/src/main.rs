@@ -181,6 +181,92 @@ pub(crate) struct Args {
     /// variance, or uniform ±1/√fan-in); other dtypes stay random bytes.
     #[arg(long, value_enum, default_value = "normal")]
     law: LawArg,
+    /// DiT-only mode: extra layerwise rows (at each `--depths`) whose
+    /// masters are staged (CONTRACT §7c), comma-separated: a `host_budget`
+    /// (`8GiB`: the blocks beyond it stay in the loader's pageable memory
+    /// and stream through pinned staging buffers) or `unpinned`
+    /// (`pin_cpu_memory = false`: every block staged). Each row reports its
+    /// staged bytes, the pinned-memory peak, and its step against the
+    /// staged path's own limit (the host copy rate, measured in this run).
+    #[arg(long, value_delimiter = ',')]
+    host_budgets: Vec<String>,
+}
+
+/// A `--host-budgets` value: a `host_budget`, or every master staged.
+#[derive(Clone, Copy, Debug)]
+enum HostRow {
+    Budget(offload_core::bytes::HostBudget),
+    Unpinned,
+}
+
+impl HostRow {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        if text == "unpinned" {
+            return Ok(Self::Unpinned);
+        }
+        offload_core::bytes::HostBudget::parse(text)
+            .map(Self::Budget)
+            .map_err(|e| format!("{e}; or `unpinned` (pin_cpu_memory = false)"))
+    }
+
+    fn name(self) -> String {
+        match self {
+            Self::Budget(b) => format!("host_budget {b}"),
+            Self::Unpinned => "unpinned".to_owned(),
+        }
+    }
+
+    fn config(self, base: &OffloadConfig) -> OffloadConfig {
+        match self {
+            Self::Budget(b) => OffloadConfig {
+                host_budget: Some(b),
+                ..base.clone()
+            },
+            Self::Unpinned => OffloadConfig {
+                pin_cpu_memory: Some(false),
+                ..base.clone()
+            },
+        }
+    }
+}
+
+/// Pageable → pinned copy rate, GB/s, as the staging ring fills its
+/// buffers: each streamed block's loaded bytes copied into one pinned
+/// buffer by `threads` host threads (contiguous parts), back to back; the
+/// median of three passes.
+fn host_copy_bandwidth(device: &CudaDevice, loaded: &Loaded, blocks: &[&Unit]) -> Result<f64> {
+    use offload_core::device::HostBuffer as _;
+    let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
+    let mut pinned = device.alloc_pinned(largest)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    struct Parallel<'a>(&'a [u8], usize);
+    impl offload_core::device::ByteSource for Parallel<'_> {
+        fn read_at(&self, position: u64, dst: &mut [u8]) {
+            let src = &self.0[position as usize..position as usize + dst.len()];
+            let per = dst.len().div_ceil(self.1).next_multiple_of(4096).max(4096);
+            std::thread::scope(|s| {
+                for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
+                    s.spawn(move || d.copy_from_slice(c));
+                }
+            });
+        }
+    }
+    let total: u64 = blocks.iter().map(|u| u.bytes).sum();
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        for u in blocks {
+            let bytes = loaded
+                .units
+                .get(&u.name)
+                .with_context(|| format!("no loaded memory for `{}`", u.name))?;
+            pinned.write_from(0, u.bytes, &Parallel(&bytes[..u.bytes as usize], threads));
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    // SAFETY: no copy used the buffer.
+    unsafe { device.free_pinned(pinned) }?;
+    Ok(total as f64 / median(&mut times).context("no passes")? / 1e9)
 }
 
 /// `--weight-compression` values.
@@ -856,6 +942,14 @@ struct Row {
     step_over_bf16_link: f64,
     /// Lossless rows: the decoder's error flag after the row (0: none).
     decode_error: Option<i32>,
+    /// Streamed bytes whose masters are staged (CONTRACT §7c: pageable,
+    /// through pinned staging buffers), from the backend's host masters.
+    staged_bytes: u64,
+    /// Staged rows: the staged path's own limit, max(resident step,
+    /// streamed / fresh pinned bandwidth, staged / host copy rate).
+    staged_limit_s: Option<f64>,
+    /// `step_s / staged_limit_s`.
+    step_over_staged_limit: Option<f64>,
 }
 
 /// One run: a backend and the token counts it runs.
@@ -1202,6 +1296,18 @@ fn run() -> Result<()> {
         &block_units.iter().collect::<Vec<_>>(),
     )?;
     eprintln!("host masters → device, back to back: {master_gbps:.2} GB/s");
+    let host_rows: Vec<HostRow> = args
+        .host_budgets
+        .iter()
+        .map(|t| HostRow::parse(t).map_err(|e| anyhow::anyhow!("--host-budgets: {e}")))
+        .collect::<Result<_>>()?;
+    let host_gbps = if host_rows.is_empty() {
+        None
+    } else {
+        let g = host_copy_bandwidth(&device, &loaded, &block_units.iter().collect::<Vec<_>>())?;
+        eprintln!("pageable → pinned host copy (the staging fill): {g:.2} GB/s");
+        Some(g)
+    };
     let pages_4k = page_probe(&device, &stream, false)?;
     let pages_huge = page_probe(&device, &stream, true)?;
     let thp = thp_setting();
@@ -1315,6 +1421,7 @@ fn run() -> Result<()> {
         device.synchronize_stream(&stream)?;
         let enable_s = t.elapsed().as_secs_f64();
         let host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
+        let staged_bytes = rt.backend().map_or(0, |b| b.host_masters().staged_bytes);
         let coded = codec
             .as_ref()
             .filter(|_| spec.compression != Compression::None);
@@ -1397,6 +1504,9 @@ fn run() -> Result<()> {
                 bf16_link_limit_s: 0.0,
                 step_over_bf16_link: 0.0,
                 decode_error,
+                staged_bytes,
+                staged_limit_s: None,
+                step_over_staged_limit: None,
             });
             let r = rows.last().context("pushed")?;
             eprintln!(
@@ -1514,6 +1624,23 @@ fn run() -> Result<()> {
             }
         }
     }
+    for repeat in 0..args.repeats {
+        for &h in &host_rows {
+            for &d in &settings.depths {
+                specs.push(Spec {
+                    name: format!("layerwise depth {d} {}{suffix}", h.name()),
+                    repeat,
+                    lookahead: BTreeMap::new(),
+                    proxy: &proxy,
+                    depth: d,
+                    streamed: streamed_all,
+                    tokens: settings.tokens.clone(),
+                    compression: Compression::None,
+                    make: layerwise_at(h.config(&layerwise), d, None),
+                });
+            }
+        }
+    }
     for spec in &specs {
         run(spec, &mut rows)?;
     }
@@ -1533,6 +1660,13 @@ fn run() -> Result<()> {
             r.link_over_bf16 = r.link_bytes_per_step.map(|b| b as f64 / streamed.max(1.0));
         }
         r.output_equals_resident = r.output == *resident_output;
+        if let (Some(g), true) = (host_gbps, r.staged_bytes > 0) {
+            let limit = resident_step
+                .max(streamed / (bw * 1e9))
+                .max(r.staged_bytes as f64 / (g * 1e9));
+            r.staged_limit_s = Some(limit);
+            r.step_over_staged_limit = Some(r.step_s / limit);
+        }
         r.predicted_s = if r.depth == 0 {
             *resident_step
         } else {
@@ -1662,6 +1796,7 @@ fn run() -> Result<()> {
     proxy.free()?;
     print_lookahead_summary(&rows);
     print_compression_summary(&rows);
+    print_staged_summary(&rows, host_gbps);
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     match &plant_name {
         None if differing > 0 => {
@@ -1718,6 +1853,33 @@ fn print_lookahead_summary(rows: &[Row]) {
                 .unwrap_or(0) as f64
                 / 1e9,
             rs.iter().all(|r| r.output_equals_resident)
+        );
+    }
+}
+
+/// The staged rows (`--host-budgets`), printed last: staged bytes, the
+/// pinned + registered bytes held, the step against the fully pinned
+/// row's limit and against the staged path's own limit.
+fn print_staged_summary(rows: &[Row], host_gbps: Option<f64>) {
+    let Some(g) = host_gbps else { return };
+    println!("\nStaged masters (CONTRACT §7c); pageable → pinned host copy {g:.2} GB/s");
+    println!(
+        "| run | tokens | staged GB | pinned + registered GB | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | output == resident |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows.iter().filter(|r| r.run.contains("host_budget") || r.run.contains("unpinned")) {
+        println!(
+            "| {} | {} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
+            r.run,
+            r.tokens,
+            r.staged_bytes as f64 / 1e9,
+            r.host_weight_bytes as f64 / 1e9,
+            r.step_s,
+            r.limit_s,
+            r.ratio,
+            r.staged_limit_s.unwrap_or(0.0),
+            r.step_over_staged_limit.unwrap_or(0.0),
+            r.output_equals_resident
         );
     }
 }

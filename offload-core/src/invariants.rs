@@ -156,6 +156,34 @@ pub fn one_host_master<K: Ord + fmt::Debug>(
     Ok(())
 }
 
+/// INV-2 where masters may be staged (CONTRACT §7c: a block whose pin was
+/// refused, beyond a host budget, or with `pin_cpu_memory = false`): its
+/// master is the weight source's pageable memory, which no device sees, so
+/// the device's pinned and registered memory holds each offloaded key at
+/// most once as a master plus once per staging buffer, never more.
+pub fn staged_host_masters<K: Ord + fmt::Debug>(
+    offloaded: impl IntoIterator<Item = K>,
+    masters: impl IntoIterator<Item = K>,
+    staging_buffers: usize,
+) -> Result<(), Violation> {
+    let mut count: BTreeMap<K, usize> = BTreeMap::new();
+    for m in masters {
+        *count.entry(m).or_default() += 1;
+    }
+    for k in offloaded {
+        let n = count.get(&k).copied().unwrap_or(0);
+        if n > 1 + staging_buffers {
+            return Err(violation(
+                Invariant::OneHostMaster,
+                format!(
+                    "{k:?} has {n} host copies (at most one master and {staging_buffers} staging buffers)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// How an operation uses a buffer, for INV-3.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Access {

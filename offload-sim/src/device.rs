@@ -484,7 +484,9 @@ pub struct SimStats {
     pub syncs: u64,
     /// Requests to pin host memory (pinned allocations, registrations).
     pub pin_requests: u64,
-    /// Of them, refused by the `refuse_pin_every` fault.
+    /// Of them, refused: by the `refuse_pin_every` fault or an injected
+    /// allocation failure (a layerwise block whose pin is refused streams
+    /// staged, CONTRACT §7c).
     pub pins_refused: u64,
 }
 
@@ -1183,8 +1185,11 @@ impl State {
     /// A request to pin host memory: an allocation (counted), refused by
     /// the `refuse_pin_every` fault on every N-th such request.
     fn count_pin_request(&mut self, what: &str) -> Result<(), SimError> {
-        self.count_allocation(what)?;
         self.stats.pin_requests += 1;
+        if let Err(e) = self.count_allocation(what) {
+            self.stats.pins_refused += 1;
+            return Err(e);
+        }
         let n = self.stats.pin_requests;
         if let Some(every) = self.faults.refuse_pin_every
             && every > 0

@@ -483,7 +483,20 @@ impl Driver {
             .copied()
             .filter(|s| self.pipeline.storage(*s).bytes >= 16)
             .collect();
-        if let Err(v) = offload_core::invariants::one_host_master(identifiable, found) {
+        // A refused pin (an injected allocation failure) leaves a layerwise
+        // block's master pageable (CONTRACT §7c): then no pinned copy, or
+        // its copies in the staging ring, and never more.
+        let staged = stats.pins_refused > 0 && bounds.host_staging_bytes > 0;
+        let checked = if staged {
+            offload_core::invariants::staged_host_masters(
+                identifiable,
+                found,
+                offload_core::budget::host::HOST_STAGING_BUFFERS as usize,
+            )
+        } else {
+            offload_core::invariants::one_host_master(identifiable, found)
+        };
+        if let Err(v) = checked {
             self.fail(v.to_string());
         }
     }

@@ -174,35 +174,36 @@ fn forward_errors_name_their_module_once() {
     rig.runtime.disable().unwrap();
 }
 
-/// `pin_cpu_memory = false` (or the compact `pin_memory = false`) is
-/// refused by every offloading backend with a reason, never ignored;
+/// `pin_cpu_memory = false` (or the compact `pin_memory = false`) means
+/// "stage every master" for layerwise offload (CONTRACT §7c) and is refused,
+/// with where it works, by every backend that has no staging transport;
 /// without offload it changes nothing.
 #[test]
-fn unpinned_host_masters_are_refused_not_ignored() {
+fn unpinned_host_masters_stage_in_layerwise_and_are_refused_elsewhere() {
     use offload_core::{OffloadConfig, get_offload_backend};
     use offload_sim::harness::Rig;
     let rig = Rig::new(tiny().pipeline, &RunOptions::new(DeviceProfile::h200())).unwrap();
-    for (text, key) in [
-        (
-            r#"{"enable_layerwise_offload": true, "pin_cpu_memory": false}"#,
-            "`pin_cpu_memory` = false",
-        ),
-        (
-            r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#,
-            "`pin_cpu_memory` = false",
-        ),
-        (
-            r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "pin_memory": false}}"#,
-            "`diffusion_offload_config.pin_memory` = false",
-        ),
+    for text in [
+        r#"{"enable_layerwise_offload": true, "pin_cpu_memory": false}"#,
+        r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "pin_memory": false}}"#,
     ] {
+        let config = OffloadConfig::from_json_str(text).unwrap();
+        assert!(
+            get_offload_backend(&config, &rig.platform).is_ok(),
+            "{text}: layerwise stages unpinned masters"
+        );
+    }
+    for (text, key) in [(
+        r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#,
+        "`pin_cpu_memory` = false",
+    )] {
         let config = OffloadConfig::from_json_str(text).unwrap();
         let e = get_offload_backend(&config, &rig.platform)
             .map(|_| ())
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains(key) && e.contains("pageable memory"),
+            e.contains(key) && e.contains("with layerwise offload only"),
             "{text}: {e}"
         );
     }

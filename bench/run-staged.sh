@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Staged masters on one GPU, in one call (issue 21, CONTRACT §7c):
+# offload-bench DiT-only, layerwise at DEPTHS with every master pinned
+# (the reference rows) and with HOST_BUDGETS (a host_budget: the blocks
+# beyond it stay in the loader's pageable memory and stream through two
+# pinned staging buffers; `unpinned`: every master staged), normal
+# weights, at TOKENS. The bench measures, in the same run, the pinned
+# host→device bandwidth and the pageable → pinned host copy rate the
+# staging fill runs at, and prints the staged table last.
+# Usage: bench/run-staged.sh [DIR]  DIR holds offload-bench (default:
+# beside this script, else target/release). Logs and JSON under $OUT.
+#   TOKENS=4608  DEPTHS=2  HOST_BUDGETS=8GiB,unpinned  STEPS=3  WARMUP=1
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+DIR=${1:-}
+BENCH=
+for c in ${DIR:+"$DIR/offload-bench"} "$HERE/offload-bench" "$HERE/../target/release/offload-bench"; do
+  [ -x "$c" ] && { BENCH=$c; break; }
+done
+OUT=${OUT:-/tmp/staged-out}
+mkdir -p "$OUT"
+LIBS=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt \
+  $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
+  \( -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' -o -name 'libcublas.so*' \) 2>/dev/null \
+  | grep -v /stubs/ | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nproc; grep -E 'MemTotal|MemAvailable' /proc/meminfo
+  cat /sys/fs/cgroup/memory.max 2>/dev/null
+  echo "offload-bench=${BENCH:-missing}"
+} | tee "$OUT/env.txt"
+[ -n "$BENCH" ] || { echo "offload-bench not found"; exit 1; }
+"$BENCH" --tokens "${TOKENS:-4608}" --depths "${DEPTHS:-2}" --steps "${STEPS:-3}" \
+  --warmup "${WARMUP:-1}" --no-planner --no-simulate \
+  --host-budgets "${HOST_BUDGETS:-8GiB,unpinned}" --json "$OUT/staged.json" \
+  >"$OUT/staged.log" 2>"$OUT/staged.err"
+rc=$?
+tail -n 5 "$OUT/staged.err"
+sed -n '/^Staged masters/,$p' "$OUT/staged.log"
+echo "offload-bench exit $rc"
+exit $rc
