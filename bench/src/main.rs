@@ -942,6 +942,10 @@ struct Row {
     step_over_bf16_link: f64,
     /// Lossless rows: the decoder's error flag after the row (0: none).
     decode_error: Option<i32>,
+    /// Page-locked host bytes offload-cuda itself counted at their peak
+    /// over the row (`offload_cuda::host_locked`, beyond what was held
+    /// before its enable): pinned copies, registrations, staging buffers.
+    host_locked_peak_bytes: u64,
     /// Streamed bytes whose masters are staged (CONTRACT §7c: pageable,
     /// through pinned staging buffers), from the backend's host masters.
     staged_bytes: u64,
@@ -1416,6 +1420,8 @@ fn run() -> Result<()> {
         let (used_before, _) = device.pool_used()?;
         let free_before = device.memory_info()?.free_bytes;
         let mut rt = Runtime::new(Arc::clone(&device), Arc::clone(&stream), pipeline.clone());
+        let locked_before = offload_cuda::host_locked();
+        offload_cuda::reset_host_locked_peak();
         let t = Instant::now();
         rt.enable((spec.make)()?).map_err(|(e, _)| e)?;
         device.synchronize_stream(&stream)?;
@@ -1504,6 +1510,9 @@ fn run() -> Result<()> {
                 bf16_link_limit_s: 0.0,
                 step_over_bf16_link: 0.0,
                 decode_error,
+                host_locked_peak_bytes: offload_cuda::host_locked().peak_bytes.saturating_sub(
+                    locked_before.pinned_bytes + locked_before.registered_bytes,
+                ),
                 staged_bytes,
                 staged_limit_s: None,
                 step_over_staged_limit: None,
@@ -1864,16 +1873,20 @@ fn print_staged_summary(rows: &[Row], host_gbps: Option<f64>) {
     let Some(g) = host_gbps else { return };
     println!("\nStaged masters (CONTRACT §7c); pageable → pinned host copy {g:.2} GB/s");
     println!(
-        "| run | tokens | staged GB | pinned + registered GB | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | output == resident |"
+        "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | output == resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    for r in rows.iter().filter(|r| r.run.contains("host_budget") || r.run.contains("unpinned")) {
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows
+        .iter()
+        .filter(|r| r.depth > 0 && r.weight_compression == "none")
+    {
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
             r.run,
             r.tokens,
             r.staged_bytes as f64 / 1e9,
             r.host_weight_bytes as f64 / 1e9,
+            r.host_locked_peak_bytes as f64 / 1e9,
             r.step_s,
             r.limit_s,
             r.ratio,

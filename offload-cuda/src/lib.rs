@@ -483,6 +483,68 @@ impl HostBuffer for PinnedBuffer {
     }
 }
 
+/// Page-locked host bytes this process holds through offload-cuda, as the
+/// driver calls succeed: `cuMemHostAlloc` buffers, and `cuMemHostRegister`
+/// ranges (a shared mapping counted once, whole, as the driver locks it).
+/// The device's own observation of host memory, for INV-7's host bound and
+/// `host_budget` (CONTRACT §7c), never a strategy's report.
+static LOCKED: LockedCounter = LockedCounter {
+    pinned: std::sync::atomic::AtomicU64::new(0),
+    registered: std::sync::atomic::AtomicU64::new(0),
+    peak: std::sync::atomic::AtomicU64::new(0),
+};
+
+struct LockedCounter {
+    pinned: std::sync::atomic::AtomicU64,
+    registered: std::sync::atomic::AtomicU64,
+    /// Peak of pinned + registered since the last [`reset_host_locked_peak`].
+    peak: std::sync::atomic::AtomicU64,
+}
+
+impl LockedCounter {
+    fn add(&self, which: &std::sync::atomic::AtomicU64, bytes: usize) {
+        use std::sync::atomic::Ordering::SeqCst;
+        which.fetch_add(bytes as u64, SeqCst);
+        let now = self.pinned.load(SeqCst) + self.registered.load(SeqCst);
+        self.peak.fetch_max(now, SeqCst);
+    }
+
+    fn sub(&self, which: &std::sync::atomic::AtomicU64, bytes: usize) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let _ = which.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes as u64)));
+    }
+}
+
+/// Page-locked host memory held through offload-cuda now and at its peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostLocked {
+    /// `cuMemHostAlloc` bytes held now.
+    pub pinned_bytes: u64,
+    /// `cuMemHostRegister` bytes held now.
+    pub registered_bytes: u64,
+    /// Peak of the two together since [`reset_host_locked_peak`].
+    pub peak_bytes: u64,
+}
+
+/// The process's page-locked host memory held through offload-cuda.
+pub fn host_locked() -> HostLocked {
+    use std::sync::atomic::Ordering::SeqCst;
+    HostLocked {
+        pinned_bytes: LOCKED.pinned.load(SeqCst),
+        registered_bytes: LOCKED.registered.load(SeqCst),
+        peak_bytes: LOCKED.peak.load(SeqCst),
+    }
+}
+
+/// Restarts [`HostLocked::peak_bytes`] from what is held now.
+pub fn reset_host_locked_peak() {
+    use std::sync::atomic::Ordering::SeqCst;
+    LOCKED.peak.store(
+        LOCKED.pinned.load(SeqCst) + LOCKED.registered.load(SeqCst),
+        SeqCst,
+    );
+}
+
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         if self.ptr.is_null() {
@@ -498,8 +560,11 @@ impl Drop for PinnedBuffer {
         // SAFETY: every stream has drained, so no copy uses it; it came
         // from cuMemHostAlloc and was not freed (the explicit free nulls
         // `ptr`).
-        if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
-            tracing::error!("dropping a {len}-byte pinned buffer: cuMemFreeHost: {e:?}");
+        match unsafe { result::free_host(self.ptr.cast()) } {
+            Ok(()) => LOCKED.sub(&LOCKED.pinned, len as usize),
+            Err(e) => {
+                tracing::error!("dropping a {len}-byte pinned buffer: cuMemFreeHost: {e:?}")
+            }
         }
     }
 }
@@ -534,7 +599,9 @@ impl CudaRegistration {
                 // SAFETY: registered in `register_host` at this captured
                 // address; callers guarantee no copy reads it now.
                 let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
-                check(code, || format!("cuMemHostUnregister({} bytes)", self.len))
+                check(code, || format!("cuMemHostUnregister({} bytes)", self.len))?;
+                LOCKED.sub(&LOCKED.registered, self.len);
+                Ok(())
             }
         }
     }
@@ -580,6 +647,7 @@ impl SharedRegistrations {
             format!("cuMemHostRegister({len} bytes, flags {flags:#x}) of a shared mapping")
         })?;
         tracing::debug!(bytes = len, read_only, "registered a shared mapping");
+        LOCKED.add(&LOCKED.registered, len);
         table.insert(base, (len, 1));
         Ok(base)
     }
@@ -604,7 +672,9 @@ impl SharedRegistrations {
         let code = unsafe { sys::cuMemHostUnregister(base as *mut c_void) };
         check(code, || {
             format!("cuMemHostUnregister({len} bytes) of a shared mapping")
-        })
+        })?;
+        LOCKED.sub(&LOCKED.registered, len);
+        Ok(())
     }
 }
 
@@ -994,6 +1064,7 @@ impl Device<Cuda> for CudaDevice {
         let ptr = wrap(unsafe { result::malloc_host(bytes as usize, 0) }, || {
             format!("cuMemHostAlloc({bytes} bytes)")
         })?;
+        LOCKED.add(&LOCKED.pinned, bytes as usize);
         Ok(PinnedBuffer {
             ctx: Arc::clone(&self.ctx),
             ptr: ptr.cast(),
@@ -1016,7 +1087,9 @@ impl Device<Cuda> for CudaDevice {
         // cuMemHostAlloc and is freed once (nulled above).
         wrap(unsafe { result::free_host(ptr.cast()) }, || {
             format!("cuMemFreeHost({len} bytes)")
-        })
+        })?;
+        LOCKED.sub(&LOCKED.pinned, len as usize);
+        Ok(())
     }
 
     fn register_host(
@@ -1073,7 +1146,10 @@ impl Device<Cuda> for CudaDevice {
         // the region is given back or dropped.
         let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
         match check(code, || format!("cuMemHostRegister({len} bytes)")) {
-            Ok(()) => Ok(registration(region, None)),
+            Ok(()) => {
+                LOCKED.add(&LOCKED.registered, len);
+                Ok(registration(region, None))
+            }
             Err(error) => Err(RegisterError { error, region }),
         }
     }

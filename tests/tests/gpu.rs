@@ -285,6 +285,11 @@ enum Strategy {
     Lossless {
         depth: usize,
     },
+    /// Layerwise with `pin_cpu_memory = false`: every master pageable,
+    /// streamed through pinned staging buffers (CONTRACT §7c).
+    Staged {
+        depth: usize,
+    },
     ModelLevel,
 }
 
@@ -301,6 +306,11 @@ impl Strategy {
                 weight_compression: Some(WeightCompression::Lossless),
                 ..OffloadConfig::default()
             },
+            Strategy::Staged { .. } => OffloadConfig {
+                enable_layerwise_offload: true,
+                pin_cpu_memory: Some(false),
+                ..OffloadConfig::default()
+            },
             Strategy::ModelLevel => OffloadConfig {
                 enable_cpu_offload: true,
                 ..OffloadConfig::default()
@@ -310,7 +320,9 @@ impl Strategy {
 
     fn depth(self) -> usize {
         match self {
-            Strategy::Layerwise { depth } | Strategy::Lossless { depth } => depth,
+            Strategy::Layerwise { depth }
+            | Strategy::Lossless { depth }
+            | Strategy::Staged { depth } => depth,
             _ => 1,
         }
     }
@@ -319,7 +331,7 @@ impl Strategy {
         let e = |e: OffloadError| e.to_string();
         Ok(match self {
             Strategy::Resident => platform.resident().map_err(e)?,
-            Strategy::Layerwise { .. } | Strategy::Lossless { .. } => {
+            Strategy::Layerwise { .. } | Strategy::Lossless { .. } | Strategy::Staged { .. } => {
                 Box::new(platform.layerwise(self.config()).map_err(e)?)
             }
             Strategy::ModelLevel => offload_core::get_offload_backend(&self.config(), platform)
@@ -1158,6 +1170,83 @@ fn planted_decode_bugs_are_caught_on_the_gpu() {
     assert!(
         missed.is_empty(),
         "planted decode bugs not caught: {missed:?}"
+    );
+}
+
+/// Layerwise with every master staged (`pin_cpu_memory = false`, CONTRACT
+/// §7c): bit-identical to resident unperturbed and under perturbation at
+/// depth 1 and 2; the page-locked host memory offload-cuda itself counts
+/// (`offload_cuda::host_locked`) never above the staging ring and one
+/// resident unit's upload buffer; and the planted
+/// `HostStagingReuseBeforeCopy` (the host refills a staging buffer without
+/// waiting for the copy that read it) changes the output under
+/// perturbation, beside a clean control.
+#[test]
+fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::new(&g.device, pipeline());
+    rig.warm_up();
+    let p = &rig.pipeline;
+    let resident = measured_run(&rig, Strategy::Resident);
+    let staged = Strategy::Staged { depth: 1 };
+    rig.settle();
+    let locked_before = offload_cuda::host_locked();
+    offload_cuda::reset_host_locked_peak();
+    let out = measured_run(&rig, staged);
+    let locked = offload_cuda::host_locked();
+    let b = memory_bounds(p, &staged.config(), 1).unwrap();
+    let held = locked.peak_bytes
+        - (locked_before.pinned_bytes + locked_before.registered_bytes);
+    println!(
+        "{staged:?}: page-locked peak {held} B beyond the rig's (ring {} B + upload {} B; one copy of the streamed blocks {} B)",
+        b.host_staging_bytes,
+        b.staging_bytes - b.host_staging_bytes,
+        b.offloaded_bytes
+    );
+    assert_eq!(out.outputs, resident.outputs, "staged vs resident");
+    assert!(
+        held <= b.staging_bytes,
+        "page-locked peak {held} B > ring + upload {} B",
+        b.staging_bytes
+    );
+    assert!(held < b.offloaded_bytes / 2, "the masters stayed pageable");
+    let seeds = if under_sanitizer() { 1 } else { 4 };
+    for seed in 0..seeds {
+        let weights = 9000 + seed;
+        let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
+        for depth in [1, 2] {
+            let strategy = Strategy::Staged { depth };
+            let got = timing_run(&rig, strategy, weights, &[], Some(wide(seed)));
+            assert_eq!(got, Ok(expected.clone()), "{strategy:?} perturbation seed {seed}");
+        }
+    }
+    println!("perturbed: staged layerwise depth 1 and 2 equal resident on {seeds} seeds");
+    if under_sanitizer() {
+        return;
+    }
+    let bug = PlantedBug::HostStagingReuseBeforeCopy;
+    let weights = |seed: u64| 30_000 + seed;
+    let mut caught = None;
+    for seed in 0..PLANTED_SEEDS {
+        let got = timing_run(&rig, staged, weights(seed), &[bug], Some(slow()));
+        let expected = timing_run(&rig, Strategy::Resident, weights(seed), &[], None).unwrap();
+        match got {
+            Ok(o) if o == expected => continue,
+            Ok(_) => caught = Some((seed, "output differs from resident".to_owned())),
+            Err(e) => caught = Some((seed, format!("the run failed: {e}"))),
+        }
+        break;
+    }
+    let (seed, how) = caught.unwrap_or_else(|| {
+        panic!("planted {}: NOT caught in {PLANTED_SEEDS} runs", bug.name())
+    });
+    let control = timing_run(&rig, staged, weights(seed), &[], Some(slow()));
+    let expected = timing_run(&rig, Strategy::Resident, weights(seed), &[], None).unwrap();
+    assert_eq!(control, Ok(expected), "clean control of {}", bug.name());
+    println!(
+        "planted {}: caught on seed {seed} after {} runs ({how}: slow copies keep the copy from staging buffer j pending while the host refills it); clean control equals resident",
+        bug.name(),
+        seed + 1
     );
 }
 

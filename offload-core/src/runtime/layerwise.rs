@@ -867,6 +867,8 @@ struct StagedTally {
     units: usize,
     bytes: u64,
     refused: usize,
+    /// The host plan stages blocks for the budget.
+    budget_binds: bool,
 }
 
 impl StagedTally {
@@ -998,7 +1000,10 @@ fn pinned_or_staged<A: Api>(
     skip: &BTreeSet<StorageId>,
     tally: &mut StagedTally,
 ) -> Result<HostMaster<A>, OffloadError> {
-    match h.master(unit, skip) {
+    // Where a budget stages blocks, a pinned block is never a window of a
+    // mapping the device would lock whole (the checkpoint, staged blocks
+    // and all): it is copied.
+    match h.master_within(unit, skip, !tally.budget_binds) {
         Ok(m) => Ok(m),
         Err(OffloadError::DeviceOp { kind, cause, .. })
             if kind != crate::device::DeviceErrorKind::DeviceLost && skip.is_empty() =>
@@ -1476,7 +1481,12 @@ impl<A: Api> LayerwiseBackend<A> {
             .unwrap_or(0);
         let host_plan = host_plan(engine, config, &layout, transient)?;
         let mut staged_at = host_plan.staged.iter().copied();
-        let mut staged_log = StagedTally::default();
+        let mut staged_log = StagedTally {
+            budget_binds: host_plan
+                .staged
+                .contains(&Some(crate::budget::StageReason::Budget)),
+            ..StagedTally::default()
+        };
         for spec in &layout.rings {
             st.rings.push(Ring {
                 blocks: Vec::new(),

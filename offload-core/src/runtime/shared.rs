@@ -379,9 +379,24 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         skip: &BTreeSet<StorageId>,
     ) -> Result<HostMaster<A>, OffloadError> {
+        self.master_within(unit, skip, true)
+    }
+
+    /// [`Self::master`], registering a window of a larger mapping (which a
+    /// device registers whole, once: a mapped checkpoint) only where
+    /// `whole_mappings`; otherwise such a window is pinned as a copy, so
+    /// that a host budget counts exactly the bytes of the blocks it pins
+    /// (CONTRACT §7c).
+    pub(crate) fn master_within(
+        &self,
+        unit: &Unit,
+        skip: &BTreeSet<StorageId>,
+        whole_mappings: bool,
+    ) -> Result<HostMaster<A>, OffloadError> {
         if skip.is_empty()
             && let Some(region) = self.weights.take_region(unit)
             && region.bytes().len() as u64 == unit.bytes
+            && (whole_mappings || region.enclosing().is_none())
         {
             match self.device.register_host(region) {
                 Ok(r) => return Ok(self.counted(HostMaster::Registered(r))),
