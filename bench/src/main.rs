@@ -1510,9 +1510,9 @@ fn run() -> Result<()> {
                 bf16_link_limit_s: 0.0,
                 step_over_bf16_link: 0.0,
                 decode_error,
-                host_locked_peak_bytes: offload_cuda::host_locked().peak_bytes.saturating_sub(
-                    locked_before.pinned_bytes + locked_before.registered_bytes,
-                ),
+                host_locked_peak_bytes: offload_cuda::host_locked()
+                    .peak_bytes
+                    .saturating_sub(locked_before.pinned_bytes + locked_before.registered_bytes),
                 staged_bytes,
                 staged_limit_s: None,
                 step_over_staged_limit: None,

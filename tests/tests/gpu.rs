@@ -1195,8 +1195,7 @@ fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
     let out = measured_run(&rig, staged);
     let locked = offload_cuda::host_locked();
     let b = memory_bounds(p, &staged.config(), 1).unwrap();
-    let held = locked.peak_bytes
-        - (locked_before.pinned_bytes + locked_before.registered_bytes);
+    let held = locked.peak_bytes - (locked_before.pinned_bytes + locked_before.registered_bytes);
     println!(
         "{staged:?}: page-locked peak {held} B beyond the rig's (ring {} B + upload {} B; one copy of the streamed blocks {} B)",
         b.host_staging_bytes,
@@ -1217,7 +1216,11 @@ fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
         for depth in [1, 2] {
             let strategy = Strategy::Staged { depth };
             let got = timing_run(&rig, strategy, weights, &[], Some(wide(seed)));
-            assert_eq!(got, Ok(expected.clone()), "{strategy:?} perturbation seed {seed}");
+            assert_eq!(
+                got,
+                Ok(expected.clone()),
+                "{strategy:?} perturbation seed {seed}"
+            );
         }
     }
     println!("perturbed: staged layerwise depth 1 and 2 equal resident on {seeds} seeds");
@@ -1237,9 +1240,8 @@ fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
         }
         break;
     }
-    let (seed, how) = caught.unwrap_or_else(|| {
-        panic!("planted {}: NOT caught in {PLANTED_SEEDS} runs", bug.name())
-    });
+    let (seed, how) = caught
+        .unwrap_or_else(|| panic!("planted {}: NOT caught in {PLANTED_SEEDS} runs", bug.name()));
     let control = timing_run(&rig, staged, weights(seed), &[], Some(slow()));
     let expected = timing_run(&rig, Strategy::Resident, weights(seed), &[], None).unwrap();
     assert_eq!(control, Ok(expected), "clean control of {}", bug.name());

@@ -154,13 +154,13 @@ fn a_host_budget_pins_what_fits_and_stages_the_rest() {
 fn a_host_budget_below_the_least_plan_is_a_typed_error() {
     let (_, ring, transient) = sizes();
     let least = ring + transient;
-    let e = run(
+    let Err(e) = run(
         &workload(),
         &layerwise(None, Some(least - 1)),
         &opts(&[], 1, None),
-    )
-    .err()
-    .expect("refused");
+    ) else {
+        panic!("a host budget below {least} B was accepted");
+    };
     let text = e.to_string();
     assert!(
         text.contains("host_budget") && text.contains("at least"),
@@ -185,17 +185,22 @@ fn host_budget_outside_layerwise_is_refused_with_where_it_works() {
     for bad in [r#""0""#, r#""8 gigs""#, "-1", r#""Auto""#] {
         let json = format!(r#"{{"enable_layerwise_offload": true, "host_budget": {bad}}}"#);
         let e = OffloadConfig::from_json_str(&json).unwrap_err().to_string();
-        assert!(e.contains("host_budget") && e.contains("allowed"), "{bad}: {e}");
+        assert!(
+            e.contains("host_budget") && e.contains("allowed"),
+            "{bad}: {e}"
+        );
     }
-    let toml = OffloadConfig::from_toml_str("enable_layerwise_offload = true\nhost_budget = \"8GiB\"\n")
-        .unwrap();
+    let toml =
+        OffloadConfig::from_toml_str("enable_layerwise_offload = true\nhost_budget = \"8GiB\"\n")
+            .unwrap();
     assert_eq!(
         toml.host_budget,
         Some(HostBudget::Bytes(ByteSize::new(8 << 30)))
     );
     // Unpinned masters elsewhere: refused, naming where false works.
-    let c = OffloadConfig::from_json_str(r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#)
-        .unwrap();
+    let c =
+        OffloadConfig::from_json_str(r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#)
+            .unwrap();
     assert!(c.select().is_ok(), "selection itself accepts it");
 }
 
@@ -214,7 +219,9 @@ fn refused_pins_stream_staged_and_the_log_names_each_block() {
         assert!(o.at_end.pins_refused > 0, "every {every}: the fault fired");
         assert_eq!(outputs(&o), want, "every {every}");
         assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
-        let named = log.matches("streams staged (pinning or registration refused)").count();
+        let named = log
+            .matches("streams staged (pinning or registration refused)")
+            .count();
         assert!(named > 0, "every {every}: {log}");
         assert!(
             log.contains("was refused"),
