@@ -330,7 +330,10 @@ fn deserialize_auto_or_size<'de, T: AutoOrSize, D: Deserializer<'de>>(d: D) -> R
         }
         fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<T, E> {
             if v == 0 {
-                Err(E::custom(format!("`0` is zero bytes; allowed: {}", T::FORMS)))
+                Err(E::custom(format!(
+                    "`0` is zero bytes; allowed: {}",
+                    T::FORMS
+                )))
             } else {
                 Ok(T::sized(ByteSize::new(v)))
             }
@@ -494,7 +497,10 @@ mod tests {
         );
         for bad in ["", "Auto", "0", "-1GiB", "8 gigs"] {
             let e = HostBudget::parse(bad).unwrap_err();
-            assert!(e.contains("MemAvailable") && e.contains("allowed"), "{bad}: {e}");
+            assert!(
+                e.contains("MemAvailable") && e.contains("allowed"),
+                "{bad}: {e}"
+            );
         }
     }
 

@@ -75,7 +75,9 @@ impl ProcProbe {
         let mut path = dir.trim_end_matches('/').to_owned();
         loop {
             let limit = self.file(&format!("{path}/{max}")).and_then(|t| number(&t));
-            let used = self.file(&format!("{path}/{current}")).and_then(|t| number(&t));
+            let used = self
+                .file(&format!("{path}/{current}"))
+                .and_then(|t| number(&t));
             // v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages).
             if let (Some(limit), Some(used)) = (limit, used)
                 && limit < 1 << 60
@@ -99,7 +101,8 @@ impl HostProbe for ProcProbe {
         for line in cgroups.lines() {
             // `hierarchy:controllers:path`: v2 is `0::/path`.
             let mut parts = line.splitn(3, ':');
-            let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+            let (Some(_), Some(controllers), Some(path)) =
+                (parts.next(), parts.next(), parts.next())
             else {
                 continue;
             };
@@ -119,7 +122,8 @@ impl HostProbe for ProcProbe {
                 None
             };
             if let Some((l, u)) = found
-                && cgroup.is_none_or(|(bl, bu): (u64, u64)| l.saturating_sub(u) < bl.saturating_sub(bu))
+                && cgroup
+                    .is_none_or(|(bl, bu): (u64, u64)| l.saturating_sub(u) < bl.saturating_sub(bu))
             {
                 cgroup = Some((l, u));
             }
@@ -132,7 +136,9 @@ impl HostProbe for ProcProbe {
         });
         let memlock = self.file("/proc/self/limits").and_then(|t| {
             let line = t.lines().find(|l| l.starts_with("Max locked memory"))?;
-            let soft = line["Max locked memory".len()..].split_whitespace().next()?;
+            let soft = line["Max locked memory".len()..]
+                .split_whitespace()
+                .next()?;
             number(soft)
         });
         HostReadings {
@@ -166,7 +172,10 @@ pub struct NoHostReadings;
 /// memory (on machines whose `MemTotal` grows as memory is touched,
 /// `/proc/meminfo` alone sees too little), else `MemAvailable`, less
 /// [`host_headroom`].
-pub fn host_limits(budget: HostBudget, probe: &dyn HostProbe) -> Result<HostLimits, NoHostReadings> {
+pub fn host_limits(
+    budget: HostBudget,
+    probe: &dyn HostProbe,
+) -> Result<HostLimits, NoHostReadings> {
     match budget {
         HostBudget::Bytes(b) => Ok(HostLimits {
             budget: b.bytes(),
@@ -190,7 +199,10 @@ pub fn host_limits(budget: HostBudget, probe: &dyn HostProbe) -> Result<HostLimi
             let headroom = host_headroom(available);
             let budget = available.saturating_sub(headroom);
             let memlock = match r.memlock {
-                Some(m) => format!("; RLIMIT_MEMLOCK {} (not charged for CUDA's pinned memory)", ByteSize::new(m)),
+                Some(m) => format!(
+                    "; RLIMIT_MEMLOCK {} (not charged for CUDA's pinned memory)",
+                    ByteSize::new(m)
+                ),
                 None => String::new(),
             };
             Ok(HostLimits {
@@ -385,7 +397,11 @@ mod tests {
         };
         let l = host_limits(HostBudget::Auto, &Fixed(r)).unwrap();
         assert_eq!(l.budget, 60 * gib - 6 * gib);
-        assert!(l.source.contains("memory.max") && l.source.contains("RLIMIT_MEMLOCK"), "{}", l.source);
+        assert!(
+            l.source.contains("memory.max") && l.source.contains("RLIMIT_MEMLOCK"),
+            "{}",
+            l.source
+        );
         let r = HostReadings {
             cgroup: None,
             mem_available: Some(10 * gib),
@@ -415,7 +431,10 @@ mod tests {
         w("sys/fs/cgroup/job/step/memory.current", "100\n");
         w("sys/fs/cgroup/job/memory.max", "1000\n");
         w("sys/fs/cgroup/job/memory.current", "400\n");
-        w("proc/meminfo", "MemTotal: 100 kB\nMemAvailable:   2048 kB\n");
+        w(
+            "proc/meminfo",
+            "MemTotal: 100 kB\nMemAvailable:   2048 kB\n",
+        );
         w(
             "proc/self/limits",
             "Limit Soft Hard Units\nMax locked memory         8388608              8388608              bytes\n",
@@ -425,7 +444,10 @@ mod tests {
         assert_eq!(r.mem_available, Some(2048 * 1024));
         assert_eq!(r.memlock, Some(8 << 20));
         w("proc/self/cgroup", "4:memory:/a\n3:cpu:/a\n");
-        w("sys/fs/cgroup/memory/a/memory.limit_in_bytes", "9223372036854771712\n");
+        w(
+            "sys/fs/cgroup/memory/a/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
         w("sys/fs/cgroup/memory/a/memory.usage_in_bytes", "5\n");
         w(
             "proc/self/limits",
@@ -445,13 +467,20 @@ mod tests {
         assert!(all.staged.iter().all(Option::is_none));
         assert_eq!((all.staging_bytes, all.peak_bytes), (0, 105));
         let none = plan_host(&blocks, 5, Some(1000), false).unwrap();
-        assert!(none.staged.iter().all(|s| *s == Some(StageReason::Unpinned)));
+        assert!(
+            none.staged
+                .iter()
+                .all(|s| *s == Some(StageReason::Unpinned))
+        );
         assert_eq!(none.peak_bytes, 25);
         // 65 bytes: ring 20 + transient 5 leaves 40, four blocks, spread.
         let p = plan_host(&blocks, 5, Some(65), true).unwrap();
         let pinned: Vec<usize> = (0..10).filter(|&i| p.staged[i].is_none()).collect();
         assert_eq!(pinned.len(), 4, "{pinned:?}");
-        assert!(pinned.windows(2).all(|w| w[1] - w[0] >= 2), "spread: {pinned:?}");
+        assert!(
+            pinned.windows(2).all(|w| w[1] - w[0] >= 2),
+            "spread: {pinned:?}"
+        );
         assert!(p.peak_bytes <= 65, "{p:?}");
         assert_eq!(p.least_budget, 25);
         let e = plan_host(&blocks, 5, Some(24), true).unwrap_err();

@@ -971,7 +971,10 @@ fn upload_staged<A: Api>(
                 // SAFETY: the copy stream is drained: nothing uses `buffer`.
                 let _ = unsafe { h.device.free_device(buffer, &[]) };
             } else {
-                tracing::error!("staged upload of `{}`: {e}; leaking its device buffer", unit.name);
+                tracing::error!(
+                    "staged upload of `{}`: {e}; leaking its device buffer",
+                    unit.name
+                );
                 std::mem::forget(buffer);
             }
             Err(e)
@@ -1005,7 +1008,12 @@ fn pinned_or_staged<A: Api>(
         {
             tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); it streams staged", unit.name);
             tally.refused += 1;
-            Ok(staged_master(h, unit, crate::budget::StageReason::Refused, tally))
+            Ok(staged_master(
+                h,
+                unit,
+                crate::budget::StageReason::Refused,
+                tally,
+            ))
         }
         Err(e) => Err(e),
     }
