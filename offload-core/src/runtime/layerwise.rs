@@ -1460,8 +1460,10 @@ impl<A: Api> LayerwiseBackend<A> {
         } else {
             Default::default()
         };
-        // Host masters, pinned once, exact size: whole blocks, or this
-        // rank's shards, or (`weight_compression = "lossless"`) a block's
+        // Host masters, pinned once, exact size (or registered in place
+        // where the weight source holds them: a block, or this rank's shard
+        // of one, that is a window of a mapped checkpoint): whole blocks,
+        // or this rank's shards, or (`weight_compression = "lossless"`) a block's
         // coded bytes.
         let bf16 = crate::runtime::layout::bf16_storages(&model.pipeline);
         let mut coding = CodingTally::default();
@@ -1498,7 +1500,11 @@ impl<A: Api> LayerwiseBackend<A> {
                 let (host, coded) = match (&block.shard, &self.codec, planned) {
                     (None, _, Some(why)) => (staged_master(h, &unit, why, &mut staged_log), None),
                     (Some(shard), _, _) => (
-                        h.counted(HostMaster::Pinned(h.fill_shard(&unit, shard)?)),
+                        h.shard_master(
+                            &unit,
+                            shard,
+                            engine.bug(PlantedBug::ShardWindowWrongOffset),
+                        )?,
                         None,
                     ),
                     (None, Some(codec), None) if skip.is_empty() => {
