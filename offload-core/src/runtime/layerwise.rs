@@ -336,14 +336,14 @@ impl Transport {
                 }
                 if !stale {
                     let _span = transfer_span(name, bytes, "copy", "h2d").entered();
+                    let what = format!("copy_h2d of `{}`", master.unit.name);
+                    let source = master.host.copy_source(&what)?;
                     // SAFETY: the master is exactly `unit.bytes` and the slot
                     // holds the largest block, so both ranges are in bounds;
                     // the copy stream waits for the slot's last use (nothing
                     // reads the slot while it is overwritten), compute waits
                     // for `ready` (recorded next) before reading it, and the
                     // master is freed only after draining.
-                    let what = format!("copy_h2d of `{}`", master.unit.name);
-                    let source = master.host.copy_source(&what)?;
                     unsafe {
                         h.device
                             .copy_h2d(&h.copy, source, 0, &slot.buffer, 0, bytes)
