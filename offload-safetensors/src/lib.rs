@@ -29,6 +29,19 @@
 //! embedders and norms, which a file in name order seldom holds back to
 //! back) are said at `info`: under layerwise offload they are only staged
 //! through pinned memory on their way to the device.
+//!
+//! Under distributed layerwise offload a rank holds only its shard of each
+//! gathered block (bytes `r·s..(r+1)·s` of its packing, CONTRACT §8), and
+//! a shard whose bytes lie in one file as packed is a window of the mapping
+//! too ([`WeightSource::take_shard_region`]), registered in place the same
+//! way, whether or not the whole block is one window: in a shard set only
+//! the shards a file boundary splits are copied into pinned memory (a
+//! `warn` naming the block, the shard's bytes and why), the others of the
+//! same block stay windows. The last rank's padding (under G bytes past the
+//! block, never read by compute) is the bytes that follow the block in its
+//! file; a shard whose padding would run past the file's end is copied.
+//! Counted apart: [`SafetensorsSource::shard_windows_and_copies`],
+//! [`SafetensorsSource::shard_copied_bytes`].
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::fs::File;
