@@ -927,8 +927,10 @@ impl SafetensorsSource {
             .iter()
             .filter(|e| e.offset < data_end && e.offset + e.bytes > range.start)
         {
-            let b = self.storages[e.storage.index()]
-                .as_ref()
+            let b = self
+                .storages
+                .get(e.storage.index())
+                .and_then(Option::as_ref)
                 .ok_or_else(|| "it holds a non-persistent buffer no checkpoint holds".to_owned())?;
             over.push((e, b));
         }
