@@ -1018,6 +1018,13 @@ fn dlo_shards_of_one_window_blocks_are_registered_in_place_a_gth_per_rank() {
             assert_eq!(r.registered, shards, "{at}");
             assert_eq!(r.pinned, 0, "{at}: no pinned copy of a shard");
             assert!(!r.logs.contains("WARN"), "{at}: {}", r.logs);
+            assert!(
+                r.logs.contains(&format!(
+                    "in_place=7 in_place_bytes={shards} copied=0 copied_bytes=0"
+                )),
+                "{at}: the rank's own count at enable: {}",
+                r.logs
+            );
         }
     }
 }
@@ -1064,6 +1071,16 @@ fn dlo_from_a_shard_set_copies_only_the_shards_a_file_boundary_splits() {
                 r.pinned,
                 copied * s,
                 "{at}: a pinned copy only of the split shard"
+            );
+            assert!(
+                r.logs.contains(&format!(
+                    "in_place={} in_place_bytes={} copied={copied} copied_bytes={}",
+                    7 - copied,
+                    shards - copied * s,
+                    copied * s
+                )),
+                "{at}: the rank's own count at enable: {}",
+                r.logs
             );
             let warns: Vec<&str> = r.logs.lines().filter(|l| l.contains("WARN")).collect();
             assert_eq!(warns.len() as u64, copied, "{at}: {}", r.logs);

@@ -1487,6 +1487,7 @@ impl<A: Api> LayerwiseBackend<A> {
         let host_plan = host_plan(engine, config, &layout, transient)?;
         let mut staged_at = host_plan.staged.iter().copied();
         let mut staged_log = StagedTally::default();
+        let masters_before = h.host_masters();
         for spec in &layout.rings {
             st.rings.push(Ring {
                 blocks: Vec::new(),
@@ -1539,6 +1540,33 @@ impl<A: Api> LayerwiseBackend<A> {
             }
         }
         staged_log.log(&host_plan);
+        if layout.gathers() {
+            // CONTRACT §8: this rank's masters (its shards of gathered
+            // blocks, whole blocks of rank-local rings), registered in place
+            // where the weight source holds them as windows, else copies.
+            let now = h.host_masters();
+            let (in_place, in_place_bytes) = (
+                now.in_place_units
+                    .saturating_sub(masters_before.in_place_units),
+                now.in_place_bytes
+                    .saturating_sub(masters_before.in_place_bytes),
+            );
+            let (copied, copied_bytes) = (
+                now.copied_units.saturating_sub(masters_before.copied_units),
+                now.copied_bytes.saturating_sub(masters_before.copied_bytes),
+            );
+            tracing::info!(
+                rank = engine.rank,
+                in_place,
+                in_place_bytes,
+                copied,
+                copied_bytes,
+                "rank {}'s host masters: {in_place} registered in place ({}), {copied} copied into pinned memory ({})",
+                engine.rank,
+                crate::bytes::ByteSize::new(in_place_bytes),
+                crate::bytes::ByteSize::new(copied_bytes)
+            );
+        }
         // The staging ring, when any master is staged: two pinned buffers
         // of the largest staged block.
         let largest_staged = st
