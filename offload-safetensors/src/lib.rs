@@ -29,6 +29,19 @@
 //! embedders and norms, which a file in name order seldom holds back to
 //! back) are said at `info`: under layerwise offload they are only staged
 //! through pinned memory on their way to the device.
+//!
+//! Under distributed layerwise offload a rank holds only its shard of each
+//! gathered block (bytes `r·s..(r+1)·s` of its packing, CONTRACT §8), and
+//! a shard whose bytes lie in one file as packed is a window of the mapping
+//! too ([`WeightSource::take_shard_region`]), registered in place the same
+//! way, whether or not the whole block is one window: in a shard set only
+//! the shards a file boundary splits are copied into pinned memory (a
+//! `warn` naming the block, the shard's bytes and why), the others of the
+//! same block stay windows. The last rank's padding (under G bytes past the
+//! block, never read by compute) is the bytes that follow the block in its
+//! file; a shard whose padding would run past the file's end is copied.
+//! Counted apart: [`SafetensorsSource::shard_windows_and_copies`],
+//! [`SafetensorsSource::shard_copied_bytes`].
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::fs::File;
@@ -648,6 +661,9 @@ pub struct SafetensorsSource {
     windows: AtomicU64,
     copied: AtomicU64,
     copied_bytes: AtomicU64,
+    shard_windows: AtomicU64,
+    shard_copies: AtomicU64,
+    shard_copied_bytes: AtomicU64,
 }
 
 impl fmt::Debug for SafetensorsSource {
@@ -782,6 +798,9 @@ impl SafetensorsSource {
             windows: AtomicU64::new(0),
             copied: AtomicU64::new(0),
             copied_bytes: AtomicU64::new(0),
+            shard_windows: AtomicU64::new(0),
+            shard_copies: AtomicU64::new(0),
+            shard_copied_bytes: AtomicU64::new(0),
         })
     }
 
@@ -805,6 +824,21 @@ impl SafetensorsSource {
     /// Bytes of the units declined (filled into pinned memory instead).
     pub fn copied_bytes(&self) -> u64 {
         self.copied_bytes.load(Ordering::Relaxed)
+    }
+
+    /// How many shards of gathered blocks (distributed layerwise, CONTRACT
+    /// §8) were handed out as windows of a mapping, and how many were
+    /// declined (copied into pinned memory instead).
+    pub fn shard_windows_and_copies(&self) -> (u64, u64) {
+        (
+            self.shard_windows.load(Ordering::Relaxed),
+            self.shard_copies.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Bytes of the shards declined (their padding included).
+    pub fn shard_copied_bytes(&self) -> u64 {
+        self.shard_copied_bytes.load(Ordering::Relaxed)
     }
 
     fn mapped(&self, b: &Bound) -> &Mapped {
@@ -875,6 +909,89 @@ impl SafetensorsSource {
     }
 }
 
+impl SafetensorsSource {
+    /// The window of a mapping that holds bytes `range` of `unit`'s
+    /// packing (one rank's shard), or why not: the unit's bytes in `range`
+    /// must lie in one file exactly as packed (back to back, in the
+    /// packing's order); the part of `range` past the unit (the last
+    /// rank's padding) is whatever follows it in that file, which must
+    /// still hold it.
+    fn shard_window(&self, unit: &Unit, range: Range<u64>) -> Result<MappedWindow, String> {
+        let data_end = range.end.min(unit.bytes);
+        if range.start >= data_end {
+            return Err("it holds none of the block's bytes (all padding)".to_owned());
+        }
+        let mut over = Vec::new();
+        for e in unit
+            .entries
+            .iter()
+            .filter(|e| e.offset < data_end && e.offset + e.bytes > range.start)
+        {
+            let b = self
+                .storages
+                .get(e.storage.index())
+                .and_then(Option::as_ref)
+                .ok_or_else(|| "it holds a non-persistent buffer no checkpoint holds".to_owned())?;
+            over.push((e, b));
+        }
+        over.sort_by_key(|(e, _)| e.offset);
+        let &(first_entry, first) = over
+            .first()
+            .ok_or_else(|| "no tensors lie in it".to_owned())?;
+        if let Some((_, b)) = over
+            .iter()
+            .find(|(_, b)| (b.checkpoint, b.file) != (first.checkpoint, first.file))
+        {
+            return Err(format!(
+                "a file boundary splits it: its tensors lie in {} and {}",
+                self.mapped(first).path.display(),
+                self.mapped(b).path.display()
+            ));
+        }
+        let path = self.mapped(first).path.display();
+        if first_entry.offset > range.start {
+            return Err("it begins between two tensors of the packing".to_owned());
+        }
+        let last = over.last().map_or(0, |(e, _)| e.offset + e.bytes);
+        if last < data_end
+            || over
+                .windows(2)
+                .any(|p| p[0].0.offset + p[0].0.bytes != p[1].0.offset)
+        {
+            return Err("the packing leaves a gap between its tensors".to_owned());
+        }
+        // File offset of packing offset 0 (of this file's part of the unit).
+        let base = first.range.start as i128 - i128::from(first_entry.offset);
+        if let Some((_, b)) = over
+            .iter()
+            .find(|(e, b)| b.range.start as i128 != base + i128::from(e.offset))
+        {
+            return Err(format!(
+                "its tensors are not back to back in {path} in the packing's order (`{}` lies elsewhere)",
+                b.name
+            ));
+        }
+        let start = usize::try_from(base + i128::from(range.start))
+            .map_err(|_| "its window starts outside the file".to_owned())?;
+        let len = usize::try_from(range.end - range.start)
+            .map_err(|_| "its window is larger than the address space".to_owned())?;
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| "its window runs past the end of the address space".to_owned())?;
+        let map = Arc::clone(&self.mapped(first).map);
+        MappedWindow::new(map, start..end).ok_or_else(|| {
+            if range.end > unit.bytes {
+                format!(
+                    "its {} bytes of padding would run past the end of {path}",
+                    range.end - unit.bytes
+                )
+            } else {
+                format!("its window runs past the end of {path}")
+            }
+        })
+    }
+}
+
 impl WeightSource for SafetensorsSource {
     fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
         match &self.storages[storage.index()] {
@@ -932,6 +1049,45 @@ impl WeightSource for SafetensorsSource {
                         unit.name
                     );
                 }
+                None
+            }
+        }
+    }
+
+    /// One rank's shard of a gathered block (CONTRACT §8) as a window of
+    /// its file's mapping, registered in place (the backend registers each
+    /// file's mapping once, read-only, for all its windows, as for whole
+    /// blocks): wherever the shard's bytes lie in one file as packed,
+    /// whether or not the whole block does. Declined (a pinned copy, with a
+    /// warning naming the block, the shard's bytes and why) where a file
+    /// boundary splits the shard or its padding would run past a file's
+    /// end.
+    fn take_shard_region(&self, unit: &Unit, range: Range<u64>) -> Option<Box<dyn HostRegion>> {
+        let bytes = range.end.saturating_sub(range.start);
+        let decline = || {
+            self.shard_copies.fetch_add(1, Ordering::Relaxed);
+            self.shard_copied_bytes.fetch_add(bytes, Ordering::Relaxed);
+        };
+        if !self.in_place {
+            decline();
+            return None;
+        }
+        match self.shard_window(unit, range.clone()) {
+            Ok(w) => {
+                self.shard_windows.fetch_add(1, Ordering::Relaxed);
+                Some(Box::new(w))
+            }
+            Err(why) => {
+                decline();
+                tracing::warn!(
+                    unit = %unit.name,
+                    bytes,
+                    "this rank's shard of block `{}` (bytes {}..{} of {}) is not one window of the checkpoint: {why}; its host master is a copy in pinned memory",
+                    unit.name,
+                    range.start,
+                    range.end,
+                    unit.bytes
+                );
                 None
             }
         }

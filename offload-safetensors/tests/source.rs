@@ -8,12 +8,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use offload_core::model::{DType, ModuleBuilder, PipelineBuilder, StorageId};
-use offload_core::runtime::{CorePlatform, HostMasters, Runtime, WeightSource, packing_for};
+use offload_core::runtime::{
+    CorePlatform, HostMasters, PlantedBug, Runtime, WeightSource, packing_for,
+};
 use offload_core::{ComponentDeclaration, OffloadConfig, Pipeline};
 use offload_safetensors::{Checkpoint, CheckpointError, NameMap, SafetensorsSource, write_file};
-use offload_sim::DeviceProfile;
 use offload_sim::harness::{Probe, RunOptions, Workload, request};
 use offload_sim::presets::{Preset, tiny};
+use offload_sim::{DeviceProfile, SimDevice, SimGroup};
 
 type Tensors = Vec<(String, DType, Vec<u64>, Vec<u8>)>;
 
@@ -842,4 +844,358 @@ fn headers_claiming_more_than_the_file_are_typed_errors() {
         let e = expect_err(Checkpoint::open(&path), needles);
         assert!(matches!(e, CheckpointError::Header { .. }), "{what}: {e:?}");
     }
+}
+
+// ---------------------------------------------------------------------
+// Distributed layerwise offload from a checkpoint (CONTRACT §8): each
+// rank's shard of a gathered block is a window of the file's mapping,
+// registered in place; only a shard a file boundary splits is copied.
+// ---------------------------------------------------------------------
+
+/// What one rank of a distributed run from the checkpoint saw.
+#[derive(Debug)]
+struct RankRun {
+    rank: u32,
+    /// Its outputs, or its error.
+    outputs: Result<Vec<u64>, String>,
+    /// Host bytes registered and pinned after `enable`, on its device.
+    registered: u64,
+    pinned: u64,
+    /// What its device's checkers saw broken.
+    violations: Vec<String>,
+    /// Its source's shard windows and pinned shard copies.
+    shards: (u64, u64),
+    /// What it logged at `info` and above.
+    logs: String,
+}
+
+fn dlo_config() -> OffloadConfig {
+    OffloadConfig {
+        enable_distributed_layerwise_offload: true,
+        ..Default::default()
+    }
+}
+
+/// `g` simulated ranks (one thread each, one gather group), each reading
+/// its own [`SafetensorsSource`] over `ckpt` (as one process per GPU
+/// maps the same file), running the workload under distributed layerwise
+/// offload with `bugs` planted; the simulator's own life cycle of a run
+/// (`drive`: INV-7's bounds, leaks at the end).
+fn dlo_from(
+    pipeline: &Pipeline,
+    ckpt: &Arc<Checkpoint>,
+    g: u32,
+    bugs: &[PlantedBug],
+) -> Vec<RankRun> {
+    use offload_sim::harness::{Rig, StrategyChoice, drive};
+    use offload_sim::multi::{EncoderRanks, rank_config};
+    let w = workload(pipeline.clone());
+    let base = RunOptions::new(DeviceProfile::h200());
+    let opts = RunOptions {
+        profile: base.profile.for_ranks(g),
+        bugs: bugs.to_vec(),
+        ..base
+    };
+    let devices: Vec<SimDevice> = (0..g)
+        .map(|_| SimDevice::new(opts.sim_config()).unwrap())
+        .collect();
+    let collectives = SimGroup::new(&devices).ranks().unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .into_iter()
+            .zip(collectives)
+            .enumerate()
+            .map(|(r, (device, collective))| {
+                let (w, opts) = (&w, &opts);
+                s.spawn(move || {
+                    let rank = r as u32;
+                    let ((outcome, shards), logs) = capture_logs(|| {
+                        let source = Arc::new(dit_source(pipeline, Arc::clone(ckpt)));
+                        let rig = Rig::on_device(
+                            device,
+                            pipeline.clone(),
+                            opts,
+                            Arc::clone(&source) as Arc<dyn WeightSource>,
+                            Some(collective.clone()),
+                        )
+                        .unwrap();
+                        let config = rank_config(&dlo_config(), rank, g, EncoderRanks::All);
+                        let choice = StrategyChoice::Config(config.clone());
+                        let outcome = drive(
+                            rig,
+                            &choice,
+                            &config,
+                            opts,
+                            w.requests,
+                            |rig| rig.request(w),
+                            |_| {},
+                        );
+                        collective.depart();
+                        (outcome, source.shard_windows_and_copies())
+                    });
+                    let (outputs, registered, pinned, violations) = match outcome {
+                        Ok(o) => (
+                            Ok(o.requests.iter().map(|q| q.output).collect()),
+                            o.after_enable.registered_bytes,
+                            o.after_enable.pinned_bytes,
+                            o.violations,
+                        ),
+                        Err(f) => (Err(f.error.to_string()), 0, 0, f.violations),
+                    };
+                    RankRun {
+                        rank,
+                        outputs,
+                        registered,
+                        pinned,
+                        violations: violations.iter().map(|v| v.to_string()).collect(),
+                        shards,
+                        logs,
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Each gathered block's unit in the rank's packing (every block of the
+/// DiT streams: no resident leading layers).
+fn block_units(pipeline: &Pipeline, ckpt: &Arc<Checkpoint>) -> Vec<offload_core::runtime::Unit> {
+    let source = dit_source(pipeline, Arc::clone(ckpt));
+    packing_for(pipeline, &source)
+        .unwrap()
+        .blocks
+        .into_values()
+        .collect()
+}
+
+/// s = ceil(bytes / G): one rank's shard of a block, padding included.
+fn shard_bytes(unit: &offload_core::runtime::Unit, g: u32) -> u64 {
+    unit.bytes.div_ceil(u64::from(g))
+}
+
+/// The host bytes each rank of `g` may hold: its share of the streamed
+/// weights (INV-7's bound for the rank's configuration), which every rank
+/// reaches within under G bytes of padding per block.
+fn share_of_streamed(pipeline: &Pipeline, g: u32) -> u64 {
+    let mut config = dlo_config();
+    config.parallel.data_parallel_size = g;
+    let bounds = offload_core::runtime::memory_bounds(pipeline, &config, 1).unwrap();
+    assert_eq!(bounds.group_size, g);
+    bounds.offloaded_bytes.div_ceil(u64::from(g))
+}
+
+#[test]
+fn dlo_shards_of_one_window_blocks_are_registered_in_place_a_gth_per_rank() {
+    let dir = scratch("dlo-single");
+    let tensors = dit_tensors();
+    write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&dir).unwrap());
+    let pipeline = pipeline_from(&ckpt);
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+    let units = block_units(&pipeline, &ckpt);
+    assert_eq!(units.len(), 7);
+    for g in [2u32, 3, 4] {
+        let ranks = dlo_from(&pipeline, &ckpt, g, &[]);
+        let shards: u64 = units.iter().map(|u| shard_bytes(u, g)).sum();
+        let share = share_of_streamed(&pipeline, g);
+        assert!(
+            shards >= share && shards < share + units.len() as u64 * u64::from(g),
+            "G={g}: {shards} bytes of shards for a share of {share}"
+        );
+        for r in &ranks {
+            let at = format!("G={g} rank {}", r.rank);
+            assert_eq!(
+                r.outputs.as_ref(),
+                Ok(&reference.outputs),
+                "{at}: the file's bytes"
+            );
+            assert_eq!(r.violations, Vec::<String>::new(), "{at}");
+            assert_eq!(r.shards, (7, 0), "{at}: every shard a window, none copied");
+            // Observed on the device: this rank's shards registered in
+            // place, 1/G of the streamed bytes (plus padding), nothing
+            // pinned once enable has uploaded the rest.
+            assert_eq!(r.registered, shards, "{at}");
+            assert_eq!(r.pinned, 0, "{at}: no pinned copy of a shard");
+            assert!(!r.logs.contains("WARN"), "{at}: {}", r.logs);
+            assert!(
+                r.logs.contains(&format!(
+                    "in_place=7 in_place_bytes={shards} copied=0 copied_bytes=0"
+                )),
+                "{at}: the rank's own count at enable: {}",
+                r.logs
+            );
+        }
+    }
+}
+
+#[test]
+fn dlo_from_a_shard_set_copies_only_the_shards_a_file_boundary_splits() {
+    let dir = scratch("dlo-shards");
+    let tensors = dit_tensors();
+    let cut = "transformer_blocks.1.ff.net.0.proj.weight";
+    let index = write_shards(&dir, &tensors, cut);
+    let ckpt = Arc::new(Checkpoint::open(&index).unwrap());
+    let pipeline = pipeline_from(&ckpt);
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+    let units = block_units(&pipeline, &ckpt);
+    let split = units
+        .iter()
+        .find(|u| u.name == "transformer.transformer_blocks.1")
+        .unwrap();
+    // Block 1's bytes in the first file (its attention), packed first: the
+    // file boundary lies there in its packing.
+    let boundary = bytes_under(&tensors, "transformer_blocks.1.attn.");
+    assert!(0 < boundary && boundary < split.bytes);
+    for (g, split_ranks) in [(2u32, vec![0u32]), (3, vec![]), (4, vec![1])] {
+        let s = shard_bytes(split, g);
+        let splits = |r: u32| {
+            let (start, end) = (u64::from(r) * s, (u64::from(r + 1) * s).min(split.bytes));
+            start < boundary && boundary < end
+        };
+        assert_eq!(
+            (0..g).filter(|&r| splits(r)).collect::<Vec<_>>(),
+            split_ranks,
+            "G={g}: the premise"
+        );
+        let shards: u64 = units.iter().map(|u| shard_bytes(u, g)).sum();
+        let ranks = dlo_from(&pipeline, &ckpt, g, &[]);
+        for r in &ranks {
+            let at = format!("G={g} rank {}", r.rank);
+            assert_eq!(r.outputs.as_ref(), Ok(&reference.outputs), "{at}");
+            assert_eq!(r.violations, Vec::<String>::new(), "{at}");
+            let copied = u64::from(splits(r.rank));
+            assert_eq!(r.shards, (7 - copied, copied), "{at}");
+            assert_eq!(r.registered, shards - copied * s, "{at}");
+            assert_eq!(
+                r.pinned,
+                copied * s,
+                "{at}: a pinned copy only of the split shard"
+            );
+            assert!(
+                r.logs.contains(&format!(
+                    "in_place={} in_place_bytes={} copied={copied} copied_bytes={}",
+                    7 - copied,
+                    shards - copied * s,
+                    copied * s
+                )),
+                "{at}: the rank's own count at enable: {}",
+                r.logs
+            );
+            let warns: Vec<&str> = r.logs.lines().filter(|l| l.contains("WARN")).collect();
+            assert_eq!(warns.len() as u64, copied, "{at}: {}", r.logs);
+            for w in warns {
+                for needle in [
+                    "shard of block `transformer.transformer_blocks.1`",
+                    &format!("bytes={s}"),
+                    "a file boundary splits it",
+                    "model-00001-of-00002.safetensors",
+                    "model-00002-of-00002.safetensors",
+                ] {
+                    assert!(w.contains(needle), "{at}: `{w}` should name {needle}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn planted_shard_window_wrong_offset_is_caught_and_its_control_is_clean() {
+    let dir = scratch("dlo-planted");
+    let tensors = dit_tensors();
+    write_file(&dir.join("diffusion_pytorch_model.safetensors"), &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&dir).unwrap());
+    let pipeline = pipeline_from(&ckpt);
+    let reference = run(&pipeline, Arc::new(in_memory(&pipeline, &tensors)), false);
+    for g in [2u32, 3] {
+        let clean = dlo_from(&pipeline, &ckpt, g, &[]);
+        for r in &clean {
+            assert_eq!(r.outputs.as_ref(), Ok(&reference.outputs), "control G={g}");
+            assert_eq!(r.violations, Vec::<String>::new(), "control G={g}");
+        }
+        let planted = dlo_from(&pipeline, &ckpt, g, &[PlantedBug::ShardWindowWrongOffset]);
+        // The bug takes the in-place path (its windows are registered)...
+        assert!(
+            planted.iter().all(|r| r.shards.0 > 0),
+            "G={g}: {:?}",
+            planted.iter().map(|r| r.shards).collect::<Vec<_>>()
+        );
+        // ... and is seen (INV-8): every rank gathers the shifted window
+        // into its slots, so every rank's outputs are not the file's bytes.
+        for r in &planted {
+            assert!(
+                r.outputs.is_ok() && r.outputs.as_ref() != Ok(&reference.outputs),
+                "G={g} rank {}: the wrong offset went unseen ({:?}, {:?})",
+                r.rank,
+                r.outputs,
+                r.violations
+            );
+        }
+    }
+}
+
+#[test]
+fn a_shard_window_holds_the_files_bytes_and_padding_stays_in_the_file() {
+    // Two blocks of one 10-byte tensor each, the second last in the file:
+    // with G = 4, s = 3, the last rank's shard (bytes 9..12) pads past
+    // its block, into the next block's bytes for block 0 and past the
+    // file's end for block 1.
+    let mut b = PipelineBuilder::new("PaddedPipeline");
+    {
+        let mut t = b.module("transformer");
+        t.list("blocks", 2, |_, block| {
+            block.parameter("w", DType::U8, &[10]);
+        });
+        t.block_containers(&["blocks"]);
+    }
+    b.declare_components(ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        ..Default::default()
+    });
+    let pipeline = b.build().unwrap();
+    let dir = scratch("padded");
+    let file = dir.join("model.safetensors");
+    write_file(&file, &tensors_of(&pipeline)).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&file).unwrap());
+    let source = dit_source(&pipeline, Arc::clone(&ckpt));
+    let packing = packing_for(&pipeline, &source).unwrap();
+    let units: Vec<_> = packing.blocks.values().collect();
+    let file_bytes = |name: &str| ckpt.bytes(name).unwrap().to_vec();
+    let (b0, b1) = (file_bytes("blocks.0.w"), file_bytes("blocks.1.w"));
+    let (regions, logs) = capture_logs(|| {
+        units
+            .iter()
+            .map(|u| {
+                (0..4u64)
+                    .map(|r| {
+                        source
+                            .take_shard_region(u, r * 3..r * 3 + 3)
+                            .map(|w| w.bytes().to_vec())
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+    });
+    for (r, (got0, got1)) in regions[0].iter().zip(&regions[1]).enumerate().take(3) {
+        let at = r * 3;
+        assert_eq!(got0.as_deref(), Some(&b0[at..at + 3]), "block 0 rank {r}");
+        assert_eq!(got1.as_deref(), Some(&b1[at..at + 3]), "block 1 rank {r}");
+    }
+    let padded: Vec<u8> = [&b0[9..], &b1[..2]].concat();
+    assert_eq!(
+        regions[0][3].as_deref(),
+        Some(&padded[..]),
+        "block 0's last byte, then the next bytes of the file as padding"
+    );
+    assert_eq!(regions[1][3], None, "padding past the file's end");
+    assert!(
+        logs.contains("2 bytes of padding would run past the end of")
+            && logs.contains("model.safetensors")
+            && logs.contains("shard of block `transformer.blocks.1` (bytes 9..12 of 10)"),
+        "{logs}"
+    );
+    assert_eq!(source.shard_windows_and_copies(), (7, 1));
+    assert_eq!(source.shard_copied_bytes(), 3);
+    // A shard that is all padding holds none of the file.
+    assert!(source.take_shard_region(units[0], 10..13).is_none());
 }

@@ -58,6 +58,28 @@ pub trait WeightSource: Send + Sync {
         None
     }
 
+    /// Memory that already holds bytes `range` of `unit` packed as
+    /// [`Unit::entries`] lays it out: one rank's shard of a gathered block
+    /// (CONTRACT §8, `range` is `start..start + s`), registered in place as
+    /// the shard's host master instead of copying it into fresh pinned
+    /// memory (a mapped checkpoint's window). The region must be exactly
+    /// `range`'s length. `range` may run past `unit.bytes` (the last rank's
+    /// zero padding): those bytes land in the slot past the unit and
+    /// compute never reads them, so the region may hold whatever follows
+    /// the unit in the source's memory there, provided it is that memory
+    /// (readable, the same mapping). `None` (the default), or where no
+    /// such memory exists (the shard is split between two files, the
+    /// padding would run past a file's end): the shard is copied into
+    /// pinned memory through `read`, zeros as padding.
+    fn take_shard_region(
+        &self,
+        unit: &Unit,
+        range: std::ops::Range<u64>,
+    ) -> Option<Box<dyn crate::device::HostRegion>> {
+        let _ = (unit, range);
+        None
+    }
+
     /// Memory that already holds `unit` coded in `format` (a packed
     /// checkpoint's window, CONTRACT §7b): its coded bytes and the decode's
     /// work items, registered in place as the coded host master instead of

@@ -111,11 +111,16 @@ pub enum PlantedBug {
     /// staging buffer without waiting for the copy that last read it, so
     /// the copy may carry the next block's bytes into the slot.
     HostStagingReuseBeforeCopy,
+    /// INV-8 (distributed layerwise, CONTRACT §8): a rank's shard registered
+    /// in place ([`crate::runtime::WeightSource::take_shard_region`]) is
+    /// asked for one bf16 element (2 bytes) past where the shard starts, so
+    /// the gathered slot holds the checkpoint's bytes shifted.
+    ShardWindowWrongOffset,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 35] = [
+    pub const ALL: [PlantedBug; 36] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -151,6 +156,7 @@ impl PlantedBug {
         PlantedBug::StagingReuseBeforeDecode,
         PlantedBug::DecodeIntoSlotInUse,
         PlantedBug::HostStagingReuseBeforeCopy,
+        PlantedBug::ShardWindowWrongOffset,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -1465,8 +1465,10 @@ impl<A: Api> LayerwiseBackend<A> {
         } else {
             Default::default()
         };
-        // Host masters, pinned once, exact size: whole blocks, or this
-        // rank's shards, or (`weight_compression = "lossless"`) a block's
+        // Host masters, pinned once, exact size (or registered in place
+        // where the weight source holds them: a block, or this rank's shard
+        // of one, that is a window of a mapped checkpoint): whole blocks,
+        // or this rank's shards, or (`weight_compression = "lossless"`) a block's
         // coded bytes.
         let bf16 = crate::runtime::layout::bf16_storages(&model.pipeline);
         let mut coding = CodingTally::default();
@@ -1495,6 +1497,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 .contains(&Some(crate::budget::StageReason::Budget)),
             ..StagedTally::default()
         };
+        let masters_before = h.host_masters();
         for spec in &layout.rings {
             st.rings.push(Ring {
                 blocks: Vec::new(),
@@ -1508,7 +1511,11 @@ impl<A: Api> LayerwiseBackend<A> {
                 let (host, coded) = match (&block.shard, &self.codec, planned) {
                     (None, _, Some(why)) => (staged_master(h, &unit, why, &mut staged_log), None),
                     (Some(shard), _, _) => (
-                        h.counted(HostMaster::Pinned(h.fill_shard(&unit, shard)?)),
+                        h.shard_master(
+                            &unit,
+                            shard,
+                            engine.bug(PlantedBug::ShardWindowWrongOffset),
+                        )?,
                         None,
                     ),
                     (None, Some(codec), None) if skip.is_empty() => {
@@ -1543,6 +1550,33 @@ impl<A: Api> LayerwiseBackend<A> {
             }
         }
         staged_log.log(&host_plan);
+        if layout.gathers() {
+            // CONTRACT §8: this rank's masters (its shards of gathered
+            // blocks, whole blocks of rank-local rings), registered in place
+            // where the weight source holds them as windows, else copies.
+            let now = h.host_masters();
+            let (in_place, in_place_bytes) = (
+                now.in_place_units
+                    .saturating_sub(masters_before.in_place_units),
+                now.in_place_bytes
+                    .saturating_sub(masters_before.in_place_bytes),
+            );
+            let (copied, copied_bytes) = (
+                now.copied_units.saturating_sub(masters_before.copied_units),
+                now.copied_bytes.saturating_sub(masters_before.copied_bytes),
+            );
+            tracing::info!(
+                rank = engine.rank,
+                in_place,
+                in_place_bytes,
+                copied,
+                copied_bytes,
+                "rank {}'s host masters: {in_place} registered in place ({}), {copied} copied into pinned memory ({})",
+                engine.rank,
+                crate::bytes::ByteSize::new(in_place_bytes),
+                crate::bytes::ByteSize::new(copied_bytes)
+            );
+        }
         // The staging ring, when any master is staged: two pinned buffers
         // of the largest staged block.
         let largest_staged = st

@@ -372,6 +372,53 @@ impl<A: Api> Handles<A> {
         Ok(host)
     }
 
+    /// This rank's host master of `unit`'s `shard` (CONTRACT §8): memory
+    /// the weight source already holds (a window of its mapped checkpoint,
+    /// [`WeightSource::take_shard_region`]) registered in place, else a
+    /// pinned copy ([`Self::fill_shard`]). A shard that is all padding (a
+    /// unit smaller than its group) is always a pinned copy of zeros.
+    /// `wrong_offset` (only the `ShardWindowWrongOffset` planted bug) asks
+    /// for the window one bf16 element late.
+    pub(crate) fn shard_master(
+        &self,
+        unit: &Unit,
+        shard: &crate::runtime::ring::Shard,
+        wrong_offset: bool,
+    ) -> Result<HostMaster<A>, OffloadError> {
+        let start = if wrong_offset {
+            shard.start + 2
+        } else {
+            shard.start
+        };
+        if shard.end > shard.start
+            && let Some(region) = self
+                .weights
+                .take_shard_region(unit, start..start + shard.bytes)
+        {
+            let len = region.bytes().len() as u64;
+            if len == shard.bytes {
+                match self.device.register_host(region) {
+                    Ok(r) => return Ok(self.counted(HostMaster::Registered(r))),
+                    Err(e) => tracing::warn!(
+                        unit = %unit.name,
+                        "registering this rank's shard of `{}` in place failed ({}); pinning a copy",
+                        unit.name,
+                        e.error
+                    ),
+                }
+            } else {
+                tracing::warn!(
+                    unit = %unit.name,
+                    "the weight source's window of this rank's shard of `{}` holds {len} bytes, not {}; pinning a copy",
+                    unit.name,
+                    shard.bytes
+                );
+            }
+        }
+        self.fill_shard(unit, shard)
+            .map(|b| self.counted(HostMaster::Pinned(b)))
+    }
+
     /// The host master of `unit`: memory the weight source already holds,
     /// registered in place, else a pinned buffer filled from the source.
     pub(crate) fn master(
