@@ -526,7 +526,7 @@ fn main() -> Result<(), Error> {
 
 /// The block kernel's variants `--variants` measures: `NAME:DEF=V,...`
 /// (`decode.cu`'s `OPK_*` tunables; `OPK_BLOCK_ITEMS` also sets the grid).
-const DEFAULT_VARIANTS: [&str; 22] = [
+const DEFAULT_VARIANTS: [&str; 25] = [
     "k1:OPK_BLOCK_ITEMS=1u",
     "k2:OPK_BLOCK_ITEMS=2u",
     "k4:OPK_BLOCK_ITEMS=4u",
@@ -549,6 +549,9 @@ const DEFAULT_VARIANTS: [&str; 22] = [
     "k16ps_m7:OPK_BLOCK_ITEMS=16u,OPK_PREFETCH=1,OPK_SMEM_STORE=1,OPK_BLOCK_MIN_BLOCKS=7",
     "k16_m10:OPK_BLOCK_ITEMS=16u,OPK_BLOCK_MIN_BLOCKS=10",
     "k64p:OPK_BLOCK_ITEMS=64u,OPK_PREFETCH=1",
+    "k2p:OPK_BLOCK_ITEMS=2u,OPK_PREFETCH=1",
+    "k12p:OPK_BLOCK_ITEMS=12u,OPK_PREFETCH=1",
+    "k8ps_m6:OPK_BLOCK_ITEMS=8u,OPK_PREFETCH=1,OPK_SMEM_STORE=1,OPK_BLOCK_MIN_BLOCKS=6",
 ];
 
 /// Bytes past each slot that no decode may write (racing copies).
