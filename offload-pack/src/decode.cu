@@ -271,7 +271,15 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 //                         through shared memory (a warp's 2 KiB, XOR
 //                         swizzled, no bank conflicts) and out as 512-byte
 //                         contiguous warp stores instead of each thread's
-//                         64 contiguous bytes.
+//                         64 contiguous bytes;
+//   OPK_PATCH             1: a full, 16-byte aligned tile's 32 values a
+//                         thread are built with no escape test per weight
+//                         (an escape's exponent is wrong), staged as
+//                         OPK_SMEM_STORE stages them, then each escape
+//                         (2-4 % of weights) is patched there from its
+//                         escape byte before the warp stores: the
+//                         per-weight escape select, slot popcount and
+//                         predicated byte load leave the hot loop.
 
 #ifndef OPK_BLOCK_ITEMS
 #define OPK_BLOCK_ITEMS 8u
@@ -284,6 +292,9 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 #endif
 #ifndef OPK_SMEM_STORE
 #define OPK_SMEM_STORE 0
+#endif
+#ifndef OPK_PATCH
+#define OPK_PATCH 0
 #endif
 
 // A host build (the CPU emulator in offload-pack/tests/cuda_emu, the
@@ -526,10 +537,8 @@ __device__ __forceinline__ void opk_block_tile(const unsigned char* t, const Opk
         sums[5] = in.end;
     }
     __syncthreads();
-    unsigned int before = 0;
-    for (unsigned int k = 0; k < warp; ++k) {
-        before += sums[k];
-    }
+    const unsigned int before = (warp > 0u ? sums[0] : 0u) + (warp > 1u ? sums[1] : 0u)
+        + (warp > 2u ? sums[2] : 0u);
     const unsigned int total = sums[0] + sums[1] + sums[2] + sums[3];
     const unsigned int start = sums[4];
     const unsigned int end = sums[5];
@@ -540,6 +549,94 @@ __device__ __forceinline__ void opk_block_tile(const unsigned char* t, const Opk
         return; // uniform: every thread read the same shared values
     }
     const unsigned char* escapes = t + h.esc_off + start + (before + incl - count);
+#if OPK_PATCH
+    {
+        uint4* s = stage + warp * 128u;
+        unsigned short* s16 = (unsigned short*)s;
+        const unsigned int x = (lane >> 1) & 3u;
+        const unsigned int p0 = in.p0, p1 = in.p1, p2 = in.p2;
+        const unsigned int sw[8] = {in.s0.x, in.s0.y, in.s0.z, in.s0.w,
+                                    in.s1.x, in.s1.y, in.s1.z, in.s1.w};
+        const unsigned int lo = h.lo;
+        OPK_SYNCWARP(); // the warp's reads of the previous tile's staging are done
+        // Value b of the thread is u16 (lane·4 + ((b >> 3) ^ x))·8 + (b & 7)
+        // of the warp's staging: its 16-byte chunks XOR swizzled, so that
+        // neither these stores nor the warp's reads below conflict.
+#pragma unroll
+        for (unsigned int j = 0; j < 4u; ++j) {
+            unsigned int q[4];
+#pragma unroll
+            for (unsigned int i = 0; i < 4u; ++i) {
+                unsigned int v[2];
+#pragma unroll
+                for (unsigned int k = 0; k < 2u; ++k) {
+                    const unsigned int b = 8u * j + 2u * i + k;
+                    const unsigned int code =
+                        ((p0 >> b) & 1u) | (((p1 >> b) & 1u) << 1) | (((p2 >> b) & 1u) << 2);
+                    const unsigned int sm_byte = (sw[b >> 2] >> ((b & 3u) * 8u)) & 0xffu;
+                    v[k] = opk_value(sm_byte, lo + code - 1u); // an escape's: patched below
+                }
+                q[i] = v[0] | (v[1] << 16);
+            }
+            s[lane * 4u + (j ^ x)] = make_uint4(q[0], q[1], q[2], q[3]);
+        }
+        // The thread's escapes (bits of `esc`: none past the tensor's end),
+        // two loads in flight a round: the exponent bits (7..14) of each
+        // escape's staged value replaced by its escape byte.
+        unsigned int m = esc;
+        while (m != 0u) {
+            const unsigned int b0 = __popc((m & (0u - m)) - 1u);
+            m &= m - 1u;
+            const bool two = m != 0u;
+            const unsigned int b1 = two ? __popc((m & (0u - m)) - 1u) : b0;
+            if (two) {
+                m &= m - 1u;
+            }
+            const unsigned int e0 = escapes[__popc(esc & ((1u << b0) - 1u))];
+            const unsigned int e1 = two ? (unsigned int)escapes[__popc(esc & ((1u << b1) - 1u))] : e0;
+            unsigned short* a0 = s16 + (lane * 4u + ((b0 >> 3) ^ x)) * 8u + (b0 & 7u);
+            *a0 = (unsigned short)((*a0 & 0x807fu) | (e0 << 7));
+            if (two) {
+                unsigned short* a1 = s16 + (lane * 4u + ((b1 >> 3) ^ x)) * 8u + (b1 & 7u);
+                *a1 = (unsigned short)((*a1 & 0x807fu) | (e1 << 7));
+            }
+        }
+        unsigned char* dst = out + 2ull * first;
+        // The whole tile full and its output 16-byte aligned (the same for
+        // every thread of the block): 512-byte warp stores.
+        if (n >= (unsigned long long)(tile + 1u) * OPK_TILE
+            && (((unsigned long long)(out + 2ull * (unsigned long long)tile * OPK_TILE)) & 15ull) == 0ull) {
+            OPK_SYNCWARP();
+            uint4* d = (uint4*)(out + 2ull * ((unsigned long long)tile * OPK_TILE + 1024ull * warp));
+#pragma unroll
+            for (unsigned int i = 0; i < 4u; ++i) {
+                const unsigned int c = i * 32u + lane;
+                const unsigned int owner = c >> 2;
+                d[c] = s[owner * 4u + ((c & 3u) ^ ((owner >> 1) & 3u))];
+            }
+        } else if (live == 32u && (((unsigned long long)dst) & 15ull) == 0ull) {
+            // The thread's own values back (no other thread's: no barrier).
+            uint4* d = (uint4*)dst;
+#pragma unroll
+            for (unsigned int j = 0; j < 4u; ++j) {
+                d[j] = s[lane * 4u + (j ^ x)];
+            }
+        } else if ((((unsigned long long)dst) & 1ull) == 0ull) {
+            unsigned short* d = (unsigned short*)dst;
+            for (unsigned int b = 0; b < live; ++b) {
+                d[b] = s16[(lane * 4u + ((b >> 3) ^ x)) * 8u + (b & 7u)];
+            }
+        } else {
+            // An odd output address (a tensor at an odd offset of its slot).
+            for (unsigned int b = 0; b < live; ++b) {
+                const unsigned int v = s16[(lane * 4u + ((b >> 3) ^ x)) * 8u + (b & 7u)];
+                dst[2u * b] = (unsigned char)(v & 0xffu);
+                dst[2u * b + 1u] = (unsigned char)((v >> 8) & 0xffu);
+            }
+        }
+        return;
+    }
+#else
     unsigned int packed[16];
     opk_rebuild(in.p0, in.p1, in.p2, in.s0, in.s1, esc, live, escapes, h.lo, packed);
     unsigned char* dst = out + 2ull * first;
@@ -570,6 +667,7 @@ __device__ __forceinline__ void opk_block_tile(const unsigned char* t, const Opk
     (void)stage;
 #endif
     opk_store_word(dst, packed, live);
+#endif
 }
 
 // Decodes the coded block `blob` (the staging buffer: 256-byte aligned, so
@@ -590,7 +688,7 @@ extern "C" __global__ void OPK_BLOCK_BOUNDS opk_decode_block(
     // the others reach.
     __shared__ OpkRun s_run;
     __shared__ unsigned int s_sums[2][6];
-#if OPK_SMEM_STORE
+#if OPK_SMEM_STORE || OPK_PATCH
     __shared__ uint4 s_stage[4u * 128u];
     uint4* stage = s_stage;
 #else
