@@ -272,10 +272,13 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 //                         swizzled, no bank conflicts) and out as 512-byte
 //                         contiguous warp stores instead of each thread's
 //                         64 contiguous bytes;
-//   OPK_PATCH             1: a full, 16-byte aligned tile's 32 values a
-//                         thread are built with no escape test per weight
-//                         (an escape's exponent is wrong), staged as
-//                         OPK_SMEM_STORE stages them, then each escape
+//   OPK_PATCH             1 (2: four weights at a time in byte and 16-bit
+//                         lanes of a u32): a tile's 32 values a thread
+//                         are built with no escape test per weight
+//                         (an escape's exponent is wrong), staged in shared
+//                         memory as OPK_SMEM_STORE stages them (a full,
+//                         aligned tile stored as it does, any other a
+//                         thread's own values), then each escape
 //                         (2-4 % of weights) is patched there from its
 //                         escape byte before the warp stores: the
 //                         per-weight escape select, slot popcount and
@@ -294,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 #define OPK_SMEM_STORE 0
 #endif
 #ifndef OPK_PATCH
-#define OPK_PATCH 0
+#define OPK_PATCH 2
 #endif
 
 // A host build (the CPU emulator in offload-pack/tests/cuda_emu, the
@@ -498,6 +501,28 @@ __device__ __forceinline__ OpkTileIn opk_tile_load(const unsigned char* t, unsig
     return in;
 }
 
+// __byte_perm (PRMT); a host build has none: the same selection in C.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define OPK_PRMT(x, y, s) __byte_perm((x), (y), (s))
+#else
+__device__ __forceinline__ unsigned int OPK_PRMT(unsigned int x, unsigned int y, unsigned int s)
+{
+    const unsigned long long xy = ((unsigned long long)y << 32) | x;
+    unsigned int r = 0;
+    for (unsigned int i = 0; i < 4u; ++i) {
+        r |= (unsigned int)((xy >> (8u * ((s >> (4u * i)) & 7u))) & 0xffu) << (8u * i);
+    }
+    return r;
+}
+#endif
+
+// Bit k of the nibble `n` to bit 8k (k < 4): the partial products of
+// n · (1 + 2^7 + 2^14 + 2^21) never overlap.
+__device__ __forceinline__ unsigned int opk_spread4(unsigned int n)
+{
+    return (n * 0x00204081u) & 0x01010101u;
+}
+
 // Decodes tile `tile` of the window3 blob at `t` (its checked header `h`)
 // from its loaded inputs `in` into the tensor at `out`. `sums` (6 words of
 // shared memory, the caller alternating two sets tile by tile) carry the
@@ -562,6 +587,38 @@ __device__ __forceinline__ void opk_block_tile(const unsigned char* t, const Opk
         // Value b of the thread is u16 (lane·4 + ((b >> 3) ^ x))·8 + (b & 7)
         // of the warp's staging: its 16-byte chunks XOR swizzled, so that
         // neither these stores nor the warp's reads below conflict.
+#if OPK_PATCH == 2
+        // Four weights at a time: their 3-bit codes spread into byte lanes
+        // (a nibble of each plane times 0x204081), two weights a u32 in
+        // 16-bit lanes, exponent (code + lo + 255) mod 256 = lo + code - 1
+        // (no lane carries: at most 517), sign and mantissa from the byte
+        // doubled into its lane (s · 0x101: bit 7 lands on bit 15).
+        const unsigned int l2 = ((lo + 255u) | ((lo + 255u) << 16)) << 7;
+#pragma unroll
+        for (unsigned int j = 0; j < 4u; ++j) {
+            unsigned int q[4];
+#pragma unroll
+            for (unsigned int hf = 0; hf < 2u; ++hf) {
+                const unsigned int g = 2u * j + hf; // weights 4g .. 4g + 3
+                const unsigned int c = opk_spread4((p0 >> (4u * g)) & 15u)
+                    | (opk_spread4((p1 >> (4u * g)) & 15u) << 1)
+                    | (opk_spread4((p2 >> (4u * g)) & 15u) << 2);
+                const unsigned int smw = sw[g];
+#pragma unroll
+                for (unsigned int k = 0; k < 2u; ++k) {
+                    // Bytes 2k, 2k + 1 to the low bytes of the two lanes.
+                    const unsigned int sel = k == 0u ? 0x4140u : 0x4342u;
+                    const unsigned int cp = OPK_PRMT(c, 0u, sel);
+                    const unsigned int sp = OPK_PRMT(smw, 0u, sel);
+                    const unsigned int e7 = cp * 128u + l2;
+                    const unsigned int t2 = sp * 0x101u;
+                    // Bits 15 and 0..6 of each lane from t2, 7..14 from e7.
+                    q[2u * hf + k] = e7 ^ ((e7 ^ t2) & 0x807f807fu);
+                }
+            }
+            s[lane * 4u + (j ^ x)] = make_uint4(q[0], q[1], q[2], q[3]);
+        }
+#else
 #pragma unroll
         for (unsigned int j = 0; j < 4u; ++j) {
             unsigned int q[4];
@@ -580,6 +637,7 @@ __device__ __forceinline__ void opk_block_tile(const unsigned char* t, const Opk
             }
             s[lane * 4u + (j ^ x)] = make_uint4(q[0], q[1], q[2], q[3]);
         }
+#endif
         // The thread's escapes (bits of `esc`: none past the tensor's end),
         // two loads in flight a round: the exponent bits (7..14) of each
         // escape's staged value replaced by its escape byte.
