@@ -44,6 +44,14 @@ __device__ __forceinline__ unsigned short opk_value(unsigned int sm_byte, unsign
     return (unsigned short)(((sm_byte & 0x80u) << 8) | (exp << 7) | (sm_byte & 0x7fu));
 }
 
+// The escape slot of bit b of a word whose escape mask is `esc`, from the
+// word's first escape: the escapes before it (every kernel's one place for
+// it: a checking run plants its off-by-one here).
+__device__ __forceinline__ unsigned int opk_slot(unsigned int esc, unsigned int b)
+{
+    return __popc(esc & ((1u << b) - 1u));
+}
+
 // Rebuilds the 32 bf16 values of one code word (planes p0, p1, p2, the
 // 32 sign+mantissa bytes s0, s1, escape mask `esc`, `live` weights before
 // the tensor's end, its first escape byte at `escapes`) into `packed`, two
@@ -65,7 +73,7 @@ __device__ __forceinline__ void opk_rebuild(unsigned int p0, unsigned int p1, un
         if (code != 0u || b >= live) {
             exp = lo + code - 1u;
         } else {
-            exp = escapes[__popc(esc & ((1u << b) - 1u))];
+            exp = escapes[opk_slot(esc, b)];
         }
         const unsigned int v = opk_value(sm_byte, exp);
         if (b & 1u) {
@@ -259,8 +267,12 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 // even when the staging bytes change under it.
 //
 // Tunables (each `#ifndef`: a benchmark compiles variants with `#define`s
-// before the source; the defaults are the variant measured fastest, and
-// `offload_pack::kernels::DECODE_BLOCK_ITEMS` is OPK_BLOCK_ITEMS):
+// before the source; the defaults are the variant measured fastest,
+// `decode_bench --variants` on the H200 2026-12-02: 4 items, OPK_PATCH 2,
+// 10 resident blocks (48 registers), 2.20 TB/s on a Flux double block and
+// 2.10 on a single one, against 1.17 for one item a block and the
+// per-weight escape test; `offload_pack::kernels::DECODE_BLOCK_ITEMS` is
+// OPK_BLOCK_ITEMS):
 //   OPK_BLOCK_ITEMS       work items per thread block;
 //   OPK_BLOCK_MIN_BLOCKS  __launch_bounds__'s resident blocks per SM (0:
 //                         none given);
@@ -285,10 +297,10 @@ extern "C" __global__ void __launch_bounds__(128) opk_decode_window3(
 //                         predicated byte load leave the hot loop.
 
 #ifndef OPK_BLOCK_ITEMS
-#define OPK_BLOCK_ITEMS 8u
+#define OPK_BLOCK_ITEMS 4u
 #endif
 #ifndef OPK_BLOCK_MIN_BLOCKS
-#define OPK_BLOCK_MIN_BLOCKS 0
+#define OPK_BLOCK_MIN_BLOCKS 10
 #endif
 #ifndef OPK_PREFETCH
 #define OPK_PREFETCH 0
@@ -650,8 +662,8 @@ __device__ __forceinline__ void opk_block_tile(const unsigned char* t, const Opk
             if (two) {
                 m &= m - 1u;
             }
-            const unsigned int e0 = escapes[__popc(esc & ((1u << b0) - 1u))];
-            const unsigned int e1 = two ? (unsigned int)escapes[__popc(esc & ((1u << b1) - 1u))] : e0;
+            const unsigned int e0 = escapes[opk_slot(esc, b0)];
+            const unsigned int e1 = two ? (unsigned int)escapes[opk_slot(esc, b1)] : e0;
             unsigned short* a0 = s16 + (lane * 4u + ((b0 >> 3) ^ x)) * 8u + (b0 & 7u);
             *a0 = (unsigned short)((*a0 & 0x807fu) | (e0 << 7));
             if (two) {

@@ -34,7 +34,7 @@ pub const DECODE_BLOCK_THREADS: u32 = crate::format::WORDS_PER_TILE as u32;
 /// `OPK_BLOCK_ITEMS` default): its grid is the block's work items divided
 /// by this, rounded up. Consecutive items share their table entry, so the
 /// entry's lookup and checks are paid once per thread block and entry.
-pub const DECODE_BLOCK_ITEMS: u32 = 8;
+pub const DECODE_BLOCK_ITEMS: u32 = 4;
 
 /// A host C++ shim that lets a C++ compiler check [`DECODE_CU`]'s syntax
 /// and types where there is no CUDA toolkit (the CUDA built-ins declared,
