@@ -22,9 +22,10 @@ pub const DECODE_KERNEL: &str = "opk_decode_window3";
 /// [`DECODE_BLOCK_ITEMS`], rounded up, [`DECODE_BLOCK_THREADS`] threads a
 /// block. `*error` becomes 1 on a tile whose escape index
 /// disagrees with its codes, 2 on a table entry that does not hold its
-/// work item, names an unknown code, or points outside either bound (then
-/// that work item writes nothing: stale staging bytes never write outside
-/// the slot).
+/// work item, names an unknown code, or points outside either bound, or a
+/// header whose work count is not its table's (then that work item writes
+/// nothing: stale staging bytes never write outside the slot). Items at or
+/// past the work count (the last thread block's padding) do nothing.
 pub const BLOCK_KERNEL: &str = "opk_decode_block";
 
 /// Threads of one block of [`DECODE_KERNEL`] and [`BLOCK_KERNEL`] (one per code word of a tile).
