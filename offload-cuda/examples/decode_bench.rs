@@ -467,7 +467,16 @@ fn main() -> Result<(), Error> {
         } else {
             specs
         };
-        variant_sweep(&dev, &stream, &ts, &list, baseline.as_deref(), iters, racing, &mut failed)?
+        variant_sweep(
+            &dev,
+            &stream,
+            &ts,
+            &list,
+            baseline.as_deref(),
+            iters,
+            racing,
+            &mut failed,
+        )?
     } else {
         Vec::new()
     };
@@ -579,7 +588,12 @@ fn dtod(dst: u64, src: u64, bytes: u64, stream: &CudaStream) -> Result<(), Error
 /// sentinel; drained.
 fn reset(dev: &CudaDevice, stream: &CudaStream, b: &SweepBlock) -> Result<(), Error> {
     dev.bind()?;
-    dtod(b.staging.ptr(), b.pristine.ptr(), b.block.blob.len() as u64, stream)?;
+    dtod(
+        b.staging.ptr(),
+        b.pristine.ptr(),
+        b.block.blob.len() as u64,
+        stream,
+    )?;
     // SAFETY: the slot and its guard are `out`'s bytes, ordered on `stream`.
     unsafe {
         cudarc::driver::result::memset_d8_async(
@@ -673,7 +687,10 @@ fn variant_sweep(
     }
     let mut rows = Vec::new();
     let mut decoders = Vec::new();
-    println!("\nvariants ({} each, best of 3 × {iters} launches):", blocks.len());
+    println!(
+        "\nvariants ({} each, best of 3 × {iters} launches):",
+        blocks.len()
+    );
     for (name, src, items) in &sources {
         let dec = Arc::new(PackDecoder::from_source_with_items(dev, src, *items)?);
         let codec = CudaCodec::with_decoder(dev, Arc::clone(&dec));
@@ -742,7 +759,9 @@ fn variant_sweep(
         };
         let planted_held = index_flag == 1 && entry_held && slot_caught;
         if !identical {
-            failed.push(format!("variant {name}: a block decoded differs (or raised the flag)"));
+            failed.push(format!(
+                "variant {name}: a block decoded differs (or raised the flag)"
+            ));
         }
         if !planted_held {
             failed.push(format!(
@@ -790,7 +809,10 @@ fn variant_sweep(
                 let other = &blocks[1 - i];
                 reset(dev, stream, b)?;
                 let (src, len) = if r % 2 == 0 {
-                    (other.pristine.ptr(), other.block.blob.len().min(b.block.blob.len()))
+                    (
+                        other.pristine.ptr(),
+                        other.block.blob.len().min(b.block.blob.len()),
+                    )
                 } else {
                     (noise_buf.ptr(), noise.len().min(b.block.blob.len()))
                 };
@@ -813,9 +835,13 @@ fn variant_sweep(
         }
         let name = row["variant"].as_str().unwrap_or("?").to_owned();
         if !guards {
-            failed.push(format!("variant {name}: a racing decode wrote past its slot"));
+            failed.push(format!(
+                "variant {name}: a racing decode wrote past its slot"
+            ));
         }
-        println!("variant {name:>10}: racing copies finished {finished}, guard intact {guards}, flags {flags:?}");
+        println!(
+            "variant {name:>10}: racing copies finished {finished}, guard intact {guards}, flags {flags:?}"
+        );
         row["racing_finished"] = serde_json::json!(finished);
         row["racing_guard_intact"] = serde_json::json!(guards);
         row["racing_flags"] = serde_json::json!(flags);
