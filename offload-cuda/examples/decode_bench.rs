@@ -17,15 +17,33 @@
 //! times: coded / bf16 bytes, decoded bf16 bytes per second of device
 //! time, bit identity. Exit status 1 if any check failed.
 //!
+//! Then the block kernel's variants (`--variants`, or `--variant
+//! NAME:DEF=V,DEF=V` each): `DECODE_CU` compiled again with `#define`
+//! lines before it (its `OPK_*` tunables), and per variant, on the normal
+//! law's double and single block: the best of three timed runs of
+//! `--iters` launches, bit identity (the slot cleared to a sentinel
+//! first), and the planted checks that must still fail — a damaged escape
+//! index raises flag 1, a table entry with an unknown code raises flag 2
+//! and leaves that entry's output untouched while the rest decodes, the
+//! off-by-one escape slot planted in the variant's own source changes the
+//! output — then, once every variant's rates are printed, racing copies:
+//! the staging buffer overwritten (the other block's blob, random bytes)
+//! on a second stream while the decode reads it, which must finish (no
+//! thread left at a barrier) and write nothing past the slot.
+//! `--baseline PATH` adds a source as it is (main's `decode.cu`: one work
+//! item a thread block) as the first row.
+//!
 //! `cargo build --release -p offload-cuda --example decode_bench`, then
-//! `target/release/examples/decode_bench [--iters 50] [--json out.json]`.
+//! `target/release/examples/decode_bench [--iters 50] [--json out.json]
+//! [--variants] [--baseline PATH] [--racing N]`.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use offload_core::device::{Device, HostBuffer, HostSource};
-use offload_cuda::decode::{OpkTensor, PackDecoder};
+use offload_cuda::decode::{CudaCodec, OpkTensor, PackDecoder};
 use offload_cuda::{CudaBuffer, CudaDevice, CudaStream};
-use offload_pack::block::{Span, encode_block};
+use offload_pack::block::{BlockView, EncodedBlock, Span, encode_block};
 use offload_pack::format::{Code, EncodeConfig, encode_bf16};
 use offload_pack::synth::{FluxShape, Law, tensor_bytes};
 
@@ -195,6 +213,22 @@ fn block_tensors(law: Law) -> Result<Vec<Tensor>, Error> {
     Ok(out)
 }
 
+/// The tensors of `ts` whose names start with `prefix`, back to back: the
+/// unit and its spans.
+fn block_unit(ts: &[Tensor], prefix: &str) -> (Vec<u8>, Vec<Span>) {
+    let mut unit = Vec::new();
+    let mut spans = Vec::new();
+    for t in ts.iter().filter(|t| t.name.starts_with(prefix)) {
+        spans.push(Span {
+            offset: unit.len() as u64,
+            bytes: t.bf16.len() as u64,
+            bf16: true,
+        });
+        unit.extend_from_slice(&t.bf16);
+    }
+    (unit, spans)
+}
+
 /// The coded-block kernel on one block (`ts`, the tensors whose names
 /// start with `prefix`, back to back as one unit): its JSON row, and
 /// whether it decoded bit for bit.
@@ -206,16 +240,7 @@ fn block_row(
     prefix: &str,
     iters: u32,
 ) -> Result<(serde_json::Value, bool), Error> {
-    let mut unit = Vec::new();
-    let mut spans = Vec::new();
-    for t in ts.iter().filter(|t| t.name.starts_with(prefix)) {
-        spans.push(Span {
-            offset: unit.len() as u64,
-            bytes: t.bf16.len() as u64,
-            bf16: true,
-        });
-        unit.extend_from_slice(&t.bf16);
-    }
+    let (unit, spans) = block_unit(ts, prefix);
     let block = encode_block(&unit, &spans, &EncodeConfig::default())?;
     let blob = dev.alloc_device(block.blob.len() as u64)?;
     put(dev, &blob, 0, &block.blob)?;
@@ -284,13 +309,30 @@ fn h2d(dev: &CudaDevice, stream: &CudaStream, bytes: u64) -> Result<f64, Error> 
 fn main() -> Result<(), Error> {
     let mut iters = 50u32;
     let mut json_path = None;
+    let mut sweep = false;
+    let mut specs: Vec<String> = Vec::new();
+    let mut baseline = None;
+    let mut racing = 6u32;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--iters" => iters = args.next().ok_or("--iters N")?.parse()?,
             "--json" => json_path = Some(args.next().ok_or("--json PATH")?),
+            "--variants" => sweep = true,
+            "--variant" => {
+                sweep = true;
+                specs.push(args.next().ok_or("--variant NAME:DEF=V,...")?);
+            }
+            "--baseline" => {
+                sweep = true;
+                baseline = Some(args.next().ok_or("--baseline PATH")?);
+            }
+            "--racing" => racing = args.next().ok_or("--racing N")?.parse()?,
             other => {
-                return Err(format!("unknown argument `{other}` (--iters N, --json PATH)").into());
+                return Err(format!(
+                    "unknown argument `{other}` (--iters N, --json PATH, --variants, --variant NAME:DEF=V,..., --baseline PATH, --racing N)"
+                )
+                .into());
             }
         }
     }
@@ -298,7 +340,7 @@ fn main() -> Result<(), Error> {
         println!("SKIP: no CUDA driver");
         return Ok(());
     }
-    let dev = CudaDevice::new(0)?;
+    let dev = Arc::new(CudaDevice::new(0)?);
     let stream = dev.create_stream()?;
     let dec = PackDecoder::new(&dev)?;
     let mut failed = Vec::new();
@@ -418,7 +460,27 @@ fn main() -> Result<(), Error> {
         });
         report.push(row);
     }
-    let out = serde_json::json!({ "device": dev.name(), "iters": iters, "laws": report, "failed": failed });
+    let variants = if sweep {
+        let ts = block_tensors(Law::Normal)?;
+        let list = if specs.is_empty() {
+            DEFAULT_VARIANTS.iter().map(|s| (*s).to_owned()).collect()
+        } else {
+            specs
+        };
+        variant_sweep(
+            &dev,
+            &stream,
+            &ts,
+            &list,
+            baseline.as_deref(),
+            iters,
+            racing,
+            &mut failed,
+        )?
+    } else {
+        Vec::new()
+    };
+    let out = serde_json::json!({ "device": dev.name(), "iters": iters, "laws": report, "variants": variants, "failed": failed });
     if let Some(p) = json_path {
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
     }
@@ -459,11 +521,364 @@ fn main() -> Result<(), Error> {
             );
         }
     }
+    if !variants.is_empty() {
+        print_variants(&variants);
+    }
     if failed.is_empty() {
         println!("RESULT: all checks held");
         Ok(())
     } else {
         println!("RESULT: FAILED: {}", failed.join("; "));
         std::process::exit(1);
+    }
+}
+
+/// The block kernel's variants `--variants` measures: `NAME:DEF=V,...`
+/// (`decode.cu`'s `OPK_*` tunables; `OPK_BLOCK_ITEMS` also sets the grid).
+const DEFAULT_VARIANTS: [&str; 22] = [
+    "k8_old:OPK_BLOCK_ITEMS=8u,OPK_PATCH=0",
+    "k16_old:OPK_BLOCK_ITEMS=16u,OPK_PATCH=0",
+    "k4_p1:OPK_BLOCK_ITEMS=4u,OPK_PATCH=1",
+    "k8_p1:OPK_BLOCK_ITEMS=8u,OPK_PATCH=1",
+    "k16_p1:OPK_BLOCK_ITEMS=16u,OPK_PATCH=1",
+    "k8_p1_m10:OPK_BLOCK_ITEMS=8u,OPK_PATCH=1,OPK_BLOCK_MIN_BLOCKS=10",
+    "k2_p2:OPK_BLOCK_ITEMS=2u,OPK_PATCH=2",
+    "k4_p2:OPK_BLOCK_ITEMS=4u,OPK_PATCH=2",
+    "k6_p2:OPK_BLOCK_ITEMS=6u,OPK_PATCH=2",
+    "k8_p2:OPK_BLOCK_ITEMS=8u,OPK_PATCH=2",
+    "k16_p2:OPK_BLOCK_ITEMS=16u,OPK_PATCH=2",
+    "k32_p2:OPK_BLOCK_ITEMS=32u,OPK_PATCH=2",
+    "k4_p2_pf:OPK_BLOCK_ITEMS=4u,OPK_PATCH=2,OPK_PREFETCH=1",
+    "k8_p2_pf:OPK_BLOCK_ITEMS=8u,OPK_PATCH=2,OPK_PREFETCH=1",
+    "k16_p2_pf:OPK_BLOCK_ITEMS=16u,OPK_PATCH=2,OPK_PREFETCH=1",
+    "k4_p2_m10:OPK_BLOCK_ITEMS=4u,OPK_PATCH=2,OPK_BLOCK_MIN_BLOCKS=10",
+    "k8_p2_m10:OPK_BLOCK_ITEMS=8u,OPK_PATCH=2,OPK_BLOCK_MIN_BLOCKS=10",
+    "k16_p2_m10:OPK_BLOCK_ITEMS=16u,OPK_PATCH=2,OPK_BLOCK_MIN_BLOCKS=10",
+    "k8_p2_m12:OPK_BLOCK_ITEMS=8u,OPK_PATCH=2,OPK_BLOCK_MIN_BLOCKS=12",
+    "k8_p2_pf_m8:OPK_BLOCK_ITEMS=8u,OPK_PATCH=2,OPK_PREFETCH=1,OPK_BLOCK_MIN_BLOCKS=8",
+    "k12_p2:OPK_BLOCK_ITEMS=12u,OPK_PATCH=2",
+    "default:",
+];
+
+/// Bytes past each slot that no decode may write (racing copies).
+const GUARD: u64 = 1 << 16;
+/// The slot's fill before a decode: what an undecoded byte reads as.
+const SENTINEL: u8 = 0x5a;
+
+/// One coded block on the device for the sweep: its pristine blob, the
+/// staging buffer a decode reads (restored from it), the slot (and its
+/// guard).
+struct SweepBlock {
+    unit: Vec<u8>,
+    block: EncodedBlock,
+    pristine: CudaBuffer,
+    staging: CudaBuffer,
+    out: CudaBuffer,
+}
+
+fn dtod(dst: u64, src: u64, bytes: u64, stream: &CudaStream) -> Result<(), Error> {
+    // SAFETY: the callers pass ranges inside live device buffers, ordered on
+    // `stream` (or deliberately racing another stream's kernel over the
+    // staging buffer, which the kernel only reads).
+    unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, stream.raw()) }
+        .map_err(|e| format!("cuMemcpyDtoDAsync: {e:?}").into())
+}
+
+/// The staging buffer back to the pristine blob, the slot and guard to the
+/// sentinel; drained.
+fn reset(dev: &CudaDevice, stream: &CudaStream, b: &SweepBlock) -> Result<(), Error> {
+    dev.bind()?;
+    dtod(
+        b.staging.ptr(),
+        b.pristine.ptr(),
+        b.block.blob.len() as u64,
+        stream,
+    )?;
+    // SAFETY: the slot and its guard are `out`'s bytes, ordered on `stream`.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(
+            b.out.ptr(),
+            SENTINEL,
+            b.unit.len() + GUARD as usize,
+            stream.raw(),
+        )
+    }
+    .map_err(|e| format!("cuMemsetD8Async: {e:?}"))?;
+    dev.synchronize_stream(stream)?;
+    Ok(())
+}
+
+fn launch(dec: &PackDecoder, stream: &CudaStream, b: &SweepBlock) -> Result<(), Error> {
+    // SAFETY: `staging` holds the block's blob (or, in the planted and
+    // racing checks, bytes the kernel must survive: it bounds every read by
+    // `blob_bytes` and every write by `out_bytes`); `out` has the unit's
+    // bytes and a guard; both live until the caller drains the stream.
+    unsafe {
+        dec.decode_block(
+            stream,
+            (b.staging.ptr(), b.block.blob.len() as u64),
+            (b.out.ptr(), b.unit.len() as u64),
+            b.block.work,
+        )?
+    };
+    Ok(())
+}
+
+/// The slot and guard after a decode.
+fn slot(dev: &CudaDevice, b: &SweepBlock) -> Result<(Vec<u8>, bool), Error> {
+    let all = get(dev, &b.out, 0, b.unit.len() + GUARD as usize)?;
+    let guard_ok = all[b.unit.len()..].iter().all(|&x| x == SENTINEL);
+    Ok((all[..b.unit.len()].to_vec(), guard_ok))
+}
+
+/// `spec` (`NAME:DEF=V,...`): its name, its source, its items per thread
+/// block.
+fn variant_source(spec: &str) -> Result<(String, String, u32), Error> {
+    let (name, defs) = spec.split_once(':').unwrap_or((spec, ""));
+    let mut src = String::new();
+    let mut items = 1u32;
+    for d in defs.split(',').filter(|d| !d.is_empty()) {
+        let (k, v) = d.split_once('=').ok_or_else(|| format!("`{d}`: DEF=V"))?;
+        if k == "OPK_BLOCK_ITEMS" {
+            items = v.trim_end_matches('u').parse()?;
+        }
+        src.push_str(&format!("#define {k} {v}\n"));
+    }
+    if !defs.contains("OPK_BLOCK_ITEMS") {
+        items = offload_pack::kernels::DECODE_BLOCK_ITEMS;
+    }
+    src.push_str(offload_pack::kernels::DECODE_CU);
+    Ok((name.to_owned(), src, items))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn variant_sweep(
+    dev: &Arc<CudaDevice>,
+    stream: &CudaStream,
+    ts: &[Tensor],
+    specs: &[String],
+    baseline: Option<&str>,
+    iters: u32,
+    racing: u32,
+    failed: &mut Vec<String>,
+) -> Result<Vec<serde_json::Value>, Error> {
+    let mut blocks = Vec::new();
+    for prefix in ["transformer_blocks.0.", "single_transformer_blocks.0."] {
+        let (unit, spans) = block_unit(ts, prefix);
+        let block = encode_block(&unit, &spans, &EncodeConfig::default())?;
+        let pristine = dev.alloc_device(block.blob.len() as u64)?;
+        put(dev, &pristine, 0, &block.blob)?;
+        let staging = dev.alloc_device(block.blob.len() as u64)?;
+        let out = dev.alloc_device(unit.len() as u64 + GUARD)?;
+        blocks.push(SweepBlock {
+            unit,
+            block,
+            pristine,
+            staging,
+            out,
+        });
+    }
+    let mut sources = Vec::new();
+    if let Some(path) = baseline {
+        sources.push(("main".to_owned(), std::fs::read_to_string(path)?, 1u32));
+    }
+    for spec in specs {
+        sources.push(variant_source(spec)?);
+    }
+    let mut rows = Vec::new();
+    let mut decoders = Vec::new();
+    println!(
+        "\nvariants ({} each, best of 3 × {iters} launches):",
+        blocks.len()
+    );
+    for (name, src, items) in &sources {
+        let dec = Arc::new(PackDecoder::from_source_with_items(dev, src, *items)?);
+        let codec = CudaCodec::with_decoder(dev, Arc::clone(&dec));
+        let mut rates = Vec::new();
+        let mut identical = true;
+        for b in &blocks {
+            reset(dev, stream, b)?;
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                best = best.min(timed(dev, stream, iters, || launch(&dec, stream, b))?);
+            }
+            let flag = codec.take_error()?;
+            let (got, guard_ok) = slot(dev, b)?;
+            let same = flag == 0 && guard_ok && got == b.unit;
+            identical &= same;
+            rates.push(b.unit.len() as f64 / best / 1e12);
+        }
+        // The planted checks, on the double block (window3 and raw entries).
+        let b = &blocks[0];
+        let view = BlockView::parse(&b.block.blob)?;
+        let (wi, w3) = view
+            .entries()
+            .iter()
+            .enumerate()
+            .find(|(_, e)| e.code != offload_pack::format::Code::Raw)
+            .ok_or("no window3 entry")?;
+        // 1. A damaged escape index: flag 1.
+        let mut damaged = b.block.blob.clone();
+        let t = w3.blob_offset as usize;
+        let idx_off = t + u64::from_le_bytes(damaged[t + 40..t + 48].try_into()?) as usize;
+        let e0 = u32::from_le_bytes(damaged[idx_off + 4..idx_off + 8].try_into()?);
+        damaged[idx_off + 4..idx_off + 8].copy_from_slice(&(e0 + 1).to_le_bytes());
+        reset(dev, stream, b)?;
+        put(dev, &b.staging, 0, &damaged)?;
+        launch(&dec, stream, b)?;
+        let index_flag = codec.take_error()?;
+        // 2. An entry with an unknown code: flag 2, its output untouched,
+        // every other byte decoded.
+        let mut damaged = b.block.blob.clone();
+        damaged[64 + 32 * wi + 28] = 7;
+        reset(dev, stream, b)?;
+        put(dev, &b.staging, 0, &damaged)?;
+        launch(&dec, stream, b)?;
+        let entry_flag = codec.take_error()?;
+        let (got, guard_ok) = slot(dev, b)?;
+        let (lo, hi) = (
+            w3.out_offset as usize,
+            (w3.out_offset + w3.out_bytes) as usize,
+        );
+        let entry_held = entry_flag == 2
+            && guard_ok
+            && got[lo..hi].iter().all(|&x| x == SENTINEL)
+            && got[..lo] == b.unit[..lo]
+            && got[hi..] == b.unit[hi..];
+        // 3. The off-by-one escape slot in this variant's source.
+        let planted_src = src.replace("((1u << b) - 1u)", "((2u << b) - 1u)");
+        let slot_caught = if planted_src == *src {
+            false
+        } else {
+            let planted = PackDecoder::from_source_with_items(dev, &planted_src, *items)?;
+            reset(dev, stream, b)?;
+            launch(&planted, stream, b)?;
+            dev.synchronize_stream(stream)?;
+            let _ = codec.take_error()?;
+            slot(dev, b)?.0 != b.unit
+        };
+        let planted_held = index_flag == 1 && entry_held && slot_caught;
+        if !identical {
+            failed.push(format!(
+                "variant {name}: a block decoded differs (or raised the flag)"
+            ));
+        }
+        if !planted_held {
+            failed.push(format!(
+                "variant {name}: planted checks (index flag {index_flag}, entry held {entry_held}, slot caught {slot_caught})"
+            ));
+        }
+        println!(
+            "variant {name:>10} ({items:>2} items): double {:.3} TB/s, single {:.3} TB/s, bit-identical {identical}, planted: index flag {index_flag}, entry flag {entry_flag} held {entry_held}, slot caught {slot_caught}",
+            rates[0], rates[1]
+        );
+        rows.push(serde_json::json!({
+            "variant": name,
+            "defines": src.lines().take_while(|l| l.starts_with("#define OPK_")).collect::<Vec<_>>().join("; "),
+            "block_items": items,
+            "double_tb_s": rates[0],
+            "single_tb_s": rates[1],
+            "bit_identical": identical,
+            "planted_index_flag": index_flag,
+            "planted_entry_flag": entry_flag,
+            "planted_entry_held": entry_held,
+            "planted_slot_caught": slot_caught,
+            "planted_held": planted_held,
+        }));
+        decoders.push((dec, codec));
+    }
+    // Racing copies, after every rate is printed: a kernel left at a
+    // barrier would hang here (the run's time limit then ends it).
+    let stream2 = dev.create_stream()?;
+    let mut noise = vec![0u8; blocks[0].block.blob.len()];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for v in noise.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *v = x as u8;
+    }
+    let noise_buf = dev.alloc_device(noise.len() as u64)?;
+    put(dev, &noise_buf, 0, &noise)?;
+    for (row, (dec, codec)) in rows.iter_mut().zip(&decoders) {
+        let mut finished = 0;
+        let mut guards = true;
+        let mut flags = Vec::new();
+        for r in 0..racing {
+            for (i, b) in blocks.iter().enumerate() {
+                let other = &blocks[1 - i];
+                reset(dev, stream, b)?;
+                let (src, len) = if r % 2 == 0 {
+                    (
+                        other.pristine.ptr(),
+                        other.block.blob.len().min(b.block.blob.len()),
+                    )
+                } else {
+                    (noise_buf.ptr(), noise.len().min(b.block.blob.len()))
+                };
+                dev.bind()?;
+                if r % 4 < 2 {
+                    launch(dec, stream, b)?;
+                    dtod(b.staging.ptr(), src, len as u64, &stream2)?;
+                } else {
+                    dtod(b.staging.ptr(), src, len as u64, &stream2)?;
+                    launch(dec, stream, b)?;
+                }
+                dev.synchronize_stream(&stream2)?;
+                dev.synchronize_stream(stream)?;
+                finished += 1;
+                flags.push(codec.take_error()?);
+                guards &= get(dev, &b.out, b.unit.len() as u64, GUARD as usize)?
+                    .iter()
+                    .all(|&x| x == SENTINEL);
+            }
+        }
+        let name = row["variant"].as_str().unwrap_or("?").to_owned();
+        if !guards {
+            failed.push(format!(
+                "variant {name}: a racing decode wrote past its slot"
+            ));
+        }
+        println!(
+            "variant {name:>10}: racing copies finished {finished}, guard intact {guards}, flags {flags:?}"
+        );
+        row["racing_finished"] = serde_json::json!(finished);
+        row["racing_guard_intact"] = serde_json::json!(guards);
+        row["racing_flags"] = serde_json::json!(flags);
+    }
+    drop(decoders);
+    // SAFETY: every stream that used them is drained above.
+    unsafe {
+        dev.free_device(noise_buf, &[])?;
+        for b in blocks {
+            dev.free_device(b.pristine, &[])?;
+            dev.free_device(b.staging, &[])?;
+            dev.free_device(b.out, &[])?;
+        }
+    }
+    Ok(rows)
+}
+
+fn print_variants(rows: &[serde_json::Value]) {
+    println!(
+        "\n| variant | defines | items/block | double TB/s | single TB/s | bit-identical | planted (index flag, entry flag+untouched, slot) | racing (finished, guard) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {:.3} | {} | {}, {} {}, {} | {}, {} |",
+            r["variant"].as_str().unwrap_or("?"),
+            r["defines"].as_str().unwrap_or(""),
+            r["block_items"],
+            r["double_tb_s"].as_f64().unwrap_or(0.0),
+            r["single_tb_s"].as_f64().unwrap_or(0.0),
+            r["bit_identical"],
+            r["planted_index_flag"],
+            r["planted_entry_flag"],
+            r["planted_entry_held"],
+            r["planted_slot_caught"],
+            r["racing_finished"],
+            r["racing_guard_intact"],
+        );
     }
 }

@@ -63,6 +63,9 @@ pub struct PackDecoder {
     function: sys::CUfunction,
     /// `opk_decode_block`, from the same module.
     block: sys::CUfunction,
+    /// Work items one thread block of `block` takes (its grid is the work
+    /// divided by this, rounded up).
+    block_items: u32,
     flag: CudaBuffer,
 }
 
@@ -88,17 +91,35 @@ impl PackDecoder {
             .get_or_init(|| compile(offload_pack::kernels::DECODE_CU))
             .as_ref()
             .map_err(|e| DecodeError::Nvrtc(e.clone()))?;
-        Self::load(device, ptx)
+        Self::load(device, ptx, offload_pack::kernels::DECODE_BLOCK_ITEMS)
     }
 
     /// A decoder compiled from `src` instead (a checking run's planted
-    /// kernel: the same entry point and table).
+    /// kernel: the same entry point and table, `OPK_BLOCK_ITEMS` left at
+    /// its default).
     pub fn from_source(device: &CudaDevice, src: &str) -> Result<Self, DecodeError> {
-        let ptx = compile(src).map_err(DecodeError::Nvrtc)?;
-        Self::load(device, &ptx)
+        Self::from_source_with_items(device, src, offload_pack::kernels::DECODE_BLOCK_ITEMS)
     }
 
-    fn load(device: &CudaDevice, ptx: &CString) -> Result<Self, DecodeError> {
+    /// A decoder compiled from `src` whose `opk_decode_block` takes
+    /// `block_items` work items a thread block (a benchmark's variant that
+    /// defines `OPK_BLOCK_ITEMS` so; a larger grid than needed is harmless,
+    /// a smaller one leaves items undecoded).
+    pub fn from_source_with_items(
+        device: &CudaDevice,
+        src: &str,
+        block_items: u32,
+    ) -> Result<Self, DecodeError> {
+        let ptx = compile(src).map_err(DecodeError::Nvrtc)?;
+        Self::load(device, &ptx, block_items.max(1))
+    }
+
+    /// Work items one thread block of `opk_decode_block` takes.
+    pub fn block_items(&self) -> u32 {
+        self.block_items
+    }
+
+    fn load(device: &CudaDevice, ptx: &CString, block_items: u32) -> Result<Self, DecodeError> {
         device.bind()?;
         // SAFETY: `ptx` is a NUL-terminated PTX module; the context is current.
         let raw = driver(
@@ -136,6 +157,7 @@ impl PackDecoder {
             module,
             function,
             block,
+            block_items,
             flag,
         })
     }
@@ -191,8 +213,9 @@ impl PackDecoder {
 
     /// Enqueues on `stream` the decode of the coded block (`OPB1`,
     /// `offload_pack::block`) of `blob_bytes` at device address `blob`
-    /// into the unit at `out` (`out_bytes` of room): `work` 128-thread
-    /// blocks (the block's work items; 0 enqueues nothing). The kernel
+    /// into the unit at `out` (`out_bytes` of room): the block's `work`
+    /// items, [`PackDecoder::block_items`] to a 128-thread block (0
+    /// enqueues nothing). The kernel
     /// reads and writes nothing outside those two ranges whatever the
     /// blob holds (a damaged one raises the error flag instead).
     ///
@@ -215,7 +238,7 @@ impl PackDecoder {
         if work == 0 {
             return Ok(());
         }
-        let grid = u32::try_from(work)
+        let grid = u32::try_from(work.div_ceil(u64::from(self.block_items)))
             .ok()
             .filter(|&g| g <= u32::MAX >> 1)
             .ok_or(DecodeError::TooManyTiles { tiles: work })?;
