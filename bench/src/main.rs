@@ -238,7 +238,7 @@ fn host_copy_bandwidth(device: &CudaDevice, loaded: &Loaded, blocks: &[&Unit]) -
     use offload_core::device::HostBuffer as _;
     let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
     let mut pinned = device.alloc_pinned(largest)?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let threads = offload_core::runtime::staging_fill_threads();
     struct Parallel<'a>(&'a [u8], usize);
     impl offload_core::device::ByteSource for Parallel<'_> {
         fn read_at(&self, position: u64, dst: &mut [u8]) {

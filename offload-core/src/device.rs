@@ -333,6 +333,15 @@ pub trait Device<A: Api>: Send + Sync {
     /// Creates a non-blocking stream.
     fn create_stream(&self) -> Result<A::Stream, A::Error>;
 
+    /// Whether a strategy may run host work (the staging fill, CONTRACT
+    /// §7c) on a thread of its own beside the caller's. `true` (the
+    /// default) on a real device; a simulated device whose host is one
+    /// deterministic clock says `false`, and that work runs on the caller's
+    /// thread when it is needed.
+    fn host_worker_threads(&self) -> bool {
+        true
+    }
+
     /// A new stream whose work the device schedules ahead of other
     /// streams' pending work where it can (the decode stream of CONTRACT
     /// §7b: a short decode that compute waits for should not queue behind

@@ -504,6 +504,8 @@ pub struct HostAllocation {
 struct State {
     profile: DeviceProfile,
     divisor: u64,
+    /// [`SimConfig::host_threads`].
+    host_threads: bool,
     host_now_ns: u64,
     host_clock: VectorClock,
     streams: Vec<StreamState>,
@@ -1236,6 +1238,12 @@ pub struct SimConfig {
     pub faults: FaultPlan,
     /// Seeded delays that widen race windows (none by default).
     pub jitter: Option<Jitter>,
+    /// Whether strategies may run host work on threads of their own
+    /// ([`Device::host_worker_threads`]: the staging filler, CONTRACT §7c).
+    /// Off by default, so that a seed replays one interleaving; on, the
+    /// filler thread's accesses are checked like the caller's (one host
+    /// clock), and timings depend on the scheduler.
+    pub host_threads: bool,
 }
 
 impl SimConfig {
@@ -1248,6 +1256,7 @@ impl SimConfig {
             payload_divisor: 1,
             faults: FaultPlan::none(),
             jitter: None,
+            host_threads: false,
         }
     }
 
@@ -1287,6 +1296,7 @@ impl SimDevice {
             shared: Arc::new(Mutex::new(State {
                 profile: config.profile,
                 divisor: config.payload_divisor,
+                host_threads: config.host_threads,
                 host_now_ns: 0,
                 host_clock: VectorClock::new(1),
                 streams: vec![default_stream],
@@ -1842,6 +1852,13 @@ impl Device<Sim> for SimDevice {
         if let Some(b) = st.device.get_mut(&buffer.id) {
             b.name = new;
         }
+    }
+
+    /// [`SimConfig::host_threads`]: off by default (the simulated host is
+    /// one clock; host work stays on the caller's thread, so that a seed
+    /// replays the same interleaving).
+    fn host_worker_threads(&self) -> bool {
+        self.state().host_threads
     }
 
     fn create_stream(&self) -> Result<SimStream, SimError> {

@@ -100,6 +100,9 @@ pub struct RunOptions {
     /// Weights that look trained ([`crate::presets::TrainedWeights`])
     /// instead of uniform bytes: what a lossless code's ratio is honest on.
     pub trained_weights: bool,
+    /// [`SimConfig::host_threads`]: host work (the staging filler) on
+    /// threads of its own.
+    pub host_threads: bool,
 }
 
 impl RunOptions {
@@ -110,6 +113,7 @@ impl RunOptions {
             payload_divisor: self.payload_divisor,
             faults: self.faults,
             jitter: self.jitter,
+            host_threads: self.host_threads,
         }
     }
 
@@ -125,6 +129,7 @@ impl RunOptions {
             bugs: Vec::new(),
             planner: None,
             trained_weights: false,
+            host_threads: false,
         }
     }
 }

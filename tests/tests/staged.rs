@@ -260,3 +260,56 @@ fn planted_staging_reuse_before_copy_is_caught_and_its_control_is_clean() {
     }
     assert!(caught, "{bug:?}: neither the checker nor the output saw it");
 }
+
+/// The filler on a thread of its own (as on a GPU: the simulator's
+/// `host_threads`), filling the next staged block while the engine copies
+/// the current one: bit-identical to resident with no violation, for every
+/// master staged and under a budget, at depths 1–3; and the planted
+/// `HostStagingReuseBeforeCopy` (the filler does not wait for the copy that
+/// last read its buffer) is seen by the checker or the output.
+#[test]
+fn the_threaded_filler_is_bit_identical_and_its_planted_reuse_is_caught() {
+    let want = resident();
+    let (streamed, ring, transient) = sizes();
+    let threaded = |bugs: &[PlantedBug], depth, jitter| RunOptions {
+        host_threads: true,
+        ..opts(bugs, depth, jitter)
+    };
+    for depth in [1, 2, 3] {
+        for (pin, budget) in [
+            (Some(false), None),
+            (None, Some(ring + transient + streamed / 2)),
+        ] {
+            for jitter in [None, Some(5)] {
+                let o = run(
+                    &workload(),
+                    &layerwise(pin, budget),
+                    &threaded(&[], depth, jitter),
+                )
+                .unwrap();
+                assert_eq!(outputs(&o), want, "depth {depth}, {pin:?}/{budget:?}");
+                assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+            }
+        }
+    }
+    let bug = PlantedBug::HostStagingReuseBeforeCopy;
+    let mut caught = 0;
+    for depth in [1, 2, 3] {
+        for jitter in [None, Some(1), Some(2)] {
+            let o = run(
+                &workload(),
+                &layerwise(Some(false), None),
+                &threaded(&[bug], depth, jitter),
+            )
+            .unwrap();
+            if o.violations
+                .iter()
+                .any(|v| v.invariant == Invariant::NoEarlyFree)
+                || outputs(&o) != want
+            {
+                caught += 1;
+            }
+        }
+    }
+    assert!(caught > 0, "{bug:?} with the threaded filler: never seen");
+}

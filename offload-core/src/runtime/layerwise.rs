@@ -57,6 +57,7 @@ use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::backend::{Backend, DeviceLocation, HostMasters, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::filler::{ParallelUnitBytes, StagingRing, fill_threads};
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::ring::{RingLayout, Shard};
@@ -120,24 +121,15 @@ struct Decoding<A: Api> {
 }
 
 /// What a staging engine adds (CONTRACT §7c): the pinned host buffers a
-/// staged master passes through on its way to a slot.
+/// staged master passes through on its way to a slot, and their filler.
 struct HostStaging<A: Api> {
-    buffers: Vec<HostStage<A>>,
-    next: usize,
-    /// Host threads one fill splits over.
-    threads: usize,
+    ring: StagingRing<A>,
+    /// The stage the last staged copy read.
+    last: usize,
     /// Whether each staged block's pages are released after it is read
     /// ([`WeightSource::release`]: the staged masters exceed the host
     /// budget's room, so a mapped checkpoint must not stay resident).
     release: bool,
-}
-
-/// One pinned staging buffer and the event that orders its reuse.
-struct HostStage<A: Api> {
-    buffer: A::HostBuffer,
-    /// Recorded on the copy stream after the copy that read it: the host
-    /// waits for it before filling the buffer again.
-    copied: A::Event,
 }
 
 struct State<A: Api> {
@@ -210,12 +202,7 @@ impl<A: Api> StrategyState<A> for State<A> {
             .map(|m| m.host.len_bytes())
             .sum();
         let shadows: u64 = self.shadow_masters.iter().map(HostMaster::len_bytes).sum();
-        let staging: u64 = self
-            .host_staging
-            .iter()
-            .flat_map(|s| &s.buffers)
-            .map(|b| b.buffer.len_bytes())
-            .sum();
+        let staging: u64 = self.host_staging.iter().map(|s| s.ring.bytes()).sum();
         masters + shadows + staging
     }
 }
@@ -541,112 +528,93 @@ impl Transport {
                     .host_staging
                     .as_mut()
                     .expect("a ring with a staged master has host staging");
-                let j = staging.next;
-                staging.next = (j + 1) % staging.buffers.len();
-                let (threads, release) = (staging.threads, staging.release);
-                let stage = &mut staging.buffers[j];
-                // The host rewrites the buffer only once the copy that last
-                // read it has completed (the staged path's one host wait:
-                // for the copy two staged blocks back, never for compute).
-                if !engine.bug(PlantedBug::HostStagingReuseBeforeCopy) {
-                    h.device
-                        .synchronize_event(&stage.copied)
-                        .map_err(|e| dev_err("synchronize_event(host staging copied)", e))?;
-                }
-                if !stale {
-                    let _span = transfer_span(name, bytes, "host", "stage").entered();
-                    stage.buffer.write_from(
-                        0,
-                        bytes,
-                        &ParallelUnitBytes {
-                            weights: &*h.weights,
-                            unit: &master.unit,
-                            threads,
-                        },
-                    );
-                    if release {
-                        h.weights.release(&master.unit);
-                        // The next staged block of the ring, read ahead.
-                        let blocks = &st.rings[ring].blocks;
-                        if let Some(next) = (1..blocks.len())
-                            .map(|d| &blocks[(source + d) % blocks.len()])
-                            .find(|m| matches!(*m.host, HostMaster::Staged(_)))
-                        {
-                            h.weights.prefetch(&next.unit);
+                let skip_wait = engine.bug(PlantedBug::HostStagingReuseBeforeCopy);
+                let release = staging.release;
+                let blocks = &st.rings[ring].blocks;
+                // The staged blocks after `source` in ring order.
+                let mut after = (1..blocks.len())
+                    .map(|d| (source + d) % blocks.len())
+                    .filter(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)));
+                let (next, next_of_next) = (after.next(), after.next());
+                let n = staging.ring.len();
+                let tag = (ring, source);
+                // The filler may have filled it ahead; otherwise now, into
+                // the stage after the last one copied out of.
+                let j = match staging.ring.holding(tag) {
+                    Some(j) => j,
+                    None => {
+                        let j = (staging.last + 1) % n;
+                        if !stale {
+                            staging.ring.fill(
+                                j,
+                                (tag, &master.unit),
+                                (skip_wait, release),
+                                next.map(|b| &blocks[b].unit),
+                                true,
+                            );
                         }
+                        j
                     }
-                }
-                wait(&h.copy, "copy")?;
-                if h.decode.is_some() {
+                };
+                staging.last = j;
+                staging.ring.with_filled(j, |stage| {
+                    wait(&h.copy, "copy")?;
+                    if h.decode.is_some() {
+                        h.device
+                            .stream_wait_event(&h.copy, &slot.ready)
+                            .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+                    }
+                    if let Some(t) = &st.timer {
+                        t.mark(&h.copy, Mark::CopyStart { bytes })?;
+                    }
+                    if !stale {
+                        let _span = transfer_span(name, bytes, "copy", "h2d staged").entered();
+                        // SAFETY: the staging buffer holds the largest
+                        // staged block and the slot the largest block, so
+                        // both ranges are in bounds; the fill finished before
+                        // this (`with_filled`), after the copy that last read
+                        // the buffer, and the next fill waits for `copied`
+                        // (recorded next); the copy stream waits for the
+                        // slot's last use, compute for `ready`.
+                        unsafe {
+                            h.device.copy_h2d(
+                                &h.copy,
+                                crate::device::HostSource::Pinned(&stage.buffer),
+                                0,
+                                &slot.buffer,
+                                0,
+                                bytes,
+                            )
+                        }
+                        .map_err(|e| dev_err(format!("copy_h2d of the staged `{name}`"), e))?;
+                    }
+                    if let Some(t) = &st.timer {
+                        t.mark(&h.copy, Mark::CopyEnd)?;
+                    }
                     h.device
-                        .stream_wait_event(&h.copy, &slot.ready)
-                        .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+                        .record_event(&stage.copied, &h.copy)
+                        .map_err(|e| dev_err("record_event(host staging copied)", e))?;
+                    h.device
+                        .record_event(&slot.ready, &h.copy)
+                        .map_err(|e| dev_err("record_event(ready)", e))
+                })?;
+                // The next staged block, filled ahead into the other stage
+                // while this one's copy runs (with a filler thread).
+                if let Some(b) = next
+                    && n > 1
+                    && staging.ring.holding((ring, b)).is_none()
+                {
+                    staging.ring.fill(
+                        (j + 1) % n,
+                        ((ring, b), &blocks[b].unit),
+                        (skip_wait, release),
+                        next_of_next.map(|b| &blocks[b].unit),
+                        false,
+                    );
                 }
-                if let Some(t) = &st.timer {
-                    t.mark(&h.copy, Mark::CopyStart { bytes })?;
-                }
-                if !stale {
-                    let _span = transfer_span(name, bytes, "copy", "h2d staged").entered();
-                    // SAFETY: the staging buffer holds the largest staged
-                    // block and the slot the largest block, so both ranges
-                    // are in bounds; the host filled the buffer above, after
-                    // the copy that last read it completed, and rewrites it
-                    // only after `copied` (recorded next); the copy stream
-                    // waits for the slot's last use, compute for `ready`.
-                    unsafe {
-                        h.device.copy_h2d(
-                            &h.copy,
-                            crate::device::HostSource::Pinned(&stage.buffer),
-                            0,
-                            &slot.buffer,
-                            0,
-                            bytes,
-                        )
-                    }
-                    .map_err(|e| dev_err(format!("copy_h2d of the staged `{name}`"), e))?;
-                }
-                if let Some(t) = &st.timer {
-                    t.mark(&h.copy, Mark::CopyEnd)?;
-                }
-                h.device
-                    .record_event(&stage.copied, &h.copy)
-                    .map_err(|e| dev_err("record_event(host staging copied)", e))?;
-                h.device
-                    .record_event(&slot.ready, &h.copy)
-                    .map_err(|e| dev_err("record_event(ready)", e))
+                Ok(())
             }
         }
-    }
-}
-
-/// A unit's bytes read from the weight source by up to `threads` host
-/// threads, each a contiguous part (page-aligned), into one staging buffer.
-struct ParallelUnitBytes<'a> {
-    weights: &'a dyn WeightSource,
-    unit: &'a Unit,
-    threads: usize,
-}
-
-impl crate::device::ByteSource for ParallelUnitBytes<'_> {
-    fn read_at(&self, position: u64, dst: &mut [u8]) {
-        /// Below this a read stays on one thread.
-        const PER_THREAD: usize = 4 << 20;
-        let reader = crate::runtime::shared::UnitBytes {
-            weights: self.weights,
-            unit: self.unit,
-        };
-        let threads = self.threads.min(dst.len() / PER_THREAD).max(1);
-        if threads == 1 {
-            reader.read_at(position, dst);
-            return;
-        }
-        let per = dst.len().div_ceil(threads).next_multiple_of(4096);
-        std::thread::scope(|s| {
-            for (i, part) in dst.chunks_mut(per).enumerate() {
-                let reader = &reader;
-                s.spawn(move || reader.read_at(position + (i * per) as u64, part));
-            }
-        });
     }
 }
 
@@ -765,13 +733,23 @@ fn release_state<A: Api>(
                 first.get_or_insert(e);
             }
         }
-        for stage in st.host_staging.into_iter().flat_map(|s| s.buffers) {
-            // SAFETY: every stream was drained, so the copy that last read
-            // the buffer has completed.
-            if let Err(e) = unsafe { h.device.free_pinned(stage.buffer) } {
-                first.get_or_insert(dev_err("free_pinned(host staging)", e));
+        if let Some(staging) = st.host_staging {
+            // The filler stops first (its queued fills run to the end).
+            match staging.ring.into_stages() {
+                Some(stages) => {
+                    for (buffer, copied) in stages {
+                        // SAFETY: every stream was drained and the filler
+                        // has stopped, so no copy or fill uses the buffer.
+                        if let Err(e) = unsafe { h.device.free_pinned(buffer) } {
+                            first.get_or_insert(dev_err("free_pinned(host staging)", e));
+                        }
+                        drop(copied);
+                    }
+                }
+                None => {
+                    tracing::error!("the staging fill thread still holds its buffers; leaking them")
+                }
             }
-            drop(stage.copied);
         }
         h.free_all(st.resident, "resident unit", first);
         for master in st
@@ -798,13 +776,6 @@ fn release_state<A: Api>(
             }
         }
     })
-}
-
-/// Host threads a staged block's fill splits over: the machine's cores, at
-/// most 8 (a pageable → pinned copy saturates a socket's memory bandwidth
-/// well before that on the lent H200's host).
-fn fill_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 
 /// The host plan of `layout`'s streamed blocks under `config`
@@ -919,10 +890,11 @@ fn upload_staged<A: Api>(
         )
     })?;
     h.device.name_buffer(&buffer, &unit.name);
-    let threads = staging.threads;
-    let stage = &mut staging.buffers[0];
-    let chunk = stage.buffer.len_bytes().max(1);
-    let mut copy = || -> Result<(), OffloadError> {
+    let threads = fill_threads();
+    let copy = |stage: &mut crate::runtime::filler::Stage<A>| -> Result<(), OffloadError> {
+        // Its bytes are replaced: no staged block is held there any more.
+        stage.holds = None;
+        let chunk = stage.buffer.len_bytes().max(1);
         let mut at = 0;
         while at < unit.bytes {
             let len = chunk.min(unit.bytes - at);
@@ -966,7 +938,7 @@ fn upload_staged<A: Api>(
             .synchronize_stream(&h.copy)
             .map_err(|e| dev_err("synchronize_stream(copy)", e))
     };
-    match copy() {
+    match staging.ring.with_filled(0, copy) {
         Ok(()) => Ok(buffer),
         Err(e) => {
             if h.device.synchronize_stream(&h.copy).is_ok() {
@@ -1587,24 +1559,18 @@ impl<A: Api> LayerwiseBackend<A> {
             .map(|m| m.unit.bytes)
             .max();
         if let Some(bytes) = largest_staged {
-            // Built in `st`, so that an error here releases what was made.
-            let staging = st.host_staging.insert(HostStaging {
-                buffers: Vec::new(),
-                next: 0,
-                threads: fill_threads(),
-                release: host_plan.release_after_read(),
-            });
             // Each buffer asked for up to three times (a platform that
             // limits pinned memory may refuse one request and grant the
             // next); a ring of one buffer where the second is refused (the
             // host then waits for each staged copy before the next fill).
+            let mut stages = Vec::new();
             for j in 0..crate::budget::host::HOST_STAGING_BUFFERS {
                 let copied = self.event()?;
                 let mut last = None;
                 for _ in 0..3 {
                     match h.device.alloc_pinned(bytes) {
                         Ok(buffer) => {
-                            staging.buffers.push(HostStage { buffer, copied });
+                            stages.push((buffer, copied));
                             last = None;
                             break;
                         }
@@ -1626,6 +1592,18 @@ impl<A: Api> LayerwiseBackend<A> {
                     break;
                 }
             }
+            // Dropped buffers on an error above free themselves (after a
+            // device synchronisation); from here `st` owns them.
+            st.host_staging = Some(HostStaging {
+                ring: StagingRing::new(
+                    Arc::clone(&h.device),
+                    Arc::clone(&h.weights),
+                    stages,
+                    fill_threads(),
+                )?,
+                last: crate::budget::host::HOST_STAGING_BUFFERS as usize - 1,
+                release: host_plan.release_after_read(),
+            });
         }
         // Everything else stays resident (resident leading layers included).
         let streamed = streamed_modules;

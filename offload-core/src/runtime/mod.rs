@@ -24,6 +24,8 @@
 mod backend;
 mod bounds;
 mod bugs;
+mod filler;
+pub use filler::fill_threads as staging_fill_threads;
 mod forward;
 pub(crate) mod hooks;
 mod layerwise;

@@ -1,0 +1,363 @@
+//! The staging ring's host side (CONTRACT §7c): its pinned staging buffers,
+//! each behind a lock with the event that orders its reuse, and the filler
+//! that copies staged masters into them from pageable memory.
+//!
+//! Where the device allows host work on a thread of its own
+//! ([`crate::device::Device::host_worker_threads`]), the filler is a thread:
+//! the engine hands it the next staged block while it copies the current
+//! one, so the host's copy overlaps the link, compute and the pinned blocks'
+//! copies instead of blocking the hook's thread. Otherwise (the simulator,
+//! whose host is one deterministic clock) each fill runs on the caller's
+//! thread when the engine needs it. Either way one rule orders a buffer's
+//! reuse: the filler waits for the buffer's `copied` event (the copy that
+//! last read it) before writing it.
+
+use crate::sync::{Arc, Condvar, Mutex, MutexGuard, lock};
+use std::collections::VecDeque;
+
+use crate::device::{Api, Device, HostBuffer};
+use crate::lifecycle::OffloadError;
+use crate::runtime::backend::WeightSource;
+use crate::runtime::layout::Unit;
+use crate::runtime::shared::{UnitBytes, dev_err};
+
+/// One pinned staging buffer.
+pub(crate) struct Stage<A: Api> {
+    pub(crate) buffer: A::HostBuffer,
+    /// Recorded on the copy stream after each copy out of the buffer.
+    pub(crate) copied: A::Event,
+    /// The (ring, block) whose bytes the buffer holds, once no fill is
+    /// pending.
+    pub(crate) holds: Option<(usize, usize)>,
+    /// A fill of it is queued or running.
+    pending: bool,
+    /// Why its last fill failed.
+    error: Option<String>,
+}
+
+struct Cell<A: Api> {
+    stage: Mutex<Stage<A>>,
+    done: Condvar,
+}
+
+/// One fill: `unit`'s bytes into stage `stage`, tagged `tag`.
+struct Job {
+    stage: usize,
+    tag: (usize, usize),
+    unit: Unit,
+    /// Only the planted `HostStagingReuseBeforeCopy` sets it.
+    skip_wait: bool,
+    release: bool,
+    /// A unit to read ahead after this one (`WeightSource::prefetch`).
+    next: Option<Unit>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    stop: bool,
+}
+
+/// What the filler reads with.
+struct Context<A: Api> {
+    device: Arc<A::Device>,
+    weights: Arc<dyn WeightSource>,
+    threads: usize,
+}
+
+/// The staging buffers and their filler.
+pub(crate) struct StagingRing<A: Api> {
+    cells: Arc<Vec<Cell<A>>>,
+    context: Arc<Context<A>>,
+    queue: Arc<(Mutex<Queue>, Condvar)>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl<A: Api> StagingRing<A> {
+    /// A ring over `stages`, filled by `threads` host threads reading
+    /// `weights`; a filler thread where `device` allows one.
+    pub(crate) fn new(
+        device: Arc<A::Device>,
+        weights: Arc<dyn WeightSource>,
+        stages: Vec<(A::HostBuffer, A::Event)>,
+        threads: usize,
+    ) -> Result<Self, OffloadError> {
+        let background = device.host_worker_threads() && !cfg!(loom);
+        let cells: Arc<Vec<Cell<A>>> = Arc::new(
+            stages
+                .into_iter()
+                .map(|(buffer, copied)| Cell {
+                    stage: Mutex::new(Stage {
+                        buffer,
+                        copied,
+                        holds: None,
+                        pending: false,
+                        error: None,
+                    }),
+                    done: Condvar::new(),
+                })
+                .collect(),
+        );
+        let context = Arc::new(Context {
+            device,
+            weights,
+            threads,
+        });
+        let queue: Arc<(Mutex<Queue>, Condvar)> = Arc::default();
+        let worker = if background {
+            let (cells, context, queue) =
+                (Arc::clone(&cells), Arc::clone(&context), Arc::clone(&queue));
+            let spawned = std::thread::Builder::new()
+                .name("offload-stage-fill".to_owned())
+                .spawn(move || work(&cells, &context, &queue));
+            match spawned {
+                Ok(handle) => Some(handle),
+                Err(e) => {
+                    tracing::warn!(
+                        "no staging fill thread ({e}); staged blocks fill on the hook's thread"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Self {
+            cells,
+            context,
+            queue,
+            worker,
+        })
+    }
+
+    /// Staging buffers.
+    pub(crate) fn len(&self) -> usize {
+        self.cells.len()
+    }
+
+    /// Bytes of each staging buffer together.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.cells
+            .iter()
+            .map(|c| lock(&c.stage).buffer.len_bytes())
+            .sum()
+    }
+
+    /// The stage holding `tag` (filled, or a fill pending), if any.
+    pub(crate) fn holding(&self, tag: (usize, usize)) -> Option<usize> {
+        self.cells
+            .iter()
+            .position(|c| lock(&c.stage).holds == Some(tag))
+    }
+
+    /// Fills stage `j` with `unit` (tagged `tag`): queued for the filler
+    /// thread, or run here when there is none and `now`. A fill queued
+    /// ahead without a thread is dropped (the block is filled when needed).
+    pub(crate) fn fill(
+        &self,
+        j: usize,
+        (tag, unit): ((usize, usize), &Unit),
+        (skip_wait, release): (bool, bool),
+        next: Option<&Unit>,
+        now: bool,
+    ) {
+        if self.worker.is_none() && !now {
+            return;
+        }
+        {
+            // One fill of a stage at a time: a queued one finishes first
+            // (else its end would mark the next one's bytes filled).
+            let cell = &self.cells[j];
+            let mut stage = lock(&cell.stage);
+            while stage.pending {
+                stage = wait(&cell.done, stage);
+            }
+            stage.holds = Some(tag);
+            stage.pending = true;
+            stage.error = None;
+        }
+        let job = Job {
+            stage: j,
+            tag,
+            unit: unit.clone(),
+            skip_wait,
+            release,
+            next: next.cloned(),
+        };
+        if self.worker.is_some() {
+            let (q, ready) = &*self.queue;
+            lock(q).jobs.push_back(job);
+            ready.notify_one();
+        } else {
+            run(&self.cells, &self.context, job);
+        }
+    }
+
+    /// Waits for stage `j`'s fill, then lends the stage (locked) to `f`.
+    pub(crate) fn with_filled<T>(
+        &self,
+        j: usize,
+        f: impl FnOnce(&mut Stage<A>) -> Result<T, OffloadError>,
+    ) -> Result<T, OffloadError> {
+        let cell = &self.cells[j];
+        let mut stage = lock(&cell.stage);
+        while stage.pending {
+            stage = wait(&cell.done, stage);
+        }
+        if let Some(e) = stage.error.take() {
+            stage.holds = None;
+            return Err(OffloadError::DeviceOp {
+                operation: "the staging fill".to_owned(),
+                kind: crate::device::DeviceErrorKind::Other,
+                shortfall_bytes: None,
+                cause: e.into(),
+            });
+        }
+        f(&mut stage)
+    }
+
+    /// Stops the filler thread (its queued fills run first) and gives the
+    /// buffers and events back. `None` if a fill still holds a buffer (a
+    /// panicked filler): then nothing is given back.
+    pub(crate) fn into_stages(mut self) -> Option<Vec<(A::HostBuffer, A::Event)>> {
+        self.stop();
+        let cells =
+            Arc::try_unwrap(std::mem::replace(&mut self.cells, Arc::new(Vec::new()))).ok()?;
+        Some(
+            cells
+                .into_iter()
+                .map(|c| {
+                    let s = c.stage.into_inner().unwrap_or_else(|e| e.into_inner());
+                    (s.buffer, s.copied)
+                })
+                .collect(),
+        )
+    }
+
+    fn stop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            let (q, ready) = &*self.queue;
+            lock(q).stop = true;
+            ready.notify_all();
+            if worker.join().is_err() {
+                tracing::error!("the staging fill thread panicked");
+            }
+        }
+    }
+}
+
+impl<A: Api> Drop for StagingRing<A> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn wait<'a, T>(c: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    c.wait(g).unwrap_or_else(|e| e.into_inner())
+}
+
+/// The filler thread: runs queued fills in order until stopped.
+fn work<A: Api>(cells: &[Cell<A>], context: &Context<A>, queue: &(Mutex<Queue>, Condvar)) {
+    let (q, ready) = queue;
+    loop {
+        let job = {
+            let mut g = lock(q);
+            loop {
+                if let Some(job) = g.jobs.pop_front() {
+                    break job;
+                }
+                if g.stop {
+                    return;
+                }
+                g = wait(ready, g);
+            }
+        };
+        run(cells, context, job);
+    }
+}
+
+/// One fill: wait for the copy that last read the buffer, copy the unit's
+/// bytes in, mark it filled.
+fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
+    let cell = &cells[job.stage];
+    let mut stage = lock(&cell.stage);
+    let waited = if job.skip_wait {
+        Ok(())
+    } else {
+        context
+            .device
+            .synchronize_event(&stage.copied)
+            .map_err(|e| dev_err("synchronize_event(host staging copied)", e).to_string())
+    };
+    match waited {
+        Ok(()) => {
+            let _span = crate::runtime::shared::transfer_span(
+                &job.unit.name,
+                job.unit.bytes,
+                "host",
+                "stage",
+            )
+            .entered();
+            stage.buffer.write_from(
+                0,
+                job.unit.bytes,
+                &ParallelUnitBytes {
+                    weights: &*context.weights,
+                    unit: &job.unit,
+                    threads: context.threads,
+                },
+            );
+            if job.release {
+                context.weights.release(&job.unit);
+                if let Some(next) = &job.next {
+                    context.weights.prefetch(next);
+                }
+            }
+            stage.holds = Some(job.tag);
+        }
+        Err(e) => {
+            stage.holds = None;
+            stage.error = Some(e);
+        }
+    }
+    stage.pending = false;
+    drop(stage);
+    cell.done.notify_all();
+}
+
+/// A unit's bytes read from the weight source by up to `threads` host
+/// threads, each a contiguous part (page-aligned), into one staging buffer.
+pub(crate) struct ParallelUnitBytes<'a> {
+    pub(crate) weights: &'a dyn WeightSource,
+    pub(crate) unit: &'a Unit,
+    pub(crate) threads: usize,
+}
+
+impl crate::device::ByteSource for ParallelUnitBytes<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        /// Below this a read stays on one thread.
+        const PER_THREAD: usize = 4 << 20;
+        let reader = UnitBytes {
+            weights: self.weights,
+            unit: self.unit,
+        };
+        let threads = self.threads.min(dst.len() / PER_THREAD).max(1);
+        if threads == 1 || cfg!(loom) {
+            reader.read_at(position, dst);
+            return;
+        }
+        let per = dst.len().div_ceil(threads).next_multiple_of(4096);
+        std::thread::scope(|s| {
+            for (i, part) in dst.chunks_mut(per).enumerate() {
+                let reader = &reader;
+                s.spawn(move || reader.read_at(position + (i * per) as u64, part));
+            }
+        });
+    }
+}
+
+/// Host threads one staging fill splits over (CONTRACT §7c): the machine's
+/// cores, at most 16.
+pub fn fill_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+}
