@@ -10,6 +10,9 @@
 # Usage: bench/run-staged.sh [DIR]  DIR holds offload-bench (default:
 # beside this script, else target/release). Logs and JSON under $OUT.
 #   TOKENS=4608  DEPTHS=2  HOST_BUDGETS=8GiB,unpinned  STEPS=3  WARMUP=1
+#   MASTERS_FILE=/tmp/offload-masters.bin: each budget again with its
+#   masters from this file (written first, 23.7 GB for Flux.1-dev), its
+#   page cache dropped before each enable; unset: no file rows
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${1:-}
@@ -35,9 +38,11 @@ export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}"
 "$BENCH" --tokens "${TOKENS:-4608}" --depths "${DEPTHS:-2}" --steps "${STEPS:-3}" \
   --warmup "${WARMUP:-1}" --no-planner --no-simulate \
   --host-budgets "${HOST_BUDGETS:-8GiB,unpinned}" --json "$OUT/staged.json" \
+  ${MASTERS_FILE:+--masters-file "$MASTERS_FILE"} \
   >"$OUT/staged.log" 2>"$OUT/staged.err"
 rc=$?
 tail -n 5 "$OUT/staged.err"
+df -h "$(dirname "${MASTERS_FILE:-/tmp/x}")" | tail -1
 sed -n '/^Staged masters/,$p' "$OUT/staged.log"
 echo "offload-bench exit $rc"
 exit $rc

@@ -67,6 +67,7 @@ use timeline::Analysis;
 
 mod dist;
 mod pipeline;
+mod staged;
 mod timeline;
 
 /// What a forward closure returns on failure.
@@ -190,6 +191,14 @@ pub(crate) struct Args {
     /// staged path's own limit (the host copy rate, measured in this run).
     #[arg(long, value_delimiter = ',')]
     host_budgets: Vec<String>,
+    /// With `--host-budgets`: the streamed blocks written to this file
+    /// (when missing or of another size), mapped, and each budget run again
+    /// with its masters from the file (`file` rows): the file's page cache
+    /// dropped before each such enable, pinned blocks read from it, staged
+    /// ones read through the mapping (pages released after each read when
+    /// the budget binds), the process's resident file pages sampled.
+    #[arg(long)]
+    masters_file: Option<std::path::PathBuf>,
 }
 
 /// A `--host-budgets` value: a `host_budget`, or every master staged.
@@ -239,18 +248,6 @@ fn host_copy_bandwidth(device: &CudaDevice, loaded: &Loaded, blocks: &[&Unit]) -
     let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
     let mut pinned = device.alloc_pinned(largest)?;
     let threads = offload_core::runtime::staging_fill_threads();
-    struct Parallel<'a>(&'a [u8], usize);
-    impl offload_core::device::ByteSource for Parallel<'_> {
-        fn read_at(&self, position: u64, dst: &mut [u8]) {
-            let src = &self.0[position as usize..position as usize + dst.len()];
-            let per = dst.len().div_ceil(self.1).next_multiple_of(4096).max(4096);
-            std::thread::scope(|s| {
-                for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
-                    s.spawn(move || d.copy_from_slice(c));
-                }
-            });
-        }
-    }
     let total: u64 = blocks.iter().map(|u| u.bytes).sum();
     let mut times = Vec::new();
     for _ in 0..3 {
@@ -260,7 +257,11 @@ fn host_copy_bandwidth(device: &CudaDevice, loaded: &Loaded, blocks: &[&Unit]) -
                 .units
                 .get(&u.name)
                 .with_context(|| format!("no loaded memory for `{}`", u.name))?;
-            pinned.write_from(0, u.bytes, &Parallel(&bytes[..u.bytes as usize], threads));
+            pinned.write_from(
+                0,
+                u.bytes,
+                &staged::Parallel(&bytes[..u.bytes as usize], threads),
+            );
         }
         times.push(t.elapsed().as_secs_f64());
     }
@@ -435,11 +436,11 @@ fn planted(args: &Args) -> Result<Vec<PlantedBug>> {
 /// host memory the weights already occupy. Regions are handed out shared,
 /// so every backend of the run registers the same memory in place.
 pub(crate) struct Loaded {
-    units: BTreeMap<String, Arc<Vec<u8>>>,
+    pub(crate) units: BTreeMap<String, Arc<Vec<u8>>>,
     /// Each unit's layout as loaded: a backend's unit of the same name
     /// and a different layout is refused (copied instead, never misread).
     entries: BTreeMap<String, Vec<Entry>>,
-    at: BTreeMap<StorageId, (String, u64)>,
+    pub(crate) at: BTreeMap<StorageId, (String, u64)>,
     /// Units a backend asked for that were not loaded as it lays them out
     /// (each then copied into a pinned master: correct, slower).
     mismatched: AtomicU64,
@@ -954,6 +955,15 @@ struct Row {
     staged_limit_s: Option<f64>,
     /// `step_s / staged_limit_s`.
     step_over_staged_limit: Option<f64>,
+    /// `file` rows: the peak of the process's resident file-backed pages
+    /// (`RssFile`) from before the enable to the last step.
+    rss_file_peak_bytes: Option<u64>,
+    /// `file` rows: the file's own limit, max(resident step, pinned bytes
+    /// / bandwidth + staged bytes / the file's read rate from the page
+    /// cache).
+    file_limit_s: Option<f64>,
+    /// `step_s / file_limit_s`.
+    step_over_file_limit: Option<f64>,
 }
 
 /// One run: a backend and the token counts it runs.
@@ -971,6 +981,9 @@ struct Spec<'a> {
     /// Its `weight_compression`.
     compression: Compression,
     make: Box<MakeBackend<'a>>,
+    /// A `file` row: its masters from `--masters-file`, whose page cache
+    /// is dropped before the enable; resident file pages sampled.
+    file: bool,
 }
 
 /// Host→device bandwidth of the host masters themselves, GB/s: every block
@@ -1312,6 +1325,38 @@ fn run() -> Result<()> {
         eprintln!("pageable → pinned host copy (the staging fill): {g:.2} GB/s");
         Some(g)
     };
+    let block_refs: Vec<&Unit> = block_units.iter().collect();
+    let stream_gbps = if host_rows.is_empty() {
+        None
+    } else {
+        let g = staged::staged_stream_bandwidth(&device, &stream, &block_refs, &|u: &Unit| {
+            loaded
+                .units
+                .get(&u.name)
+                .map(|b| &b[..u.bytes as usize])
+                .with_context(|| format!("no loaded memory for `{}`", u.name))
+        })?;
+        eprintln!("staged stream (host copy + DMA, two buffers, no compute): {g:.2} GB/s");
+        Some(g)
+    };
+    let file_masters = match (&args.masters_file, host_rows.is_empty()) {
+        (Some(path), false) => {
+            let f = Arc::new(staged::FileMasters::open(
+                path,
+                &block_refs,
+                Arc::clone(&loaded),
+            )?);
+            f.drop_cache()?;
+            let cold = f.read_rate(&device, &block_refs)?;
+            let warm = f.read_rate(&device, &block_refs)?;
+            eprintln!(
+                "masters file {:.2} GB read through its mapping by the fill threads: {cold:.2} GB/s from the disk (page cache dropped), {warm:.2} GB/s from the page cache",
+                f.len() as f64 / 1e9
+            );
+            Some((f, cold, warm))
+        }
+        _ => None,
+    };
     let pages_4k = page_probe(&device, &stream, false)?;
     let pages_huge = page_probe(&device, &stream, true)?;
     let thp = thp_setting();
@@ -1422,6 +1467,13 @@ fn run() -> Result<()> {
         let mut rt = Runtime::new(Arc::clone(&device), Arc::clone(&stream), pipeline.clone());
         let locked_before = offload_cuda::host_locked();
         offload_cuda::reset_host_locked_peak();
+        let mut sampler = None;
+        if spec.file
+            && let Some((f, _, _)) = &file_masters
+        {
+            f.drop_cache()?;
+            sampler = Some(staged::RssSampler::start());
+        }
         let t = Instant::now();
         rt.enable((spec.make)()?).map_err(|(e, _)| e)?;
         device.synchronize_stream(&stream)?;
@@ -1516,6 +1568,9 @@ fn run() -> Result<()> {
                 staged_bytes,
                 staged_limit_s: None,
                 step_over_staged_limit: None,
+                rss_file_peak_bytes: sampler.take().map(staged::RssSampler::finish),
+                file_limit_s: None,
+                step_over_file_limit: None,
             });
             let r = rows.last().context("pushed")?;
             eprintln!(
@@ -1546,6 +1601,7 @@ fn run() -> Result<()> {
                         .resident()?,
                 )
             }),
+            file: false,
         },
         &mut rows,
     )?;
@@ -1596,6 +1652,7 @@ fn run() -> Result<()> {
                                 d,
                                 Some(ring.inputs(&block_units, master_gbps, settings.steps)),
                             ),
+                            file: false,
                         });
                     }
                 }
@@ -1612,6 +1669,7 @@ fn run() -> Result<()> {
                     tokens: settings.tokens.clone(),
                     compression,
                     make: layerwise_at(config.clone(), d, None),
+                    file: false,
                 });
             }
             let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
@@ -1629,6 +1687,7 @@ fn run() -> Result<()> {
                     tokens,
                     compression,
                     make: layerwise_at(config.clone(), d, None),
+                    file: false,
                 });
             }
         }
@@ -1646,7 +1705,30 @@ fn run() -> Result<()> {
                     tokens: settings.tokens.clone(),
                     compression: Compression::None,
                     make: layerwise_at(h.config(&layerwise), d, None),
+                    file: false,
                 });
+                if let Some((f, _, _)) = &file_masters {
+                    let config = h.config(&layerwise);
+                    let weights = Arc::clone(f) as Arc<dyn WeightSource>;
+                    let platform = &platform;
+                    specs.push(Spec {
+                        name: format!("layerwise depth {d} file {}{suffix}", h.name()),
+                        repeat,
+                        lookahead: BTreeMap::new(),
+                        proxy: &proxy,
+                        depth: d,
+                        streamed: streamed_all,
+                        tokens: settings.tokens.clone(),
+                        compression: Compression::None,
+                        make: Box::new(move || {
+                            Ok(Box::new(
+                                platform(d, true, Arc::clone(&weights), None)
+                                    .layerwise(config.clone())?,
+                            ) as Box<dyn Backend<Cuda>>)
+                        }),
+                        file: true,
+                    });
+                }
             }
         }
     }
@@ -1669,12 +1751,21 @@ fn run() -> Result<()> {
             r.link_over_bf16 = r.link_bytes_per_step.map(|b| b as f64 / streamed.max(1.0));
         }
         r.output_equals_resident = r.output == *resident_output;
-        if let (Some(g), true) = (host_gbps, r.staged_bytes > 0) {
-            let limit = resident_step
-                .max(streamed / (bw * 1e9))
-                .max(r.staged_bytes as f64 / (g * 1e9));
+        // The staged path's own limit: pinned blocks at the link's rate,
+        // staged ones at the staged stream's (host copy and DMA sharing the
+        // host's memory), one copy engine.
+        if let (Some(g), true) = (stream_gbps, r.staged_bytes > 0) {
+            let pinned = streamed - r.staged_bytes as f64;
+            let limit = resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (g * 1e9));
             r.staged_limit_s = Some(limit);
             r.step_over_staged_limit = Some(r.step_s / limit);
+        }
+        if let (Some((_, _, warm)), true) = (&file_masters, r.rss_file_peak_bytes.is_some()) {
+            let pinned = streamed - r.staged_bytes as f64;
+            let limit =
+                resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (warm * 1e9));
+            r.file_limit_s = Some(limit);
+            r.step_over_file_limit = Some(r.step_s / limit);
         }
         r.predicted_s = if r.depth == 0 {
             *resident_step
@@ -1805,7 +1896,12 @@ fn run() -> Result<()> {
     proxy.free()?;
     print_lookahead_summary(&rows);
     print_compression_summary(&rows);
-    print_staged_summary(&rows, host_gbps);
+    print_staged_summary(
+        &rows,
+        host_gbps,
+        stream_gbps,
+        file_masters.as_ref().map(|(_, c, w)| (*c, *w)),
+    );
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     match &plant_name {
         None if differing > 0 => {
@@ -1869,9 +1965,20 @@ fn print_lookahead_summary(rows: &[Row]) {
 /// The staged rows (`--host-budgets`), printed last: staged bytes, the
 /// pinned + registered bytes held, the step against the fully pinned
 /// row's limit and against the staged path's own limit.
-fn print_staged_summary(rows: &[Row], host_gbps: Option<f64>) {
+fn print_staged_summary(
+    rows: &[Row],
+    host_gbps: Option<f64>,
+    stream_gbps: Option<f64>,
+    file: Option<(f64, f64)>,
+) {
     let Some(g) = host_gbps else { return };
-    println!("\nStaged masters (CONTRACT §7c); pageable → pinned host copy {g:.2} GB/s");
+    println!(
+        "\nStaged masters (CONTRACT §7c); pageable → pinned host copy {g:.2} GB/s; staged stream (host copy + DMA, no compute) {:.2} GB/s{}",
+        stream_gbps.unwrap_or(0.0),
+        file.map_or(String::new(), |(c, w)| format!(
+            "; masters file read {c:.2} GB/s from the disk, {w:.2} GB/s from the page cache"
+        ))
+    );
     println!(
         "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | output == resident |"
     );
@@ -1892,6 +1999,30 @@ fn print_staged_summary(rows: &[Row], host_gbps: Option<f64>) {
             r.ratio,
             r.staged_limit_s.unwrap_or(0.0),
             r.step_over_staged_limit.unwrap_or(0.0),
+            r.output_equals_resident
+        );
+    }
+    let files: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.rss_file_peak_bytes.is_some())
+        .collect();
+    if files.is_empty() {
+        return;
+    }
+    println!(
+        "\n| file run | tokens | resident file pages peak GB | page-locked peak GB | step s | file limit s | step / file limit | output == resident |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in files {
+        println!(
+            "| {} | {} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {} |",
+            r.run,
+            r.tokens,
+            r.rss_file_peak_bytes.unwrap_or(0) as f64 / 1e9,
+            r.host_locked_peak_bytes as f64 / 1e9,
+            r.step_s,
+            r.file_limit_s.unwrap_or(0.0),
+            r.step_over_file_limit.unwrap_or(0.0),
             r.output_equals_resident
         );
     }

@@ -1,0 +1,274 @@
+//! The staged rows' measurements (CONTRACT §7c, `--host-budgets`): the
+//! staged path's own rate (pageable → pinned by host threads, pinned →
+//! device by DMA, pipelined over two buffers, no compute), and a masters
+//! file: the streamed blocks written to one file, mapped, and served as
+//! the weight source of the `file` rows, read from the disk after its page
+//! cache is dropped.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use offload_core::device::{ByteSource, Device, HostBuffer, HostSource};
+use offload_core::model::StorageId;
+use offload_core::runtime::{Unit, WeightSource};
+use offload_cuda::{CudaDevice, CudaStream};
+
+use crate::Loaded;
+
+/// `src` copied into a destination by up to `threads` scoped threads,
+/// contiguous page-aligned parts (as the staging filler splits a fill).
+pub(crate) struct Parallel<'a>(pub(crate) &'a [u8], pub(crate) usize);
+
+impl ByteSource for Parallel<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        let src = &self.0[position as usize..position as usize + dst.len()];
+        let per = dst.len().div_ceil(self.1).next_multiple_of(4096).max(4096);
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+    }
+}
+
+/// The staged path alone, GB/s: each block's bytes (`bytes_of`) copied by
+/// the staging fill's host threads into one of two pinned buffers (after
+/// the DMA that last read it), then DMA'd to one device buffer, back to
+/// back, no compute: the rate the link and the host memory together allow
+/// a staged stream (the host copy and the DMA share the host's memory
+/// bandwidth). The median of three passes.
+pub(crate) fn staged_stream_bandwidth<'a>(
+    device: &CudaDevice,
+    stream: &CudaStream,
+    blocks: &[&Unit],
+    bytes_of: &dyn Fn(&Unit) -> Result<&'a [u8]>,
+) -> Result<f64> {
+    let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
+    let threads = offload_core::runtime::staging_fill_threads();
+    let mut pinned = vec![device.alloc_pinned(largest)?, device.alloc_pinned(largest)?];
+    let copied = [device.create_event()?, device.create_event()?];
+    let dev = device.alloc_device(largest)?;
+    let total: u64 = blocks.iter().map(|u| u.bytes).sum();
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        device.synchronize_stream(stream)?;
+        let t = Instant::now();
+        for (i, u) in blocks.iter().enumerate() {
+            let b = i % 2;
+            device.synchronize_event(&copied[b])?;
+            let src = bytes_of(u)?;
+            pinned[b].write_from(0, u.bytes, &Parallel(src, threads));
+            // SAFETY: the pinned buffer holds `u.bytes` (the largest), as
+            // does the device buffer; the host rewrites the pinned buffer
+            // only after `copied[b]` (recorded next); nothing is freed
+            // before the stream is synchronised below.
+            unsafe {
+                device.copy_h2d(stream, HostSource::Pinned(&pinned[b]), 0, &dev, 0, u.bytes)
+            }?;
+            device.record_event(&copied[b], stream)?;
+        }
+        device.synchronize_stream(stream)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    // SAFETY: the stream is drained.
+    unsafe {
+        for p in pinned.drain(..) {
+            device.free_pinned(p)?;
+        }
+        device.free_device(dev, &[])?;
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(total as f64 / times[1] / 1e9)
+}
+
+/// The streamed blocks in one file, mapped read-only: the weight source of
+/// the `file` rows (blocks from the mapping, everything else from the
+/// loaded weights). It lends no region, so that pinned blocks are copies
+/// read from the file and staged ones are read through the mapping.
+pub(crate) struct FileMasters {
+    file: File,
+    map: memmap2::Mmap,
+    /// Each block unit's first byte in the file.
+    offsets: BTreeMap<String, u64>,
+    loaded: Arc<Loaded>,
+}
+
+impl FileMasters {
+    /// `path` holding `blocks` back to back (written from `loaded` when it
+    /// is missing or of another size; timed), mapped.
+    pub(crate) fn open(path: &Path, blocks: &[&Unit], loaded: Arc<Loaded>) -> Result<Self> {
+        let mut offsets = BTreeMap::new();
+        let mut at = 0u64;
+        for u in blocks {
+            offsets.insert(u.name.clone(), at);
+            at += u.bytes;
+        }
+        let fresh = std::fs::metadata(path).map_or(true, |m| m.len() != at);
+        if fresh {
+            let t = Instant::now();
+            let mut f = File::create(path).with_context(|| format!("create {}", path.display()))?;
+            for u in blocks {
+                let bytes = loaded
+                    .units
+                    .get(&u.name)
+                    .with_context(|| format!("no loaded memory for `{}`", u.name))?;
+                std::io::Write::write_all(&mut f, &bytes[..u.bytes as usize])?;
+            }
+            f.sync_all()?;
+            eprintln!(
+                "masters file {}: {:.2} GB written in {:.1} s",
+                path.display(),
+                at as f64 / 1e9,
+                t.elapsed().as_secs_f64()
+            );
+        }
+        let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
+        // SAFETY: the bench wrote the file and nothing else writes it while
+        // it is mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }?;
+        Ok(Self {
+            file,
+            map,
+            offsets,
+            loaded,
+        })
+    }
+
+    /// Bytes of the file.
+    pub(crate) fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Drops the file's pages from this process and from the page cache
+    /// (`madvise(MADV_DONTNEED)` on the mapping, then
+    /// `posix_fadvise(POSIX_FADV_DONTNEED)`): the next read comes from the
+    /// disk.
+    pub(crate) fn drop_cache(&self) -> Result<()> {
+        // SAFETY: a read-only file mapping: dropped pages are read again
+        // from the file.
+        unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)?;
+        }
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid descriptor of an open file; advice only.
+        let rc =
+            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        anyhow::ensure!(rc == 0, "posix_fadvise(DONTNEED): {rc}");
+        Ok(())
+    }
+
+    /// The file read through the mapping by the staging fill's threads into
+    /// one pinned buffer, a block at a time, GB/s.
+    pub(crate) fn read_rate(&self, device: &CudaDevice, blocks: &[&Unit]) -> Result<f64> {
+        let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
+        let threads = offload_core::runtime::staging_fill_threads();
+        let mut pinned = device.alloc_pinned(largest)?;
+        let t = Instant::now();
+        for u in blocks {
+            let at = self.offsets[&u.name] as usize;
+            pinned.write_from(
+                0,
+                u.bytes,
+                &Parallel(&self.map[at..at + u.bytes as usize], threads),
+            );
+        }
+        let s = t.elapsed().as_secs_f64();
+        // SAFETY: no copy used it.
+        unsafe { device.free_pinned(pinned) }?;
+        Ok(self.len() as f64 / s / 1e9)
+    }
+
+    fn range(&self, unit: &Unit) -> Option<(usize, usize)> {
+        self.offsets
+            .get(&unit.name)
+            .map(|&at| (at as usize, unit.bytes as usize))
+    }
+}
+
+impl WeightSource for FileMasters {
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        let (unit, offset) = &self.loaded.at[&storage];
+        match self.offsets.get(unit) {
+            Some(&at) => {
+                let start = (at + offset + position) as usize;
+                dst.copy_from_slice(&self.map[start..start + dst.len()]);
+            }
+            None => self.loaded.read(storage, position, dst),
+        }
+    }
+
+    fn prefetch(&self, unit: &Unit) {
+        if let Some((at, len)) = self.range(unit) {
+            let _ = self.map.advise_range(memmap2::Advice::WillNeed, at, len);
+        }
+    }
+
+    fn release(&self, unit: &Unit) {
+        if let Some((at, len)) = self.range(unit) {
+            // SAFETY: a read-only file mapping: dropped pages are read
+            // again from the page cache or the file.
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at, len)
+            };
+        }
+    }
+
+    fn wants_restore(&self) -> bool {
+        false
+    }
+}
+
+/// The process's resident file-backed pages (`RssFile` of
+/// `/proc/self/status`), bytes.
+fn rss_file() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("RssFile:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Samples [`rss_file`] every 5 ms on a thread until dropped; the peak.
+pub(crate) struct RssSampler {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RssSampler {
+    pub(crate) fn start() -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(rss_file()));
+        let (s, p) = (Arc::clone(&stop), Arc::clone(&peak));
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                p.fetch_max(rss_file(), Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        });
+        Self {
+            stop,
+            peak,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops; the peak seen.
+    pub(crate) fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.peak.load(Ordering::Relaxed)
+    }
+}
