@@ -203,6 +203,15 @@ impl WeightSource for FileMasters {
         }
     }
 
+    fn read_direct(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        use std::os::unix::fs::FileExt;
+        let (unit, offset) = &self.loaded.at[&storage];
+        match self.offsets.get(unit) {
+            Some(&at) if self.file.read_exact_at(dst, at + offset + position).is_ok() => {}
+            _ => self.read(storage, position, dst),
+        }
+    }
+
     fn prefetch(&self, unit: &Unit) {
         if let Some((at, len)) = self.range(unit) {
             let _ = self.map.advise_range(memmap2::Advice::WillNeed, at, len);

@@ -218,6 +218,9 @@ pub struct TensorEntry {
 struct Mapped {
     path: PathBuf,
     map: Arc<Mmap>,
+    /// The open file, for positional reads that map nothing in
+    /// ([`WeightSource::read_direct`]).
+    file: Arc<File>,
 }
 
 /// A safetensors checkpoint: one file or a shard set, memory-mapped.
@@ -407,6 +410,7 @@ impl Checkpoint {
             files.push(Mapped {
                 path: path.clone(),
                 map: Arc::new(map),
+                file: Arc::new(file),
             });
         }
         Ok(Self { files, tensors })
@@ -1091,6 +1095,21 @@ impl WeightSource for SafetensorsSource {
                 None
             }
         }
+    }
+
+    /// A positional read of the file (`pread`): nothing is mapped in, so a
+    /// staged block whose pages are released after each read never faults
+    /// its pages in. A short or failed read falls back to the mapping.
+    fn read_direct(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        use std::os::unix::fs::FileExt;
+        if let Some(b) = &self.storages[storage.index()] {
+            let m = self.mapped(b);
+            let at = b.range.start as u64 + position;
+            if m.file.read_exact_at(dst, at).is_ok() {
+                return;
+            }
+        }
+        self.read(storage, position, dst);
     }
 
     /// Reads a staged unit's pages ahead (`madvise(MADV_WILLNEED)`).

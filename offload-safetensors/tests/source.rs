@@ -1199,3 +1199,39 @@ fn a_shard_window_holds_the_files_bytes_and_padding_stays_in_the_file() {
     // A shard that is all padding holds none of the file.
     assert!(source.take_shard_region(units[0], 10..13).is_none());
 }
+
+/// A positional read (`read_direct`, what the staging filler uses for
+/// blocks whose pages it releases, CONTRACT §7c) gives the same bytes as a
+/// read through the mapping, at every storage and offset; and releasing a
+/// unit's pages or reading them ahead changes no byte read after.
+#[test]
+fn direct_reads_equal_mapped_reads_and_release_loses_nothing() {
+    let dir = scratch("direct");
+    let tensors = dit_tensors();
+    let file = dir.join("diffusion_pytorch_model.safetensors");
+    write_file(&file, &tensors).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(&dir).unwrap());
+    let pipeline = pipeline_from(&ckpt);
+    let source = dit_source(&pipeline, Arc::clone(&ckpt));
+    let partition = offload_core::runtime::partition(&pipeline, &[], &[]);
+    let mut checked = 0;
+    for unit in partition.all() {
+        source.release(unit);
+        source.prefetch(unit);
+        for e in &unit.entries {
+            for (from, len) in [
+                (0, e.bytes),
+                (e.bytes / 3, e.bytes / 2),
+                (e.bytes.saturating_sub(1), 1),
+            ] {
+                let mut mapped = vec![0u8; len as usize];
+                let mut direct = vec![0xa5u8; len as usize];
+                source.read(e.storage, from, &mut mapped);
+                source.read_direct(e.storage, from, &mut direct);
+                assert_eq!(mapped, direct, "`{}` at {from}+{len}", unit.name);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 30, "{checked} reads compared");
+}

@@ -92,6 +92,15 @@ pub trait WeightSource: Send + Sync {
         None
     }
 
+    /// [`Self::read`], without mapping the bytes into this process where
+    /// the source can (a positional read of its file, `pread`): the staging
+    /// filler reads with it the blocks whose pages it releases after reading
+    /// (CONTRACT §7c), so that no page of the file is faulted in or stays
+    /// resident. Default: [`Self::read`].
+    fn read_direct(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        self.read(storage, position, dst);
+    }
+
     /// A staged unit's bytes (CONTRACT §7c) will be read soon (the next
     /// staged block in ring order): a source backed by a mapped file may
     /// start reading them ahead (`madvise(MADV_WILLNEED)`). Default:

@@ -305,6 +305,7 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
                     weights: &*context.weights,
                     unit: &job.unit,
                     threads: context.threads,
+                    direct: job.release,
                 },
             );
             if job.release {
@@ -331,6 +332,9 @@ pub(crate) struct ParallelUnitBytes<'a> {
     pub(crate) weights: &'a dyn WeightSource,
     pub(crate) unit: &'a Unit,
     pub(crate) threads: usize,
+    /// Read with [`WeightSource::read_direct`]: the pages are released
+    /// after the read, so they are never mapped in.
+    pub(crate) direct: bool,
 }
 
 impl crate::device::ByteSource for ParallelUnitBytes<'_> {
@@ -340,6 +344,7 @@ impl crate::device::ByteSource for ParallelUnitBytes<'_> {
         let reader = UnitBytes {
             weights: self.weights,
             unit: self.unit,
+            direct: self.direct,
         };
         let threads = self.threads.min(dst.len() / PER_THREAD).max(1);
         if threads == 1 || cfg!(loom) {

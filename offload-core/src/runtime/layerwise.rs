@@ -840,6 +840,8 @@ struct StagedTally {
     refused: usize,
     /// The host plan stages blocks for the budget.
     budget_binds: bool,
+    /// The host plan releases staged blocks' pages after each read.
+    release: bool,
 }
 
 impl StagedTally {
@@ -909,6 +911,7 @@ fn upload_staged<A: Api>(
                         weights: &*h.weights,
                         unit,
                         threads,
+                        direct: false,
                     },
                     at,
                 ),
@@ -979,7 +982,15 @@ fn pinned_or_staged<A: Api>(
     // mapping the device would lock whole (the checkpoint, staged blocks
     // and all): it is copied.
     match h.master_within(unit, skip, !tally.budget_binds) {
-        Ok(m) => Ok(m),
+        Ok(m) => {
+            // A copy read from a mapped source: where staged pages are
+            // released (a checkpoint larger than the budget), its pages go
+            // too, the pinned copy holding its bytes.
+            if tally.release && matches!(m, HostMaster::Pinned(_)) {
+                h.weights.release(unit);
+            }
+            Ok(m)
+        }
         Err(OffloadError::DeviceOp { kind, cause, .. })
             if kind != crate::device::DeviceErrorKind::DeviceLost && skip.is_empty() =>
         {
@@ -1467,6 +1478,7 @@ impl<A: Api> LayerwiseBackend<A> {
             budget_binds: host_plan
                 .staged
                 .contains(&Some(crate::budget::StageReason::Budget)),
+            release: host_plan.release_after_read(),
             ..StagedTally::default()
         };
         let masters_before = h.host_masters();

@@ -307,6 +307,7 @@ impl<A: Api> Handles<A> {
         let reader = UnitBytes {
             weights: &*self.weights,
             unit,
+            direct: false,
         };
         let coded = match codec.encode(&reader, unit.bytes, spans) {
             Ok(coded) => coded,
@@ -639,6 +640,8 @@ impl ByteSource for StorageBytes<'_> {
 pub(crate) struct UnitBytes<'a> {
     pub(crate) weights: &'a dyn WeightSource,
     pub(crate) unit: &'a Unit,
+    /// Read with [`WeightSource::read_direct`] (nothing mapped in).
+    pub(crate) direct: bool,
 }
 
 impl ByteSource for UnitBytes<'_> {
@@ -648,7 +651,11 @@ impl ByteSource for UnitBytes<'_> {
             let (from, to) = (e.offset.max(position), (e.offset + e.bytes).min(end));
             if from < to {
                 let out = &mut dst[(from - position) as usize..(to - position) as usize];
-                self.weights.read(e.storage, from - e.offset, out);
+                if self.direct {
+                    self.weights.read_direct(e.storage, from - e.offset, out);
+                } else {
+                    self.weights.read(e.storage, from - e.offset, out);
+                }
             }
         }
     }
