@@ -461,6 +461,11 @@ impl Driver {
             return;
         };
         let stats = self.offloaded.device.stats();
+        let bounds = if stats.pins_refused > 0 {
+            bounds.with_refused_pins()
+        } else {
+            bounds
+        };
         let observed = bounds.observe(
             stats.device_peak_bytes,
             stats.pinned_peak_bytes + stats.registered_peak_bytes,
@@ -486,7 +491,7 @@ impl Driver {
         // A refused pin (an injected allocation failure) leaves a layerwise
         // block's master pageable (CONTRACT §7c): then no pinned copy, or
         // its copies in the staging ring, and never more.
-        let staged = stats.pins_refused > 0 && bounds.host_staging_bytes > 0;
+        let staged = stats.pins_refused > 0 && bounds.staging_ring_bytes > 0;
         let checked = if staged {
             offload_core::invariants::staged_host_masters(
                 identifiable,

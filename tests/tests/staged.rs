@@ -76,7 +76,7 @@ fn sizes() -> (u64, u64, u64) {
     let b = o.bounds;
     (
         b.offloaded_bytes,
-        b.host_staging_bytes,
+        b.staging_ring_bytes,
         b.staging_bytes - b.host_staging_bytes,
     )
 }

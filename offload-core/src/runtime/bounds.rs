@@ -54,13 +54,16 @@ pub struct MemoryBounds {
     /// device bound then also counts two staging buffers of the largest
     /// coded block's bound.
     pub coded_overhead_bytes: u64,
-    /// Layerwise (CONTRACT §7c): the staging ring staged masters stream
-    /// through (beyond `host_budget`, with `pin_cpu_memory = false`, or
-    /// where the device refuses a pin), two pinned buffers of the largest
-    /// streamed block (included in `staging_bytes` and `host_weight_bytes`;
-    /// a staged master holds no pinned copy, so pinned masters and the ring
-    /// stay within one copy + this).
+    /// Layerwise with `host_budget` or `pin_cpu_memory = false` (CONTRACT
+    /// §7c): the staging ring staged masters stream through, two pinned
+    /// buffers of the largest streamed block (included in `staging_bytes`
+    /// and `host_weight_bytes`; a staged master holds no pinned copy, so
+    /// pinned masters and the ring stay within one copy + this). 0
+    /// otherwise: a run whose device refused a pin adds it
+    /// ([`Self::with_refused_pins`]).
     pub host_staging_bytes: u64,
+    /// Layerwise: the staging ring's bytes, whether or not declared above.
+    pub staging_ring_bytes: u64,
     /// `host_budget` when it is a size: the most pinned + registered bytes
     /// the host may hold for weights (`"auto"` is read at enable, so only
     /// the device's own report can be checked against it).
@@ -96,6 +99,7 @@ pub fn memory_bounds(
     let (mut gathered_bytes, mut group_size, mut padding_bytes) = (0, 1, 0);
     let mut coded_overhead_bytes = 0;
     let mut host_staging_bytes = 0;
+    let mut ring_bytes = 0;
     let (device_weight_bytes, offloaded_bytes, device_allocations, staging_bytes) = match strategy {
         OffloadStrategy::None => (total, 0, units, largest_unit(&|_| false)),
         OffloadStrategy::Layerwise | OffloadStrategy::DistributedLayerwise => {
@@ -140,11 +144,15 @@ pub fn memory_bounds(
                 crate::runtime::layerwise::STAGING_BUFFERS as u64
             };
             let staging_device = staging_buffers * coded.iter().copied().max().unwrap_or(0);
-            // Any layerwise ring may stage: beyond a host budget, with
-            // `pin_cpu_memory = false`, or where the device refuses a pin.
-            if strategy == OffloadStrategy::Layerwise && layout.blocks().next().is_some() {
-                host_staging_bytes = crate::budget::host::HOST_STAGING_BUFFERS
+            // A layerwise ring stages beyond a host budget, with
+            // `pin_cpu_memory = false`, or where the device refuses a pin
+            // (`MemoryBounds::with_refused_pins`).
+            if strategy == OffloadStrategy::Layerwise {
+                ring_bytes = crate::budget::host::HOST_STAGING_BUFFERS
                     * layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0);
+                if config.host_budget.is_some() || config.pin_cpu_memory == Some(false) {
+                    host_staging_bytes = ring_bytes;
+                }
             }
             (
                 total - streamed
@@ -209,6 +217,7 @@ pub fn memory_bounds(
         padding_bytes,
         coded_overhead_bytes,
         host_staging_bytes,
+        staging_ring_bytes: ring_bytes,
         host_budget_bytes: match config.host_budget {
             Some(crate::bytes::HostBudget::Bytes(b)) => Some(b.bytes()),
             _ => None,
@@ -217,6 +226,18 @@ pub fn memory_bounds(
 }
 
 impl MemoryBounds {
+    /// These bounds for a run whose device refused a pin (its own count): a
+    /// layerwise block whose pin was refused streams staged, through the
+    /// staging ring (CONTRACT §7c), which the bounds then declare.
+    pub fn with_refused_pins(mut self) -> Self {
+        if self.host_staging_bytes == 0 && self.staging_ring_bytes > 0 {
+            self.host_staging_bytes = self.staging_ring_bytes;
+            self.staging_bytes += self.staging_ring_bytes;
+            self.host_weight_bytes += self.staging_ring_bytes;
+        }
+        self
+    }
+
     /// What INV-7's checker ([`crate::invariants::bounded_memory`]) is fed:
     /// these bounds with the peaks a device measured itself.
     pub fn observe(
@@ -335,6 +356,7 @@ impl PlanBounds {
             padding_bytes: 0,
             coded_overhead_bytes: 0,
             host_staging_bytes: 0,
+            staging_ring_bytes: 0,
             host_budget_bytes: None,
         }
     }
