@@ -72,11 +72,8 @@ done
 # candle's CudaDevice loads cuBLAS, cuBLASLt and cuRAND (cudarc, at run
 # time): make the toolkit's and the Python wheels' copies findable. The
 # CUDA runtime is linked in statically.
-LIBS=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt \
-  $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
-  \( -name 'libcurand.so*' -o -name 'libcublasLt.so*' -o -name 'libcublas.so*' -o -name 'libnvrtc.so*' \) 2>/dev/null \
-  | grep -v /stubs/ | xargs -r -n1 dirname | sort -u | tr '\n' ':')
-export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}"
+. "$B/lib.sh"
+cuda_libs
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   date -u +%Y-%m-%dT%H:%M:%SZ

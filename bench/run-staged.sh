@@ -22,11 +22,8 @@ for c in ${DIR:+"$DIR/offload-bench"} "$HERE/offload-bench" "$HERE/../target/rel
 done
 OUT=${OUT:-/tmp/staged-out}
 mkdir -p "$OUT"
-LIBS=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt \
-  $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
-  \( -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' -o -name 'libcublas.so*' \) 2>/dev/null \
-  | grep -v /stubs/ | xargs -r -n1 dirname | sort -u | tr '\n' ':')
-export LD_LIBRARY_PATH="${LIBS}${LD_LIBRARY_PATH:-}"
+. "$HERE/lib.sh"
+cuda_libs
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   date -u +%Y-%m-%dT%H:%M:%SZ

@@ -374,7 +374,7 @@ impl<'de> Deserialize<'de> for DeviceBudget {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HostBudget {
     /// What this process may use at enable (the cgroup's limit less its
-    /// use, else `MemAvailable`), less [`crate::budget::host_headroom`].
+    /// use, else `MemAvailable`), less [`crate::budget::host::host_headroom`].
     Auto,
     /// This many bytes.
     Bytes(ByteSize),

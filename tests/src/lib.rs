@@ -19,6 +19,40 @@ use offload_core::model::{DType, ModuleBuilder, ModuleId, Pipeline, PipelineBuil
 use offload_core::runtime::ForwardCtx;
 use offload_hooks::{BoxError, ModelHook, PreForward};
 
+/// The `tiny-wide` preset's workload (3 steps, 2 requests): linear weights
+/// large enough for a lossless code to take them (CONTRACT §7b), small
+/// enough for exact payloads.
+pub fn tiny_wide_workload() -> offload_sim::harness::Workload {
+    let preset = offload_sim::presets::tiny_wide();
+    offload_sim::harness::Workload {
+        tokens: preset.default_tokens,
+        preset,
+        steps: 3,
+        requests: 2,
+    }
+}
+
+/// Run options on the H200 profile over weights that look trained, with
+/// `bugs` planted, prefetch `depth`, and seeded jitter (probability 0.3, up
+/// to 50 µs) where `jitter` gives a seed.
+pub fn trained_opts(
+    bugs: &[offload_core::runtime::PlantedBug],
+    depth: usize,
+    jitter: Option<u64>,
+) -> offload_sim::harness::RunOptions {
+    offload_sim::harness::RunOptions {
+        bugs: bugs.to_vec(),
+        prefetch_depth: depth,
+        trained_weights: true,
+        jitter: jitter.map(|seed| offload_sim::Jitter {
+            seed,
+            probability: 0.3,
+            max_ns: 50_000,
+        }),
+        ..offload_sim::harness::RunOptions::new(offload_sim::DeviceProfile::h200())
+    }
+}
+
 /// Adds a module list `container` of `n` transformer-like blocks of width
 /// `hidden` to `m`.
 pub fn blocks(m: &mut ModuleBuilder<'_>, container: &str, n: usize, hidden: u64) {

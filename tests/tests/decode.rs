@@ -12,30 +12,13 @@ use offload_sim::DeviceProfile;
 use offload_sim::Jitter;
 use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
 use offload_sim::job::memory_violations;
-use offload_sim::presets::tiny_wide;
 
 fn workload() -> Workload {
-    let preset = tiny_wide();
-    Workload {
-        tokens: preset.default_tokens,
-        preset,
-        steps: 3,
-        requests: 2,
-    }
+    offload_tests::tiny_wide_workload()
 }
 
 fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>) -> RunOptions {
-    RunOptions {
-        bugs: bugs.to_vec(),
-        prefetch_depth: depth,
-        trained_weights: true,
-        jitter: jitter.map(|seed| Jitter {
-            seed,
-            probability: 0.3,
-            max_ns: 50_000,
-        }),
-        ..RunOptions::new(DeviceProfile::h200())
-    }
+    offload_tests::trained_opts(bugs, depth, jitter)
 }
 
 fn layerwise(compression: WeightCompression) -> StrategyChoice {

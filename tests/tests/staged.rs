@@ -11,34 +11,17 @@ use offload_core::bytes::{ByteSize, HostBudget};
 use offload_core::config::OffloadConfig;
 use offload_core::invariants::{Invariant, Violation};
 use offload_core::runtime::PlantedBug;
+use offload_sim::FaultPlan;
 use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
 use offload_sim::job::memory_violations;
-use offload_sim::presets::tiny_wide;
-use offload_sim::{DeviceProfile, FaultPlan, Jitter};
 use offload_tests::capture_logs;
 
 fn workload() -> Workload {
-    let preset = tiny_wide();
-    Workload {
-        tokens: preset.default_tokens,
-        preset,
-        steps: 3,
-        requests: 2,
-    }
+    offload_tests::tiny_wide_workload()
 }
 
 fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>) -> RunOptions {
-    RunOptions {
-        bugs: bugs.to_vec(),
-        prefetch_depth: depth,
-        trained_weights: true,
-        jitter: jitter.map(|seed| Jitter {
-            seed,
-            probability: 0.3,
-            max_ns: 50_000,
-        }),
-        ..RunOptions::new(DeviceProfile::h200())
-    }
+    offload_tests::trained_opts(bugs, depth, jitter)
 }
 
 fn layerwise(pin: Option<bool>, budget: Option<u64>) -> StrategyChoice {

@@ -865,6 +865,8 @@ pub(crate) fn candle_bundle(dir: &Path) -> Result<()> {
         &dir.join("run-candle.sh"),
     )?;
     make_executable(&dir.join("run-candle.sh"))?;
+    // Its shared shell helpers, sourced from beside it.
+    copy(&root.join("bench/lib.sh"), &dir.join("lib.sh"))?;
     // The peer's wheels (diffusers and what it needs beyond the device's
     // torch), where the checkout has them in `.whl/`.
     let wheels_dir = root.join(".whl");

@@ -115,7 +115,7 @@ pub trait WeightSource: Send + Sync {
     /// again from the page cache or the file next time), so that resident
     /// memory stays within the host budget whatever the checkpoint's size.
     /// Called only when the engine's host budget asks for it
-    /// ([`crate::runtime::HostPlan::release_after_read`]). Default: nothing.
+    /// ([`crate::budget::HostPlan::release_after_read`]). Default: nothing.
     fn release(&self, unit: &Unit) {
         let _ = unit;
     }

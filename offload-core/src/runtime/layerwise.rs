@@ -307,42 +307,60 @@ impl Transport {
             .min(st.rings[ring].blocks[block].unit.bytes);
         let slot = &st.slots[k];
         let name = &st.rings[ring].blocks[block].unit.name;
+        let timer = &st.timer;
+        // The copy stream fills the slot from `source` (`None`: the planted
+        // stale slot, no copy): it waits for the slot's last use and, where
+        // rings decode, for its previous fill (a decode on the decode
+        // stream, of a prefetch this fill evicts); compute waits for
+        // `ready`, recorded after the copy. Its two sources: this block's
+        // master (pinned or registered, exactly its unit's bytes, freed
+        // only after draining) and a host staging buffer lent by
+        // `StagingRing::with_filled` (the largest staged block, filled
+        // before the lend, refilled only after its `copied`, which the
+        // caller records after this copy).
+        let copy_to_slot = |source: Option<crate::device::HostSource<'_, A>>,
+                            kind: &str,
+                            what: &str|
+         -> Result<(), OffloadError> {
+            wait(&h.copy, "copy")?;
+            if h.decode.is_some() {
+                h.device
+                    .stream_wait_event(&h.copy, &slot.ready)
+                    .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+            }
+            if let Some(t) = timer {
+                t.mark(&h.copy, Mark::CopyStart { bytes })?;
+            }
+            if let Some(source) = source {
+                let _span = transfer_span(name, bytes, "copy", kind).entered();
+                // SAFETY: the slot holds the largest block (≥ `bytes`) and
+                // either source at least `bytes`, unchanged until the copy
+                // completes (above); the copy stream waits for the slot's
+                // last use, so nothing reads the slot while it is
+                // overwritten, and compute waits for `ready` (recorded
+                // next) before reading.
+                unsafe {
+                    h.device
+                        .copy_h2d(&h.copy, source, 0, &slot.buffer, 0, bytes)
+                }
+                .map_err(|e| dev_err(what, e))?;
+            }
+            if let Some(t) = timer {
+                t.mark(&h.copy, Mark::CopyEnd)?;
+            }
+            h.device
+                .record_event(&slot.ready, &h.copy)
+                .map_err(|e| dev_err("record_event(ready)", e))
+        };
         match self {
             Transport::Copy => {
-                wait(&h.copy, "copy")?;
-                // Where rings decode, the slot's last writer may be a decode
-                // on the decode stream (a prefetch this fill evicts): its
-                // `ready` orders this copy after it.
-                if h.decode.is_some() {
-                    h.device
-                        .stream_wait_event(&h.copy, &slot.ready)
-                        .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
-                }
-                if let Some(t) = &st.timer {
-                    t.mark(&h.copy, Mark::CopyStart { bytes })?;
-                }
-                if !stale {
-                    let _span = transfer_span(name, bytes, "copy", "h2d").entered();
-                    let what = format!("copy_h2d of `{}`", master.unit.name);
-                    let source = master.host.copy_source(&what)?;
-                    // SAFETY: the master is exactly `unit.bytes` and the slot
-                    // holds the largest block, so both ranges are in bounds;
-                    // the copy stream waits for the slot's last use (nothing
-                    // reads the slot while it is overwritten), compute waits
-                    // for `ready` (recorded next) before reading it, and the
-                    // master is freed only after draining.
-                    unsafe {
-                        h.device
-                            .copy_h2d(&h.copy, source, 0, &slot.buffer, 0, bytes)
-                    }
-                    .map_err(|e| dev_err(what, e))?;
-                }
-                if let Some(t) = &st.timer {
-                    t.mark(&h.copy, Mark::CopyEnd)?;
-                }
-                h.device
-                    .record_event(&slot.ready, &h.copy)
-                    .map_err(|e| dev_err("record_event(ready)", e))
+                let what = format!("copy_h2d of `{}`", master.unit.name);
+                let source = if stale {
+                    None
+                } else {
+                    Some(master.host.copy_source(&what)?)
+                };
+                copy_to_slot(source, "h2d", &what)
             }
             Transport::Gather => {
                 let comm = h
@@ -558,45 +576,18 @@ impl Transport {
                 };
                 staging.last = j;
                 staging.ring.with_filled(j, |stage| {
-                    wait(&h.copy, "copy")?;
-                    if h.decode.is_some() {
-                        h.device
-                            .stream_wait_event(&h.copy, &slot.ready)
-                            .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
-                    }
-                    if let Some(t) = &st.timer {
-                        t.mark(&h.copy, Mark::CopyStart { bytes })?;
-                    }
-                    if !stale {
-                        let _span = transfer_span(name, bytes, "copy", "h2d staged").entered();
-                        // SAFETY: the staging buffer holds the largest
-                        // staged block and the slot the largest block, so
-                        // both ranges are in bounds; the fill finished before
-                        // this (`with_filled`), after the copy that last read
-                        // the buffer, and the next fill waits for `copied`
-                        // (recorded next); the copy stream waits for the
-                        // slot's last use, compute for `ready`.
-                        unsafe {
-                            h.device.copy_h2d(
-                                &h.copy,
-                                crate::device::HostSource::Pinned(&stage.buffer),
-                                0,
-                                &slot.buffer,
-                                0,
-                                bytes,
-                            )
-                        }
-                        .map_err(|e| dev_err(format!("copy_h2d of the staged `{name}`"), e))?;
-                    }
-                    if let Some(t) = &st.timer {
-                        t.mark(&h.copy, Mark::CopyEnd)?;
-                    }
+                    let source =
+                        (!stale).then_some(crate::device::HostSource::Pinned(&stage.buffer));
+                    // The next fill of this buffer waits for `copied`,
+                    // recorded next.
+                    copy_to_slot(
+                        source,
+                        "h2d staged",
+                        &format!("copy_h2d of the staged `{name}`"),
+                    )?;
                     h.device
                         .record_event(&stage.copied, &h.copy)
-                        .map_err(|e| dev_err("record_event(host staging copied)", e))?;
-                    h.device
-                        .record_event(&slot.ready, &h.copy)
-                        .map_err(|e| dev_err("record_event(ready)", e))
+                        .map_err(|e| dev_err("record_event(host staging copied)", e))
                 })?;
                 // The next staged block, filled ahead into the other stage
                 // while this one's copy runs (with a filler thread).
