@@ -1440,14 +1440,20 @@ fn run() -> Result<()> {
     let suffix = plant_name
         .as_ref()
         .map_or(String::new(), |n| format!(" (planted {n})"));
-    let layerwise_at = |config: OffloadConfig,
-                        depth: usize,
-                        planner: Option<budget::PlannerInputs>|
+    // A layerwise backend of `config` at `depth`, over `weights` where
+    // given (a `file` row's), else the loaded weights (coded ones where the
+    // row compresses).
+    let layerwise_over = |config: OffloadConfig,
+                          depth: usize,
+                          planner: Option<budget::PlannerInputs>,
+                          weights: Option<Arc<dyn WeightSource>>|
      -> Box<MakeBackend<'_>> {
-        let weights = if config.compression() == WeightCompression::None {
-            Arc::clone(&loaded) as Arc<dyn WeightSource>
-        } else {
-            Arc::clone(&coded_source)
+        let weights = match weights {
+            Some(w) => w,
+            None if config.compression() == WeightCompression::None => {
+                Arc::clone(&loaded) as Arc<dyn WeightSource>
+            }
+            None => Arc::clone(&coded_source),
         };
         Box::new(move || {
             Ok(Box::new(
@@ -1456,6 +1462,7 @@ fn run() -> Result<()> {
             ) as Box<dyn Backend<Cuda>>)
         })
     };
+    let layerwise_at = |config, depth, planner| layerwise_over(config, depth, planner, None);
     let mut rows: Vec<Row> = Vec::new();
     let mut traces: BTreeMap<String, offload_sim::trace::Trace> = BTreeMap::new();
     let mut run = |spec: &Spec<'_>, rows: &mut Vec<Row>| -> Result<()> {
@@ -1692,27 +1699,21 @@ fn run() -> Result<()> {
             }
         }
     }
+    // The staged rows: over the loaded weights, and from the masters file.
+    let mut sources: Vec<(bool, Option<Arc<dyn WeightSource>>)> = vec![(false, None)];
+    if let Some((f, _, _)) = &file_masters {
+        sources.push((true, Some(Arc::clone(f) as Arc<dyn WeightSource>)));
+    }
     for repeat in 0..args.repeats {
         for &h in &host_rows {
             for &d in &settings.depths {
-                specs.push(Spec {
-                    name: format!("layerwise depth {d} {}{suffix}", h.name()),
-                    repeat,
-                    lookahead: BTreeMap::new(),
-                    proxy: &proxy,
-                    depth: d,
-                    streamed: streamed_all,
-                    tokens: settings.tokens.clone(),
-                    compression: Compression::None,
-                    make: layerwise_at(h.config(&layerwise), d, None),
-                    file: false,
-                });
-                if let Some((f, _, _)) = &file_masters {
-                    let config = h.config(&layerwise);
-                    let weights = Arc::clone(f) as Arc<dyn WeightSource>;
-                    let platform = &platform;
+                for (file, weights) in &sources {
                     specs.push(Spec {
-                        name: format!("layerwise depth {d} file {}{suffix}", h.name()),
+                        name: format!(
+                            "layerwise depth {d}{} {}{suffix}",
+                            if *file { " file" } else { "" },
+                            h.name()
+                        ),
                         repeat,
                         lookahead: BTreeMap::new(),
                         proxy: &proxy,
@@ -1720,13 +1721,8 @@ fn run() -> Result<()> {
                         streamed: streamed_all,
                         tokens: settings.tokens.clone(),
                         compression: Compression::None,
-                        make: Box::new(move || {
-                            Ok(Box::new(
-                                platform(d, true, Arc::clone(&weights), None)
-                                    .layerwise(config.clone())?,
-                            ) as Box<dyn Backend<Cuda>>)
-                        }),
-                        file: true,
+                        make: layerwise_over(h.config(&layerwise), d, None, weights.clone()),
+                        file: *file,
                     });
                 }
             }

@@ -53,6 +53,21 @@ pub fn trained_opts(
     }
 }
 
+/// Each request's output of a run.
+pub fn outputs(o: &offload_sim::harness::RunOutcome) -> Vec<u64> {
+    o.requests.iter().map(|r| r.output).collect()
+}
+
+/// A run's violations: the device checker's and INV-7's from the device's
+/// own counters (`offload_sim::job::memory_violations`).
+pub fn all_violations(
+    o: &offload_sim::harness::RunOutcome,
+) -> Vec<offload_core::invariants::Violation> {
+    let mut v = o.violations.clone();
+    v.extend(offload_sim::job::memory_violations(o));
+    v
+}
+
 /// Adds a module list `container` of `n` transformer-like blocks of width
 /// `hidden` to `m`.
 pub fn blocks(m: &mut ModuleBuilder<'_>, container: &str, n: usize, hidden: u64) {

@@ -6,12 +6,11 @@
 //! the output (INV-8), beside a clean control under the same delays.
 
 use offload_core::config::{OffloadConfig, WeightCompression};
-use offload_core::invariants::{Invariant, Violation};
+use offload_core::invariants::Invariant;
 use offload_core::runtime::PlantedBug;
 use offload_sim::DeviceProfile;
 use offload_sim::Jitter;
 use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
-use offload_sim::job::memory_violations;
 
 fn workload() -> Workload {
     offload_tests::tiny_wide_workload()
@@ -29,18 +28,10 @@ fn layerwise(compression: WeightCompression) -> StrategyChoice {
     })
 }
 
-fn outputs(o: &RunOutcome) -> Vec<u64> {
-    o.requests.iter().map(|r| r.output).collect()
-}
+use offload_tests::{all_violations, outputs};
 
 fn resident() -> Vec<u64> {
     outputs(&run(&workload(), &StrategyChoice::Resident, &opts(&[], 1, None)).unwrap())
-}
-
-fn all_violations(o: &RunOutcome) -> Vec<Violation> {
-    let mut v = o.violations.clone();
-    v.extend(memory_violations(o));
-    v
 }
 
 #[test]

@@ -9,11 +9,10 @@
 
 use offload_core::bytes::{ByteSize, HostBudget};
 use offload_core::config::OffloadConfig;
-use offload_core::invariants::{Invariant, Violation};
+use offload_core::invariants::Invariant;
 use offload_core::runtime::PlantedBug;
 use offload_sim::FaultPlan;
 use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
-use offload_sim::job::memory_violations;
 use offload_tests::capture_logs;
 
 fn workload() -> Workload {
@@ -33,18 +32,10 @@ fn layerwise(pin: Option<bool>, budget: Option<u64>) -> StrategyChoice {
     })
 }
 
-fn outputs(o: &RunOutcome) -> Vec<u64> {
-    o.requests.iter().map(|r| r.output).collect()
-}
+use offload_tests::{all_violations, outputs};
 
 fn resident() -> Vec<u64> {
     outputs(&run(&workload(), &StrategyChoice::Resident, &opts(&[], 1, None)).unwrap())
-}
-
-fn all_violations(o: &RunOutcome) -> Vec<Violation> {
-    let mut v = o.violations.clone();
-    v.extend(memory_violations(o));
-    v
 }
 
 /// The device's own pinned + registered peak.
