@@ -504,9 +504,15 @@ struct LockedCounter {
 impl LockedCounter {
     fn add(&self, which: &std::sync::atomic::AtomicU64, bytes: usize) {
         use std::sync::atomic::Ordering::SeqCst;
-        which.fetch_add(bytes as u64, SeqCst);
-        let now = self.pinned.load(SeqCst) + self.registered.load(SeqCst);
-        self.peak.fetch_max(now, SeqCst);
+        // The sum from this add's own result and the other counter: a
+        // concurrent free can only lower the true peak seen here.
+        let mine = which.fetch_add(bytes as u64, SeqCst) + bytes as u64;
+        let other = if std::ptr::eq(which, &self.pinned) {
+            self.registered.load(SeqCst)
+        } else {
+            self.pinned.load(SeqCst)
+        };
+        self.peak.fetch_max(mine + other, SeqCst);
     }
 
     fn sub(&self, which: &std::sync::atomic::AtomicU64, bytes: usize) {

@@ -303,53 +303,62 @@ pub fn plan_host(
     budget: Option<u64>,
     pin: bool,
 ) -> Result<HostPlan, HostBudgetTooSmall> {
-    let total: u64 = blocks.iter().sum();
+    let total: u64 = blocks.iter().fold(0u64, |a, &b| a.saturating_add(b));
     let largest = blocks.iter().copied().max().unwrap_or(0);
-    let ring = HOST_STAGING_BUFFERS * largest;
-    let least = ring + transient;
+    let ring = HOST_STAGING_BUFFERS.saturating_mul(largest);
+    let least = ring.saturating_add(transient);
     let plan = |staged: Vec<Option<StageReason>>| {
         let staged_bytes: u64 = blocks
             .iter()
             .zip(&staged)
             .filter(|(_, s)| s.is_some())
-            .map(|(b, _)| b)
-            .sum();
-        let staging_bytes = HOST_STAGING_BUFFERS
-            * blocks
+            .fold(0u64, |a, (&b, _)| a.saturating_add(b));
+        let staging_bytes = HOST_STAGING_BUFFERS.saturating_mul(
+            blocks
                 .iter()
                 .zip(&staged)
                 .filter(|(_, s)| s.is_some())
                 .map(|(b, _)| *b)
                 .max()
-                .unwrap_or(0);
-        let pinned_bytes = total - staged_bytes;
+                .unwrap_or(0),
+        );
+        let pinned_bytes = total.saturating_sub(staged_bytes);
         HostPlan {
             staged,
             pinned_bytes,
             staged_bytes,
             staging_bytes,
-            peak_bytes: pinned_bytes + staging_bytes + transient,
+            peak_bytes: pinned_bytes
+                .saturating_add(staging_bytes)
+                .saturating_add(transient),
             least_budget: least,
             budget,
         }
     };
+    let too_small = |budget: u64| HostBudgetTooSmall {
+        budget: ByteSize::new(budget),
+        least: ByteSize::new(least),
+        buffers: HOST_STAGING_BUFFERS,
+        largest: ByteSize::new(largest),
+        transient: ByteSize::new(transient),
+    };
     if !pin {
+        if let Some(b) = budget
+            && b < least
+            && !blocks.is_empty()
+        {
+            return Err(too_small(b));
+        }
         return Ok(plan(vec![Some(StageReason::Unpinned); blocks.len()]));
     }
     let Some(budget) = budget else {
         return Ok(plan(vec![None; blocks.len()]));
     };
-    if total + transient <= budget {
+    if total.saturating_add(transient) <= budget {
         return Ok(plan(vec![None; blocks.len()]));
     }
     if budget < least {
-        return Err(HostBudgetTooSmall {
-            budget: ByteSize::new(budget),
-            least: ByteSize::new(least),
-            buffers: HOST_STAGING_BUFFERS,
-            largest: ByteSize::new(largest),
-            transient: ByteSize::new(transient),
-        });
+        return Err(too_small(budget));
     }
     // Pinned bytes may reach `room`; spread them: block i is pinned while
     // the pinned share of the bytes so far stays within room / total.
@@ -359,7 +368,7 @@ pub fn plan_host(
     for (i, &b) in blocks.iter().enumerate() {
         seen += b;
         let share = (u128::from(room) * u128::from(seen) / u128::from(total.max(1))) as u64;
-        if pinned + b <= share && pinned + b <= room {
+        if pinned.saturating_add(b) <= share.min(room) {
             staged[i] = None;
             pinned += b;
         }
@@ -368,7 +377,7 @@ pub fn plan_host(
     let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| staged[i].is_some()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(blocks[i]));
     for i in order {
-        if pinned + blocks[i] <= room {
+        if pinned.saturating_add(blocks[i]) <= room {
             staged[i] = None;
             pinned += blocks[i];
         }
@@ -467,6 +476,12 @@ mod tests {
         assert!(all.staged.iter().all(Option::is_none));
         assert_eq!((all.staging_bytes, all.peak_bytes), (0, 105));
         let none = plan_host(&blocks, 5, Some(1000), false).unwrap();
+        assert!(
+            plan_host(&blocks, 5, Some(24), false).is_err(),
+            "unpinned, a budget below the ring and the upload is refused too"
+        );
+        // Sizes near u64::MAX neither panic nor wrap.
+        assert!(plan_host(&[u64::MAX, u64::MAX], u64::MAX, Some(1 << 40), true).is_err());
         assert!(
             none.staged
                 .iter()

@@ -289,31 +289,17 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
             .synchronize_event(&stage.copied)
             .map_err(|e| dev_err("synchronize_event(host staging copied)", e).to_string())
     };
+    // A panic inside the fill (a weight source's, a thread that could not
+    // start) must not leave the stage pending for ever: it becomes the
+    // fill's error, and waiters are woken below.
+    let waited = waited.and_then(|()| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            fill_stage(&mut stage, context, &job)
+        }))
+        .map_err(|_| format!("the staging fill of `{}` panicked", job.unit.name))
+    });
     match waited {
         Ok(()) => {
-            let _span = crate::runtime::shared::transfer_span(
-                &job.unit.name,
-                job.unit.bytes,
-                "host",
-                "stage",
-            )
-            .entered();
-            stage.buffer.write_from(
-                0,
-                job.unit.bytes,
-                &ParallelUnitBytes {
-                    weights: &*context.weights,
-                    unit: &job.unit,
-                    threads: context.threads,
-                    direct: job.release,
-                },
-            );
-            if job.release {
-                context.weights.release(&job.unit);
-                if let Some(next) = &job.next {
-                    context.weights.prefetch(next);
-                }
-            }
             stage.holds = Some(job.tag);
         }
         Err(e) => {
@@ -324,6 +310,30 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
     stage.pending = false;
     drop(stage);
     cell.done.notify_all();
+}
+
+/// The fill itself: the unit's bytes into the stage's buffer, then its
+/// pages released and the next unit read ahead where the job asks.
+fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
+    let _span =
+        crate::runtime::shared::transfer_span(&job.unit.name, job.unit.bytes, "host", "stage")
+            .entered();
+    stage.buffer.write_from(
+        0,
+        job.unit.bytes,
+        &ParallelUnitBytes {
+            weights: &*context.weights,
+            unit: &job.unit,
+            threads: context.threads,
+            direct: job.release,
+        },
+    );
+    if job.release {
+        context.weights.release(&job.unit);
+        if let Some(next) = &job.next {
+            context.weights.prefetch(next);
+        }
+    }
 }
 
 /// A unit's bytes read from the weight source by up to `threads` host
@@ -352,12 +362,34 @@ impl crate::device::ByteSource for ParallelUnitBytes<'_> {
             return;
         }
         let per = dst.len().div_ceil(threads).next_multiple_of(4096);
+        // Each part in a slot its thread takes; a part whose thread the OS
+        // refused (a pids limit) is still in its slot after the scope, and
+        // is read here.
+        let slots: Vec<Mutex<Option<(u64, &mut [u8])>>> = dst
+            .chunks_mut(per)
+            .enumerate()
+            .map(|(i, part)| Mutex::new(Some((position + (i * per) as u64, part))))
+            .collect();
         std::thread::scope(|s| {
-            for (i, part) in dst.chunks_mut(per).enumerate() {
+            for slot in &slots {
                 let reader = &reader;
-                s.spawn(move || reader.read_at(position + (i * per) as u64, part));
+                let spawned = std::thread::Builder::new().spawn_scoped(s, move || {
+                    if let Some((at, part)) = lock(slot).take() {
+                        reader.read_at(at, part);
+                    }
+                });
+                if let Err(e) = spawned {
+                    tracing::debug!(
+                        "a staging fill thread was refused ({e}); its part is read inline"
+                    );
+                }
             }
         });
+        for slot in &slots {
+            if let Some((at, part)) = lock(slot).take() {
+                reader.read_at(at, part);
+            }
+        }
     }
 }
 

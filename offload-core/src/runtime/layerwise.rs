@@ -320,7 +320,8 @@ impl Transport {
         // caller records after this copy).
         let copy_to_slot = |source: Option<crate::device::HostSource<'_, A>>,
                             kind: &str,
-                            what: &str|
+                            what: &str,
+                            copied: Option<&A::Event>|
          -> Result<(), OffloadError> {
             wait(&h.copy, "copy")?;
             if h.decode.is_some() {
@@ -345,6 +346,13 @@ impl Transport {
                 }
                 .map_err(|e| dev_err(what, e))?;
             }
+            // Right after the copy, before anything else can fail: the
+            // source's next writer waits for it.
+            if let Some(event) = copied {
+                h.device
+                    .record_event(event, &h.copy)
+                    .map_err(|e| dev_err("record_event(host staging copied)", e))?;
+            }
             if let Some(t) = timer {
                 t.mark(&h.copy, Mark::CopyEnd)?;
             }
@@ -360,7 +368,7 @@ impl Transport {
                 } else {
                     Some(master.host.copy_source(&what)?)
                 };
-                copy_to_slot(source, "h2d", &what)
+                copy_to_slot(source, "h2d", &what, None)
             }
             Transport::Gather => {
                 let comm = h
@@ -579,15 +587,13 @@ impl Transport {
                     let source =
                         (!stale).then_some(crate::device::HostSource::Pinned(&stage.buffer));
                     // The next fill of this buffer waits for `copied`,
-                    // recorded next.
+                    // recorded right after the copy.
                     copy_to_slot(
                         source,
                         "h2d staged",
                         &format!("copy_h2d of the staged `{name}`"),
-                    )?;
-                    h.device
-                        .record_event(&stage.copied, &h.copy)
-                        .map_err(|e| dev_err("record_event(host staging copied)", e))
+                        Some(&stage.copied),
+                    )
                 })?;
                 // The next staged block, filled ahead into the other stage
                 // while this one's copy runs (with a filler thread).
@@ -829,8 +835,11 @@ struct StagedTally {
     units: usize,
     bytes: u64,
     refused: usize,
-    /// The host plan stages blocks for the budget.
-    budget_binds: bool,
+    /// A host budget is set: no master or upload registers a window of a
+    /// mapping the device would lock whole.
+    budget_set: bool,
+    /// Layerwise (not DLO's rank-local rings): a refused pin stages.
+    may_stage: bool,
     /// The host plan releases staged blocks' pages after each read.
     release: bool,
 }
@@ -969,10 +978,10 @@ fn pinned_or_staged<A: Api>(
     skip: &BTreeSet<StorageId>,
     tally: &mut StagedTally,
 ) -> Result<HostMaster<A>, OffloadError> {
-    // Where a budget stages blocks, a pinned block is never a window of a
-    // mapping the device would lock whole (the checkpoint, staged blocks
-    // and all): it is copied.
-    match h.master_within(unit, skip, !tally.budget_binds) {
+    // Under a host budget, a pinned block is never a window of a mapping
+    // the device would lock whole (the checkpoint, staged blocks and all):
+    // it is copied.
+    match h.master_within(unit, skip, !tally.budget_set) {
         Ok(m) => {
             // A copy read from a mapped source: where staged pages are
             // released (a checkpoint larger than the budget), its pages go
@@ -983,7 +992,9 @@ fn pinned_or_staged<A: Api>(
             Ok(m)
         }
         Err(OffloadError::DeviceOp { kind, cause, .. })
-            if kind != crate::device::DeviceErrorKind::DeviceLost && skip.is_empty() =>
+            if kind != crate::device::DeviceErrorKind::DeviceLost
+                && skip.is_empty()
+                && tally.may_stage =>
         {
             tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); it streams staged", unit.name);
             tally.refused += 1;
@@ -1466,9 +1477,8 @@ impl<A: Api> LayerwiseBackend<A> {
         let host_plan = host_plan(engine, config, &layout, transient)?;
         let mut staged_at = host_plan.staged.iter().copied();
         let mut staged_log = StagedTally {
-            budget_binds: host_plan
-                .staged
-                .contains(&Some(crate::budget::StageReason::Budget)),
+            budget_set: config.host_budget.is_some(),
+            may_stage: engine.strategy == OffloadStrategy::Layerwise,
             release: host_plan.release_after_read(),
             ..StagedTally::default()
         };
@@ -1618,7 +1628,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 .map(|(_, u)| u),
         );
         for unit in resident_units {
-            let buffer = match h.upload(unit, &skip) {
+            let buffer = match h.upload_within(unit, &skip, !staged_log.budget_set) {
                 Ok(b) => b,
                 // Pinning refused for the upload: through the staging ring,
                 // where there is one.

@@ -519,7 +519,20 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         skip: &BTreeSet<StorageId>,
     ) -> Result<A::DeviceBuffer, OffloadError> {
-        let staging = self.master(unit, skip)?;
+        self.upload_within(unit, skip, true)
+    }
+
+    /// [`Self::upload`] through [`Self::master_within`]: under a host
+    /// budget (`whole_mappings` false) a resident unit that is a window of
+    /// a larger mapping is uploaded through a pinned copy, never by
+    /// registering (and so locking) the whole mapping.
+    pub(crate) fn upload_within(
+        &self,
+        unit: &Unit,
+        skip: &BTreeSet<StorageId>,
+        whole_mappings: bool,
+    ) -> Result<A::DeviceBuffer, OffloadError> {
+        let staging = self.master_within(unit, skip, whole_mappings)?;
         let result = self.upload_from(unit, &staging);
         if let Err(e) = self
             .device
