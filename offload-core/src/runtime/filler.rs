@@ -336,6 +336,10 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
     }
 }
 
+/// One part of a parallel read: its position and bytes, until a thread
+/// (or, where none could start, the caller) takes it.
+type PartSlot<'a> = Mutex<Option<(u64, &'a mut [u8])>>;
+
 /// A unit's bytes read from the weight source by up to `threads` host
 /// threads, each a contiguous part (page-aligned), into one staging buffer.
 pub(crate) struct ParallelUnitBytes<'a> {
@@ -365,7 +369,7 @@ impl crate::device::ByteSource for ParallelUnitBytes<'_> {
         // Each part in a slot its thread takes; a part whose thread the OS
         // refused (a pids limit) is still in its slot after the scope, and
         // is read here.
-        let slots: Vec<Mutex<Option<(u64, &mut [u8])>>> = dst
+        let slots: Vec<PartSlot<'_>> = dst
             .chunks_mut(per)
             .enumerate()
             .map(|(i, part)| Mutex::new(Some((position + (i * per) as u64, part))))
