@@ -81,7 +81,7 @@ impl<A: Api> StagingRing<A> {
         weights: Arc<dyn WeightSource>,
         stages: Vec<(A::HostBuffer, A::Event)>,
         threads: usize,
-    ) -> Result<Self, OffloadError> {
+    ) -> Self {
         let background = device.host_worker_threads() && !cfg!(loom);
         let cells: Arc<Vec<Cell<A>>> = Arc::new(
             stages
@@ -122,12 +122,12 @@ impl<A: Api> StagingRing<A> {
         } else {
             None
         };
-        Ok(Self {
+        Self {
             cells,
             context,
             queue,
             worker,
-        })
+        }
     }
 
     /// Staging buffers.

@@ -775,17 +775,15 @@ fn release_state<A: Api>(
     })
 }
 
-/// The host plan of `layout`'s streamed blocks under `config`
-/// (`host_budget`, `pin_cpu_memory`), `transient` the largest resident
-/// unit (uploaded through pinned memory at enable).
-fn host_plan<A: Api>(
-    engine: &Engine<A>,
+/// The host plan of `layout`'s streamed blocks under `config`'s
+/// `host_budget`, `transient` the largest resident unit (uploaded through
+/// pinned memory at enable), `pin` false where every master is staged.
+fn host_plan(
     config: &OffloadConfig,
     layout: &RingLayout,
     transient: u64,
+    pin: bool,
 ) -> Result<crate::budget::HostPlan, OffloadError> {
-    let selection = config.select()?;
-    let pin = selection.pin_memory || engine.strategy != OffloadStrategy::Layerwise;
     let limits = match config.host_budget {
         Some(budget) => Some(
             crate::budget::host_limits(budget, &crate::budget::host::ProcProbe::default())
@@ -883,7 +881,7 @@ fn staged_master<A: Api>(
 fn upload_staged<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
-    staging: &mut HostStaging<A>,
+    staging: &StagingRing<A>,
 ) -> Result<A::DeviceBuffer, OffloadError> {
     let buffer = h.device.alloc_device(unit.bytes).map_err(|e| {
         dev_err(
@@ -941,7 +939,7 @@ fn upload_staged<A: Api>(
             .synchronize_stream(&h.copy)
             .map_err(|e| dev_err("synchronize_stream(copy)", e))
     };
-    match staging.ring.with_filled(0, copy) {
+    match staging.with_filled(0, copy) {
         Ok(()) => Ok(buffer),
         Err(e) => {
             if h.device.synchronize_stream(&h.copy).is_ok() {
@@ -1460,26 +1458,30 @@ impl<A: Api> LayerwiseBackend<A> {
         // The host plan (CONTRACT §7c): which streamed blocks keep a pinned
         // or registered master within the host budget, which stay pageable
         // and stream through the staging ring.
-        let streamed_modules: BTreeSet<ModuleId> = layout.blocks().map(|b| b.unit.module).collect();
-        let transient = partition
+        // Everything but the streamed blocks stays resident (resident
+        // leading layers included), uploaded below; the largest is the
+        // plan's transient pinned buffer.
+        let streamed: BTreeSet<ModuleId> = layout.blocks().map(|b| b.unit.module).collect();
+        let resident_units: Vec<&Unit> = partition
             .rest
             .iter()
             .chain(
                 partition
                     .blocks
                     .iter()
-                    .filter(|(m, _)| !streamed_modules.contains(m))
+                    .filter(|(m, _)| !streamed.contains(m))
                     .map(|(_, u)| u),
             )
-            .map(|u| u.bytes)
-            .max()
-            .unwrap_or(0);
-        let host_plan = host_plan(engine, config, &layout, transient)?;
+            .collect();
+        let transient = resident_units.iter().map(|u| u.bytes).max().unwrap_or(0);
+        let pin = plan.selection.pin_memory || engine.strategy != OffloadStrategy::Layerwise;
+        let host_plan = host_plan(config, &layout, transient, pin)?;
+        let release = host_plan.release_after_read();
         let mut staged_at = host_plan.staged.iter().copied();
         let mut staged_log = StagedTally {
             budget_set: config.host_budget.is_some(),
             may_stage: engine.strategy == OffloadStrategy::Layerwise,
-            release: host_plan.release_after_read(),
+            release,
             ..StagedTally::default()
         };
         let masters_before = h.host_masters();
@@ -1613,20 +1615,11 @@ impl<A: Api> LayerwiseBackend<A> {
                     Arc::clone(&h.weights),
                     stages,
                     fill_threads(),
-                )?,
+                ),
                 last: crate::budget::host::HOST_STAGING_BUFFERS as usize - 1,
-                release: host_plan.release_after_read(),
+                release,
             });
         }
-        // Everything else stays resident (resident leading layers included).
-        let streamed = streamed_modules;
-        let resident_units = partition.rest.iter().chain(
-            partition
-                .blocks
-                .iter()
-                .filter(|(m, _)| !streamed.contains(m))
-                .map(|(_, u)| u),
-        );
         for unit in resident_units {
             let buffer = match h.upload_within(unit, &skip, !staged_log.budget_set) {
                 Ok(b) => b,
@@ -1638,7 +1631,11 @@ impl<A: Api> LayerwiseBackend<A> {
                         && st.host_staging.is_some() =>
                 {
                     tracing::warn!(unit = %unit.name, "pinning `{}` for its upload was refused ({cause}); uploading it through the staging ring", unit.name);
-                    upload_staged(h, unit, st.host_staging.as_mut().expect("checked above"))?
+                    upload_staged(
+                        h,
+                        unit,
+                        &st.host_staging.as_ref().expect("checked above").ring,
+                    )?
                 }
                 Err(e) => return Err(e),
             };

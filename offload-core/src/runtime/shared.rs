@@ -49,25 +49,20 @@ impl<A: Api> HostMaster<A> {
         }
     }
 
-    /// As a copy source: `None` for a staged master (only the staging
-    /// transport reads it, through a pinned staging buffer).
-    pub(crate) fn source(&self) -> Option<HostSource<'_, A>> {
-        match self {
-            HostMaster::Pinned(b) => Some(HostSource::Pinned(b)),
-            HostMaster::Registered(r) => Some(HostSource::Registered(r)),
-            HostMaster::Staged(_) => None,
-        }
-    }
-
-    /// As a copy source, or the typed error of a staged master where only a
-    /// pinned or registered one can be read (`what` names the copy).
+    /// As a copy source, or the typed error of a staged master (only the
+    /// staging transport reads it, through a pinned staging buffer; `what`
+    /// names the copy).
     pub(crate) fn copy_source(&self, what: &str) -> Result<HostSource<'_, A>, OffloadError> {
-        self.source().ok_or_else(|| OffloadError::DeviceOp {
-            operation: what.to_owned(),
-            kind: crate::device::DeviceErrorKind::Other,
-            shortfall_bytes: None,
-            cause: "its host master is staged (pageable memory): only the staging transport reads a staged master".into(),
-        })
+        match self {
+            HostMaster::Pinned(b) => Ok(HostSource::Pinned(b)),
+            HostMaster::Registered(r) => Ok(HostSource::Registered(r)),
+            HostMaster::Staged(_) => Err(OffloadError::DeviceOp {
+                operation: what.to_owned(),
+                kind: crate::device::DeviceErrorKind::Other,
+                shortfall_bytes: None,
+                cause: "its host master is staged (pageable memory): only the staging transport reads a staged master".into(),
+            }),
+        }
     }
 }
 
