@@ -239,37 +239,6 @@ impl HostRow {
     }
 }
 
-/// Pageable → pinned copy rate, GB/s, as the staging ring fills its
-/// buffers: each streamed block's loaded bytes copied into one pinned
-/// buffer by `threads` host threads (contiguous parts), back to back; the
-/// median of three passes.
-fn host_copy_bandwidth(device: &CudaDevice, loaded: &Loaded, blocks: &[&Unit]) -> Result<f64> {
-    use offload_core::device::HostBuffer as _;
-    let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
-    let mut pinned = device.alloc_pinned(largest)?;
-    let threads = offload_core::runtime::staging_fill_threads();
-    let total: u64 = blocks.iter().map(|u| u.bytes).sum();
-    let mut times = Vec::new();
-    for _ in 0..3 {
-        let t = Instant::now();
-        for u in blocks {
-            let bytes = loaded
-                .units
-                .get(&u.name)
-                .with_context(|| format!("no loaded memory for `{}`", u.name))?;
-            pinned.write_from(
-                0,
-                u.bytes,
-                &staged::Parallel(&bytes[..u.bytes as usize], threads),
-            );
-        }
-        times.push(t.elapsed().as_secs_f64());
-    }
-    // SAFETY: no copy used the buffer.
-    unsafe { device.free_pinned(pinned) }?;
-    Ok(total as f64 / median(&mut times).context("no passes")? / 1e9)
-}
-
 /// `--weight-compression` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Compression {
@@ -1318,23 +1287,24 @@ fn run() -> Result<()> {
         .iter()
         .map(|t| HostRow::parse(t).map_err(|e| anyhow::anyhow!("--host-budgets: {e}")))
         .collect::<Result<_>>()?;
+    let block_refs: Vec<&Unit> = block_units.iter().collect();
     let host_gbps = if host_rows.is_empty() {
         None
     } else {
-        let g = host_copy_bandwidth(&device, &loaded, &block_units.iter().collect::<Vec<_>>())?;
+        let g = staged::fill_rate(
+            &device,
+            &block_refs,
+            &|u: &Unit| staged::loaded_bytes(&loaded, u),
+            3,
+        )?;
         eprintln!("pageable → pinned host copy (the staging fill): {g:.2} GB/s");
         Some(g)
     };
-    let block_refs: Vec<&Unit> = block_units.iter().collect();
     let stream_gbps = if host_rows.is_empty() {
         None
     } else {
         let g = staged::staged_stream_bandwidth(&device, &stream, &block_refs, &|u: &Unit| {
-            loaded
-                .units
-                .get(&u.name)
-                .map(|b| &b[..u.bytes as usize])
-                .with_context(|| format!("no loaded memory for `{}`", u.name))
+            staged::loaded_bytes(&loaded, u)
         })?;
         eprintln!("staged stream (host copy + DMA, two buffers, no compute): {g:.2} GB/s");
         Some(g)
