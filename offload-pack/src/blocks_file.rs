@@ -47,6 +47,11 @@ pub struct BlockEntry {
     pub work: u64,
     /// The unit's layout: each storage's (offset, bytes), in unit order.
     pub layout: Vec<(u64, u64)>,
+    /// [`fingerprint`] of the weights the block was coded from (absent in
+    /// files written before it was recorded: such a block is handed out
+    /// unchecked, with a warning).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 /// The manifest under [`BLOCKS_KEY`].
@@ -90,17 +95,58 @@ pub fn layout_of(unit: &Unit) -> Vec<(u64, u64)> {
     unit.entries.iter().map(|e| (e.offset, e.bytes)).collect()
 }
 
-/// Writes a coded-block file at `path` from `names` (each block's path and
-/// layout, in the order to write) and `coded(i)`, called once per block in
-/// that order (one block in memory at a time). The header is reserved
-/// first at its longest and rewritten once every length is known.
+/// Bytes of a [`fingerprint`]'s digest kept (hex: twice as many
+/// characters).
+const FINGERPRINT_BYTES: usize = 16;
+/// Bytes read at each place a [`fingerprint`] samples.
+const SAMPLE_BYTES: u64 = 64;
+
+/// A fingerprint of the weights `unit` is laid out over, as `weights`
+/// holds them: SHA-256 (its first 16 bytes, hex) over each storage's
+/// place in the unit (offset and bytes) and 64 bytes at its start, its
+/// middle and its end. A few reads a block, so a loader checks every
+/// block at enable for next to nothing; it tells a file coded from other
+/// weights (another checkpoint, a fine-tune of the same shapes, every
+/// tensor different) from its own, not a few values edited in place.
+pub fn fingerprint(unit: &Unit, weights: &dyn WeightSource) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    let mut sample = [0u8; SAMPLE_BYTES as usize];
+    for e in &unit.entries {
+        h.update(e.offset.to_le_bytes());
+        h.update(e.bytes.to_le_bytes());
+        let n = e.bytes.min(SAMPLE_BYTES);
+        let mut at = vec![0, (e.bytes - n) / 2, e.bytes - n];
+        at.dedup();
+        for p in at {
+            let dst = &mut sample[..n as usize];
+            weights.read(e.storage, p, dst);
+            h.update(&*dst);
+        }
+    }
+    h.finalize()[..FINGERPRINT_BYTES]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// One block of a coded-block file to write: its path, its unit's layout
+/// ((offset, bytes) per storage, in unit order) and the [`fingerprint`]
+/// of the weights it is coded from, if known.
+pub type BlockName = (String, Vec<(u64, u64)>, Option<String>);
+
+/// Writes a coded-block file at `path` from `names` (each block's path,
+/// layout and fingerprint, in the order to write) and `coded(i)`, called
+/// once per block in that order (one block in memory at a time). The
+/// header is reserved first at its longest and rewritten once every
+/// length is known.
 pub fn write_blocks(
     path: &Path,
-    names: &[(String, Vec<(u64, u64)>)],
+    names: &[BlockName],
     mut coded: impl FnMut(usize) -> Result<EncodedBlock, PackError>,
 ) -> Result<u64, PackError> {
     let mut seen = std::collections::BTreeSet::new();
-    if let Some((n, _)) = names.iter().find(|(n, _)| !seen.insert(n.clone())) {
+    if let Some((n, _, _)) = names.iter().find(|(n, _, _)| !seen.insert(n.clone())) {
         return Err(container(path, format!("two blocks named `{n}`")));
     }
     let header = |sizes: &[(u64, u64, u64)]| -> String {
@@ -110,13 +156,14 @@ pub fn write_blocks(
             blocks: names
                 .iter()
                 .zip(sizes)
-                .map(|((n, l), &(_, decoded, work))| {
+                .map(|((n, l, f), &(_, decoded, work))| {
                     (
                         n.clone(),
                         BlockEntry {
                             decoded_bytes: decoded,
                             work,
                             layout: l.clone(),
+                            fingerprint: f.clone(),
                         },
                     )
                 })
@@ -130,7 +177,7 @@ pub fn write_blocks(
             }),
         );
         let mut at = 0u64;
-        for ((n, _), &(len, _, _)) in names.iter().zip(sizes) {
+        for ((n, _, _), &(len, _, _)) in names.iter().zip(sizes) {
             h.insert(
                 n.clone(),
                 serde_json::json!({"dtype": "U8", "shape": [len], "data_offsets": [at, at.saturating_add(len)]}),
@@ -148,7 +195,7 @@ pub fn write_blocks(
     let mut w = BufWriter::with_capacity(8 << 20, file);
     w.seek(SeekFrom::Start(data_start)).map_err(io(path))?;
     let mut sizes = Vec::with_capacity(names.len());
-    for (i, (name, layout)) in names.iter().enumerate() {
+    for (i, (name, layout, _)) in names.iter().enumerate() {
         let b = coded(i)?;
         let decoded = layout
             .iter()
@@ -185,6 +232,9 @@ pub struct CodedBlocks {
     path: PathBuf,
     map: Arc<Mmap>,
     blocks: BTreeMap<String, (std::ops::Range<usize>, BlockEntry)>,
+    /// A planted bug: hand blocks out without comparing fingerprints.
+    #[cfg(feature = "planted-bugs")]
+    skip_fingerprints: bool,
 }
 
 impl std::fmt::Debug for CodedBlocks {
@@ -288,7 +338,63 @@ impl CodedBlocks {
             path,
             map: Arc::new(map),
             blocks,
+            #[cfg(feature = "planted-bugs")]
+            skip_fingerprints: false,
         })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Plants a bug (tests of the check): blocks are handed out without
+    /// comparing their fingerprints.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant_skip_fingerprints(&mut self) {
+        self.skip_fingerprints = true;
+    }
+
+    /// `unit`'s coded region, checked against the weights it stands for:
+    /// `Ok(None)` where the file holds no block of that path laid out as
+    /// `unit` is; a typed [`PackError::Mismatch`] naming the file and the
+    /// block where the block was coded from other weights than `weights`
+    /// holds (its [`fingerprint`] differs); the region otherwise (a block
+    /// with no fingerprint recorded is handed out unchecked, logged at
+    /// `warn`).
+    pub fn checked_region(
+        &self,
+        unit: &Unit,
+        weights: &dyn WeightSource,
+    ) -> Result<Option<CodedRegion>, PackError> {
+        let Some((_, entry)) = self.blocks.get(&unit.name) else {
+            return Ok(None);
+        };
+        #[cfg(feature = "planted-bugs")]
+        let skip = self.skip_fingerprints;
+        #[cfg(not(feature = "planted-bugs"))]
+        let skip = false;
+        match &entry.fingerprint {
+            _ if skip => {}
+            None => tracing::warn!(
+                file = %self.path.display(),
+                block = %unit.name,
+                "coded-block file written without fingerprints: block handed out unchecked against its weights"
+            ),
+            Some(want) => {
+                let have = fingerprint(unit, weights);
+                if have != *want {
+                    return Err(PackError::Mismatch {
+                        path: self.path.clone(),
+                        tensor: unit.name.clone(),
+                        reason: format!(
+                            "coded from other weights than the checkpoint's (fingerprint {want} in the file, {have} of the weights): the file is stale; write it again from this checkpoint"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(self.region(unit))
     }
 
     /// The blocks by path.
@@ -340,9 +446,19 @@ impl WeightSource for WithCodedBlocks {
         self.inner.take_region(unit)
     }
 
+    /// A block whose fingerprint differs from the weights' (a stale file)
+    /// is not handed out: it is logged at `warn`, naming the file and the
+    /// block, and the engine encodes it at enable from the weights, so
+    /// the output stays the checkpoint's.
     fn take_coded(&self, unit: &Unit, format: &str) -> Option<CodedRegion> {
         if format == BLOCKS_FORMAT {
-            self.blocks.region(unit)
+            match self.blocks.checked_region(unit, &*self.inner) {
+                Ok(region) => region,
+                Err(e) => {
+                    tracing::warn!("{e}; encoding the block at enable instead");
+                    None
+                }
+            }
         } else {
             self.inner.take_coded(unit, format)
         }
@@ -389,9 +505,9 @@ pub fn pack_blocks(
         .map_err(|e| container(path, format!("the pipeline's packing: {e}")))?;
     let bf16 = offload_core::runtime::bf16_storages(pipeline);
     let units: Vec<&Unit> = part.blocks.values().collect();
-    let names: Vec<(String, Vec<(u64, u64)>)> = units
+    let names: Vec<BlockName> = units
         .iter()
-        .map(|u| (u.name.clone(), layout_of(u)))
+        .map(|u| (u.name.clone(), layout_of(u), Some(fingerprint(u, weights))))
         .collect();
     let mut coded_bytes = 0;
     let file_bytes = write_blocks(path, &names, |i| {
@@ -454,9 +570,9 @@ mod tests {
             std::env::temp_dir().join(format!("opackb-{}-{}", std::process::id(), blocks.len()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.opackb");
-        let names: Vec<(String, Vec<(u64, u64)>)> = blocks
+        let names: Vec<BlockName> = blocks
             .iter()
-            .map(|(n, b)| ((*n).to_owned(), vec![(0, b.len() as u64)]))
+            .map(|(n, b)| ((*n).to_owned(), vec![(0, b.len() as u64)], None))
             .collect();
         write_blocks(&path, &names, |i| {
             let b = &blocks[i].1;

@@ -351,6 +351,92 @@ mod props {
     }
 }
 
+/// A coded-block file written from other weights of the same shapes (a
+/// stale file beside a fine-tuned checkpoint) is not trusted: every block's
+/// fingerprint differs from the weights', so nothing is registered from
+/// it, every block is encoded at enable from the weights themselves, and
+/// the output is theirs. With the comparison planted away the stale blocks
+/// stream and the output is the other weights' (red).
+#[test]
+fn a_coded_block_file_from_other_weights_is_refused_block_by_block() {
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, fingerprint, pack_blocks};
+    use offload_sim::presets::TrainedWeights;
+    use std::sync::Arc;
+    let w = workload();
+    let pipeline = w.preset.pipeline.clone();
+    let dir = std::env::temp_dir().join(format!("decode-stale-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("stale.opackb");
+    pack_blocks(
+        &path,
+        &pipeline,
+        &TrainedWeights::new(0, &pipeline),
+        &offload_pack::format::EncodeConfig::default(),
+    )
+    .unwrap();
+    let theirs = TrainedWeights::new(1, &pipeline);
+    let o = opts(&[], 2, Some(7));
+    let run_with = |weights: Arc<dyn offload_core::runtime::WeightSource>,
+                    strategy: &StrategyChoice| {
+        let rig =
+            offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, weights).unwrap();
+        let config = match strategy {
+            StrategyChoice::Config(c) => c.clone(),
+            _ => OffloadConfig::default(),
+        };
+        offload_sim::harness::drive(
+            rig,
+            strategy,
+            &config,
+            &o,
+            w.requests,
+            |rig| rig.request(&w),
+            |_| {},
+        )
+        .unwrap_or_else(|f| panic!("{}", f.error))
+    };
+    let want = outputs(&run_with(
+        Arc::new(TrainedWeights::new(1, &pipeline)),
+        &StrategyChoice::Resident,
+    ));
+    assert_ne!(want, resident(), "seed 1's weights differ from seed 0's");
+    // The check itself: a typed error naming the file and the block.
+    let blocks = CodedBlocks::open(&path).unwrap();
+    let part = offload_core::runtime::packing_for(&pipeline, &theirs).unwrap();
+    let unit = part.blocks.values().next().unwrap();
+    let e = blocks.checked_region(unit, &theirs).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("stale.opackb") && e.contains(&unit.name) && e.contains("stale"), "{e}");
+    let own = TrainedWeights::new(0, &pipeline);
+    assert!(blocks.checked_region(unit, &own).unwrap().is_some());
+    assert_ne!(fingerprint(unit, &own), fingerprint(unit, &theirs));
+    let lossless = layerwise(WeightCompression::Lossless);
+    let out = run_with(
+        Arc::new(WithCodedBlocks {
+            inner: Arc::new(TrainedWeights::new(1, &pipeline)),
+            blocks,
+        }),
+        &lossless,
+    );
+    assert_eq!(outputs(&out), want, "the weights' own output");
+    assert_eq!(all_violations(&out), vec![]);
+    assert_eq!(
+        out.after_enable.registered_bytes, 0,
+        "nothing registered from the stale file"
+    );
+    // Planted: the comparison skipped, the stale blocks stream.
+    let mut planted = CodedBlocks::open(&path).unwrap();
+    planted.plant_skip_fingerprints();
+    let out = run_with(
+        Arc::new(WithCodedBlocks {
+            inner: Arc::new(TrainedWeights::new(1, &pipeline)),
+            blocks: planted,
+        }),
+        &lossless,
+    );
+    assert!(out.after_enable.registered_bytes > 0);
+    assert_ne!(outputs(&out), want, "planted: the stale file's weights stream");
+}
+
 /// A coded-block file written once (`offload_pack::blocks_file::pack_blocks`)
 /// and mapped: every streamed block's coded master is registered in place
 /// (nothing encoded at enable, nothing pinned for the blocks), the output
