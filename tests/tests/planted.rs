@@ -406,6 +406,49 @@ fn a_failed_drain_leaks_rather_than_frees() {
     );
 }
 
+/// A failed drain with every master staged and the fill on a thread of its
+/// own (as on a GPU): the disable reports the device error and leaks the
+/// staging buffers (the device may still read them), but the filler thread
+/// does not stay parked inside the leaked state: none is left running.
+/// Seen red (2026-12-02) without `release_state`'s stop before the drain:
+/// one thread left.
+#[test]
+fn a_failed_drain_leaves_no_staging_fill_thread_behind() {
+    let staged = StrategyChoice::Config(OffloadConfig {
+        enable_layerwise_offload: true,
+        pin_cpu_memory: Some(false),
+        ..OffloadConfig::default()
+    });
+    let threaded = |faults| RunOptions {
+        host_threads: true,
+        faults,
+        ..opts(&[])
+    };
+    let before_disable = {
+        let o = threaded(FaultPlan::none());
+        let mut rig = Rig::new(tiny().pipeline, &o).unwrap();
+        let backend = rig.backend(&staged).unwrap();
+        rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
+        rig.request(&workload()).unwrap();
+        rig.device.stats().syncs
+    };
+    let o = threaded(FaultPlan {
+        fail_sync_at: Some(before_disable + 1),
+        ..FaultPlan::none()
+    });
+    let mut rig = Rig::new(tiny().pipeline, &o).unwrap();
+    let backend = rig.backend(&staged).unwrap();
+    rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
+    rig.request(&workload()).unwrap();
+    assert!(
+        offload_core::runtime::staging_fill_threads_alive() >= 1,
+        "the staged ring fills on its own thread"
+    );
+    assert!(rig.runtime.disable().is_err(), "the drain was planned to fail");
+    assert!(rig.device.check_released() > 0, "the memory is leaked");
+    assert_eq!(offload_core::runtime::staging_fill_threads_alive(), 0);
+}
+
 /// INV-2 read from the device's host allocations: each offloaded storage's
 /// bytes are held by exactly one pinned or registered allocation.
 #[test]

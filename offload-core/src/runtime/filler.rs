@@ -109,7 +109,18 @@ impl<A: Api> StagingRing<A> {
                 (Arc::clone(&cells), Arc::clone(&context), Arc::clone(&queue));
             let spawned = std::thread::Builder::new()
                 .name("offload-stage-fill".to_owned())
-                .spawn(move || work(&cells, &context, &queue));
+                .spawn(move || {
+                    ALIVE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    // Counted down however the thread ends.
+                    struct Alive;
+                    impl Drop for Alive {
+                        fn drop(&mut self) {
+                            ALIVE.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                    }
+                    let _alive = Alive;
+                    work(&cells, &context, &queue);
+                });
             match spawned {
                 Ok(handle) => Some(handle),
                 Err(e) => {
@@ -234,7 +245,12 @@ impl<A: Api> StagingRing<A> {
         )
     }
 
-    fn stop(&mut self) {
+    /// Stops the filler thread once its queued fills have run, and joins
+    /// it (nothing if the ring has none). A ring being released stops it
+    /// before its streams are drained, so a drain that fails (and leaks the
+    /// ring's buffers, which the device may still read) leaves no thread
+    /// parked behind it.
+    pub(crate) fn stop(&mut self) {
         if let Some(worker) = self.worker.take() {
             let (q, ready) = &*self.queue;
             lock(q).stop = true;
@@ -250,6 +266,15 @@ impl<A: Api> Drop for StagingRing<A> {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Staging fill threads running in this process.
+static ALIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many staging fill threads are running in this process (every ring's
+/// together): a released ring leaves none behind, its drain failed or not.
+pub fn fill_threads_alive() -> usize {
+    ALIVE.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 fn wait<'a, T>(c: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {

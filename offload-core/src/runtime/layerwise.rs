@@ -703,10 +703,15 @@ fn choose<A: Api>(
 /// Masters shared with a planned backend's store are left to the store.
 fn release_state<A: Api>(
     engine: &Engine<A>,
-    st: State<A>,
+    mut st: State<A>,
     drain: bool,
 ) -> Result<(), OffloadError> {
     let h = &engine.handles;
+    // The filler thread first (its queued fills run to the end): a drain
+    // that fails leaks the state, and would leave the thread parked in it.
+    if let Some(staging) = st.host_staging.as_mut() {
+        staging.ring.stop();
+    }
     let leak = engine.bug(PlantedBug::LeakHostMasters);
     h.release(&engine.strategy.to_string(), st, drain, |st, first| {
         // Placement holds references to the buffers: drop it first.

@@ -26,6 +26,7 @@ mod bounds;
 mod bugs;
 mod filler;
 pub use filler::fill_threads as staging_fill_threads;
+pub use filler::fill_threads_alive as staging_fill_threads_alive;
 mod forward;
 pub(crate) mod hooks;
 mod layerwise;
