@@ -522,6 +522,8 @@ struct State {
     checker: BufferOrderChecker,
     violations: Vec<Violation>,
     faults: FaultPlan,
+    /// [`SimDevice::lose`]: every later host synchronisation fails.
+    lost: bool,
     jitter: Option<(Jitter, u64)>,
     collectives: u64,
     /// Per device buffer, the byte ranges host→device copies wrote since a
@@ -926,6 +928,13 @@ impl State {
     fn sync_fault(&mut self, operation: &str) -> Result<(), SimError> {
         self.stats.syncs += 1;
         let n = self.stats.syncs;
+        if self.lost {
+            return Err(self.err(
+                operation,
+                DeviceErrorKind::DeviceLost,
+                format!("the device was lost (host synchronisation #{n})"),
+            ));
+        }
         if self.faults.fail_sync_at == Some(n) {
             return Err(self.err(
                 operation,
@@ -1313,6 +1322,7 @@ impl SimDevice {
                 checker: BufferOrderChecker::new(),
                 violations: Vec::new(),
                 faults: config.faults,
+                lost: false,
                 jitter: config.jitter.map(|j| (j, j.seed)),
                 collectives: 0,
                 copied: BTreeMap::new(),
@@ -1436,6 +1446,14 @@ impl SimDevice {
     pub fn stats(&self) -> SimStats {
         let st = self.state();
         st.stats.clone()
+    }
+
+    /// Loses the device now: every later host synchronisation fails
+    /// (`DeviceLost`), whoever makes it, as on a GPU that fell off the bus;
+    /// unlike [`FaultPlan::fail_sync_at`], independent of how many
+    /// synchronisations a host thread of the backend made before.
+    pub fn lose(&self) {
+        self.state().lost = true;
     }
 
     /// Resets the peaks to the current use (to measure one phase).

@@ -378,8 +378,7 @@ fn a_coded_block_file_from_other_weights_is_refused_block_by_block() {
     let o = opts(&[], 2, Some(7));
     let run_with = |weights: Arc<dyn offload_core::runtime::WeightSource>,
                     strategy: &StrategyChoice| {
-        let rig =
-            offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, weights).unwrap();
+        let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, weights).unwrap();
         let config = match strategy {
             StrategyChoice::Config(c) => c.clone(),
             _ => OffloadConfig::default(),
@@ -404,8 +403,15 @@ fn a_coded_block_file_from_other_weights_is_refused_block_by_block() {
     let blocks = CodedBlocks::open(&path).unwrap();
     let part = offload_core::runtime::packing_for(&pipeline, &theirs).unwrap();
     let unit = part.blocks.values().next().unwrap();
-    let e = blocks.checked_region(unit, &theirs).map(|_| ()).unwrap_err().to_string();
-    assert!(e.contains("stale.opackb") && e.contains(&unit.name) && e.contains("stale"), "{e}");
+    let e = blocks
+        .checked_region(unit, &theirs)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("stale.opackb") && e.contains(&unit.name) && e.contains("stale"),
+        "{e}"
+    );
     let own = TrainedWeights::new(0, &pipeline);
     assert!(blocks.checked_region(unit, &own).unwrap().is_some());
     assert_ne!(fingerprint(unit, &own), fingerprint(unit, &theirs));
@@ -434,7 +440,11 @@ fn a_coded_block_file_from_other_weights_is_refused_block_by_block() {
         &lossless,
     );
     assert!(out.after_enable.registered_bytes > 0);
-    assert_ne!(outputs(&out), want, "planted: the stale file's weights stream");
+    assert_ne!(
+        outputs(&out),
+        want,
+        "planted: the stale file's weights stream"
+    );
 }
 
 /// A coded-block file written once (`offload_pack::blocks_file::pack_blocks`)
@@ -489,4 +499,145 @@ fn coded_masters_register_in_place_from_a_coded_block_file() {
         out.after_enable.pinned_bytes, 0,
         "no block master pinned (every streamed block came from the file)"
     );
+}
+
+/// Coded blocks left pageable (CONTRACT §7b with §7c): with every master
+/// staged (`pin_cpu_memory = false`) or a host budget below the coded
+/// masters, layerwise + `"lossless"` over a coded-block file streams each
+/// staged block's coded bytes through the pinned host staging ring, then
+/// decodes it from the device staging buffer: bit-identical to resident,
+/// no rule broken, inline and with the threaded filler, at depths 1–3;
+/// fewer bytes on the link than raw and fewer staged than bf16; nothing
+/// registered or pinned for the staged blocks but the ring. The planted
+/// `HostStagingReuseBeforeCopy` (a staging buffer refilled before the copy
+/// out of it completed) is seen on the coded path too.
+#[test]
+fn coded_blocks_stream_staged_from_a_coded_block_file() {
+    use offload_core::bytes::{ByteSize, HostBudget};
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, pack_blocks};
+    use offload_sim::presets::TrainedWeights;
+    use std::sync::Arc;
+    let w = workload();
+    let pipeline = w.preset.pipeline.clone();
+    let dir = std::env::temp_dir().join(format!("decode-staged-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("staged.opackb");
+    let report = pack_blocks(
+        &path,
+        &pipeline,
+        &TrainedWeights::new(0, &pipeline),
+        &offload_pack::format::EncodeConfig::default(),
+    )
+    .unwrap();
+    let want = resident();
+    let config = |pin: Option<bool>, budget: Option<u64>| OffloadConfig {
+        enable_layerwise_offload: true,
+        weight_compression: Some(WeightCompression::Lossless),
+        pin_cpu_memory: pin,
+        host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
+        ..OffloadConfig::default()
+    };
+    let run_staged = |c: &OffloadConfig, o: &RunOptions| {
+        let source = Arc::new(WithCodedBlocks {
+            inner: Arc::new(TrainedWeights::new(0, &pipeline)),
+            blocks: CodedBlocks::open(&path).unwrap(),
+        });
+        let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), o, source).unwrap();
+        offload_sim::harness::drive(
+            rig,
+            &StrategyChoice::Config(c.clone()),
+            c,
+            o,
+            w.requests,
+            |rig| rig.request(&w),
+            |_| {},
+        )
+    };
+    let raw = run(
+        &workload(),
+        &layerwise(WeightCompression::None),
+        &opts(&[], 2, None),
+    )
+    .unwrap();
+    // Half the raw masters: the coded ones do not all fit.
+    let budget = raw.bounds.staging_ring_bytes
+        + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes)
+        + raw.bounds.offloaded_bytes / 2;
+    for threads in [false, true] {
+        for depth in [1, 2, 3] {
+            for (pin, budget) in [(Some(false), None), (None, Some(budget))] {
+                for jitter in [None, Some(5)] {
+                    let o = RunOptions {
+                        host_threads: threads,
+                        ..opts(&[], depth, jitter)
+                    };
+                    let what =
+                        format!("threads {threads}, depth {depth}, {pin:?}/{budget:?}, {jitter:?}");
+                    let out = run_staged(&config(pin, budget), &o)
+                        .unwrap_or_else(|f| panic!("{what}: {}", f.error));
+                    assert_eq!(outputs(&out), want, "{what}");
+                    assert_eq!(all_violations(&out), vec![], "{what}");
+                    assert!(out.at_end.decodes > 0, "{what}");
+                    assert_eq!(out.at_end.decode_errors, 0, "{what}");
+                    let raw_here = run(
+                        &workload(),
+                        &layerwise(WeightCompression::None),
+                        &opts(&[], depth, jitter),
+                    )
+                    .unwrap();
+                    let (coded, bf16) = (
+                        out.requests[1].denoise_h2d_bytes,
+                        raw_here.requests[1].denoise_h2d_bytes,
+                    );
+                    assert!(
+                        (coded as f64) < 0.75 * bf16 as f64,
+                        "{what}: {coded} vs {bf16}"
+                    );
+                    if pin == Some(false) {
+                        assert_eq!(out.after_enable.registered_bytes, 0, "{what}");
+                        // Page-locked: the ring (two buffers of the largest
+                        // coded block) and the largest resident upload.
+                        assert!(
+                            out.at_end.pinned_peak_bytes
+                                <= raw.bounds.staging_ring_bytes
+                                    + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes),
+                            "{what}: {} pinned",
+                            out.at_end.pinned_peak_bytes
+                        );
+                    } else {
+                        assert!(out.after_enable.registered_bytes > 0, "{what}");
+                        assert!(
+                            out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes
+                                <= budget.unwrap(),
+                            "{what}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(report.coded_bytes < report.decoded_bytes);
+    let bug = PlantedBug::HostStagingReuseBeforeCopy;
+    let mut caught = 0;
+    for threads in [false, true] {
+        for depth in [1, 2, 3] {
+            for jitter in [None, Some(1), Some(2)] {
+                let o = RunOptions {
+                    host_threads: threads,
+                    ..opts(&[bug], depth, jitter)
+                };
+                let (v, differs) = match run_staged(&config(Some(false), None), &o) {
+                    Ok(out) => (all_violations(&out), outputs(&out) != want),
+                    Err(f) => (f.violations, true),
+                };
+                if differs
+                    || v.iter()
+                        .any(|v| v.invariant == offload_core::invariants::Invariant::NoEarlyFree)
+                {
+                    caught += 1;
+                }
+            }
+        }
+    }
+    assert!(caught > 0, "{bug:?} on the coded staged path: never seen");
 }

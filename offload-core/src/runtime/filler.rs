@@ -40,11 +40,13 @@ struct Cell<A: Api> {
     done: Condvar,
 }
 
-/// One fill: `unit`'s bytes into stage `stage`, tagged `tag`.
+/// One fill: `unit`'s bytes (or its coded bytes, `coded`) into stage
+/// `stage`, tagged `tag`.
 struct Job {
     stage: usize,
     tag: (usize, usize),
     unit: Unit,
+    coded: Option<std::sync::Arc<dyn crate::device::HostRegion>>,
     /// Only the planted `HostStagingReuseBeforeCopy` sets it.
     skip_wait: bool,
     release: bool,
@@ -167,7 +169,11 @@ impl<A: Api> StagingRing<A> {
     pub(crate) fn fill(
         &self,
         j: usize,
-        (tag, unit): ((usize, usize), &Unit),
+        (tag, unit, coded): (
+            (usize, usize),
+            &Unit,
+            Option<&std::sync::Arc<dyn crate::device::HostRegion>>,
+        ),
         (skip_wait, release): (bool, bool),
         next: Option<&Unit>,
         now: bool,
@@ -191,6 +197,7 @@ impl<A: Api> StagingRing<A> {
             stage: j,
             tag,
             unit: unit.clone(),
+            coded: coded.cloned(),
             skip_wait,
             release,
             next: next.cloned(),
@@ -337,9 +344,29 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
     cell.done.notify_all();
 }
 
-/// The fill itself: the unit's bytes into the stage's buffer, then its
-/// pages released and the next unit read ahead where the job asks.
+/// The fill itself: the unit's bytes (or its coded bytes) into the stage's
+/// buffer, then, for a unit read from the weight source, its pages
+/// released and the next unit read ahead where the job asks.
 fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
+    if let Some(coded) = &job.coded {
+        let bytes = coded.bytes();
+        let _span = crate::runtime::shared::transfer_span(
+            &job.unit.name,
+            bytes.len() as u64,
+            "host",
+            "stage coded",
+        )
+        .entered();
+        stage.buffer.write_from(
+            0,
+            bytes.len() as u64,
+            &ParallelBytes {
+                reader: Reader::Slice(bytes),
+                threads: context.threads,
+            },
+        );
+        return;
+    }
     let _span =
         crate::runtime::shared::transfer_span(&job.unit.name, job.unit.bytes, "host", "stage")
             .entered();
@@ -378,13 +405,49 @@ pub(crate) struct ParallelUnitBytes<'a> {
 
 impl crate::device::ByteSource for ParallelUnitBytes<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
+        ParallelBytes {
+            reader: Reader::Unit(UnitBytes {
+                weights: self.weights,
+                unit: self.unit,
+                direct: self.direct,
+            }),
+            threads: self.threads,
+        }
+        .read_at(position, dst);
+    }
+}
+
+/// What a parallel read reads: a unit from the weight source, or bytes
+/// in memory (a coded block's).
+enum Reader<'a> {
+    Unit(UnitBytes<'a>),
+    Slice(&'a [u8]),
+}
+
+impl crate::device::ByteSource for Reader<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        match self {
+            Reader::Unit(u) => u.read_at(position, dst),
+            Reader::Slice(s) => {
+                let at = position as usize;
+                dst.copy_from_slice(&s[at..at + dst.len()]);
+            }
+        }
+    }
+}
+
+/// A read split over up to `threads` host threads, each a contiguous part
+/// (page-aligned).
+struct ParallelBytes<'a> {
+    reader: Reader<'a>,
+    threads: usize,
+}
+
+impl crate::device::ByteSource for ParallelBytes<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
         /// Below this a read stays on one thread.
         const PER_THREAD: usize = 4 << 20;
-        let reader = UnitBytes {
-            weights: self.weights,
-            unit: self.unit,
-            direct: self.direct,
-        };
+        let reader = &self.reader;
         let threads = self.threads.min(dst.len() / PER_THREAD).max(1);
         if threads == 1 || cfg!(loom) {
             reader.read_at(position, dst);

@@ -477,22 +477,46 @@ impl Transport {
                 }
                 if !stale {
                     let _span = transfer_span(name, coded_bytes, "copy", "h2d coded").entered();
-                    let source = master
-                        .host
-                        .copy_source(&format!("copy_h2d of the coded `{name}`"))?;
-                    // SAFETY: the master is exactly `coded_bytes` (its coded
-                    // blob) and the staging buffer holds the largest; the
-                    // copy stream waits above for the decode that last read
-                    // the buffer, and the decode reading it waits for
-                    // `copied` (next); the master is freed only after
-                    // draining.
-                    unsafe {
-                        h.device
-                            .copy_h2d(&h.copy, source, 0, &buffer.buffer, 0, coded_bytes)
+                    let copy = |source: crate::device::HostSource<'_, A>| {
+                        // SAFETY: the source (the master, or the host
+                        // staging buffer it was staged into) holds exactly
+                        // `coded_bytes` (its coded blob) and the device
+                        // staging buffer the largest; the copy stream waits
+                        // above for the decode that last read the device
+                        // buffer, and the decode reading it waits for
+                        // `copied` (next); a master is freed only after
+                        // draining, a host staging buffer refilled only
+                        // after its own `copied`.
+                        unsafe {
+                            h.device
+                                .copy_h2d(&h.copy, source, 0, &buffer.buffer, 0, coded_bytes)
+                        }
+                        .map_err(|e| {
+                            dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e)
+                        })
+                    };
+                    if matches!(*master.host, HostMaster::Staged(_)) {
+                        // A coded master left pageable (CONTRACT §7c):
+                        // through a host staging buffer, whose next fill
+                        // waits for the copy out of it.
+                        let staging = st
+                            .host_staging
+                            .as_mut()
+                            .expect("a ring with a staged master has host staging");
+                        let blocks = &st.rings[ring].blocks;
+                        with_staged(engine, staging, blocks, (ring, source), false, |stage| {
+                            copy(crate::device::HostSource::Pinned(&stage.buffer))?;
+                            h.device
+                                .record_event(&stage.copied, &h.copy)
+                                .map_err(|e| dev_err("record_event(host staging copied)", e))
+                        })?;
+                    } else {
+                        copy(
+                            master
+                                .host
+                                .copy_source(&format!("copy_h2d of the coded `{name}`"))?,
+                        )?;
                     }
-                    .map_err(|e| {
-                        dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e)
-                    })?;
                 }
                 if let Some(t) = &st.timer {
                     t.mark(&h.copy, Mark::CopyEnd)?;
@@ -554,36 +578,8 @@ impl Transport {
                     .host_staging
                     .as_mut()
                     .expect("a ring with a staged master has host staging");
-                let skip_wait = engine.bug(PlantedBug::HostStagingReuseBeforeCopy);
-                let release = staging.release;
                 let blocks = &st.rings[ring].blocks;
-                // The staged blocks after `source` in ring order.
-                let mut after = (1..blocks.len())
-                    .map(|d| (source + d) % blocks.len())
-                    .filter(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)));
-                let (next, next_of_next) = (after.next(), after.next());
-                let n = staging.ring.len();
-                let tag = (ring, source);
-                // The filler may have filled it ahead; otherwise now, into
-                // the stage after the last one copied out of.
-                let j = match staging.ring.holding(tag) {
-                    Some(j) => j,
-                    None => {
-                        let j = (staging.last + 1) % n;
-                        if !stale {
-                            staging.ring.fill(
-                                j,
-                                (tag, &master.unit),
-                                (skip_wait, release),
-                                next.map(|b| &blocks[b].unit),
-                                true,
-                            );
-                        }
-                        j
-                    }
-                };
-                staging.last = j;
-                staging.ring.with_filled(j, |stage| {
+                with_staged(engine, staging, blocks, (ring, source), stale, |stage| {
                     let source =
                         (!stale).then_some(crate::device::HostSource::Pinned(&stage.buffer));
                     // The next fill of this buffer waits for `copied`,
@@ -594,25 +590,77 @@ impl Transport {
                         &format!("copy_h2d of the staged `{name}`"),
                         Some(&stage.copied),
                     )
-                })?;
-                // The next staged block, filled ahead into the other stage
-                // while this one's copy runs (with a filler thread).
-                if let Some(b) = next
-                    && n > 1
-                    && staging.ring.holding((ring, b)).is_none()
-                {
-                    staging.ring.fill(
-                        (j + 1) % n,
-                        ((ring, b), &blocks[b].unit),
-                        (skip_wait, release),
-                        next_of_next.map(|b| &blocks[b].unit),
-                        false,
-                    );
-                }
-                Ok(())
+                })
             }
         }
     }
+}
+
+/// The staged master of `blocks[source]` (of ring `ring`) lent in a
+/// pinned staging buffer to `f`, which copies out of it and records the
+/// buffer's `copied` right after (CONTRACT §7c): the buffer the filler
+/// filled ahead, or one filled now (the stage after the last one copied
+/// out of; nothing when `stale`, a planted bug's); then the next staged
+/// block of the ring is queued into the other buffer, filled while this
+/// copy runs (with a filler thread). A raw staged block's copy goes to its
+/// slot (the staging transport); a coded one's to its device staging
+/// buffer, before its decode (the decode transport).
+fn with_staged<A: Api, T>(
+    engine: &Engine<A>,
+    staging: &mut HostStaging<A>,
+    blocks: &[Master<A>],
+    (ring, source): (usize, usize),
+    stale: bool,
+    f: impl FnOnce(&mut crate::runtime::filler::Stage<A>) -> Result<T, OffloadError>,
+) -> Result<T, OffloadError> {
+    let skip_wait = engine.bug(PlantedBug::HostStagingReuseBeforeCopy);
+    let release = staging.release;
+    let coded = |b: usize| match &*blocks[b].host {
+        HostMaster::Staged(s) => s.coded.clone(),
+        _ => None,
+    };
+    // The staged blocks after `source` in ring order.
+    let mut after = (1..blocks.len())
+        .map(|d| (source + d) % blocks.len())
+        .filter(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)));
+    let (next, next_of_next) = (after.next(), after.next());
+    let n = staging.ring.len();
+    let tag = (ring, source);
+    // The filler may have filled it ahead; otherwise now, into the stage
+    // after the last one copied out of.
+    let j = match staging.ring.holding(tag) {
+        Some(j) => j,
+        None => {
+            let j = (staging.last + 1) % n;
+            if !stale {
+                staging.ring.fill(
+                    j,
+                    (tag, &blocks[source].unit, coded(source).as_ref()),
+                    (skip_wait, release),
+                    next.map(|b| &blocks[b].unit),
+                    true,
+                );
+            }
+            j
+        }
+    };
+    staging.last = j;
+    let out = staging.ring.with_filled(j, f)?;
+    // The next staged block, filled ahead into the other stage while this
+    // one's copy runs (with a filler thread).
+    if let Some(b) = next
+        && n > 1
+        && staging.ring.holding((ring, b)).is_none()
+    {
+        staging.ring.fill(
+            (j + 1) % n,
+            ((ring, b), &blocks[b].unit, coded(b).as_ref()),
+            (skip_wait, release),
+            next_of_next.map(|b| &blocks[b].unit),
+            false,
+        );
+    }
+    Ok(out)
 }
 
 /// Fills block `block` of `ring` into a slot through the ring's transport;
@@ -645,10 +693,11 @@ fn fill<A: Api>(
     };
     let transport = if st.rings[ring].gathered {
         Transport::Gather
+    } else if st.rings[ring].blocks[source].coded.is_some() {
+        // A coded master, pinned, registered or staged.
+        Transport::Decode
     } else if matches!(*st.rings[ring].blocks[source].host, HostMaster::Staged(_)) {
         Transport::Stage
-    } else if st.rings[ring].blocks[source].coded.is_some() {
-        Transport::Decode
     } else {
         Transport::Copy
     };
@@ -837,6 +886,8 @@ fn host_plan(
 struct StagedTally {
     units: usize,
     bytes: u64,
+    /// Of them, coded (their coded bytes staged).
+    coded_units: usize,
     refused: usize,
     /// A host budget is set: no master or upload registers a window of a
     /// mapping the device would lock whole.
@@ -853,10 +904,12 @@ impl StagedTally {
             tracing::info!(
                 staged_units = self.units,
                 staged_bytes = self.bytes,
+                coded_units = self.coded_units,
                 refused = self.refused,
-                "{} streamed blocks ({} bytes) stay in pageable memory and stream through pinned staging buffers ({} refused by the device; planned: {} pinned, {} staged)",
+                "{} streamed blocks ({} bytes, {} of them coded) stay in pageable memory and stream through pinned staging buffers ({} refused by the device; planned: {} pinned, {} staged)",
                 self.units,
                 self.bytes,
+                self.coded_units,
                 self.refused,
                 plan.pinned_bytes,
                 plan.staged_bytes
@@ -877,7 +930,41 @@ fn staged_master<A: Api>(
     tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
     h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
         bytes: unit.bytes,
+        coded: None,
     }))
+}
+
+/// A staged master of `unit`'s coded bytes (CONTRACT §7b, §7c), where the
+/// weight source holds them in `codec`'s format (a coded-block file) at no
+/// more than the unit's own bytes (so the staging ring's bound holds): the
+/// window stays pageable, never registered, and each fill copies it into
+/// a host staging buffer; with the decode's work items. `None` otherwise
+/// (the block then stages raw).
+fn staged_coded_master<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+    codec: &dyn crate::device::Codec<A>,
+    why: crate::budget::StageReason,
+    tally: &mut StagedTally,
+) -> Option<(HostMaster<A>, (u64, u64))> {
+    let format = codec.format()?;
+    let coded = h.weights.take_coded(unit, format)?;
+    let len = coded.region.bytes().len() as u64;
+    if len > unit.bytes {
+        return None;
+    }
+    tally.units += 1;
+    tally.bytes += len;
+    tally.coded_units += 1;
+    tracing::info!(unit = %unit.name, bytes = len, reason = %why, "`{}` streams staged, coded ({len} of {} bytes; {why})", unit.name, unit.bytes);
+    let region: std::sync::Arc<dyn crate::device::HostRegion> = coded.region.into();
+    Some((
+        h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
+            bytes: len,
+            coded: Some(region),
+        })),
+        (len, coded.work),
+    ))
 }
 
 /// Uploads `unit` to a new device buffer through the staging ring's first
@@ -1501,6 +1588,12 @@ impl<A: Api> LayerwiseBackend<A> {
                 let unit = block.unit.clone();
                 let planned = staged_at.next().flatten();
                 let (host, coded) = match (&block.shard, &self.codec, planned) {
+                    (None, Some(codec), Some(why)) if skip.is_empty() => {
+                        match staged_coded_master(h, &unit, &**codec, why, &mut staged_log) {
+                            Some((master, coded)) => (master, Some(coded)),
+                            None => (staged_master(h, &unit, why, &mut staged_log), None),
+                        }
+                    }
                     (None, _, Some(why)) => (staged_master(h, &unit, why, &mut staged_log), None),
                     (Some(shard), _, _) => (
                         h.shard_master(
@@ -1575,8 +1668,10 @@ impl<A: Api> LayerwiseBackend<A> {
             .rings
             .iter()
             .flat_map(|r| &r.blocks)
-            .filter(|m| matches!(*m.host, HostMaster::Staged(_)))
-            .map(|m| m.unit.bytes)
+            .filter_map(|m| match &*m.host {
+                HostMaster::Staged(s) => Some(s.bytes),
+                _ => None,
+            })
             .max();
         if let Some(bytes) = largest_staged {
             // Each buffer asked for up to three times (a platform that

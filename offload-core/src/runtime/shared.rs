@@ -29,12 +29,26 @@ pub(crate) enum HostMaster<A: Api> {
 }
 
 /// A master left in pageable memory (the weight source's: its mapped file
-/// or its heap), read through [`WeightSource::read`] into a pinned staging
-/// buffer before each copy.
-#[derive(Clone, Debug)]
+/// or its heap), read into a pinned staging buffer before each copy:
+/// through [`WeightSource::read`], or, for a coded block (CONTRACT §7b,
+/// §7c), from the coded bytes the weight source holds
+/// ([`WeightSource::take_coded`]: a coded-block file's window, never
+/// registered).
+#[derive(Clone)]
 pub(crate) struct Staged {
-    /// The unit's bytes.
+    /// The bytes each fill copies: the unit's, or its coded bytes'.
     pub(crate) bytes: u64,
+    /// The coded bytes, for a coded block.
+    pub(crate) coded: Option<std::sync::Arc<dyn crate::device::HostRegion>>,
+}
+
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged")
+            .field("bytes", &self.bytes)
+            .field("coded", &self.coded.is_some())
+            .finish()
+    }
 }
 
 impl<A: Api> HostMaster<A> {
