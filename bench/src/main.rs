@@ -1674,26 +1674,51 @@ fn run() -> Result<()> {
     if let Some((f, _, _)) = &file_masters {
         sources.push((true, Some(Arc::clone(f) as Arc<dyn WeightSource>)));
     }
+    // With `--weight-compression lossless` the staged rows run coded too
+    // (CONTRACT §7b with §7c: the blocks beyond the budget stage their
+    // coded bytes, from the coded-block file when one is given), over the
+    // loaded weights only.
+    let staged_compressions: Vec<Compression> = std::iter::once(Compression::None)
+        .chain(
+            settings
+                .compressions
+                .iter()
+                .copied()
+                .filter(|c| *c == Compression::Lossless),
+        )
+        .collect();
     for repeat in 0..args.repeats {
         for &h in &host_rows {
             for &d in &settings.depths {
-                for (file, weights) in &sources {
-                    specs.push(Spec {
-                        name: format!(
-                            "layerwise depth {d}{} {}{suffix}",
-                            if *file { " file" } else { "" },
-                            h.name()
-                        ),
-                        repeat,
-                        lookahead: BTreeMap::new(),
-                        proxy: &proxy,
-                        depth: d,
-                        streamed: streamed_all,
-                        tokens: settings.tokens.clone(),
-                        compression: Compression::None,
-                        make: layerwise_over(h.config(&layerwise), d, None, weights.clone()),
-                        file: *file,
-                    });
+                for &compression in &staged_compressions {
+                    let coded = compression != Compression::None;
+                    let config = if coded {
+                        OffloadConfig {
+                            weight_compression: Some(compression.config()),
+                            ..h.config(&layerwise)
+                        }
+                    } else {
+                        h.config(&layerwise)
+                    };
+                    for (file, weights) in sources.iter().filter(|(f, _)| !coded || !*f) {
+                        specs.push(Spec {
+                            name: format!(
+                                "layerwise depth {d}{}{} {}{suffix}",
+                                if *file { " file" } else { "" },
+                                if coded { " lossless" } else { "" },
+                                h.name()
+                            ),
+                            repeat,
+                            lookahead: BTreeMap::new(),
+                            proxy: &proxy,
+                            depth: d,
+                            streamed: streamed_all,
+                            tokens: settings.tokens.clone(),
+                            compression,
+                            make: layerwise_over(config.clone(), d, None, weights.clone()),
+                            file: *file,
+                        });
+                    }
                 }
             }
         }
@@ -1720,7 +1745,13 @@ fn run() -> Result<()> {
         // The staged path's own limit: pinned blocks at the link's rate,
         // staged ones at the staged stream's (host copy and DMA sharing the
         // host's memory), one copy engine.
-        if let (Some(g), true) = (stream_gbps, r.staged_bytes > 0) {
+        // (A coded row's staged bytes are coded: its figure is the step
+        // against the pinned bf16 limit.)
+        if let (Some(g), true, "none") = (
+            stream_gbps,
+            r.staged_bytes > 0,
+            r.weight_compression.as_str(),
+        ) {
             let pinned = streamed - r.staged_bytes as f64;
             let limit = resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (g * 1e9));
             r.staged_limit_s = Some(limit);
@@ -1949,9 +1980,11 @@ fn print_staged_summary(
         "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | output == resident |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    // Coded rows too: their staged GB are coded bytes, their own limit
+    // not computed (0).
     for r in rows
         .iter()
-        .filter(|r| r.depth > 0 && r.weight_compression == "none")
+        .filter(|r| r.depth > 0 && (r.weight_compression == "none" || r.staged_bytes > 0))
     {
         println!(
             "| {} | {} | {:.2} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",

@@ -290,6 +290,13 @@ enum Strategy {
     Staged {
         depth: usize,
     },
+    /// [`Strategy::Staged`] with `"lossless"` over a coded-block file of
+    /// the rig's trained weights (CONTRACT §7b with §7c): every block's
+    /// coded bytes stay pageable, staged through the pinned ring, then
+    /// decoded.
+    StagedLossless {
+        depth: usize,
+    },
     ModelLevel,
 }
 
@@ -311,6 +318,12 @@ impl Strategy {
                 pin_cpu_memory: Some(false),
                 ..OffloadConfig::default()
             },
+            Strategy::StagedLossless { .. } => OffloadConfig {
+                enable_layerwise_offload: true,
+                pin_cpu_memory: Some(false),
+                weight_compression: Some(WeightCompression::Lossless),
+                ..OffloadConfig::default()
+            },
             Strategy::ModelLevel => OffloadConfig {
                 enable_cpu_offload: true,
                 ..OffloadConfig::default()
@@ -322,7 +335,8 @@ impl Strategy {
         match self {
             Strategy::Layerwise { depth }
             | Strategy::Lossless { depth }
-            | Strategy::Staged { depth } => depth,
+            | Strategy::Staged { depth }
+            | Strategy::StagedLossless { depth } => depth,
             _ => 1,
         }
     }
@@ -331,7 +345,10 @@ impl Strategy {
         let e = |e: OffloadError| e.to_string();
         Ok(match self {
             Strategy::Resident => platform.resident().map_err(e)?,
-            Strategy::Layerwise { .. } | Strategy::Lossless { .. } | Strategy::Staged { .. } => {
+            Strategy::Layerwise { .. }
+            | Strategy::Lossless { .. }
+            | Strategy::Staged { .. }
+            | Strategy::StagedLossless { .. } => {
                 Box::new(platform.layerwise(self.config()).map_err(e)?)
             }
             Strategy::ModelLevel => offload_core::get_offload_backend(&self.config(), platform)
@@ -423,8 +440,50 @@ impl Rig {
     }
 
     /// A platform over weights of `seed`, with `bugs` planted.
+    /// A platform over weights of `seed` (trained where the rig is) with a
+    /// coded-block file of them beside (written once per seed, to a
+    /// temporary directory): for [`Strategy::StagedLossless`].
+    fn coded_platform(&self, seed: u64, depth: usize, bugs: &[PlantedBug]) -> CorePlatform<Cuda> {
+        use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, pack_blocks};
+        let inner = self.weights(seed);
+        let dir = std::env::temp_dir().join(format!("gpu-coded-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{seed}.opackb"));
+        if !path.exists() {
+            pack_blocks(
+                &path,
+                &self.pipeline,
+                &*inner,
+                &offload_pack::format::EncodeConfig::default(),
+            )
+            .expect("writing the coded-block file");
+        }
+        let weights = Arc::new(WithCodedBlocks {
+            inner,
+            blocks: CodedBlocks::open(&path).expect("opening the coded-block file"),
+        });
+        self.platform_over(weights, depth, bugs)
+    }
+
+    /// The platform of `strategy` over weights of `seed`.
+    fn platform_for(
+        &self,
+        strategy: Strategy,
+        seed: u64,
+        bugs: &[PlantedBug],
+    ) -> CorePlatform<Cuda> {
+        match strategy {
+            Strategy::StagedLossless { depth } => self.coded_platform(seed, depth, bugs),
+            s => self.platform(seed, s.depth(), bugs),
+        }
+    }
+
     fn platform(&self, seed: u64, depth: usize, bugs: &[PlantedBug]) -> CorePlatform<Cuda> {
-        let weights: Arc<dyn WeightSource> = match &self.trained {
+        self.platform_over(self.weights(seed), depth, bugs)
+    }
+
+    fn weights(&self, seed: u64) -> Arc<dyn WeightSource> {
+        match &self.trained {
             None => Arc::new(FiniteWeights(SyntheticWeights { seed })),
             Some((law, _)) => {
                 let mut last = self
@@ -440,7 +499,15 @@ impl Rig {
                     }
                 }
             }
-        };
+        }
+    }
+
+    fn platform_over(
+        &self,
+        weights: Arc<dyn WeightSource>,
+        depth: usize,
+        bugs: &[PlantedBug],
+    ) -> CorePlatform<Cuda> {
         let platform = CorePlatform::<Cuda>::new(
             "cuda",
             Arc::clone(&self.device),
@@ -506,7 +573,7 @@ struct Measured {
 fn measured_run(rig: &Rig, strategy: Strategy) -> Measured {
     let device = &rig.device;
     let mut rt = rig.runtime();
-    let platform = rig.platform(42, strategy.depth(), &[]);
+    let platform = rig.platform_for(strategy, 42, &[]);
     let allocated_before = rig.settle();
     device.reset_pool_high().unwrap();
     let free_before = device.memory_info().unwrap().free_bytes;
@@ -565,7 +632,7 @@ fn timing_run(
     bugs: &[PlantedBug],
     perturbation: Option<Perturbation>,
 ) -> Result<Vec<u64>, String> {
-    let platform = rig.platform(seed, strategy.depth(), bugs);
+    let platform = rig.platform_for(strategy, seed, bugs);
     let mut rt = rig.runtime();
     rig.settle();
     rig.device.set_perturbation(perturbation).unwrap();
@@ -1247,6 +1314,99 @@ fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
     assert_eq!(control, Ok(expected), "clean control of {}", bug.name());
     println!(
         "planted {}: caught on seed {seed} after {} runs ({how}: slow copies keep the copy from staging buffer j pending while the host refills it); clean control equals resident",
+        bug.name(),
+        seed + 1
+    );
+}
+
+/// Coded blocks left pageable (CONTRACT §7b with §7c), on the GPU: every
+/// master staged (`pin_cpu_memory = false`) with `"lossless"` over a
+/// coded-block file of the trained weights, so each block's coded bytes
+/// are copied into the pinned host staging ring, then to the device
+/// staging buffer and decoded: bit-identical to resident unperturbed and
+/// under perturbation (depth 1 and 2), the decoder's flag clear, the
+/// page-locked peak no more than the ring and the upload buffer; and the
+/// planted `HostStagingReuseBeforeCopy` is caught on the coded path,
+/// beside a clean control.
+#[test]
+fn coded_staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::trained(&g.device, pipeline(), Law::Normal);
+    rig.warm_up();
+    let p = &rig.pipeline;
+    let resident = measured_run(&rig, Strategy::Resident);
+    let staged = Strategy::StagedLossless { depth: 1 };
+    // The coded-block file first (its encode pins nothing).
+    drop(rig.platform_for(staged, 42, &[]));
+    rig.settle();
+    let locked_before = offload_cuda::host_locked();
+    offload_cuda::reset_host_locked_peak();
+    let out = measured_run(&rig, staged);
+    let locked = offload_cuda::host_locked();
+    let b = memory_bounds(p, &Strategy::Staged { depth: 1 }.config(), 1).unwrap();
+    let held = locked.peak_bytes - (locked_before.pinned_bytes + locked_before.registered_bytes);
+    println!(
+        "{staged:?}: page-locked peak {held} B beyond the rig's (ring bound {} B + upload {} B; one copy of the streamed blocks {} B)",
+        b.host_staging_bytes,
+        b.staging_bytes - b.host_staging_bytes,
+        b.offloaded_bytes
+    );
+    assert_eq!(out.outputs, resident.outputs, "coded staged vs resident");
+    assert_eq!(rig.codec().take_error().unwrap(), 0, "decoder flag");
+    assert!(
+        held <= b.staging_bytes,
+        "page-locked peak {held} B > ring + upload {} B",
+        b.staging_bytes
+    );
+    let seeds = if under_sanitizer() { 1 } else { 3 };
+    for seed in 0..seeds {
+        let weights = 9500 + seed;
+        let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
+        for depth in [1, 2] {
+            let strategy = Strategy::StagedLossless { depth };
+            let got = timing_run(&rig, strategy, weights, &[], Some(wide(seed)));
+            assert_eq!(
+                got,
+                Ok(expected.clone()),
+                "{strategy:?} perturbation seed {seed}"
+            );
+            assert_eq!(rig.codec().take_error().unwrap(), 0, "decoder flag");
+        }
+    }
+    println!("perturbed: coded staged layerwise depth 1 and 2 equal resident on {seeds} seeds");
+    if under_sanitizer() {
+        return;
+    }
+    let bug = PlantedBug::HostStagingReuseBeforeCopy;
+    let weights = |seed: u64| 31_000 + seed;
+    let mut caught = None;
+    for seed in 0..PLANTED_SEEDS {
+        let got = timing_run(&rig, staged, weights(seed), &[bug], Some(slow()));
+        let _ = rig.codec().take_error();
+        let expected = timing_run(&rig, Strategy::Resident, weights(seed), &[], None).unwrap();
+        match got {
+            Ok(o) if o == expected => continue,
+            Ok(_) => caught = Some((seed, "output differs from resident".to_owned())),
+            Err(e) => caught = Some((seed, format!("the run failed: {e}"))),
+        }
+        break;
+    }
+    let (seed, how) = caught.unwrap_or_else(|| {
+        panic!(
+            "planted {} (coded): NOT caught in {PLANTED_SEEDS} runs",
+            bug.name()
+        )
+    });
+    let control = timing_run(&rig, staged, weights(seed), &[], Some(slow()));
+    let expected = timing_run(&rig, Strategy::Resident, weights(seed), &[], None).unwrap();
+    assert_eq!(
+        control,
+        Ok(expected),
+        "clean control of {} (coded)",
+        bug.name()
+    );
+    println!(
+        "planted {} on the coded staged path: caught on seed {seed} after {} runs ({how}); clean control equals resident",
         bug.name(),
         seed + 1
     );
