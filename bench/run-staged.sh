@@ -13,6 +13,11 @@
 #   MASTERS_FILE=/tmp/offload-masters.bin: each budget again with its
 #   masters from this file (written first, 23.7 GB for Flux.1-dev), its
 #   page cache dropped before each enable; unset: no file rows
+#   COMPRESSION=none,lossless with CODED_BLOCKS=/tmp/offload.opackb: every
+#   row again with weight_compression = "lossless", the coded masters from
+#   this coded-block file (written first from the loaded weights, about a
+#   minute on 16 cores): within the budget registered in place, beyond it
+#   staged coded (CONTRACT §7b with §7c); default COMPRESSION=none
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${1:-}
@@ -36,6 +41,8 @@ cuda_libs
   --warmup "${WARMUP:-1}" --no-planner --no-simulate \
   --host-budgets "${HOST_BUDGETS:-8GiB,unpinned}" --json "$OUT/staged.json" \
   ${MASTERS_FILE:+--masters-file "$MASTERS_FILE"} \
+  --weight-compression "${COMPRESSION:-none}" \
+  ${CODED_BLOCKS:+--coded-blocks "$CODED_BLOCKS"} \
   >"$OUT/staged.log" 2>"$OUT/staged.err"
 rc=$?
 tail -n 5 "$OUT/staged.err"
