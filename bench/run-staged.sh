@@ -9,7 +9,7 @@
 # staging fill runs at, and prints the staged table last.
 # Usage: bench/run-staged.sh [DIR]  DIR holds offload-bench (default:
 # beside this script, else target/release). Logs and JSON under $OUT.
-#   TOKENS=4608  DEPTHS=2  HOST_BUDGETS=8GiB,unpinned  STEPS=3  WARMUP=1
+#   TOKENS=4608  DEPTHS=2  HOST_BUDGETS=8GiB,unpinned  STEPS=3  WARMUP=1  REPEATS=1
 #   MASTERS_FILE=/tmp/offload-masters.bin: each budget again with its
 #   masters from this file (written first, 23.7 GB for Flux.1-dev), its
 #   page cache dropped before each enable; unset: no file rows
@@ -41,7 +41,7 @@ cuda_libs
   --warmup "${WARMUP:-1}" --no-planner --no-simulate \
   --host-budgets "${HOST_BUDGETS:-8GiB,unpinned}" --json "$OUT/staged.json" \
   ${MASTERS_FILE:+--masters-file "$MASTERS_FILE"} \
-  --weight-compression "${COMPRESSION:-none}" \
+  --weight-compression "${COMPRESSION:-none}" --repeats "${REPEATS:-1}" \
   ${CODED_BLOCKS:+--coded-blocks "$CODED_BLOCKS"} \
   >"$OUT/staged.log" 2>"$OUT/staged.err"
 rc=$?
