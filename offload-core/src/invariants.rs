@@ -441,9 +441,13 @@ pub struct MemoryObservation {
     pub local_weight_bytes: u64,
     /// Declared host staging bytes.
     pub staging_bytes: u64,
-    /// `host_budget` as a size (CONTRACT §7c): host weight bytes never
-    /// exceed it.
+    /// `host_budget` as a size (CONTRACT §7c): the page-locked peak never
+    /// exceeds it.
     pub host_budget_bytes: Option<u64>,
+    /// Peak page-locked host bytes as the device locks them: pinned
+    /// buffers, and registrations, where a registered window of a larger
+    /// mapping locks the whole mapping (once).
+    pub host_locked_bytes: u64,
 }
 
 /// INV-7: device weight memory ≤ resident + slots, and host weight memory
@@ -480,13 +484,13 @@ pub fn bounded_memory(m: &MemoryObservation, padding_bytes: u64) -> Result<(), V
         ));
     }
     if let Some(budget) = m.host_budget_bytes
-        && m.host_weight_bytes > budget
+        && m.host_locked_bytes > budget
     {
         return Err(violation(
             Invariant::BoundedMemory,
             format!(
-                "host weight bytes {} (pinned + registered) > host_budget {budget}",
-                m.host_weight_bytes
+                "page-locked host bytes {} (pinned, and registered as the device locks them: a window's whole mapping) > host_budget {budget}",
+                m.host_locked_bytes
             ),
         ));
     }

@@ -258,6 +258,7 @@ impl Drop for SimHostBuffer {
         );
         if st.pinned.remove(&self.id).is_some() {
             st.stats.pinned_bytes -= self.len;
+            st.stats.locked_bytes -= self.len;
         }
     }
 }
@@ -466,6 +467,13 @@ pub struct SimStats {
     pub registered_bytes: u64,
     /// Peak registered host bytes.
     pub registered_peak_bytes: u64,
+    /// Page-locked host bytes now as a GPU locks them: pinned bytes, and
+    /// registered regions, where a window of a larger mapping
+    /// ([`HostRegion::enclosing`]) locks that whole mapping, once however
+    /// many of its windows are registered (as offload-cuda registers it).
+    pub locked_bytes: u64,
+    /// Peak of [`Self::locked_bytes`].
+    pub locked_peak_bytes: u64,
     /// Device allocations so far.
     pub allocations: u64,
     /// Copies so far.
@@ -524,6 +532,11 @@ struct State {
     faults: FaultPlan,
     /// [`SimDevice::lose`]: every later host synchronisation fails.
     lost: bool,
+    /// Enclosing mappings of registered windows: (address) → (bytes,
+    /// windows registered).
+    mappings: BTreeMap<usize, (u64, usize)>,
+    /// Each registration's enclosing mapping, where it has one.
+    registration_mapping: BTreeMap<u64, usize>,
     jitter: Option<(Jitter, u64)>,
     collectives: u64,
     /// Per device buffer, the byte ranges host→device copies wrote since a
@@ -1226,7 +1239,25 @@ impl State {
         self.host_access(registered_name(id), 0..len, Access::Free, what);
         if self.registered.remove(&id).is_some() {
             self.stats.registered_bytes -= len;
+            match self.registration_mapping.remove(&id) {
+                Some(at) => {
+                    if let Some((bytes, windows)) = self.mappings.get_mut(&at) {
+                        *windows -= 1;
+                        if *windows == 0 {
+                            self.stats.locked_bytes -= *bytes;
+                            self.mappings.remove(&at);
+                        }
+                    }
+                }
+                None => self.stats.locked_bytes -= len,
+            }
         }
+    }
+
+    /// `bytes` more page-locked now (a pin or a registration).
+    fn lock_more(&mut self, bytes: u64) {
+        self.stats.locked_bytes += bytes;
+        self.stats.locked_peak_bytes = self.stats.locked_peak_bytes.max(self.stats.locked_bytes);
     }
 }
 
@@ -1323,6 +1354,8 @@ impl SimDevice {
                 violations: Vec::new(),
                 faults: config.faults,
                 lost: false,
+                mappings: BTreeMap::new(),
+                registration_mapping: BTreeMap::new(),
                 jitter: config.jitter.map(|j| (j, j.seed)),
                 collectives: 0,
                 copied: BTreeMap::new(),
@@ -1464,6 +1497,7 @@ impl SimDevice {
         st.stats.total_peak_bytes = st.stats.device_bytes + st.stats.activation_bytes;
         st.stats.pinned_peak_bytes = st.stats.pinned_bytes;
         st.stats.registered_peak_bytes = st.stats.registered_bytes;
+        st.stats.locked_peak_bytes = st.stats.locked_bytes;
     }
 
     /// Nanoseconds `stream` waited on events beyond its own work so far.
@@ -1764,6 +1798,7 @@ impl Device<Sim> for SimDevice {
         );
         st.stats.pinned_bytes += bytes;
         st.stats.pinned_peak_bytes = st.stats.pinned_peak_bytes.max(st.stats.pinned_bytes);
+        st.lock_more(bytes);
         st.checker.forget(&host_name(id));
         Ok(SimHostBuffer {
             id,
@@ -1784,6 +1819,7 @@ impl Device<Sim> for SimDevice {
         );
         if st.pinned.remove(&buffer.id).is_some() {
             st.stats.pinned_bytes -= buffer.len;
+            st.stats.locked_bytes -= buffer.len;
         }
         Ok(())
     }
@@ -1804,6 +1840,19 @@ impl Device<Sim> for SimDevice {
         let mem: Vec<u8> = bytes.iter().step_by(d).copied().collect();
         st.registered.insert(id, HostMem { len, mem });
         st.stats.registered_bytes += len;
+        match region.enclosing() {
+            Some(mapping) => {
+                let at = mapping.as_ptr() as usize;
+                st.registration_mapping.insert(id, at);
+                let entry = st.mappings.entry(at).or_insert((mapping.len() as u64, 0));
+                entry.1 += 1;
+                if entry.1 == 1 {
+                    let whole = entry.0;
+                    st.lock_more(whole);
+                }
+            }
+            None => st.lock_more(len),
+        }
         st.stats.registered_peak_bytes = st
             .stats
             .registered_peak_bytes

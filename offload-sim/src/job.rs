@@ -490,6 +490,7 @@ pub fn memory_violations(out: &RunOutcome) -> Option<Violation> {
     let observed = bounds.observe(
         out.at_end.device_peak_bytes,
         out.at_end.pinned_peak_bytes + out.at_end.registered_peak_bytes,
+        out.at_end.locked_peak_bytes,
     );
     offload_core::invariants::bounded_memory(&observed, bounds.padding_bytes).err()
 }

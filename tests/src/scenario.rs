@@ -469,6 +469,7 @@ impl Driver {
         let observed = bounds.observe(
             stats.device_peak_bytes,
             stats.pinned_peak_bytes + stats.registered_peak_bytes,
+            stats.locked_peak_bytes,
         );
         if let Err(v) = offload_core::invariants::bounded_memory(&observed, bounds.padding_bytes) {
             self.fail(format!("{v} ({} strategy)", bounds.strategy));

@@ -300,12 +300,14 @@ fn inv7_bounded_memory() {
         local_weight_bytes: 0,
         staging_bytes: 0,
         host_budget_bytes: None,
+        host_locked_bytes: 9_000,
     };
     assert!(bounded_memory(&good, 0).is_ok());
-    // A host budget (CONTRACT §7c): the host's pinned + registered bytes
-    // stay within it, whatever one copy would allow.
+    // A host budget (CONTRACT §7c): the host's page-locked bytes, as the
+    // device locks them, stay within it, whatever one copy would allow.
     let budgeted = MemoryObservation {
         host_weight_bytes: 4_000,
+        host_locked_bytes: 4_000,
         host_budget_bytes: Some(4_000),
         ..good
     };
@@ -313,7 +315,21 @@ fn inv7_bounded_memory() {
     caught(
         bounded_memory(
             &MemoryObservation {
-                host_weight_bytes: 4_001,
+                host_locked_bytes: 4_001,
+                ..budgeted
+            },
+            0,
+        ),
+        Invariant::BoundedMemory,
+        "> host_budget 4000",
+    );
+    // A window registered whose mapping the device locks whole: the
+    // windows' bytes fit, the mapping does not.
+    caught(
+        bounded_memory(
+            &MemoryObservation {
+                host_weight_bytes: 3_000,
+                host_locked_bytes: 12_000,
                 ..budgeted
             },
             0,

@@ -239,11 +239,15 @@ impl MemoryBounds {
     }
 
     /// What INV-7's checker ([`crate::invariants::bounded_memory`]) is fed:
-    /// these bounds with the peaks a device measured itself.
+    /// these bounds with the peaks a device measured itself: device weight
+    /// bytes, host weight bytes (pinned + registered windows) and
+    /// page-locked bytes as the device locks them (a registered window's
+    /// whole mapping; what a `host_budget` bounds).
     pub fn observe(
         &self,
         peak_device_weight_bytes: u64,
         peak_host_weight_bytes: u64,
+        peak_host_locked_bytes: u64,
     ) -> crate::invariants::MemoryObservation {
         crate::invariants::MemoryObservation {
             peak_device_weight_bytes,
@@ -256,6 +260,7 @@ impl MemoryBounds {
                 + self.coded_overhead_bytes,
             staging_bytes: self.staging_bytes,
             host_budget_bytes: self.host_budget_bytes,
+            host_locked_bytes: peak_host_locked_bytes,
         }
     }
 }

@@ -62,8 +62,8 @@ use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
-    Handles, HostMaster, Placement, Shared, StrategyState, bytes_of, check_single_owner, dev_err,
-    enable_span, install_hooks, plan_and_partition, remove_hooks, transfer_span,
+    CodedFrom, Handles, HostMaster, Placement, Shared, StrategyState, bytes_of, check_single_owner,
+    dev_err, enable_span, install_hooks, plan_and_partition, remove_hooks, transfer_span,
 };
 use crate::runtime::slots::SlotTable;
 use crate::runtime::timer::{Mark, Timer};
@@ -1113,6 +1113,9 @@ struct CodingTally {
     blocks: usize,
     /// Of `blocks`, those registered in place from a packed checkpoint.
     in_place: usize,
+    /// Of `blocks`, those copied from a packed checkpoint into pinned
+    /// memory (under a host budget).
+    copied: usize,
     raw: usize,
     decoded: u64,
     coded: u64,
@@ -1129,11 +1132,12 @@ impl CodingTally {
             bytes = self.decoded,
             coded_bytes = self.coded,
             seconds = self.seconds,
-            "weight_compression: {} blocks coded ({}), {} of them registered in place from a packed checkpoint and {} encoded at enable: {} of {} bytes ({:.4}) in {:.2} s; {} stream raw",
+            "weight_compression: {} blocks coded ({}), {} of them registered in place from a packed checkpoint, {} copied from it into pinned memory and {} encoded at enable: {} of {} bytes ({:.4}) in {:.2} s; {} stream raw",
             self.blocks,
             codec.name(),
             self.in_place,
-            self.blocks - self.in_place,
+            self.copied,
+            self.blocks - self.in_place - self.copied,
             self.coded,
             self.decoded,
             self.coded as f64 / self.decoded.max(1) as f64,
@@ -1152,16 +1156,18 @@ fn coded_master<A: Api>(
     spans: &[CodecSpan],
     codec: &dyn Codec<A>,
     tally: &mut CodingTally,
+    whole_mappings: bool,
 ) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
     let start = std::time::Instant::now();
-    let made = h.coded_master(unit, spans, codec)?;
+    let made = h.coded_master(unit, spans, codec, whole_mappings)?;
     tally.seconds += start.elapsed().as_secs_f64();
     tally.decoded += unit.bytes;
     let bound = coded_bound(unit.bytes, spans.len());
     match made {
-        Some((master, work, in_place)) if master.len_bytes() <= bound => {
+        Some((master, work, from)) if master.len_bytes() <= bound => {
             tally.blocks += 1;
-            tally.in_place += usize::from(in_place);
+            tally.in_place += usize::from(from == CodedFrom::InPlace);
+            tally.copied += usize::from(from == CodedFrom::Copied);
             tally.coded += master.len_bytes();
             Ok(Some((master, work)))
         }
@@ -1605,7 +1611,14 @@ impl<A: Api> LayerwiseBackend<A> {
                     ),
                     (None, Some(codec), None) if skip.is_empty() => {
                         let spans = crate::runtime::layout::codec_spans(&unit, &bf16);
-                        match coded_master(h, &unit, &spans, &**codec, &mut coding)? {
+                        match coded_master(
+                            h,
+                            &unit,
+                            &spans,
+                            &**codec,
+                            &mut coding,
+                            !staged_log.budget_set,
+                        )? {
                             Some((master, work)) => {
                                 let len = master.len_bytes();
                                 (master, Some((len, work)))

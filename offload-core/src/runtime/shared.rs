@@ -80,6 +80,18 @@ impl<A: Api> HostMaster<A> {
     }
 }
 
+/// Where a coded master's bytes came from ([`Handles::coded_master`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CodedFrom {
+    /// The weight source's coded window, registered in place.
+    InPlace,
+    /// The weight source's coded window, copied into pinned memory (under
+    /// a host budget, where registering it would lock its whole mapping).
+    Copied,
+    /// Encoded at enable.
+    Encoded,
+}
+
 /// Device handles a backend works with.
 pub(crate) struct Handles<A: Api> {
     pub(crate) device: Arc<A::Device>,
@@ -288,7 +300,8 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         spans: &[CodecSpan],
         codec: &dyn Codec<A>,
-    ) -> Result<Option<(HostMaster<A>, u64, bool)>, OffloadError> {
+        whole_mappings: bool,
+    ) -> Result<Option<(HostMaster<A>, u64, CodedFrom)>, OffloadError> {
         // A packed checkpoint's window in the codec's format: registered in
         // place, nothing encoded.
         if let Some(format) = codec.format()
@@ -298,13 +311,29 @@ impl<A: Api> Handles<A> {
             let bound = crate::device::coded_bound(unit.bytes, spans.len());
             if len > bound {
                 tracing::warn!(unit = %unit.name, "the packed `{}` takes {len} bytes, above the bound of {bound}; encoding it instead", unit.name);
+            } else if !whole_mappings && coded.region.enclosing().is_some() {
+                // Under a host budget a window is never registered where the
+                // device would lock its whole mapping: its coded bytes are
+                // copied into pinned memory of their exact size.
+                let mut host = self.device.alloc_pinned(len).map_err(|e| {
+                    dev_err(
+                        format!("alloc_pinned({len} bytes) for the coded `{}`", unit.name),
+                        e,
+                    )
+                })?;
+                host.write_from(0, len, &coded.region.bytes());
+                return Ok(Some((
+                    self.counted(HostMaster::Pinned(host)),
+                    coded.work,
+                    CodedFrom::Copied,
+                )));
             } else {
                 match self.device.register_host(coded.region) {
                     Ok(r) => {
                         return Ok(Some((
                             self.counted(HostMaster::Registered(r)),
                             coded.work,
-                            true,
+                            CodedFrom::InPlace,
                         )));
                     }
                     Err(e) => {
@@ -336,7 +365,7 @@ impl<A: Api> Handles<A> {
         Ok(Some((
             self.counted(HostMaster::Pinned(host)),
             coded.work,
-            false,
+            CodedFrom::Encoded,
         )))
     }
 
