@@ -351,6 +351,27 @@ mod props {
     }
 }
 
+/// A coded-block file of the tiny-wide workload's weights of `seed`
+/// (`offload_pack::blocks_file::pack_blocks`), written to a temporary
+/// directory under `name`: its path and what was written.
+fn coded_block_file(
+    name: &str,
+    seed: u64,
+) -> (std::path::PathBuf, offload_pack::blocks_file::BlocksReport) {
+    let pipeline = workload().preset.pipeline;
+    let dir = std::env::temp_dir().join(format!("decode-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}.opackb"));
+    let report = offload_pack::blocks_file::pack_blocks(
+        &path,
+        &pipeline,
+        &offload_sim::presets::TrainedWeights::new(seed, &pipeline),
+        &offload_pack::format::EncodeConfig::default(),
+    )
+    .unwrap();
+    (path, report)
+}
+
 /// A coded-block file written from other weights of the same shapes (a
 /// stale file beside a fine-tuned checkpoint) is not trusted: every block's
 /// fingerprint differs from the weights', so nothing is registered from
@@ -359,21 +380,12 @@ mod props {
 /// stream and the output is the other weights' (red).
 #[test]
 fn a_coded_block_file_from_other_weights_is_refused_block_by_block() {
-    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, fingerprint, pack_blocks};
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, fingerprint};
     use offload_sim::presets::TrainedWeights;
     use std::sync::Arc;
     let w = workload();
     let pipeline = w.preset.pipeline.clone();
-    let dir = std::env::temp_dir().join(format!("decode-stale-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("stale.opackb");
-    pack_blocks(
-        &path,
-        &pipeline,
-        &TrainedWeights::new(0, &pipeline),
-        &offload_pack::format::EncodeConfig::default(),
-    )
-    .unwrap();
+    let (path, _) = coded_block_file("stale", 0);
     let theirs = TrainedWeights::new(1, &pipeline);
     let o = opts(&[], 2, Some(7));
     let run_with = |weights: Arc<dyn offload_core::runtime::WeightSource>,
@@ -453,22 +465,13 @@ fn a_coded_block_file_from_other_weights_is_refused_block_by_block() {
 /// is resident's.
 #[test]
 fn coded_masters_register_in_place_from_a_coded_block_file() {
-    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, pack_blocks};
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
     use offload_sim::presets::TrainedWeights;
     use std::sync::Arc;
     let w = workload();
     let pipeline = w.preset.pipeline.clone();
     let weights = TrainedWeights::new(0, &pipeline);
-    let dir = std::env::temp_dir().join(format!("decode-inplace-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny-wide.opackb");
-    let report = pack_blocks(
-        &path,
-        &pipeline,
-        &weights,
-        &offload_pack::format::EncodeConfig::default(),
-    )
-    .unwrap();
+    let (path, report) = coded_block_file("inplace", 0);
     assert!(
         report.coded_bytes < report.decoded_bytes * 3 / 4,
         "{report:?}"
@@ -518,21 +521,12 @@ fn coded_masters_register_in_place_from_a_coded_block_file() {
 #[test]
 fn coded_blocks_stream_staged_from_a_coded_block_file() {
     use offload_core::bytes::{ByteSize, HostBudget};
-    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks, pack_blocks};
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
     use offload_sim::presets::TrainedWeights;
     use std::sync::Arc;
     let w = workload();
     let pipeline = w.preset.pipeline.clone();
-    let dir = std::env::temp_dir().join(format!("decode-staged-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("staged.opackb");
-    let report = pack_blocks(
-        &path,
-        &pipeline,
-        &TrainedWeights::new(0, &pipeline),
-        &offload_pack::format::EncodeConfig::default(),
-    )
-    .unwrap();
+    let (path, report) = coded_block_file("staged", 0);
     let want = resident();
     let config = |pin: Option<bool>, budget: Option<u64>| OffloadConfig {
         enable_layerwise_offload: true,
