@@ -370,6 +370,9 @@ impl CodedBlocks {
         let Some((_, entry)) = self.blocks.get(&unit.name) else {
             return Ok(None);
         };
+        if entry.layout != layout_of(unit) || entry.decoded_bytes != unit.bytes {
+            return Ok(None);
+        }
         #[cfg(feature = "planted-bugs")]
         let skip = self.skip_fingerprints;
         #[cfg(not(feature = "planted-bugs"))]
@@ -407,8 +410,17 @@ impl CodedBlocks {
         self.blocks.values().map(|(r, _)| r.len() as u64).sum()
     }
 
+    /// The byte range of the mapping holding `unit`'s block, if this file
+    /// holds it laid out as `unit` is.
+    fn window_of(&self, unit: &Unit) -> Option<std::ops::Range<usize>> {
+        let (range, entry) = self.blocks.get(&unit.name)?;
+        (entry.layout == layout_of(unit) && entry.decoded_bytes == unit.bytes)
+            .then(|| range.clone())
+    }
+
     /// `unit`'s coded region, if this file holds its block laid out as
-    /// `unit` is.
+    /// `unit` is (unchecked against the weights: [`Self::checked_region`]
+    /// checks).
     pub fn region(&self, unit: &Unit) -> Option<CodedRegion> {
         let (range, entry) = self.blocks.get(&unit.name)?;
         if entry.layout != layout_of(unit) || entry.decoded_bytes != unit.bytes {
@@ -455,13 +467,59 @@ impl WeightSource for WithCodedBlocks {
             match self.blocks.checked_region(unit, &*self.inner) {
                 Ok(region) => region,
                 Err(e) => {
-                    tracing::warn!("{e}; encoding the block at enable instead");
+                    tracing::warn!(
+                        "{e}; the block is not taken from the file (it is encoded at enable, or staged raw)"
+                    );
                     None
                 }
             }
         } else {
             self.inner.take_coded(unit, format)
         }
+    }
+
+    fn take_shard_region(
+        &self,
+        unit: &Unit,
+        range: std::ops::Range<u64>,
+    ) -> Option<Box<dyn HostRegion>> {
+        self.inner.take_shard_region(unit, range)
+    }
+
+    fn read_direct(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        self.inner.read_direct(storage, position, dst);
+    }
+
+    /// The unit's pages ahead: its coded window where this file holds the
+    /// block, and what `inner` holds of it.
+    fn prefetch(&self, unit: &Unit) {
+        if let Some(range) = self.blocks.window_of(unit) {
+            // Advice only: a refusal changes nothing but speed.
+            let _ =
+                self.blocks
+                    .map
+                    .advise_range(memmap2::Advice::WillNeed, range.start, range.len());
+        }
+        self.inner.prefetch(unit);
+    }
+
+    /// Drops the unit's pages from this process once read: its coded
+    /// window's (a block staged coded) and `inner`'s (a block staged raw).
+    fn release(&self, unit: &Unit) {
+        if let Some(range) = self.blocks.window_of(unit) {
+            // SAFETY: the mapping is read-only and file-backed (`Mmap`), so
+            // dropping its pages loses nothing: a later read faults the
+            // same bytes in again from the page cache or the file. Pages a
+            // registration pinned stay pinned (the driver holds them).
+            let _ = unsafe {
+                self.blocks.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
+        self.inner.release(unit);
     }
 
     fn restore(&self, unit: &Unit, bytes: &[u8]) {

@@ -504,6 +504,23 @@ fn coded_masters_register_in_place_from_a_coded_block_file() {
     );
 }
 
+/// A weight source that counts `release` calls (and reads as `inner`).
+struct CountsReleases {
+    inner: offload_sim::presets::TrainedWeights,
+    releases: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl offload_core::runtime::WeightSource for CountsReleases {
+    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
+        self.inner.read(storage, position, dst);
+    }
+
+    fn release(&self, _: &offload_core::runtime::Unit) {
+        self.releases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Coded blocks left pageable (CONTRACT §7b with §7c): with every master
 /// staged (`pin_cpu_memory = false`) or a host budget below the coded
 /// masters, layerwise + `"lossless"` over a coded-block file streams each
@@ -535,9 +552,16 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
         host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
         ..OffloadConfig::default()
     };
+    // How many staged reads asked their pages released
+    // (`WeightSource::release`, forwarded by the coded-block source after it
+    // drops the coded window's pages).
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let run_staged = |c: &OffloadConfig, o: &RunOptions| {
         let source = Arc::new(WithCodedBlocks {
-            inner: Arc::new(TrainedWeights::new(0, &pipeline)),
+            inner: Arc::new(CountsReleases {
+                inner: TrainedWeights::new(0, &pipeline),
+                releases: Arc::clone(&releases),
+            }),
             blocks: CodedBlocks::open(&path).unwrap(),
         });
         let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), o, source).unwrap();
@@ -612,6 +636,12 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
                             "{what}: coded copies pinned"
                         );
                         assert!(out.at_end.locked_peak_bytes <= budget.unwrap(), "{what}");
+                        // The staged bytes exceed what the budget leaves:
+                        // each coded read releases its pages.
+                        assert!(
+                            releases.swap(0, std::sync::atomic::Ordering::SeqCst) > 0,
+                            "{what}: the coded staged reads released nothing"
+                        );
                     }
                 }
             }
@@ -641,4 +671,29 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
         }
     }
     assert!(caught > 0, "{bug:?} on the coded staged path: never seen");
+    // `"auto"` measures and converts only pinned or registered coded
+    // masters: beside a coded-block file its staged blocks stage raw, every
+    // master staged or under the budget, bit-identical and within it.
+    for (pin, budget) in [(Some(false), None), (None, Some(budget))] {
+        for threads in [false, true] {
+            let o = RunOptions {
+                host_threads: threads,
+                planner: Some(offload_sim::plan::estimated_inputs(
+                    &w.preset,
+                    &DeviceProfile::h200(),
+                    w.tokens,
+                    3,
+                )),
+                ..opts(&[], 2, Some(5))
+            };
+            let c = OffloadConfig {
+                weight_compression: Some(WeightCompression::Auto),
+                ..config(pin, budget)
+            };
+            let what = format!("auto, threads {threads}, {pin:?}/{budget:?}");
+            let out = run_staged(&c, &o).unwrap_or_else(|f| panic!("{what}: {}", f.error));
+            assert_eq!(outputs(&out), want, "{what}");
+            assert_eq!(all_violations(&out), vec![], "{what}");
+        }
+    }
 }

@@ -1368,8 +1368,25 @@ fn coded_staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
     rig.settle();
     let locked_before = offload_cuda::host_locked();
     offload_cuda::reset_host_locked_peak();
+    let before = rig.codec().stats();
     let out = measured_run(&rig, staged);
+    let stats = rig.codec().stats();
     let locked = offload_cuda::host_locked();
+    // The blocks really streamed coded (a silent fall back to raw staging,
+    // a stale file say, would still be bit-identical).
+    let (coded, decoded) = (
+        stats.coded_bytes - before.coded_bytes,
+        stats.decoded_bytes - before.decoded_bytes,
+    );
+    println!(
+        "{staged:?}: {} decodes, {coded} coded of {decoded} decoded bytes",
+        stats.decodes - before.decodes
+    );
+    assert!(stats.decodes > before.decodes, "no block decoded");
+    assert!(
+        (coded as f64) < 0.75 * decoded as f64,
+        "{coded} coded of {decoded} bytes"
+    );
     let b = memory_bounds(p, &Strategy::Staged { depth: 1 }.config(), 1).unwrap();
     let held = locked.peak_bytes - (locked_before.pinned_bytes + locked_before.registered_bytes);
     println!(

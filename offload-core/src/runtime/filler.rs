@@ -345,8 +345,8 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
 }
 
 /// The fill itself: the unit's bytes (or its coded bytes) into the stage's
-/// buffer, then, for a unit read from the weight source, its pages
-/// released and the next unit read ahead where the job asks.
+/// buffer, then its pages released and the next unit read ahead where the
+/// job asks.
 fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
     if let Some(coded) = &job.coded {
         let bytes = coded.bytes();
@@ -365,21 +365,23 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
                 threads: context.threads,
             },
         );
-        return;
+    } else {
+        let _span =
+            crate::runtime::shared::transfer_span(&job.unit.name, job.unit.bytes, "host", "stage")
+                .entered();
+        stage.buffer.write_from(
+            0,
+            job.unit.bytes,
+            &ParallelUnitBytes {
+                weights: &*context.weights,
+                unit: &job.unit,
+                threads: context.threads,
+                direct: job.release,
+            },
+        );
     }
-    let _span =
-        crate::runtime::shared::transfer_span(&job.unit.name, job.unit.bytes, "host", "stage")
-            .entered();
-    stage.buffer.write_from(
-        0,
-        job.unit.bytes,
-        &ParallelUnitBytes {
-            weights: &*context.weights,
-            unit: &job.unit,
-            threads: context.threads,
-            direct: job.release,
-        },
-    );
+    // The unit's pages dropped once read (a coded block's window, or its
+    // bytes' pages), the next staged unit read ahead.
     if job.release {
         context.weights.release(&job.unit);
         if let Some(next) = &job.next {

@@ -951,6 +951,7 @@ fn staged_coded_master<A: Api>(
     let coded = h.weights.take_coded(unit, format)?;
     let len = coded.region.bytes().len() as u64;
     if len > unit.bytes {
+        tracing::debug!(unit = %unit.name, "the coded `{}` takes {len} bytes, more than its {} raw: it stages raw", unit.name, unit.bytes);
         return None;
     }
     tally.units += 1;
@@ -1594,7 +1595,13 @@ impl<A: Api> LayerwiseBackend<A> {
                 let unit = block.unit.clone();
                 let planned = staged_at.next().flatten();
                 let (host, coded) = match (&block.shard, &self.codec, planned) {
-                    (None, Some(codec), Some(why)) if skip.is_empty() => {
+                    // `"auto"` measures and converts pinned or registered
+                    // coded masters at enable: its staged blocks stage raw.
+                    (None, Some(codec), Some(why))
+                        if skip.is_empty()
+                            && config.compression()
+                                == crate::config::WeightCompression::Lossless =>
+                    {
                         match staged_coded_master(h, &unit, &**codec, why, &mut staged_log) {
                             Some((master, coded)) => (master, Some(coded)),
                             None => (staged_master(h, &unit, why, &mut staged_log), None),
