@@ -491,16 +491,20 @@ impl WeightSource for WithCodedBlocks {
     }
 
     /// The unit's pages ahead: its coded window where this file holds the
-    /// block, and what `inner` holds of it.
+    /// block (what a coded staged fill reads), else what `inner` holds of
+    /// it (a raw staged fill's), never both (a disk read twice over).
     fn prefetch(&self, unit: &Unit) {
-        if let Some(range) = self.blocks.window_of(unit) {
-            // Advice only: a refusal changes nothing but speed.
-            let _ =
-                self.blocks
-                    .map
-                    .advise_range(memmap2::Advice::WillNeed, range.start, range.len());
+        match self.blocks.window_of(unit) {
+            Some(range) => {
+                // Advice only: a refusal changes nothing but speed.
+                let _ = self.blocks.map.advise_range(
+                    memmap2::Advice::WillNeed,
+                    range.start,
+                    range.len(),
+                );
+            }
+            None => self.inner.prefetch(unit),
         }
-        self.inner.prefetch(unit);
     }
 
     /// Drops the unit's pages from this process once read: its coded
