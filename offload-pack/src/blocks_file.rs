@@ -367,12 +367,9 @@ impl CodedBlocks {
         unit: &Unit,
         weights: &dyn WeightSource,
     ) -> Result<Option<CodedRegion>, PackError> {
-        let Some((_, entry)) = self.blocks.get(&unit.name) else {
+        let Some((_, entry)) = self.entry_for(unit) else {
             return Ok(None);
         };
-        if entry.layout != layout_of(unit) || entry.decoded_bytes != unit.bytes {
-            return Ok(None);
-        }
         #[cfg(feature = "planted-bugs")]
         let skip = self.skip_fingerprints;
         #[cfg(not(feature = "planted-bugs"))]
@@ -413,19 +410,22 @@ impl CodedBlocks {
     /// The byte range of the mapping holding `unit`'s block, if this file
     /// holds it laid out as `unit` is.
     fn window_of(&self, unit: &Unit) -> Option<std::ops::Range<usize>> {
-        let (range, entry) = self.blocks.get(&unit.name)?;
-        (entry.layout == layout_of(unit) && entry.decoded_bytes == unit.bytes)
-            .then(|| range.clone())
+        self.entry_for(unit).map(|(range, _)| range.clone())
+    }
+
+    /// The block of `unit`'s path, if this file holds it laid out as `unit`
+    /// is: its byte range in the mapping and its manifest entry.
+    fn entry_for(&self, unit: &Unit) -> Option<&(std::ops::Range<usize>, BlockEntry)> {
+        self.blocks
+            .get(&unit.name)
+            .filter(|(_, e)| e.layout == layout_of(unit) && e.decoded_bytes == unit.bytes)
     }
 
     /// `unit`'s coded region, if this file holds its block laid out as
     /// `unit` is (unchecked against the weights: [`Self::checked_region`]
     /// checks).
     pub fn region(&self, unit: &Unit) -> Option<CodedRegion> {
-        let (range, entry) = self.blocks.get(&unit.name)?;
-        if entry.layout != layout_of(unit) || entry.decoded_bytes != unit.bytes {
-            return None;
-        }
+        let (range, entry) = self.entry_for(unit)?;
         let window = MappedWindow::new(Arc::clone(&self.map), range.clone())?;
         Some(CodedRegion {
             region: Box::new(window) as Box<dyn HostRegion>,

@@ -348,38 +348,31 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
 /// buffer, then its pages released and the next unit read ahead where the
 /// job asks.
 fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
-    if let Some(coded) = &job.coded {
-        let bytes = coded.bytes();
-        let _span = crate::runtime::shared::transfer_span(
-            &job.unit.name,
-            bytes.len() as u64,
-            "host",
+    let (len, kind, reader) = match &job.coded {
+        Some(coded) => (
+            coded.bytes().len() as u64,
             "stage coded",
-        )
-        .entered();
-        stage.buffer.write_from(
-            0,
-            bytes.len() as u64,
-            &ParallelBytes {
-                reader: Reader::Slice(bytes),
-                threads: context.threads,
-            },
-        );
-    } else {
-        let _span =
-            crate::runtime::shared::transfer_span(&job.unit.name, job.unit.bytes, "host", "stage")
-                .entered();
-        stage.buffer.write_from(
-            0,
+            Reader::Slice(coded.bytes()),
+        ),
+        None => (
             job.unit.bytes,
-            &ParallelUnitBytes {
+            "stage",
+            Reader::Unit(UnitBytes {
                 weights: &*context.weights,
                 unit: &job.unit,
-                threads: context.threads,
                 direct: job.release,
-            },
-        );
-    }
+            }),
+        ),
+    };
+    let _span = crate::runtime::shared::transfer_span(&job.unit.name, len, "host", kind).entered();
+    stage.buffer.write_from(
+        0,
+        len,
+        &ParallelBytes {
+            reader,
+            threads: context.threads,
+        },
+    );
     // The unit's pages dropped once read (a coded block's window, or its
     // bytes' pages), the next staged unit read ahead.
     if job.release {

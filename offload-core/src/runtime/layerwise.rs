@@ -925,12 +925,32 @@ fn staged_master<A: Api>(
     why: crate::budget::StageReason,
     tally: &mut StagedTally,
 ) -> HostMaster<A> {
+    staged_of(h, unit, None, why, tally)
+}
+
+/// A staged master of `unit`'s bytes, or of its coded bytes `coded`
+/// (counted, logged with `why`).
+fn staged_of<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+    coded: Option<std::sync::Arc<dyn crate::device::HostRegion>>,
+    why: crate::budget::StageReason,
+    tally: &mut StagedTally,
+) -> HostMaster<A> {
+    let bytes = coded
+        .as_ref()
+        .map_or(unit.bytes, |c| c.bytes().len() as u64);
     tally.units += 1;
-    tally.bytes += unit.bytes;
-    tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
+    tally.bytes += bytes;
+    tally.coded_units += usize::from(coded.is_some());
+    if coded.is_some() {
+        tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged, coded ({bytes} of {} bytes; {why})", unit.name, unit.bytes);
+    } else {
+        tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
+    }
     h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
-        bytes: unit.bytes,
-        coded: None,
+        bytes,
+        coded,
     }))
 }
 
@@ -954,16 +974,9 @@ fn staged_coded_master<A: Api>(
         tracing::debug!(unit = %unit.name, "the coded `{}` takes {len} bytes, more than its {} raw: it stages raw", unit.name, unit.bytes);
         return None;
     }
-    tally.units += 1;
-    tally.bytes += len;
-    tally.coded_units += 1;
-    tracing::info!(unit = %unit.name, bytes = len, reason = %why, "`{}` streams staged, coded ({len} of {} bytes; {why})", unit.name, unit.bytes);
     let region: std::sync::Arc<dyn crate::device::HostRegion> = coded.region.into();
     Some((
-        h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
-            bytes: len,
-            coded: Some(region),
-        })),
+        staged_of(h, unit, Some(region), why, tally),
         (len, coded.work),
     ))
 }
