@@ -499,17 +499,20 @@ impl Transport {
                         // A coded master left pageable (CONTRACT §7c):
                         // through a host staging buffer, whose next fill
                         // waits for the copy out of it.
-                        let staging = st
-                            .host_staging
-                            .as_mut()
-                            .expect("a ring with a staged master has host staging");
                         let blocks = &st.rings[ring].blocks;
-                        with_staged(engine, staging, blocks, (ring, source), false, |stage| {
-                            copy(crate::device::HostSource::Pinned(&stage.buffer))?;
-                            h.device
-                                .record_event(&stage.copied, &h.copy)
-                                .map_err(|e| dev_err("record_event(host staging copied)", e))
-                        })?;
+                        with_staged(
+                            engine,
+                            &mut st.host_staging,
+                            blocks,
+                            (ring, source),
+                            false,
+                            |stage| {
+                                copy(crate::device::HostSource::Pinned(&stage.buffer))?;
+                                h.device
+                                    .record_event(&stage.copied, &h.copy)
+                                    .map_err(|e| dev_err("record_event(host staging copied)", e))
+                            },
+                        )?;
                     } else {
                         copy(
                             master
@@ -574,23 +577,26 @@ impl Transport {
                     .map_err(|e| dev_err("record_event(staging consumed)", e))
             }
             Transport::Stage => {
-                let staging = st
-                    .host_staging
-                    .as_mut()
-                    .expect("a ring with a staged master has host staging");
                 let blocks = &st.rings[ring].blocks;
-                with_staged(engine, staging, blocks, (ring, source), stale, |stage| {
-                    let source =
-                        (!stale).then_some(crate::device::HostSource::Pinned(&stage.buffer));
-                    // The next fill of this buffer waits for `copied`,
-                    // recorded right after the copy.
-                    copy_to_slot(
-                        source,
-                        "h2d staged",
-                        &format!("copy_h2d of the staged `{name}`"),
-                        Some(&stage.copied),
-                    )
-                })
+                with_staged(
+                    engine,
+                    &mut st.host_staging,
+                    blocks,
+                    (ring, source),
+                    stale,
+                    |stage| {
+                        let source =
+                            (!stale).then_some(crate::device::HostSource::Pinned(&stage.buffer));
+                        // The next fill of this buffer waits for `copied`,
+                        // recorded right after the copy.
+                        copy_to_slot(
+                            source,
+                            "h2d staged",
+                            &format!("copy_h2d of the staged `{name}`"),
+                            Some(&stage.copied),
+                        )
+                    },
+                )
             }
         }
     }
@@ -607,12 +613,15 @@ impl Transport {
 /// buffer, before its decode (the decode transport).
 fn with_staged<A: Api, T>(
     engine: &Engine<A>,
-    staging: &mut HostStaging<A>,
+    staging: &mut Option<HostStaging<A>>,
     blocks: &[Master<A>],
     (ring, source): (usize, usize),
     stale: bool,
     f: impl FnOnce(&mut crate::runtime::filler::Stage<A>) -> Result<T, OffloadError>,
 ) -> Result<T, OffloadError> {
+    let staging = staging
+        .as_mut()
+        .expect("a ring with a staged master has host staging");
     let skip_wait = engine.bug(PlantedBug::HostStagingReuseBeforeCopy);
     let release = staging.release;
     let coded = |b: usize| match &*blocks[b].host {
