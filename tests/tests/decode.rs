@@ -581,10 +581,12 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
         &opts(&[], 2, None),
     )
     .unwrap();
-    // Half the raw masters: the coded ones do not all fit.
+    // A quarter of the raw masters: the coded ones (0.7 of them, counted
+    // at their coded size) do not all fit, nor does what is staged beside
+    // them, so staged pages are released after each read.
     let budget = raw.bounds.staging_ring_bytes
         + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes)
-        + raw.bounds.offloaded_bytes / 2;
+        + raw.bounds.offloaded_bytes / 4;
     // The raw layerwise run's bytes on the link at each depth and jitter.
     let mut raw_h2d = std::collections::BTreeMap::new();
     for depth in [1, 2, 3] {
@@ -701,4 +703,153 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
             assert_eq!(all_violations(&out), vec![], "{what}");
         }
     }
+}
+
+/// A host budget holds coded masters at their coded size (CONTRACT §7c):
+/// with `"lossless"` beside a coded-block file, the host plan counts each
+/// block the file holds at its coded bytes, pinned or staged, so a budget
+/// pins about 1/0.7 as many blocks as at bf16 sizes. Swept over budgets
+/// from below the coded masters to above them: bit-identical to resident,
+/// no rule broken, the page-locked peak the device observed within the
+/// budget (INV-7), and the pinned bytes after enable (the device's count:
+/// masters and the staging ring) within one block of all that the budget
+/// leaves beside the ring and the upload; with room for every coded
+/// master, nothing staged and nothing released. Seen red (2026-12-02) with
+/// the plan sizing every block at its bf16 bytes (the rule before): with
+/// room for every coded master it pinned 708,224 of their 1,051,392 bytes. `"auto"` plans bf16 sizes,
+/// since its measurement may turn a ring's coded masters back into raw
+/// ones: the planted `HostPlanCodedUnderAuto` (coded sizes under `"auto"`
+/// too), with the planner's inputs making the ring compute-bound so that
+/// it streams uncoded, pins raw masters beyond the budget and INV-7
+/// reports it, beside a clean control.
+#[test]
+fn a_host_budget_holds_coded_masters_at_their_coded_size() {
+    use offload_core::bytes::{ByteSize, HostBudget};
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
+    use offload_sim::presets::TrainedWeights;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    let w = workload();
+    let pipeline = w.preset.pipeline.clone();
+    let (path, report) = coded_block_file("sized", 0);
+    let blocks = CodedBlocks::open(&path).unwrap();
+    let part =
+        offload_core::runtime::packing_for(&pipeline, &TrainedWeights::new(0, &pipeline)).unwrap();
+    // Layerwise streams every block but the text encoder's here (its
+    // stack stays resident; the raw run's offloaded bytes say so).
+    let streamed: Vec<(u64, u64)> = part
+        .blocks
+        .values()
+        .filter(|u| !u.name.starts_with("text_encoder."))
+        .map(|u| {
+            (
+                u.bytes,
+                blocks.region(u).unwrap().region.bytes().len() as u64,
+            )
+        })
+        .collect();
+    let largest_coded = streamed.iter().map(|&(_, c)| c).max().unwrap();
+    let coded_bytes: u64 = streamed.iter().map(|&(_, c)| c).sum();
+    drop(blocks);
+    let want = resident();
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let run_with = |c: &OffloadConfig, o: &RunOptions, bugs: &[PlantedBug]| {
+        let source = Arc::new(WithCodedBlocks {
+            inner: Arc::new(CountsReleases {
+                inner: TrainedWeights::new(0, &pipeline),
+                releases: Arc::clone(&releases),
+            }),
+            blocks: CodedBlocks::open(&path).unwrap(),
+        });
+        let o = RunOptions {
+            bugs: bugs.to_vec(),
+            ..o.clone()
+        };
+        let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, source).unwrap();
+        offload_sim::harness::drive(
+            rig,
+            &StrategyChoice::Config(c.clone()),
+            c,
+            &o,
+            w.requests,
+            |rig| rig.request(&w),
+            |_| {},
+        )
+    };
+    let raw = run(
+        &workload(),
+        &layerwise(WeightCompression::None),
+        &opts(&[], 2, None),
+    )
+    .unwrap();
+    assert_eq!(
+        streamed.iter().map(|&(b, _)| b).sum::<u64>(),
+        raw.bounds.offloaded_bytes,
+        "the streamed blocks"
+    );
+    assert!(coded_bytes < report.coded_bytes);
+    // The largest resident unit's upload buffer (the plan's transient).
+    let transient = raw.bounds.staging_bytes - raw.bounds.host_staging_bytes;
+    let least = 2 * largest_coded + transient;
+    let config = |compression, budget: u64| OffloadConfig {
+        enable_layerwise_offload: true,
+        weight_compression: Some(compression),
+        host_budget: Some(HostBudget::Bytes(ByteSize::new(budget))),
+        ..OffloadConfig::default()
+    };
+    let o = opts(&[], 2, Some(5));
+    let full = coded_bytes + transient;
+    for eighths in 2..=9u64 {
+        let budget = least + (full - least) * eighths / 8;
+        let what = format!("budget {budget} ({eighths}/8 of the way to {full})");
+        let out = run_with(&config(WeightCompression::Lossless, budget), &o, &[])
+            .unwrap_or_else(|f| panic!("{what}: {}", f.error));
+        assert_eq!(outputs(&out), want, "{what}");
+        assert_eq!(all_violations(&out), vec![], "{what}");
+        assert!(out.at_end.locked_peak_bytes <= budget, "{what}");
+        let pinned = out.after_enable.pinned_bytes;
+        if budget >= full {
+            assert_eq!(pinned, coded_bytes, "{what}: every coded master pinned");
+            assert_eq!(releases.swap(0, Ordering::SeqCst), 0, "{what}");
+        } else {
+            let room = budget - least;
+            assert!(
+                pinned + largest_coded >= room,
+                "{what}: {pinned} bytes pinned, {room} of room"
+            );
+            releases.store(0, Ordering::SeqCst);
+        }
+    }
+    // `"auto"` with compute-bound rings (the planner's inputs give every
+    // block 1,000× its estimated compute): it streams uncoded, its raw
+    // masters within the budget; with coded sizes planted, beyond it.
+    let budget = least + (full - least) * 7 / 8;
+    let mut inputs =
+        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
+    for c in inputs.components.values_mut() {
+        for s in c.block_compute_s.values_mut() {
+            *s *= 1000.0;
+        }
+    }
+    let o = RunOptions {
+        planner: Some(inputs),
+        ..o
+    };
+    let clean = run_with(&config(WeightCompression::Auto, budget), &o, &[])
+        .unwrap_or_else(|f| panic!("auto: {}", f.error));
+    assert_eq!(outputs(&clean), want);
+    assert_eq!(all_violations(&clean), vec![]);
+    assert_eq!(
+        clean.at_end.decodes, 4,
+        "auto measured the decode (an untimed run and three timed), then streamed uncoded"
+    );
+    let bug = PlantedBug::HostPlanCodedUnderAuto;
+    let v = match run_with(&config(WeightCompression::Auto, budget), &o, &[bug]) {
+        Ok(out) => all_violations(&out),
+        Err(f) => f.violations,
+    };
+    assert!(
+        v.iter().any(|v| v.invariant == Invariant::BoundedMemory),
+        "{bug:?}: {v:?}"
+    );
 }

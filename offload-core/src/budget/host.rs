@@ -291,38 +291,59 @@ pub struct HostBudgetTooSmall {
     pub transient: ByteSize,
 }
 
-/// Which of the streamed `blocks` (bytes, in ring order) keep a pinned
-/// master: all of them when `pin` and no `budget` binds; none without
-/// `pin`; under a `budget`, as many bytes as fit beside the staging ring
-/// and `transient` (the largest unit uploaded through pinned memory at
-/// enable), spread evenly over the ring, so that the host fills the next
-/// staged block while the copy engine streams pinned ones.
+/// One streamed block as the host plan sizes it: the page-locked bytes of
+/// its master if it keeps one (`pinned`: its bf16 bytes, or its coded
+/// bytes where a coded master of known size is pinned), and the bytes a
+/// staging buffer holds of it if it is staged (`staged`: the same choice
+/// for a staged master).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostBlock {
+    /// Bytes of its pinned (or registered) master.
+    pub pinned: u64,
+    /// Bytes of its staged master (what a staging buffer must hold).
+    pub staged: u64,
+}
+
+impl HostBlock {
+    /// A block whose master holds its `bytes` either way (raw).
+    pub fn raw(bytes: u64) -> Self {
+        Self {
+            pinned: bytes,
+            staged: bytes,
+        }
+    }
+}
+
+/// Which of the streamed `blocks` (in ring order) keep a pinned master:
+/// all of them when `pin` and no `budget` binds; none without `pin`; under
+/// a `budget`, as many bytes as fit beside the staging ring and `transient`
+/// (the largest unit uploaded through pinned memory at enable), spread
+/// evenly over the ring, so that the host fills the next staged block
+/// while the copy engine streams pinned ones. Each block is counted at the
+/// size its master takes ([`HostBlock`]): a coded master at its coded
+/// bytes, so a budget holds about 1/0.7 as many coded blocks as raw ones.
 pub fn plan_host(
-    blocks: &[u64],
+    blocks: &[HostBlock],
     transient: u64,
     budget: Option<u64>,
     pin: bool,
 ) -> Result<HostPlan, HostBudgetTooSmall> {
-    let total: u64 = blocks.iter().fold(0u64, |a, &b| a.saturating_add(b));
-    let largest = blocks.iter().copied().max().unwrap_or(0);
+    let sum = |f: fn(&HostBlock) -> u64| blocks.iter().fold(0u64, |a, b| a.saturating_add(f(b)));
+    let total = sum(|b| b.pinned);
+    let largest = blocks.iter().map(|b| b.staged).max().unwrap_or(0);
     let ring = HOST_STAGING_BUFFERS.saturating_mul(largest);
     let least = ring.saturating_add(transient);
     let plan = |staged: Vec<Option<StageReason>>| {
-        let staged_bytes: u64 = blocks
-            .iter()
-            .zip(&staged)
-            .filter(|(_, s)| s.is_some())
-            .fold(0u64, |a, (&b, _)| a.saturating_add(b));
-        let staging_bytes = HOST_STAGING_BUFFERS.saturating_mul(
-            blocks
-                .iter()
-                .zip(&staged)
-                .filter(|(_, s)| s.is_some())
-                .map(|(b, _)| *b)
-                .max()
-                .unwrap_or(0),
-        );
-        let pinned_bytes = total.saturating_sub(staged_bytes);
+        let (mut staged_bytes, mut pinned_bytes, mut largest_staged) = (0u64, 0u64, 0u64);
+        for (b, s) in blocks.iter().zip(&staged) {
+            if s.is_some() {
+                staged_bytes = staged_bytes.saturating_add(b.staged);
+                largest_staged = largest_staged.max(b.staged);
+            } else {
+                pinned_bytes = pinned_bytes.saturating_add(b.pinned);
+            }
+        }
+        let staging_bytes = HOST_STAGING_BUFFERS.saturating_mul(largest_staged);
         HostPlan {
             staged,
             pinned_bytes,
@@ -365,21 +386,21 @@ pub fn plan_host(
     let room = budget - least;
     let mut staged = vec![Some(StageReason::Budget); blocks.len()];
     let (mut pinned, mut seen) = (0u64, 0u64);
-    for (i, &b) in blocks.iter().enumerate() {
-        seen += b;
+    for (i, b) in blocks.iter().enumerate() {
+        seen = seen.saturating_add(b.pinned);
         let share = (u128::from(room) * u128::from(seen) / u128::from(total.max(1))) as u64;
-        if pinned.saturating_add(b) <= share.min(room) {
+        if pinned.saturating_add(b.pinned) <= share.min(room) {
             staged[i] = None;
-            pinned += b;
+            pinned += b.pinned;
         }
     }
     // What the even pass left: the largest blocks that still fit.
     let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| staged[i].is_some()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(blocks[i]));
+    order.sort_by_key(|&i| std::cmp::Reverse(blocks[i].pinned));
     for i in order {
-        if pinned.saturating_add(blocks[i]) <= room {
+        if pinned.saturating_add(blocks[i].pinned) <= room {
             staged[i] = None;
-            pinned += blocks[i];
+            pinned += blocks[i].pinned;
         }
     }
     Ok(plan(staged))
@@ -470,7 +491,7 @@ mod tests {
 
     #[test]
     fn a_budget_pins_what_fits_spread_over_the_ring() {
-        let blocks = vec![10u64; 10];
+        let blocks = vec![HostBlock::raw(10); 10];
         // No budget: all pinned; unpinned: all staged.
         let all = plan_host(&blocks, 5, None, true).unwrap();
         assert!(all.staged.iter().all(Option::is_none));
@@ -481,7 +502,15 @@ mod tests {
             "unpinned, a budget below the ring and the upload is refused too"
         );
         // Sizes near u64::MAX neither panic nor wrap.
-        assert!(plan_host(&[u64::MAX, u64::MAX], u64::MAX, Some(1 << 40), true).is_err());
+        assert!(
+            plan_host(
+                &[HostBlock::raw(u64::MAX); 2],
+                u64::MAX,
+                Some(1 << 40),
+                true
+            )
+            .is_err()
+        );
         assert!(
             none.staged
                 .iter()
@@ -500,11 +529,47 @@ mod tests {
         assert_eq!(p.least_budget, 25);
         let e = plan_host(&blocks, 5, Some(24), true).unwrap_err();
         assert!(e.to_string().contains("at least 25 B"), "{e}");
+        // Coded masters (7 of 10 bytes) counted at their size: the same
+        // 65 bytes (ring 14 + transient 5 leaves 46) pin six of them, not
+        // four; the staging ring holds coded bytes too.
+        let coded = vec![
+            HostBlock {
+                pinned: 7,
+                staged: 7
+            };
+            10
+        ];
+        let c = plan_host(&coded, 5, Some(65), true).unwrap();
+        assert_eq!(c.staged.iter().filter(|s| s.is_none()).count(), 6, "{c:?}");
+        assert_eq!(
+            (c.pinned_bytes, c.staging_bytes, c.least_budget),
+            (42, 14, 19)
+        );
+        assert!(c.peak_bytes <= 65, "{c:?}");
+        // A block pinned coded but staged raw (no coded staged path): the
+        // ring is sized by its raw bytes.
+        let mixed = vec![
+            HostBlock {
+                pinned: 7,
+                staged: 10
+            };
+            10
+        ];
+        let m = plan_host(&mixed, 5, Some(65), true).unwrap();
+        assert_eq!((m.least_budget, m.staging_bytes), (25, 20), "{m:?}");
+        assert_eq!(m.staged.iter().filter(|s| s.is_none()).count(), 5, "{m:?}");
         // Heterogeneous blocks: never above the budget.
         for budget in 40..200 {
-            let blocks = [30, 7, 7, 30, 7, 7, 30, 7, 7];
+            let blocks = [30, 7, 7, 30, 7, 7, 30, 7, 7].map(HostBlock::raw);
             if let Ok(p) = plan_host(&blocks, 3, Some(budget), true) {
                 assert!(p.peak_bytes <= budget, "{budget}: {p:?}");
+            }
+            let coded = [30, 7, 7, 30, 7, 7, 30, 7, 7].map(|b| HostBlock {
+                pinned: b * 7 / 10,
+                staged: b * 7 / 10,
+            });
+            if let Ok(p) = plan_host(&coded, 3, Some(budget), true) {
+                assert!(p.peak_bytes <= budget, "coded, {budget}: {p:?}");
             }
         }
     }

@@ -37,7 +37,7 @@ use crate::config::OffloadConfig;
 pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;
 use crate::plan::PlanError;
-pub use host::{HostLimits, HostPlan, StageReason, host_limits, plan_host};
+pub use host::{HostBlock, HostLimits, HostPlan, StageReason, host_limits, plan_host};
 pub use ring::{
     CompressionChoice, DECODE_INTERFERENCE, DecodeStage, Lookahead, RingShape, choose_compression,
     choose_lookahead, forward_ends, forwards_s, predict_step, staged_ends,

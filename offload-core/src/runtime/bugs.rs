@@ -116,11 +116,16 @@ pub enum PlantedBug {
     /// asked for one bf16 element (2 bytes) past where the shard starts, so
     /// the gathered slot holds the checkpoint's bytes shifted.
     ShardWindowWrongOffset,
+    /// INV-7 (layerwise, CONTRACT §7c): the host plan counts blocks a
+    /// coded-block file holds at their coded size under `"auto"` too, whose
+    /// measurement may turn a ring's coded masters back into raw ones, so
+    /// the raw masters pinned exceed the host budget.
+    HostPlanCodedUnderAuto,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 36] = [
+    pub const ALL: [PlantedBug; 37] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -157,6 +162,7 @@ impl PlantedBug {
         PlantedBug::DecodeIntoSlotInUse,
         PlantedBug::HostStagingReuseBeforeCopy,
         PlantedBug::ShardWindowWrongOffset,
+        PlantedBug::HostPlanCodedUnderAuto,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -843,7 +843,7 @@ fn release_state<A: Api>(
 /// pinned memory at enable), `pin` false where every master is staged.
 fn host_plan(
     config: &OffloadConfig,
-    layout: &RingLayout,
+    blocks: &[crate::budget::HostBlock],
     transient: u64,
     pin: bool,
 ) -> Result<crate::budget::HostPlan, OffloadError> {
@@ -860,8 +860,7 @@ fn host_plan(
         ),
         None => None,
     };
-    let blocks: Vec<u64> = layout.blocks().map(|b| b.unit.bytes).collect();
-    let plan = crate::budget::plan_host(&blocks, transient, limits.as_ref().map(|l| l.budget), pin)
+    let plan = crate::budget::plan_host(blocks, transient, limits.as_ref().map(|l| l.budget), pin)
         .map_err(|e| {
             OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
                 key: "host_budget".to_owned(),
@@ -972,12 +971,11 @@ fn staged_of<A: Api>(
 fn staged_coded_master<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
-    codec: &dyn crate::device::Codec<A>,
+    coded: Option<crate::runtime::CodedRegion>,
     why: crate::budget::StageReason,
     tally: &mut StagedTally,
 ) -> Option<(HostMaster<A>, (u64, u64))> {
-    let format = codec.format()?;
-    let coded = h.weights.take_coded(unit, format)?;
+    let coded = coded?;
     let len = coded.region.bytes().len() as u64;
     if len > unit.bytes {
         tracing::debug!(unit = %unit.name, "the coded `{}` takes {len} bytes, more than its {} raw: it stages raw", unit.name, unit.bytes);
@@ -1178,11 +1176,12 @@ fn coded_master<A: Api>(
     unit: &Unit,
     spans: &[CodecSpan],
     codec: &dyn Codec<A>,
+    packed: Option<crate::runtime::CodedRegion>,
     tally: &mut CodingTally,
     whole_mappings: bool,
 ) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
     let start = std::time::Instant::now();
-    let made = h.coded_master(unit, spans, codec, whole_mappings)?;
+    let made = h.coded_master(unit, spans, codec, packed, whole_mappings)?;
     tally.seconds += start.elapsed().as_secs_f64();
     tally.decoded += unit.bytes;
     let bound = coded_bound(unit.bytes, spans.len());
@@ -1596,7 +1595,44 @@ impl<A: Api> LayerwiseBackend<A> {
             .collect();
         let transient = resident_units.iter().map(|u| u.bytes).max().unwrap_or(0);
         let pin = plan.selection.pin_memory || engine.strategy != OffloadStrategy::Layerwise;
-        let host_plan = host_plan(config, &layout, transient, pin)?;
+        // The coded bytes a weight source holds of each streamed block (a
+        // coded-block file, CONTRACT §7b), taken once, checked against the
+        // weights: a block's coded master (pinned, registered or staged) is
+        // made from them, and under `"lossless"` the host plan counts each
+        // such block at its coded size, pinned or staged, so a budget holds
+        // as many coded bytes as it can (`"auto"` may turn a ring's coded
+        // masters back into raw ones after measuring: it plans raw sizes).
+        let mut offers: Vec<Option<crate::runtime::CodedRegion>> = layout
+            .blocks()
+            .map(|block| {
+                let codec = self.codec.as_ref()?;
+                let format = codec.format()?;
+                if block.shard.is_some() || !skip.is_empty() {
+                    return None;
+                }
+                let spans = crate::runtime::layout::codec_spans(&block.unit, &bf16).len();
+                let bound = coded_bound(block.unit.bytes, spans).min(block.unit.bytes);
+                h.weights
+                    .take_coded(&block.unit, format)
+                    .filter(|c| c.region.bytes().len() as u64 <= bound)
+            })
+            .collect();
+        let lossless = config.compression() == crate::config::WeightCompression::Lossless;
+        let sized: Vec<crate::budget::HostBlock> = layout
+            .blocks()
+            .zip(&offers)
+            .map(|(block, offer)| match offer {
+                Some(c) if lossless || engine.bug(PlantedBug::HostPlanCodedUnderAuto) => {
+                    let len = c.region.bytes().len() as u64;
+                    crate::budget::HostBlock {
+                        pinned: len,
+                        staged: len,
+                    }
+                }
+                _ => crate::budget::HostBlock::raw(block.unit.bytes),
+            })
+            .collect();
+        let host_plan = host_plan(config, &sized, transient, pin)?;
         let release = host_plan.release_after_read();
         let mut staged_at = host_plan.staged.iter().copied();
         let mut staged_log = StagedTally {
@@ -1606,6 +1642,7 @@ impl<A: Api> LayerwiseBackend<A> {
             ..StagedTally::default()
         };
         let masters_before = h.host_masters();
+        let mut offers_at = offers.drain(..);
         for spec in &layout.rings {
             st.rings.push(Ring {
                 blocks: Vec::new(),
@@ -1616,6 +1653,7 @@ impl<A: Api> LayerwiseBackend<A> {
             for block in &spec.blocks {
                 let unit = block.unit.clone();
                 let planned = staged_at.next().flatten();
+                let offer = offers_at.next().flatten();
                 let (host, coded) = match (&block.shard, &self.codec, planned) {
                     // `"auto"` measures and converts pinned or registered
                     // coded masters at enable: its staged blocks stage raw.
@@ -1624,7 +1662,7 @@ impl<A: Api> LayerwiseBackend<A> {
                             && config.compression()
                                 == crate::config::WeightCompression::Lossless =>
                     {
-                        match staged_coded_master(h, &unit, &**codec, why, &mut staged_log) {
+                        match staged_coded_master(h, &unit, offer, why, &mut staged_log) {
                             Some((master, coded)) => (master, Some(coded)),
                             None => (staged_master(h, &unit, why, &mut staged_log), None),
                         }
@@ -1645,6 +1683,7 @@ impl<A: Api> LayerwiseBackend<A> {
                             &unit,
                             &spans,
                             &**codec,
+                            offer,
                             &mut coding,
                             !staged_log.budget_set,
                         )? {

@@ -291,22 +291,24 @@ impl<A: Api> Handles<A> {
         Ok(host)
     }
 
-    /// The coded host master of `unit` (CONTRACT §7b): its bytes read from
-    /// the weight source, encoded by `codec`, pinned at the coded size;
-    /// with the decode's work items. `None` (logged) where the codec
-    /// refuses: the block then streams raw.
+    /// The coded host master of `unit` (CONTRACT §7b): `packed`, the
+    /// coded bytes the weight source holds of it in the codec's format
+    /// ([`crate::runtime::WeightSource::take_coded`], taken by the caller),
+    /// registered in place or copied; else its bytes read from the weight
+    /// source, encoded by `codec`, pinned at the coded size; with the
+    /// decode's work items. `None` (logged) where the codec refuses: the
+    /// block then streams raw.
     pub(crate) fn coded_master(
         &self,
         unit: &Unit,
         spans: &[CodecSpan],
         codec: &dyn Codec<A>,
+        packed: Option<crate::runtime::CodedRegion>,
         whole_mappings: bool,
     ) -> Result<Option<(HostMaster<A>, u64, CodedFrom)>, OffloadError> {
         // A packed checkpoint's window in the codec's format: registered in
         // place, nothing encoded.
-        if let Some(format) = codec.format()
-            && let Some(coded) = self.weights.take_coded(unit, format)
-        {
+        if let Some(coded) = packed {
             let len = coded.region.bytes().len() as u64;
             let bound = crate::device::coded_bound(unit.bytes, spans.len());
             if len > bound {
