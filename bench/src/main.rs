@@ -933,6 +933,15 @@ struct Row {
     file_limit_s: Option<f64>,
     /// `step_s / file_limit_s`.
     step_over_file_limit: Option<f64>,
+    /// Staged rows: the ring engine's own forecast of the step
+    /// (`Backend::staged_forecast`: the recurrence with the host stage, at
+    /// the fill rate its fills ran at over the warm-up and timed steps, from
+    /// this token count's traced compute), s.
+    forecast_s: Option<f64>,
+    /// The host fill rate the forecast used (measured by the engine), GB/s.
+    forecast_fill_gbps: Option<f64>,
+    /// The bound the forecast sits on (compute, the link, the host's fills).
+    forecast_bound: Option<String>,
 }
 
 /// One run: a backend and the token counts it runs.
@@ -1435,6 +1444,10 @@ fn run() -> Result<()> {
     let layerwise_at = |config, depth, planner| layerwise_over(config, depth, planner, None);
     let mut rows: Vec<Row> = Vec::new();
     let mut traces: BTreeMap<String, offload_sim::trace::Trace> = BTreeMap::new();
+    // Each token count's planner inputs (traced compute, the link), filled
+    // once the resident rows are in: what staged rows forecast from.
+    let forecast_inputs: std::cell::RefCell<BTreeMap<u64, budget::PlannerInputs>> =
+        std::cell::RefCell::new(BTreeMap::new());
     let mut run = |spec: &Spec<'_>, rows: &mut Vec<Row>| -> Result<()> {
         device.synchronize_stream(&stream)?;
         device.trim_pool()?;
@@ -1480,6 +1493,12 @@ fn run() -> Result<()> {
                 peak_info =
                     peak_info.max(free_before.saturating_sub(device.memory_info()?.free_bytes));
             }
+            // The engine's forecast of a staged step, from its own fill rate.
+            let inputs = forecast_inputs.borrow().get(&tokens).cloned();
+            let forecast = match (rt.backend(), inputs, staged_bytes > 0) {
+                (Some(b), Some(inputs), true) => b.staged_forecast(Some(&inputs))?,
+                _ => Vec::new(),
+            };
             // The allocator's high-water mark, less what was in use before
             // enable (the proxy's scratch): device bytes held for weights.
             let peak = device.pool_used()?.1.saturating_sub(used_before);
@@ -1548,6 +1567,10 @@ fn run() -> Result<()> {
                 rss_file_peak_bytes: sampler.take().map(staged::RssSampler::finish),
                 file_limit_s: None,
                 step_over_file_limit: None,
+                forecast_s: (!forecast.is_empty())
+                    .then(|| forecast.iter().map(|(_, f)| f.forward_s).sum()),
+                forecast_fill_gbps: forecast.first().map(|(_, f)| f.fill_bytes_per_s / 1e9),
+                forecast_bound: forecast.first().map(|(_, f)| f.bound().to_owned()),
             });
             let r = rows.last().context("pushed")?;
             eprintln!(
@@ -1590,6 +1613,11 @@ fn run() -> Result<()> {
         .iter()
         .map(|(t, (step_s, _, a))| (*t, Ring::new(a, *step_s, master_gbps, &block_units)))
         .collect();
+    forecast_inputs.borrow_mut().extend(
+        rings
+            .iter()
+            .map(|(&t, ring)| (t, ring.inputs(&block_units, master_gbps, settings.steps))),
+    );
     let mut specs: Vec<Spec<'_>> = Vec::new();
     // The look-ahead the chooser picks with every block streamed (one
     // slot beyond the shallowest depth the recurrence finds as short as
@@ -1977,17 +2005,21 @@ fn print_staged_summary(
         ))
     );
     println!(
-        "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | output == resident |"
+        "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | forecast s (fill GB/s, bound) | step / forecast | output == resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     // Coded rows too: their staged GB are coded bytes, their own limit
     // not computed (0).
     for r in rows
         .iter()
         .filter(|r| r.depth > 0 && (r.weight_compression == "none" || r.staged_bytes > 0))
     {
+        let forecast = match (r.forecast_s, r.forecast_fill_gbps, &r.forecast_bound) {
+            (Some(f), Some(g), Some(b)) => format!("{f:.4} ({g:.2}, {b})"),
+            _ => "–".to_owned(),
+        };
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {forecast} | {} | {} |",
             r.run,
             r.tokens,
             r.staged_bytes as f64 / 1e9,
@@ -1998,6 +2030,8 @@ fn print_staged_summary(
             r.ratio,
             r.staged_limit_s.unwrap_or(0.0),
             r.step_over_staged_limit.unwrap_or(0.0),
+            r.forecast_s
+                .map_or("–".to_owned(), |f| format!("{:.3}", r.step_s / f)),
             r.output_equals_resident
         );
     }

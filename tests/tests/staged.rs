@@ -376,3 +376,86 @@ fn a_staging_fill_that_panics_fails_the_request_typed_and_never_hangs() {
         }
     }
 }
+
+/// The ring engine's forecast of a staged step (CONTRACT §7c,
+/// `Backend::staged_forecast`): with every master staged, after a request,
+/// one forecast per ring that stages, its staged blocks and bytes those of
+/// the streamed weights, at a finite fill rate the engine measured from
+/// its own fills, never shorter than any of its bounds (compute, the link,
+/// the host's fills) nor longer than all three in series, and naming the
+/// bound it sits on. Without planner inputs it is a typed error naming
+/// them, and the same forecast given inputs; a fully pinned ring forecasts
+/// nothing. Seen red (2026-12-02) with the host stage left out of
+/// `forecast_staged`: the forecast fell below the host's fills.
+#[test]
+fn the_staged_forecast_reads_the_fills_the_engine_ran() {
+    use offload_core::budget::StagedForecast;
+    use offload_sim::DeviceProfile;
+    let w = workload();
+    let (streamed, _, _) = sizes();
+    let inputs =
+        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
+    type Seen = Vec<Result<Vec<(String, StagedForecast)>, String>>;
+    let forecasts = |pin: Option<bool>, planner: Option<offload_core::budget::PlannerInputs>| {
+        let o = RunOptions {
+            planner,
+            ..opts(&[], 2, None)
+        };
+        let choice = layerwise(pin, None);
+        let StrategyChoice::Config(config) = &choice else {
+            unreachable!()
+        };
+        let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &o).unwrap();
+        let mut seen: Seen = Vec::new();
+        let mut given = Vec::new();
+        let out = offload_sim::harness::drive(
+            rig,
+            &choice,
+            config,
+            &o,
+            w.requests,
+            |rig| {
+                let m = rig.request(&w)?;
+                let b = rig.runtime.backend().expect("enabled");
+                seen.push(b.staged_forecast(None).map_err(|e| e.to_string()));
+                given.push(b.staged_forecast(Some(&inputs)).map_err(|e| e.to_string()));
+                Ok(m)
+            },
+            |_| {},
+        )
+        .unwrap_or_else(|f| panic!("{}", f.error));
+        assert!(all_violations(&out).is_empty());
+        (seen, given)
+    };
+    let (seen, given) = forecasts(Some(false), Some(inputs.clone()));
+    assert_eq!(seen.len(), w.requests);
+    for (f, g) in seen.iter().zip(&given) {
+        let f = f.as_ref().unwrap();
+        assert_eq!(f, g.as_ref().unwrap(), "the platform's inputs are these");
+        assert!(!f.is_empty(), "every ring stages");
+        assert_eq!(f.iter().map(|(_, f)| f.staged_bytes).sum::<u64>(), streamed);
+        for (ring, f) in f {
+            let bound = f.compute_s.max(f.link_s).max(f.fills_s);
+            assert!(
+                f.fill_bytes_per_s.is_finite() && f.fill_bytes_per_s > 0.0,
+                "{ring}: {f:?}"
+            );
+            assert!(f.forward_s >= bound * (1.0 - 1e-9), "{ring}: {f:?}");
+            assert!(
+                f.forward_s
+                    <= f.compute_s * (1.0 + inputs.copy_interference) + f.link_s + f.fills_s,
+                "{ring}: {f:?}"
+            );
+            assert_eq!(f.depth, 2);
+            assert!(["compute", "the link", "the host's fills"].contains(&f.bound()));
+        }
+    }
+    let (seen, given) = forecasts(Some(false), None);
+    for (f, g) in seen.iter().zip(&given) {
+        let e = f.as_ref().unwrap_err();
+        assert!(e.contains("planner inputs"), "{e}");
+        assert!(!g.as_ref().unwrap().is_empty());
+    }
+    let (seen, _) = forecasts(None, Some(inputs.clone()));
+    assert!(seen.iter().all(|f| f.as_ref().unwrap().is_empty()));
+}

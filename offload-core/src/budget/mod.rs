@@ -39,8 +39,9 @@ use crate::model::Pipeline;
 use crate::plan::PlanError;
 pub use host::{HostBlock, HostLimits, HostPlan, StageReason, host_limits, plan_host};
 pub use ring::{
-    CompressionChoice, DECODE_INTERFERENCE, DecodeStage, Lookahead, RingShape, choose_compression,
-    choose_lookahead, forward_ends, forwards_s, predict_step, staged_ends,
+    CompressionChoice, DECODE_INTERFERENCE, DecodeStage, HostStage, Lookahead, RingShape,
+    StagedForecast, choose_compression, choose_lookahead, forecast_staged, forward_ends,
+    forwards_s, hosted_ends, predict_step, staged_ends, steady_s,
 };
 pub use search::{Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint};
 pub use types::{

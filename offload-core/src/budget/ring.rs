@@ -70,20 +70,57 @@ pub struct DecodeStage<'a> {
     pub interference: f64,
 }
 
+/// The host stage of a ring whose masters are partly staged (CONTRACT
+/// §7c): which blocks stream staged, and each one's host fill into a
+/// pinned staging buffer, seconds (its bytes over the host's fill rate, as
+/// the warm-up measures it). The schedule is the filler thread's: one fill
+/// at a time, in ring order; staged block q's fill starts once the fill
+/// before it has ended (it is queued when that block's copy is issued)
+/// and once the copy out of its buffer, staged block q − 2's, has ended
+/// (two staging buffers); q's copy starts after its fill; and the hook
+/// that issues q's copy (the pre-forward `depth` blocks before) waits for
+/// its fill, so that block's kernels launch no earlier.
+#[derive(Clone, Copy, Debug)]
+pub struct HostStage<'a> {
+    /// Whether each block (forward order) streams staged.
+    pub staged: &'a [bool],
+    /// Host fill of each block, seconds (entries of blocks not staged
+    /// unused).
+    pub fill_s: &'a [f64],
+}
+
+impl HostStage<'_> {
+    /// The host's fills of one forward together, seconds: what no
+    /// schedule of a staged ring beats beside its compute and its copies.
+    pub fn fills_s(&self) -> f64 {
+        self.staged
+            .iter()
+            .zip(self.fill_s)
+            .filter(|(s, _)| **s)
+            .map(|(_, f)| f)
+            .sum()
+    }
+}
+
 /// The fills of [`staged_ends`], computed lazily in order: fill k needs
 /// only the compute of streamed block k − depth − 1, always known by the
 /// time it is asked.
 #[derive(Default)]
 struct Fills {
     depth: usize,
-    /// End of the last copy and of the last decode.
+    /// End of the last copy, of the last decode and of the last host fill.
     t_copy: f64,
     t_decode: f64,
+    t_host: f64,
     /// When each fill's block is ready.
     filled: Vec<f64>,
+    /// When each fill's host stage (staged blocks) ended; 0 for the rest.
+    hosted: Vec<f64>,
     /// Each fill's copy window, and (coded) its decode's.
     copies: Vec<(f64, f64)>,
     decodes: Vec<(f64, f64)>,
+    /// The copy windows of staged fills, in order (their buffers' reuse).
+    staged_copies: Vec<(f64, f64)>,
 }
 
 impl Fills {
@@ -94,7 +131,7 @@ impl Fills {
         done: &[f64],
         streamed: &[usize],
         copy_s: &[f64],
-        decode: Option<DecodeStage<'_>>,
+        (decode, host): (Option<DecodeStage<'_>>, Option<HostStage<'_>>),
     ) -> f64 {
         let m = streamed.len();
         while self.filled.len() <= g {
@@ -107,16 +144,33 @@ impl Fills {
                 0.0
             };
             let block = streamed[k % m];
+            // The host stage: after the fill before it and after the copy
+            // out of its staging buffer (two staged fills back).
+            let staged = host.is_some_and(|h| h.staged[block]);
+            let hosted = match host {
+                Some(h) if staged => {
+                    let q = self.staged_copies.len();
+                    let buffer_free = if q >= 2 {
+                        self.staged_copies[q - 2].1
+                    } else {
+                        0.0
+                    };
+                    self.t_host = self.t_host.max(buffer_free) + h.fill_s[block];
+                    self.t_host
+                }
+                _ => 0.0,
+            };
+            self.hosted.push(hosted);
             match decode {
                 None => {
-                    let start = self.t_copy.max(slot_free);
+                    let start = self.t_copy.max(slot_free).max(hosted);
                     self.t_copy = start + copy_s[block];
                     self.copies.push((start, self.t_copy));
                     self.filled.push(self.t_copy);
                 }
                 Some(d) => {
                     let staging_free = if k >= 2 { self.decodes[k - 2].1 } else { 0.0 };
-                    let start = self.t_copy.max(staging_free);
+                    let start = self.t_copy.max(staging_free).max(hosted);
                     self.t_copy = start + copy_s[block];
                     self.copies.push((start, self.t_copy));
                     let d_start = self.t_copy.max(slot_free).max(self.t_decode);
@@ -124,6 +178,10 @@ impl Fills {
                     self.decodes.push((d_start, self.t_decode));
                     self.filled.push(self.t_decode);
                 }
+            }
+            if staged {
+                let copy = *self.copies.last().expect("pushed above");
+                self.staged_copies.push(copy);
             }
         }
         self.filled[g]
@@ -148,6 +206,29 @@ pub fn staged_ends(
     other_s: f64,
     interference: f64,
 ) -> [f64; FORWARDS] {
+    hosted_ends(
+        compute_s,
+        copy_s,
+        (decode, None),
+        resident,
+        depth,
+        other_s,
+        interference,
+    )
+}
+
+/// [`staged_ends`] with the host stage of staged masters (`host`, CONTRACT
+/// §7c; [`HostStage`] gives its schedule) where given.
+pub fn hosted_ends(
+    compute_s: &[f64],
+    copy_s: &[f64],
+    stages: (Option<DecodeStage<'_>>, Option<HostStage<'_>>),
+    resident: &[bool],
+    depth: usize,
+    other_s: f64,
+    interference: f64,
+) -> [f64; FORWARDS] {
+    let decode = stages.0;
     let n = compute_s.len();
     let streamed: Vec<usize> = (0..n).filter(|&i| !resident[i]).collect();
     let m = streamed.len();
@@ -169,20 +250,29 @@ pub fn staged_ends(
             .map_or(0.0, |(_, e)| (e - start).min(compute))
     };
     let decode_k = decode.map_or(0.0, |d| d.interference);
+    // Fills issued so far (by the pre-forwards before this block).
+    let mut issued = 0usize;
     for end in ends.iter_mut() {
         t_compute += other_s;
         for i in 0..n {
-            let start = if resident[i] {
+            let mut start = if resident[i] {
                 t_compute
             } else {
                 let g = done.len();
-                t_compute.max(fills.fill(g, &done, &streamed, copy_s, decode))
+                t_compute.max(fills.fill(g, &done, &streamed, copy_s, stages))
             };
             // Fills are issued up to `depth` streamed blocks ahead; one
-            // still running slows this block's kernels.
+            // still running slows this block's kernels. A staged one's
+            // hook waits for its host fill before this block launches.
             let (copying, decoding) = if m > 0 {
                 let ahead = done.len() + usize::from(!resident[i]) + depth - 1;
-                fills.fill(ahead, &done, &streamed, copy_s, decode);
+                fills.fill(ahead, &done, &streamed, copy_s, stages);
+                if stages.1.is_some() {
+                    for k in issued..=ahead {
+                        start = start.max(fills.hosted[k]);
+                    }
+                }
+                issued = issued.max(ahead + 1);
                 (
                     overlap(&fills.copies, start, compute_s[i]),
                     overlap(&fills.decodes, start, compute_s[i]),
@@ -198,6 +288,12 @@ pub fn staged_ends(
         *end = t_compute;
     }
     ends
+}
+
+/// The steady state of [`hosted_ends`]' (or [`forward_ends`]') three
+/// forwards: what one forward takes once the ring wraps around, seconds.
+pub fn steady_s(ends: &[f64; FORWARDS]) -> f64 {
+    ends[FORWARDS - 1] - ends[FORWARDS - 2]
 }
 
 /// The steady-state time of one forward (seconds): what a forward takes
@@ -394,6 +490,111 @@ pub fn choose_lookahead(
     })
 }
 
+/// What the recurrence forecasts of one ring whose masters are partly
+/// staged (CONTRACT §7c), at the host fill rate its own fills ran at: the
+/// steady-state forward with the host stage ([`HostStage`]) and the three
+/// bounds beside it.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct StagedForecast {
+    /// Blocks that stream staged.
+    pub staged_blocks: usize,
+    /// Bytes the host fills per forward (coded bytes for coded blocks).
+    pub staged_bytes: u64,
+    /// The host's fill rate the forecast assumes, bytes per second.
+    pub fill_bytes_per_s: f64,
+    /// The depth it was forecast at.
+    pub depth: usize,
+    /// The steady-state forward, seconds.
+    pub forward_s: f64,
+    /// Compute of one forward, seconds.
+    pub compute_s: f64,
+    /// Every streamed block's copy, seconds (the link).
+    pub link_s: f64,
+    /// The host's fills of one forward, seconds.
+    pub fills_s: f64,
+}
+
+impl StagedForecast {
+    /// The bound the forecast sits on: the largest of compute, the link
+    /// and the host's fills.
+    pub fn bound(&self) -> &'static str {
+        if self.fills_s >= self.link_s && self.fills_s >= self.compute_s {
+            "the host's fills"
+        } else if self.link_s >= self.compute_s {
+            "the link"
+        } else {
+            "compute"
+        }
+    }
+}
+
+/// [`StagedForecast`] of `shape` with `host`'s staged blocks, each filled
+/// at `fill_bytes_per_s` (`staged_bytes[i]` bytes for block i), at
+/// `depth`. Typed errors on unusable input, as [`choose_lookahead`]'s, and
+/// on a fill rate that is not a finite number above 0.
+pub fn forecast_staged(
+    shape: &RingShape<'_>,
+    staged: &[bool],
+    staged_bytes: &[u64],
+    fill_bytes_per_s: f64,
+    depth: usize,
+) -> Result<StagedForecast, BudgetError> {
+    let n = shape.compute_s.len();
+    if staged.len() != n || staged_bytes.len() != n {
+        return Err(BudgetError::Input {
+            input: "staged ring shape".to_owned(),
+            value: format!(
+                "{n} computes, {} staged flags, {} staged sizes",
+                staged.len(),
+                staged_bytes.len()
+            ),
+            allowed: "one staged flag and one staged size per block".to_owned(),
+        });
+    }
+    if !(fill_bytes_per_s.is_finite() && fill_bytes_per_s > 0.0) {
+        return Err(BudgetError::Input {
+            input: "host fill rate".to_owned(),
+            value: fill_bytes_per_s.to_string(),
+            allowed: "a finite number of bytes per second above 0".to_owned(),
+        });
+    }
+    choose_lookahead(shape, 1, depth.clamp(1, MAX_DEPTH), None)?;
+    let fill_s: Vec<f64> = staged_bytes
+        .iter()
+        .map(|&b| b as f64 / fill_bytes_per_s)
+        .collect();
+    let host = HostStage {
+        staged,
+        fill_s: &fill_s,
+    };
+    let ends = hosted_ends(
+        shape.compute_s,
+        shape.copy_s,
+        (None, Some(host)),
+        shape.resident,
+        depth,
+        shape.other_s,
+        shape.interference,
+    );
+    let streamed = |i: usize| !shape.resident[i];
+    Ok(StagedForecast {
+        staged_blocks: (0..n).filter(|&i| staged[i] && streamed(i)).count(),
+        staged_bytes: (0..n)
+            .filter(|&i| staged[i] && streamed(i))
+            .map(|i| staged_bytes[i])
+            .sum(),
+        fill_bytes_per_s,
+        depth,
+        forward_s: steady_s(&ends),
+        compute_s: shape.compute_s.iter().sum::<f64>() + shape.other_s,
+        link_s: (0..n)
+            .filter(|&i| streamed(i))
+            .map(|i| shape.copy_s[i])
+            .sum(),
+        fills_s: host.fills_s(),
+    })
+}
+
 /// What [`choose_compression`] chose for one ring: whether it streams
 /// coded, and the recurrence's steady-state forward either way.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
@@ -471,6 +672,85 @@ pub fn choose_compression(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host stage of staged masters: free fills change no steady state; a
+    /// ring of staged blocks whose fills outlast their copies and compute
+    /// runs at the host's fills; two staging buffers keep fills at most
+    /// two staged blocks ahead of the copies; staged blocks spread between
+    /// pinned ones overlap their fills with the pinned copies, reaching
+    /// max(fills, copies, compute); and a hook that waits for a fill
+    /// delays its block's kernels.
+    #[test]
+    fn the_host_stage_bounds_a_staged_ring_by_its_fills() {
+        let n = 12;
+        let ends = |compute: f64, copy: f64, staged: &[bool], fill: f64, depth: usize| {
+            let compute_s = vec![compute; n];
+            let copy_s = vec![copy; n];
+            let fill_s = vec![fill; n];
+            let resident = vec![false; n];
+            hosted_ends(
+                &compute_s,
+                &copy_s,
+                (
+                    None,
+                    Some(HostStage {
+                        staged,
+                        fill_s: &fill_s,
+                    }),
+                ),
+                &resident,
+                depth,
+                0.0,
+                0.0,
+            )
+        };
+        let all = vec![true; n];
+        let none = vec![false; n];
+        let plain = |compute: f64, copy: f64, depth: usize| {
+            forward_ends(
+                &vec![compute; n],
+                &vec![copy; n],
+                &vec![false; n],
+                depth,
+                0.0,
+                0.0,
+            )
+        };
+        for depth in [1, 2, 4] {
+            // Free fills: the same steady state; the same schedule where
+            // the look-ahead is within the two staging buffers (deeper, a
+            // hook waits for the copy out of the buffer it refills, which
+            // delays the first forward).
+            let free = ends(1.0, 2.0, &all, 0.0, depth);
+            assert!((steady_s(&free) - steady_s(&plain(1.0, 2.0, depth))).abs() < 1e-9);
+            if depth <= 2 {
+                assert_eq!(free, plain(1.0, 2.0, depth));
+            } else {
+                assert!(free[0] > plain(1.0, 2.0, depth)[0] + 1.0, "{free:?}");
+            }
+            assert_eq!(ends(1.0, 2.0, &none, 5.0, depth), plain(1.0, 2.0, depth));
+            // Fills of 3 against copies of 2 and compute of 1: 12 × 3.
+            let e = ends(1.0, 2.0, &all, 3.0, depth);
+            assert!((steady_s(&e) - 36.0).abs() < 1e-9, "{depth}: {e:?}");
+            // Fills of 1 against copies of 2: the link bounds it.
+            let e = ends(0.5, 2.0, &all, 1.0, depth);
+            assert!((steady_s(&e) - 24.0).abs() < 1e-9, "{depth}: {e:?}");
+        }
+        // Every other block staged, fills of 2, copies of 1, compute 0.5:
+        // the six fills (12 s) overlap the pinned copies; the bound is the
+        // host's 12 s, not 6 × (2 + 1) + 6 × 1 = 24 s.
+        let half: Vec<bool> = (0..n).map(|i| i % 2 == 0).collect();
+        let e = ends(0.5, 1.0, &half, 2.0, 4);
+        assert!((steady_s(&e) - 12.0).abs() < 1e-9, "{e:?}");
+        // Two staging buffers: copies of 4 and fills of 1 leave the host
+        // idle, two fills ahead at most; the link's 48 s is the step.
+        let e = ends(0.1, 4.0, &all, 1.0, 8);
+        assert!((steady_s(&e) - 48.0).abs() < 1e-9, "{e:?}");
+        // The hook's wait: with the first forward's fills slower than
+        // everything else, compute cannot start before the first fill.
+        let e = ends(0.1, 0.1, &all, 1.0, 1);
+        assert!(e[0] >= 12.0, "{e:?}");
+    }
 
     fn choice(compute: f64, copy: f64, ratio: f64, decode: f64) -> CompressionChoice {
         let n = 12;

@@ -195,6 +195,19 @@ pub trait Backend<A: Api>: OffloadBackend {
         HostMasters::default()
     }
 
+    /// What this backend forecasts of a step of each ring with staged
+    /// masters (CONTRACT §7c), by the ring's first block: layerwise's
+    /// [`crate::runtime::LayerwiseBackend::staged_forecast`], from
+    /// `inputs` or the platform's planner inputs; empty for every other
+    /// backend.
+    fn staged_forecast(
+        &self,
+        inputs: Option<&PlannerInputs>,
+    ) -> Result<Vec<(String, crate::budget::StagedForecast)>, OffloadError> {
+        let _ = inputs;
+        Ok(Vec::new())
+    }
+
     /// Device bytes this backend holds for weights now.
     fn device_weight_bytes(&self) -> u64;
 

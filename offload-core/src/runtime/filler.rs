@@ -65,6 +65,29 @@ struct Context<A: Api> {
     device: Arc<A::Device>,
     weights: Arc<dyn WeightSource>,
     threads: usize,
+    /// The fills so far, as the host timed them.
+    tally: Mutex<FillTally>,
+}
+
+/// The staging fills a ring ran, timed on the host from the first byte
+/// written to the pages released (never the wait for the buffer's copy):
+/// the host's fill rate as the ring ran it, beside its copies and compute
+/// (CONTRACT §7c), which the staged forecast predicts from.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct FillTally {
+    /// Fills that completed.
+    pub(crate) fills: u64,
+    /// Bytes they wrote.
+    pub(crate) bytes: u64,
+    /// Seconds they took together.
+    pub(crate) seconds: f64,
+}
+
+impl FillTally {
+    /// Bytes per second, once something was filled.
+    pub(crate) fn bytes_per_s(&self) -> Option<f64> {
+        (self.fills > 0 && self.seconds > 0.0).then(|| self.bytes as f64 / self.seconds)
+    }
 }
 
 /// The staging buffers and their filler.
@@ -104,6 +127,7 @@ impl<A: Api> StagingRing<A> {
             device,
             weights,
             threads,
+            tally: Mutex::new(FillTally::default()),
         });
         let queue: Arc<(Mutex<Queue>, Condvar)> = Arc::default();
         let worker = if background {
@@ -154,6 +178,11 @@ impl<A: Api> StagingRing<A> {
             .iter()
             .map(|c| lock(&c.stage).buffer.len_bytes())
             .sum()
+    }
+
+    /// The fills run so far, timed.
+    pub(crate) fn tally(&self) -> FillTally {
+        *lock(&self.context.tally)
     }
 
     /// The stage holding `tag` (filled, or a fill pending), if any.
@@ -365,6 +394,7 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
         ),
     };
     let _span = crate::runtime::shared::transfer_span(&job.unit.name, len, "host", kind).entered();
+    let start = std::time::Instant::now();
     stage.buffer.write_from(
         0,
         len,
@@ -381,6 +411,10 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
             context.weights.prefetch(next);
         }
     }
+    let mut t = lock(&context.tally);
+    t.fills += 1;
+    t.bytes += len;
+    t.seconds += start.elapsed().as_secs_f64();
 }
 
 /// One part of a parallel read: its position and bytes, until a thread

@@ -1209,6 +1209,34 @@ fn coded_master<A: Api>(
     }
 }
 
+/// Each of `blocks`' compute in `inputs` (by path), for what `purpose`
+/// reads; a typed error naming the first block without one.
+fn ring_compute<A: Api>(
+    inputs: &crate::budget::PlannerInputs,
+    blocks: &[Master<A>],
+    purpose: &str,
+) -> Result<Vec<f64>, OffloadError> {
+    blocks
+        .iter()
+        .map(|m| {
+            let path = &m.unit.name;
+            inputs
+                .components
+                .values()
+                .find_map(|c| c.block_compute_s.get(path).copied())
+                .ok_or_else(|| {
+                    OffloadError::Budget(Box::new(crate::budget::BudgetError::Input {
+                        input: "planner inputs".to_owned(),
+                        value: format!("no compute for block `{path}`"),
+                        allowed: format!(
+                            "every streamed block's compute (`block_compute_s`), which {purpose}"
+                        ),
+                    }))
+                })
+        })
+        .collect()
+}
+
 /// The hook on one block.
 struct BlockHook<A: Api> {
     engine: Arc<Engine<A>>,
@@ -1918,6 +1946,88 @@ impl<A: Api> LayerwiseBackend<A> {
         crate::sync::lock(&self.choices).clone()
     }
 
+    /// What the ring engine forecasts of a step of each ring with staged
+    /// masters (CONTRACT §7c), by its first block's path: the recurrence
+    /// with the host stage ([`crate::budget::forecast_staged`]), each staged
+    /// block filled at the rate this engine's own fills ran at so far
+    /// (timed on the host, beside the copies and compute), from the
+    /// platform's planner inputs (each block's compute, the link, the copy
+    /// latency and interference) at this engine's depth. A coded block's
+    /// copy counts its coded bytes; its decode is not counted. Empty while
+    /// disabled, where nothing is staged, or before the first staged fill
+    /// (the first forward measures the rate); a typed error without planner
+    /// inputs, or where they lack a streamed block's compute. `inputs`
+    /// (another request's, say) replaces the platform's where given.
+    pub fn staged_forecast(
+        &self,
+        inputs: Option<&crate::budget::PlannerInputs>,
+    ) -> Result<Vec<(String, crate::budget::StagedForecast)>, OffloadError> {
+        let guard = self.engine.lock();
+        let Some(st) = guard.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let Some(rate) = st
+            .host_staging
+            .as_ref()
+            .and_then(|s| s.ring.tally().bytes_per_s())
+        else {
+            return Ok(Vec::new());
+        };
+        let inputs = inputs.or(self.auto_inputs.as_ref()).ok_or_else(|| {
+            OffloadError::Budget(Box::new(crate::budget::BudgetError::Input {
+                input: "planner inputs".to_owned(),
+                value: "none".to_owned(),
+                allowed: "the platform's planner inputs (CorePlatform::with_planner), which the staged forecast reads each block's compute from".to_owned(),
+            }))
+        })?;
+        let link = inputs.link_bytes_per_s.max(1.0);
+        let mut out = Vec::new();
+        for ring in &st.rings {
+            let staged_bytes: Vec<u64> = ring
+                .blocks
+                .iter()
+                .map(|m| match &*m.host {
+                    HostMaster::Staged(s) => s.bytes,
+                    _ => 0,
+                })
+                .collect();
+            let staged: Vec<bool> = ring
+                .blocks
+                .iter()
+                .map(|m| matches!(&*m.host, HostMaster::Staged(_)))
+                .collect();
+            if ring.gathered || !staged.iter().any(|s| *s) {
+                continue;
+            }
+            let compute_s = ring_compute(inputs, &ring.blocks, "the staged forecast reads")?;
+            let other_s = inputs
+                .components
+                .values()
+                .find(|c| c.block_compute_s.contains_key(&ring.blocks[0].unit.name))
+                .map_or(0.0, |c| c.own_compute_s);
+            let copy_s: Vec<f64> = ring
+                .blocks
+                .iter()
+                .map(|m| {
+                    inputs.copy_latency_s + m.coded.map_or(m.unit.bytes, |(b, _)| b) as f64 / link
+                })
+                .collect();
+            let resident = vec![false; ring.blocks.len()];
+            let shape = crate::budget::RingShape {
+                compute_s: &compute_s,
+                copy_s: &copy_s,
+                resident: &resident,
+                other_s,
+                interference: inputs.copy_interference,
+            };
+            let forecast =
+                crate::budget::forecast_staged(&shape, &staged, &staged_bytes, rate, st.depth)
+                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+            out.push((ring.blocks[0].unit.name.clone(), forecast));
+        }
+        Ok(out)
+    }
+
     /// `weight_compression = "auto"` (CONTRACT §7b): with every streamed
     /// block coded, measures one decode on the device, then per ring asks
     /// the recurrence (`budget::choose_compression`, from the platform's
@@ -1943,19 +2053,6 @@ impl<A: Api> LayerwiseBackend<A> {
         };
         let decode_bytes_per_s = self.measure_decode(st, r0, b0)?;
         let link = inputs.link_bytes_per_s.max(1.0);
-        let compute_of = |path: &str| {
-            inputs
-                .components
-                .values()
-                .find_map(|c| c.block_compute_s.get(path).copied())
-                .ok_or_else(|| {
-                    OffloadError::Budget(Box::new(crate::budget::BudgetError::Input {
-                        input: "planner inputs".to_owned(),
-                        value: format!("no compute for block `{path}`"),
-                        allowed: "every streamed block's compute (`block_compute_s`), which weight_compression = \"auto\" decides from".to_owned(),
-                    }))
-                })
-        };
         let h = &self.engine.handles;
         let mut choices = Vec::new();
         for r in 0..st.rings.len() {
@@ -1963,11 +2060,11 @@ impl<A: Api> LayerwiseBackend<A> {
             if ring.gathered || ring.blocks.iter().all(|m| m.coded.is_none()) {
                 continue;
             }
-            let compute_s: Vec<f64> = ring
-                .blocks
-                .iter()
-                .map(|m| compute_of(&m.unit.name))
-                .collect::<Result<_, _>>()?;
+            let compute_s = ring_compute(
+                inputs,
+                &ring.blocks,
+                "weight_compression = \"auto\" decides from",
+            )?;
             let copy = |bytes: u64| inputs.copy_latency_s + bytes as f64 / link;
             let copy_s: Vec<f64> = ring.blocks.iter().map(|m| copy(m.unit.bytes)).collect();
             let coded_s: Vec<f64> = ring
@@ -2492,6 +2589,13 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
 
     fn host_masters(&self) -> HostMasters {
         self.engine.handles.host_masters()
+    }
+
+    fn staged_forecast(
+        &self,
+        inputs: Option<&crate::budget::PlannerInputs>,
+    ) -> Result<Vec<(String, crate::budget::StagedForecast)>, OffloadError> {
+        LayerwiseBackend::staged_forecast(self, inputs)
     }
 }
 
