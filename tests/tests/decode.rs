@@ -521,6 +521,38 @@ impl offload_core::runtime::WeightSource for CountsReleases {
     }
 }
 
+/// A run of `config` under `o` over seed 0's trained weights with the
+/// coded-block file at `path` beside them, counting the staged reads whose
+/// pages are released into `releases`.
+fn run_over_coded_file(
+    path: &std::path::Path,
+    releases: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    config: &OffloadConfig,
+    o: &RunOptions,
+) -> Result<RunOutcome, offload_sim::harness::RunFailure> {
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
+    use std::sync::Arc;
+    let w = workload();
+    let pipeline = w.preset.pipeline.clone();
+    let source = Arc::new(WithCodedBlocks {
+        inner: Arc::new(CountsReleases {
+            inner: offload_sim::presets::TrainedWeights::new(0, &pipeline),
+            releases: Arc::clone(releases),
+        }),
+        blocks: CodedBlocks::open(path).unwrap(),
+    });
+    let rig = offload_sim::harness::Rig::with_weights(pipeline, o, source).unwrap();
+    offload_sim::harness::drive(
+        rig,
+        &StrategyChoice::Config(config.clone()),
+        config,
+        o,
+        w.requests,
+        |rig| rig.request(&w),
+        |_| {},
+    )
+}
+
 /// Coded blocks left pageable (CONTRACT §7b with §7c): with every master
 /// staged (`pin_cpu_memory = false`) or a host budget below the coded
 /// masters, layerwise + `"lossless"` over a coded-block file streams each
@@ -538,11 +570,8 @@ impl offload_core::runtime::WeightSource for CountsReleases {
 #[test]
 fn coded_blocks_stream_staged_from_a_coded_block_file() {
     use offload_core::bytes::{ByteSize, HostBudget};
-    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
-    use offload_sim::presets::TrainedWeights;
     use std::sync::Arc;
     let w = workload();
-    let pipeline = w.preset.pipeline.clone();
     let (path, report) = coded_block_file("staged", 0);
     let want = resident();
     let config = |pin: Option<bool>, budget: Option<u64>| OffloadConfig {
@@ -556,25 +585,8 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
     // (`WeightSource::release`, forwarded by the coded-block source after it
     // drops the coded window's pages).
     let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let run_staged = |c: &OffloadConfig, o: &RunOptions| {
-        let source = Arc::new(WithCodedBlocks {
-            inner: Arc::new(CountsReleases {
-                inner: TrainedWeights::new(0, &pipeline),
-                releases: Arc::clone(&releases),
-            }),
-            blocks: CodedBlocks::open(&path).unwrap(),
-        });
-        let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), o, source).unwrap();
-        offload_sim::harness::drive(
-            rig,
-            &StrategyChoice::Config(c.clone()),
-            c,
-            o,
-            w.requests,
-            |rig| rig.request(&w),
-            |_| {},
-        )
-    };
+    let run_staged =
+        |c: &OffloadConfig, o: &RunOptions| run_over_coded_file(&path, &releases, c, o);
     let raw = run(
         &workload(),
         &layerwise(WeightCompression::None),
@@ -725,7 +737,7 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
 #[test]
 fn a_host_budget_holds_coded_masters_at_their_coded_size() {
     use offload_core::bytes::{ByteSize, HostBudget};
-    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
+    use offload_pack::blocks_file::CodedBlocks;
     use offload_sim::presets::TrainedWeights;
     use std::sync::Arc;
     use std::sync::atomic::Ordering;
@@ -754,27 +766,11 @@ fn a_host_budget_holds_coded_masters_at_their_coded_size() {
     let want = resident();
     let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let run_with = |c: &OffloadConfig, o: &RunOptions, bugs: &[PlantedBug]| {
-        let source = Arc::new(WithCodedBlocks {
-            inner: Arc::new(CountsReleases {
-                inner: TrainedWeights::new(0, &pipeline),
-                releases: Arc::clone(&releases),
-            }),
-            blocks: CodedBlocks::open(&path).unwrap(),
-        });
         let o = RunOptions {
             bugs: bugs.to_vec(),
             ..o.clone()
         };
-        let rig = offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, source).unwrap();
-        offload_sim::harness::drive(
-            rig,
-            &StrategyChoice::Config(c.clone()),
-            c,
-            &o,
-            w.requests,
-            |rig| rig.request(&w),
-            |_| {},
-        )
+        run_over_coded_file(&path, &releases, c, &o)
     };
     let raw = run(
         &workload(),
