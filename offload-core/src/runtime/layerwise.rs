@@ -971,7 +971,7 @@ fn staged_of<A: Api>(
 fn staged_coded_master<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
-    coded: Option<crate::runtime::CodedRegion>,
+    coded: Option<crate::runtime::backend::CodedRegion>,
     why: crate::budget::StageReason,
     tally: &mut StagedTally,
 ) -> Option<(HostMaster<A>, (u64, u64))> {
@@ -1176,7 +1176,7 @@ fn coded_master<A: Api>(
     unit: &Unit,
     spans: &[CodecSpan],
     codec: &dyn Codec<A>,
-    packed: Option<crate::runtime::CodedRegion>,
+    packed: Option<crate::runtime::backend::CodedRegion>,
     tally: &mut CodingTally,
     whole_mappings: bool,
 ) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
@@ -1630,7 +1630,7 @@ impl<A: Api> LayerwiseBackend<A> {
         // such block at its coded size, pinned or staged, so a budget holds
         // as many coded bytes as it can (`"auto"` may turn a ring's coded
         // masters back into raw ones after measuring: it plans raw sizes).
-        let mut offers: Vec<Option<crate::runtime::CodedRegion>> = layout
+        let mut offers: Vec<Option<crate::runtime::backend::CodedRegion>> = layout
             .blocks()
             .map(|block| {
                 let codec = self.codec.as_ref()?;

@@ -303,7 +303,7 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         spans: &[CodecSpan],
         codec: &dyn Codec<A>,
-        packed: Option<crate::runtime::CodedRegion>,
+        packed: Option<crate::runtime::backend::CodedRegion>,
         whole_mappings: bool,
     ) -> Result<Option<(HostMaster<A>, u64, CodedFrom)>, OffloadError> {
         // A packed checkpoint's window in the codec's format: registered in
