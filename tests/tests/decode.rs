@@ -849,3 +849,94 @@ fn a_host_budget_holds_coded_masters_at_their_coded_size() {
         "{bug:?}: {v:?}"
     );
 }
+
+/// Pinning refused for coded masters (CONTRACT §7c, "Refused pins"):
+/// layerwise + `"lossless"` with the simulator refusing every k-th pin
+/// request, for coded masters copied from a coded-block file under a host
+/// budget, registered from it without one (a refused registration copies
+/// the window into pinned memory of its size, as the plan counted, rather
+/// than encode it), and encoded at enable without a file. Each refused
+/// block streams its coded bytes staged: the run completes bit-identical to
+/// resident, no rule broken, every decode whole, and the log names each
+/// such block with the refusal's cause. Seen red (2026-12-02) with a
+/// refused pinned allocation of a coded master failing `enable` (the rule
+/// before): every run with a budget, and every run that encodes at enable,
+/// returned the device's error; and (the file without a budget, where no
+/// master stages) with a refused upload failing `enable` where there is no
+/// staging ring (before: now a one-buffer ring is made for the uploads).
+#[test]
+fn refused_coded_pins_stream_staged_coded_and_the_log_names_each_block() {
+    use offload_core::bytes::{ByteSize, HostBudget};
+    use offload_sim::FaultPlan;
+    use std::sync::Arc;
+    let want = resident();
+    let (path, _) = coded_block_file("refused", 0);
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let raw = run(
+        &workload(),
+        &layerwise(WeightCompression::None),
+        &opts(&[], 2, None),
+    )
+    .unwrap();
+    // Room for every master raw, the staging ring and the upload: what
+    // stages here is what the device refused, not the budget.
+    let budget = raw.bounds.offloaded_bytes
+        + raw.bounds.staging_ring_bytes
+        + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes);
+    let config = |budget: Option<u64>| OffloadConfig {
+        enable_layerwise_offload: true,
+        weight_compression: Some(WeightCompression::Lossless),
+        host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
+        ..OffloadConfig::default()
+    };
+    let mut refused_coded = 0;
+    for every in [3, 5] {
+        for threads in [false, true] {
+            for (file, budget) in [(true, Some(budget)), (true, None), (false, None)] {
+                let o = RunOptions {
+                    host_threads: threads,
+                    faults: FaultPlan {
+                        refuse_pin_every: Some(every),
+                        ..FaultPlan::none()
+                    },
+                    ..opts(&[], 2, Some(3))
+                };
+                let what = format!("every {every}, threads {threads}, file {file}, {budget:?}");
+                let c = config(budget);
+                let (out, log) = offload_tests::capture_logs(|| {
+                    if file {
+                        run_over_coded_file(&path, &releases, &c, &o)
+                    } else {
+                        run(&workload(), &StrategyChoice::Config(c.clone()), &o)
+                    }
+                });
+                let out = out.unwrap_or_else(|f| panic!("{what}: {}", f.error));
+                assert!(out.at_end.pins_refused > 0, "{what}: the fault fired");
+                assert_eq!(outputs(&out), want, "{what}");
+                assert_eq!(all_violations(&out), vec![], "{what}");
+                assert!(out.at_end.decodes > 0, "{what}");
+                assert_eq!(out.at_end.decode_errors, 0, "{what}");
+                // Each refusal logged with its cause, and each refused
+                // block named as it stages.
+                let causes = log.matches("` was refused (").count();
+                let named = log.matches("; pinning or registration refused)").count()
+                    + log
+                        .matches("streams staged (pinning or registration refused)")
+                        .count();
+                // Without a budget a refused registration copies instead
+                // (that copy itself may be refused, and then stages).
+                let copied = log.matches("; copying it into pinned memory").count();
+                assert!(causes + copied > 0, "{what}: a master's pin refused: {log}");
+                assert_eq!(named, causes, "{what}: {log}");
+                refused_coded += log.matches("pinning the coded `").count();
+                if file && budget.is_none() {
+                    assert!(
+                        !log.contains("encoding it instead"),
+                        "{what}: a refused registration copies, never encodes: {log}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(refused_coded > 0, "some coded master's pin was refused");
+}

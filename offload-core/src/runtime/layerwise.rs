@@ -62,8 +62,9 @@ use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
-    CodedFrom, Handles, HostMaster, Placement, Shared, StrategyState, bytes_of, check_single_owner,
-    dev_err, enable_span, install_hooks, plan_and_partition, remove_hooks, transfer_span,
+    CodedFrom, CodedMaster, Handles, HostMaster, Placement, Shared, StrategyState, bytes_of,
+    check_single_owner, dev_err, enable_span, install_hooks, plan_and_partition, remove_hooks,
+    transfer_span,
 };
 use crate::runtime::slots::SlotTable;
 use crate::runtime::timer::{Mark, Timer};
@@ -794,22 +795,7 @@ fn release_state<A: Api>(
             }
         }
         if let Some(staging) = st.host_staging {
-            // The filler stops first (its queued fills run to the end).
-            match staging.ring.into_stages() {
-                Some(stages) => {
-                    for (buffer, copied) in stages {
-                        // SAFETY: every stream was drained and the filler
-                        // has stopped, so no copy or fill uses the buffer.
-                        if let Err(e) = unsafe { h.device.free_pinned(buffer) } {
-                            first.get_or_insert(dev_err("free_pinned(host staging)", e));
-                        }
-                        drop(copied);
-                    }
-                }
-                None => {
-                    tracing::error!("the staging fill thread still holds its buffers; leaking them")
-                }
-            }
+            free_staging_ring(h, staging.ring, false, first);
         }
         h.free_all(st.resident, "resident unit", first);
         for master in st
@@ -837,6 +823,48 @@ fn release_state<A: Api>(
         }
     })
 }
+
+/// Frees a staging ring's buffers: the filler stops first (its queued
+/// fills run to the end), then each buffer is freed, after its `copied`
+/// event where `wait` (else the caller drained every stream); the first
+/// error is kept in `first`. A filler that still holds the buffers (it
+/// panicked), or a buffer whose last copy cannot be waited for, leaks,
+/// logged.
+fn free_staging_ring<A: Api>(
+    h: &Handles<A>,
+    ring: StagingRing<A>,
+    wait: bool,
+    first: &mut Option<OffloadError>,
+) {
+    match ring.into_stages() {
+        Some(stages) => {
+            for (buffer, copied) in stages {
+                if wait && let Err(e) = h.device.synchronize_event(&copied) {
+                    first.get_or_insert(dev_err("synchronize_event(host staging copied)", e));
+                    tracing::error!(
+                        "a host staging buffer's last copy could not be waited for; leaking it"
+                    );
+                    std::mem::forget(buffer);
+                    continue;
+                }
+                // SAFETY: its last copy completed (waited for above, or every
+                // stream drained by the caller) and the filler has stopped,
+                // so no copy or fill uses the buffer.
+                if let Err(e) = unsafe { h.device.free_pinned(buffer) } {
+                    first.get_or_insert(dev_err("free_pinned(host staging)", e));
+                }
+                drop(copied);
+            }
+        }
+        None => {
+            tracing::error!("the staging fill thread still holds its buffers; leaking them")
+        }
+    }
+}
+
+/// The most pinned bytes a ring made only for refused uploads takes (the
+/// upload runs in chunks of it).
+const UPLOAD_STAGING_BYTES: u64 = 64 << 20;
 
 /// The host plan of `layout`'s streamed blocks under `config`'s
 /// `host_budget`, `transient` the largest resident unit (uploaded through
@@ -1168,9 +1196,10 @@ impl CodingTally {
     }
 }
 
-/// The coded master of `unit`, or `None` (logged) where the codec refused
-/// it or its blob exceeds [`coded_bound`] (then it is freed and the block
-/// streams raw).
+/// The coded master of `unit` ([`Handles::coded_master`]), or
+/// [`CodedMaster::Raw`] (logged) where the codec refused it or its blob
+/// exceeds [`coded_bound`] (then it is freed and the block streams raw), or
+/// the coded bytes back where the device refused to pin them.
 fn coded_master<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
@@ -1179,33 +1208,34 @@ fn coded_master<A: Api>(
     packed: Option<crate::runtime::backend::CodedRegion>,
     tally: &mut CodingTally,
     whole_mappings: bool,
-) -> Result<Option<(HostMaster<A>, u64)>, OffloadError> {
+) -> Result<CodedMaster<A>, OffloadError> {
     let start = std::time::Instant::now();
     let made = h.coded_master(unit, spans, codec, packed, whole_mappings)?;
     tally.seconds += start.elapsed().as_secs_f64();
     tally.decoded += unit.bytes;
     let bound = coded_bound(unit.bytes, spans.len());
     match made {
-        Some((master, work, from)) if master.len_bytes() <= bound => {
+        CodedMaster::Made(master, work, from) if master.len_bytes() <= bound => {
             tally.blocks += 1;
             tally.in_place += usize::from(from == CodedFrom::InPlace);
             tally.copied += usize::from(from == CodedFrom::Copied);
             tally.coded += master.len_bytes();
-            Ok(Some((master, work)))
+            Ok(CodedMaster::Made(master, work, from))
         }
-        Some((master, _, _)) => {
+        CodedMaster::Made(master, _, _) => {
             tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, master.len_bytes(), unit.bytes);
             // SAFETY: no copy has read the master yet.
             unsafe { h.free_master(master) }?;
             tally.raw += 1;
             tally.coded += unit.bytes;
-            Ok(None)
+            Ok(CodedMaster::Raw)
         }
-        None => {
+        CodedMaster::Raw => {
             tally.raw += 1;
             tally.coded += unit.bytes;
-            Ok(None)
+            Ok(CodedMaster::Raw)
         }
+        refused @ CodedMaster::PinRefused { .. } => Ok(refused),
     }
 }
 
@@ -1715,11 +1745,32 @@ impl<A: Api> LayerwiseBackend<A> {
                             &mut coding,
                             !staged_log.budget_set,
                         )? {
-                            Some((master, work)) => {
+                            CodedMaster::Made(master, work, _) => {
                                 let len = master.len_bytes();
                                 (master, Some((len, work)))
                             }
-                            None => (pinned_or_staged(h, &unit, &skip, &mut staged_log)?, None),
+                            CodedMaster::Raw => {
+                                (pinned_or_staged(h, &unit, &skip, &mut staged_log)?, None)
+                            }
+                            // Pinning refused (CONTRACT §7c): its coded
+                            // bytes stream staged, as a refused raw block
+                            // does.
+                            CodedMaster::PinRefused { coded, error } if staged_log.may_stage => {
+                                tracing::warn!(unit = %unit.name, "pinning the coded `{}` was refused ({error}); it streams staged", unit.name);
+                                staged_log.refused += 1;
+                                let why = crate::budget::StageReason::Refused;
+                                match staged_coded_master(
+                                    h,
+                                    &unit,
+                                    Some(coded),
+                                    why,
+                                    &mut staged_log,
+                                ) {
+                                    Some((master, coded)) => (master, Some(coded)),
+                                    None => (staged_master(h, &unit, why, &mut staged_log), None),
+                                }
+                            }
+                            CodedMaster::PinRefused { error, .. } => return Err(error),
                         }
                     }
                     _ => (pinned_or_staged(h, &unit, &skip, &mut staged_log)?, None),
@@ -1783,75 +1834,57 @@ impl<A: Api> LayerwiseBackend<A> {
             })
             .max();
         if let Some(bytes) = largest_staged {
-            // Each buffer asked for up to three times (a platform that
-            // limits pinned memory may refuse one request and grant the
-            // next); a ring of one buffer where the second is refused (the
-            // host then waits for each staged copy before the next fill).
-            let mut stages = Vec::new();
-            for j in 0..crate::budget::host::HOST_STAGING_BUFFERS {
-                let copied = self.event()?;
-                let mut last = None;
-                for _ in 0..3 {
-                    match h.device.alloc_pinned(bytes) {
-                        Ok(buffer) => {
-                            stages.push((buffer, copied));
-                            last = None;
-                            break;
-                        }
-                        Err(e) => last = Some(e),
-                    }
-                }
-                if let Some(e) = last {
-                    if j == 0 {
-                        return Err(dev_err(
-                            format!(
-                                "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters stream through pinned staging buffers, CONTRACT §7c)"
-                            ),
-                            e,
-                        ));
-                    }
-                    tracing::warn!(
-                        "a second host staging buffer of {bytes} bytes was refused ({e}); staged blocks stream through one (each fill waits for the previous staged copy)"
-                    );
-                    break;
-                }
-            }
-            // Dropped buffers on an error above free themselves (after a
-            // device synchronisation); from here `st` owns them.
             st.host_staging = Some(HostStaging {
-                ring: StagingRing::new(
-                    Arc::clone(&h.device),
-                    Arc::clone(&h.weights),
-                    stages,
-                    fill_threads(),
-                ),
+                ring: self
+                    .staging_ring(bytes, crate::budget::host::HOST_STAGING_BUFFERS as usize)?,
                 last: crate::budget::host::HOST_STAGING_BUFFERS as usize - 1,
                 release,
             });
         }
-        for unit in resident_units {
-            let buffer = match h.upload_within(unit, &skip, !staged_log.budget_set) {
-                Ok(b) => b,
-                // Pinning refused for the upload: through the staging ring,
-                // where there is one.
-                Err(OffloadError::DeviceOp { kind, cause, .. })
-                    if kind != crate::device::DeviceErrorKind::DeviceLost
-                        && skip.is_empty()
-                        && st.host_staging.is_some() =>
-                {
-                    tracing::warn!(unit = %unit.name, "pinning `{}` for its upload was refused ({cause}); uploading it through the staging ring", unit.name);
-                    upload_staged(
-                        h,
-                        unit,
-                        &st.host_staging.as_ref().expect("checked above").ring,
-                    )?
-                }
-                Err(e) => return Err(e),
-            };
-            let buffer = Arc::new(buffer);
-            st.resident.push(Arc::clone(&buffer));
-            st.placement.resident(unit, &buffer)?;
+        // A ring of one small buffer made for the uploads alone, where
+        // pinning one is refused and no master stages: freed once they
+        // are done.
+        let mut upload_ring: Option<StagingRing<A>> = None;
+        let uploaded = (|| -> Result<(), OffloadError> {
+            for unit in resident_units {
+                let buffer = match h.upload_within(unit, &skip, !staged_log.budget_set) {
+                    Ok(b) => b,
+                    // Pinning refused for the upload: through the staging
+                    // ring, or (layerwise) one made for it.
+                    Err(OffloadError::DeviceOp { kind, cause, .. })
+                        if kind != crate::device::DeviceErrorKind::DeviceLost
+                            && skip.is_empty()
+                            && (st.host_staging.is_some() || staged_log.may_stage) =>
+                    {
+                        tracing::warn!(unit = %unit.name, "pinning `{}` for its upload was refused ({cause}); uploading it through a staging buffer", unit.name);
+                        let ring = match (&st.host_staging, &mut upload_ring) {
+                            (Some(s), _) => &s.ring,
+                            (None, Some(r)) => &*r,
+                            (None, made @ None) => {
+                                // Within the plan's transient pinned buffer
+                                // (the largest resident unit), chunked.
+                                let bytes = transient.clamp(1, UPLOAD_STAGING_BYTES);
+                                &*made.insert(self.staging_ring(bytes, 1)?)
+                            }
+                        };
+                        upload_staged(h, unit, ring)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                let buffer = Arc::new(buffer);
+                st.resident.push(Arc::clone(&buffer));
+                st.placement.resident(unit, &buffer)?;
+            }
+            Ok(())
+        })();
+        if let Some(ring) = upload_ring {
+            let mut first = None;
+            free_staging_ring(h, ring, true, &mut first);
+            if let (Ok(()), Some(e)) = (&uploaded, first) {
+                return Err(e);
+            }
         }
+        uploaded?;
         // The slot pool: depth + 1 slots of the largest footprint, once
         // (none when every block stays resident).
         let slots = if layout.blocks().next().is_none() {
@@ -2276,6 +2309,53 @@ impl<A: Api> LayerwiseBackend<A> {
             ns = ns.min(e.max(1));
         }
         Ok(m.unit.bytes as f64 / (ns as f64 / 1e9))
+    }
+
+    /// A staging ring of up to `buffers` pinned buffers of `bytes`, each
+    /// asked for up to three times (a platform that limits pinned memory
+    /// may refuse one request and grant the next); fewer where a later one
+    /// is refused (the host then waits for each staged copy before the next
+    /// fill, logged), an error where the first is.
+    fn staging_ring(&self, bytes: u64, buffers: usize) -> Result<StagingRing<A>, OffloadError> {
+        let h = &self.engine.handles;
+        let mut stages = Vec::new();
+        for j in 0..buffers {
+            let copied = self.event()?;
+            let mut last = None;
+            for _ in 0..3 {
+                match h.device.alloc_pinned(bytes) {
+                    Ok(buffer) => {
+                        stages.push((buffer, copied));
+                        last = None;
+                        break;
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            if let Some(e) = last {
+                if j == 0 {
+                    // Dropped buffers free themselves (after a device
+                    // synchronisation).
+                    return Err(dev_err(
+                        format!(
+                            "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters and refused uploads stream through pinned staging buffers, CONTRACT §7c)"
+                        ),
+                        e,
+                    ));
+                }
+                tracing::warn!(
+                    "host staging buffer {} of {bytes} bytes was refused ({e}); staged blocks stream through {j} (each fill waits for the previous staged copy)",
+                    j + 1
+                );
+                break;
+            }
+        }
+        Ok(StagingRing::new(
+            Arc::clone(&h.device),
+            Arc::clone(&h.weights),
+            stages,
+            fill_threads(),
+        ))
     }
 
     fn alloc(&self, bytes: u64, name: &str) -> Result<Arc<A::DeviceBuffer>, OffloadError> {

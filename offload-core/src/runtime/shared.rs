@@ -92,6 +92,21 @@ pub(crate) enum CodedFrom {
     Encoded,
 }
 
+/// What [`Handles::coded_master`] made of a block.
+pub(crate) enum CodedMaster<A: Api> {
+    /// Its coded master, the decode's work items, where its bytes came from.
+    Made(HostMaster<A>, u64, CodedFrom),
+    /// The codec refused it: it streams raw.
+    Raw,
+    /// The device refused pinned memory for its coded bytes (`error`, not
+    /// a lost device): the bytes, pageable, for the caller to stage (or to
+    /// fail with `error` where it cannot).
+    PinRefused {
+        coded: crate::runtime::backend::CodedRegion,
+        error: OffloadError,
+    },
+}
+
 /// Device handles a backend works with.
 pub(crate) struct Handles<A: Api> {
     pub(crate) device: Arc<A::Device>,
@@ -294,10 +309,15 @@ impl<A: Api> Handles<A> {
     /// The coded host master of `unit` (CONTRACT §7b): `packed`, the
     /// coded bytes the weight source holds of it in the codec's format
     /// ([`crate::runtime::WeightSource::take_coded`], taken by the caller),
-    /// registered in place or copied; else its bytes read from the weight
-    /// source, encoded by `codec`, pinned at the coded size; with the
-    /// decode's work items. `None` (logged) where the codec refuses: the
-    /// block then streams raw.
+    /// registered in place, or copied into pinned memory of their size
+    /// (under a host budget, or where registering them is refused: the
+    /// host plan counted that size, and a copy is cheaper than an encode);
+    /// else its bytes read from the weight source, encoded by `codec`,
+    /// pinned at the coded size; with the decode's work items.
+    /// [`CodedMaster::Raw`] (logged) where the codec refuses: the block
+    /// then streams raw; [`CodedMaster::PinRefused`] where the device
+    /// refuses the pinned memory (not a lost device), with the coded bytes
+    /// for the caller to stage.
     pub(crate) fn coded_master(
         &self,
         unit: &Unit,
@@ -305,7 +325,7 @@ impl<A: Api> Handles<A> {
         codec: &dyn Codec<A>,
         packed: Option<crate::runtime::backend::CodedRegion>,
         whole_mappings: bool,
-    ) -> Result<Option<(HostMaster<A>, u64, CodedFrom)>, OffloadError> {
+    ) -> Result<CodedMaster<A>, OffloadError> {
         // A packed checkpoint's window in the codec's format: registered in
         // place, nothing encoded.
         if let Some(coded) = packed {
@@ -313,35 +333,32 @@ impl<A: Api> Handles<A> {
             let bound = crate::device::coded_bound(unit.bytes, spans.len());
             if len > bound {
                 tracing::warn!(unit = %unit.name, "the packed `{}` takes {len} bytes, above the bound of {bound}; encoding it instead", unit.name);
-            } else if !whole_mappings && coded.region.enclosing().is_some() {
-                // Under a host budget a window is never registered where the
-                // device would lock its whole mapping: its coded bytes are
-                // copied into pinned memory of their exact size.
-                let mut host = self.device.alloc_pinned(len).map_err(|e| {
-                    dev_err(
-                        format!("alloc_pinned({len} bytes) for the coded `{}`", unit.name),
-                        e,
-                    )
-                })?;
-                host.write_from(0, len, &coded.region.bytes());
-                return Ok(Some((
-                    self.counted(HostMaster::Pinned(host)),
-                    coded.work,
-                    CodedFrom::Copied,
-                )));
             } else {
-                match self.device.register_host(coded.region) {
-                    Ok(r) => {
-                        return Ok(Some((
-                            self.counted(HostMaster::Registered(r)),
-                            coded.work,
-                            CodedFrom::InPlace,
-                        )));
+                // Under a host budget a window is never registered where
+                // the device would lock its whole mapping: its coded bytes
+                // are copied into pinned memory of their exact size.
+                let coded = if whole_mappings || coded.region.enclosing().is_none() {
+                    let work = coded.work;
+                    match self.device.register_host(coded.region) {
+                        Ok(r) => {
+                            return Ok(CodedMaster::Made(
+                                self.counted(HostMaster::Registered(r)),
+                                work,
+                                CodedFrom::InPlace,
+                            ));
+                        }
+                        Err(e) => {
+                            tracing::warn!(unit = %unit.name, "registering the packed `{}` in place failed ({}); copying it into pinned memory", unit.name, e.error);
+                            crate::runtime::backend::CodedRegion {
+                                region: e.region,
+                                work,
+                            }
+                        }
                     }
-                    Err(e) => {
-                        tracing::warn!(unit = %unit.name, "registering the packed `{}` in place failed ({}); encoding it instead", unit.name, e.error);
-                    }
-                }
+                } else {
+                    coded
+                };
+                return self.pinned_coded(unit, coded, CodedFrom::Copied);
             }
         }
         let reader = UnitBytes {
@@ -353,22 +370,52 @@ impl<A: Api> Handles<A> {
             Ok(coded) => coded,
             Err(reason) => {
                 tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
-                return Ok(None);
+                return Ok(CodedMaster::Raw);
             }
         };
-        let len = coded.blob.len() as u64;
-        let mut host = self.device.alloc_pinned(len).map_err(|e| {
-            dev_err(
-                format!("alloc_pinned({len} bytes) for the coded `{}`", unit.name),
-                e,
-            )
-        })?;
-        host.write_from(0, len, &coded.blob);
-        Ok(Some((
-            self.counted(HostMaster::Pinned(host)),
-            coded.work,
+        self.pinned_coded(
+            unit,
+            crate::runtime::backend::CodedRegion {
+                work: coded.work,
+                region: Box::new(coded.blob),
+            },
             CodedFrom::Encoded,
-        )))
+        )
+    }
+
+    /// `coded` copied into pinned memory of its exact size, or handed back
+    /// where the device refuses the memory (not a lost device).
+    fn pinned_coded(
+        &self,
+        unit: &Unit,
+        coded: crate::runtime::backend::CodedRegion,
+        from: CodedFrom,
+    ) -> Result<CodedMaster<A>, OffloadError> {
+        let len = coded.region.bytes().len() as u64;
+        match self.device.alloc_pinned(len) {
+            Ok(mut host) => {
+                host.write_from(0, len, &coded.region.bytes());
+                Ok(CodedMaster::Made(
+                    self.counted(HostMaster::Pinned(host)),
+                    coded.work,
+                    from,
+                ))
+            }
+            Err(e) => {
+                let error = dev_err(
+                    format!("alloc_pinned({len} bytes) for the coded `{}`", unit.name),
+                    e,
+                );
+                match &error {
+                    OffloadError::DeviceOp { kind, .. }
+                        if *kind != crate::device::DeviceErrorKind::DeviceLost =>
+                    {
+                        Ok(CodedMaster::PinRefused { coded, error })
+                    }
+                    _ => Err(error),
+                }
+            }
+        }
     }
 
     /// A pinned host buffer of exactly `shard.bytes`: bytes
