@@ -385,8 +385,11 @@ fn a_staging_fill_that_panics_fails_the_request_typed_and_never_hangs() {
 /// the host's fills) nor longer than all three in series, and naming the
 /// bound it sits on. Without planner inputs it is a typed error naming
 /// them, and the same forecast given inputs; a fully pinned ring forecasts
-/// nothing. Seen red (2026-12-02) with the host stage left out of
-/// `forecast_staged`: the forecast fell below the host's fills.
+/// nothing. It forecasts with the ring's own staging buffers (two here;
+/// one where the second is refused, which `forecast_staged` times as fills
+/// serialised with the copies: the ring unit test). Seen red (2026-12-02)
+/// with the host stage left out of `forecast_staged`: the forecast fell
+/// below the host's fills.
 #[test]
 fn the_staged_forecast_reads_the_fills_the_engine_ran() {
     use offload_core::budget::StagedForecast;
@@ -447,6 +450,7 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
                 "{ring}: {f:?}"
             );
             assert_eq!(f.depth, 2);
+            assert_eq!(f.buffers, 2, "{ring}: the ring's two staging buffers");
             assert!(["compute", "the link", "the host's fills"].contains(&f.bound()));
         }
     }

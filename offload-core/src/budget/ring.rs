@@ -87,6 +87,9 @@ pub struct HostStage<'a> {
     /// Host fill of each block, seconds (entries of blocks not staged
     /// unused).
     pub fill_s: &'a [f64],
+    /// Staging buffers the fills cycle through (two; one where the device
+    /// refused the second, so each fill waits for the copy before it).
+    pub buffers: usize,
 }
 
 impl HostStage<'_> {
@@ -145,13 +148,14 @@ impl Fills {
             };
             let block = streamed[k % m];
             // The host stage: after the fill before it and after the copy
-            // out of its staging buffer (two staged fills back).
+            // out of its staging buffer (`buffers` staged fills back).
             let staged = host.is_some_and(|h| h.staged[block]);
             let hosted = match host {
                 Some(h) if staged => {
                     let q = self.staged_copies.len();
-                    let buffer_free = if q >= 2 {
-                        self.staged_copies[q - 2].1
+                    let buffers = h.buffers.max(1);
+                    let buffer_free = if q >= buffers {
+                        self.staged_copies[q - buffers].1
                     } else {
                         0.0
                     };
@@ -502,8 +506,11 @@ pub struct StagedForecast {
     pub staged_bytes: u64,
     /// The host's fill rate the forecast assumes, bytes per second.
     pub fill_bytes_per_s: f64,
-    /// The depth it was forecast at.
+    /// The look-ahead it was forecast at (the depth asked, within 1 and the
+    /// ring's streamed blocks − 1, as the recurrence runs it).
     pub depth: usize,
+    /// The host staging buffers it was forecast with.
+    pub buffers: usize,
     /// The steady-state forward, seconds.
     pub forward_s: f64,
     /// Compute of one forward, seconds.
@@ -537,7 +544,7 @@ pub fn forecast_staged(
     staged: &[bool],
     staged_bytes: &[u64],
     fill_bytes_per_s: f64,
-    depth: usize,
+    (depth, buffers): (usize, usize),
 ) -> Result<StagedForecast, BudgetError> {
     let n = shape.compute_s.len();
     if staged.len() != n || staged_bytes.len() != n {
@@ -558,7 +565,21 @@ pub fn forecast_staged(
             allowed: "a finite number of bytes per second above 0".to_owned(),
         });
     }
+    if !(1..=2).contains(&buffers) {
+        return Err(BudgetError::Input {
+            input: "host staging buffers".to_owned(),
+            value: buffers.to_string(),
+            allowed: "1 or 2".to_owned(),
+        });
+    }
     choose_lookahead(shape, 1, depth.clamp(1, MAX_DEPTH), None)?;
+    // The look-ahead the recurrence runs (a ring of m streamed blocks looks
+    // at most m − 1 ahead).
+    let streamed_n = shape.resident.iter().filter(|r| !**r).count();
+    let depth = depth
+        .clamp(1, MAX_DEPTH)
+        .min(streamed_n.saturating_sub(1))
+        .max(1);
     let fill_s: Vec<f64> = staged_bytes
         .iter()
         .map(|&b| b as f64 / fill_bytes_per_s)
@@ -566,6 +587,7 @@ pub fn forecast_staged(
     let host = HostStage {
         staged,
         fill_s: &fill_s,
+        buffers,
     };
     let ends = hosted_ends(
         shape.compute_s,
@@ -585,6 +607,7 @@ pub fn forecast_staged(
             .sum(),
         fill_bytes_per_s,
         depth,
+        buffers,
         forward_s: steady_s(&ends),
         compute_s: shape.compute_s.iter().sum::<f64>() + shape.other_s,
         link_s: (0..n)
@@ -683,26 +706,31 @@ mod tests {
     #[test]
     fn the_host_stage_bounds_a_staged_ring_by_its_fills() {
         let n = 12;
-        let ends = |compute: f64, copy: f64, staged: &[bool], fill: f64, depth: usize| {
-            let compute_s = vec![compute; n];
-            let copy_s = vec![copy; n];
-            let fill_s = vec![fill; n];
-            let resident = vec![false; n];
-            hosted_ends(
-                &compute_s,
-                &copy_s,
-                (
-                    None,
-                    Some(HostStage {
-                        staged,
-                        fill_s: &fill_s,
-                    }),
-                ),
-                &resident,
-                depth,
-                0.0,
-                0.0,
-            )
+        let ends_with =
+            |compute: f64, copy: f64, staged: &[bool], fill: f64, depth: usize, buffers: usize| {
+                let compute_s = vec![compute; n];
+                let copy_s = vec![copy; n];
+                let fill_s = vec![fill; n];
+                let resident = vec![false; n];
+                hosted_ends(
+                    &compute_s,
+                    &copy_s,
+                    (
+                        None,
+                        Some(HostStage {
+                            staged,
+                            fill_s: &fill_s,
+                            buffers,
+                        }),
+                    ),
+                    &resident,
+                    depth,
+                    0.0,
+                    0.0,
+                )
+            };
+        let ends = |compute, copy, staged: &[bool], fill, depth| {
+            ends_with(compute, copy, staged, fill, depth, 2)
         };
         let all = vec![true; n];
         let none = vec![false; n];
@@ -746,6 +774,16 @@ mod tests {
         // idle, two fills ahead at most; the link's 48 s is the step.
         let e = ends(0.1, 4.0, &all, 1.0, 8);
         assert!((steady_s(&e) - 48.0).abs() < 1e-9, "{e:?}");
+        // One staging buffer (the second refused): each fill waits for the
+        // copy out of the buffer before it, so fills of 1 and copies of 2
+        // serialise, 12 × 3, where two buffers overlap them at the link's
+        // 12 × 2.
+        for depth in [1, 2, 4] {
+            let one = ends_with(0.1, 2.0, &all, 1.0, depth, 1);
+            assert!((steady_s(&one) - 36.0).abs() < 1e-9, "{depth}: {one:?}");
+            let two = ends_with(0.1, 2.0, &all, 1.0, depth, 2);
+            assert!((steady_s(&two) - 24.0).abs() < 1e-9, "{depth}: {two:?}");
+        }
         // The hook's wait: with the first forward's fills slower than
         // everything else, compute cannot start before the first fill.
         let e = ends(0.1, 0.1, &all, 1.0, 1);

@@ -1999,10 +1999,10 @@ impl<A: Api> LayerwiseBackend<A> {
         let Some(st) = guard.as_ref() else {
             return Ok(Vec::new());
         };
-        let Some(rate) = st
+        let Some((rate, buffers)) = st
             .host_staging
             .as_ref()
-            .and_then(|s| s.ring.tally().bytes_per_s())
+            .and_then(|s| Some((s.ring.tally().bytes_per_s()?, s.ring.len())))
         else {
             return Ok(Vec::new());
         };
@@ -2053,9 +2053,14 @@ impl<A: Api> LayerwiseBackend<A> {
                 other_s,
                 interference: inputs.copy_interference,
             };
-            let forecast =
-                crate::budget::forecast_staged(&shape, &staged, &staged_bytes, rate, st.depth)
-                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+            let forecast = crate::budget::forecast_staged(
+                &shape,
+                &staged,
+                &staged_bytes,
+                rate,
+                (st.depth, buffers),
+            )
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
             out.push((ring.blocks[0].unit.name.clone(), forecast));
         }
         Ok(out)
