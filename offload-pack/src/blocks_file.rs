@@ -230,6 +230,10 @@ pub fn write_blocks(
 /// A coded-block file, mapped read-only, every block checked at open.
 pub struct CodedBlocks {
     path: PathBuf,
+    /// The file, for positional reads of released windows.
+    file: File,
+    /// Positional reads of windows so far ([`Self::direct_reads`]).
+    direct_reads: std::sync::atomic::AtomicU64,
     map: Arc<Mmap>,
     blocks: BTreeMap<String, (std::ops::Range<usize>, BlockEntry)>,
     /// A planted bug: hand blocks out without comparing fingerprints.
@@ -336,6 +340,8 @@ impl CodedBlocks {
         }
         Ok(Self {
             path,
+            file,
+            direct_reads: std::sync::atomic::AtomicU64::new(0),
             map: Arc::new(map),
             blocks,
             #[cfg(feature = "planted-bugs")]
@@ -346,6 +352,43 @@ impl CodedBlocks {
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Positional reads of coded windows so far
+    /// ([`WeightSource::read_coded_direct`]: a coded staged block whose pages
+    /// are released after each read).
+    pub fn direct_reads(&self) -> u64 {
+        self.direct_reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes `position..position + dst.len()` of `unit`'s window read with
+    /// `pread` (nothing mapped in), where `coded` is exactly that window of
+    /// this mapping and the range lies within it; `false` otherwise, or
+    /// where the read fails (logged at `debug`).
+    fn read_window_direct(&self, unit: &Unit, coded: &[u8], position: u64, dst: &mut [u8]) -> bool {
+        use std::os::unix::fs::FileExt;
+        let Some(range) = self.window_of(unit) else {
+            return false;
+        };
+        let window = &self.map[range.clone()];
+        let within = position
+            .checked_add(dst.len() as u64)
+            .is_some_and(|end| end <= window.len() as u64);
+        if !(std::ptr::eq(window.as_ptr(), coded.as_ptr()) && window.len() == coded.len() && within)
+        {
+            return false;
+        }
+        match self.file.read_exact_at(dst, range.start as u64 + position) {
+            Ok(()) => {
+                self.direct_reads
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(file = %self.path.display(), block = %unit.name, "a positional read of the coded window failed ({e}); reading it through the mapping");
+                false
+            }
+        }
     }
 
     /// Plants a bug (tests of the check): blocks are handed out without
@@ -488,6 +531,14 @@ impl WeightSource for WithCodedBlocks {
 
     fn read_direct(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
         self.inner.read_direct(storage, position, dst);
+    }
+
+    /// `pread` of this file's own window of `unit` (a coded staged block
+    /// whose pages are released after each read), never of bytes that are
+    /// not exactly that window; else what `inner` answers.
+    fn read_coded_direct(&self, unit: &Unit, coded: &[u8], position: u64, dst: &mut [u8]) -> bool {
+        self.blocks.read_window_direct(unit, coded, position, dst)
+            || self.inner.read_coded_direct(unit, coded, position, dst)
     }
 
     /// The unit's pages ahead: its coded window where this file holds the

@@ -523,7 +523,9 @@ impl offload_core::runtime::WeightSource for CountsReleases {
 
 /// A run of `config` under `o` over seed 0's trained weights with the
 /// coded-block file at `path` beside them, counting the staged reads whose
-/// pages are released into `releases`.
+/// pages are released into `releases` (and the positional reads of the
+/// file's coded windows, `CodedBlocks::direct_reads`, into
+/// [`DIRECT_READS`]).
 fn run_over_coded_file(
     path: &std::path::Path,
     releases: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -541,8 +543,9 @@ fn run_over_coded_file(
         }),
         blocks: CodedBlocks::open(path).unwrap(),
     });
+    let kept = Arc::clone(&source);
     let rig = offload_sim::harness::Rig::with_weights(pipeline, o, source).unwrap();
-    offload_sim::harness::drive(
+    let out = offload_sim::harness::drive(
         rig,
         &StrategyChoice::Config(config.clone()),
         config,
@@ -550,7 +553,15 @@ fn run_over_coded_file(
         w.requests,
         |rig| rig.request(&w),
         |_| {},
-    )
+    );
+    DIRECT_READS.with(|d| d.set(kept.blocks.direct_reads()));
+    out
+}
+
+thread_local! {
+    /// The positional reads of coded windows the last
+    /// [`run_over_coded_file`] on this thread made.
+    static DIRECT_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Coded blocks left pageable (CONTRACT §7b with §7c): with every master
@@ -656,11 +667,20 @@ fn coded_blocks_stream_staged_from_a_coded_block_file() {
                         );
                         assert!(out.at_end.locked_peak_bytes <= budget.unwrap(), "{what}");
                         // The staged bytes exceed what the budget leaves:
-                        // each coded read releases its pages.
+                        // each coded read releases its pages, and reads
+                        // with `pread`, mapping none in.
                         assert!(
                             releases.swap(0, std::sync::atomic::Ordering::SeqCst) > 0,
                             "{what}: the coded staged reads released nothing"
                         );
+                        assert!(
+                            DIRECT_READS.with(|d| d.get()) > 0,
+                            "{what}: no coded window read with pread"
+                        );
+                    }
+                    if pin == Some(false) {
+                        // Nothing released (no budget): read in place.
+                        assert_eq!(DIRECT_READS.with(|d| d.get()), 0, "{what}");
                     }
                 }
             }

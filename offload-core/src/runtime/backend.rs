@@ -101,6 +101,20 @@ pub trait WeightSource: Send + Sync {
         self.read(storage, position, dst);
     }
 
+    /// Reads bytes `position..position + dst.len()` of `coded`, the coded
+    /// bytes [`Self::take_coded`] handed out for `unit`, with positional
+    /// reads that map nothing in (`pread`): the filler reads so the coded
+    /// staged blocks whose pages it releases after reading (CONTRACT §7c).
+    /// A source answers only for bytes that are exactly its own window of
+    /// `unit` (the same address and length: never a copy, a blob encoded
+    /// at enable or a stale block), and returns `false` otherwise or where
+    /// the read fails; the caller then reads `coded` itself. Default:
+    /// `false`.
+    fn read_coded_direct(&self, unit: &Unit, coded: &[u8], position: u64, dst: &mut [u8]) -> bool {
+        let _ = (unit, coded, position, dst);
+        false
+    }
+
     /// A staged unit's bytes (CONTRACT §7c) will be read soon (the next
     /// staged block in ring order): a source backed by a mapped file may
     /// start reading them ahead (`madvise(MADV_WILLNEED)`). Default:

@@ -378,6 +378,16 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
 /// job asks.
 fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
     let (len, kind, reader) = match &job.coded {
+        // Pages released after the read: read so that none is mapped in.
+        Some(coded) if job.release => (
+            coded.bytes().len() as u64,
+            "stage coded",
+            Reader::CodedDirect {
+                weights: &*context.weights,
+                unit: &job.unit,
+                coded: coded.bytes(),
+            },
+        ),
         Some(coded) => (
             coded.bytes().len() as u64,
             "stage coded",
@@ -447,19 +457,36 @@ impl crate::device::ByteSource for ParallelUnitBytes<'_> {
 }
 
 /// What a parallel read reads: a unit from the weight source, or bytes
-/// in memory (a coded block's).
+/// in memory (a coded block's), or a coded block's bytes read with
+/// positional reads where the weight source holds them as its own window
+/// (`WeightSource::read_coded_direct`), else from memory.
 enum Reader<'a> {
     Unit(UnitBytes<'a>),
     Slice(&'a [u8]),
+    CodedDirect {
+        weights: &'a dyn WeightSource,
+        unit: &'a Unit,
+        coded: &'a [u8],
+    },
 }
 
 impl crate::device::ByteSource for Reader<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
+        let slice = |s: &[u8], dst: &mut [u8]| {
+            let at = position as usize;
+            dst.copy_from_slice(&s[at..at + dst.len()]);
+        };
         match self {
             Reader::Unit(u) => u.read_at(position, dst),
-            Reader::Slice(s) => {
-                let at = position as usize;
-                dst.copy_from_slice(&s[at..at + dst.len()]);
+            Reader::Slice(s) => slice(s, dst),
+            Reader::CodedDirect {
+                weights,
+                unit,
+                coded,
+            } => {
+                if !weights.read_coded_direct(unit, coded, position, dst) {
+                    slice(coded, dst);
+                }
             }
         }
     }
