@@ -17,6 +17,9 @@
 //! | [`plan`] | `OffloadPlan::from_json_str` / `from_toml_str` |
 //! | [`measurements`] | `PlannerInputs::from_json_str` |
 //! | [`planner`] | `budget::plan` over a fixed small pipeline from measurements parsed from the input |
+//! | [`packed_blob`] | `offload-pack`'s `Packed::parse` and its decodes |
+//! | [`packed_checkpoint`] | `PackedCheckpoint::open` on a `.opack` file |
+//! | [`coded_blocks`] | `CodedBlocks::open` on a `.opackb` coded-block file, each block checked against fixed weights and decoded |
 //!
 //! The same functions run under libFuzzer (`fuzz/`, see the README) and
 //! in a bounded, seeded run in `cargo test` ([`mutate`], `tests/ci.rs`).
@@ -42,7 +45,7 @@ pub mod mutate;
 pub type Harness = fn(&[u8]);
 
 /// The targets by name, as the corpus and regression folders name them.
-pub const TARGETS: [(&str, Harness); 9] = [
+pub const TARGETS: [(&str, Harness); 10] = [
     ("safetensors_file", safetensors_file),
     ("safetensors_index", safetensors_index),
     ("name_map", name_map),
@@ -52,6 +55,7 @@ pub const TARGETS: [(&str, Harness); 9] = [
     ("planner", planner),
     ("packed_blob", packed_blob),
     ("packed_checkpoint", packed_checkpoint),
+    ("coded_blocks", coded_blocks),
 ];
 
 thread_local! {
@@ -421,9 +425,10 @@ pub fn measurements(data: &[u8]) {
     assert_eq!(back.pipeline_type, m.pipeline_type);
 }
 
-/// A small pipeline for [`planner`]: a DiT of two block containers (4 and
-/// 2 blocks of two sizes) and a text encoder of 2 layers, declared.
-fn small_pipeline() -> &'static Pipeline {
+/// A small pipeline for [`planner`] and [`coded_blocks`]: a DiT of two
+/// block containers (4 and 2 blocks of two sizes) and a text encoder of 2
+/// layers, declared.
+pub fn small_pipeline() -> &'static Pipeline {
     static PIPELINE: std::sync::OnceLock<Pipeline> = std::sync::OnceLock::new();
     PIPELINE.get_or_init(|| {
         let mut b = PipelineBuilder::new("FuzzPipeline");
@@ -551,6 +556,93 @@ pub fn packed_checkpoint(data: &[u8]) {
                 entry.range.len()
             ),
             Err(e) => said(&e),
+        }
+    }
+}
+
+/// Weights of [`small_pipeline`] for [`coded_blocks`]: every bf16 value a
+/// fixed function of its storage and place, drawn like a trained weight's
+/// (a few exponents around 2^-7, so the window code codes them); other
+/// bytes the same function's low byte.
+pub struct FixedWeights;
+
+impl FixedWeights {
+    fn byte(storage: u64, at: u64) -> u8 {
+        // splitmix64 of (storage, the bf16 value's index).
+        let mut z = ((storage << 40) ^ (at / 2)).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let value = ((z >> 20) & 1) << 15 | (120 + z % 6) << 7 | (z >> 8) & 0x7f;
+        (value >> (8 * (at % 2))) as u8
+    }
+}
+
+impl WeightSource for FixedWeights {
+    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
+        let s = u64::from(storage.index() as u32);
+        for (i, b) in dst.iter_mut().enumerate() {
+            *b = Self::byte(s, position + i as u64);
+        }
+    }
+}
+
+/// The coded-block file of [`small_pipeline`]'s blocks over
+/// [`FixedWeights`] (the corpus seed of [`coded_blocks`]), written at
+/// `path`.
+pub fn write_coded_blocks_seed(path: &Path) -> Result<(), String> {
+    offload_pack::blocks_file::pack_blocks(
+        path,
+        small_pipeline(),
+        &FixedWeights,
+        &offload_pack::format::EncodeConfig::default(),
+    )
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+/// `CodedBlocks::open` on `data` written as a `.opackb` coded-block file:
+/// on success its blobs lie within the file, and for every block of
+/// [`small_pipeline`] the file's block of that path and layout, checked
+/// against [`FixedWeights`] (its fingerprint), is handed out within the
+/// file and decodes to exactly the unit's bytes, or fails with a typed
+/// error; a block neither matched nor mismatched is `None`.
+pub fn coded_blocks(data: &[u8]) {
+    use offload_pack::blocks_file::CodedBlocks;
+    let path = scratch("fuzz.opackb");
+    std::fs::write(&path, data).expect("the scratch file");
+    let blocks = match CodedBlocks::open(&path) {
+        Ok(b) => b,
+        Err(e) => return said(&e),
+    };
+    assert!(
+        blocks.coded_bytes() <= data.len() as u64 * blocks.blocks().count().max(1) as u64,
+        "{} coded bytes in a file of {}",
+        blocks.coded_bytes(),
+        data.len()
+    );
+    let part = offload_core::runtime::packing_for(small_pipeline(), &FixedWeights)
+        .expect("the fuzz pipeline packs");
+    for unit in part.blocks.values() {
+        let region = match blocks.checked_region(unit, &FixedWeights) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(e) => {
+                said(&e);
+                continue;
+            }
+        };
+        let bytes = region.region.bytes();
+        assert!(
+            bytes.len() <= data.len(),
+            "`{}`: a window of {} bytes in a file of {}",
+            unit.name,
+            bytes.len(),
+            data.len()
+        );
+        let mut out = vec![0u8; usize::try_from(unit.bytes).expect("a small unit")];
+        if let Err(e) = offload_pack::block::decode_block(bytes, &mut out, 1) {
+            said(&e);
         }
     }
 }

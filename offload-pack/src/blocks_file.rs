@@ -261,6 +261,9 @@ impl CodedBlocks {
         // SAFETY: mapped read-only; the file must not be rewritten while
         // mapped (documented on the type, as safetensors checkpoints are).
         let map = unsafe { Mmap::map(&file) }.map_err(io(&path))?;
+        // Offsets past the data refused first: `read_metadata` would add
+        // them unchecked (an overflow panic in debug builds).
+        offload_safetensors::offsets_within(&map).map_err(|e| container(&path, e))?;
         let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
             .map_err(|e| container(&path, e.to_string()))?;
         let text = meta

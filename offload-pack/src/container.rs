@@ -616,6 +616,9 @@ impl PackedCheckpoint {
             path: path.to_owned(),
             reason,
         };
+        // Offsets past the data refused first: `read_metadata` would add
+        // them unchecked (an overflow panic in debug builds).
+        offload_safetensors::offsets_within(&map).map_err(bad)?;
         let (n, meta) =
             safetensors::SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
         let data_start = 8 + n;

@@ -1182,3 +1182,52 @@ mod kernel {
             .ok_or(())
     }
 }
+
+/// A packed (`.opack`) or coded-block (`.opackb`) file whose header claims
+/// offsets summing past 2^64 (eight U8 tensors of about 2^61 bytes) is a
+/// typed container error naming the offsets, from both parsers, never the
+/// overflow panic `safetensors` 0.8's `read_metadata` hits when it adds them
+/// unchecked. Found by the `coded_blocks` fuzz target's bounded run with the
+/// `safetensors_file` regression beside it (2026-12-02): both parsers
+/// panicked in debug builds (`attempt to add with overflow`) until they
+/// called `offload_safetensors::offsets_within` first.
+#[test]
+fn headers_claiming_offsets_past_2_64_are_typed_errors_in_both_containers() {
+    let mut entries = Vec::new();
+    let (mut off, total) = (0u64, u64::MAX - 1007);
+    for i in 0..8 {
+        let size = if i < 7 { (1 << 61) - 1 } else { total - off };
+        entries.push(format!(
+            r#""t{i}":{{"dtype":"U8","shape":[{size}],"data_offsets":[{off},{}]}}"#,
+            off + size
+        ));
+        off += size;
+    }
+    let mut header = format!("{{{}}}", entries.join(","));
+    while header.len() < 1000 {
+        header.push(' ');
+    }
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    let dir = std::env::temp_dir().join(format!("pack-claims-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["claims.opack", "claims.opackb"] {
+        let path = dir.join(name);
+        std::fs::write(&path, &file).unwrap();
+        let e = if name.ends_with(".opack") {
+            offload_pack::container::PackedCheckpoint::open(&path)
+                .map(|_| ())
+                .unwrap_err()
+        } else {
+            offload_pack::blocks_file::CodedBlocks::open(&path)
+                .map(|_| ())
+                .unwrap_err()
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains(name) && e.contains("data_offsets") && e.contains("t0"),
+            "{name}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -518,8 +518,10 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// 2^64 (eight tensors of 2^61 bytes) overflow there: a panic where
 /// overflow is checked (debug builds, `cargo test`); in release the
 /// wrapped sum is below the file's length and the header is refused.
-/// Anything else malformed is left to `safetensors` to report.
-fn offsets_within(buffer: &[u8]) -> Result<(), String> {
+/// Anything else malformed is left to `safetensors` to report. Every
+/// parser of a safetensors container calls it first (offload-pack's packed
+/// and coded-block files too).
+pub fn offsets_within(buffer: &[u8]) -> Result<(), String> {
     let Some(prefix) = buffer.first_chunk::<8>() else {
         return Ok(());
     };
