@@ -65,6 +65,10 @@ struct Context<A: Api> {
     device: Arc<A::Device>,
     weights: Arc<dyn WeightSource>,
     threads: usize,
+    /// The ring's worker threads a fill splits over (`threads` of them,
+    /// started once with the ring and stopped when it drops), or `None`
+    /// where they could not start (each fill then starts its own).
+    pool: Option<rayon::ThreadPool>,
     /// The fills so far, as the host timed them.
     tally: Mutex<FillTally>,
 }
@@ -126,6 +130,7 @@ impl<A: Api> StagingRing<A> {
         let context = Arc::new(Context {
             device,
             weights,
+            pool: fill_pool(threads),
             threads,
             tally: Mutex::new(FillTally::default()),
         });
@@ -173,6 +178,12 @@ impl<A: Api> StagingRing<A> {
     }
 
     /// Bytes of each staging buffer together.
+    /// The ring's fill workers, for reads beside its fills (a staged
+    /// upload at enable).
+    pub(crate) fn pool(&self) -> Option<&rayon::ThreadPool> {
+        self.context.pool.as_ref()
+    }
+
     pub(crate) fn bytes(&self) -> u64 {
         self.cells
             .iter()
@@ -411,6 +422,7 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
         &ParallelBytes {
             reader,
             threads: context.threads,
+            pool: context.pool.as_ref(),
         },
     );
     // The unit's pages dropped once read (a coded block's window, or its
@@ -437,6 +449,9 @@ pub(crate) struct ParallelUnitBytes<'a> {
     pub(crate) weights: &'a dyn WeightSource,
     pub(crate) unit: &'a Unit,
     pub(crate) threads: usize,
+    /// Worker threads to split over ([`StagingRing::pool`]), else threads
+    /// started for the read.
+    pub(crate) pool: Option<&'a rayon::ThreadPool>,
     /// Read with [`WeightSource::read_direct`]: the pages are released
     /// after the read, so they are never mapped in.
     pub(crate) direct: bool,
@@ -451,6 +466,7 @@ impl crate::device::ByteSource for ParallelUnitBytes<'_> {
                 direct: self.direct,
             }),
             threads: self.threads,
+            pool: self.pool,
         }
         .read_at(position, dst);
     }
@@ -497,6 +513,7 @@ impl crate::device::ByteSource for Reader<'_> {
 struct ParallelBytes<'a> {
     reader: Reader<'a>,
     threads: usize,
+    pool: Option<&'a rayon::ThreadPool>,
 }
 
 impl crate::device::ByteSource for ParallelBytes<'_> {
@@ -510,6 +527,16 @@ impl crate::device::ByteSource for ParallelBytes<'_> {
             return;
         }
         let per = dst.len().div_ceil(threads).next_multiple_of(4096);
+        // The ring's workers, woken for the parts (no thread started per
+        // fill); a part's panic reaches the caller, as a scoped thread's.
+        if let Some(pool) = self.pool {
+            pool.scope(|s| {
+                for (i, part) in dst.chunks_mut(per).enumerate() {
+                    s.spawn(move |_| reader.read_at(position + (i * per) as u64, part));
+                }
+            });
+            return;
+        }
         // Each part in a slot its thread takes; a part whose thread the OS
         // refused (a pids limit) is still in its slot after the scope, and
         // is read here.
@@ -541,8 +568,77 @@ impl crate::device::ByteSource for ParallelBytes<'_> {
     }
 }
 
+/// The worker threads of a ring's fills: `threads` of them (none for one,
+/// or under loom), named `offload-fill-N`; `None`, logged, where the OS
+/// refuses them (each fill then starts its own threads, or reads on one).
+fn fill_pool(threads: usize) -> Option<rayon::ThreadPool> {
+    if threads <= 1 || cfg!(loom) {
+        return None;
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("offload-fill-{i}"))
+        .build()
+        .inspect_err(|e| {
+            tracing::debug!("the staging fill's {threads} worker threads were refused ({e}); each fill starts its own")
+        })
+        .ok()
+}
+
 /// Host threads one staging fill splits over (CONTRACT §7c): the machine's
 /// cores, at most 16.
 pub fn fill_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::device::ByteSource;
+
+    /// A fill split over the ring's worker pool reads exactly what one
+    /// thread reads, at any offset and length (parts page-aligned, the
+    /// last short), as does the fallback that starts threads per fill; a
+    /// part that panics (here: one reading past its source) reaches the
+    /// caller through either, as the filler's `catch_unwind` expects. Seen
+    /// red (2026-12-02) with the pool's parts read from `i * per` of the
+    /// source, without the fill's `position`.
+    #[test]
+    fn a_fill_over_the_pool_reads_what_one_thread_reads() {
+        let pool = fill_pool(4).expect("4 worker threads start");
+        let source: Vec<u8> = (0..40u64 << 20).map(|i| (i * 7 % 251) as u8).collect();
+        for (position, len) in [
+            (0usize, 20 << 20),
+            (12_345, (9 << 20) + 17),
+            (36 << 20, 4 << 20),
+        ] {
+            let want = &source[position..position + len];
+            for pool in [Some(&pool), None] {
+                let mut got = vec![0u8; len];
+                ParallelBytes {
+                    reader: Reader::Slice(&source),
+                    threads: 4,
+                    pool,
+                }
+                .read_at(position as u64, &mut got);
+                assert!(
+                    got == want,
+                    "at {position}, {len} bytes, pool {}",
+                    pool.is_some()
+                );
+            }
+        }
+        for pool in [Some(&pool), None] {
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut got = vec![0u8; 20 << 20];
+                ParallelBytes {
+                    reader: Reader::Slice(&source),
+                    threads: 4,
+                    pool,
+                }
+                .read_at(30 << 20, &mut got);
+            }));
+            assert!(caught.is_err(), "pool {}: the part's panic", pool.is_some());
+        }
+    }
 }

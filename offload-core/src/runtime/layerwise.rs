@@ -1050,6 +1050,7 @@ fn upload_staged<A: Api>(
                         weights: &*h.weights,
                         unit,
                         threads,
+                        pool: staging.pool(),
                         direct: false,
                     },
                     at,
