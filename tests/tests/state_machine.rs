@@ -7,8 +7,11 @@
 //! The seeded run replays one scenario from `OFFLOAD_SIM_SEED`, VOPR style:
 //! a failing seed is printed and can be run again on its own.
 
+use offload_core::OffloadConfig;
+use offload_core::model::DType;
+use offload_sim::FaultPlan;
 use offload_sim::faults::{SEED_ENV, seed_from_env};
-use offload_tests::scenario::{Driver, Op, Scenario, op, scenario, seeded};
+use offload_tests::scenario::{BlockSpec, Driver, Op, PipeSpec, Scenario, op, scenario, seeded};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
@@ -166,4 +169,50 @@ fn the_same_seed_gives_the_same_trace() {
         x.requests[0].output, z.requests[0].output,
         "another weight seed gives other outputs"
     );
+}
+
+#[test]
+fn an_upload_ring_made_for_a_refused_pin_carries_the_uploads_after_it() {
+    // Found by CI: the 14th allocation (an upload's transient pin) fails;
+    // the uploads after it pinned their own transients beside the ring
+    // made for it, past INV-7's one-transient bound (1,193 > 1,145 bytes).
+    let b = |t: Vec<(DType, Vec<u64>)>, tie, buffer| BlockSpec {
+        tensors: t,
+        tie,
+        buffer,
+    };
+    let spec = PipeSpec {
+        containers: vec![vec![
+            b(vec![(DType::Bf16, vec![1])], false, false),
+            b(vec![(DType::Bf16, vec![6])], true, true),
+            b(
+                vec![(DType::F8E4M3, vec![3]), (DType::I32, vec![5])],
+                false,
+                false,
+            ),
+            b(
+                vec![(DType::F64, vec![10, 10]), (DType::F32, vec![2])],
+                true,
+                false,
+            ),
+        ]],
+        encoder_layers: 3,
+    };
+    let mut config = OffloadConfig::default();
+    config.enable_cpu_offload = true;
+    config.enable_layerwise_offload = true;
+    let faults = FaultPlan {
+        fail_alloc_at: Some(14),
+        ..FaultPlan::none()
+    };
+    let s = Scenario {
+        spec,
+        config,
+        depth: 1,
+        faults,
+        seed: 14787010569866819097,
+    };
+    let mut d = Driver::new(s);
+    d.apply(&Op::Enable);
+    d.finish();
 }

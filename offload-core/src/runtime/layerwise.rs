@@ -1848,6 +1848,15 @@ impl<A: Api> LayerwiseBackend<A> {
         let mut upload_ring: Option<StagingRing<A>> = None;
         let uploaded = (|| -> Result<(), OffloadError> {
             for unit in resident_units {
+                // Once a ring was made for a refused upload, the rest go
+                // through it too: it is the plan's transient buffer, and a
+                // second transient pin beside it would exceed INV-7's bound.
+                if let Some(ring) = &upload_ring {
+                    let buffer = Arc::new(upload_staged(h, unit, ring)?);
+                    st.resident.push(Arc::clone(&buffer));
+                    st.placement.resident(unit, &buffer)?;
+                    continue;
+                }
                 let buffer = match h.upload_within(unit, &skip, !staged_log.budget_set) {
                     Ok(b) => b,
                     // Pinning refused for the upload: through the staging
