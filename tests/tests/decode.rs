@@ -913,6 +913,21 @@ fn refused_coded_pins_stream_staged_coded_and_the_log_names_each_block() {
         host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
         ..OffloadConfig::default()
     };
+    // The bytes on the link without a fault, per (file, budget): a refused
+    // coded block streams its coded bytes staged, so the link carries
+    // exactly as much (a refused block staged raw would carry more).
+    let mut link = std::collections::BTreeMap::new();
+    for (file, budget) in [(true, Some(budget)), (true, None), (false, None)] {
+        let c = config(budget);
+        let o = opts(&[], 2, Some(3));
+        let out = if file {
+            run_over_coded_file(&path, &releases, &c, &o)
+        } else {
+            run(&workload(), &StrategyChoice::Config(c.clone()), &o)
+        }
+        .unwrap_or_else(|f| panic!("control {file} {budget:?}: {}", f.error));
+        link.insert((file, budget), out.requests[1].denoise_h2d_bytes);
+    }
     let mut refused_coded = 0;
     for every in [3, 5] {
         for threads in [false, true] {
@@ -940,6 +955,11 @@ fn refused_coded_pins_stream_staged_coded_and_the_log_names_each_block() {
                 assert_eq!(all_violations(&out), vec![], "{what}");
                 assert!(out.at_end.decodes > 0, "{what}");
                 assert_eq!(out.at_end.decode_errors, 0, "{what}");
+                assert_eq!(
+                    out.requests[1].denoise_h2d_bytes,
+                    link[&(file, budget)],
+                    "{what}: bytes on the link against the run without a fault"
+                );
                 // Each refusal logged with its cause, and each refused
                 // block named as it stages.
                 let causes = log.matches("` was refused (").count();
