@@ -198,9 +198,11 @@ fn an_upload_ring_made_for_a_refused_pin_carries_the_uploads_after_it() {
         ]],
         encoder_layers: 3,
     };
-    let mut config = OffloadConfig::default();
-    config.enable_cpu_offload = true;
-    config.enable_layerwise_offload = true;
+    let config = OffloadConfig {
+        enable_cpu_offload: true,
+        enable_layerwise_offload: true,
+        ..OffloadConfig::default()
+    };
     let faults = FaultPlan {
         fail_alloc_at: Some(14),
         ..FaultPlan::none()
