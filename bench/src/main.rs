@@ -43,7 +43,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -191,6 +191,12 @@ pub(crate) struct Args {
     /// staged path's own limit (the host copy rate, measured in this run).
     #[arg(long, value_delimiter = ',')]
     host_budgets: Vec<String>,
+    /// How the loader's bytes are copied into staging buffers and pinned
+    /// masters: `streaming` (`offload_core::copy::copy_streaming`, the
+    /// library's weight sources' copy: non-temporal stores) or `plain`
+    /// (`copy_from_slice`, the comparison: what the fill wrote before).
+    #[arg(long, value_enum, default_value = "streaming")]
+    fill_copy: FillCopy,
     /// With `--host-budgets`: the streamed blocks written to this file
     /// (when missing or of another size), mapped, and each budget run again
     /// with its masters from the file (`file` rows): the file's page cache
@@ -259,6 +265,28 @@ impl Compression {
             Compression::Lossless => WeightCompression::Lossless,
             Compression::Auto => WeightCompression::Auto,
         }
+    }
+}
+
+/// `--fill-copy` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum FillCopy {
+    /// Non-temporal stores (`copy_streaming`).
+    Streaming,
+    /// `copy_from_slice`.
+    Plain,
+}
+
+/// `--fill-copy plain` was given: the loader's copies are plain.
+static PLAIN_FILL: AtomicBool = AtomicBool::new(false);
+
+/// A copy of the loader's bytes into a staging buffer or a pinned master,
+/// as `--fill-copy` says.
+pub(crate) fn fill_copy(dst: &mut [u8], src: &[u8]) {
+    if PLAIN_FILL.load(Ordering::Relaxed) {
+        dst.copy_from_slice(src);
+    } else {
+        offload_core::copy::copy_streaming(dst, src);
     }
 }
 
@@ -442,7 +470,7 @@ impl WeightSource for Loaded {
     fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
         let (unit, offset) = &self.at[&storage];
         let start = (offset + position) as usize;
-        dst.copy_from_slice(&self.units[unit][start..start + dst.len()]);
+        fill_copy(dst, &self.units[unit][start..start + dst.len()]);
     }
 
     fn take_region(&self, unit: &Unit) -> Option<Box<dyn HostRegion>> {
@@ -1208,6 +1236,7 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    PLAIN_FILL.store(args.fill_copy == FillCopy::Plain, Ordering::Relaxed);
     #[cfg(feature = "planted-bugs")]
     let bugs = planted(&args)?;
     #[cfg(not(feature = "planted-bugs"))]
@@ -1998,7 +2027,12 @@ fn print_staged_summary(
 ) {
     let Some(g) = host_gbps else { return };
     println!(
-        "\nStaged masters (CONTRACT §7c); pageable → pinned host copy {g:.2} GB/s; staged stream (host copy + DMA, no compute) {:.2} GB/s{}",
+        "\nStaged masters (CONTRACT §7c), fills with {} copies; pageable → pinned host copy {g:.2} GB/s; staged stream (host copy + DMA, no compute) {:.2} GB/s{}",
+        if PLAIN_FILL.load(Ordering::Relaxed) {
+            "plain"
+        } else {
+            "streaming"
+        },
         stream_gbps.unwrap_or(0.0),
         file.map_or(String::new(), |(c, w)| format!(
             "; masters file read {c:.2} GB/s from the disk, {w:.2} GB/s from the page cache"

@@ -30,7 +30,7 @@ impl ByteSource for Parallel<'_> {
         let per = dst.len().div_ceil(self.1).next_multiple_of(4096).max(4096);
         std::thread::scope(|s| {
             for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
-                s.spawn(move || d.copy_from_slice(c));
+                s.spawn(move || crate::fill_copy(d, c));
             }
         });
     }
@@ -226,7 +226,7 @@ impl WeightSource for FileMasters {
         match self.offsets.get(unit) {
             Some(&at) => {
                 let start = (at + offset + position) as usize;
-                dst.copy_from_slice(&self.map[start..start + dst.len()]);
+                crate::fill_copy(dst, &self.map[start..start + dst.len()]);
             }
             None => self.loaded.read(storage, position, dst),
         }

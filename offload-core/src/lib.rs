@@ -14,6 +14,7 @@
 pub mod budget;
 pub mod bytes;
 pub mod config;
+pub mod copy;
 pub mod declaration;
 pub mod device;
 pub mod diagnostics;

@@ -1004,7 +1004,9 @@ impl WeightSource for SafetensorsSource {
             Some(b) => {
                 let src = &self.mapped(b).map[b.range.clone()];
                 let p = position as usize;
-                dst.copy_from_slice(&src[p..p + dst.len()]);
+                // Into a staging buffer or a pinned master, which only the
+                // copy engine reads: streaming stores.
+                offload_core::copy::copy_streaming(dst, &src[p..p + dst.len()]);
             }
             None => dst.fill(0),
         }

@@ -490,7 +490,7 @@ impl crate::device::ByteSource for Reader<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         let slice = |s: &[u8], dst: &mut [u8]| {
             let at = position as usize;
-            dst.copy_from_slice(&s[at..at + dst.len()]);
+            crate::copy::copy_streaming(dst, &s[at..at + dst.len()]);
         };
         match self {
             Reader::Unit(u) => u.read_at(position, dst),
