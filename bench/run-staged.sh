@@ -18,6 +18,8 @@
 #   this coded-block file (written first from the loaded weights, about a
 #   minute on 16 cores): within the budget registered in place, beyond it
 #   staged coded (CONTRACT §7b with §7c); default COMPRESSION=none
+#   FILL_COPY=plain: the loader's bytes copied with copy_from_slice, not
+#   the streaming stores the library's weight sources use (the A/B)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${1:-}
@@ -43,6 +45,7 @@ cuda_libs
   ${MASTERS_FILE:+--masters-file "$MASTERS_FILE"} \
   --weight-compression "${COMPRESSION:-none}" --repeats "${REPEATS:-1}" \
   ${CODED_BLOCKS:+--coded-blocks "$CODED_BLOCKS"} \
+  ${FILL_COPY:+--fill-copy "$FILL_COPY"} \
   >"$OUT/staged.log" 2>"$OUT/staged.err"
 rc=$?
 tail -n 5 "$OUT/staged.err"

@@ -34,7 +34,11 @@ impl std::fmt::Debug for CodedRegion {
 /// Where the weights' bytes come from (a checkpoint reader, a generator).
 pub trait WeightSource: Send + Sync {
     /// Fills `dst` with the bytes of `storage` at
-    /// `position..position + dst.len()`.
+    /// `position..position + dst.len()`. `dst` is most often a staging
+    /// buffer or a pinned master, which only the copy engine reads: a
+    /// source that copies bytes it holds should copy them with
+    /// [`crate::copy::copy_streaming`] (non-temporal stores), as the
+    /// safetensors source does.
     fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]);
 
     /// Where `storage`'s bytes lie in this source, if it holds them in an
