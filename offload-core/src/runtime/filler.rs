@@ -591,7 +591,8 @@ pub fn fill_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
+#[cfg(not(loom))]
 mod tests {
     use super::*;
     use crate::device::ByteSource;
