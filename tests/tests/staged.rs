@@ -463,3 +463,45 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
     let (seen, _) = forecasts(None, Some(inputs.clone()));
     assert!(seen.iter().all(|f| f.as_ref().unwrap().is_empty()));
 }
+
+/// Only a refused pin (or registration) of an upload's transient master
+/// sends the upload through a staging buffer: an allocation failing at any
+/// point of `enable`, whether a pinned buffer's (then staged, logged as
+/// refused) or a device buffer's (then `enable`'s typed error, never
+/// called a refused pin), and every run's outputs equal resident or its
+/// error typed. Found by review (2026-12-03): a failed `alloc_device` of a
+/// resident unit was logged as "pinning … for its upload was refused" and
+/// retried through a pinned ring, hiding the device's out-of-memory.
+#[test]
+fn only_a_refused_pin_sends_an_upload_through_a_staging_buffer() {
+    let want = resident();
+    let mut staged_uploads = 0;
+    for at in 1..=40u64 {
+        let o = RunOptions {
+            faults: FaultPlan {
+                fail_alloc_at: Some(at),
+                ..FaultPlan::none()
+            },
+            ..opts(&[], 2, None)
+        };
+        let (out, log) = capture_logs(|| run(&workload(), &layerwise(None, None), &o));
+        for line in log
+            .lines()
+            .filter(|l| l.contains("for its upload was refused"))
+        {
+            staged_uploads += 1;
+            assert!(
+                !line.contains("alloc_device"),
+                "allocation {at}: a device allocation called a refused pin: {line}"
+            );
+        }
+        match out {
+            Ok(out) => assert_eq!(outputs(&out), want, "allocation {at}"),
+            Err(f) => assert!(!f.error.to_string().is_empty(), "allocation {at}"),
+        }
+    }
+    assert!(
+        staged_uploads > 0,
+        "some upload's pin was refused and staged"
+    );
+}

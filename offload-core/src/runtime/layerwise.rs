@@ -1857,8 +1857,11 @@ impl<A: Api> LayerwiseBackend<A> {
                     st.placement.resident(unit, &buffer)?;
                     continue;
                 }
-                let buffer = match h.upload_within(unit, &skip, !staged_log.budget_set) {
-                    Ok(b) => b,
+                // Only the pin (or registration) of the upload's transient
+                // master may be refused here: a failed device allocation or
+                // copy after it is the upload's own error.
+                let buffer = match h.master_within(unit, &skip, !staged_log.budget_set) {
+                    Ok(master) => h.upload_through(unit, master)?,
                     // Pinning refused for the upload: through the staging
                     // ring, or (layerwise) one made for it.
                     Err(OffloadError::DeviceOp { kind, cause, .. })

@@ -620,6 +620,18 @@ impl<A: Api> Handles<A> {
         whole_mappings: bool,
     ) -> Result<A::DeviceBuffer, OffloadError> {
         let staging = self.master_within(unit, skip, whole_mappings)?;
+        self.upload_through(unit, staging)
+    }
+
+    /// Uploads `unit` from `staging` (a master [`Self::master_within`]
+    /// made for it), waits for the copy and frees `staging`: the second
+    /// half of [`Self::upload_within`], for a caller that handles a refused
+    /// pin (the first half's error) apart from a failed upload.
+    pub(crate) fn upload_through(
+        &self,
+        unit: &Unit,
+        staging: HostMaster<A>,
+    ) -> Result<A::DeviceBuffer, OffloadError> {
         let result = self.upload_from(unit, &staging);
         if let Err(e) = self
             .device
