@@ -172,10 +172,13 @@ fn the_same_seed_gives_the_same_trace() {
 }
 
 #[test]
-fn an_upload_ring_made_for_a_refused_pin_carries_the_uploads_after_it() {
-    // Found by CI: the 14th allocation (an upload's transient pin) fails;
-    // the uploads after it pinned their own transients beside the ring
-    // made for it, past INV-7's one-transient bound (1,193 > 1,145 bytes).
+fn a_failed_device_allocation_at_enable_is_no_refused_pin() {
+    // Found by CI: the 14th allocation, a resident upload's device buffer,
+    // fails; it was taken for a refused pin, a staging ring was made for
+    // the upload and the uploads after it pinned their transients beside
+    // it, past INV-7's bound for a run with no refused pin (1,193 > 1,145
+    // bytes). Now that is `enable`'s typed error; the 9th, the upload's
+    // pin, is a refused pin: the upload stages and `enable` completes.
     let b = |t: Vec<(DType, Vec<u64>)>, tie, buffer| BlockSpec {
         tensors: t,
         tie,
@@ -203,18 +206,44 @@ fn an_upload_ring_made_for_a_refused_pin_carries_the_uploads_after_it() {
         enable_layerwise_offload: true,
         ..OffloadConfig::default()
     };
-    let faults = FaultPlan {
-        fail_alloc_at: Some(14),
-        ..FaultPlan::none()
-    };
-    let s = Scenario {
-        spec,
-        config,
-        depth: 1,
-        faults,
-        seed: 14787010569866819097,
-    };
-    let mut d = Driver::new(s);
-    d.apply(&Op::Enable);
-    d.finish();
+    for (at, pin) in [(14, false), (9, true)] {
+        let s = Scenario {
+            spec: spec.clone(),
+            config: config.clone(),
+            depth: 1,
+            faults: FaultPlan {
+                fail_alloc_at: Some(at),
+                ..FaultPlan::none()
+            },
+            seed: 14787010569866819097,
+        };
+        // The driver checks every invariant after each operation.
+        let (failed, log) = offload_tests::capture_logs(|| {
+            let mut d = Driver::new(s);
+            d.apply(&Op::Enable);
+            let failed: Vec<String> = d
+                .log
+                .iter()
+                .filter(|l| l.starts_with("enable failed"))
+                .cloned()
+                .collect();
+            d.apply(&Op::Request {
+                steps: 1,
+                skip: Vec::new(),
+            });
+            d.finish();
+            failed
+        });
+        let staged = log.contains("for its upload was refused");
+        if pin {
+            assert!(failed.is_empty(), "allocation {at}: {failed:?}");
+            assert!(staged, "allocation {at}: the upload's pin refused: {log}");
+        } else {
+            assert!(
+                failed.len() == 1 && failed[0].contains("alloc_device("),
+                "allocation {at}: the device allocation's error: {failed:?}"
+            );
+            assert!(!staged, "allocation {at}: no refused pin: {log}");
+        }
+    }
 }
