@@ -984,3 +984,47 @@ fn refused_coded_pins_stream_staged_coded_and_the_log_names_each_block() {
     }
     assert!(refused_coded > 0, "some coded master's pin was refused");
 }
+
+/// `"auto"` keeps running when pinning is refused (CONTRACT §7c): with
+/// every 2nd, 3rd or 5th pin refused, whether auto keeps the blocks coded
+/// (compute cheap: ×0.01) or would stream them uncoded (compute dear:
+/// ×1,000), `enable` completes, the outputs equal resident and nothing is
+/// violated; a ring with a refused coded master stays coded, logged.
+/// Found by review (2026-12-03): with compute dear `enable` failed on
+/// every run, converting the ring's coded masters to pinned raw ones
+/// asking the device again for the pins it had refused.
+#[test]
+fn auto_keeps_running_when_coded_pins_are_refused() {
+    use offload_sim::FaultPlan;
+    let w = workload();
+    let want = resident();
+    let profile = DeviceProfile::h200();
+    let mut kept = 0;
+    for scale in [0.01, 1000.0] {
+        let mut inputs = offload_sim::plan::estimated_inputs(&w.preset, &profile, w.tokens, 3);
+        for (_, c) in inputs.components.iter_mut() {
+            for v in c.block_compute_s.values_mut() {
+                *v *= scale;
+            }
+        }
+        for every in [2u64, 3, 5] {
+            let o = RunOptions {
+                planner: Some(inputs.clone()),
+                faults: FaultPlan {
+                    refuse_pin_every: Some(every),
+                    ..FaultPlan::none()
+                },
+                ..opts(&[], 2, Some(5))
+            };
+            let what = format!("compute ×{scale}, every {every}");
+            let (out, log) =
+                offload_tests::capture_logs(|| run(&w, &layerwise(WeightCompression::Auto), &o));
+            let out = out.unwrap_or_else(|f| panic!("{what}: {}", f.error));
+            assert!(out.at_end.pins_refused > 0, "{what}: the fault fired");
+            assert_eq!(outputs(&out), want, "{what}");
+            assert_eq!(all_violations(&out), vec![], "{what}");
+            kept += log.matches("; it stays coded").count();
+        }
+    }
+    assert!(kept > 0, "some ring stayed coded for its refused pins");
+}

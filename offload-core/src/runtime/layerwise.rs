@@ -2094,10 +2094,13 @@ impl<A: Api> LayerwiseBackend<A> {
             .auto_inputs
             .as_ref()
             .ok_or_else(|| OffloadError::Config(Box::new(crate::config::auto_without_inputs())))?;
+        // The decoder is measured on a coded master the device holds
+        // (pinned or registered); where every coded master streams staged
+        // (its pin refused), every ring stays coded, as below.
         let Some((r0, b0)) = st.rings.iter().enumerate().find_map(|(r, ring)| {
             ring.blocks
                 .iter()
-                .position(|m| m.coded.is_some())
+                .position(|m| m.coded.is_some() && !matches!(&*m.host, HostMaster::Staged(_)))
                 .map(|b| (r, b))
         }) else {
             return Ok(());
@@ -2153,6 +2156,27 @@ impl<A: Api> LayerwiseBackend<A> {
             )
             .map_err(|e| OffloadError::Budget(Box::new(e)))?;
             let name = ring.blocks[0].unit.name.clone();
+            // A ring some of whose coded masters stream staged (pinning
+            // them was refused, CONTRACT §7c) stays coded: streaming it
+            // uncoded would ask the device again for the pins it refused.
+            let refused = ring
+                .blocks
+                .iter()
+                .filter(|m| m.coded.is_some() && matches!(&*m.host, HostMaster::Staged(_)))
+                .count();
+            let choice = if refused > 0 && !choice.lossless {
+                tracing::warn!(
+                    ring = %name,
+                    refused,
+                    "weight_compression = \"auto\": the ring of `{name}` would stream uncoded, but {refused} of its coded masters stream staged (pinning refused); it stays coded"
+                );
+                crate::budget::CompressionChoice {
+                    lossless: true,
+                    ..choice
+                }
+            } else {
+                choice
+            };
             tracing::info!(
                 ring = %name,
                 lossless = choice.lossless,
