@@ -1028,3 +1028,57 @@ fn auto_keeps_running_when_coded_pins_are_refused() {
     }
     assert!(kept > 0, "some ring stayed coded for its refused pins");
 }
+
+/// A stale coded-block file (written from other weights) beside the
+/// weights, a budget that releases staged pages and refused pins: the
+/// blocks stage coded from blobs encoded at enable, and a staged fill
+/// reads with `pread` only a coded region that is the file's own window
+/// (`read_coded_direct` checks the region's address and length), never the
+/// stale window at that block's place. Found by review (2026-12-03): with
+/// that check reduced to the range the outputs differ from resident with
+/// 0 decode errors (the stale window decodes cleanly, to other weights),
+/// which no other test saw.
+#[test]
+fn a_staged_blob_is_never_read_from_a_stale_files_window() {
+    use offload_core::bytes::{ByteSize, HostBudget};
+    use offload_sim::FaultPlan;
+    use std::sync::Arc;
+    let want = resident();
+    let (path, _) = coded_block_file("stale-direct", 1);
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let raw = run(
+        &workload(),
+        &layerwise(WeightCompression::None),
+        &opts(&[], 2, None),
+    )
+    .unwrap();
+    let mut refused_coded = 0;
+    for quarter in [4u64, 2] {
+        let budget = raw.bounds.staging_ring_bytes
+            + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes)
+            + raw.bounds.offloaded_bytes / quarter;
+        let c = OffloadConfig {
+            enable_layerwise_offload: true,
+            weight_compression: Some(WeightCompression::Lossless),
+            host_budget: Some(HostBudget::Bytes(ByteSize::new(budget))),
+            ..OffloadConfig::default()
+        };
+        for every in [2u64, 3] {
+            let o = RunOptions {
+                faults: FaultPlan {
+                    refuse_pin_every: Some(every),
+                    ..FaultPlan::none()
+                },
+                ..opts(&[], 2, None)
+            };
+            let what = format!("budget with 1/{quarter} of the masters, every {every}");
+            let (out, log) =
+                offload_tests::capture_logs(|| run_over_coded_file(&path, &releases, &c, &o));
+            refused_coded += log.matches("pinning the coded `").count();
+            let out = out.unwrap_or_else(|f| panic!("{what}: {}", f.error));
+            assert_eq!(outputs(&out), want, "{what}");
+            assert_eq!(all_violations(&out), vec![], "{what}");
+        }
+    }
+    assert!(refused_coded > 0, "some coded master's pin was refused");
+}
