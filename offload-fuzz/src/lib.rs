@@ -601,12 +601,14 @@ pub fn write_coded_blocks_seed(path: &Path) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
-/// `CodedBlocks::open` on `data` written as a `.opackb` coded-block file:
-/// on success its blobs lie within the file, and for every block of
-/// [`small_pipeline`] the file's block of that path and layout, checked
-/// against [`FixedWeights`] (its fingerprint), is handed out within the
-/// file and decodes to exactly the unit's bytes, or fails with a typed
-/// error; a block neither matched nor mismatched is `None`.
+/// `CodedBlocks::open` on `data` written as a `.opackb` coded-block file,
+/// then for every block of [`small_pipeline`] the file's block of that
+/// path and layout checked against [`FixedWeights`] (its fingerprint) and
+/// decoded into exactly the unit's bytes: a value or a typed error at each
+/// step, never a panic. (Windows are slices of the file's mapping, so they
+/// lie within it by construction; blob bodies carry no checksum, so a
+/// mutant that parses may decode to other bytes, which this cannot tell
+/// from a real file.)
 pub fn coded_blocks(data: &[u8]) {
     use offload_pack::blocks_file::CodedBlocks;
     let path = scratch("fuzz.opackb");
@@ -615,12 +617,6 @@ pub fn coded_blocks(data: &[u8]) {
         Ok(b) => b,
         Err(e) => return said(&e),
     };
-    assert!(
-        blocks.coded_bytes() <= data.len() as u64 * blocks.blocks().count().max(1) as u64,
-        "{} coded bytes in a file of {}",
-        blocks.coded_bytes(),
-        data.len()
-    );
     let part = offload_core::runtime::packing_for(small_pipeline(), &FixedWeights)
         .expect("the fuzz pipeline packs");
     for unit in part.blocks.values() {
@@ -633,13 +629,6 @@ pub fn coded_blocks(data: &[u8]) {
             }
         };
         let bytes = region.region.bytes();
-        assert!(
-            bytes.len() <= data.len(),
-            "`{}`: a window of {} bytes in a file of {}",
-            unit.name,
-            bytes.len(),
-            data.len()
-        );
         let mut out = vec![0u8; usize::try_from(unit.bytes).expect("a small unit")];
         if let Err(e) = offload_pack::block::decode_block(bytes, &mut out, 1) {
             said(&e);

@@ -177,13 +177,13 @@ impl<A: Api> StagingRing<A> {
         self.cells.len()
     }
 
-    /// Bytes of each staging buffer together.
     /// The ring's fill workers, for reads beside its fills (a staged
     /// upload at enable).
     pub(crate) fn pool(&self) -> Option<&rayon::ThreadPool> {
         self.context.pool.as_ref()
     }
 
+    /// Bytes of each staging buffer together.
     pub(crate) fn bytes(&self) -> u64 {
         self.cells
             .iter()
