@@ -874,6 +874,22 @@ fn a_host_budget_holds_coded_masters_at_their_coded_size() {
     );
 }
 
+/// The raw layerwise run's offloaded bytes, and what a host budget holds
+/// beside its masters: the staging ring and the largest upload.
+fn masters_and_ring() -> (u64, u64) {
+    let raw = run(
+        &workload(),
+        &layerwise(WeightCompression::None),
+        &opts(&[], 2, None),
+    )
+    .unwrap();
+    let b = raw.bounds;
+    (
+        b.offloaded_bytes,
+        b.staging_ring_bytes + (b.staging_bytes - b.host_staging_bytes),
+    )
+}
+
 /// Pinning refused for coded masters (CONTRACT §7c, "Refused pins"):
 /// layerwise + `"lossless"` with the simulator refusing every k-th pin
 /// request, for coded masters copied from a coded-block file under a host
@@ -896,17 +912,10 @@ fn refused_coded_pins_stream_staged_coded_and_the_log_names_each_block() {
     let want = resident();
     let (path, _) = coded_block_file("refused", 0);
     let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let raw = run(
-        &workload(),
-        &layerwise(WeightCompression::None),
-        &opts(&[], 2, None),
-    )
-    .unwrap();
     // Room for every master raw, the staging ring and the upload: what
     // stages here is what the device refused, not the budget.
-    let budget = raw.bounds.offloaded_bytes
-        + raw.bounds.staging_ring_bytes
-        + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes);
+    let (offloaded, beside) = masters_and_ring();
+    let budget = offloaded + beside;
     let config = |budget: Option<u64>| OffloadConfig {
         enable_layerwise_offload: true,
         weight_compression: Some(WeightCompression::Lossless),
@@ -1046,17 +1055,10 @@ fn a_staged_blob_is_never_read_from_a_stale_files_window() {
     let want = resident();
     let (path, _) = coded_block_file("stale-direct", 1);
     let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let raw = run(
-        &workload(),
-        &layerwise(WeightCompression::None),
-        &opts(&[], 2, None),
-    )
-    .unwrap();
+    let (offloaded, beside) = masters_and_ring();
     let mut refused_coded = 0;
     for quarter in [4u64, 2] {
-        let budget = raw.bounds.staging_ring_bytes
-            + (raw.bounds.staging_bytes - raw.bounds.host_staging_bytes)
-            + raw.bounds.offloaded_bytes / quarter;
+        let budget = beside + offloaded / quarter;
         let c = OffloadConfig {
             enable_layerwise_offload: true,
             weight_compression: Some(WeightCompression::Lossless),
