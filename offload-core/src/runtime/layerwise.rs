@@ -1236,7 +1236,13 @@ fn coded_master<A: Api>(
             tally.coded += unit.bytes;
             Ok(CodedMaster::Raw)
         }
-        refused @ CodedMaster::PinRefused { .. } => Ok(refused),
+        // Staged coded (or, where its caller cannot stage, an error):
+        // counted as coded, at its coded bytes.
+        CodedMaster::PinRefused { coded, error } => {
+            tally.blocks += 1;
+            tally.coded += coded.region.bytes().len() as u64;
+            Ok(CodedMaster::PinRefused { coded, error })
+        }
     }
 }
 
