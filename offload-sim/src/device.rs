@@ -1215,6 +1215,16 @@ impl State {
             return Err(e);
         }
         let n = self.stats.pin_requests;
+        if let Some((first, last)) = self.faults.refuse_pins
+            && (first..=last).contains(&n)
+        {
+            self.stats.pins_refused += 1;
+            return Err(self.err(
+                what,
+                DeviceErrorKind::Other,
+                format!("pinning refused (injected: pin requests {first} to {last}; this is #{n})"),
+            ));
+        }
         if let Some(every) = self.faults.refuse_pin_every
             && every > 0
             && n.is_multiple_of(every)

@@ -27,6 +27,10 @@ pub struct FaultPlan {
     /// memory refuses it (WSL2, a loaded Windows process): the strategy must
     /// then stream that block staged (CONTRACT §7c).
     pub refuse_pin_every: Option<u64>,
+    /// Pin requests `first..=last` (1-based) are refused, as a platform
+    /// refuses a run of requests while its pinned memory is spent (a
+    /// staging buffer asked for three times, refused each time).
+    pub refuse_pins: Option<(u64, u64)>,
 }
 
 impl FaultPlan {
@@ -47,6 +51,7 @@ impl FaultPlan {
             fail_collective_at: pick(collectives),
             fail_sync_at: None,
             refuse_pin_every: None,
+            refuse_pins: None,
         }
     }
 
@@ -57,6 +62,7 @@ impl FaultPlan {
             || self.fail_collective_at.is_some()
             || self.fail_sync_at.is_some()
             || self.refuse_pin_every.is_some()
+            || self.refuse_pins.is_some()
     }
 }
 

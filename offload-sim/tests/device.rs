@@ -107,6 +107,7 @@ fn capacity_and_injected_faults_fail_like_a_gpu() {
         fail_collective_at: Some(1),
         fail_sync_at: Some(1),
         refuse_pin_every: None,
+        refuse_pins: None,
     });
     let s = d.create_stream().unwrap();
     let a = d.alloc_device(8).unwrap();

@@ -136,6 +136,7 @@ pub fn scenario() -> impl Strategy<Value = Scenario> {
             fail_collective_at: None,
             fail_sync_at: None,
             refuse_pin_every: None,
+            refuse_pins: None,
         });
     (pipe_spec(), config(), 1usize..=3, faults, any::<u64>()).prop_map(
         |(spec, config, depth, faults, seed)| Scenario {

@@ -399,9 +399,12 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
     let inputs =
         offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
     type Seen = Vec<Result<Vec<(String, StagedForecast)>, String>>;
-    let forecasts = |pin: Option<bool>, planner: Option<offload_core::budget::PlannerInputs>| {
+    let forecasts = |pin: Option<bool>,
+                     planner: Option<offload_core::budget::PlannerInputs>,
+                     faults: FaultPlan| {
         let o = RunOptions {
             planner,
+            faults,
             ..opts(&[], 2, None)
         };
         let choice = layerwise(pin, None);
@@ -430,7 +433,7 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
         assert!(all_violations(&out).is_empty());
         (seen, given)
     };
-    let (seen, given) = forecasts(Some(false), Some(inputs.clone()));
+    let (seen, given) = forecasts(Some(false), Some(inputs.clone()), FaultPlan::none());
     assert_eq!(seen.len(), w.requests);
     for (f, g) in seen.iter().zip(&given) {
         let f = f.as_ref().unwrap();
@@ -454,14 +457,33 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
             assert!(["compute", "the link", "the host's fills"].contains(&f.bound()));
         }
     }
-    let (seen, given) = forecasts(Some(false), None);
+    let (seen, given) = forecasts(Some(false), None, FaultPlan::none());
     for (f, g) in seen.iter().zip(&given) {
         let e = f.as_ref().unwrap_err();
         assert!(e.contains("planner inputs"), "{e}");
         assert!(!g.as_ref().unwrap().is_empty());
     }
-    let (seen, _) = forecasts(None, Some(inputs.clone()));
+    let (seen, _) = forecasts(None, Some(inputs.clone()), FaultPlan::none());
     assert!(seen.iter().all(|f| f.as_ref().unwrap().is_empty()));
+    // Every master staged, the second staging buffer refused each of the
+    // three times it is asked for (pin requests 2–4, the first being the
+    // first buffer's): the ring runs on one, and the forecast says so.
+    let ((seen, _), log) = capture_logs(|| {
+        forecasts(
+            Some(false),
+            Some(inputs.clone()),
+            FaultPlan {
+                refuse_pins: Some((2, 4)),
+                ..FaultPlan::none()
+            },
+        )
+    });
+    assert!(log.contains("host staging buffer 2 of"), "{log}");
+    for f in &seen {
+        for (ring, f) in f.as_ref().unwrap() {
+            assert_eq!(f.buffers, 1, "{ring}: the ring's one staging buffer");
+        }
+    }
 }
 
 /// Only a refused pin (or registration) of an upload's transient master
