@@ -1855,8 +1855,8 @@ impl<A: Api> LayerwiseBackend<A> {
         let uploaded = (|| -> Result<(), OffloadError> {
             for unit in resident_units {
                 // Once a ring was made for a refused upload, the rest go
-                // through it too: it is the plan's transient buffer, and a
-                // second transient pin beside it would exceed INV-7's bound.
+                // through it too (it is the plan's transient buffer): no
+                // pin is asked again of a device that refused one.
                 if let Some(ring) = &upload_ring {
                     let buffer = Arc::new(upload_staged(h, unit, ring)?);
                     st.resident.push(Arc::clone(&buffer));
