@@ -1215,28 +1215,21 @@ impl State {
             return Err(e);
         }
         let n = self.stats.pin_requests;
-        if let Some((first, last)) = self.faults.refuse_pins
-            && (first..=last).contains(&n)
-        {
-            self.stats.pins_refused += 1;
-            return Err(self.err(
-                what,
-                DeviceErrorKind::Other,
-                format!("pinning refused (injected: pin requests {first} to {last}; this is #{n})"),
-            ));
-        }
-        if let Some(every) = self.faults.refuse_pin_every
-            && every > 0
-            && n.is_multiple_of(every)
-        {
-            self.stats.pins_refused += 1;
-            return Err(self.err(
-                what,
-                DeviceErrorKind::Other,
-                format!("pinning refused (injected: every {every}th pin request; this is #{n})"),
-            ));
-        }
-        Ok(())
+        let injected = match (self.faults.refuse_pins, self.faults.refuse_pin_every) {
+            (Some((first, last)), _) if (first..=last).contains(&n) => {
+                format!("pin requests {first} to {last}")
+            }
+            (_, Some(every)) if every > 0 && n.is_multiple_of(every) => {
+                format!("every {every}th pin request")
+            }
+            _ => return Ok(()),
+        };
+        self.stats.pins_refused += 1;
+        Err(self.err(
+            what,
+            DeviceErrorKind::Other,
+            format!("pinning refused (injected: {injected}; this is #{n})"),
+        ))
     }
 
     fn new_id(&mut self) -> u64 {

@@ -493,9 +493,10 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
 /// pin) or a device buffer's (then `enable`'s typed error, never called a
 /// refused pin), and every run's outputs equal resident or its error
 /// typed. Seen red with the uploads after a refused one pinning again (17
-/// pins asked at every refusal, 16 without a fault). Found by review (2026-12-03): a failed `alloc_device` of a
-/// resident unit was logged as "pinning … for its upload was refused" and
-/// retried through a pinned ring, hiding the device's out-of-memory.
+/// pins asked at every refusal, 16 without a fault). Found by review
+/// (2026-12-03): a failed `alloc_device` of a resident unit was logged as
+/// "pinning … for its upload was refused" and retried through a pinned
+/// ring, hiding the device's out-of-memory.
 #[test]
 fn only_a_refused_pin_sends_an_upload_through_a_staging_buffer() {
     let want = resident();

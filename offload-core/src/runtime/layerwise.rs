@@ -1857,38 +1857,34 @@ impl<A: Api> LayerwiseBackend<A> {
                 // Once a ring was made for a refused upload, the rest go
                 // through it too (it is the plan's transient buffer): no
                 // pin is asked again of a device that refused one.
-                if let Some(ring) = &upload_ring {
-                    let buffer = Arc::new(upload_staged(h, unit, ring)?);
-                    st.resident.push(Arc::clone(&buffer));
-                    st.placement.resident(unit, &buffer)?;
-                    continue;
-                }
-                // Only the pin (or registration) of the upload's transient
-                // master may be refused here: a failed device allocation or
-                // copy after it is the upload's own error.
-                let buffer = match h.master_within(unit, &skip, !staged_log.budget_set) {
-                    Ok(master) => h.upload_through(unit, master)?,
-                    // Pinning refused for the upload: through the staging
-                    // ring, or (layerwise) one made for it.
-                    Err(OffloadError::DeviceOp { kind, cause, .. })
-                        if kind != crate::device::DeviceErrorKind::DeviceLost
-                            && skip.is_empty()
-                            && (st.host_staging.is_some() || staged_log.may_stage) =>
-                    {
-                        tracing::warn!(unit = %unit.name, "pinning `{}` for its upload was refused ({cause}); uploading it through a staging buffer", unit.name);
-                        let ring = match (&st.host_staging, &mut upload_ring) {
-                            (Some(s), _) => &s.ring,
-                            (None, Some(r)) => &*r,
-                            (None, made @ None) => {
+                let buffer = if let Some(ring) = &upload_ring {
+                    upload_staged(h, unit, ring)?
+                } else {
+                    // Only the pin (or registration) of the upload's
+                    // transient master may be refused here: a failed device
+                    // allocation or copy after it is the upload's own error.
+                    match h.master_within(unit, &skip, !staged_log.budget_set) {
+                        Ok(master) => h.upload_through(unit, master)?,
+                        // Pinning refused for the upload: through the
+                        // staging ring, or (layerwise) one made for it.
+                        Err(OffloadError::DeviceOp { kind, cause, .. })
+                            if kind != crate::device::DeviceErrorKind::DeviceLost
+                                && skip.is_empty()
+                                && (st.host_staging.is_some() || staged_log.may_stage) =>
+                        {
+                            tracing::warn!(unit = %unit.name, "pinning `{}` for its upload was refused ({cause}); uploading it through a staging buffer", unit.name);
+                            let ring = match &st.host_staging {
+                                Some(s) => &s.ring,
                                 // Within the plan's transient pinned buffer
                                 // (the largest resident unit), chunked.
-                                let bytes = transient.clamp(1, UPLOAD_STAGING_BYTES);
-                                &*made.insert(self.staging_ring(bytes, 1)?)
-                            }
-                        };
-                        upload_staged(h, unit, ring)?
+                                None => &*upload_ring.insert(
+                                    self.staging_ring(transient.clamp(1, UPLOAD_STAGING_BYTES), 1)?,
+                                ),
+                            };
+                            upload_staged(h, unit, ring)?
+                        }
+                        Err(e) => return Err(e),
                     }
-                    Err(e) => return Err(e),
                 };
                 let buffer = Arc::new(buffer);
                 st.resident.push(Arc::clone(&buffer));
