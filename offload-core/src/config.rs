@@ -492,20 +492,23 @@ fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<()
     }
 }
 
-/// Checks `host_budget` and unpinned masters against the strategy selected:
-/// only layerwise offload stages masters (CONTRACT §7c).
+/// Checks `host_budget` against the strategy selected: layerwise offload
+/// and the request planner stage masters (CONTRACT §7c).
 fn check_host_budget(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
     let Some(budget) = config.host_budget else {
         return Ok(());
     };
-    if selection.strategy == OffloadStrategy::Layerwise {
+    if matches!(
+        selection.strategy,
+        OffloadStrategy::Layerwise | OffloadStrategy::Planned
+    ) {
         return Ok(());
     }
     Err(invalid(
         "host_budget",
         format!("\"{budget}\""),
         format!(
-            "with layerwise offload only (enable_layerwise_offload = true, no device_budget; this configuration selects {}): its streamed blocks are the ones that can stay pageable and stream through staging buffers; remove host_budget",
+            "with layerwise offload (enable_layerwise_offload = true) or a device_budget (the request planner) only; this configuration selects {}: their streamed blocks are the ones that can stay pageable and stream through staging buffers; remove host_budget",
             selection.strategy
         ),
     ))

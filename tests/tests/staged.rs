@@ -147,15 +147,19 @@ fn host_budget_outside_layerwise_is_refused_with_where_it_works() {
     for json in [
         r#"{"enable_cpu_offload": true, "host_budget": "8GiB"}"#,
         r#"{"enable_distributed_layerwise_offload": true, "host_budget": "auto"}"#,
-        r#"{"device_budget": "16GiB", "host_budget": "8GiB"}"#,
     ] {
         let c = OffloadConfig::from_json_str(json).unwrap();
         let e = c.select().unwrap_err().to_string();
         assert!(
-            e.contains("host_budget") && e.contains("layerwise offload only"),
+            e.contains("host_budget")
+                && e.contains("layerwise offload (enable_layerwise_offload = true) or a device_budget (the request planner) only"),
             "{json}: {e}"
         );
     }
+    // The request planner takes it beside its device budget.
+    let c = OffloadConfig::from_json_str(r#"{"device_budget": "16GiB", "host_budget": "8GiB"}"#)
+        .unwrap();
+    assert!(c.select().is_ok(), "{:?}", c.select());
     for bad in [r#""0""#, r#""8 gigs""#, "-1", r#""Auto""#] {
         let json = format!(r#"{{"enable_layerwise_offload": true, "host_budget": {bad}}}"#);
         let e = OffloadConfig::from_json_str(&json).unwrap_err().to_string();
@@ -551,4 +555,204 @@ fn only_a_refused_pin_sends_an_upload_through_a_staging_buffer() {
         "some upload's pin was refused and staged"
     );
     assert!(fewer > 0, "uploads after a refused one asked for no pin");
+}
+
+// ---------------------------------------------------------------------
+// A host budget beside a device budget: the request planner plans both
+// (CONTRACT §7a, §7c).
+
+use offload_core::budget::{BudgetError, DeviceMemory, PlannerInputs, plan_within};
+use offload_sim::DeviceProfile;
+
+/// The `tiny` preset's workload (2 requests of 3 steps) on the simulated
+/// H200, its resident outputs and its estimated planner inputs.
+fn planned_baseline() -> (Workload, RunOptions, Vec<u64>, PlannerInputs) {
+    let preset = offload_sim::presets::tiny();
+    let w = Workload {
+        tokens: preset.default_tokens,
+        preset,
+        steps: 3,
+        requests: 2,
+    };
+    let opts = RunOptions::new(DeviceProfile::h200());
+    let resident = run(&w, &StrategyChoice::Resident, &opts).unwrap();
+    let inputs = offload_sim::plan::estimated_inputs(&w.preset, &opts.profile, w.tokens, 3);
+    (w, opts, outputs(&resident), inputs)
+}
+
+fn budgets(device: u64, host: Option<u64>) -> OffloadConfig {
+    OffloadConfig {
+        host_budget: host.map(|b| HostBudget::Bytes(ByteSize::new(b))),
+        ..offload_tests::budget::budget_config(device)
+    }
+}
+
+fn limits(bytes: u64) -> offload_core::budget::HostLimits {
+    offload_core::budget::HostLimits {
+        budget: bytes,
+        source: format!("host_budget = \"{bytes}B\""),
+        readings: None,
+    }
+}
+
+/// The least device budget and the least host budget the planner accepts
+/// for `w` (from its typed errors).
+fn least_budgets(w: &Workload, inputs: &PlannerInputs) -> (u64, u64) {
+    let p = &w.preset.pipeline;
+    let device = DeviceMemory::of(u64::MAX / 4);
+    let least_device = match plan_within(p, &budgets(1, None), inputs, device, None) {
+        Err(BudgetError::DoesNotFit { minimum, .. }) => minimum,
+        other => panic!("a 1-byte device budget: {other:?}"),
+    };
+    let all = w.preset.weight_bytes() * 2;
+    let least_host = match plan_within(p, &budgets(all, Some(1)), inputs, device, Some(limits(1))) {
+        Err(BudgetError::HostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget: {other:?}"),
+    };
+    (least_device, least_host)
+}
+
+/// Device and host budgets from the least of each to everything, run on the
+/// simulated device through its own warm-up: outputs identical to resident,
+/// no checker violation (INV-7 per phase and on the host, its host bound
+/// the plan's budget), the device's own pinned + registered peak within the
+/// host budget, the plan's host side within it and naming what it stages,
+/// and the log naming each staged block.
+#[test]
+fn a_device_and_a_host_budget_are_planned_together_and_hold_on_the_device() {
+    let (w, opts, want, inputs) = planned_baseline();
+    let (least_device, least_host) = least_budgets(&w, &inputs);
+    let total = w.preset.weight_bytes();
+    let mut staged_seen = 0;
+    for device in [least_device + (total - least_device) / 4, total + 100_000] {
+        for k in 0..=4u64 {
+            let host = least_host + (total - least_host) * k / 4;
+            let (o, log) = capture_logs(|| {
+                run(
+                    &w,
+                    &StrategyChoice::Config(budgets(device, Some(host))),
+                    &opts,
+                )
+            });
+            let o = o.unwrap_or_else(|f| panic!("device {device}, host {host}: {}", f.error));
+            let plan = o.plan.as_ref().expect("a planned run has its plan");
+            let side = plan.host.as_ref().expect("a host budget is planned");
+            assert_eq!(outputs(&o), want, "device {device}, host {host}\n{plan}");
+            assert!(
+                all_violations(&o).is_empty(),
+                "device {device}, host {host}: {:#?}",
+                all_violations(&o)
+            );
+            assert_eq!(offload_sim::job::phase_violations(&o), None);
+            assert_eq!(
+                o.bounds.host_budget_bytes,
+                Some(host),
+                "INV-7 checks the budget"
+            );
+            assert!(
+                host_peak(&o) <= host,
+                "device {device}, host {host}: the device's pinned + registered peak {} is over\n{plan}",
+                host_peak(&o)
+            );
+            assert!(side.peak_bytes <= host, "{side}");
+            assert_eq!(side.least_bytes, least_host);
+            if side.staged_blocks.is_empty() {
+                assert!(side.peak_bytes >= side.held_bytes, "{side}");
+            } else {
+                staged_seen += 1;
+                for b in &side.staged_blocks {
+                    assert!(
+                        log.contains(&format!("{b}` streams staged")),
+                        "the log names staged `{b}`: {log}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        staged_seen >= 4,
+        "the smaller host budgets stage blocks ({staged_seen})"
+    );
+}
+
+/// Where the device budget would keep everything resident, a host budget
+/// below the weights makes the planner stream: the unconstrained plan's
+/// held sets do not fit the host budget; the plan within it does, and
+/// runs within it.
+#[test]
+fn a_host_budget_makes_the_planner_stream_what_it_cannot_pin() {
+    let (w, opts, want, inputs) = planned_baseline();
+    let (_, least_host) = least_budgets(&w, &inputs);
+    let total = w.preset.weight_bytes();
+    let device = DeviceMemory::of(u64::MAX / 4);
+    let p = &w.preset.pipeline;
+    let host = least_host + (total - least_host) / 3;
+    let free = plan_within(p, &budgets(total + 100_000, None), &inputs, device, None).unwrap();
+    let held: u64 = free.components.iter().map(|c| c.held_bytes).sum();
+    assert!(
+        held > host,
+        "the unconstrained plan holds {held} B, within {host} B"
+    );
+    let within = plan_within(
+        p,
+        &budgets(total + 100_000, Some(host)),
+        &inputs,
+        device,
+        Some(limits(host)),
+    )
+    .unwrap();
+    let side = within.host.as_ref().unwrap();
+    assert!(
+        side.peak_bytes <= host && side.held_bytes < held,
+        "{within}"
+    );
+    assert_ne!(within.choices(), free.choices(), "{within}");
+    assert!(within.to_string().contains("host budget"), "{within}");
+    let o = run(
+        &w,
+        &StrategyChoice::Config(budgets(total + 100_000, Some(host))),
+        &opts,
+    )
+    .unwrap_or_else(|f| panic!("{}", f.error));
+    assert_eq!(outputs(&o), want);
+    assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+    assert!(host_peak(&o) <= host, "{} > {host}", host_peak(&o));
+}
+
+/// Below the least host budget, `enable` fails typed, naming the least and
+/// its parts, before anything is allocated; `"auto"` plans within what
+/// this machine has.
+#[test]
+fn a_host_budget_below_the_least_plan_fails_typed_and_auto_plans() {
+    let (w, opts, _, inputs) = planned_baseline();
+    let (_, least_host) = least_budgets(&w, &inputs);
+    let total = w.preset.weight_bytes() + 100_000;
+    let Err(f) = run(
+        &w,
+        &StrategyChoice::Config(budgets(total, Some(least_host - 1))),
+        &opts,
+    ) else {
+        panic!("a host budget below {least_host} B was accepted");
+    };
+    let text = f.error.to_string();
+    assert!(
+        text.contains("`host_budget`")
+            && text.contains("held sets pinned")
+            && text.contains(&format!(
+                "least any plan of this pipeline needs is {least_host} B"
+            ))
+            && text.contains("allowed: host_budget ≥"),
+        "{text}"
+    );
+    let auto = OffloadConfig {
+        host_budget: Some(HostBudget::Auto),
+        ..offload_tests::budget::budget_config(total)
+    };
+    let o = run(&w, &StrategyChoice::Config(auto), &opts).unwrap_or_else(|f| panic!("{}", f.error));
+    let side = o
+        .plan
+        .as_ref()
+        .and_then(|p| p.host.as_ref())
+        .expect("planned");
+    assert!(side.source.contains("auto"), "{side}");
 }

@@ -43,10 +43,13 @@ pub use ring::{
     StagedForecast, choose_compression, choose_lookahead, forecast_staged, forward_ends,
     forwards_s, hosted_ends, predict_step, staged_ends, steady_s,
 };
-pub use search::{Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint};
+pub use search::{
+    Evaluation, Evaluator, PhaseEvaluation, Stack, evaluate, smallest_footprint,
+    smallest_footprint_within,
+};
 pub use types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
-    DeviceMemory, Limit, MinimumBudget, PeakParts, RequestPlan,
+    DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
 };
 
 /// The budget `config` states for `device`: a size (at most the device's
@@ -99,11 +102,48 @@ pub fn resolve_budget(
 /// unusable (typed, naming the input), when the budget exceeds the device,
 /// or when it is below the least any plan needs
 /// ([`BudgetError::DoesNotFit`] names it and its parts).
+///
+/// With a `host_budget`, the plan fits it too ([`plan_within`]): a size is
+/// taken as written; `"auto"` reads this machine ([`host_limits`]), the one
+/// thing this function reads beyond its arguments.
 pub fn plan(
     pipeline: &Pipeline,
     config: &OffloadConfig,
     inputs: &PlannerInputs,
     device: DeviceMemory,
+) -> Result<RequestPlan, BudgetError> {
+    let host = config_host_limits(config)?;
+    plan_within(pipeline, config, inputs, device, host)
+}
+
+/// The host budget `config` states, read on this machine for `"auto"`.
+pub fn config_host_limits(config: &OffloadConfig) -> Result<Option<HostLimits>, BudgetError> {
+    config
+        .host_budget
+        .map(|b| {
+            host_limits(b, &host::ProcProbe::default()).map_err(|e| BudgetError::Input {
+                input: "host_budget".to_owned(),
+                value: format!("\"{b}\""),
+                allowed: format!("a size on this machine ({e})"),
+            })
+        })
+        .transpose()
+}
+
+/// [`plan`] within `host`, a host budget already resolved (a backend reads
+/// `"auto"` once at enable and plans every re-plan within what it read):
+/// every held unit keeps a pinned master, streamed blocks are pinned as the
+/// budget allows and the rest staged ([`HostSide`]); the plan's held sets
+/// are chosen so that the whole fits. Fails with
+/// [`BudgetError::HostDoesNotFit`] below the least host budget any plan
+/// needs, and [`BudgetError::NoPlanFitsBoth`] where each budget alone has
+/// a plan but none fits both.
+pub fn plan_within(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    inputs: &PlannerInputs,
+    device: DeviceMemory,
+    host: Option<HostLimits>,
 ) -> Result<RequestPlan, BudgetError> {
     let selection = config
         .select()
@@ -114,5 +154,5 @@ pub fn plan(
         });
     }
     let (budget, source) = resolve_budget(config, device)?;
-    search::plan_request(pipeline, config, inputs, budget, source, device)
+    search::plan_request(pipeline, config, inputs, budget, source, device, host)
 }

@@ -20,10 +20,11 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, plan_host};
 use super::ring::{MAX_DEPTH, TIE, forward_ends, forwards_s};
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
-    DeviceMemory, Limit, MinimumBudget, PeakParts, RequestPlan,
+    DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
 };
 use crate::config::OffloadConfig;
 use crate::declaration::Role;
@@ -287,6 +288,30 @@ struct Request<'a> {
     slack: u64,
     inputs: &'a PlannerInputs,
     max_depth: usize,
+    /// Bytes of the largest unit outside the components (uploaded once
+    /// through a pinned buffer of its size).
+    outside_largest: u64,
+    /// The host budget, when one is planned within.
+    host: Option<HostLimits>,
+    /// The host bound the search runs under now ([`HostBound`]).
+    bound: std::cell::Cell<HostBound>,
+}
+
+/// What a host budget leaves one pass of the search: the host bytes the
+/// held sets of all phases may pin (`head`: the budget less the upload
+/// buffer and a staging ring of two `max_stream` blocks), and the largest
+/// block a plan may stream (`max_stream`), which sizes that ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HostBound {
+    head: u64,
+    max_stream: u64,
+}
+
+impl HostBound {
+    const NONE: Self = Self {
+        head: u64::MAX,
+        max_stream: u64::MAX,
+    };
 }
 
 /// A phase solved: its choice, time and bytes.
@@ -296,6 +321,8 @@ struct Solved {
     time: f64,
     held: u64,
     own: u64,
+    /// Host bytes its held set pins (exact).
+    held_copy: u64,
 }
 
 /// A whole plan: each phase's choice and whether it is kept.
@@ -421,6 +448,20 @@ impl<'a> Request<'a> {
         }
         // Every unit outside the managed components stays on the device.
         let outside = part.all().map(|u| round(u.bytes)).sum::<u64>() - managed;
+        let managed_modules: Vec<crate::model::ModuleId> = resolved
+            .components
+            .iter()
+            .filter(|c| c.role != Role::Resident && !c.self_managed)
+            .map(|c| c.module)
+            .collect();
+        let is_managed = |m| managed_modules.contains(&m);
+        let outside_largest = part
+            .rest
+            .iter()
+            .filter(|u| !is_managed(u.module))
+            .map(|u| u.bytes)
+            .max()
+            .unwrap_or(0);
         Ok(Self {
             comps,
             outside,
@@ -428,7 +469,146 @@ impl<'a> Request<'a> {
             slack: inputs.allocator_slack_bytes,
             inputs,
             max_depth: inputs.max_depth,
+            outside_largest,
+            host: None,
+            bound: std::cell::Cell::new(HostBound::NONE),
         })
+    }
+
+    /// Each phase at its least host footprint when no block larger than
+    /// `max_stream` streams (blocks larger resident; a ring left one block
+    /// keeps it), at depth 1, nothing kept.
+    fn streaming_phases(&self, max_stream: u64) -> Vec<(Local, bool)> {
+        self.comps
+            .iter()
+            .map(|c| {
+                let l = c.minimal(max_stream, 1);
+                (l, false)
+            })
+            .collect()
+    }
+
+    /// The host bounds one pass of the search may run under: one per
+    /// distinct block size (the largest block streamed), largest first;
+    /// [`HostBound::NONE`] alone without a host budget or where every
+    /// weight fits pinned whatever the plan.
+    fn host_bounds(&self) -> Vec<HostBound> {
+        let Some(limits) = &self.host else {
+            return vec![HostBound::NONE];
+        };
+        let all: u64 = self.comps.iter().map(|c| c.bytes).sum();
+        if all.saturating_add(self.outside_largest) <= limits.budget {
+            return vec![HostBound::NONE];
+        }
+        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.dedup();
+        // Nothing streamed (no ring): every held set pinned.
+        let mut out = vec![HostBound {
+            head: limits.budget.saturating_sub(self.outside_largest),
+            max_stream: 0,
+        }];
+        for r in sizes {
+            let head = limits
+                .budget
+                .saturating_sub(self.outside_largest)
+                .checked_sub(HOST_STAGING_BUFFERS.saturating_mul(r));
+            if let Some(head) = head {
+                out.push(HostBound {
+                    head,
+                    max_stream: r,
+                });
+            }
+        }
+        out
+    }
+
+    /// The least host budget any plan needs, its parts (held, staging,
+    /// upload buffer) and its phases: over every largest streamed block
+    /// size (and nothing streamed), the held sets at their least beside a
+    /// staging ring of two of it.
+    fn least_host(&self) -> ((u64, u64, u64, u64), Vec<(Local, bool)>) {
+        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.dedup();
+        sizes.push(0);
+        let mut best: Option<((u64, u64, u64, u64), Vec<(Local, bool)>)> = None;
+        for r in sizes {
+            let phases = self.streaming_phases(r);
+            let held: u64 = self
+                .comps
+                .iter()
+                .zip(&phases)
+                .map(|(c, (l, _))| c.held_copy(l))
+                .sum();
+            let largest = self
+                .comps
+                .iter()
+                .zip(&phases)
+                .flat_map(|(c, (l, _))| c.blocks_where(l, false))
+                .map(|b| b.bytes)
+                .max()
+                .unwrap_or(0);
+            let staging = HOST_STAGING_BUFFERS.saturating_mul(largest);
+            let least = held
+                .saturating_add(staging)
+                .saturating_add(self.outside_largest);
+            if best.as_ref().is_none_or(|b| least < b.0.0) {
+                best = Some(((least, held, staging, self.outside_largest), phases));
+            }
+        }
+        best.expect("at least the nothing-streamed footprint")
+    }
+
+    /// The host side of `phases` within the host budget: `Err(least)`, the
+    /// least host budget these phases need, where it is too small (`None`
+    /// without a host budget).
+    fn host_side(&self, phases: &[(Local, bool)]) -> Option<Result<HostSide, u64>> {
+        let limits = self.host.as_ref()?;
+        let held: u64 = self
+            .comps
+            .iter()
+            .zip(phases)
+            .map(|(c, (l, _))| c.held_copy(l))
+            .sum();
+        let streamed: Vec<&PBlock> = self
+            .comps
+            .iter()
+            .zip(phases)
+            .flat_map(|(c, (l, _))| c.blocks_where(l, false))
+            .collect();
+        let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
+        let fixed = held.saturating_add(self.outside_largest);
+        let least = self.least_host().0.0;
+        Some(match plan_host(&blocks, fixed, Some(limits.budget), true) {
+            Ok(p) => {
+                let release_after_read = p.release_after_read();
+                Ok(HostSide {
+                    budget_bytes: limits.budget,
+                    source: limits.source.clone(),
+                    held_bytes: held,
+                    pinned_streamed_bytes: p.pinned_bytes,
+                    staged_bytes: p.staged_bytes,
+                    staging_bytes: p.staging_bytes,
+                    transient_bytes: self.outside_largest,
+                    peak_bytes: p.peak_bytes,
+                    least_bytes: least,
+                    staged_blocks: streamed
+                        .iter()
+                        .zip(&p.staged)
+                        .filter(|(_, s)| s.is_some())
+                        .map(|(b, _)| b.path.clone())
+                        .collect(),
+                    release_after_read,
+                })
+            }
+            Err(e) => Err(e.least.bytes()),
+        })
+    }
+
+    /// Whether `phases` fit the host budget (always, without one).
+    fn host_fits(&self, phases: &[(Local, bool)]) -> bool {
+        self.host_side(phases).is_none_or(|r| r.is_ok())
     }
 
     /// The least own bytes of each phase (held + two slots at the best
@@ -454,12 +634,17 @@ impl<'a> Request<'a> {
     }
 
     fn minimum(&self) -> MinimumBudget {
-        let minima = self.minima();
+        let minima: Vec<(Local, bool)> = self.minima().into_iter().map(|m| (m.2, false)).collect();
+        self.minimum_of(&minima)
+    }
+
+    /// The budget `phases` (nothing kept) need: their largest phase.
+    fn minimum_of(&self, minima: &[(Local, bool)]) -> MinimumBudget {
         let phases: Vec<(String, u64)> = self
             .comps
             .iter()
-            .zip(&minima)
-            .map(|(c, m)| (c.path.clone(), self.fixed() + m.0 + c.act))
+            .zip(minima)
+            .map(|(c, (l, _))| (c.path.clone(), self.fixed() + c.own(l) + c.act))
             .collect();
         let Some(i) = (0..phases.len()).max_by_key(|&i| phases[i].1) else {
             return MinimumBudget {
@@ -475,7 +660,7 @@ impl<'a> Request<'a> {
                 phases,
             };
         };
-        let (c, l) = (&self.comps[i], &minima[i].2);
+        let (c, l) = (&self.comps[i], &minima[i].0);
         MinimumBudget {
             bytes: phases[i].1,
             phase: c.path.clone(),
@@ -493,9 +678,17 @@ impl<'a> Request<'a> {
         }
     }
 
-    /// The best choice of phase `i` with at most `cap_own` bytes of its own
-    /// and at most `cap_held` held.
-    fn solve(&self, i: usize, kept: bool, cap_own: u64, cap_held: u64) -> Option<Solved> {
+    /// The best choice of phase `i` with at most `cap_own` bytes of its own,
+    /// at most `cap_held` held, and at most `cap_host` host bytes pinned for
+    /// its held set.
+    fn solve(
+        &self,
+        i: usize,
+        kept: bool,
+        cap_own: u64,
+        cap_held: u64,
+        cap_host: u64,
+    ) -> Option<Solved> {
         let c = &self.comps[i];
         let inp = self.inputs;
         let mut best: Option<Solved> = None;
@@ -504,7 +697,13 @@ impl<'a> Request<'a> {
                 return;
             }
             let (own, held) = (c.own(&l), c.held(&l));
-            if own > cap_own || held > cap_held {
+            let held_copy = c.held_copy(&l);
+            let max_stream = self.bound.get().max_stream;
+            if own > cap_own
+                || held > cap_held
+                || held_copy > cap_host
+                || c.blocks_where(&l, false).any(|b| b.bytes > max_stream)
+            {
                 return;
             }
             let time = c.time(&l, kept, inp);
@@ -518,6 +717,7 @@ impl<'a> Request<'a> {
                     time,
                     held,
                     own,
+                    held_copy,
                 });
             }
         };
@@ -551,8 +751,11 @@ impl<'a> Request<'a> {
             return best;
         }
         for sigma in c.sizes() {
+            if sigma > self.bound.get().max_stream {
+                continue;
+            }
             for depth in 1..=self.max_depth {
-                if let Some(g) = self.greedy(i, sigma, depth, kept, cap_own, cap_held) {
+                if let Some(g) = self.greedy(i, sigma, depth, kept, (cap_own, cap_held, cap_host)) {
                     consider(g, &mut best);
                 }
             }
@@ -591,19 +794,22 @@ impl<'a> Request<'a> {
         out
     }
 
+    /// `caps`: own, held (device) and held host bytes, as [`Self::solve`].
     fn greedy(
         &self,
         i: usize,
         sigma: u64,
         depth: usize,
         kept: bool,
-        cap_own: u64,
-        cap_held: u64,
+        caps: (u64, u64, u64),
     ) -> Option<Local> {
         let c = &self.comps[i];
         let inp = self.inputs;
+        let (cap_own, cap_held, cap_host) = caps;
+        let over =
+            |l: &Local| c.own(l) > cap_own || c.held(l) > cap_held || c.held_copy(l) > cap_host;
         let mut l = c.minimal(sigma, depth);
-        if !c.streams(&l) || c.own(&l) > cap_own || c.held(&l) > cap_held {
+        if !c.streams(&l) || over(&l) {
             return None;
         }
         let mut t = c.time(&l, kept, inp);
@@ -617,10 +823,7 @@ impl<'a> Request<'a> {
                     if !c.streams(&trial) {
                         trial.depth = 0;
                     }
-                    if !c.valid(&trial, self.max_depth)
-                        || c.own(&trial) > cap_own
-                        || c.held(&trial) > cap_held
-                    {
+                    if !c.valid(&trial, self.max_depth) || over(&trial) {
                         continue;
                     }
                     let tt = c.time(&trial, kept, inp);
@@ -702,6 +905,27 @@ impl<'a> Request<'a> {
         let held_of =
             |j: usize, fixed: &[Option<Solved>]| fixed[j].as_ref().map_or(minima[j].1, |s| s.held);
         let all_kept: Vec<usize> = (0..n).filter(|&c| is_kept(c)).collect();
+        // The host bytes phase `k`'s held set may pin: what the held sets
+        // of all phases may (`host_head`) less the others' (solved, or at
+        // their least).
+        let bound = self.bound.get();
+        let host_head = bound.head;
+        let least_host: Vec<u64> = self
+            .comps
+            .iter()
+            .zip(self.streaming_phases(bound.max_stream))
+            .map(|(c, (l, _))| c.held_copy(&l))
+            .collect();
+        let cap_host = |k: usize, fixed: &[Option<Solved>]| {
+            if host_head == u64::MAX {
+                return Some(u64::MAX);
+            }
+            let others: u64 = (0..n)
+                .filter(|&j| j != k)
+                .map(|j| fixed[j].as_ref().map_or(least_host[j], |s| s.held_copy))
+                .sum();
+            host_head.checked_sub(others)
+        };
         for &k in kept {
             let others_kept: u64 = all_kept
                 .iter()
@@ -720,12 +944,14 @@ impl<'a> Request<'a> {
                 let slack = head.checked_sub(self.comps[c].act + own_c + kept_c)?;
                 cap_held = cap_held.min(slack);
             }
-            fixed[k] = Some(self.solve(k, true, cap_own, cap_held)?);
+            let host = cap_host(k, &fixed)?;
+            fixed[k] = Some(self.solve(k, true, cap_own, cap_held, host)?);
         }
         let kept_total: u64 = all_kept.iter().map(|&j| held_of(j, &fixed)).sum();
         for c in (0..n).filter(|&c| !is_kept(c)) {
             let cap_own = head.checked_sub(self.comps[c].act + kept_total)?;
-            fixed[c] = Some(self.solve(c, false, cap_own, u64::MAX)?);
+            let host = cap_host(c, &fixed)?;
+            fixed[c] = Some(self.solve(c, false, cap_own, u64::MAX, host)?);
         }
         let phases: Vec<(Local, bool)> = fixed
             .into_iter()
@@ -734,13 +960,30 @@ impl<'a> Request<'a> {
             .collect::<Option<_>>()?;
         // The sequential caps are conservative; the whole plan is checked.
         let e = self.evaluate(&phases);
-        (e.peak_bytes <= budget).then_some(Solution {
+        (e.peak_bytes <= budget && self.host_fits(&phases)).then_some(Solution {
             phases,
             time: e.request_s,
         })
     }
 
+    /// The best plan within `budget` (and the host budget: the best over
+    /// every [`HostBound`], each a pass of [`Self::search_within`]).
     fn search(&self, budget: u64) -> Option<Solution> {
+        let mut best: Option<Solution> = None;
+        for bound in self.host_bounds() {
+            self.bound.set(bound);
+            let s = self.search_within(budget);
+            if let Some(s) = s
+                && best.as_ref().is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
+            {
+                best = Some(s);
+            }
+        }
+        self.bound.set(HostBound::NONE);
+        best
+    }
+
+    fn search_within(&self, budget: u64) -> Option<Solution> {
         let n = self.comps.len();
         let minima = self.minima();
         // Components that may be kept: all, or those with the most forwards.
@@ -787,7 +1030,7 @@ impl<'a> Request<'a> {
         let n = self.comps.len();
         let solution = |phases: Vec<(Local, bool)>| {
             let e = self.evaluate(&phases);
-            (e.peak_bytes <= budget).then_some(Solution {
+            (e.peak_bytes <= budget && self.host_fits(&phases)).then_some(Solution {
                 phases,
                 time: e.request_s,
             })
@@ -817,6 +1060,7 @@ impl<'a> Request<'a> {
                         time: c.time(&l, true, self.inputs),
                         held: c.held(&l),
                         own: c.own(&l),
+                        held_copy: c.held_copy(&l),
                         local: l,
                     }
                 })
@@ -1154,6 +1398,30 @@ impl<'a> Evaluator<'a> {
     }
 }
 
+/// The host budget as errors write it: the size as configured, else the
+/// bytes `"auto"` found.
+fn host_size(config: &OffloadConfig, bytes: u64) -> crate::bytes::ByteSize {
+    match config.host_budget {
+        Some(crate::bytes::HostBudget::Bytes(b)) if b.bytes() == bytes => b,
+        _ => crate::bytes::ByteSize::new(bytes),
+    }
+}
+
+impl Request<'_> {
+    /// The error for a host budget below [`Self::least_host`].
+    fn host_does_not_fit(&self, config: &OffloadConfig) -> Option<BudgetError> {
+        let limits = self.host.as_ref()?;
+        let ((least, held, staging, transient), _) = self.least_host();
+        (limits.budget < least).then(|| BudgetError::HostDoesNotFit {
+            budget: host_size(config, limits.budget),
+            least,
+            held,
+            staging,
+            transient,
+        })
+    }
+}
+
 pub(super) fn plan_request(
     pipeline: &Pipeline,
     config: &OffloadConfig,
@@ -1161,22 +1429,38 @@ pub(super) fn plan_request(
     budget: u64,
     source: BudgetSource,
     device: DeviceMemory,
+    host: Option<HostLimits>,
 ) -> Result<RequestPlan, BudgetError> {
-    let r = Request::new(pipeline, config, inputs)?;
+    let mut r = Request::new(pipeline, config, inputs)?;
+    r.host = host;
     let minimum = r.minimum();
-    let does_not_fit = || {
-        minimum.does_not_fit(crate::bytes::DeviceBudget::size_of(
-            config.device_budget,
-            budget,
-        ))
-    };
+    let device_size = crate::bytes::DeviceBudget::size_of(config.device_budget, budget);
+    let does_not_fit = || minimum.does_not_fit(device_size);
     if budget < minimum.bytes {
         return Err(does_not_fit());
     }
-    // The minimal plan always fits from here (its peaks are the minima),
-    // so a search that finds nothing is a bug; refuse rather than panic.
-    let best = r.search(budget).ok_or_else(does_not_fit)?;
+    if let Some(e) = r.host_does_not_fit(config) {
+        return Err(e);
+    }
+    // Without a host budget the minimal plan always fits from here (its
+    // peaks are the minima), so a search that finds nothing is a bug;
+    // refuse rather than panic. With one, the plans within the device
+    // budget may all hold more than the host budget can pin.
+    let best = r.search(budget).ok_or_else(|| match &r.host {
+        Some(limits) => BudgetError::NoPlanFitsBoth {
+            device: device_size,
+            host: host_size(config, limits.budget),
+            held_room: r.host_bounds().iter().map(|b| b.head).max().unwrap_or(0),
+        },
+        None => does_not_fit(),
+    })?;
     let eval = r.evaluate(&best.phases);
+    let host = match r.host_side(&best.phases) {
+        Some(Ok(side)) => Some(side),
+        // The search checked the whole plan against the host budget.
+        Some(Err(_)) => return Err(does_not_fit()),
+        None => None,
+    };
     let alternatives = r
         .alternatives(budget)
         .into_iter()
@@ -1214,6 +1498,7 @@ pub(super) fn plan_request(
         mapping_bytes: inputs.mapping_bytes,
         allocator_slack_bytes: inputs.allocator_slack_bytes,
         source: inputs.source.clone(),
+        host,
     })
 }
 
@@ -1258,9 +1543,11 @@ fn describe(
     };
     // Would one more resident block (the smallest streamed one, and its
     // ring's last if it would be left alone) fit every phase?
-    let memory_binds = streams
-        && limit == Limit::Link
-        && smallest_streamed(c, l).is_some_and(|(si, j)| {
+    // (Device memory, host memory.)
+    let binds = (streams && limit == Limit::Link)
+        .then(|| smallest_streamed(c, l))
+        .flatten()
+        .map(|(si, j)| {
             let mut trial = best.phases.clone();
             let t = &mut trial[i].0;
             t.resident[si][j] = true;
@@ -1268,8 +1555,10 @@ fn describe(
             if !c.streams(t) {
                 t.depth = 0;
             }
-            r.evaluate(&trial).peak_bytes > budget
+            (r.evaluate(&trial).peak_bytes > budget, !r.host_fits(&trial))
         });
+    let memory_binds = binds.is_some_and(|b| b.0);
+    let host_binds = binds.is_some_and(|b| !b.0 && b.1);
     let smallest = smallest_streamed(c, l).map(|(si, j)| c.stacks[si][j].bytes);
     let mut reason = match mode {
         ComponentMode::Resident => format!(
@@ -1309,6 +1598,11 @@ fn describe(
     if memory_binds {
         reason.push_str(&format!(
             "; memory binds: one more resident block ({}) would not fit the budget",
+            gb(smallest.unwrap_or(0))
+        ));
+    } else if host_binds {
+        reason.push_str(&format!(
+            "; the host budget binds: one more resident block ({}) would fit the device but not the pinned memory host_budget allows (a held block keeps a pinned master)",
             gb(smallest.unwrap_or(0))
         ));
     } else if streams && limit == Limit::Compute {
@@ -1406,6 +1700,20 @@ pub fn smallest_footprint(
     pipeline: &Pipeline,
     config: &OffloadConfig,
 ) -> Result<(Vec<ComponentChoice>, MinimumBudget), BudgetError> {
+    smallest_footprint_within(pipeline, config, None).map(|(c, m, _)| (c, m))
+}
+
+/// [`smallest_footprint`] within a host budget, with its host side: where
+/// the device's smallest footprint holds more than `host` can pin (it keeps
+/// a block resident that the host budget must then pin), the footprint of
+/// every block streamed instead (the least host footprint), whose device
+/// minimum is returned. Fails with [`BudgetError::HostDoesNotFit`] below
+/// the least host budget.
+pub fn smallest_footprint_within(
+    pipeline: &Pipeline,
+    config: &OffloadConfig,
+    host: Option<HostLimits>,
+) -> Result<(Vec<ComponentChoice>, MinimumBudget, Option<HostSide>), BudgetError> {
     let resolved = resolve(pipeline, config)?;
     let mut inputs = PlannerInputs::new(1e9, 1);
     for c in resolved
@@ -1417,12 +1725,25 @@ pub fn smallest_footprint(
             .components
             .insert(c.path.clone(), ComponentInputs::new(1.0, false, 0));
     }
-    let r = Request::new(pipeline, config, &inputs)?;
+    let mut r = Request::new(pipeline, config, &inputs)?;
+    r.host = host;
+    if let Some(e) = r.host_does_not_fit(config) {
+        return Err(e);
+    }
     let minima = r.minima();
-    let choices = minima
+    let smallest: Vec<(Local, bool)> = minima.iter().map(|m| (m.2.clone(), false)).collect();
+    let (phases, minimum) = if r.host_fits(&smallest) {
+        (smallest, r.minimum())
+    } else {
+        let (_, streaming) = r.least_host();
+        let minimum = r.minimum_of(&streaming);
+        (streaming, minimum)
+    };
+    let host = r.host_side(&phases).and_then(Result::ok);
+    let choices = phases
         .iter()
         .enumerate()
-        .map(|(i, (_, _, l))| r.choice(i, l, false))
+        .map(|(i, (l, k))| r.choice(i, l, *k))
         .collect();
-    Ok((choices, r.minimum()))
+    Ok((choices, minimum, host))
 }

@@ -224,6 +224,71 @@ pub struct Alternative {
     pub choices: Vec<ComponentChoice>,
 }
 
+/// The host side of a request plan under `host_budget` (CONTRACT §7a,
+/// §7c): what the plan pins and what it stages, against the budget.
+///
+/// Every held unit (a component's weights outside its blocks, its
+/// resident blocks) keeps a pinned master: the phase engine brings a held
+/// set in from pinned memory each time its phase begins. Streamed blocks
+/// are pinned as the budget allows ([`super::plan_host`]: spread over the
+/// rings), the rest stay in pageable memory and stream through two pinned
+/// staging buffers of the largest staged block. The largest unit outside
+/// every component is uploaded once through a pinned buffer of its size.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HostSide {
+    /// The host budget planned for.
+    pub budget_bytes: u64,
+    /// How it was found (a size as written, or what `"auto"` read).
+    pub source: String,
+    /// Pinned masters of the held units.
+    pub held_bytes: u64,
+    /// Pinned masters of streamed blocks.
+    pub pinned_streamed_bytes: u64,
+    /// Staged (pageable) masters of streamed blocks.
+    pub staged_bytes: u64,
+    /// The staging ring (0 when nothing is staged).
+    pub staging_bytes: u64,
+    /// The pinned buffer the largest unit outside every component is
+    /// uploaded through at enable.
+    pub transient_bytes: u64,
+    /// Page-locked bytes the plan holds at most: held, pinned streamed,
+    /// the staging ring and the transient buffer.
+    pub peak_bytes: u64,
+    /// The least host budget any plan of this pipeline needs: every block
+    /// that can stream staged, the held sets at their least.
+    pub least_bytes: u64,
+    /// The staged blocks, by path (in ring order).
+    pub staged_blocks: Vec<String>,
+    /// Whether staged blocks' pages are released after each read (the
+    /// staged bytes exceed what the budget leaves: a checkpoint larger than
+    /// the budget must not stay resident).
+    pub release_after_read: bool,
+}
+
+impl fmt::Display for HostSide {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "host budget {:.2} GB ({}): peak {:.2} GB page-locked = {:.2} GB held sets pinned + {:.2} GB streamed blocks pinned + {:.2} GB staging ring + {:.2} GB upload buffer; {} streamed blocks ({:.2} GB) staged{}; least host budget {:.2} GB",
+            gb(self.budget_bytes),
+            self.source,
+            gb(self.peak_bytes),
+            gb(self.held_bytes),
+            gb(self.pinned_streamed_bytes),
+            gb(self.staging_bytes),
+            gb(self.transient_bytes),
+            self.staged_blocks.len(),
+            gb(self.staged_bytes),
+            if self.release_after_read {
+                ", their pages released after each read"
+            } else {
+                ""
+            },
+            gb(self.least_bytes)
+        )
+    }
+}
+
 /// The plan of one request under a budget, phase by phase, and why.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RequestPlan {
@@ -260,6 +325,9 @@ pub struct RequestPlan {
     pub allocator_slack_bytes: u64,
     /// Where the inputs came from.
     pub source: InputSource,
+    /// The host side, under a `host_budget` (`None` without one: every
+    /// master pinned).
+    pub host: Option<HostSide>,
 }
 
 impl RequestPlan {
@@ -376,6 +444,9 @@ impl fmt::Display for RequestPlan {
                 None => format!("{} does not fit", a.strategy),
             })
             .collect();
+        if let Some(h) = &self.host {
+            writeln!(f, "  {h}")?;
+        }
         write!(f, "  one strategy alone: {}", alts.join("; "))
     }
 }
@@ -478,6 +549,40 @@ pub enum BudgetError {
         slot_bytes: u64,
         /// Its activations.
         activation_bytes: u64,
+    },
+    /// The host budget is below the least any plan needs.
+    #[error(
+        "`host_budget` = {budget} does not fit: the least any plan of this pipeline needs is {} page-locked: {} of held sets pinned (each component's weights outside its blocks, and any block held so that the staging ring stays small) + {} of staging buffers (two of the largest block streamed) + {} for uploading the largest unit outside the components; allowed: host_budget ≥ {}",
+        .budget.in_unit_of_at_least(*.least),
+        .budget.in_unit_of(*.held),
+        .budget.in_unit_of(*.staging),
+        .budget.in_unit_of(*.transient),
+        .budget.written_at_least(*.least),
+    )]
+    HostDoesNotFit {
+        /// The host budget.
+        budget: ByteSize,
+        /// The least host budget, bytes.
+        least: u64,
+        /// Its held part.
+        held: u64,
+        /// Its staging ring.
+        staging: u64,
+        /// Its upload buffer.
+        transient: u64,
+    },
+    /// Each budget alone has a plan, but no plan fits both.
+    #[error(
+        "no plan fits `device_budget` = {device} and `host_budget` = {host} together: within the host budget at most {} of held sets can stay pinned beside the staging ring, and every plan within the device budget holds more on the device (each held unit keeps a pinned master); allowed: a larger device_budget (fewer blocks held) or a larger host_budget",
+        .host.in_unit_of(*.held_room)
+    )]
+    NoPlanFitsBoth {
+        /// The device budget.
+        device: ByteSize,
+        /// The host budget.
+        host: ByteSize,
+        /// What the host budget leaves for held sets.
+        held_room: u64,
     },
     /// The first request ran out of memory twice.
     #[error(

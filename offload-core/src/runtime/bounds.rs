@@ -316,8 +316,17 @@ pub struct PlanBounds {
     /// component (the masters both engines share) plus `staging_bytes`.
     pub host_weight_bytes: u64,
     /// `enable`'s staging: the largest unit outside every component,
-    /// uploaded through one exact-size pinned buffer.
+    /// uploaded through one exact-size pinned buffer, and under a host
+    /// budget the host staging ring (`host_staging_bytes`).
     pub staging_bytes: u64,
+    /// Under a `host_budget` (CONTRACT §7c): the most a host staging ring
+    /// takes, two pinned buffers of the largest block (the warm-up's
+    /// footprint and the plan may stage different blocks; a staged master
+    /// holds no pinned copy). 0 without one.
+    pub host_staging_bytes: u64,
+    /// The host budget the plan was made within (a size, or what `"auto"`
+    /// read at enable): the most pinned + registered bytes.
+    pub host_budget_bytes: Option<u64>,
 }
 
 impl PlanBounds {
@@ -360,9 +369,9 @@ impl PlanBounds {
             group_size: 1,
             padding_bytes: 0,
             coded_overhead_bytes: 0,
-            host_staging_bytes: 0,
-            staging_ring_bytes: 0,
-            host_budget_bytes: None,
+            host_staging_bytes: self.host_staging_bytes,
+            staging_ring_bytes: self.host_staging_bytes,
+            host_budget_bytes: self.host_budget_bytes,
         }
     }
 }
@@ -437,11 +446,19 @@ pub fn plan_bounds(
         .chain(part.blocks.values())
         .map(|u| u.bytes)
         .sum();
-    let staging = outside.iter().map(|u| u.bytes).max().unwrap_or(0);
+    let host_staging = if plan.host.is_some() {
+        crate::budget::host::HOST_STAGING_BUFFERS
+            * part.blocks.values().map(|u| u.bytes).max().unwrap_or(0)
+    } else {
+        0
+    };
+    let staging = outside.iter().map(|u| u.bytes).max().unwrap_or(0) + host_staging;
     Ok(PlanBounds {
         phases,
         budget_bytes: plan.budget_bytes,
         host_weight_bytes: managed_bytes + staging,
         staging_bytes: staging,
+        host_staging_bytes: host_staging,
+        host_budget_bytes: plan.host.as_ref().map(|h| h.budget_bytes),
     })
 }

@@ -917,6 +917,56 @@ fn host_plan(
     Ok(plan)
 }
 
+/// A ring of `buffers` pinned host staging buffers of `bytes` (see
+/// `LayerwiseBackend::staging_ring`).
+fn staging_ring<A: Api>(
+    h: &Handles<A>,
+    bytes: u64,
+    buffers: usize,
+) -> Result<StagingRing<A>, OffloadError> {
+    let mut stages = Vec::new();
+    for j in 0..buffers {
+        let copied = h
+            .device
+            .create_event()
+            .map_err(|e| dev_err("create_event", e))?;
+        let mut last = None;
+        for _ in 0..3 {
+            match h.device.alloc_pinned(bytes) {
+                Ok(buffer) => {
+                    stages.push((buffer, copied));
+                    last = None;
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        if let Some(e) = last {
+            if j == 0 {
+                // Dropped buffers free themselves (after a device
+                // synchronisation).
+                return Err(dev_err(
+                    format!(
+                        "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters and refused uploads stream through pinned staging buffers, CONTRACT §7c)"
+                    ),
+                    e,
+                ));
+            }
+            tracing::warn!(
+                "host staging buffer {} of {bytes} bytes was refused ({e}); staged blocks stream through {j} (each fill waits for the previous staged copy)",
+                j + 1
+            );
+            break;
+        }
+    }
+    Ok(StagingRing::new(
+        Arc::clone(&h.device),
+        Arc::clone(&h.weights),
+        stages,
+        fill_threads(),
+    ))
+}
+
 /// What staging decided at enable, for its log lines.
 #[derive(Default)]
 struct StagedTally {
@@ -2361,45 +2411,7 @@ impl<A: Api> LayerwiseBackend<A> {
     /// is refused (the host then waits for each staged copy before the next
     /// fill, logged), an error where the first is.
     fn staging_ring(&self, bytes: u64, buffers: usize) -> Result<StagingRing<A>, OffloadError> {
-        let h = &self.engine.handles;
-        let mut stages = Vec::new();
-        for j in 0..buffers {
-            let copied = self.event()?;
-            let mut last = None;
-            for _ in 0..3 {
-                match h.device.alloc_pinned(bytes) {
-                    Ok(buffer) => {
-                        stages.push((buffer, copied));
-                        last = None;
-                        break;
-                    }
-                    Err(e) => last = Some(e),
-                }
-            }
-            if let Some(e) = last {
-                if j == 0 {
-                    // Dropped buffers free themselves (after a device
-                    // synchronisation).
-                    return Err(dev_err(
-                        format!(
-                            "alloc_pinned({bytes} bytes) for a host staging buffer (staged masters and refused uploads stream through pinned staging buffers, CONTRACT §7c)"
-                        ),
-                        e,
-                    ));
-                }
-                tracing::warn!(
-                    "host staging buffer {} of {bytes} bytes was refused ({e}); staged blocks stream through {j} (each fill waits for the previous staged copy)",
-                    j + 1
-                );
-                break;
-            }
-        }
-        Ok(StagingRing::new(
-            Arc::clone(&h.device),
-            Arc::clone(&h.weights),
-            stages,
-            fill_threads(),
-        ))
+        staging_ring(&self.engine.handles, bytes, buffers)
     }
 
     fn alloc(&self, bytes: u64, name: &str) -> Result<Arc<A::DeviceBuffer>, OffloadError> {
@@ -2754,7 +2766,10 @@ impl<A: Api> RingEngine<A> {
 
     /// Builds the rings of `layout` over the masters `master_of` gives (no
     /// slots yet), with fills timed by `timer` while a warm-up measures,
-    /// and returns the block hooks to install. On error the state holds
+    /// and returns the block hooks to install. Where a master is staged
+    /// (CONTRACT §7c), the host staging ring of layerwise is made for them
+    /// (two pinned buffers of the largest), each staged block's pages
+    /// released after its read where `release`. On error the state holds
     /// what was built, for [`Self::release`].
     pub(crate) fn build(
         &self,
@@ -2762,6 +2777,7 @@ impl<A: Api> RingEngine<A> {
         layout: &RingLayout,
         master_of: &dyn Fn(&Unit) -> Option<Arc<HostMaster<A>>>,
         timer: Option<Arc<Timer<A>>>,
+        release: bool,
     ) -> Result<Vec<BlockHookOf>, OffloadError> {
         let mut st = State {
             placement: Placement::new(pipeline, OffloadStrategy::Planned),
@@ -2809,6 +2825,23 @@ impl<A: Api> RingEngine<A> {
                         coded: None,
                     });
                 }
+            }
+            let largest_staged = st
+                .rings
+                .iter()
+                .flat_map(|r| &r.blocks)
+                .filter_map(|m| match &*m.host {
+                    HostMaster::Staged(s) => Some(s.bytes),
+                    _ => None,
+                })
+                .max();
+            if let Some(bytes) = largest_staged {
+                let buffers = crate::budget::host::HOST_STAGING_BUFFERS as usize;
+                st.host_staging = Some(HostStaging {
+                    ring: staging_ring(&self.engine.handles, bytes, buffers)?,
+                    last: buffers - 1,
+                    release,
+                });
             }
             Ok(())
         };
@@ -2919,5 +2952,14 @@ impl<A: Api> RingEngine<A> {
     /// Device bytes the rings hold (the slot pool).
     pub(crate) fn device_weight_bytes(&self) -> u64 {
         self.engine.device_weight_bytes()
+    }
+
+    /// Pinned bytes of the host staging ring staged masters stream
+    /// through (0 when none is staged).
+    pub(crate) fn host_staging_bytes(&self) -> u64 {
+        self.engine
+            .lock()
+            .as_ref()
+            .map_or(0, |st| st.host_staging.iter().map(|s| s.ring.bytes()).sum())
     }
 }

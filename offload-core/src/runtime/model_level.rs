@@ -427,6 +427,7 @@ pub(crate) fn build_planned<A: Api>(
     pipeline: &crate::model::Pipeline,
     groups: Vec<Group<A>>,
     resident: Vec<(Unit, Option<Arc<HostMaster<A>>>)>,
+    whole_mappings: bool,
 ) -> Result<(), OffloadError> {
     let h = &shared.handles;
     let mut st = State {
@@ -461,7 +462,9 @@ pub(crate) fn build_planned<A: Api>(
         for (unit, master) in resident {
             let buffer = Arc::new(match master {
                 Some(m) => h.upload_from(&unit, &m)?,
-                None => h.upload(&unit, &none)?,
+                // Under a host budget, never by registering (and so
+                // locking) a whole mapping (CONTRACT §7c).
+                None => h.upload_within(&unit, &none, whole_mappings)?,
             });
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(&unit, &buffer)?;

@@ -28,11 +28,13 @@
 //! [`PlannerInputs`], plans, and puts the plan in force.
 
 use crate::sync::{Arc, Mutex, lock};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
-use crate::budget::{self, BudgetError, ComponentChoice, DeviceMemory, RequestPlan};
+use crate::budget::{
+    self, BudgetError, ComponentChoice, DeviceMemory, HostLimits, HostSide, RequestPlan,
+};
 use crate::config::{OffloadConfig, OffloadStrategy};
 use crate::declaration::Role;
 use crate::device::{Api, Device, DeviceErrorKind};
@@ -107,6 +109,10 @@ pub struct PlannedBackend<A: Api> {
     current: Arc<Mutex<Option<String>>>,
     replanned: bool,
     hooked: Vec<ModuleId>,
+    /// `host_budget` as read at enable (every re-plan plans within it).
+    host_limits: Option<HostLimits>,
+    /// The host side in force: which streamed blocks' masters are staged.
+    host_side: Option<HostSide>,
 }
 
 impl<A: Api> PlannedBackend<A> {
@@ -189,6 +195,8 @@ impl<A: Api> PlannedBackend<A> {
             current: Arc::new(Mutex::new(None)),
             replanned: false,
             hooked: Vec::new(),
+            host_limits: None,
+            host_side: None,
         })
     }
 
@@ -200,21 +208,158 @@ impl<A: Api> PlannedBackend<A> {
             .or_else(|| model.pipeline.warmup_request().cloned())
     }
 
+    /// The block modules the host side in force stages.
+    fn staged_modules(&self, layout: &Layout) -> BTreeSet<ModuleId> {
+        let Some(side) = &self.host_side else {
+            return BTreeSet::new();
+        };
+        layout
+            .resolved
+            .stacks
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| side.staged_blocks.contains(&b.path))
+            .map(|b| b.module)
+            .collect()
+    }
+
     /// Host masters for every unit of every managed component (its rest
-    /// and every block of its stacks).
-    fn build_store(&mut self, layout: &Layout) -> Result<(), OffloadError> {
-        let h = &self.phases.handles;
-        let none = Default::default();
+    /// and every block of its stacks): pinned or registered in place, but
+    /// the blocks the host side stages (CONTRACT §7c), which stay in
+    /// pageable memory. Under a host budget a window of a mapping is
+    /// pinned as a copy (a registration would lock the whole mapping), and
+    /// a streamed block whose pin the device refuses stages too.
+    fn build_store(
+        &mut self,
+        layout: &Layout,
+        choices: &[ComponentChoice],
+    ) -> Result<(), OffloadError> {
+        let staged = self.staged_modules(layout);
+        let held = held_modules(layout, choices);
         let managed: Vec<ModuleId> = layout.components.iter().map(|c| c.1).collect();
-        let units = layout
+        let units: Vec<Unit> = layout
             .partition
             .rest
             .iter()
             .filter(|u| managed.contains(&u.module))
-            .chain(layout.partition.blocks.values());
-        for unit in units {
-            let master = h.master(unit, &none)?;
+            .chain(layout.partition.blocks.values())
+            .cloned()
+            .collect();
+        for unit in &units {
+            let streams =
+                layout.partition.blocks.contains_key(&unit.module) && !held.contains(&unit.module);
+            let master = self.make_master(unit, staged.contains(&unit.module), streams)?;
             self.store.insert(unit.name.clone(), Arc::new(master));
+        }
+        self.log_staged();
+        Ok(())
+    }
+
+    /// A host master of `unit`: staged where `staged`, else pinned (or
+    /// registered in place without a host budget); a refused pin of a
+    /// streamed block (`streams`) under a host budget stages it.
+    fn make_master(
+        &self,
+        unit: &Unit,
+        staged: bool,
+        streams: bool,
+    ) -> Result<HostMaster<A>, OffloadError> {
+        let h = &self.phases.handles;
+        let budget = self.host_limits.is_some();
+        let stage = |why: budget::StageReason| {
+            tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
+            h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
+                bytes: unit.bytes,
+                coded: None,
+            }))
+        };
+        if staged {
+            return Ok(stage(budget::StageReason::Budget));
+        }
+        match h.master_within(unit, &BTreeSet::new(), !budget) {
+            Err(OffloadError::DeviceOp { kind, cause, .. })
+                if budget && streams && kind != DeviceErrorKind::DeviceLost =>
+            {
+                tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); it streams staged", unit.name);
+                Ok(stage(budget::StageReason::Refused))
+            }
+            other => other,
+        }
+    }
+
+    /// The log line of what the store stages.
+    fn log_staged(&self) {
+        let staged: Vec<u64> = self
+            .store
+            .values()
+            .filter_map(|m| match &**m {
+                HostMaster::Staged(s) => Some(s.bytes),
+                _ => None,
+            })
+            .collect();
+        if let Some(side) = &self.host_side {
+            tracing::info!(
+                staged_units = staged.len(),
+                staged_bytes = staged.iter().sum::<u64>(),
+                "planned offload: {} streamed blocks ({} bytes) stay in pageable memory and stream through pinned staging buffers; {side}",
+                staged.len(),
+                staged.iter().sum::<u64>()
+            );
+        }
+    }
+
+    /// Makes the store's masters match the host side in force for
+    /// `choices` (after a re-plan, both engines released): masters of
+    /// blocks the plan now stages are freed first (so the page-locked peak
+    /// never holds both plans' pins), then the blocks it now pins or holds
+    /// are pinned (a block staged because its pin was refused is asked
+    /// again).
+    fn reconcile_store(&mut self, choices: &[ComponentChoice]) -> Result<(), OffloadError> {
+        let layout = self.layout.take().expect("enabled");
+        let result = self.reconcile_with(&layout, choices);
+        self.layout = Some(layout);
+        result
+    }
+
+    fn reconcile_with(
+        &mut self,
+        layout: &Layout,
+        choices: &[ComponentChoice],
+    ) -> Result<(), OffloadError> {
+        let staged = self.staged_modules(layout);
+        let held = held_modules(layout, choices);
+        let is_staged = |m: &HostMaster<A>| matches!(m, HostMaster::Staged(_));
+        let mut changed = false;
+        for to_staged in [true, false] {
+            for unit in layout.partition.blocks.values() {
+                let Some(now) = self.store.get(&unit.name) else {
+                    continue;
+                };
+                let want = staged.contains(&unit.module);
+                if is_staged(now) == want || want != to_staged {
+                    continue;
+                }
+                changed = true;
+                let old = self.store.remove(&unit.name).expect("present");
+                match Arc::try_unwrap(old) {
+                    // SAFETY: both engines are released (their streams
+                    // drained, their clones of the master dropped): no copy
+                    // reads it.
+                    Ok(m) => unsafe { self.phases.handles.free_master(m) }?,
+                    Err(m) => {
+                        tracing::error!(
+                            "host master of `{}` is still shared; leaking it",
+                            unit.name
+                        );
+                        std::mem::forget(m);
+                    }
+                }
+                let master = self.make_master(unit, want, !held.contains(&unit.module))?;
+                self.store.insert(unit.name.clone(), Arc::new(master));
+            }
+        }
+        if changed {
+            self.log_staged();
         }
         Ok(())
     }
@@ -269,9 +414,13 @@ impl<A: Api> PlannedBackend<A> {
         let rings = RingLayout::new(&resolved, &layout.partition, 1, 0);
         let store = &self.store;
         let master_of = |u: &Unit| store.get(&u.name).cloned();
-        let block_hooks = self
-            .ring
-            .build(&model.pipeline, &rings, &master_of, timer.clone())?;
+        let release = self
+            .host_side
+            .as_ref()
+            .is_some_and(|h| h.release_after_read);
+        let block_hooks =
+            self.ring
+                .build(&model.pipeline, &rings, &master_of, timer.clone(), release)?;
         // The phase state: held sets of components not kept swap; kept
         // sets and everything outside the components stay.
         let mut groups = Vec::new();
@@ -315,7 +464,13 @@ impl<A: Api> PlannedBackend<A> {
                 resident.push((unit.clone(), None));
             }
         }
-        model_level::build_planned(&self.phases, &model.pipeline, groups, resident)?;
+        model_level::build_planned(
+            &self.phases,
+            &model.pipeline,
+            groups,
+            resident,
+            self.host_limits.is_none(),
+        )?;
         // Hooks: a phase hook on every component, the ring's on every
         // streamed block, and (while measuring) timing marks on every block.
         let mut hooks: Vec<(ModuleId, &'static str, Box<dyn ModelHook<ForwardCtx>>)> = Vec::new();
@@ -414,11 +569,19 @@ impl<A: Api> PlannedBackend<A> {
     fn replan(&mut self, model: &mut Model, inputs: PlannerInputs) -> Result<(), OffloadError> {
         let memory = self.memory.expect("enabled");
         // Planning is pure: a plan that fails leaves the one in force.
-        let plan = budget::plan(&model.pipeline, &self.config, &inputs, memory)
-            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+        let plan = budget::plan_within(
+            &model.pipeline,
+            &self.config,
+            &inputs,
+            memory,
+            self.host_limits.clone(),
+        )
+        .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         *lock(&self.current) = None;
         let applied = self.unapply(model, true).and_then(|()| {
             tracing::info!("planned offload: {plan}");
+            self.host_side = plan.host.clone();
+            self.reconcile_store(&plan.choices())?;
             self.apply(model, &plan.choices(), None)
         });
         if let Err(e) = applied {
@@ -582,6 +745,18 @@ impl<A: Api> PlannedBackend<A> {
             ..PlannerInputs::new(link, request.steps)
         })
     }
+}
+
+/// The block modules `choices` keep resident (held).
+fn held_modules(layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<ModuleId> {
+    layout
+        .resolved
+        .stacks
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| choices.iter().any(|c| c.resident_blocks.contains(&b.path)))
+        .map(|b| b.module)
+        .collect()
 }
 
 /// The link from the warm-up's copies `(bytes, ns)`: a least-squares fit
@@ -777,6 +952,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         // room) fails before the store is built or a warm-up runs (INV-5).
         let (budget_bytes, _) = budget::resolve_budget(&self.config, memory)
             .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+        // The host budget, read once (`"auto"`): every plan of this enable
+        // plans within what it read.
+        let host_limits = budget::config_host_limits(&self.config)
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         let resolved = resolve(&model.pipeline, &self.config)?;
         let groups: Vec<ModuleId> = resolved.components.iter().map(|c| c.module).collect();
         let weights = &self.phases.handles.weights;
@@ -789,7 +968,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             .map(|c| (c.path.clone(), c.module, c.role))
             .collect();
         let request = self.request_of(model);
-        let (choices, plan, inputs, warmup) = match &self.given {
+        let (choices, plan, inputs, warmup, host_side) = match &self.given {
             Some(given) => {
                 let mut inputs = given.clone();
                 if let Some(r) = &request {
@@ -799,9 +978,16 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 // allocator's granule now, the mappings as last measured
                 // (measured again below, once the masters exist).
                 inputs.allocation_granule_bytes = self.device.allocation_granule();
-                let plan = budget::plan(&model.pipeline, &self.config, &inputs, memory)
-                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
-                (plan.choices(), Some(plan), Some(inputs), None)
+                let plan = budget::plan_within(
+                    &model.pipeline,
+                    &self.config,
+                    &inputs,
+                    memory,
+                    host_limits.clone(),
+                )
+                .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                let side = plan.host.clone();
+                (plan.choices(), Some(plan), Some(inputs), None, side)
             }
             None => {
                 let Some(shape) = request else {
@@ -814,8 +1000,12 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                         },
                     )));
                 };
-                let (choices, minimum) = budget::smallest_footprint(&model.pipeline, &self.config)
-                    .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                let (choices, minimum, side) = budget::smallest_footprint_within(
+                    &model.pipeline,
+                    &self.config,
+                    host_limits.clone(),
+                )
+                .map_err(|e| OffloadError::Budget(Box::new(e)))?;
                 // The warm-up itself runs in the smallest footprint: a
                 // budget below it (activations not yet counted) fails now,
                 // not after a warm-up that would have exceeded it.
@@ -828,7 +1018,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                         ),
                     ))));
                 }
-                (choices, None, None, Some(shape))
+                (choices, None, None, Some(shape), side)
             }
         };
         log_warnings(&resolved.warnings);
@@ -838,7 +1028,12 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             components,
         };
         self.memory = Some(memory);
-        if let Err(e) = self.build_store(&layout) {
+        self.host_limits = host_limits;
+        if let Some(side) = &host_side {
+            tracing::info!("planned offload: {side}");
+        }
+        self.host_side = host_side;
+        if let Err(e) = self.build_store(&layout, &choices) {
             self.layout = Some(layout);
             let _ = self.release_all(None, true);
             return Err(e);
@@ -865,8 +1060,19 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         let (choices, plan, inputs) = match (plan, inputs) {
             (Some(_), Some(mut inp)) if inp.mapping_bytes != self.mapping_bytes => {
                 inp.mapping_bytes = self.mapping_bytes;
-                match budget::plan(&model.pipeline, &self.config, &inp, memory) {
-                    Ok(p) => (p.choices(), Some(p), Some(inp)),
+                match budget::plan_within(
+                    &model.pipeline,
+                    &self.config,
+                    &inp,
+                    memory,
+                    self.host_limits.clone(),
+                ) {
+                    Ok(p) => {
+                        // Its host side may differ from the one the store
+                        // was built for: the store follows it (below).
+                        self.host_side = p.host.clone();
+                        (p.choices(), Some(p), Some(inp))
+                    }
                     Err(e) => {
                         let _ = self.release_all(None, true);
                         return Err(OffloadError::Budget(Box::new(e)));
@@ -875,6 +1081,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             }
             (plan, inputs) => (choices, plan, inputs),
         };
+        if let Err(e) = self.reconcile_store(&choices) {
+            let _ = self.release_all(None, true);
+            return Err(e);
+        }
         let timer = warmup
             .is_some()
             .then(|| Arc::new(Timer::new(Arc::clone(&self.device))));
@@ -933,7 +1143,7 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
     }
 
     fn host_weight_bytes(&self) -> u64 {
-        self.store.values().map(|m| m.len_bytes()).sum()
+        self.store.values().map(|m| m.len_bytes()).sum::<u64>() + self.ring.host_staging_bytes()
     }
 
     fn host_masters(&self) -> crate::runtime::backend::HostMasters {
