@@ -183,6 +183,11 @@ struct PlanCmdArgs {
     /// What `auto` leaves free (default 1GiB).
     #[arg(long)]
     headroom: Option<String>,
+    /// Host budget (CONTRACT §7c): the most page-locked host memory, `auto`
+    /// (this machine's) or a size; held sets stay pinned, streamed blocks
+    /// beyond it stream staged (default: every master pinned).
+    #[arg(long)]
+    host_budget: Option<String>,
     /// Device memory in GB (10^9 bytes) instead of the profile's.
     #[arg(long)]
     device_memory_gb: Option<f64>,
@@ -621,6 +626,7 @@ fn plan_cmd(args: PlanCmdArgs) -> Result<()> {
         steps: args.steps,
         budget: args.budget,
         headroom: args.headroom,
+        host_budget: args.host_budget,
         device_memory_gb: args.device_memory_gb,
     };
     let mut c = capacity(&plan_args)?;

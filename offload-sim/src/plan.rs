@@ -48,6 +48,9 @@ pub struct PlanArgs {
     pub budget: Option<String>,
     /// `device_headroom` for `"auto"` (default 1 GiB).
     pub headroom: Option<String>,
+    /// `host_budget` (CONTRACT §7c): `"auto"` (this machine's) or a
+    /// [`ByteSize`] string; `None`, every master pinned.
+    pub host_budget: Option<String>,
     /// Device memory in GB instead of the profile's.
     pub device_memory_gb: Option<f64>,
 }
@@ -102,6 +105,7 @@ impl Capacity {
             "weight_bytes": self.weight_bytes,
             "memory_bytes": self.memory_bytes,
             "device_budget": self.config.device_budget,
+            "host_budget": self.config.host_budget,
             "inputs": self.inputs,
             "fits": self.outcome.is_ok(),
             "minimum_bytes": self.minimum_bytes(),
@@ -288,9 +292,17 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
             "with --budget auto only (it is what \"auto\" leaves free)",
         ));
     }
+    let host_budget = match &args.host_budget {
+        None => None,
+        Some(text) => Some(
+            offload_core::bytes::HostBudget::parse(text)
+                .map_err(|e| bad("--host-budget", text, e))?,
+        ),
+    };
     let config = OffloadConfig {
         device_budget: Some(budget),
         device_headroom: headroom,
+        host_budget,
         ..OffloadConfig::default()
     };
     let inputs = match given {
@@ -684,6 +696,36 @@ mod tests {
             gpu: gpu.to_owned(),
             ..PlanArgs::default()
         }
+    }
+
+    /// `--host-budget` plans within it (the plan's host side: held sets
+    /// pinned, the rest staged, the whole within the size), names the least
+    /// below it, and refuses what is not a size.
+    #[test]
+    fn a_host_budget_is_planned_beside_the_device_budget() {
+        let gib = 1u64 << 30;
+        let with = |host: &str| PlanArgs {
+            budget: Some("24GiB".to_owned()),
+            host_budget: Some(host.to_owned()),
+            ..args("flux1-dev", "h200")
+        };
+        let c = capacity(&with("8GiB")).unwrap();
+        let plan = c.outcome.as_ref().unwrap();
+        let side = plan.host.as_ref().expect("a host side");
+        assert!(side.peak_bytes <= 8 * gib, "{side}");
+        assert!(!side.staged_blocks.is_empty(), "{side}");
+        assert!(plan.to_string().contains("host budget"), "{plan}");
+        assert_eq!(c.to_json()["host_budget"], serde_json::json!(8 * gib));
+        let small = capacity(&with("1MiB")).unwrap();
+        let e = small.outcome.unwrap_err().to_string();
+        assert!(
+            e.contains("`host_budget`") && e.contains("allowed: host_budget ≥"),
+            "{e}"
+        );
+        let Err(e) = capacity(&with("8 gigs")) else {
+            panic!("a host budget that is no size was accepted");
+        };
+        assert!(e.to_string().contains("--host-budget"), "{e}");
     }
 
     /// Every component of every preset has estimated inputs, every block a

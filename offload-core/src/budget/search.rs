@@ -297,6 +297,10 @@ struct Request<'a> {
     bound: std::cell::Cell<HostBound>,
 }
 
+/// The least host budget and its parts: (least, held, staging, upload
+/// buffer).
+type LeastHost = (u64, u64, u64, u64);
+
 /// What a host budget leaves one pass of the search: the host bytes the
 /// held sets of all phases may pin (`head`: the budget less the upload
 /// buffer and a staging ring of two `max_stream` blocks), and the largest
@@ -527,12 +531,12 @@ impl<'a> Request<'a> {
     /// upload buffer) and its phases: over every largest streamed block
     /// size (and nothing streamed), the held sets at their least beside a
     /// staging ring of two of it.
-    fn least_host(&self) -> ((u64, u64, u64, u64), Vec<(Local, bool)>) {
+    fn least_host(&self) -> (LeastHost, Vec<(Local, bool)>) {
         let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         sizes.dedup();
         sizes.push(0);
-        let mut best: Option<((u64, u64, u64, u64), Vec<(Local, bool)>)> = None;
+        let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
         for r in sizes {
             let phases = self.streaming_phases(r);
             let held: u64 = self
@@ -1023,6 +1027,28 @@ impl<'a> Request<'a> {
         best
     }
 
+    /// [`Self::alternatives`], each the best over every [`HostBound`].
+    fn alternatives_within_host(&self, budget: u64) -> Vec<(&'static str, Option<Solution>)> {
+        let mut best: Vec<(&'static str, Option<Solution>)> = Vec::new();
+        for bound in self.host_bounds() {
+            self.bound.set(bound);
+            for (i, (name, s)) in self.alternatives(budget).into_iter().enumerate() {
+                if i == best.len() {
+                    best.push((name, s));
+                } else if let Some(s) = s
+                    && best[i]
+                        .1
+                        .as_ref()
+                        .is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
+                {
+                    best[i].1 = Some(s);
+                }
+            }
+        }
+        self.bound.set(HostBound::NONE);
+        best
+    }
+
     /// Each strategy alone: every component resident; model level (DiTs
     /// and encoders swapped whole, the rest resident); layerwise (encoders
     /// and VAEs resident, each DiT's blocks planned and kept).
@@ -1458,11 +1484,17 @@ pub(super) fn plan_request(
     let host = match r.host_side(&best.phases) {
         Some(Ok(side)) => Some(side),
         // The search checked the whole plan against the host budget.
-        Some(Err(_)) => return Err(does_not_fit()),
+        Some(Err(_)) => {
+            return Err(BudgetError::NoPlanFitsBoth {
+                device: device_size,
+                host: host_size(config, r.host.as_ref().map_or(0, |l| l.budget)),
+                held_room: 0,
+            });
+        }
         None => None,
     };
     let alternatives = r
-        .alternatives(budget)
+        .alternatives_within_host(budget)
         .into_iter()
         .map(|(name, s)| Alternative {
             strategy: name.to_owned(),
