@@ -1889,6 +1889,18 @@ fn planned_run(
     inputs: Option<offload_core::budget::PlannerInputs>,
     bugs: &[PlantedBug],
 ) -> Result<PlannedRun, String> {
+    planned_run_within(rig, budget_config(budget), steps, inputs, bugs)
+}
+
+/// [`planned_run`] under `config` (a device budget, and a host budget
+/// beside it where one is set).
+fn planned_run_within(
+    rig: &Rig,
+    config: OffloadConfig,
+    steps: u32,
+    inputs: Option<offload_core::budget::PlannerInputs>,
+    bugs: &[PlantedBug],
+) -> Result<PlannedRun, String> {
     let device = &rig.device;
     let mut rt = rig.runtime();
     let proxy = Arc::clone(&rig.proxy);
@@ -1903,9 +1915,7 @@ fn planned_run(
         platform.set_planner(inputs);
     }
     let allocated_before = rig.settle();
-    let backend = platform
-        .planned(budget_config(budget))
-        .map_err(|e| e.to_string())?;
+    let backend = platform.planned(config).map_err(|e| e.to_string())?;
     rt.enable(Box::new(backend))
         .map_err(|(e, _)| e.to_string())?;
     let plan = rt.request_plan().cloned().ok_or("no request plan")?;
@@ -1973,6 +1983,123 @@ fn phases_within_bounds(p: &Pipeline, budget: u64, run: &PlannedRun) -> Result<(
     Ok(())
 }
 
+/// Two requests of `steps` steps with every weight resident: the outputs
+/// a planned run must give.
+fn planned_resident(rig: &Rig, steps: u32) -> Vec<u64> {
+    let mut rt = rig.runtime();
+    let platform = rig.platform(42, 1, &[]);
+    let allocated_before = rig.settle();
+    rt.enable(platform.resident().unwrap())
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let mut outputs = Vec::new();
+    for _ in 0..2 {
+        rig.proxy.reset(&rig.stream).unwrap();
+        planned_request(&rt, &rig.proxy, steps, &mut |_, _| ()).unwrap();
+        outputs.push(rig.proxy.read_output().unwrap());
+    }
+    rt.disable().unwrap();
+    assert_eq!(rig.settle(), allocated_before);
+    outputs
+}
+
+/// A host budget beside the device budget on the GPU (CONTRACT §7c): at
+/// the least host budget the planner names and halfway to every weight,
+/// under a device budget with room for everything and one near the least,
+/// each through its own warm-up (the store following the plan's host side
+/// after it): two requests give the resident outputs, every phase within
+/// its bound, and the page-locked peak offload-cuda counts beyond the
+/// rig's own stays within the host budget; the plan stages blocks at the
+/// least.
+#[test]
+fn planned_host_budget_stages_within_it_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    let rig = Rig::new(&gpu.device, granular_pipeline());
+    rig.warm_up();
+    const STEPS: u32 = 3;
+    let p = rig.pipeline.clone();
+    let total = memory_bounds(&p, &OffloadConfig::default(), 1)
+        .unwrap()
+        .device_weight_bytes;
+    let resident = planned_resident(&rig, STEPS);
+    let first = planned_run(&rig, 2 * total, STEPS, None, &[]).unwrap();
+    let within = |device: u64, host: u64| OffloadConfig {
+        host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
+        ..budget_config(device)
+    };
+    let one_byte = offload_core::budget::HostLimits {
+        budget: 1,
+        source: "1 B".to_owned(),
+        readings: None,
+    };
+    let least_host = match offload_core::budget::plan_within(
+        &p,
+        &within(2 * total, 1),
+        &first.inputs,
+        offload_core::budget::DeviceMemory::of(u64::MAX / 4),
+        Some(one_byte),
+    ) {
+        Err(offload_core::budget::BudgetError::HostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget: {other:?}"),
+    };
+    let least_device = first.plan.minimum.bytes;
+    let mut rows = Vec::new();
+    for host in [least_host, (least_host + total) / 2] {
+        for device in [2 * total, (least_device + total) / 2] {
+            rig.settle();
+            let before = offload_cuda::host_locked();
+            offload_cuda::reset_host_locked_peak();
+            let run = planned_run_within(&rig, within(device, host), STEPS, None, &[])
+                .unwrap_or_else(|e| panic!("device {device}, host {host}: {e}"));
+            let locked = offload_cuda::host_locked();
+            let held = locked.peak_bytes - (before.pinned_bytes + before.registered_bytes);
+            let side = run.plan.host.clone().expect("a host side");
+            assert_eq!(
+                run.outputs, resident,
+                "device {device}, host {host}: outputs"
+            );
+            phases_within_bounds(&p, device, &run).unwrap();
+            assert!(
+                held <= host,
+                "device {device}, host {host}: page-locked peak {held} B over the host budget\n{}",
+                run.plan
+            );
+            if host == least_host {
+                assert!(!side.staged_blocks.is_empty(), "{side}");
+            }
+            rows.push(format!(
+                "device {device} B, host {host} B: page-locked peak {held} B (plan {} B: held {} B, staged {} blocks, ring {} B)",
+                side.peak_bytes,
+                side.held_bytes,
+                side.staged_blocks.len(),
+                side.staging_bytes
+            ));
+        }
+    }
+    // Planted: the store pins what the plan stages; the device's own count
+    // goes over the host budget (the run itself stays bit-identical).
+    rig.settle();
+    let before = offload_cuda::host_locked();
+    offload_cuda::reset_host_locked_peak();
+    let bug = PlantedBug::PlannedPinsStagedBlocks;
+    let run = planned_run_within(&rig, within(2 * total, least_host), STEPS, None, &[bug])
+        .unwrap_or_else(|e| panic!("{bug:?} planted: {e}"));
+    let held =
+        offload_cuda::host_locked().peak_bytes - (before.pinned_bytes + before.registered_bytes);
+    assert_eq!(run.outputs, resident, "planted {bug:?}: outputs");
+    assert!(
+        held > least_host,
+        "planted {bug:?}: page-locked peak {held} B within the host budget {least_host} B: not caught"
+    );
+    rows.push(format!(
+        "planted {}: page-locked peak {held} B > host budget {least_host} B: caught",
+        bug.name()
+    ));
+    for r in rows {
+        println!("{r}");
+    }
+}
+
 /// The planned backend on the GPU (CONTRACT §7a, §9): the warm-up measures
 /// this device (a positive link, every block's compute), the planner's
 /// least budget is below the pipeline's weights, and at the least budget
@@ -1992,23 +2119,7 @@ fn planned_budgets_fit_every_phase_on_the_gpu() {
         .unwrap()
         .device_weight_bytes;
 
-    let resident = {
-        let mut rt = rig.runtime();
-        let platform = rig.platform(42, 1, &[]);
-        let allocated_before = rig.settle();
-        rt.enable(platform.resident().unwrap())
-            .map_err(|(e, _)| e)
-            .unwrap();
-        let mut outputs = Vec::new();
-        for _ in 0..2 {
-            rig.proxy.reset(&rig.stream).unwrap();
-            planned_request(&rt, &rig.proxy, STEPS, &mut |_, _| ()).unwrap();
-            outputs.push(rig.proxy.read_output().unwrap());
-        }
-        rt.disable().unwrap();
-        assert_eq!(rig.settle(), allocated_before);
-        outputs
-    };
+    let resident = planned_resident(&rig, STEPS);
 
     // The warm-up, at a budget with room for everything.
     let first = planned_run(&rig, 2 * total, STEPS, None, &[]).unwrap();

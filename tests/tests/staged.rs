@@ -673,6 +673,32 @@ fn a_device_and_a_host_budget_are_planned_together_and_hold_on_the_device() {
         staged_seen >= 4,
         "the smaller host budgets stage blocks ({staged_seen})"
     );
+    // Planted: the store pins what the plan stages. INV-7 on the device's
+    // own page-locked count sees it; the clean runs above did not.
+    let planted = RunOptions {
+        bugs: vec![PlantedBug::PlannedPinsStagedBlocks],
+        ..opts.clone()
+    };
+    let device = total + 100_000;
+    let o = run(
+        &w,
+        &StrategyChoice::Config(budgets(device, Some(least_host))),
+        &planted,
+    )
+    .unwrap_or_else(|f| panic!("planted: {}", f.error));
+    assert_eq!(outputs(&o), want, "the planted bug is a memory bug");
+    assert!(
+        host_peak(&o) > least_host,
+        "planted: {} pinned",
+        host_peak(&o)
+    );
+    assert!(
+        all_violations(&o)
+            .iter()
+            .any(|v| v.invariant == Invariant::BoundedMemory),
+        "planted PlannedPinsStagedBlocks: INV-7 saw nothing: {:#?}",
+        all_violations(&o)
+    );
 }
 
 /// Where the device budget would keep everything resident, a host budget

@@ -121,11 +121,15 @@ pub enum PlantedBug {
     /// measurement may turn a ring's coded masters back into raw ones, so
     /// the raw masters pinned exceed the host budget.
     HostPlanCodedUnderAuto,
+    /// INV-7 (planned, CONTRACT §7c): the store pins every streamed block's
+    /// master, the ones the plan's host side stages included, so the
+    /// page-locked peak exceeds the host budget the plan was made within.
+    PlannedPinsStagedBlocks,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 37] = [
+    pub const ALL: [PlantedBug; 38] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -163,6 +167,7 @@ impl PlantedBug {
         PlantedBug::HostStagingReuseBeforeCopy,
         PlantedBug::ShardWindowWrongOffset,
         PlantedBug::HostPlanCodedUnderAuto,
+        PlantedBug::PlannedPinsStagedBlocks,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -213,6 +213,9 @@ impl<A: Api> PlannedBackend<A> {
         let Some(side) = &self.host_side else {
             return BTreeSet::new();
         };
+        if self.bugs.has(PlantedBug::PlannedPinsStagedBlocks) {
+            return BTreeSet::new();
+        }
         layout
             .resolved
             .stacks
