@@ -1034,3 +1034,241 @@ fn a_replan_that_fails_releases_everything_and_poisons() {
     );
     rig.runtime.disable().unwrap();
 }
+
+/// A host budget beside the device budget (CONTRACT §7c), against an
+/// exhaustive enumeration defined here, not by the planner: every resident
+/// set of every component (no stack left one streaming block), every set
+/// of kept components, depth 1. A set of choices fits the host budget `h`
+/// when its held units (every component's weights outside its blocks and
+/// its resident blocks) + the upload buffer of the unit outside every
+/// component + the lesser of the streamed bytes (all pinned) and two of
+/// the largest streamed block (a staging ring) ≤ `h`; it fits the device
+/// budget when the planner's own evaluation of its peak does. The least
+/// host budget the planner names is the least of the enumeration; at every
+/// pair of budgets where the enumeration finds a set that fits both, the
+/// planner plans one, and its host side is within `h` by the same
+/// definition.
+#[test]
+fn a_host_budget_is_planned_as_an_exhaustive_search_finds() {
+    use offload_core::budget::{HostLimits, plan_within};
+    let mut checked = 0;
+    // The last: one double block far wider than the rest of its stack, so
+    // that holding it (and a ring of small blocks) pins less than a ring
+    // of two of it.
+    for (double, wide, single, layers, vae, outside) in [
+        (2, 16, 3, 2, 600, 200),
+        (3, 16, 2, 3, 0, 0),
+        (2, 16, 4, 0, 3000, 400),
+        (3, 64, 3, 2, 600, 0),
+    ] {
+        let width = move |i: usize| if i == 0 { wide } else { 16.min(wide) / 2 };
+        let p = offload_tests::budget::pipeline(
+            (double, &width, single, 8, 100),
+            (layers, 24),
+            vae,
+            outside,
+        );
+        let compute: Vec<f64> = (0..16).map(|i| 0.2e-3 + 0.3e-3 * (i % 5) as f64).collect();
+        // Activations that leave one phase or another little room beside
+        // its weights (it must hold its wide block rather than stream it).
+        for act in [[500, 2000, 300], [0, 60_000, 0], [60_000, 0, 300]] {
+            let inputs = inputs(&p, 1e6, 4, &compute, &act);
+            let e = Evaluator::new(&p, &budget_config(1), &inputs).unwrap();
+            let comps = e.components();
+            let (nonblock, outside_bytes) = exact_bytes(&p, &inputs);
+            // Every component's layouts: (resident blocks, held bytes, streamed
+            // bytes, largest streamed block).
+            let layouts: Vec<Vec<(Vec<String>, u64, u64, u64)>> = comps
+                .iter()
+                .zip(&nonblock)
+                .map(|((_, stacks), nb)| {
+                    let blocks: Vec<(usize, &(String, u64))> = stacks
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(s, bs)| bs.iter().map(move |b| (s, b)))
+                        .collect();
+                    let n = blocks.len();
+                    (0u32..1 << n)
+                        .filter(|mask| {
+                            (0..stacks.len()).all(|s| {
+                                blocks
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|(i, (si, _))| *si == s && mask >> i & 1 == 0)
+                                    .count()
+                                    != 1
+                            })
+                        })
+                        .map(|mask| {
+                            let (mut held, mut streamed, mut largest) = (*nb, 0, 0);
+                            let mut resident = Vec::new();
+                            for (i, (_, (path, bytes))) in blocks.iter().enumerate() {
+                                if mask >> i & 1 == 1 {
+                                    held += bytes;
+                                    resident.push(path.clone());
+                                } else {
+                                    streamed += bytes;
+                                    largest = largest.max(*bytes);
+                                }
+                            }
+                            (resident, held, streamed, largest)
+                        })
+                        .collect()
+                })
+                .collect();
+            let host_need = |pick: &[usize]| {
+                let (mut held, mut streamed, mut largest) = (0u64, 0u64, 0u64);
+                for (c, &i) in pick.iter().enumerate() {
+                    let l = &layouts[c][i];
+                    held += l.1;
+                    streamed += l.2;
+                    largest = largest.max(l.3);
+                }
+                held + outside_bytes + streamed.min(2 * largest)
+            };
+            // Every combination of layouts and kept sets: (host need, device
+            // peak).
+            let mut all: Vec<(u64, u64)> = Vec::new();
+            let mut pick = vec![0usize; comps.len()];
+            'outer: loop {
+                for kept in 0u32..1 << comps.len() {
+                    let choices: Vec<ComponentChoice> = comps
+                        .iter()
+                        .enumerate()
+                        .map(|(c, (path, _))| {
+                            let l = &layouts[c][pick[c]];
+                            ComponentChoice {
+                                path: path.clone(),
+                                resident_blocks: l.0.clone(),
+                                depth: usize::from(l.2 > 0),
+                                kept: kept >> c & 1 == 1,
+                            }
+                        })
+                        .collect();
+                    let peak = e.evaluate(&choices).unwrap().peak_bytes;
+                    all.push((host_need(&pick), peak));
+                }
+                for c in 0..comps.len() {
+                    pick[c] += 1;
+                    if pick[c] < layouts[c].len() {
+                        continue 'outer;
+                    }
+                    pick[c] = 0;
+                }
+                break;
+            }
+            let least_host = all.iter().map(|a| a.0).min().unwrap();
+            let one = |b: u64| HostLimits {
+                budget: b,
+                source: format!("{b} B"),
+                readings: None,
+            };
+            let with = |d: u64, h: u64| OffloadConfig {
+                host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(h))),
+                ..budget_config(d)
+            };
+            let total: u64 =
+                p.storages().map(|(_, s)| s.bytes).sum::<u64>() + 3000 + act.iter().max().unwrap();
+            match plan_within(&p, &with(total, 1), &inputs, big(), Some(one(1))) {
+                Err(BudgetError::HostDoesNotFit { least, .. }) => {
+                    assert_eq!(least, least_host, "the least host budget")
+                }
+                other => panic!("a 1-byte host budget: {other:?}"),
+            }
+            let least_device = all.iter().map(|a| a.1).min().unwrap();
+            for kd in 0..=4u64 {
+                let d = least_device + (total - least_device) * kd / 4;
+                for kh in 0..=4u64 {
+                    let h = least_host + (total - least_host) * kh / 4;
+                    let fits = all.iter().any(|&(need, peak)| need <= h && peak <= d);
+                    let planned = plan_within(&p, &with(d, h), &inputs, big(), Some(one(h)));
+                    match (fits, planned) {
+                        (true, Ok(plan)) => {
+                            let side = plan.host.as_ref().unwrap();
+                            assert!(plan.peak_bytes <= d && side.peak_bytes <= h, "{plan}");
+                            // Every held unit pinned (granule 1: device held
+                            // bytes are exact).
+                            let held: u64 = plan.components.iter().map(|c| c.held_bytes).sum();
+                            assert_eq!(held, side.held_bytes, "{plan}");
+                            checked += 1;
+                        }
+                        (true, Err(err)) => panic!(
+                            "device {d}, host {h}: an exhaustive search fits both, the planner says {err}"
+                        ),
+                        (false, Ok(plan)) => panic!(
+                            "device {d}, host {h}: no set of choices fits both, the planner planned\n{plan}"
+                        ),
+                        (false, Err(_)) => {}
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} budget pairs planned");
+}
+
+/// The host budget's spare room goes where it must: an encoder solved
+/// first would take the pinned room (holding its blocks is faster) that a
+/// DiT needs for the wide block its phase cannot stream (two slots of it
+/// and its activations exceed the device budget). Sizes in bytes: encoder
+/// 2 outside its blocks, blocks 8, 8 and eight of 2; DiT blocks 8 and four
+/// of 2, activations 12; device budget 24, host budget 26. The one plan:
+/// the encoder streams everything (2 held, a ring of two 8-byte blocks),
+/// the DiT holds its 8-byte block (2 + 8 + 16 = 26 pinned).
+#[test]
+fn a_host_budget_leaves_room_for_the_block_a_phase_must_hold() {
+    use offload_core::budget::{HostLimits, plan_within};
+    use offload_core::model::{DType, PipelineBuilder};
+    let mut b = PipelineBuilder::new("Tight");
+    {
+        let mut e = b.module("text_encoder");
+        e.parameter("embed.weight", DType::Bf16, &[1]);
+        e.list("layers", 10, |i, l| {
+            l.parameter("fc.weight", DType::Bf16, &[if i < 2 { 4 } else { 1 }]);
+        });
+        e.block_containers(&["layers"]);
+    }
+    {
+        let mut t = b.module("transformer");
+        t.list("blocks", 5, |i, l| {
+            l.parameter("w", DType::Bf16, &[if i == 0 { 4 } else { 1 }]);
+        });
+        t.block_containers(&["blocks"]);
+    }
+    b.declare_components(offload_core::ComponentDeclaration {
+        dit: vec!["transformer".into()],
+        encoder: vec!["text_encoder".into()],
+        vae: vec![],
+        resident: vec![],
+    });
+    let p = b.build().unwrap();
+    let mut inputs = offload_tests::budget::inputs(&p, 1e3, 4, &[1e-3], &[0]);
+    inputs.max_depth = 1;
+    inputs
+        .components
+        .get_mut("transformer")
+        .unwrap()
+        .activation_bytes = 12;
+    let config = OffloadConfig {
+        host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(26))),
+        ..budget_config(24)
+    };
+    let limits = HostLimits {
+        budget: 26,
+        source: "26 B".into(),
+        readings: None,
+    };
+    let planned = plan_within(&p, &config, &inputs, big(), Some(limits))
+        .unwrap_or_else(|e| panic!("a plan fits both budgets: {e}"));
+    let dit = planned.component("transformer").unwrap();
+    assert_eq!(
+        dit.resident_blocks,
+        vec!["transformer.blocks.0"],
+        "{planned}"
+    );
+    let side = planned.host.as_ref().unwrap();
+    assert!(
+        side.peak_bytes <= 26 && planned.peak_bytes <= 24,
+        "{planned}"
+    );
+}
