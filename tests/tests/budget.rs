@@ -1035,6 +1035,10 @@ fn a_replan_that_fails_releases_everything_and_poisons() {
     rig.runtime.disable().unwrap();
 }
 
+/// One component's layout in the exhaustive search below: its resident
+/// blocks, held bytes, streamed bytes, largest streamed block.
+type Layout = (Vec<String>, u64, u64, u64);
+
 /// A host budget beside the device budget (CONTRACT §7c), against an
 /// exhaustive enumeration defined here, not by the planner: every resident
 /// set of every component (no stack left one streaming block), every set
@@ -1078,7 +1082,7 @@ fn a_host_budget_is_planned_as_an_exhaustive_search_finds() {
             let (nonblock, outside_bytes) = exact_bytes(&p, &inputs);
             // Every component's layouts: (resident blocks, held bytes, streamed
             // bytes, largest streamed block).
-            let layouts: Vec<Vec<(Vec<String>, u64, u64, u64)>> = comps
+            let layouts: Vec<Vec<Layout>> = comps
                 .iter()
                 .zip(&nonblock)
                 .map(|((_, stacks), nb)| {

@@ -295,6 +295,8 @@ struct Request<'a> {
     host: Option<HostLimits>,
     /// The host bound the search runs under now ([`HostBound`]).
     bound: std::cell::Cell<HostBound>,
+    /// [`Self::least_host`]'s bytes, once computed.
+    least_host_bytes: std::cell::OnceCell<u64>,
 }
 
 /// The least host budget and its parts: (least, held, staging, upload
@@ -476,6 +478,7 @@ impl<'a> Request<'a> {
             outside_largest,
             host: None,
             bound: std::cell::Cell::new(HostBound::NONE),
+            least_host_bytes: std::cell::OnceCell::new(),
         })
     }
 
@@ -583,7 +586,7 @@ impl<'a> Request<'a> {
             .collect();
         let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
         let fixed = held.saturating_add(self.outside_largest);
-        let least = self.least_host().0.0;
+        let least = *self.least_host_bytes.get_or_init(|| self.least_host().0.0);
         Some(match plan_host(&blocks, fixed, Some(limits.budget), true) {
             Ok(p) => {
                 let release_after_read = p.release_after_read();

@@ -573,7 +573,7 @@ pub enum BudgetError {
     },
     /// Each budget alone has a plan, but no plan fits both.
     #[error(
-        "no plan fits `device_budget` = {device} and `host_budget` = {host} together: within the host budget at most {} of held sets can stay pinned beside the staging ring, and every plan within the device budget holds more on the device (each held unit keeps a pinned master); allowed: a larger device_budget (fewer blocks held) or a larger host_budget",
+        "no plan fits `device_budget` = {device} and `host_budget` = {host} together: within the host budget at most {} of held sets can stay pinned (with nothing streamed; less beside a staging ring), and every plan found within the device budget pins more (each held unit keeps a pinned master, and a phase that cannot stream its largest blocks in its device memory must hold them); allowed: a larger device_budget (its phases can then stream more) or a larger host_budget",
         .host.in_unit_of(*.held_room)
     )]
     NoPlanFitsBoth {

@@ -1012,14 +1012,32 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 // The warm-up itself runs in the smallest footprint: a
                 // budget below it (activations not yet counted) fails now,
                 // not after a warm-up that would have exceeded it.
-                if minimum.bytes > budget_bytes.min(memory.free_bytes) {
+                let room = budget_bytes.min(memory.free_bytes);
+                if minimum.bytes > room {
+                    let device =
+                        crate::bytes::DeviceBudget::size_of(self.config.device_budget, room);
+                    // The host budget moved the warm-up off the device's
+                    // smallest footprint: where that one fits the device,
+                    // it is the pair that does not fit, not the device.
+                    if let Some(limits) = &host_limits {
+                        let (_, smallest) =
+                            budget::smallest_footprint(&model.pipeline, &self.config)
+                                .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                        if smallest.bytes <= room {
+                            return Err(OffloadError::Budget(Box::new(
+                                BudgetError::NoPlanFitsBoth {
+                                    device,
+                                    host: match self.config.host_budget {
+                                        Some(crate::bytes::HostBudget::Bytes(b)) => b,
+                                        _ => crate::bytes::ByteSize::new(limits.budget),
+                                    },
+                                    held_room: limits.budget,
+                                },
+                            )));
+                        }
+                    }
                     // (The smallest footprint counts no activations.)
-                    return Err(OffloadError::Budget(Box::new(minimum.does_not_fit(
-                        crate::bytes::DeviceBudget::size_of(
-                            self.config.device_budget,
-                            budget_bytes.min(memory.free_bytes),
-                        ),
-                    ))));
+                    return Err(OffloadError::Budget(Box::new(minimum.does_not_fit(device))));
                 }
                 (choices, None, None, Some(shape), side)
             }
