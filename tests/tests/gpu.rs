@@ -2003,14 +2003,16 @@ fn planned_resident(rig: &Rig, steps: u32) -> Vec<u64> {
     outputs
 }
 
-/// A host budget beside the device budget on the GPU (CONTRACT §7c): at
-/// the least host budget the planner names and halfway to every weight,
-/// under a device budget with room for everything and one near the least,
-/// each through its own warm-up (the store following the plan's host side
+/// A host budget beside the device budget on the GPU (CONTRACT §7c): under
+/// a device budget with room for everything and one halfway from the
+/// least, at the least host budget the planner names there and halfway to
+/// every weight (from the first run's measurements), and once through a
+/// warm-up at what it needs (the store following the plan's host side
 /// after it): two requests give the resident outputs, every phase within
 /// its bound, and the page-locked peak offload-cuda counts beyond the
-/// rig's own stays within the host budget; the plan stages blocks at the
-/// least.
+/// rig's own stays within the host budget (kept sets uploaded from
+/// pageable memory, streamed blocks staged beyond it). Planted: the store
+/// pins what the plan stages, and the device's count goes over.
 #[test]
 fn planned_host_budget_stages_within_it_on_the_gpu() {
     let Some(gpu) = gpu() else { return };
@@ -2027,50 +2029,70 @@ fn planned_host_budget_stages_within_it_on_the_gpu() {
         host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
         ..budget_config(device)
     };
-    let one_byte = offload_core::budget::HostLimits {
+    let one_byte = || offload_core::budget::HostLimits {
         budget: 1,
         source: "1 B".to_owned(),
         readings: None,
     };
-    let least_host = match offload_core::budget::plan_within(
+    // The least host budget within a device budget (from the planner's
+    // typed error), and the warm-up's (it keeps nothing).
+    let least_host = |device: u64| match offload_core::budget::plan_within(
         &p,
-        &within(2 * total, 1),
+        &within(device, 1),
         &first.inputs,
         offload_core::budget::DeviceMemory::of(u64::MAX / 4),
-        Some(one_byte),
+        Some(one_byte()),
     ) {
         Err(offload_core::budget::BudgetError::HostDoesNotFit { least, .. }) => least,
         other => panic!("a 1-byte host budget: {other:?}"),
     };
+    let warmup_least = match offload_core::budget::smallest_footprint_within(
+        &p,
+        &within(2 * total, 1),
+        Some(one_byte()),
+        None,
+    ) {
+        Err(offload_core::budget::BudgetError::WarmupHostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget at the warm-up: {other:?}"),
+    };
     let least_device = first.plan.minimum.bytes;
     let mut rows = Vec::new();
-    for host in [least_host, (least_host + total) / 2] {
-        for device in [2 * total, (least_device + total) / 2] {
-            rig.settle();
-            let before = offload_cuda::host_locked();
-            offload_cuda::reset_host_locked_peak();
-            let run = planned_run_within(&rig, within(device, host), STEPS, None, &[])
-                .unwrap_or_else(|e| panic!("device {device}, host {host}: {e}"));
-            let locked = offload_cuda::host_locked();
-            let held = locked.peak_bytes - (before.pinned_bytes + before.registered_bytes);
+    let measure = |device: u64, host: u64, warm: bool, bugs: &[PlantedBug]| {
+        rig.settle();
+        let before = offload_cuda::host_locked();
+        offload_cuda::reset_host_locked_peak();
+        let inputs = (!warm).then(|| first.inputs.clone());
+        let run = planned_run_within(&rig, within(device, host), STEPS, inputs, bugs)
+            .unwrap_or_else(|e| panic!("device {device}, host {host}, {bugs:?}: {e}"));
+        let locked = offload_cuda::host_locked();
+        let held = locked.peak_bytes - (before.pinned_bytes + before.registered_bytes);
+        assert_eq!(
+            run.outputs, resident,
+            "device {device}, host {host}: outputs"
+        );
+        (run, held)
+    };
+    for device in [2 * total, (least_device + total) / 2] {
+        let least = least_host(device);
+        for (host, warm) in [
+            (least, false),
+            ((least + total) / 2, false),
+            (warmup_least.max(least), true),
+        ] {
+            let (run, held) = measure(device, host, warm, &[]);
             let side = run.plan.host.clone().expect("a host side");
-            assert_eq!(
-                run.outputs, resident,
-                "device {device}, host {host}: outputs"
-            );
             phases_within_bounds(&p, device, &run).unwrap();
             assert!(
                 held <= host,
                 "device {device}, host {host}: page-locked peak {held} B over the host budget\n{}",
                 run.plan
             );
-            if host == least_host {
-                assert!(!side.staged_blocks.is_empty(), "{side}");
-            }
             rows.push(format!(
-                "device {device} B, host {host} B: page-locked peak {held} B (plan {} B: held {} B, staged {} blocks, ring {} B)",
+                "device {device} B, host {host} B{}: page-locked peak {held} B (plan {} B: swapped held {} B pinned, kept {} B staged, {} streamed blocks staged, ring {} B)",
+                if warm { " (warm-up)" } else { "" },
                 side.peak_bytes,
                 side.held_bytes,
+                side.kept_staged_bytes,
                 side.staged_blocks.len(),
                 side.staging_bytes
             ));
@@ -2078,21 +2100,17 @@ fn planned_host_budget_stages_within_it_on_the_gpu() {
     }
     // Planted: the store pins what the plan stages; the device's own count
     // goes over the host budget (the run itself stays bit-identical).
-    rig.settle();
-    let before = offload_cuda::host_locked();
-    offload_cuda::reset_host_locked_peak();
     let bug = PlantedBug::PlannedPinsStagedBlocks;
-    let run = planned_run_within(&rig, within(2 * total, least_host), STEPS, None, &[bug])
-        .unwrap_or_else(|e| panic!("{bug:?} planted: {e}"));
-    let held =
-        offload_cuda::host_locked().peak_bytes - (before.pinned_bytes + before.registered_bytes);
-    assert_eq!(run.outputs, resident, "planted {bug:?}: outputs");
+    let device = (least_device + total) / 2;
+    let least = least_host(device);
+    assert!(least < total, "{least} B");
+    let (_, held) = measure(device, least, false, &[bug]);
     assert!(
-        held > least_host,
-        "planted {bug:?}: page-locked peak {held} B within the host budget {least_host} B: not caught"
+        held > least,
+        "planted {bug:?}: page-locked peak {held} B within the host budget {least} B: not caught"
     );
     rows.push(format!(
-        "planted {}: page-locked peak {held} B > host budget {least_host} B: caught",
+        "planted {}: page-locked peak {held} B > host budget {least} B: caught",
         bug.name()
     ));
     for r in rows {

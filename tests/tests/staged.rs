@@ -595,21 +595,37 @@ fn limits(bytes: u64) -> offload_core::budget::HostLimits {
     }
 }
 
-/// The least device budget and the least host budget the planner accepts
-/// for `w` (from its typed errors).
-fn least_budgets(w: &Workload, inputs: &PlannerInputs) -> (u64, u64) {
-    let p = &w.preset.pipeline;
+/// The least device budget the planner accepts for `w` (from its typed
+/// error).
+fn least_device(w: &Workload, inputs: &PlannerInputs) -> u64 {
     let device = DeviceMemory::of(u64::MAX / 4);
-    let least_device = match plan_within(p, &budgets(1, None), inputs, device, None) {
+    match plan_within(&w.preset.pipeline, &budgets(1, None), inputs, device, None) {
         Err(BudgetError::DoesNotFit { minimum, .. }) => minimum,
         other => panic!("a 1-byte device budget: {other:?}"),
-    };
-    let all = w.preset.weight_bytes() * 2;
-    let least_host = match plan_within(p, &budgets(all, Some(1)), inputs, device, Some(limits(1))) {
+    }
+}
+
+/// The least host budget a warm-up of `w` accepts (it keeps nothing; from
+/// its typed error).
+fn warmup_least_host(w: &Workload) -> u64 {
+    let limits = Some(limits(1));
+    let config = budgets(1, Some(1));
+    match offload_core::budget::smallest_footprint_within(&w.preset.pipeline, &config, limits, None)
+    {
+        Err(BudgetError::WarmupHostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget: {other:?}"),
+    }
+}
+
+/// The least host budget the planner accepts for `w` within a device
+/// budget of `device_budget` (from its typed error).
+fn least_host(w: &Workload, inputs: &PlannerInputs, device_budget: u64) -> u64 {
+    let device = DeviceMemory::of(u64::MAX / 4);
+    let config = budgets(device_budget, Some(1));
+    match plan_within(&w.preset.pipeline, &config, inputs, device, Some(limits(1))) {
         Err(BudgetError::HostDoesNotFit { least, .. }) => least,
         other => panic!("a 1-byte host budget: {other:?}"),
-    };
-    (least_device, least_host)
+    }
 }
 
 /// Device and host budgets from the least of each to everything, run on the
@@ -617,21 +633,30 @@ fn least_budgets(w: &Workload, inputs: &PlannerInputs) -> (u64, u64) {
 /// no checker violation (INV-7 per phase and on the host, its host bound
 /// the plan's budget), the device's own pinned + registered peak within the
 /// host budget, the plan's host side within it and naming what it stages,
-/// and the log naming each staged block.
+/// and the log naming each staged block and each kept set uploaded from
+/// pageable memory.
 #[test]
 fn a_device_and_a_host_budget_are_planned_together_and_hold_on_the_device() {
     let (w, opts, want, inputs) = planned_baseline();
-    let (least_device, least_host) = least_budgets(&w, &inputs);
+    let least_device = least_device(&w, &inputs);
     let total = w.preset.weight_bytes();
-    let mut staged_seen = 0;
+    let (mut staged_seen, mut kept_seen) = (0, 0);
+    let warmup = warmup_least_host(&w);
     for device in [least_device + (total - least_device) / 4, total + 100_000] {
+        // From the least this device budget's plans need (through saved
+        // measurements where the warm-up needs more) to every weight.
+        let least_host = least_host(&w, &inputs, device);
         for k in 0..=4u64 {
             let host = least_host + (total - least_host) * k / 4;
+            let given = RunOptions {
+                planner: (host < warmup).then(|| inputs.clone()),
+                ..opts.clone()
+            };
             let (o, log) = capture_logs(|| {
                 run(
                     &w,
                     &StrategyChoice::Config(budgets(device, Some(host))),
-                    &opts,
+                    &given,
                 )
             });
             let o = o.unwrap_or_else(|f| panic!("device {device}, host {host}: {}", f.error));
@@ -655,7 +680,14 @@ fn a_device_and_a_host_budget_are_planned_together_and_hold_on_the_device() {
                 host_peak(&o)
             );
             assert!(side.peak_bytes <= host, "{side}");
-            assert_eq!(side.least_bytes, least_host);
+            assert!(side.least_bytes <= host, "{side}");
+            if !side.kept_staged.is_empty() {
+                kept_seen += 1;
+                assert!(
+                    log.contains("is kept on the device, uploaded once from pageable memory"),
+                    "the log names the kept sets staged: {log}"
+                );
+            }
             if side.staged_blocks.is_empty() {
                 // Nothing staged: every master pinned, which the budget
                 // holds.
@@ -672,16 +704,22 @@ fn a_device_and_a_host_budget_are_planned_together_and_hold_on_the_device() {
         }
     }
     assert!(
-        staged_seen >= 4,
-        "the smaller host budgets stage blocks ({staged_seen})"
+        staged_seen >= 2 && kept_seen >= 2,
+        "the smaller host budgets stage blocks ({staged_seen}) and kept sets ({kept_seen})"
     );
+
     // Planted: the store pins what the plan stages. INV-7 on the device's
     // own page-locked count sees it; the clean runs above did not.
+    // (From saved measurements: the least host budget of the tighter
+    // device budget is below the weights, which the warm-up's is not.)
     let planted = RunOptions {
         bugs: vec![PlantedBug::PlannedPinsStagedBlocks],
+        planner: Some(inputs.clone()),
         ..opts.clone()
     };
-    let device = total + 100_000;
+    let device = least_device + (total - least_device) / 4;
+    let least_host = least_host(&w, &inputs, device);
+    assert!(least_host < total, "{least_host} B");
     let o = run(
         &w,
         &StrategyChoice::Config(budgets(device, Some(least_host))),
@@ -703,48 +741,89 @@ fn a_device_and_a_host_budget_are_planned_together_and_hold_on_the_device() {
     );
 }
 
-/// Where the device budget would keep everything resident, a host budget
-/// below the weights makes the planner stream: the unconstrained plan's
-/// held sets do not fit the host budget; the plan within it does, and
-/// runs within it.
+/// Where the device has room for every weight, a host budget far below
+/// the weights costs the plan nothing: every component is kept on the
+/// device (a kept set is uploaded once from pageable memory and pins
+/// nothing), as without a host budget, and the run pins at most the
+/// upload buffer beside it. Below the device's room, the host budget binds:
+/// swapped held sets keep pinned masters, so the planner holds no more
+/// than the host budget leaves.
 #[test]
-fn a_host_budget_makes_the_planner_stream_what_it_cannot_pin() {
+fn a_host_budget_keeps_on_the_device_what_it_cannot_pin() {
     let (w, opts, want, inputs) = planned_baseline();
-    let (_, least_host) = least_budgets(&w, &inputs);
     let total = w.preset.weight_bytes();
     let device = DeviceMemory::of(u64::MAX / 4);
     let p = &w.preset.pipeline;
-    let host = least_host + (total - least_host) / 3;
-    let free = plan_within(p, &budgets(total + 100_000, None), &inputs, device, None).unwrap();
-    let held: u64 = free.components.iter().map(|c| c.held_bytes).sum();
+    let room = total + 100_000;
+    let host = least_host(&w, &inputs, room);
     assert!(
-        held > host,
-        "the unconstrained plan holds {held} B, within {host} B"
+        host < total / 2,
+        "the least host budget {host} B with room for all"
     );
+    let free = plan_within(p, &budgets(room, None), &inputs, device, None).unwrap();
     let within = plan_within(
         p,
-        &budgets(total + 100_000, Some(host)),
+        &budgets(room, Some(host)),
         &inputs,
         device,
         Some(limits(host)),
     )
     .unwrap();
     let side = within.host.as_ref().unwrap();
-    assert!(
-        side.peak_bytes <= host && side.held_bytes < held,
-        "{within}"
-    );
-    assert_ne!(within.choices(), free.choices(), "{within}");
+    assert_eq!(within.choices(), free.choices(), "{within}");
+    assert!(within.components.iter().all(|c| c.kept), "{within}");
+    assert_eq!(side.held_bytes, 0, "{side}");
+    assert!(side.kept_staged_bytes > total / 2, "{side}");
     assert!(within.to_string().contains("host budget"), "{within}");
+    // Below what a warm-up (nothing kept) needs: from saved measurements.
+    assert!(host < warmup_least_host(&w));
+    let given = RunOptions {
+        planner: Some(inputs.clone()),
+        ..opts.clone()
+    };
+    let Err(f) = run(
+        &w,
+        &StrategyChoice::Config(budgets(room, Some(host))),
+        &opts,
+    ) else {
+        panic!("a warm-up ran within {host} B");
+    };
+    assert!(
+        f.error.to_string().contains("below what the warm-up needs"),
+        "{}",
+        f.error
+    );
     let o = run(
         &w,
-        &StrategyChoice::Config(budgets(total + 100_000, Some(host))),
-        &opts,
+        &StrategyChoice::Config(budgets(room, Some(host))),
+        &given,
     )
     .unwrap_or_else(|f| panic!("{}", f.error));
     assert_eq!(outputs(&o), want);
     assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
     assert!(host_peak(&o) <= host, "{} > {host}", host_peak(&o));
+    // A device budget that keeps less: swapped held sets pin, so the
+    // planner holds no more on the device than the host budget allows.
+    let least = least_device(&w, &inputs);
+    let device_budget = least + (total - least) / 3;
+    let tight = least_host(&w, &inputs, device_budget);
+    let plan = plan_within(
+        p,
+        &budgets(device_budget, Some(tight)),
+        &inputs,
+        device,
+        Some(limits(tight)),
+    )
+    .unwrap();
+    let side = plan.host.as_ref().unwrap();
+    let swapped_held: u64 = plan
+        .components
+        .iter()
+        .filter(|c| !c.kept)
+        .map(|c| c.held_bytes)
+        .sum();
+    assert_eq!(side.held_bytes, swapped_held, "{plan}");
+    assert!(side.peak_bytes <= tight, "{plan}");
 }
 
 /// Below the least host budget, `enable` fails typed, naming the least and
@@ -754,12 +833,16 @@ fn a_host_budget_makes_the_planner_stream_what_it_cannot_pin() {
 #[test]
 fn a_host_budget_below_the_least_plan_fails_typed_and_auto_plans() {
     let (w, opts, _, inputs) = planned_baseline();
-    let (_, least_host) = least_budgets(&w, &inputs);
     let total = w.preset.weight_bytes() + 100_000;
+    let least_host = least_host(&w, &inputs, total);
+    let given = RunOptions {
+        planner: Some(inputs.clone()),
+        ..opts.clone()
+    };
     let Err(f) = run(
         &w,
         &StrategyChoice::Config(budgets(total, Some(least_host - 1))),
-        &opts,
+        &given,
     ) else {
         panic!("a host budget below {least_host} B was accepted");
     };

@@ -13,6 +13,11 @@ use crate::bytes::{ByteSize, HostBudget};
 /// the copy engine reads the other.
 pub const HOST_STAGING_BUFFERS: u64 = 2;
 
+/// The most pinned bytes a buffer made only for uploads takes (an upload
+/// runs through it in chunks): layerwise's refused uploads, and the
+/// request planner's kept sets uploaded from pageable masters.
+pub const UPLOAD_STAGING_BYTES: u64 = 64 << 20;
+
 /// What `host_budget = "auto"` leaves free: 10 % of what is available, at
 /// least 2 GiB (the process's own growth: activations' host copies, the
 /// runtime's heap, the page cache a mapped checkpoint is read through).

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, plan_host};
+use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
 use super::ring::{MAX_DEPTH, TIE, forward_ends, forwards_s};
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
@@ -123,6 +123,14 @@ impl PComp {
     /// Device bytes of its held set (each unit a whole number of granules).
     fn held(&self, l: &Local) -> u64 {
         self.nonblock_mem + self.blocks_where(l, true).map(|b| b.mem).sum::<u64>()
+    }
+
+    /// Host bytes its held set pins under a host budget: none when kept
+    /// (uploaded once, at enable, from pageable masters through a staging
+    /// buffer), else its held set (the phase engine brings it in from
+    /// pinned masters each time its phase begins).
+    fn pinned_held(&self, l: &Local, kept: bool) -> u64 {
+        if kept { 0 } else { self.held_copy(l) }
     }
 
     /// Bytes its held set copies in (exact).
@@ -297,6 +305,9 @@ struct Request<'a> {
     bound: std::cell::Cell<HostBound>,
     /// [`Self::least_host`]'s bytes, once computed.
     least_host_bytes: std::cell::OnceCell<u64>,
+    /// The device budget planned for, once known: the least host budget is
+    /// the least of the plans within it.
+    device_budget: std::cell::Cell<Option<u64>>,
 }
 
 /// The least host budget and its parts: (least, held, staging, upload
@@ -479,6 +490,7 @@ impl<'a> Request<'a> {
             host: None,
             bound: std::cell::Cell::new(HostBound::NONE),
             least_host_bytes: std::cell::OnceCell::new(),
+            device_budget: std::cell::Cell::new(None),
         })
     }
 
@@ -504,7 +516,7 @@ impl<'a> Request<'a> {
             return vec![HostBound::NONE];
         };
         let all: u64 = self.comps.iter().map(|c| c.bytes).sum();
-        if all.saturating_add(self.outside_largest) <= limits.budget {
+        if all.saturating_add(self.transient()) <= limits.budget {
             return vec![HostBound::NONE];
         }
         let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
@@ -512,13 +524,13 @@ impl<'a> Request<'a> {
         sizes.dedup();
         // Nothing streamed (no ring): every held set pinned.
         let mut out = vec![HostBound {
-            head: limits.budget.saturating_sub(self.outside_largest),
+            head: limits.budget.saturating_sub(self.transient()),
             max_stream: 0,
         }];
         for r in sizes {
             let head = limits
                 .budget
-                .saturating_sub(self.outside_largest)
+                .saturating_sub(self.transient())
                 .checked_sub(HOST_STAGING_BUFFERS.saturating_mul(r));
             if let Some(head) = head {
                 out.push(HostBound {
@@ -535,6 +547,122 @@ impl<'a> Request<'a> {
     /// size (and nothing streamed), the held sets at their least beside a
     /// staging ring of two of it.
     fn least_host(&self) -> (LeastHost, Vec<(Local, bool)>) {
+        let found = match self.device_budget.get() {
+            Some(budget) => self
+                .least_host_within(budget)
+                .unwrap_or_else(|| self.least_host_unkept()),
+            None => self.least_host_unkept(),
+        };
+        // Or every weight pinned (no ring), where that is less.
+        let all: u64 = self.comps.iter().map(|c| c.bytes).sum();
+        let pinned = all.saturating_add(self.transient());
+        if pinned < found.0.0 {
+            let phases = self
+                .comps
+                .iter()
+                .map(|c| (c.all_resident(), false))
+                .collect();
+            return ((pinned, all, 0, self.transient()), phases);
+        }
+        found
+    }
+
+    /// The least host budget of the plans within the device budget
+    /// `budget` that this constructs (`None` where none fits the device):
+    /// for every set of kept components (a kept set pins nothing: it is
+    /// uploaded once from pageable memory) and every largest streamed
+    /// block size `r`, each kept phase at its least-memory layout that
+    /// streams nothing above `r`, each other phase at the layout that pins
+    /// least among those that fit its own phase beside the kept sets; the
+    /// whole checked against the device budget. A plan's need is its
+    /// pinned held sets + the upload buffer + the lesser of its streamed
+    /// bytes (all pinned) and two of its largest streamed block (a ring).
+    fn least_host_within(&self, budget: u64) -> Option<(LeastHost, Vec<(Local, bool)>)> {
+        let n = self.comps.len();
+        let head = budget.checked_sub(self.fixed())?;
+        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.dedup();
+        sizes.push(0);
+        let layouts = |c: &PComp, r: u64| -> Vec<Local> {
+            std::iter::once(c.all_resident())
+                .chain(c.sizes().into_iter().map(|sigma| c.minimal(sigma, 1)))
+                .filter(|l| {
+                    c.valid(l, self.max_depth) && c.blocks_where(l, false).all(|b| b.bytes <= r)
+                })
+                .collect()
+        };
+        let transient = self.transient();
+        let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
+        let searchable = n.min(MAX_KEPT_SEARCH);
+        for mask in 0u32..(1u32 << searchable) {
+            let kept = |c: usize| c < searchable && mask >> c & 1 == 1;
+            for (&r, least_held) in sizes.iter().flat_map(|r| [(r, false), (r, true)]) {
+                // Kept phases: their least device memory (or least held
+                // set, which leaves the other phases the most).
+                let mut phases: Vec<Option<(Local, bool)>> = vec![None; n];
+                let mut kept_held = 0u64;
+                for c in (0..n).filter(|&c| kept(c)) {
+                    let comp = &self.comps[c];
+                    let Some(l) = layouts(comp, r).into_iter().min_by_key(|l| {
+                        if least_held {
+                            (comp.held(l), comp.own(l))
+                        } else {
+                            (comp.own(l), comp.held(l))
+                        }
+                    }) else {
+                        continue;
+                    };
+                    kept_held += comp.held(&l);
+                    phases[c] = Some((l, true));
+                }
+                if (0..n).any(|c| kept(c) && phases[c].is_none()) {
+                    continue;
+                }
+                for c in (0..n).filter(|&c| !kept(c)) {
+                    let comp = &self.comps[c];
+                    let cap = head.saturating_sub(comp.act).saturating_sub(kept_held);
+                    phases[c] = layouts(comp, r)
+                        .into_iter()
+                        .filter(|l| comp.own(l) <= cap)
+                        .min_by_key(|l| comp.held_copy(l))
+                        .map(|l| (l, false));
+                }
+                let Some(phases) = phases.into_iter().collect::<Option<Vec<_>>>() else {
+                    continue;
+                };
+                if self.evaluate(&phases).peak_bytes > budget {
+                    continue;
+                }
+                let held: u64 = self
+                    .comps
+                    .iter()
+                    .zip(&phases)
+                    .map(|(c, (l, k))| c.pinned_held(l, *k))
+                    .sum();
+                let streamed: Vec<u64> = self
+                    .comps
+                    .iter()
+                    .zip(&phases)
+                    .flat_map(|(c, (l, _))| c.blocks_where(l, false).map(|b| b.bytes))
+                    .collect();
+                // A ring of two of the largest streamed block (the search's
+                // passes plan within it; a plan that pins every weight is
+                // the other way, below).
+                let staging = HOST_STAGING_BUFFERS
+                    .saturating_mul(streamed.iter().copied().max().unwrap_or(0));
+                let least = held.saturating_add(staging).saturating_add(transient);
+                if best.as_ref().is_none_or(|b| least < b.0.0) {
+                    best = Some(((least, held, staging, transient), phases));
+                }
+            }
+        }
+        best
+    }
+
+    /// The least host budget with nothing kept, whatever the device budget:
+    /// every phase at its least host footprint for the best `r`.
+    fn least_host_unkept(&self) -> (LeastHost, Vec<(Local, bool)>) {
         let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         sizes.dedup();
@@ -559,9 +687,9 @@ impl<'a> Request<'a> {
             let staging = HOST_STAGING_BUFFERS.saturating_mul(largest);
             let least = held
                 .saturating_add(staging)
-                .saturating_add(self.outside_largest);
+                .saturating_add(self.transient());
             if best.as_ref().is_none_or(|b| least < b.0.0) {
-                best = Some(((least, held, staging, self.outside_largest), phases));
+                best = Some(((least, held, staging, self.transient()), phases));
             }
         }
         best.expect("at least the nothing-streamed footprint")
@@ -576,8 +704,22 @@ impl<'a> Request<'a> {
             .comps
             .iter()
             .zip(phases)
+            .map(|(c, (l, k))| c.pinned_held(l, *k))
+            .sum();
+        let kept_staged_bytes: u64 = self
+            .comps
+            .iter()
+            .zip(phases)
+            .filter(|(_, (_, k))| *k)
             .map(|(c, (l, _))| c.held_copy(l))
             .sum();
+        let kept_staged: Vec<String> = self
+            .comps
+            .iter()
+            .zip(phases)
+            .filter(|(c, (l, k))| *k && c.held_copy(l) > 0)
+            .map(|(c, _)| c.path.clone())
+            .collect();
         let streamed: Vec<&PBlock> = self
             .comps
             .iter()
@@ -585,7 +727,8 @@ impl<'a> Request<'a> {
             .flat_map(|(c, (l, _))| c.blocks_where(l, false))
             .collect();
         let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
-        let fixed = held.saturating_add(self.outside_largest);
+        let transient = self.transient();
+        let fixed = held.saturating_add(transient);
         let least = *self.least_host_bytes.get_or_init(|| self.least_host().0.0);
         Some(match plan_host(&blocks, fixed, Some(limits.budget), true) {
             Ok(p) => {
@@ -597,7 +740,9 @@ impl<'a> Request<'a> {
                     pinned_streamed_bytes: p.pinned_bytes,
                     staged_bytes: p.staged_bytes,
                     staging_bytes: p.staging_bytes,
-                    transient_bytes: self.outside_largest,
+                    transient_bytes: transient,
+                    kept_staged_bytes,
+                    kept_staged,
                     peak_bytes: p.peak_bytes,
                     least_bytes: least,
                     staged_blocks: streamed
@@ -611,6 +756,27 @@ impl<'a> Request<'a> {
             }
             Err(e) => Err(e.least.bytes()),
         })
+    }
+
+    /// The pinned buffer uploads at enable go through: the largest unit
+    /// outside the components (uploaded whole) or a kept set's staged
+    /// upload (chunks of at most [`UPLOAD_STAGING_BYTES`] of its largest
+    /// unit), whichever is larger.
+    fn transient(&self) -> u64 {
+        let largest_unit = self
+            .comps
+            .iter()
+            .flat_map(|c| {
+                c.stacks
+                    .iter()
+                    .flatten()
+                    .map(|b| b.bytes)
+                    .chain(std::iter::once(c.nonblock))
+            })
+            .max()
+            .unwrap_or(0);
+        self.outside_largest
+            .max(largest_unit.min(UPLOAD_STAGING_BYTES))
     }
 
     /// Whether `phases` fit the host budget (always, without one).
@@ -704,7 +870,7 @@ impl<'a> Request<'a> {
                 return;
             }
             let (own, held) = (c.own(&l), c.held(&l));
-            let held_copy = c.held_copy(&l);
+            let held_copy = c.pinned_held(&l, kept);
             let max_stream = self.bound.get().max_stream;
             if own > cap_own
                 || held > cap_held
@@ -813,8 +979,9 @@ impl<'a> Request<'a> {
         let c = &self.comps[i];
         let inp = self.inputs;
         let (cap_own, cap_held, cap_host) = caps;
-        let over =
-            |l: &Local| c.own(l) > cap_own || c.held(l) > cap_held || c.held_copy(l) > cap_host;
+        let over = |l: &Local| {
+            c.own(l) > cap_own || c.held(l) > cap_held || c.pinned_held(l, kept) > cap_host
+        };
         let mut l = c.minimal(sigma, depth);
         if !c.streams(&l) || over(&l) {
             return None;
@@ -924,6 +1091,9 @@ impl<'a> Request<'a> {
         let least_host: Vec<u64> = (0..n)
             .map(|j| {
                 let c = &self.comps[j];
+                if is_kept(j) {
+                    return 0;
+                }
                 let others_kept: u64 = all_kept
                     .iter()
                     .filter(|&&k| k != j)
@@ -1137,7 +1307,7 @@ impl<'a> Request<'a> {
                         time: c.time(&l, true, self.inputs),
                         held: c.held(&l),
                         own: c.own(&l),
-                        held_copy: c.held_copy(&l),
+                        held_copy: 0,
                         local: l,
                     }
                 })
@@ -1510,6 +1680,7 @@ pub(super) fn plan_request(
 ) -> Result<RequestPlan, BudgetError> {
     let mut r = Request::new(pipeline, config, inputs)?;
     r.host = host;
+    r.device_budget.set(Some(budget));
     let minimum = r.minimum();
     let device_size = crate::bytes::DeviceBudget::size_of(config.device_budget, budget);
     let does_not_fit = || minimum.does_not_fit(device_size);
@@ -1783,19 +1954,22 @@ pub fn smallest_footprint(
     pipeline: &Pipeline,
     config: &OffloadConfig,
 ) -> Result<(Vec<ComponentChoice>, MinimumBudget), BudgetError> {
-    smallest_footprint_within(pipeline, config, None).map(|(c, m, _)| (c, m))
+    smallest_footprint_within(pipeline, config, None, None).map(|(c, m, _)| (c, m))
 }
 
 /// [`smallest_footprint`] within a host budget, with its host side: where
 /// the device's smallest footprint holds more than `host` can pin (it keeps
-/// a block resident that the host budget must then pin), the footprint of
-/// every block streamed instead (the least host footprint), whose device
-/// minimum is returned. Fails with [`BudgetError::HostDoesNotFit`] below
-/// the least host budget.
+/// a block resident that the host budget must then pin), the least host
+/// footprint with nothing kept instead, whose device minimum is returned.
+/// Fails with [`BudgetError::HostDoesNotFit`] below that footprint's host
+/// budget (the warm-up keeps nothing, so a host budget that only a plan
+/// keeping components fits needs saved measurements, which skip the
+/// warm-up). `device` is reserved for a warm-up that keeps sets; unused.
 pub fn smallest_footprint_within(
     pipeline: &Pipeline,
     config: &OffloadConfig,
     host: Option<HostLimits>,
+    device: Option<u64>,
 ) -> Result<(Vec<ComponentChoice>, MinimumBudget, Option<HostSide>), BudgetError> {
     let resolved = resolve(pipeline, config)?;
     let mut inputs = PlannerInputs::new(1e9, 1);
@@ -1810,8 +1984,18 @@ pub fn smallest_footprint_within(
     }
     let mut r = Request::new(pipeline, config, &inputs)?;
     r.host = host;
-    if let Some(e) = r.host_does_not_fit(config) {
-        return Err(e);
+    // The warm-up keeps nothing (a kept set would sit in every phase it
+    // measures): its least host budget is the least with nothing kept.
+    let _ = device;
+    if let Some(limits) = &r.host {
+        // (No device budget set: the least with nothing kept.)
+        let least = r.least_host().0.0;
+        if limits.budget < least {
+            return Err(BudgetError::WarmupHostDoesNotFit {
+                budget: host_size(config, limits.budget),
+                least,
+            });
+        }
     }
     let minima = r.minima();
     let smallest: Vec<(Local, bool)> = minima.iter().map(|m| (m.2.clone(), false)).collect();

@@ -227,10 +227,12 @@ pub struct Alternative {
 /// The host side of a request plan under `host_budget` (CONTRACT §7a,
 /// §7c): what the plan pins and what it stages, against the budget.
 ///
-/// Every held unit (a component's weights outside its blocks, its
-/// resident blocks) keeps a pinned master: the phase engine brings a held
-/// set in from pinned memory each time its phase begins. Streamed blocks
-/// are pinned as the budget allows ([`super::plan_host`]: spread over the
+/// The held set of a swapped component (its weights outside its blocks,
+/// its resident blocks) keeps pinned masters: the phase engine brings it
+/// in from pinned memory each time its phase begins. A kept component's
+/// held set is uploaded once, at enable, from pageable masters through a
+/// pinned upload buffer, and pins nothing after. Streamed blocks are
+/// pinned as the budget allows ([`super::plan_host`]: spread over the
 /// rings), the rest stay in pageable memory and stream through two pinned
 /// staging buffers of the largest staged block. The largest unit outside
 /// every component is uploaded once through a pinned buffer of its size.
@@ -240,16 +242,21 @@ pub struct HostSide {
     pub budget_bytes: u64,
     /// How it was found (a size as written, or what `"auto"` read).
     pub source: String,
-    /// Pinned masters of the held units.
+    /// Pinned masters of the swapped components' held units.
     pub held_bytes: u64,
+    /// The kept components' held sets, staged (pageable), uploaded once.
+    pub kept_staged_bytes: u64,
+    /// The kept components whose held sets are staged, by path.
+    pub kept_staged: Vec<String>,
     /// Pinned masters of streamed blocks.
     pub pinned_streamed_bytes: u64,
     /// Staged (pageable) masters of streamed blocks.
     pub staged_bytes: u64,
     /// The staging ring (0 when nothing is staged).
     pub staging_bytes: u64,
-    /// The pinned buffer the largest unit outside every component is
-    /// uploaded through at enable.
+    /// The pinned buffer enable's uploads go through: the largest unit
+    /// outside every component (whole), or a kept set's staged upload (in
+    /// chunks), whichever is larger.
     pub transient_bytes: u64,
     /// Page-locked bytes the plan holds at most: held, pinned streamed,
     /// the staging ring and the transient buffer.
@@ -269,7 +276,7 @@ impl fmt::Display for HostSide {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "host budget {:.2} GB ({}): peak {:.2} GB page-locked = {:.2} GB held sets pinned + {:.2} GB streamed blocks pinned + {:.2} GB staging ring + {:.2} GB upload buffer; {} streamed blocks ({:.2} GB) staged{}; least host budget {:.2} GB",
+            "host budget {:.2} GB ({}): peak {:.2} GB page-locked = {:.2} GB swapped held sets pinned + {:.2} GB streamed blocks pinned + {:.2} GB staging ring + {:.2} GB upload buffer; kept held sets ({:.2} GB) uploaded once from pageable memory; {} streamed blocks ({:.2} GB) staged{}; least host budget {:.2} GB",
             gb(self.budget_bytes),
             self.source,
             gb(self.peak_bytes),
@@ -277,6 +284,7 @@ impl fmt::Display for HostSide {
             gb(self.pinned_streamed_bytes),
             gb(self.staging_bytes),
             gb(self.transient_bytes),
+            gb(self.kept_staged_bytes),
             self.staged_blocks.len(),
             gb(self.staged_bytes),
             if self.release_after_read {
@@ -552,7 +560,7 @@ pub enum BudgetError {
     },
     /// The host budget is below the least any plan needs.
     #[error(
-        "`host_budget` = {budget} does not fit: the least any plan of this pipeline needs is {} page-locked: {} of held sets pinned (each component's weights outside its blocks, and any block held so that the staging ring stays small) + {} of staging buffers (two of the largest block streamed) + {} for uploading the largest unit outside the components; allowed: host_budget ≥ {}",
+        "`host_budget` = {budget} does not fit: the least any plan of this pipeline needs is {} page-locked: {} of held sets pinned (each component's weights outside its blocks, and any block held so that the staging ring stays small) + {} of staging buffers (two of the largest block streamed) + {} for enable's uploads (the largest unit outside the components, or a kept set's staged upload in chunks); allowed: host_budget ≥ {}",
         .budget.in_unit_of_at_least(*.least),
         .budget.in_unit_of(*.held),
         .budget.in_unit_of(*.staging),
@@ -571,9 +579,22 @@ pub enum BudgetError {
         /// Its upload buffer.
         transient: u64,
     },
+    /// The warm-up's footprint (nothing kept) needs more host memory than
+    /// the host budget, though a plan keeping components may fit it.
+    #[error(
+        "`host_budget` = {budget} is below what the warm-up needs, {}: it runs with nothing kept, every held set pinned (a plan that keeps components on the device pins less); allowed: host_budget ≥ {}, or saved measurements (`PlannerInputs`, `CorePlatform::with_planner`), which skip the warm-up",
+        .budget.in_unit_of_at_least(*.least),
+        .budget.written_at_least(*.least),
+    )]
+    WarmupHostDoesNotFit {
+        /// The host budget.
+        budget: ByteSize,
+        /// What the warm-up needs, bytes.
+        least: u64,
+    },
     /// Each budget alone has a plan, but no plan fits both.
     #[error(
-        "no plan fits `device_budget` = {device} and `host_budget` = {host} together: within the host budget at most {} of held sets can stay pinned (with nothing streamed; less beside a staging ring), and every plan found within the device budget pins more (each held unit keeps a pinned master, and a phase that cannot stream its largest blocks in its device memory must hold them); allowed: a larger device_budget (its phases can then stream more) or a larger host_budget",
+        "no plan fits `device_budget` = {device} and `host_budget` = {host} together: within the host budget at most {} of swapped held sets can stay pinned (with nothing streamed; less beside a staging ring), and every plan found within the device budget pins more (a swapped component's held set keeps pinned masters, and a phase that cannot stream its largest blocks in its device memory must hold them); allowed: a larger device_budget (its phases can then stream more, or a component be kept) or a larger host_budget",
         .host.in_unit_of(*.held_room)
     )]
     NoPlanFitsBoth {

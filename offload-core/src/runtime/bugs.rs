@@ -121,9 +121,10 @@ pub enum PlantedBug {
     /// measurement may turn a ring's coded masters back into raw ones, so
     /// the raw masters pinned exceed the host budget.
     HostPlanCodedUnderAuto,
-    /// INV-7 (planned, CONTRACT §7c): the store pins every streamed block's
-    /// master, the ones the plan's host side stages included, so the
-    /// page-locked peak exceeds the host budget the plan was made within.
+    /// INV-7 (planned, CONTRACT §7c): the store pins every master, the
+    /// streamed blocks and kept sets the plan's host side stages included,
+    /// so the page-locked peak exceeds the host budget the plan was made
+    /// within.
     PlannedPinsStagedBlocks,
 }
 

@@ -830,7 +830,7 @@ fn release_state<A: Api>(
 /// error is kept in `first`. A filler that still holds the buffers (it
 /// panicked), or a buffer whose last copy cannot be waited for, leaks,
 /// logged.
-fn free_staging_ring<A: Api>(
+pub(crate) fn free_staging_ring<A: Api>(
     h: &Handles<A>,
     ring: StagingRing<A>,
     wait: bool,
@@ -862,9 +862,9 @@ fn free_staging_ring<A: Api>(
     }
 }
 
-/// The most pinned bytes a ring made only for refused uploads takes (the
-/// upload runs in chunks of it).
-const UPLOAD_STAGING_BYTES: u64 = 64 << 20;
+// The most pinned bytes a ring made only for refused uploads takes (the
+// upload runs in chunks of it).
+use crate::budget::host::UPLOAD_STAGING_BYTES;
 
 /// The host plan of `layout`'s streamed blocks under `config`'s
 /// `host_budget`, `transient` the largest resident unit (uploaded through
@@ -919,7 +919,7 @@ fn host_plan(
 
 /// A ring of `buffers` pinned host staging buffers of `bytes` (see
 /// `LayerwiseBackend::staging_ring`).
-fn staging_ring<A: Api>(
+pub(crate) fn staging_ring<A: Api>(
     h: &Handles<A>,
     bytes: u64,
     buffers: usize,
@@ -1069,7 +1069,7 @@ fn staged_coded_master<A: Api>(
 /// Uploads `unit` to a new device buffer through the staging ring's first
 /// buffer, a chunk at a time (enable only: the host waits for each chunk's
 /// copy before refilling the buffer). Nothing is left allocated on failure.
-fn upload_staged<A: Api>(
+pub(crate) fn upload_staged<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
     staging: &StagingRing<A>,

@@ -419,8 +419,9 @@ pub(crate) struct Group<A: Api> {
 
 /// Builds a planned backend's phase state into `shared`: `groups` swapped
 /// in their phase (component `i` of the state is `groups[i]`), and
-/// `resident` units uploaded for the whole request (from their master, or
-/// staged from the weight source when they have none). On error the state
+/// `resident` units uploaded for the whole request (from their master,
+/// through `upload_staged` where that master is staged, or through a
+/// pinned copy from the weight source when they have none). On error the state
 /// holds what was built, for [`release_state`].
 pub(crate) fn build_planned<A: Api>(
     shared: &Shared<A, State<A>>,
@@ -428,6 +429,7 @@ pub(crate) fn build_planned<A: Api>(
     groups: Vec<Group<A>>,
     resident: Vec<(Unit, Option<Arc<HostMaster<A>>>)>,
     whole_mappings: bool,
+    upload_staged: &dyn Fn(&Unit) -> Result<A::DeviceBuffer, OffloadError>,
 ) -> Result<(), OffloadError> {
     let h = &shared.handles;
     let mut st = State {
@@ -461,6 +463,9 @@ pub(crate) fn build_planned<A: Api>(
         }
         for (unit, master) in resident {
             let buffer = Arc::new(match master {
+                // A staged master (a kept set under a host budget, CONTRACT
+                // §7c): through the caller's staging buffer.
+                Some(m) if matches!(*m, HostMaster::Staged(_)) => upload_staged(&unit)?,
                 Some(m) => h.upload_from(&unit, &m)?,
                 // Under a host budget, never by registering (and so
                 // locking) a whole mapping (CONTRACT §7c).

@@ -209,20 +209,61 @@ impl<A: Api> PlannedBackend<A> {
     }
 
     /// The block modules the host side in force stages.
-    fn staged_modules(&self, layout: &Layout) -> BTreeSet<ModuleId> {
+    /// The units (by name) the host side in force stages for `choices`:
+    /// the streamed blocks it stages, and every held unit of a kept
+    /// component (uploaded once from pageable memory).
+    fn staged_units(&self, layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<String> {
         let Some(side) = &self.host_side else {
             return BTreeSet::new();
         };
+        let mut out: BTreeSet<String> = BTreeSet::new();
         if self.bugs.has(PlantedBug::PlannedPinsStagedBlocks) {
-            return BTreeSet::new();
+            return out;
         }
+        {
+            out.extend(
+                layout
+                    .resolved
+                    .stacks
+                    .iter()
+                    .flat_map(|s| &s.blocks)
+                    .filter(|b| side.staged_blocks.contains(&b.path))
+                    .map(|b| layout.partition.blocks[&b.module].name.clone()),
+            );
+        }
+        for (path, module, _) in &layout.components {
+            let Some(choice) = choices.iter().find(|c| &c.path == path && c.kept) else {
+                continue;
+            };
+            if !side.kept_staged.contains(path) {
+                continue;
+            }
+            out.extend(layout.partition.rest_of(*module).map(|u| u.name.clone()));
+            out.extend(
+                layout
+                    .resolved
+                    .stacks
+                    .iter()
+                    .filter(|s| &s.owner == path)
+                    .flat_map(|s| &s.blocks)
+                    .filter(|b| choice.resident_blocks.contains(&b.path))
+                    .map(|b| layout.partition.blocks[&b.module].name.clone()),
+            );
+        }
+        out
+    }
+
+    /// Every unit the store holds a master of: each managed component's
+    /// rest and every block of its stacks.
+    fn store_units(layout: &Layout) -> Vec<Unit> {
+        let managed: Vec<ModuleId> = layout.components.iter().map(|c| c.1).collect();
         layout
-            .resolved
-            .stacks
+            .partition
+            .rest
             .iter()
-            .flat_map(|s| &s.blocks)
-            .filter(|b| side.staged_blocks.contains(&b.path))
-            .map(|b| b.module)
+            .filter(|u| managed.contains(&u.module))
+            .chain(layout.partition.blocks.values())
+            .cloned()
             .collect()
     }
 
@@ -237,21 +278,12 @@ impl<A: Api> PlannedBackend<A> {
         layout: &Layout,
         choices: &[ComponentChoice],
     ) -> Result<(), OffloadError> {
-        let staged = self.staged_modules(layout);
+        let staged = self.staged_units(layout, choices);
         let held = held_modules(layout, choices);
-        let managed: Vec<ModuleId> = layout.components.iter().map(|c| c.1).collect();
-        let units: Vec<Unit> = layout
-            .partition
-            .rest
-            .iter()
-            .filter(|u| managed.contains(&u.module))
-            .chain(layout.partition.blocks.values())
-            .cloned()
-            .collect();
-        for unit in &units {
+        for unit in &Self::store_units(layout) {
             let streams =
                 layout.partition.blocks.contains_key(&unit.module) && !held.contains(&unit.module);
-            let master = self.make_master(unit, staged.contains(&unit.module), streams)?;
+            let master = self.make_master(unit, staged.contains(&unit.name), streams)?;
             self.store.insert(unit.name.clone(), Arc::new(master));
         }
         self.log_staged();
@@ -270,7 +302,11 @@ impl<A: Api> PlannedBackend<A> {
         let h = &self.phases.handles;
         let budget = self.host_limits.is_some();
         let stage = |why: budget::StageReason| {
-            tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
+            if streams {
+                tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
+            } else {
+                tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` is kept on the device, uploaded once from pageable memory", unit.name);
+            }
             h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
                 bytes: unit.bytes,
                 coded: None,
@@ -304,7 +340,7 @@ impl<A: Api> PlannedBackend<A> {
             tracing::info!(
                 staged_units = staged.len(),
                 staged_bytes = staged.iter().sum::<u64>(),
-                "planned offload: {} streamed blocks ({} bytes) stay in pageable memory and stream through pinned staging buffers; {side}",
+                "planned offload: {} units ({} bytes) stay in pageable memory (streamed blocks through pinned staging buffers, kept sets uploaded once); {side}",
                 staged.len(),
                 staged.iter().sum::<u64>()
             );
@@ -329,16 +365,17 @@ impl<A: Api> PlannedBackend<A> {
         layout: &Layout,
         choices: &[ComponentChoice],
     ) -> Result<(), OffloadError> {
-        let staged = self.staged_modules(layout);
+        let staged = self.staged_units(layout, choices);
         let held = held_modules(layout, choices);
         let is_staged = |m: &HostMaster<A>| matches!(m, HostMaster::Staged(_));
         let mut changed = false;
+        let units = Self::store_units(layout);
         for to_staged in [true, false] {
-            for unit in layout.partition.blocks.values() {
+            for unit in &units {
                 let Some(now) = self.store.get(&unit.name) else {
                     continue;
                 };
-                let want = staged.contains(&unit.module);
+                let want = staged.contains(&unit.name);
                 if is_staged(now) == want || want != to_staged {
                     continue;
                 }
@@ -357,7 +394,9 @@ impl<A: Api> PlannedBackend<A> {
                         std::mem::forget(m);
                     }
                 }
-                let master = self.make_master(unit, want, !held.contains(&unit.module))?;
+                let streams = layout.partition.blocks.contains_key(&unit.module)
+                    && !held.contains(&unit.module);
+                let master = self.make_master(unit, want, streams)?;
                 self.store.insert(unit.name.clone(), Arc::new(master));
             }
         }
@@ -467,13 +506,49 @@ impl<A: Api> PlannedBackend<A> {
                 resident.push((unit.clone(), None));
             }
         }
-        model_level::build_planned(
+        // Kept sets whose masters are staged (a host budget) upload through
+        // one pinned buffer made for them, in chunks, freed once they are
+        // done.
+        let h = &self.phases.handles;
+        let largest_staged = resident
+            .iter()
+            .filter(|(_, m)| {
+                m.as_ref()
+                    .is_some_and(|m| matches!(**m, HostMaster::Staged(_)))
+            })
+            .map(|(u, _)| u.bytes)
+            .max();
+        let upload_ring = match largest_staged {
+            Some(bytes) => Some(crate::runtime::layerwise::staging_ring(
+                h,
+                bytes.clamp(1, budget::host::UPLOAD_STAGING_BYTES),
+                1,
+            )?),
+            None => None,
+        };
+        let upload = |unit: &Unit| match &upload_ring {
+            Some(ring) => crate::runtime::layerwise::upload_staged(h, unit, ring),
+            None => Err(OffloadError::Forward {
+                module: unit.name.clone(),
+                reason: "a staged master with no upload buffer".to_owned(),
+            }),
+        };
+        let built = model_level::build_planned(
             &self.phases,
             &model.pipeline,
             groups,
             resident,
             self.host_limits.is_none(),
-        )?;
+            &upload,
+        );
+        if let Some(ring) = upload_ring {
+            let mut first = None;
+            crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
+            if let (Ok(()), Some(e)) = (&built, first) {
+                return Err(e);
+            }
+        }
+        built?;
         // Hooks: a phase hook on every component, the ring's on every
         // streamed block, and (while measuring) timing marks on every block.
         let mut hooks: Vec<(ModuleId, &'static str, Box<dyn ModelHook<ForwardCtx>>)> = Vec::new();
@@ -1007,6 +1082,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                     &model.pipeline,
                     &self.config,
                     host_limits.clone(),
+                    Some(budget_bytes.min(memory.free_bytes)),
                 )
                 .map_err(|e| OffloadError::Budget(Box::new(e)))?;
                 // The warm-up itself runs in the smallest footprint: a
