@@ -575,8 +575,9 @@ impl<'a> Request<'a> {
     /// streams nothing above `r`, each other phase at the layout that pins
     /// least among those that fit its own phase beside the kept sets; the
     /// whole checked against the device budget. A plan's need is its
-    /// pinned held sets + the upload buffer + the lesser of its streamed
-    /// bytes (all pinned) and two of its largest streamed block (a ring).
+    /// pinned held sets + the upload buffer + two of its largest streamed
+    /// block (a ring); [`Self::least_host`] also weighs every weight
+    /// pinned.
     fn least_host_within(&self, budget: u64) -> Option<(LeastHost, Vec<(Local, bool)>)> {
         let n = self.comps.len();
         let head = budget.checked_sub(self.fixed())?;
@@ -594,9 +595,15 @@ impl<'a> Request<'a> {
         };
         let transient = self.transient();
         let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
-        let searchable = n.min(MAX_KEPT_SEARCH);
-        for mask in 0u32..(1u32 << searchable) {
-            let kept = |c: usize| c < searchable && mask >> c & 1 == 1;
+        // The components that may be kept: the search's own candidates.
+        let searchable = self.kept_candidates();
+        for mask in 0u32..(1u32 << searchable.len()) {
+            let kept = |c: usize| {
+                searchable
+                    .iter()
+                    .position(|&k| k == c)
+                    .is_some_and(|b| mask >> b & 1 == 1)
+            };
             for (&r, least_held) in sizes.iter().flat_map(|r| [(r, false), (r, true)]) {
                 // Kept phases: their least device memory (or least held
                 // set, which leaves the other phases the most).
@@ -1208,18 +1215,23 @@ impl<'a> Request<'a> {
         best
     }
 
-    fn search_within(&self, budget: u64) -> Option<Solution> {
-        let n = self.comps.len();
-        let minima = self.minima();
-        // Components that may be kept: all, or those with the most forwards.
-        let mut order: Vec<usize> = (0..n).collect();
+    /// Components that may be kept: all, or those with the most forwards.
+    fn kept_candidates(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.comps.len()).collect();
         order.sort_by(|&a, &b| {
             self.comps[b]
                 .forwards
                 .total_cmp(&self.comps[a].forwards)
                 .then(self.comps[b].bytes.cmp(&self.comps[a].bytes))
         });
-        let searchable: Vec<usize> = order.iter().copied().take(MAX_KEPT_SEARCH).collect();
+        order.truncate(MAX_KEPT_SEARCH);
+        order
+    }
+
+    fn search_within(&self, budget: u64) -> Option<Solution> {
+        let n = self.comps.len();
+        let minima = self.minima();
+        let searchable = self.kept_candidates();
         let mut best: Option<Solution> = None;
         let offer = |s: Option<Solution>, best: &mut Option<Solution>| {
             if let Some(s) = s
@@ -1961,7 +1973,7 @@ pub fn smallest_footprint(
 /// the device's smallest footprint holds more than `host` can pin (it keeps
 /// a block resident that the host budget must then pin), the least host
 /// footprint with nothing kept instead, whose device minimum is returned.
-/// Fails with [`BudgetError::HostDoesNotFit`] below that footprint's host
+/// Fails with [`BudgetError::WarmupHostDoesNotFit`] below that footprint's host
 /// budget (the warm-up keeps nothing, so a host budget that only a plan
 /// keeping components fits needs saved measurements, which skip the
 /// warm-up). `device` is reserved for a warm-up that keeps sets; unused.

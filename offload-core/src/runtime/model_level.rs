@@ -417,6 +417,11 @@ pub(crate) struct Group<A: Api> {
     pub(crate) units: Vec<(Unit, Arc<HostMaster<A>>)>,
 }
 
+/// The caller's upload through its staging buffer, where it has one
+/// (`None`: it has none).
+pub(crate) type StagedUpload<'a, A> =
+    dyn Fn(&Unit) -> Option<Result<<A as Api>::DeviceBuffer, OffloadError>> + 'a;
+
 /// Builds a planned backend's phase state into `shared`: `groups` swapped
 /// in their phase (component `i` of the state is `groups[i]`), and
 /// `resident` units uploaded for the whole request (from their master,
@@ -429,7 +434,7 @@ pub(crate) fn build_planned<A: Api>(
     groups: Vec<Group<A>>,
     resident: Vec<(Unit, Option<Arc<HostMaster<A>>>)>,
     whole_mappings: bool,
-    upload_staged: &dyn Fn(&Unit) -> Result<A::DeviceBuffer, OffloadError>,
+    upload_staged: &StagedUpload<'_, A>,
 ) -> Result<(), OffloadError> {
     let h = &shared.handles;
     let mut st = State {
@@ -465,11 +470,23 @@ pub(crate) fn build_planned<A: Api>(
             let buffer = Arc::new(match master {
                 // A staged master (a kept set under a host budget, CONTRACT
                 // §7c): through the caller's staging buffer.
-                Some(m) if matches!(*m, HostMaster::Staged(_)) => upload_staged(&unit)?,
+                Some(m) if matches!(*m, HostMaster::Staged(_)) => upload_staged(&unit)
+                    .unwrap_or_else(|| {
+                        Err(OffloadError::Forward {
+                            module: unit.name.clone(),
+                            reason: "a staged master with no upload buffer".to_owned(),
+                        })
+                    })?,
                 Some(m) => h.upload_from(&unit, &m)?,
-                // Under a host budget, never by registering (and so
-                // locking) a whole mapping (CONTRACT §7c).
-                None => h.upload_within(&unit, &none, whole_mappings)?,
+                // Through the caller's staging buffer where it has one (so
+                // no second pinned buffer sits beside it), else a pinned
+                // copy of the unit; under a host budget never by
+                // registering (and so locking) a whole mapping (CONTRACT
+                // §7c).
+                None => match upload_staged(&unit) {
+                    Some(uploaded) => uploaded?,
+                    None => h.upload_within(&unit, &none, whole_mappings)?,
+                },
             });
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(&unit, &buffer)?;

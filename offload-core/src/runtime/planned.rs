@@ -526,12 +526,13 @@ impl<A: Api> PlannedBackend<A> {
             )?),
             None => None,
         };
-        let upload = |unit: &Unit| match &upload_ring {
-            Some(ring) => crate::runtime::layerwise::upload_staged(h, unit, ring),
-            None => Err(OffloadError::Forward {
-                module: unit.name.clone(),
-                reason: "a staged master with no upload buffer".to_owned(),
-            }),
+        // Every upload of this apply goes through it where it exists (the
+        // units outside every component too): one pinned upload buffer at a
+        // time, as the planner counts.
+        let upload = |unit: &Unit| {
+            upload_ring
+                .as_ref()
+                .map(|ring| crate::runtime::layerwise::upload_staged(h, unit, ring))
         };
         let built = model_level::build_planned(
             &self.phases,
@@ -544,8 +545,14 @@ impl<A: Api> PlannedBackend<A> {
         if let Some(ring) = upload_ring {
             let mut first = None;
             crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
-            if let (Ok(()), Some(e)) = (&built, first) {
-                return Err(e);
+            match (&built, first) {
+                (Ok(()), Some(e)) => return Err(e),
+                (Err(_), Some(e)) => {
+                    tracing::error!(
+                        "planned offload: freeing the upload buffer after a failed apply: {e}"
+                    )
+                }
+                _ => {}
             }
         }
         built?;
