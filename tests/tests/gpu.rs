@@ -2003,6 +2003,22 @@ fn planned_resident(rig: &Rig, steps: u32) -> Vec<u64> {
     outputs
 }
 
+/// The granular pipeline's rig on `gpu`, its pipeline, its weights' device
+/// bytes, the resident outputs of two requests of `steps` steps, and a
+/// first planned run through its own warm-up under a budget with room for
+/// everything.
+fn planned_setup(gpu: &Gpu, steps: u32) -> (Rig, Pipeline, u64, Vec<u64>, PlannedRun) {
+    let rig = Rig::new(&gpu.device, granular_pipeline());
+    rig.warm_up();
+    let p = rig.pipeline.clone();
+    let total = memory_bounds(&p, &OffloadConfig::default(), 1)
+        .unwrap()
+        .device_weight_bytes;
+    let resident = planned_resident(&rig, steps);
+    let first = planned_run(&rig, 2 * total, steps, None, &[]).unwrap();
+    (rig, p, total, resident, first)
+}
+
 /// A host budget beside the device budget on the GPU (CONTRACT §7c): under
 /// a device budget with room for everything and one halfway from the
 /// least, at the least host budget the planner names there and halfway to
@@ -2016,15 +2032,8 @@ fn planned_resident(rig: &Rig, steps: u32) -> Vec<u64> {
 #[test]
 fn planned_host_budget_stages_within_it_on_the_gpu() {
     let Some(gpu) = gpu() else { return };
-    let rig = Rig::new(&gpu.device, granular_pipeline());
-    rig.warm_up();
     const STEPS: u32 = 3;
-    let p = rig.pipeline.clone();
-    let total = memory_bounds(&p, &OffloadConfig::default(), 1)
-        .unwrap()
-        .device_weight_bytes;
-    let resident = planned_resident(&rig, STEPS);
-    let first = planned_run(&rig, 2 * total, STEPS, None, &[]).unwrap();
+    let (rig, p, total, resident, first) = planned_setup(&gpu, STEPS);
     let within = |device: u64, host: u64| OffloadConfig {
         host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
         ..budget_config(device)
@@ -2050,7 +2059,6 @@ fn planned_host_budget_stages_within_it_on_the_gpu() {
         &p,
         &within(2 * total, 1),
         Some(one_byte()),
-        None,
     ) {
         Err(offload_core::budget::BudgetError::WarmupHostDoesNotFit { least, .. }) => least,
         other => panic!("a 1-byte host budget at the warm-up: {other:?}"),
@@ -2129,18 +2137,9 @@ fn planned_host_budget_stages_within_it_on_the_gpu() {
 #[test]
 fn planned_budgets_fit_every_phase_on_the_gpu() {
     let Some(gpu) = gpu() else { return };
-    let rig = Rig::new(&gpu.device, granular_pipeline());
-    rig.warm_up();
     const STEPS: u32 = 3;
-    let p = rig.pipeline.clone();
-    let total = memory_bounds(&p, &OffloadConfig::default(), 1)
-        .unwrap()
-        .device_weight_bytes;
-
-    let resident = planned_resident(&rig, STEPS);
-
     // The warm-up, at a budget with room for everything.
-    let first = planned_run(&rig, 2 * total, STEPS, None, &[]).unwrap();
+    let (rig, p, total, resident, first) = planned_setup(&gpu, STEPS);
     let inputs = first.inputs.clone();
     assert!(
         matches!(

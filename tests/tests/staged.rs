@@ -610,8 +610,7 @@ fn least_device(w: &Workload, inputs: &PlannerInputs) -> u64 {
 fn warmup_least_host(w: &Workload) -> u64 {
     let limits = Some(limits(1));
     let config = budgets(1, Some(1));
-    match offload_core::budget::smallest_footprint_within(&w.preset.pipeline, &config, limits, None)
-    {
+    match offload_core::budget::smallest_footprint_within(&w.preset.pipeline, &config, limits) {
         Err(BudgetError::WarmupHostDoesNotFit { least, .. }) => least,
         other => panic!("a 1-byte host budget: {other:?}"),
     }

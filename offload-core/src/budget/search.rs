@@ -303,11 +303,11 @@ struct Request<'a> {
     host: Option<HostLimits>,
     /// The host bound the search runs under now ([`HostBound`]).
     bound: std::cell::Cell<HostBound>,
-    /// [`Self::least_host`]'s bytes, once computed.
-    least_host_bytes: std::cell::OnceCell<u64>,
+    /// [`Self::least_host`]'s figures, once computed.
+    least_host_figures: std::cell::OnceCell<LeastHost>,
     /// The device budget planned for, once known: the least host budget is
     /// the least of the plans within it.
-    device_budget: std::cell::Cell<Option<u64>>,
+    device_budget: Option<u64>,
 }
 
 /// The least host budget and its parts: (least, held, staging, upload
@@ -489,8 +489,8 @@ impl<'a> Request<'a> {
             outside_largest,
             host: None,
             bound: std::cell::Cell::new(HostBound::NONE),
-            least_host_bytes: std::cell::OnceCell::new(),
-            device_budget: std::cell::Cell::new(None),
+            least_host_figures: std::cell::OnceCell::new(),
+            device_budget: None,
         })
     }
 
@@ -507,6 +507,14 @@ impl<'a> Request<'a> {
             .collect()
     }
 
+    /// Distinct block sizes over every component, largest first.
+    fn block_sizes(&self) -> Vec<u64> {
+        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.dedup();
+        sizes
+    }
+
     /// The host bounds one pass of the search may run under: one per
     /// distinct block size (the largest block streamed), largest first;
     /// [`HostBound::NONE`] alone without a host budget or where every
@@ -519,9 +527,7 @@ impl<'a> Request<'a> {
         if all.saturating_add(self.transient()) <= limits.budget {
             return vec![HostBound::NONE];
         }
-        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.dedup();
+        let sizes = self.block_sizes();
         // Nothing streamed (no ring): every held set pinned.
         let mut out = vec![HostBound {
             head: limits.budget.saturating_sub(self.transient()),
@@ -546,8 +552,13 @@ impl<'a> Request<'a> {
     /// upload buffer) and its phases: over every largest streamed block
     /// size (and nothing streamed), the held sets at their least beside a
     /// staging ring of two of it.
+    /// [`Self::least_host`]'s figures, computed once per request.
+    fn least_host_cached(&self) -> LeastHost {
+        *self.least_host_figures.get_or_init(|| self.least_host().0)
+    }
+
     fn least_host(&self) -> (LeastHost, Vec<(Local, bool)>) {
-        let found = match self.device_budget.get() {
+        let found = match self.device_budget {
             Some(budget) => self
                 .least_host_within(budget)
                 .unwrap_or_else(|| self.least_host_unkept()),
@@ -581,9 +592,7 @@ impl<'a> Request<'a> {
     fn least_host_within(&self, budget: u64) -> Option<(LeastHost, Vec<(Local, bool)>)> {
         let n = self.comps.len();
         let head = budget.checked_sub(self.fixed())?;
-        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.dedup();
+        let mut sizes = self.block_sizes();
         sizes.push(0);
         let layouts = |c: &PComp, r: u64| -> Vec<Local> {
             std::iter::once(c.all_resident())
@@ -670,9 +679,7 @@ impl<'a> Request<'a> {
     /// The least host budget with nothing kept, whatever the device budget:
     /// every phase at its least host footprint for the best `r`.
     fn least_host_unkept(&self) -> (LeastHost, Vec<(Local, bool)>) {
-        let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.dedup();
+        let mut sizes = self.block_sizes();
         sizes.push(0);
         let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
         for r in sizes {
@@ -736,7 +743,7 @@ impl<'a> Request<'a> {
         let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
         let transient = self.transient();
         let fixed = held.saturating_add(transient);
-        let least = *self.least_host_bytes.get_or_init(|| self.least_host().0.0);
+        let least = self.least_host_cached().0;
         Some(match plan_host(&blocks, fixed, Some(limits.budget), true) {
             Ok(p) => {
                 let release_after_read = p.release_after_read();
@@ -1670,7 +1677,7 @@ impl Request<'_> {
     /// The error for a host budget below [`Self::least_host`].
     fn host_does_not_fit(&self, config: &OffloadConfig) -> Option<BudgetError> {
         let limits = self.host.as_ref()?;
-        let ((least, held, staging, transient), _) = self.least_host();
+        let (least, held, staging, transient) = self.least_host_cached();
         (limits.budget < least).then(|| BudgetError::HostDoesNotFit {
             budget: host_size(config, limits.budget),
             least,
@@ -1692,7 +1699,7 @@ pub(super) fn plan_request(
 ) -> Result<RequestPlan, BudgetError> {
     let mut r = Request::new(pipeline, config, inputs)?;
     r.host = host;
-    r.device_budget.set(Some(budget));
+    r.device_budget = Some(budget);
     let minimum = r.minimum();
     let device_size = crate::bytes::DeviceBudget::size_of(config.device_budget, budget);
     let does_not_fit = || minimum.does_not_fit(device_size);
@@ -1966,7 +1973,7 @@ pub fn smallest_footprint(
     pipeline: &Pipeline,
     config: &OffloadConfig,
 ) -> Result<(Vec<ComponentChoice>, MinimumBudget), BudgetError> {
-    smallest_footprint_within(pipeline, config, None, None).map(|(c, m, _)| (c, m))
+    smallest_footprint_within(pipeline, config, None).map(|(c, m, _)| (c, m))
 }
 
 /// [`smallest_footprint`] within a host budget, with its host side: where
@@ -1976,12 +1983,11 @@ pub fn smallest_footprint(
 /// Fails with [`BudgetError::WarmupHostDoesNotFit`] below that footprint's host
 /// budget (the warm-up keeps nothing, so a host budget that only a plan
 /// keeping components fits needs saved measurements, which skip the
-/// warm-up). `device` is reserved for a warm-up that keeps sets; unused.
+/// warm-up).
 pub fn smallest_footprint_within(
     pipeline: &Pipeline,
     config: &OffloadConfig,
     host: Option<HostLimits>,
-    device: Option<u64>,
 ) -> Result<(Vec<ComponentChoice>, MinimumBudget, Option<HostSide>), BudgetError> {
     let resolved = resolve(pipeline, config)?;
     let mut inputs = PlannerInputs::new(1e9, 1);
@@ -1998,7 +2004,6 @@ pub fn smallest_footprint_within(
     r.host = host;
     // The warm-up keeps nothing (a kept set would sit in every phase it
     // measures): its least host budget is the least with nothing kept.
-    let _ = device;
     if let Some(limits) = &r.host {
         // (No device budget set: the least with nothing kept.)
         let least = r.least_host().0.0;

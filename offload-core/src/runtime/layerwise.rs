@@ -917,6 +917,33 @@ fn host_plan(
     Ok(plan)
 }
 
+/// The staging ring of `rings`, where any master is staged: two pinned
+/// buffers of the largest staged block, each staged block's pages released
+/// after its read where `release`.
+fn host_staging_of<A: Api>(
+    h: &Handles<A>,
+    rings: &[Ring<A>],
+    release: bool,
+) -> Result<Option<HostStaging<A>>, OffloadError> {
+    let largest_staged = rings
+        .iter()
+        .flat_map(|r| &r.blocks)
+        .filter_map(|m| match &*m.host {
+            HostMaster::Staged(s) => Some(s.bytes),
+            _ => None,
+        })
+        .max();
+    let Some(bytes) = largest_staged else {
+        return Ok(None);
+    };
+    let buffers = crate::budget::host::HOST_STAGING_BUFFERS as usize;
+    Ok(Some(HostStaging {
+        ring: staging_ring(h, bytes, buffers)?,
+        last: buffers - 1,
+        release,
+    }))
+}
+
 /// A ring of `buffers` pinned host staging buffers of `bytes` (see
 /// `LayerwiseBackend::staging_ring`).
 pub(crate) fn staging_ring<A: Api>(
@@ -1879,25 +1906,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 crate::bytes::ByteSize::new(copied_bytes)
             );
         }
-        // The staging ring, when any master is staged: two pinned buffers
-        // of the largest staged block.
-        let largest_staged = st
-            .rings
-            .iter()
-            .flat_map(|r| &r.blocks)
-            .filter_map(|m| match &*m.host {
-                HostMaster::Staged(s) => Some(s.bytes),
-                _ => None,
-            })
-            .max();
-        if let Some(bytes) = largest_staged {
-            st.host_staging = Some(HostStaging {
-                ring: self
-                    .staging_ring(bytes, crate::budget::host::HOST_STAGING_BUFFERS as usize)?,
-                last: crate::budget::host::HOST_STAGING_BUFFERS as usize - 1,
-                release,
-            });
-        }
+        st.host_staging = host_staging_of(h, &st.rings, release)?;
         // A ring of one small buffer made for the uploads alone, where
         // pinning one is refused and no master stages: freed once they
         // are done.
@@ -2826,23 +2835,7 @@ impl<A: Api> RingEngine<A> {
                     });
                 }
             }
-            let largest_staged = st
-                .rings
-                .iter()
-                .flat_map(|r| &r.blocks)
-                .filter_map(|m| match &*m.host {
-                    HostMaster::Staged(s) => Some(s.bytes),
-                    _ => None,
-                })
-                .max();
-            if let Some(bytes) = largest_staged {
-                let buffers = crate::budget::host::HOST_STAGING_BUFFERS as usize;
-                st.host_staging = Some(HostStaging {
-                    ring: staging_ring(&self.engine.handles, bytes, buffers)?,
-                    last: buffers - 1,
-                    release,
-                });
-            }
+            st.host_staging = host_staging_of(&self.engine.handles, &st.rings, release)?;
             Ok(())
         };
         let result = build();

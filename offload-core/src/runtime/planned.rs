@@ -1089,7 +1089,6 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                     &model.pipeline,
                     &self.config,
                     host_limits.clone(),
-                    Some(budget_bytes.min(memory.free_bytes)),
                 )
                 .map_err(|e| OffloadError::Budget(Box::new(e)))?;
                 // The warm-up itself runs in the smallest footprint: a
