@@ -923,18 +923,31 @@ pub fn qwen_image() -> Preset {
 /// Wan2.2 (the second half of the steps), a tied embedding, a
 /// non-persistent buffer, mixed dtypes.
 pub fn tiny() -> Preset {
-    tiny_with("tiny", 32)
+    tiny_with("tiny", 32, false)
+}
+
+/// [`tiny`] with a module outside every component (`scheduler`, as a
+/// runtime's own embedding table: resident for the whole request, uploaded
+/// at enable) and a text encoder whose embedding is the pipeline's largest
+/// unit, so that where the encoder is kept under a host budget the upload
+/// buffer the plan counts (CONTRACT §7c) is the one its upload uses.
+pub fn tiny_outside() -> Preset {
+    tiny_with("tiny-outside", 32, true)
 }
 
 /// [`tiny`] with hidden size 128: its linear weights (12,288 to 65,536
 /// values) are large enough for a lossless exponent code to take them
 /// (CONTRACT §7b), the streamed blocks about 2.3 MB in all.
 pub fn tiny_wide() -> Preset {
-    tiny_with("tiny-wide", 128)
+    tiny_with("tiny-wide", 128, false)
 }
 
-fn tiny_with(name: &'static str, d: u64) -> Preset {
+fn tiny_with(name: &'static str, d: u64, outside: bool) -> Preset {
     let mut b = PipelineBuilder::new("TinyPipeline");
+    if outside {
+        b.module("scheduler")
+            .parameter("table.weight", DType::Bf16, &[512, d]);
+    }
     {
         let mut t = b.module("transformer");
         linear(&mut t, "x_embedder", d, 16, true);
@@ -966,7 +979,8 @@ fn tiny_with(name: &'static str, d: u64) -> Preset {
     }
     {
         let mut e = b.module("text_encoder");
-        e.parameter("embed.weight", DType::Bf16, &[50, d]);
+        let vocab = if outside { 1200 } else { 50 };
+        e.parameter("embed.weight", DType::Bf16, &[vocab, d]);
         e.list("layers", 2, |_, l| {
             linear(l, "fc", d, d, false);
         });

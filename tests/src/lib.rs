@@ -8,6 +8,8 @@ pub mod scenario;
 /// The README, whose every ```` ```rust ```` block is a doctest of this
 /// crate: `cargo test --workspace` compiles each one and runs those not
 /// marked `no_run` (issue 10: the snippets a newcomer copies must work).
+/// They name the backends (feature `backends`, on by default).
+#[cfg(feature = "backends")]
 #[doc = include_str!("../../README.md")]
 mod readme {}
 

@@ -147,3 +147,77 @@ fn an_impossible_budget_fails_before_the_warmup() {
         );
     }
 }
+
+mod restage {
+    use offload_core::budget::host::{BuiltBlock, built_peak, restage_within};
+    use proptest::prelude::*;
+
+    fn built(bytes: u64, is_staged: bool, may_stage: bool) -> BuiltBlock {
+        BuiltBlock {
+            pinned: if is_staged { 0 } else { bytes },
+            staged: bytes,
+            is_staged,
+            may_stage,
+        }
+    }
+
+    /// Every store reachable by staging some of `blocks`' stageable
+    /// pinned blocks, with how many it staged.
+    fn subsets(blocks: &[BuiltBlock]) -> impl Iterator<Item = (Vec<BuiltBlock>, usize)> + '_ {
+        let movable: Vec<usize> = (0..blocks.len())
+            .filter(|&i| !blocks[i].is_staged && blocks[i].may_stage)
+            .collect();
+        (0u32..(1 << movable.len())).map(move |mask| {
+            let mut after = blocks.to_vec();
+            for (k, &i) in movable.iter().enumerate() {
+                if mask & (1 << k) != 0 {
+                    after[i] = built(blocks[i].staged, true, true);
+                }
+            }
+            (after, mask.count_ones() as usize)
+        })
+    }
+
+    proptest! {
+        /// Whatever the store the device allowed, the blocks chosen are
+        /// pinned ones that may stage and bring it within the budget; or
+        /// the error says the peak it reached is over, and staging every
+        /// stageable block no larger than the ring (which never grows the
+        /// ring) would not have fit either.
+        #[test]
+        fn restaging_lands_within_the_budget_or_says_why(
+            sizes in prop::collection::vec((1u64..50, any::<bool>(), any::<bool>()), 0..12),
+            fixed in 0u64..40,
+            budget in 0u64..400,
+        ) {
+            let blocks: Vec<BuiltBlock> = sizes.iter().map(|&(b, s, m)| built(b, s, m)).collect();
+            match restage_within(budget, fixed, &blocks) {
+                Ok(more) => {
+                    let mut after = blocks.clone();
+                    for &i in &more {
+                        prop_assert!(!blocks[i].is_staged && blocks[i].may_stage);
+                        after[i] = built(blocks[i].staged, true, true);
+                    }
+                    prop_assert!(built_peak(fixed, &after) <= budget);
+                    if built_peak(fixed, &blocks) <= budget {
+                        prop_assert!(more.is_empty(), "a store within its budget is left alone");
+                    }
+                    // The least ring any fitting choice has, and the fewest
+                    // blocks staged at that ring.
+                    let ring_of = |v: &[BuiltBlock]| v.iter().filter(|b| b.is_staged).map(|b| b.staged).max().unwrap_or(0);
+                    let ours = (ring_of(&after), more.len());
+                    for (ring, count) in subsets(&blocks).filter(|(a, _)| built_peak(fixed, a) <= budget).map(|(a, n)| (ring_of(&a), n)) {
+                        prop_assert!(ring > ours.0 || (ring == ours.0 && count >= ours.1), "{ring}, {count} beats {ours:?}");
+                    }
+                }
+                Err(e) => {
+                    // Exact: no set of stageable pinned blocks fits, and
+                    // the least peak any reaches is the one named.
+                    prop_assert!(e.peak.bytes() > budget);
+                    let least = subsets(&blocks).map(|(a, _)| built_peak(fixed, &a)).min();
+                    prop_assert_eq!(least, Some(e.peak.bytes()));
+                }
+            }
+        }
+    }
+}

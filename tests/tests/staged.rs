@@ -208,6 +208,119 @@ fn refused_pins_stream_staged_and_the_log_names_each_block() {
     }
 }
 
+/// Every pin request of a clean run at `config` refused in turn: each run
+/// ends bit-identical to `want` within `host` on the device's own
+/// page-locked count, with no checker violation, a refused block named in
+/// the log; or `enable` fails typed with the refusal (a pin nothing can
+/// stand in for). With `KeepPinsBesideRefused` planted, every run over the
+/// budget is flagged by INV-7. Returns (runs within with a block staged,
+/// typed errors, planted runs over the budget).
+fn refuse_each_pin(
+    w: &Workload,
+    config: &StrategyChoice,
+    given: &RunOptions,
+    want: &[u64],
+    host: u64,
+) -> (usize, usize, usize) {
+    let clean = run(w, config, given).unwrap_or_else(|f| panic!("clean: {}", f.error));
+    assert!(host_peak(&clean) <= host, "clean: {}", host_peak(&clean));
+    // Each request alone (a re-plan asks again, and may be granted), then
+    // every n-th (a platform that keeps refusing).
+    let requests = clean.at_end.pin_requests;
+    let faults: Vec<FaultPlan> = (1..=requests)
+        .map(|k| FaultPlan {
+            refuse_pins: Some((k, k)),
+            ..FaultPlan::none()
+        })
+        .chain((2..=7).map(|n| FaultPlan {
+            refuse_pin_every: Some(n),
+            ..FaultPlan::none()
+        }))
+        .collect();
+    let refusing = |k: usize, bugs: Vec<PlantedBug>| RunOptions {
+        faults: faults[k],
+        bugs,
+        ..given.clone()
+    };
+    let (mut within, mut typed, mut over) = (0, 0, 0);
+    for k in 0..faults.len() {
+        let (o, log) = capture_logs(|| run(w, config, &refusing(k, Vec::new())));
+        match o {
+            Ok(o) => {
+                assert_eq!(outputs(&o), want, "fault plan {k} refused");
+                assert!(
+                    all_violations(&o).is_empty(),
+                    "fault plan {k} refused: {:#?}",
+                    all_violations(&o)
+                );
+                assert!(
+                    host_peak(&o) <= host,
+                    "fault plan {k} refused: the device's page-locked peak {} is over the host budget {host}",
+                    host_peak(&o)
+                );
+                if o.at_end.pins_refused > 0 && log.contains("streams staged") {
+                    assert!(log.contains("was refused"), "{log}");
+                    within += 1;
+                }
+            }
+            Err(f) => {
+                let e = f.error.to_string();
+                assert!(
+                    matches!(f.error, offload_core::OffloadError::DeviceOp { .. })
+                        && e.contains("pin request"),
+                    "fault plan {k} refused: not the refusal's typed error: {e}"
+                );
+                typed += 1;
+            }
+        }
+        if let Ok(o) = run(
+            w,
+            config,
+            &refusing(k, vec![PlantedBug::KeepPinsBesideRefused]),
+        ) && host_peak(&o) > host
+        {
+            assert!(
+                all_violations(&o)
+                    .iter()
+                    .any(|v| v.invariant == Invariant::BoundedMemory),
+                "planted, fault plan {k}: {} pinned over {host} and INV-7 saw nothing",
+                host_peak(&o)
+            );
+            over += 1;
+        }
+    }
+    eprintln!(
+        "{requests} pin requests, {} fault plans: {within} refused and staged within the budget, {typed} typed errors, planted: {over} over the budget",
+        faults.len()
+    );
+    (within, typed, over)
+}
+
+/// Layerwise at a host budget that its plan fits with every block pinned
+/// (no staging ring held): a refused pin needs a ring of two of its block,
+/// so a further block stages to make the room (CONTRACT §7c).
+#[test]
+fn refused_pins_under_a_layerwise_host_budget_stay_within_it() {
+    let want = resident();
+    let (offloaded, _, transient) = sizes();
+    let host = offloaded + transient;
+    let (within, _, over) = refuse_each_pin(
+        &workload(),
+        &layerwise(None, Some(host)),
+        &opts(&[], 2, Some(3)),
+        &want,
+        host,
+    );
+    assert!(
+        within >= 2,
+        "refused blocks staged within the budget: {within}"
+    );
+    assert!(
+        over >= 1,
+        "the planted bug went over the budget somewhere: {over}"
+    );
+}
+
 #[test]
 fn planted_staging_reuse_before_copy_is_caught_and_its_control_is_clean() {
     let bug = PlantedBug::HostStagingReuseBeforeCopy;
@@ -567,7 +680,13 @@ use offload_sim::DeviceProfile;
 /// The `tiny` preset's workload (2 requests of 3 steps) on the simulated
 /// H200, its resident outputs and its estimated planner inputs.
 fn planned_baseline() -> (Workload, RunOptions, Vec<u64>, PlannerInputs) {
-    let preset = offload_sim::presets::tiny();
+    baseline_of(offload_sim::presets::tiny())
+}
+
+/// [`planned_baseline`] of `preset`.
+fn baseline_of(
+    preset: offload_sim::presets::Preset,
+) -> (Workload, RunOptions, Vec<u64>, PlannerInputs) {
     let w = Workload {
         tokens: preset.default_tokens,
         preset,
@@ -876,4 +995,114 @@ fn a_host_budget_below_the_least_plan_fails_typed_and_auto_plans() {
     assert_eq!(o.bounds.host_budget_bytes, Some(side.budget_bytes));
     assert!(host_peak(&o) <= side.budget_bytes && side.peak_bytes <= side.budget_bytes);
     assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+}
+
+/// Where the device refuses pins a planned host budget counted on, the run
+/// still stays within the budget (CONTRACT §7c). At a host budget of its
+/// own peak the plan pins every streamed block and holds no staging ring,
+/// so a refused block needs a ring of two of itself: the store stages more
+/// blocks to make its room. Every pin request of a clean run is refused in
+/// turn, then every n-th ([`refuse_each_pin`]): each run ends
+/// bit-identical to resident, within the budget on the device's own
+/// page-locked count, with no checker violation and the refused block
+/// named in the log; or, where the refused pin is a swapped held set's
+/// (whose phase swap needs a pinned master), `enable` fails typed. The
+/// preset's text encoder holds its largest unit, so where it is kept the
+/// upload buffer the plan counts is the one its upload uses (on `tiny` the
+/// plan counts one no upload fills, room a refused block's ring fits in).
+/// Planted `KeepPinsBesideRefused` (the store keeping the pins it was
+/// granted): over the budget, and INV-7 sees it.
+/// And the units outside the components upload through the kept sets'
+/// upload buffer (one pinned upload buffer at a time, as the plan counts):
+/// planted `OutsideUploadBesideBuffer` (each through a pinned copy of its
+/// own while that buffer is alive), INV-7 sees the second buffer.
+#[test]
+fn refused_pins_and_outside_units_stay_within_a_planned_host_budget() {
+    let (w, opts, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
+    let (within, over, kept) =
+        refused_pins_planned((w.clone(), opts.clone(), want.clone(), inputs.clone()));
+    assert!(
+        within >= 2,
+        "refused streamed blocks staged within the budget: {within}"
+    );
+    assert!(
+        over >= 1,
+        "the planted bug went over the budget somewhere: {over}"
+    );
+    let mut caught = 0;
+    for (device, host) in kept {
+        let planted = RunOptions {
+            bugs: vec![PlantedBug::OutsideUploadBesideBuffer],
+            planner: Some(inputs.clone()),
+            ..opts.clone()
+        };
+        let o = run(
+            &w,
+            &StrategyChoice::Config(budgets(device, Some(host))),
+            &planted,
+        )
+        .unwrap_or_else(|f| panic!("planted: {}", f.error));
+        assert_eq!(outputs(&o), want, "a memory bug");
+        if host_peak(&o) > host {
+            assert!(
+                all_violations(&o)
+                    .iter()
+                    .any(|v| v.invariant == Invariant::BoundedMemory),
+                "planted OutsideUploadBesideBuffer: {} pinned over {host}, INV-7 saw nothing",
+                host_peak(&o)
+            );
+            caught += 1;
+        }
+    }
+    assert!(
+        caught >= 1,
+        "the planted second upload buffer went over the budget: {caught}"
+    );
+}
+
+/// Every pin refused in turn ([`refuse_each_pin`]) at three device budgets
+/// of `baseline`, each at a host budget of its plan's own peak where the
+/// plan pins every streamed block (so it holds no staging ring). Returns
+/// the runs within the budget with a block staged, the planted runs over
+/// it, and the (device, host) budgets whose plan keeps a set staged.
+fn refused_pins_planned(
+    (w, opts, want, inputs): (Workload, RunOptions, Vec<u64>, PlannerInputs),
+) -> (usize, usize, Vec<(u64, u64)>) {
+    let least_device = least_device(&w, &inputs);
+    let total = w.preset.weight_bytes();
+    let (mut within, mut over, mut kept) = (0, 0, Vec::new());
+    for k in 1..=3u64 {
+        let device = least_device + (total - least_device) * k / 4;
+        // A host budget with room for every weight pinned twice over.
+        let plan = plan_within(
+            &w.preset.pipeline,
+            &budgets(device, Some(4 * total)),
+            &inputs,
+            DeviceMemory::of(u64::MAX / 4),
+            Some(limits(4 * total)),
+        )
+        .unwrap();
+        let side = plan.host.as_ref().expect("a host budget is planned");
+        assert!(
+            side.staged_blocks.is_empty() && side.pinned_streamed_bytes > 0,
+            "device {device}: every streamed block pinned: {side}"
+        );
+        // Its own peak: no room to spare.
+        let host = side.peak_bytes;
+        let config = StrategyChoice::Config(budgets(device, Some(host)));
+        let given = RunOptions {
+            planner: Some(inputs.clone()),
+            ..opts.clone()
+        };
+        let clean = run(&w, &config, &given).unwrap_or_else(|f| panic!("clean: {}", f.error));
+        let clean_side = clean.plan.as_ref().and_then(|p| p.host.clone()).unwrap();
+        assert!(clean_side.staged_blocks.is_empty(), "{clean_side}");
+        if !clean_side.kept_staged.is_empty() {
+            kept.push((device, host));
+        }
+        let (w_, _, o_) = refuse_each_pin(&w, &config, &given, &want, host);
+        within += w_;
+        over += o_;
+    }
+    (within, over, kept)
 }

@@ -97,6 +97,7 @@ fn loom() -> Result<()> {
             ("RUSTFLAGS", "--cfg loom"),
             ("LOOM_MAX_PREEMPTIONS", "2"),
             ("CARGO_TARGET_DIR", "target/loom"),
+            ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
         ],
     )
 }
@@ -111,6 +112,9 @@ fn props() -> Result<()> {
             "--locked",
             "-p",
             "offload-tests",
+            // Neither names a backend: the release build skips candle, CUDA
+            // and NCCL's crates (CI's time, on 2 cores).
+            "--no-default-features",
             "--test",
             "state_machine",
             "--test",
@@ -121,6 +125,8 @@ fn props() -> Result<()> {
         &[
             ("PROPTEST_CASES", cases.as_str()),
             ("OFFLOAD_DLO_CASES", dlo_cases.as_str()),
+            // No line tables: nothing here is profiled.
+            ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
         ],
     )
 }

@@ -411,9 +411,191 @@ pub fn plan_host(
     Ok(plan(staged))
 }
 
+/// One streamed block of a store as built, for [`restage_within`]: its
+/// master's page-locked bytes (0 where staged), the bytes a staging buffer
+/// holds of it if it stages, and whether it may be staged now (a raw
+/// pinned or registered master; a coded or gathered one is left as it is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuiltBlock {
+    /// Page-locked bytes of its master (0 for a staged master).
+    pub pinned: u64,
+    /// Bytes a staging buffer holds of it, staged.
+    pub staged: u64,
+    /// Its master is staged.
+    pub is_staged: bool,
+    /// Its master may be swapped for a staged one.
+    pub may_stage: bool,
+}
+
+/// A store that cannot be brought within its host budget by staging more
+/// of its streamed blocks.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the host masters as the device allowed them take {peak} page-locked (pinned masters, {buffers} staging buffers of the largest staged block and the upload buffer), over the host budget of {budget}, with every streamed block that can stage staged: the device refused pins the plan counted on (the log names them); raise host_budget to at least {peak} or free host memory"
+)]
+pub struct RestageDoesNotFit {
+    /// The budget.
+    pub budget: ByteSize,
+    /// The least page-locked peak staging reaches.
+    pub peak: ByteSize,
+    /// The staging buffers.
+    pub buffers: u64,
+}
+
+/// The page-locked peak of `blocks` beside `fixed` (the masters that are
+/// not streamed blocks, and the upload buffer): their pinned bytes and a
+/// staging ring of the largest staged block.
+pub fn built_peak(fixed: u64, blocks: &[BuiltBlock]) -> u64 {
+    let pinned = blocks
+        .iter()
+        .filter(|b| !b.is_staged)
+        .fold(0u64, |a, b| a.saturating_add(b.pinned));
+    let ring = blocks
+        .iter()
+        .filter(|b| b.is_staged)
+        .map(|b| b.staged)
+        .max()
+        .unwrap_or(0);
+    fixed
+        .saturating_add(pinned)
+        .saturating_add(HOST_STAGING_BUFFERS.saturating_mul(ring))
+}
+
+/// Which further streamed blocks (indices into `blocks`) a store stages so
+/// that its page-locked peak ([`built_peak`]) stays within `budget`.
+///
+/// A plan fits its budget with the masters it asked for; where the device
+/// refused some of those pins, each refused block stages and may need a
+/// staging ring the plan did not count (a plan that pinned every block has
+/// none: a refused block of `b` bytes then takes `2b` where its master
+/// would have taken `b`). Exact: the ring is the least that lets a set fit
+/// (staging every stageable block no larger than a ring only lowers the
+/// peak, so a ring fits if and only if that set fits), and within it the
+/// fewest blocks are staged, the largest first (one of the ring's size
+/// where the ring grows). Empty where the store already fits; an error
+/// only where no choice of blocks fits, naming the least peak reachable.
+pub fn restage_within(
+    budget: u64,
+    fixed: u64,
+    blocks: &[BuiltBlock],
+) -> Result<Vec<usize>, RestageDoesNotFit> {
+    if built_peak(fixed, blocks) <= budget {
+        return Ok(Vec::new());
+    }
+    let ring = blocks
+        .iter()
+        .filter(|b| b.is_staged)
+        .map(|b| b.staged)
+        .max()
+        .unwrap_or(0);
+    let movable: Vec<usize> = (0..blocks.len())
+        .filter(|&i| !blocks[i].is_staged && blocks[i].may_stage)
+        .collect();
+    // The rings a choice can end with: the present one, or a movable
+    // block's size above it.
+    let mut rings: Vec<u64> = movable
+        .iter()
+        .map(|&i| blocks[i].staged)
+        .filter(|&b| b > ring)
+        .collect();
+    rings.push(ring);
+    rings.sort_unstable();
+    rings.dedup();
+    let stage = |set: &[usize]| {
+        let mut next = blocks.to_vec();
+        for &i in set {
+            next[i].is_staged = true;
+            next[i].pinned = 0;
+        }
+        built_peak(fixed, &next)
+    };
+    let mut least = u64::MAX;
+    for r in rings {
+        let mut within: Vec<usize> = movable
+            .iter()
+            .copied()
+            .filter(|&i| blocks[i].staged <= r)
+            .collect();
+        let peak = stage(&within);
+        least = least.min(peak);
+        if peak > budget {
+            continue;
+        }
+        // The fewest of them: one of the ring's own size first where the
+        // ring grows (some block must make it), then the largest.
+        within.sort_by_key(|&i| {
+            (
+                !(r > ring && blocks[i].staged == r),
+                std::cmp::Reverse(blocks[i].pinned),
+            )
+        });
+        let mut out = Vec::new();
+        for i in within {
+            out.push(i);
+            if stage(&out) <= budget {
+                break;
+            }
+        }
+        // Every block of the ring fits (checked above) where fewer did not.
+        return Ok(out);
+    }
+    Err(RestageDoesNotFit {
+        budget: ByteSize::new(budget),
+        peak: ByteSize::new(least),
+        buffers: HOST_STAGING_BUFFERS,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn built(pinned: u64, is_staged: bool) -> BuiltBlock {
+        BuiltBlock {
+            pinned: if is_staged { 0 } else { pinned },
+            staged: pinned,
+            is_staged,
+            may_stage: true,
+        }
+    }
+
+    /// A plan that pinned every block has no ring: one refused block then
+    /// needs two buffers of itself, and staging one more block of its size
+    /// or less brings the store back within the budget it fitted.
+    #[test]
+    fn a_refused_pin_is_paid_for_by_staging_blocks_no_larger_than_the_ring() {
+        // Budget 100: fixed 10 + 8 blocks of 10 pinned = 90 fits.
+        let mut blocks = vec![built(10, false); 8];
+        assert_eq!(restage_within(100, 10, &blocks), Ok(vec![]));
+        // Block 3 refused: 10 + 70 + 2 * 10 = 100, still within.
+        blocks[3] = built(10, true);
+        assert_eq!(restage_within(100, 10, &blocks), Ok(vec![]));
+        // A budget of 95: one more block staged (80 + 20 - 10 = 90).
+        let more = restage_within(95, 10, &blocks).unwrap();
+        assert_eq!(more.len(), 1);
+        let mut after = blocks.clone();
+        for &i in &more {
+            after[i] = built(10, true);
+        }
+        assert!(built_peak(10, &after) <= 95);
+        // A larger refused block: the ring is 2 * 30; the small ones pay.
+        let mut mixed = vec![built(10, false); 6];
+        mixed.push(built(30, true));
+        // 10 + 60 + 60 = 130 against 110: two small ones staged.
+        let more = restage_within(110, 10, &mixed).unwrap();
+        assert_eq!(more.len(), 2, "{more:?}");
+        assert!(more.iter().all(|&i| i < 6));
+        // A block that may not stage is never chosen.
+        mixed.iter_mut().take(6).for_each(|b| b.may_stage = false);
+        assert_eq!(
+            restage_within(110, 10, &mixed),
+            Err(RestageDoesNotFit {
+                budget: ByteSize::new(110),
+                peak: ByteSize::new(130),
+                buffers: HOST_STAGING_BUFFERS,
+            })
+        );
+    }
 
     struct Fixed(HostReadings);
     impl HostProbe for Fixed {

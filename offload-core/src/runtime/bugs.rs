@@ -126,11 +126,21 @@ pub enum PlantedBug {
     /// so the page-locked peak exceeds the host budget the plan was made
     /// within.
     PlannedPinsStagedBlocks,
+    /// INV-7 (layerwise and planned, CONTRACT §7c): the masters keep every
+    /// pin the device granted where it refused others, so the staging ring
+    /// the refused blocks need (which a plan that pinned every streamed
+    /// block did not hold) takes the page-locked peak over the host budget.
+    KeepPinsBesideRefused,
+    /// INV-7 (planned, CONTRACT §7c): the units outside every component
+    /// upload through a pinned copy of their own while the kept sets'
+    /// upload buffer is alive: two upload buffers where the plan counts
+    /// the larger.
+    OutsideUploadBesideBuffer,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 38] = [
+    pub const ALL: [PlantedBug; 40] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -169,6 +179,8 @@ impl PlantedBug {
         PlantedBug::ShardWindowWrongOffset,
         PlantedBug::HostPlanCodedUnderAuto,
         PlantedBug::PlannedPinsStagedBlocks,
+        PlantedBug::KeepPinsBesideRefused,
+        PlantedBug::OutsideUploadBesideBuffer,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -944,6 +944,68 @@ fn host_staging_of<A: Api>(
     }))
 }
 
+/// Stages further pinned raw blocks of `rings` until the page-locked peak
+/// (every master these handles hold, the staging ring of the largest
+/// staged block, the `transient` upload buffer) fits `budget`
+/// ([`crate::budget::host::restage_within`]); a typed error where no choice
+/// fits. No engine holds the masters yet.
+fn restage_rings<A: Api>(
+    h: &Handles<A>,
+    rings: &mut [Ring<A>],
+    budget: u64,
+    transient: u64,
+    tally: &mut StagedTally,
+) -> Result<(), OffloadError> {
+    use crate::budget::host::{BuiltBlock, restage_within};
+    let blocks: Vec<BuiltBlock> = rings
+        .iter()
+        .flat_map(|r| &r.blocks)
+        .map(|m| {
+            let staged = match &*m.host {
+                HostMaster::Staged(s) => Some(s.bytes),
+                _ => None,
+            };
+            BuiltBlock {
+                pinned: m.host.len_bytes(),
+                staged: staged.unwrap_or(m.unit.bytes),
+                is_staged: staged.is_some(),
+                may_stage: staged.is_none() && m.coded.is_none() && m.shard.is_none(),
+            }
+        })
+        .collect();
+    let in_rings: u64 = blocks.iter().map(|b| b.pinned).sum();
+    let all = h.host_masters();
+    let others = all
+        .copied_bytes
+        .saturating_add(all.in_place_bytes)
+        .saturating_sub(in_rings);
+    let more = restage_within(budget, others.saturating_add(transient), &blocks).map_err(|e| {
+        OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
+            key: "host_budget".to_owned(),
+            value: format!("{}", crate::bytes::ByteSize::new(budget)),
+            allowed: format!("room for what the device allowed ({e})"),
+        }))
+    })?;
+    for (k, m) in rings.iter_mut().flat_map(|r| &mut r.blocks).enumerate() {
+        if more.contains(&k) {
+            let staged = staged_master(h, &m.unit, crate::budget::StageReason::Budget, tally);
+            let old = std::mem::replace(&mut m.host, Arc::new(staged));
+            match Arc::try_unwrap(old) {
+                // SAFETY: no engine is built yet: no copy reads the master.
+                Ok(old) => unsafe { h.free_master(old) }?,
+                Err(old) => {
+                    tracing::error!(
+                        "host master of `{}` is still shared; leaking it",
+                        m.unit.name
+                    );
+                    std::mem::forget(old);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A ring of `buffers` pinned host staging buffers of `bytes` (see
 /// `LayerwiseBackend::staging_ring`).
 pub(crate) fn staging_ring<A: Api>(
@@ -1877,6 +1939,16 @@ impl<A: Api> LayerwiseBackend<A> {
                         .push(h.counted(HostMaster::Pinned(h.fill_pinned(&block.unit, &skip)?)));
                 }
             }
+        }
+        // Pins the device refused may need a staging ring the host plan did
+        // not hold: further pinned blocks stage until the page-locked peak
+        // fits the budget again (CONTRACT §7c).
+        if let Some(budget) = host_plan.budget
+            && staged_log.may_stage
+            && staged_log.refused > 0
+            && !engine.bug(PlantedBug::KeepPinsBesideRefused)
+        {
+            restage_rings(h, &mut st.rings, budget, transient, &mut staged_log)?;
         }
         staged_log.log(&host_plan);
         if layout.gathers() {

@@ -286,7 +286,88 @@ impl<A: Api> PlannedBackend<A> {
             let master = self.make_master(unit, staged.contains(&unit.name), streams)?;
             self.store.insert(unit.name.clone(), Arc::new(master));
         }
+        self.fit_store(layout, choices)?;
         self.log_staged();
+        Ok(())
+    }
+
+    /// Keeps the store within the host budget where the device refused
+    /// pins the plan counted on (CONTRACT §7c): a refused block stages and
+    /// may need a staging ring the plan did not hold (a plan that pinned
+    /// every streamed block has none), so further pinned streamed blocks
+    /// stage until the page-locked peak (masters, the ring, the upload
+    /// buffer) fits again ([`budget::host::restage_within`]); where none
+    /// can, a typed error. Both engines are released (or not yet built).
+    fn fit_store(
+        &mut self,
+        layout: &Layout,
+        choices: &[ComponentChoice],
+    ) -> Result<(), OffloadError> {
+        let (Some(limits), Some(side)) = (&self.host_limits, &self.host_side) else {
+            return Ok(());
+        };
+        if self.bugs.has(PlantedBug::KeepPinsBesideRefused) {
+            return Ok(());
+        }
+        let (budget, transient) = (limits.budget, side.transient_bytes);
+        let held = held_modules(layout, choices);
+        let streamed: Vec<&Unit> = layout
+            .partition
+            .blocks
+            .values()
+            .filter(|u| !held.contains(&u.module) && self.store.contains_key(&u.name))
+            .collect();
+        let blocks: Vec<budget::host::BuiltBlock> = streamed
+            .iter()
+            .map(|u| {
+                let m = &self.store[&u.name];
+                budget::host::BuiltBlock {
+                    pinned: m.len_bytes(),
+                    staged: u.bytes,
+                    is_staged: matches!(**m, HostMaster::Staged(_)),
+                    may_stage: true,
+                }
+            })
+            .collect();
+        let others: u64 = self
+            .store
+            .iter()
+            .filter(|(name, _)| !streamed.iter().any(|u| &&u.name == name))
+            .map(|(_, m)| m.len_bytes())
+            .sum();
+        let more = budget::host::restage_within(budget, others.saturating_add(transient), &blocks)
+            .map_err(|e| {
+                OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
+                    key: "host_budget".to_owned(),
+                    value: format!("{}", crate::bytes::ByteSize::new(budget)),
+                    allowed: format!("room for what the device allowed ({e})"),
+                }))
+            })?;
+        let units: Vec<Unit> = more.iter().map(|&i| streamed[i].clone()).collect();
+        for unit in &units {
+            let old = self
+                .store
+                .remove(&unit.name)
+                .expect("a streamed block of the store");
+            match Arc::try_unwrap(old) {
+                // SAFETY: no engine holds the store's masters here (none
+                // built yet, or both released and drained): no copy reads it.
+                Ok(m) => unsafe { self.phases.handles.free_master(m) }?,
+                Err(m) => {
+                    tracing::error!("host master of `{}` is still shared; leaking it", unit.name);
+                    std::mem::forget(m);
+                }
+            }
+            tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` streams staged (beyond the host budget: the staging ring a refused pin needs takes its room)", unit.name);
+            let staged =
+                self.phases
+                    .handles
+                    .counted(HostMaster::Staged(crate::runtime::shared::Staged {
+                        bytes: unit.bytes,
+                        coded: None,
+                    }));
+            self.store.insert(unit.name.clone(), Arc::new(staged));
+        }
         Ok(())
     }
 
@@ -400,6 +481,7 @@ impl<A: Api> PlannedBackend<A> {
                 self.store.insert(unit.name.clone(), Arc::new(master));
             }
         }
+        self.fit_store(layout, choices)?;
         if changed {
             self.log_staged();
         }
@@ -529,7 +611,12 @@ impl<A: Api> PlannedBackend<A> {
         // Every upload of this apply goes through it where it exists (the
         // units outside every component too): one pinned upload buffer at a
         // time, as the planner counts.
+        let outside_pinned = self.bugs.has(PlantedBug::OutsideUploadBesideBuffer);
+        let store = &self.store;
         let upload = |unit: &Unit| {
+            if outside_pinned && !store.contains_key(&unit.name) {
+                return None;
+            }
             upload_ring
                 .as_ref()
                 .map(|ring| crate::runtime::layerwise::upload_staged(h, unit, ring))
