@@ -36,6 +36,15 @@ pub struct PlannerInputs {
     /// warm-up's copies.
     #[serde(default)]
     pub copy_interference: f64,
+    /// The host's rate filling pinned staging buffers from pageable
+    /// masters (CONTRACT §7c), bytes per second: under a host budget a
+    /// staged block's fill runs at it beside the copies (the recurrence's
+    /// host stage), so the planner prefers plans that stage less where it
+    /// is slower than the link. `None` (unmeasured): a staged block is
+    /// priced as a pinned one, at the link. The warm-up measures it where
+    /// its footprint stages blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_fill_bytes_per_s: Option<f64>,
     /// The deepest prefetch the planner may choose (1 to 64).
     #[serde(default = "depth")]
     pub max_depth: usize,
@@ -140,6 +149,7 @@ impl PlannerInputs {
             link_bytes_per_s,
             copy_latency_s: latency(),
             copy_interference: 0.0,
+            host_fill_bytes_per_s: None,
             max_depth: depth(),
             steps,
             allocation_granule_bytes: granule(),

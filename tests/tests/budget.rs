@@ -1312,3 +1312,106 @@ fn a_host_budget_leaves_room_for_the_block_a_phase_must_hold() {
         "{planned}"
     );
 }
+
+/// Under a host budget the planner prices a staged block's fill at the
+/// host's fill rate where its inputs carry one (CONTRACT §7c): the
+/// recurrence's host stage, two staging buffers, one fill at a time beside
+/// the copies. Its prediction is its own evaluator's under the host
+/// budget; the plan it picks at each rate is no slower, priced at that
+/// rate, than the plan it picks with the fills unpriced; a host that fills
+/// at a quarter of the link costs the request time; without the rate (or
+/// without a host budget) nothing changes. Red with the search pricing
+/// every block at the link (the slow host costs nothing).
+#[test]
+fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
+    use offload_core::budget::{HostLimits, plan_within};
+    // A transfer-bound DiT (a double block, 14 h² = 1.26 MB, copies in
+    // 1.26 ms at 1 GB/s and computes in 0.2 ms), an encoder and a VAE.
+    let p = pipeline((10, 300, 10, 200, 4096), (4, 150), 300_000, 0);
+    let link = 1e9;
+    let base = inputs(&p, link, 4, &[2e-4, 1e-4], &[50_000]);
+    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
+    let device = total / 2;
+    let config = |host: u64| OffloadConfig {
+        host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
+        ..budget_config(device)
+    };
+    let limits = |host: u64| HostLimits {
+        budget: host,
+        source: format!("{host} B"),
+        readings: None,
+    };
+    // A host budget that stages about half of what streams.
+    let unbound = plan_within(
+        &p,
+        &config(u64::MAX / 8),
+        &base,
+        big(),
+        Some(limits(u64::MAX / 8)),
+    )
+    .unwrap();
+    let streamed: u64 = unbound
+        .host
+        .as_ref()
+        .map(|h| h.pinned_streamed_bytes + h.staged_bytes)
+        .unwrap();
+    assert!(streamed > 0, "{unbound}");
+    let host = unbound.host.as_ref().unwrap().peak_bytes - streamed / 2;
+    let plan_at = |rate: Option<f64>| {
+        let inp = PlannerInputs {
+            host_fill_bytes_per_s: rate,
+            ..base.clone()
+        };
+        let plan = plan_within(&p, &config(host), &inp, big(), Some(limits(host)))
+            .unwrap_or_else(|e| panic!("rate {rate:?}: {e}"));
+        (inp, plan)
+    };
+    let priced = |inp: &PlannerInputs, plan: &RequestPlan| {
+        Evaluator::new(&p, &config(host), inp)
+            .unwrap()
+            .with_host(limits(host))
+            .evaluate(&plan.choices())
+            .unwrap()
+            .request_s
+    };
+    let (_, unpriced) = plan_at(None);
+    let side = unpriced.host.as_ref().unwrap();
+    assert!(
+        !side.staged_blocks.is_empty(),
+        "the host budget stages: {side}"
+    );
+    let mut times = Vec::new();
+    for rate in [4.0 * link, link, link / 4.0] {
+        let (inp, plan) = plan_at(Some(rate));
+        let own = priced(&inp, &plan);
+        assert!(
+            (own - plan.predicted_request_s).abs() <= 1e-9 * own,
+            "rate {rate}: predicted {} against its evaluator's {own}",
+            plan.predicted_request_s
+        );
+        let other = priced(&inp, &unpriced);
+        assert!(
+            plan.predicted_request_s <= other * (1.0 + 1e-9),
+            "rate {rate}: the plan chosen ({}) is slower than the unpriced plan priced alike ({other})",
+            plan.predicted_request_s
+        );
+        times.push(plan.predicted_request_s);
+    }
+    assert!(
+        times[2] > unpriced.predicted_request_s * 1.05,
+        "a host filling at a quarter of the link costs time: {} against {}",
+        times[2],
+        unpriced.predicted_request_s
+    );
+    eprintln!(
+        "unpriced {} staged {:?}; priced {times:?}",
+        unpriced.predicted_request_s,
+        side.staged_blocks.len()
+    );
+    assert!(times[0] <= times[1] && times[1] <= times[2], "{times:?}");
+    // Without a host budget the rate changes nothing.
+    let (inp, _) = plan_at(Some(link / 4.0));
+    let a = plan(&p, &budget_config(device), &base, big()).unwrap();
+    let b = plan(&p, &budget_config(device), &inp, big()).unwrap();
+    assert_eq!(a.predicted_request_s, b.predicted_request_s);
+}

@@ -2096,13 +2096,15 @@ fn planned_host_budget_stages_within_it_on_the_gpu() {
                 run.plan
             );
             rows.push(format!(
-                "device {device} B, host {host} B{}: page-locked peak {held} B (plan {} B: swapped held {} B pinned, kept {} B staged, {} streamed blocks staged, ring {} B)",
+                "device {device} B, host {host} B{}: page-locked peak {held} B (plan {} B: swapped held {} B pinned, kept {} B staged, {} streamed blocks staged, ring {} B; fills priced at {})",
                 if warm { " (warm-up)" } else { "" },
                 side.peak_bytes,
                 side.held_bytes,
                 side.kept_staged_bytes,
                 side.staged_blocks.len(),
-                side.staging_bytes
+                side.staging_bytes,
+                side.fill_bytes_per_s
+                    .map_or("the link (unmeasured)".to_owned(), |r| format!("{:.1} GB/s", r / 1e9))
             ));
         }
     }

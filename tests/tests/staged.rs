@@ -242,7 +242,7 @@ fn refuse_each_pin(
         bugs,
         ..given.clone()
     };
-    let (mut within, mut typed, mut over) = (0, 0, 0);
+    let (mut within, mut typed, mut over, mut restaged) = (0, 0, 0, 0);
     for k in 0..faults.len() {
         let (o, log) = capture_logs(|| run(w, config, &refusing(k, Vec::new())));
         match o {
@@ -262,13 +262,19 @@ fn refuse_each_pin(
                     assert!(log.contains("was refused"), "{log}");
                     within += 1;
                 }
+                if log.contains("streams staged (beyond the host budget") {
+                    restaged += 1;
+                }
             }
             Err(f) => {
                 let e = f.error.to_string();
+                // The refusal itself (a held set's pin), or no choice of
+                // staged blocks fitting what the device allowed.
                 assert!(
-                    matches!(f.error, offload_core::OffloadError::DeviceOp { .. })
-                        && e.contains("pin request"),
-                    "fault plan {k} refused: not the refusal's typed error: {e}"
+                    (matches!(f.error, offload_core::OffloadError::DeviceOp { .. })
+                        && e.contains("pin request"))
+                        || e.contains("room for what the device allowed"),
+                    "fault plan {k} refused: not a typed error of the refusal: {e}"
                 );
                 typed += 1;
             }
@@ -290,8 +296,12 @@ fn refuse_each_pin(
         }
     }
     eprintln!(
-        "{requests} pin requests, {} fault plans: {within} refused and staged within the budget, {typed} typed errors, planted: {over} over the budget",
+        "{requests} pin requests, {} fault plans: {within} refused and staged within the budget ({restaged} staging more to make room), {typed} typed errors, planted: {over} over the budget",
         faults.len()
+    );
+    assert!(
+        restaged >= 1,
+        "some refusal made the store stage more blocks"
     );
     (within, typed, over)
 }
@@ -1070,7 +1080,7 @@ fn refused_pins_planned(
 ) -> (usize, usize, Vec<(u64, u64)>) {
     let least_device = least_device(&w, &inputs);
     let total = w.preset.weight_bytes();
-    let (mut within, mut over, mut kept) = (0, 0, Vec::new());
+    let (mut within, mut typed, mut over, mut kept) = (0, 0, 0, Vec::new());
     for k in 1..=3u64 {
         let device = least_device + (total - least_device) * k / 4;
         // A host budget with room for every weight pinned twice over.
@@ -1100,9 +1110,11 @@ fn refused_pins_planned(
         if !clean_side.kept_staged.is_empty() {
             kept.push((device, host));
         }
-        let (w_, _, o_) = refuse_each_pin(&w, &config, &given, &want, host);
+        let (w_, t_, o_) = refuse_each_pin(&w, &config, &given, &want, host);
         within += w_;
+        typed += t_;
         over += o_;
     }
+    assert!(typed >= 1, "a swapped held set's refused pin fails typed");
     (within, over, kept)
 }

@@ -521,14 +521,16 @@ pub fn restage_within(
         if peak > budget {
             continue;
         }
-        // The fewest of them: one of the ring's own size first where the
-        // ring grows (some block must make it), then the largest.
-        within.sort_by_key(|&i| {
-            (
-                !(r > ring && blocks[i].staged == r),
-                std::cmp::Reverse(blocks[i].pinned),
-            )
-        });
+        // The fewest of them: the largest first, and where the ring grows
+        // the largest of its own size before every other (some block must
+        // make the ring; each other lowers the peak by its pinned bytes).
+        within.sort_by_key(|&i| std::cmp::Reverse(blocks[i].pinned));
+        if r > ring
+            && let Some(k) = within.iter().position(|&i| blocks[i].staged == r)
+        {
+            let first = within.remove(k);
+            within.insert(0, first);
+        }
         let mut out = Vec::new();
         for i in within {
             out.push(i);
@@ -585,6 +587,17 @@ mod tests {
         let more = restage_within(110, 10, &mixed).unwrap();
         assert_eq!(more.len(), 2, "{more:?}");
         assert!(more.iter().all(|&i| i < 6));
+        // Coded-like blocks (pinned bytes unlike their staged bytes): the
+        // fewest at the least ring, two here (the review's case).
+        let coded: Vec<BuiltBlock> = [(9, 3), (10, 2), (0, 0), (1, 7), (5, 5), (3, 3)]
+            .map(|(pinned, staged)| BuiltBlock {
+                pinned,
+                staged,
+                is_staged: false,
+                may_stage: true,
+            })
+            .to_vec();
+        assert_eq!(restage_within(16, 0, &coded), Ok(vec![0, 1]));
         // A block that may not stage is never chosen.
         mixed.iter_mut().take(6).for_each(|b| b.may_stage = false);
         assert_eq!(

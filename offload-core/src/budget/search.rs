@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
-use super::ring::{MAX_DEPTH, TIE, forward_ends, forwards_s};
+use super::ring::{HostStage, MAX_DEPTH, TIE, forward_ends, forwards_s, hosted_ends};
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
     DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
@@ -210,6 +210,14 @@ impl PComp {
     /// The phase's time per request: its bring-in (unless kept), then its
     /// forwards, each stack's from the ring recurrence.
     fn time(&self, l: &Local, kept: bool, inp: &PlannerInputs) -> f64 {
+        self.time_hosted(l, kept, inp, &[])
+    }
+
+    /// [`Self::time`] with the blocks of `staged` (paths) streaming staged:
+    /// where the inputs carry the host's fill rate, each stack with a
+    /// staged block runs the recurrence's host stage (two staging buffers,
+    /// one fill at a time, [`super::ring::HostStage`]).
+    fn time_hosted(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
         let link = inp.link_bytes_per_s;
         let held = self.held_copy(l);
         let bring = if kept || held == 0 {
@@ -239,8 +247,33 @@ impl PComp {
                         .map(|b| b.bytes as f64 / link + inp.copy_latency_s)
                         .collect();
                     let other = if i == 0 { self.own_s } else { 0.0 };
-                    let ends =
-                        forward_ends(&compute, &copy, r, l.depth, other, inp.copy_interference);
+                    let mask: Vec<bool> = s
+                        .iter()
+                        .zip(r)
+                        .map(|(b, res)| !res && staged.contains(&b.path))
+                        .collect();
+                    let ends = match inp.host_fill_bytes_per_s {
+                        Some(rate) if mask.iter().any(|m| *m) => {
+                            let fill: Vec<f64> = s.iter().map(|b| b.bytes as f64 / rate).collect();
+                            let host = HostStage {
+                                staged: &mask,
+                                fill_s: &fill,
+                                buffers: HOST_STAGING_BUFFERS as usize,
+                            };
+                            hosted_ends(
+                                &compute,
+                                &copy,
+                                (None, Some(host)),
+                                r,
+                                l.depth,
+                                other,
+                                inp.copy_interference,
+                            )
+                        }
+                        _ => {
+                            forward_ends(&compute, &copy, r, l.depth, other, inp.copy_interference)
+                        }
+                    };
                     forwards_s(&ends, self.forwards)
                 })
                 .sum::<f64>()
@@ -734,17 +767,10 @@ impl<'a> Request<'a> {
             .filter(|(c, (l, k))| *k && c.held_copy(l) > 0)
             .map(|(c, _)| c.path.clone())
             .collect();
-        let streamed: Vec<&PBlock> = self
-            .comps
-            .iter()
-            .zip(phases)
-            .flat_map(|(c, (l, _))| c.blocks_where(l, false))
-            .collect();
-        let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
+        let (streamed, plan) = self.host_plan(phases, held)?;
         let transient = self.transient();
-        let fixed = held.saturating_add(transient);
         let least = self.least_host_cached().0;
-        Some(match plan_host(&blocks, fixed, Some(limits.budget), true) {
+        Some(match plan {
             Ok(p) => {
                 let release_after_read = p.release_after_read();
                 Ok(HostSide {
@@ -766,10 +792,60 @@ impl<'a> Request<'a> {
                         .map(|(b, _)| b.path.clone())
                         .collect(),
                     release_after_read,
+                    fill_bytes_per_s: self.inputs.host_fill_bytes_per_s,
                 })
             }
             Err(e) => Err(e.least.bytes()),
         })
+    }
+
+    /// The streamed blocks of `phases` and which of them the host budget
+    /// pins beside `held` (the swapped held sets' pinned bytes) and the
+    /// upload buffer (`None` without a host budget).
+    fn host_plan<'s>(
+        &'s self,
+        phases: &'s [(Local, bool)],
+        held: u64,
+    ) -> Option<(
+        Vec<&'s PBlock>,
+        Result<super::host::HostPlan, super::host::HostBudgetTooSmall>,
+    )> {
+        let limits = self.host.as_ref()?;
+        let streamed: Vec<&PBlock> = self
+            .comps
+            .iter()
+            .zip(phases)
+            .flat_map(|(c, (l, _))| c.blocks_where(l, false))
+            .collect();
+        let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
+        let fixed = held.saturating_add(self.transient());
+        let plan = plan_host(&blocks, fixed, Some(limits.budget), true);
+        Some((streamed, plan))
+    }
+
+    /// The streamed blocks of `phases` the host budget stages (by path):
+    /// empty without a host budget, without the host's fill rate among
+    /// the inputs (they are then priced at the link), or where the phases
+    /// do not fit it.
+    fn staged_paths(&self, phases: &[(Local, bool)]) -> Vec<String> {
+        if self.inputs.host_fill_bytes_per_s.is_none() {
+            return Vec::new();
+        }
+        let held: u64 = self
+            .comps
+            .iter()
+            .zip(phases)
+            .map(|(c, (l, k))| c.pinned_held(l, *k))
+            .sum();
+        match self.host_plan(phases, held) {
+            Some((streamed, Ok(p))) => streamed
+                .iter()
+                .zip(&p.staged)
+                .filter(|(_, s)| s.is_some())
+                .map(|(b, _)| b.path.clone())
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 
     /// The pinned buffer uploads at enable go through: the largest unit
@@ -1391,6 +1467,7 @@ impl<'a> Request<'a> {
             .map(|(c, (l, _))| c.held(l))
             .sum();
         let mut out = Vec::new();
+        let staged = self.staged_paths(phases);
         for (c, (l, kept)) in self.comps.iter().zip(phases) {
             let held = c.held(l);
             let peak = PeakParts {
@@ -1405,7 +1482,7 @@ impl<'a> Request<'a> {
             out.push(PhaseEvaluation {
                 path: c.path.clone(),
                 peak,
-                time_s: c.time(l, *kept, self.inputs),
+                time_s: c.time_hosted(l, *kept, self.inputs, &staged),
             });
         }
         Evaluation {
@@ -1523,6 +1600,15 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             "a finite number > 0",
         );
     }
+    if let Some(rate) = inputs.host_fill_bytes_per_s
+        && !positive(rate)
+    {
+        return bad(
+            "host_fill_bytes_per_s",
+            rate.to_string(),
+            "a finite number > 0, or absent (staged blocks priced at the link)",
+        );
+    }
     for (input, v) in [
         ("copy_latency_s", inputs.copy_latency_s),
         ("copy_interference", inputs.copy_interference),
@@ -1628,6 +1714,14 @@ impl<'a> Evaluator<'a> {
         Ok(Self {
             request: Request::new(pipeline, config, inputs)?,
         })
+    }
+
+    /// Evaluates under `limits` (a host budget) too: the blocks its host
+    /// side would stage are priced at the inputs' host fill rate, as the
+    /// planner prices them ([`PlannerInputs::host_fill_bytes_per_s`]).
+    pub fn with_host(mut self, limits: HostLimits) -> Self {
+        self.request.host = Some(limits);
+        self
     }
 
     /// What `choices` cost.

@@ -236,7 +236,7 @@ pub struct Alternative {
 /// rings), the rest stay in pageable memory and stream through two pinned
 /// staging buffers of the largest staged block. The largest unit outside
 /// every component is uploaded once through a pinned buffer of its size.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HostSide {
     /// The host budget planned for.
     pub budget_bytes: u64,
@@ -266,6 +266,9 @@ pub struct HostSide {
     pub least_bytes: u64,
     /// The staged blocks, by path (in ring order).
     pub staged_blocks: Vec<String>,
+    /// The host's fill rate staged blocks were priced at (bytes per
+    /// second), or `None`: priced at the link, the rate unmeasured.
+    pub fill_bytes_per_s: Option<f64>,
     /// Whether staged blocks' pages are released after each read (the
     /// staged bytes exceed what the budget leaves: a checkpoint larger than
     /// the budget must not stay resident).
@@ -276,7 +279,7 @@ impl fmt::Display for HostSide {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "host budget {:.2} GB ({}): peak {:.2} GB page-locked = {:.2} GB swapped held sets pinned + {:.2} GB streamed blocks pinned + {:.2} GB staging ring + {:.2} GB upload buffer; kept held sets ({:.2} GB) uploaded once from pageable memory; {} streamed blocks ({:.2} GB) staged{}; least host budget {:.2} GB",
+            "host budget {:.2} GB ({}): peak {:.2} GB page-locked = {:.2} GB swapped held sets pinned + {:.2} GB streamed blocks pinned + {:.2} GB staging ring + {:.2} GB upload buffer; kept held sets ({:.2} GB) uploaded once from pageable memory; {} streamed blocks ({:.2} GB) staged{}{}; least host budget {:.2} GB",
             gb(self.budget_bytes),
             self.source,
             gb(self.peak_bytes),
@@ -291,6 +294,13 @@ impl fmt::Display for HostSide {
                 ", their pages released after each read"
             } else {
                 ""
+            },
+            match (self.staged_blocks.is_empty(), self.fill_bytes_per_s) {
+                (true, _) => String::new(),
+                (false, Some(rate)) => format!(", filled at {:.1} GB/s (priced so)", rate / 1e9),
+                (false, None) => {
+                    ", priced at the link (the host's fill rate unmeasured)".to_owned()
+                }
             },
             gb(self.least_bytes)
         )

@@ -952,8 +952,8 @@ fn host_staging_of<A: Api>(
 fn restage_rings<A: Api>(
     h: &Handles<A>,
     rings: &mut [Ring<A>],
-    budget: u64,
-    transient: u64,
+    (budget, transient): (u64, u64),
+    auto: bool,
     tally: &mut StagedTally,
 ) -> Result<(), OffloadError> {
     use crate::budget::host::{BuiltBlock, restage_within};
@@ -965,15 +965,28 @@ fn restage_rings<A: Api>(
                 HostMaster::Staged(s) => Some(s.bytes),
                 _ => None,
             };
+            let len = m.host.len_bytes();
             BuiltBlock {
-                pinned: m.host.len_bytes(),
+                // `"auto"` may turn a coded master raw after this.
+                pinned: if auto && m.coded.is_some() && staged.is_none() {
+                    len.max(m.unit.bytes)
+                } else {
+                    len
+                },
                 staged: staged.unwrap_or(m.unit.bytes),
                 is_staged: staged.is_some(),
-                may_stage: staged.is_none() && m.coded.is_none() && m.shard.is_none(),
+                // Only a pinned copy we made: a registered master is the
+                // loader's memory, which a staged master could not read.
+                may_stage: matches!(&*m.host, HostMaster::Pinned(_))
+                    && m.coded.is_none()
+                    && m.shard.is_none(),
             }
         })
         .collect();
-    let in_rings: u64 = blocks.iter().map(|b| b.pinned).sum();
+    let in_rings = rings
+        .iter()
+        .flat_map(|r| &r.blocks)
+        .fold(0u64, |a, m| a.saturating_add(m.host.len_bytes()));
     let all = h.host_masters();
     let others = all
         .copied_bytes
@@ -987,20 +1000,27 @@ fn restage_rings<A: Api>(
         }))
     })?;
     for (k, m) in rings.iter_mut().flat_map(|r| &mut r.blocks).enumerate() {
-        if more.contains(&k) {
-            let staged = staged_master(h, &m.unit, crate::budget::StageReason::Budget, tally);
-            let old = std::mem::replace(&mut m.host, Arc::new(staged));
-            match Arc::try_unwrap(old) {
-                // SAFETY: no engine is built yet: no copy reads the master.
-                Ok(old) => unsafe { h.free_master(old) }?,
-                Err(old) => {
-                    tracing::error!(
-                        "host master of `{}` is still shared; leaking it",
-                        m.unit.name
-                    );
-                    std::mem::forget(old);
-                }
-            }
+        if !more.contains(&k) {
+            continue;
+        }
+        // Never freed while shared: an error, the master kept.
+        if Arc::strong_count(&m.host) != 1 {
+            return Err(OffloadError::Forward {
+                module: m.unit.name.clone(),
+                reason: "its host master is shared: it cannot stage to keep the host budget"
+                    .to_owned(),
+            });
+        }
+        let staged = Arc::new(staged_master(
+            h,
+            &m.unit,
+            crate::budget::StageReason::Budget,
+            tally,
+        ));
+        if let Ok(old) = Arc::try_unwrap(std::mem::replace(&mut m.host, staged)) {
+            // SAFETY: no engine is built yet (and the master has no other
+            // owner): no copy reads it.
+            unsafe { h.free_master(old) }?;
         }
     }
     Ok(())
@@ -1948,7 +1968,10 @@ impl<A: Api> LayerwiseBackend<A> {
             && staged_log.refused > 0
             && !engine.bug(PlantedBug::KeepPinsBesideRefused)
         {
-            restage_rings(h, &mut st.rings, budget, transient, &mut staged_log)?;
+            // Under `"auto"` a coded master may turn raw after the decode's
+            // measurement (the plan sized it raw): counted at its raw bytes.
+            let auto = config.compression() == crate::config::WeightCompression::Auto;
+            restage_rings(h, &mut st.rings, (budget, transient), auto, &mut staged_log)?;
         }
         staged_log.log(&host_plan);
         if layout.gathers() {
@@ -2339,7 +2362,10 @@ impl<A: Api> LayerwiseBackend<A> {
                             // master (the measurement) was synchronised
                             // before.
                             let freed = unsafe { h.free_master(coded) };
-                            freed.and_then(|()| h.master(&unit, skip))
+                            // Under a host budget never by registering (and
+                            // so locking) a whole mapping (CONTRACT §7c).
+                            let whole = self.config.host_budget.is_none();
+                            freed.and_then(|()| h.master_within(&unit, skip, whole))
                         }
                         Err(_) => Err(OffloadError::Forward {
                             module: unit.name.clone(),
@@ -2913,6 +2939,20 @@ impl<A: Api> RingEngine<A> {
         let result = build();
         *self.engine.lock() = Some(st);
         result.map(|()| hooks)
+    }
+
+    /// The rate this engine's host fills of staged masters ran at so far
+    /// (bytes per second, timed on the host beside the copies and
+    /// compute), where it has filled any.
+    pub(crate) fn host_fill_rate(&self) -> Option<f64> {
+        let guard = self.engine.lock();
+        guard
+            .as_ref()?
+            .host_staging
+            .as_ref()?
+            .ring
+            .tally()
+            .bytes_per_s()
     }
 
     /// Makes the slot pool `slots` slots of `slot_bytes` at prefetch

@@ -306,17 +306,31 @@ impl<A: Api> PlannedBackend<A> {
         let (Some(limits), Some(side)) = (&self.host_limits, &self.host_side) else {
             return Ok(());
         };
-        if self.bugs.has(PlantedBug::KeepPinsBesideRefused) {
+        // Either planted bug leaves the store's pins as they are (the
+        // first pins what the plan stages: its test wants INV-7 to see it).
+        if self.bugs.has(PlantedBug::KeepPinsBesideRefused)
+            || self.bugs.has(PlantedBug::PlannedPinsStagedBlocks)
+        {
             return Ok(());
         }
         let (budget, transient) = (limits.budget, side.transient_bytes);
         let held = held_modules(layout, choices);
+        let planned_staged = self.staged_units(layout, choices);
         let streamed: Vec<&Unit> = layout
             .partition
             .blocks
             .values()
             .filter(|u| !held.contains(&u.module) && self.store.contains_key(&u.name))
             .collect();
+        let staged = |u: &Unit| matches!(*self.store[&u.name], HostMaster::Staged(_));
+        // Only where the device refused a pin: otherwise the store is the
+        // plan's, within the budget by the plan's own count.
+        if !streamed
+            .iter()
+            .any(|u| staged(u) && !planned_staged.contains(&u.name))
+        {
+            return Ok(());
+        }
         let blocks: Vec<budget::host::BuiltBlock> = streamed
             .iter()
             .map(|u| {
@@ -324,8 +338,10 @@ impl<A: Api> PlannedBackend<A> {
                 budget::host::BuiltBlock {
                     pinned: m.len_bytes(),
                     staged: u.bytes,
-                    is_staged: matches!(**m, HostMaster::Staged(_)),
-                    may_stage: true,
+                    is_staged: staged(u),
+                    // Only a pinned copy we made (a registered master is the
+                    // loader's memory) that no engine shares.
+                    may_stage: matches!(**m, HostMaster::Pinned(_)) && Arc::strong_count(m) == 1,
                 }
             })
             .collect();
@@ -333,8 +349,7 @@ impl<A: Api> PlannedBackend<A> {
             .store
             .iter()
             .filter(|(name, _)| !streamed.iter().any(|u| &&u.name == name))
-            .map(|(_, m)| m.len_bytes())
-            .sum();
+            .fold(0u64, |a, (_, m)| a.saturating_add(m.len_bytes()));
         let more = budget::host::restage_within(budget, others.saturating_add(transient), &blocks)
             .map_err(|e| {
                 OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
@@ -345,28 +360,21 @@ impl<A: Api> PlannedBackend<A> {
             })?;
         let units: Vec<Unit> = more.iter().map(|&i| streamed[i].clone()).collect();
         for unit in &units {
-            let old = self
-                .store
-                .remove(&unit.name)
-                .expect("a streamed block of the store");
-            match Arc::try_unwrap(old) {
-                // SAFETY: no engine holds the store's masters here (none
-                // built yet, or both released and drained): no copy reads it.
-                Ok(m) => unsafe { self.phases.handles.free_master(m) }?,
-                Err(m) => {
-                    tracing::error!("host master of `{}` is still shared; leaking it", unit.name);
-                    std::mem::forget(m);
-                }
-            }
             tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` streams staged (beyond the host budget: the staging ring a refused pin needs takes its room)", unit.name);
-            let staged =
-                self.phases
-                    .handles
-                    .counted(HostMaster::Staged(crate::runtime::shared::Staged {
-                        bytes: unit.bytes,
-                        coded: None,
-                    }));
-            self.store.insert(unit.name.clone(), Arc::new(staged));
+            let staged = Arc::new(self.phases.handles.counted(HostMaster::Staged(
+                crate::runtime::shared::Staged {
+                    bytes: unit.bytes,
+                    coded: None,
+                },
+            )));
+            if let Some(old) = self.store.insert(unit.name.clone(), staged)
+                && let Ok(old) = Arc::try_unwrap(old)
+            {
+                // SAFETY: no engine holds the store's masters here (none
+                // built yet, or both released and drained), and this one
+                // had no other owner: no copy reads it.
+                unsafe { self.phases.handles.free_master(old) }?;
+            }
         }
         Ok(())
     }
@@ -914,6 +922,13 @@ impl<A: Api> PlannedBackend<A> {
             allocation_granule_bytes: self.device.allocation_granule(),
             mapping_bytes: self.mapping_bytes,
             allocator_slack_bytes: slack,
+            // Where the warm-up staged blocks, their fills' rate; only a
+            // host that fills on threads of its own times them as they
+            // run (a simulated host's fills take no simulated time).
+            host_fill_bytes_per_s: self
+                .ring
+                .host_fill_rate()
+                .filter(|_| self.device.host_worker_threads()),
             ..PlannerInputs::new(link, request.steps)
         })
     }
