@@ -442,6 +442,17 @@ pub struct RestageDoesNotFit {
     pub buffers: u64,
 }
 
+/// The bytes of the largest staged block of `blocks` (what each staging
+/// buffer holds), 0 where none is staged.
+fn largest_staged(blocks: &[BuiltBlock]) -> u64 {
+    blocks
+        .iter()
+        .filter(|b| b.is_staged)
+        .map(|b| b.staged)
+        .max()
+        .unwrap_or(0)
+}
+
 /// The page-locked peak of `blocks` beside `fixed` (the masters that are
 /// not streamed blocks, and the upload buffer): their pinned bytes and a
 /// staging ring of the largest staged block.
@@ -450,12 +461,7 @@ pub fn built_peak(fixed: u64, blocks: &[BuiltBlock]) -> u64 {
         .iter()
         .filter(|b| !b.is_staged)
         .fold(0u64, |a, b| a.saturating_add(b.pinned));
-    let ring = blocks
-        .iter()
-        .filter(|b| b.is_staged)
-        .map(|b| b.staged)
-        .max()
-        .unwrap_or(0);
+    let ring = largest_staged(blocks);
     fixed
         .saturating_add(pinned)
         .saturating_add(HOST_STAGING_BUFFERS.saturating_mul(ring))
@@ -482,12 +488,7 @@ pub fn restage_within(
     if built_peak(fixed, blocks) <= budget {
         return Ok(Vec::new());
     }
-    let ring = blocks
-        .iter()
-        .filter(|b| b.is_staged)
-        .map(|b| b.staged)
-        .max()
-        .unwrap_or(0);
+    let ring = largest_staged(blocks);
     let movable: Vec<usize> = (0..blocks.len())
         .filter(|&i| !blocks[i].is_staged && blocks[i].may_stage)
         .collect();

@@ -747,12 +747,6 @@ impl<'a> Request<'a> {
     /// without a host budget).
     fn host_side(&self, phases: &[(Local, bool)]) -> Option<Result<HostSide, u64>> {
         let limits = self.host.as_ref()?;
-        let held: u64 = self
-            .comps
-            .iter()
-            .zip(phases)
-            .map(|(c, (l, k))| c.pinned_held(l, *k))
-            .sum();
         let kept_staged_bytes: u64 = self
             .comps
             .iter()
@@ -767,7 +761,7 @@ impl<'a> Request<'a> {
             .filter(|(c, (l, k))| *k && c.held_copy(l) > 0)
             .map(|(c, _)| c.path.clone())
             .collect();
-        let (streamed, plan) = self.host_plan(phases, held)?;
+        let (held, streamed, plan) = self.host_plan(phases)?;
         let transient = self.transient();
         let least = self.least_host_cached().0;
         Some(match plan {
@@ -799,18 +793,24 @@ impl<'a> Request<'a> {
         })
     }
 
-    /// The streamed blocks of `phases` and which of them the host budget
-    /// pins beside `held` (the swapped held sets' pinned bytes) and the
-    /// upload buffer (`None` without a host budget).
+    /// The swapped held sets' pinned bytes of `phases`, their streamed
+    /// blocks, and which of those the host budget pins beside the held
+    /// sets and the upload buffer (`None` without a host budget).
     fn host_plan<'s>(
         &'s self,
         phases: &'s [(Local, bool)],
-        held: u64,
     ) -> Option<(
+        u64,
         Vec<&'s PBlock>,
         Result<super::host::HostPlan, super::host::HostBudgetTooSmall>,
     )> {
         let limits = self.host.as_ref()?;
+        let held: u64 = self
+            .comps
+            .iter()
+            .zip(phases)
+            .map(|(c, (l, k))| c.pinned_held(l, *k))
+            .sum();
         let streamed: Vec<&PBlock> = self
             .comps
             .iter()
@@ -820,7 +820,7 @@ impl<'a> Request<'a> {
         let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
         let fixed = held.saturating_add(self.transient());
         let plan = plan_host(&blocks, fixed, Some(limits.budget), true);
-        Some((streamed, plan))
+        Some((held, streamed, plan))
     }
 
     /// The streamed blocks of `phases` the host budget stages (by path):
@@ -831,14 +831,8 @@ impl<'a> Request<'a> {
         if self.inputs.host_fill_bytes_per_s.is_none() {
             return Vec::new();
         }
-        let held: u64 = self
-            .comps
-            .iter()
-            .zip(phases)
-            .map(|(c, (l, k))| c.pinned_held(l, *k))
-            .sum();
-        match self.host_plan(phases, held) {
-            Some((streamed, Ok(p))) => streamed
+        match self.host_plan(phases) {
+            Some((_, streamed, Ok(p))) => streamed
                 .iter()
                 .zip(&p.staged)
                 .filter(|(_, s)| s.is_some())
