@@ -419,6 +419,11 @@ pub fn measurements(data: &[u8]) {
         (m.version, m.steps, m.max_depth, m.allocation_granule_bytes)
     );
     assert_eq!(
+        back.host_fill_bytes_per_s.is_some(),
+        m.host_fill_bytes_per_s.is_some(),
+        "the host fill rate survives the saved form: {json}"
+    );
+    assert_eq!(
         back.components.keys().collect::<Vec<_>>(),
         m.components.keys().collect::<Vec<_>>()
     );

@@ -1398,7 +1398,7 @@ fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
         times.push(plan.predicted_request_s);
     }
     assert!(
-        times[2] > unpriced.predicted_request_s * 1.05,
+        times[2] > unpriced.predicted_request_s * 2.0,
         "a host filling at a quarter of the link costs time: {} against {}",
         times[2],
         unpriced.predicted_request_s
@@ -1409,6 +1409,26 @@ fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
         side.staged_blocks.len()
     );
     assert!(times[0] <= times[1] && times[1] <= times[2], "{times:?}");
+    // Only staged blocks are priced: at a host budget that stages nothing,
+    // the slow host changes nothing either.
+    let roomy = unbound.host.as_ref().unwrap().peak_bytes;
+    let at = |rate: Option<f64>| {
+        let inp = PlannerInputs {
+            host_fill_bytes_per_s: rate,
+            ..base.clone()
+        };
+        plan_within(&p, &config(roomy), &inp, big(), Some(limits(roomy))).unwrap()
+    };
+    let (slow, none) = (at(Some(link / 4.0)), at(None));
+    assert!(
+        slow.host.as_ref().unwrap().staged_blocks.is_empty(),
+        "{slow}"
+    );
+    assert_eq!(slow.predicted_request_s, none.predicted_request_s);
+    assert_eq!(
+        slow.host.as_ref().unwrap().fill_bytes_per_s,
+        Some(link / 4.0)
+    );
     // Without a host budget the rate changes nothing.
     let (inp, _) = plan_at(Some(link / 4.0));
     let a = plan(&p, &budget_config(device), &base, big()).unwrap();

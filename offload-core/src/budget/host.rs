@@ -232,6 +232,9 @@ pub enum StageReason {
     Budget,
     /// The device refused to pin or register it (or a planted fault did).
     Refused,
+    /// Pinned as planned, then staged to make room within the host budget
+    /// for the staging ring a refused block needs ([`restage_within`]).
+    Restaged,
 }
 
 impl std::fmt::Display for StageReason {
@@ -240,6 +243,9 @@ impl std::fmt::Display for StageReason {
             StageReason::Unpinned => "pin_cpu_memory = false",
             StageReason::Budget => "beyond the host budget",
             StageReason::Refused => "pinning or registration refused",
+            StageReason::Restaged => {
+                "beyond the host budget: the staging ring a refused pin needs takes its room"
+            }
         })
     }
 }

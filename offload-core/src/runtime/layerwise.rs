@@ -978,6 +978,7 @@ fn restage_rings<A: Api>(
                 // Only a pinned copy we made: a registered master is the
                 // loader's memory, which a staged master could not read.
                 may_stage: matches!(&*m.host, HostMaster::Pinned(_))
+                    && Arc::strong_count(&m.host) == 1
                     && m.coded.is_none()
                     && m.shard.is_none(),
             }
@@ -1014,7 +1015,7 @@ fn restage_rings<A: Api>(
         let staged = Arc::new(staged_master(
             h,
             &m.unit,
-            crate::budget::StageReason::Budget,
+            crate::budget::StageReason::Restaged,
             tally,
         ));
         if let Ok(old) = Arc::try_unwrap(std::mem::replace(&mut m.host, staged)) {

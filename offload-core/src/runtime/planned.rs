@@ -360,7 +360,8 @@ impl<A: Api> PlannedBackend<A> {
             })?;
         let units: Vec<Unit> = more.iter().map(|&i| streamed[i].clone()).collect();
         for unit in &units {
-            tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` streams staged (beyond the host budget: the staging ring a refused pin needs takes its room)", unit.name);
+            let why = budget::StageReason::Restaged;
+            tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
             let staged = Arc::new(self.phases.handles.counted(HostMaster::Staged(
                 crate::runtime::shared::Staged {
                     bytes: unit.bytes,
