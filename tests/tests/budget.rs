@@ -1396,6 +1396,18 @@ fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
             plan.predicted_request_s
         );
         times.push(plan.predicted_request_s);
+        // The DiT's reason names its fills, and at a quarter of the link
+        // says they bind.
+        let dit = plan.component("transformer").unwrap();
+        if !plan.host.as_ref().unwrap().staged_blocks.is_empty() {
+            assert!(dit.reason.contains("the host fills its"), "{}", dit.reason);
+            assert_eq!(
+                dit.reason.contains("the host's fills, not the link, bind"),
+                rate < link,
+                "rate {rate}: {}",
+                dit.reason
+            );
+        }
     }
     assert!(
         times[2] > unpriced.predicted_request_s * 2.0,

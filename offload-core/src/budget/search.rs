@@ -1897,11 +1897,24 @@ fn describe(
     };
     let transfer_s = bring_in_s + c.forwards * streamed as f64 / link;
     let compute_s = c.compute_s();
-    let limit = if streams && transfer_s > compute_s || !streams && bring_in_s > compute_s {
-        Limit::Link
-    } else {
-        Limit::Compute
-    };
+    // The host's fills of its staged blocks, where they are priced: one
+    // fill at a time, so together they bound the phase as the link does.
+    let staged = r.staged_paths(&best.phases);
+    let staged_bytes: u64 = c
+        .blocks_where(l, false)
+        .filter(|b| staged.contains(&b.path))
+        .map(|b| b.bytes)
+        .sum();
+    let fills_s = inp
+        .host_fill_bytes_per_s
+        .map_or(0.0, |rate| c.forwards * staged_bytes as f64 / rate);
+    let host_bound = streams && fills_s > compute_s && fills_s > transfer_s;
+    let limit =
+        if host_bound || streams && transfer_s > compute_s || !streams && bring_in_s > compute_s {
+            Limit::Link
+        } else {
+            Limit::Compute
+        };
     // Would one more resident block (the smallest streamed one, and its
     // ring's last if it would be left alone) fit every phase?
     // (Device memory, host memory.)
@@ -1956,6 +1969,21 @@ fn describe(
             )
         }
     };
+    if let Some(rate) = inp.host_fill_bytes_per_s
+        && staged_bytes > 0
+    {
+        reason.push_str(&format!(
+            "; the host fills its {} staged per forward from pageable memory at {:.1} GB/s, {} in all{}",
+            gb(staged_bytes),
+            rate / 1e9,
+            secs(fills_s),
+            if host_bound {
+                ", longer than its copies and its compute: the host's fills, not the link, bind"
+            } else {
+                ""
+            }
+        ));
+    }
     if memory_binds {
         reason.push_str(&format!(
             "; memory binds: one more resident block ({}) would not fit the budget",
