@@ -459,6 +459,17 @@ fn largest_staged(blocks: &[BuiltBlock]) -> u64 {
         .unwrap_or(0)
 }
 
+impl RestageDoesNotFit {
+    /// As `enable`'s error: a configuration error on `host_budget`.
+    pub fn into_config_error(self) -> crate::config::ConfigError {
+        crate::config::ConfigError::Invalid {
+            key: "host_budget".to_owned(),
+            value: format!("{}", self.budget),
+            allowed: format!("room for what the device allowed ({self})"),
+        }
+    }
+}
+
 /// The page-locked peak of `blocks` beside `fixed` (the masters that are
 /// not streamed blocks, and the upload buffer): their pinned bytes and a
 /// staging ring of the largest staged block.

@@ -993,13 +993,8 @@ fn restage_rings<A: Api>(
         .copied_bytes
         .saturating_add(all.in_place_bytes)
         .saturating_sub(in_rings);
-    let more = restage_within(budget, others.saturating_add(transient), &blocks).map_err(|e| {
-        OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
-            key: "host_budget".to_owned(),
-            value: format!("{}", crate::bytes::ByteSize::new(budget)),
-            allowed: format!("room for what the device allowed ({e})"),
-        }))
-    })?;
+    let more = restage_within(budget, others.saturating_add(transient), &blocks)
+        .map_err(|e| OffloadError::Config(Box::new(e.into_config_error())))?;
     for (k, m) in rings.iter_mut().flat_map(|r| &mut r.blocks).enumerate() {
         if !more.contains(&k) {
             continue;

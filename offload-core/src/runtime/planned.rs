@@ -351,13 +351,7 @@ impl<A: Api> PlannedBackend<A> {
             .filter(|(name, _)| !streamed.iter().any(|u| &&u.name == name))
             .fold(0u64, |a, (_, m)| a.saturating_add(m.len_bytes()));
         let more = budget::host::restage_within(budget, others.saturating_add(transient), &blocks)
-            .map_err(|e| {
-                OffloadError::Config(Box::new(crate::config::ConfigError::Invalid {
-                    key: "host_budget".to_owned(),
-                    value: format!("{}", crate::bytes::ByteSize::new(budget)),
-                    allowed: format!("room for what the device allowed ({e})"),
-                }))
-            })?;
+            .map_err(|e| OffloadError::Config(Box::new(e.into_config_error())))?;
         let units: Vec<Unit> = more.iter().map(|&i| streamed[i].clone()).collect();
         for unit in &units {
             let why = budget::StageReason::Restaged;
