@@ -123,6 +123,19 @@ fn bad(flag: &'static str, value: impl ToString, allowed: impl Into<String>) -> 
     }
 }
 
+/// The inputs `profile` gives any pipeline `p` before its components are
+/// estimated: the link, a copy's latency and interference, the host's fill
+/// rate (staged blocks priced at it).
+fn profile_inputs(p: &Pipeline, profile: &DeviceProfile, steps: u32) -> PlannerInputs {
+    let mut inputs = PlannerInputs::new(profile.h2d_pinned_gbps * 1e9, steps);
+    inputs.pipeline_type = p.type_name().to_owned();
+    inputs.copy_latency_s = profile.copy_latency_us * 1e-6;
+    inputs.copy_interference = profile.copy_interference;
+    inputs.host_fill_bytes_per_s = Some(profile.host_fill_gbps * 1e9);
+    inputs.source = InputSource::Estimated;
+    inputs
+}
+
 /// What the simulator's models charge `preset` for a request of `tokens`
 /// and `steps` on `profile`: each DiT block's and non-block part's
 /// duration on the kernel model, each encoder's linears at the peak rate
@@ -137,11 +150,7 @@ pub fn estimated_inputs(
     steps: u32,
 ) -> PlannerInputs {
     let p = &preset.pipeline;
-    let mut inputs = PlannerInputs::new(profile.h2d_pinned_gbps * 1e9, steps);
-    inputs.pipeline_type = p.type_name().to_owned();
-    inputs.copy_latency_s = profile.copy_latency_us * 1e-6;
-    inputs.copy_interference = profile.copy_interference;
-    inputs.source = InputSource::Estimated;
+    let mut inputs = profile_inputs(p, profile, steps);
     let s = |ns: u64| ns as f64 * 1e-9;
     let charges = dit_charges(preset, p, profile, tokens);
     let experts = preset.dits.len().max(1) as f64;
@@ -573,11 +582,7 @@ impl UserPipeline {
         tokens: u64,
         steps: u32,
     ) -> PlannerInputs {
-        let mut inputs = PlannerInputs::new(profile.h2d_pinned_gbps * 1e9, steps);
-        inputs.pipeline_type = p.type_name().to_owned();
-        inputs.copy_latency_s = profile.copy_latency_us * 1e-6;
-        inputs.copy_interference = profile.copy_interference;
-        inputs.source = InputSource::Estimated;
+        let mut inputs = profile_inputs(p, profile, steps);
         let config = OffloadConfig {
             device_budget: Some(DeviceBudget::Auto),
             ..OffloadConfig::default()
@@ -726,6 +731,49 @@ mod tests {
             panic!("a host budget that is no size was accepted");
         };
         assert!(e.to_string().contains("--host-budget"), "{e}");
+    }
+
+    /// The estimated inputs carry the profile's host fill rate, so a plan
+    /// that stages prices each staged fill at it (slower than at the link,
+    /// and its reason says so); a plan that stages nothing is unchanged,
+    /// and inputs without the rate price staged blocks at the link.
+    #[test]
+    fn staged_fills_are_priced_at_the_profiles_host_rate() {
+        let with = |host: Option<&str>| PlanArgs {
+            budget: Some("16GiB".to_owned()),
+            tokens: Some(4608),
+            host_budget: host.map(str::to_owned),
+            ..args("flux1-dev", "h200")
+        };
+        let profile = DeviceProfile::h200();
+        let c = capacity(&with(Some("8GiB"))).unwrap();
+        assert_eq!(
+            c.inputs.host_fill_bytes_per_s,
+            Some(profile.host_fill_gbps * 1e9)
+        );
+        let priced = c.outcome.as_ref().unwrap();
+        let side = priced.host.as_ref().expect("a host side");
+        assert!(!side.staged_blocks.is_empty(), "{side}");
+        assert!(priced.to_string().contains("at 45.0 GB/s"), "{priced}");
+        let mut at_link = c.inputs.clone();
+        at_link.host_fill_bytes_per_s = None;
+        let linked = capacity_with(&with(Some("8GiB")), at_link).unwrap();
+        let linked = linked.outcome.as_ref().unwrap();
+        assert!(
+            priced.predicted_request_s > linked.predicted_request_s * 1.01,
+            "priced {} s against {} s at the link",
+            priced.predicted_request_s,
+            linked.predicted_request_s
+        );
+        // Nothing staged without a host budget: the rate changes nothing.
+        let free = capacity(&with(None)).unwrap();
+        let mut no_rate = free.inputs.clone();
+        no_rate.host_fill_bytes_per_s = None;
+        let free_linked = capacity_with(&with(None), no_rate).unwrap();
+        assert_eq!(
+            free.outcome.as_ref().unwrap().predicted_request_s,
+            free_linked.outcome.as_ref().unwrap().predicted_request_s
+        );
     }
 
     /// Every component of every preset has estimated inputs, every block a

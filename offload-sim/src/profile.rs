@@ -64,6 +64,14 @@ pub struct DeviceProfile {
     /// How much slower a kernel runs while a host→device copy runs beside
     /// it (0.035: 3.5 %): the copy's traffic competes for device memory.
     pub copy_interference: f64,
+    /// The host's staging fill rate while the link runs, GB/s: pageable →
+    /// pinned by the staging ring's threads, sharing the host's memory
+    /// with the copies (CONTRACT §7c). The request planner prices each
+    /// staged block's fill at it (`PlannerInputs::host_fill_bytes_per_s`,
+    /// set by [`crate::plan::estimated_inputs`]); the simulated device
+    /// itself charges no time for a fill (its host is one deterministic
+    /// clock).
+    pub host_fill_gbps: f64,
     /// The lossless decoder's rate (CONTRACT §7b), GB/s of decoded bytes
     /// written: what a decode on the decode stream takes
     /// ([`Self::decode_ns`]).
@@ -119,6 +127,12 @@ impl DeviceProfile {
     /// is below that measurement's resolution). Each GPU copied from pinned
     /// host memory at 52.3 GB/s while the other copied too (55.2 alone):
     /// measured for two GPUs, assumed for more.
+    ///
+    /// `host_fill_gbps` 45: the lent machine's staged stream (the staging
+    /// fill's host copy and the DMA together, no compute) measured
+    /// 45.08–45.19 GB/s with streaming-store fills (calls S11 and S13 of
+    /// 2026-12-03) and 44.07 in the probe P1 of 2026-12-04; its fill
+    /// alone ran at 56–61 GB/s, its link at 55.
     pub fn h200() -> Self {
         Self {
             name: "h200",
@@ -132,6 +146,7 @@ impl DeviceProfile {
             attention_tflops: 450.0,
             elementwise_gbps: 3900.0,
             copy_interference: 0.033,
+            host_fill_gbps: 45.0,
             decode_gbps: DECODE_SHARE_OF_HBM * 4000.0,
             decode_interference: DECODE_INTERFERENCE,
             kernel_latency_us: 6.0,
@@ -157,6 +172,9 @@ impl DeviceProfile {
     /// Several cards copying at once are assumed to lose what two H200s
     /// lost (52.3 / 55.2 of the single-card rate): each card on its own
     /// x16 link to the CPU, host memory not the limit. Not measured.
+    /// `host_fill_gbps` 20: a desktop's two memory channels carry the
+    /// fill's read and write and the DMA's read (an estimate, not
+    /// measured).
     pub fn rtx4090() -> Self {
         Self {
             name: "rtx4090",
@@ -170,6 +188,7 @@ impl DeviceProfile {
             attention_tflops: 100.0,
             elementwise_gbps: 700.0,
             copy_interference: 0.0,
+            host_fill_gbps: 20.0,
             decode_gbps: DECODE_SHARE_OF_HBM * 1008.0,
             decode_interference: DECODE_INTERFERENCE,
             kernel_latency_us: 4.0,
@@ -189,6 +208,8 @@ impl DeviceProfile {
     /// Kernel model, estimates: `hbm_gbps` 864 is the card's GDDR6
     /// specification; `gemm_half_rows` 256 (an estimate);
     /// `attention_tflops` 70, about 60 % of `compute_tflops`, not measured.
+    /// `host_fill_gbps` 30: a server's host memory beside a 25 GB/s link,
+    /// an estimate.
     pub fn l20() -> Self {
         Self {
             name: "l20",
@@ -202,6 +223,7 @@ impl DeviceProfile {
             attention_tflops: 70.0,
             elementwise_gbps: 600.0,
             copy_interference: 0.0,
+            host_fill_gbps: 30.0,
             decode_gbps: DECODE_SHARE_OF_HBM * 864.0,
             decode_interference: DECODE_INTERFERENCE,
             kernel_latency_us: 4.0,
