@@ -21,6 +21,26 @@ use offload_core::model::{DType, ModuleBuilder, ModuleId, Pipeline, PipelineBuil
 use offload_core::runtime::ForwardCtx;
 use offload_hooks::{BoxError, ModelHook, PreForward};
 
+/// A weight source that counts its `release` calls (a staged block's pages
+/// dropped after its read, CONTRACT §7c) and reads as `inner`.
+pub struct CountsReleases {
+    /// What it reads.
+    pub inner: offload_sim::presets::TrainedWeights,
+    /// `release` calls so far.
+    pub releases: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl offload_core::runtime::WeightSource for CountsReleases {
+    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
+        self.inner.read(storage, position, dst);
+    }
+
+    fn release(&self, _: &offload_core::runtime::Unit) {
+        self.releases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// The `tiny-wide` preset's workload (3 steps, 2 requests): linear weights
 /// large enough for a lossless code to take them (CONTRACT §7b), small
 /// enough for exact payloads.

@@ -504,23 +504,6 @@ fn coded_masters_register_in_place_from_a_coded_block_file() {
     );
 }
 
-/// A weight source that counts `release` calls (and reads as `inner`).
-struct CountsReleases {
-    inner: offload_sim::presets::TrainedWeights,
-    releases: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl offload_core::runtime::WeightSource for CountsReleases {
-    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
-        self.inner.read(storage, position, dst);
-    }
-
-    fn release(&self, _: &offload_core::runtime::Unit) {
-        self.releases
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// A run of `config` under `o` over seed 0's trained weights with the
 /// coded-block file at `path` beside them, counting the staged reads whose
 /// pages are released into `releases` (and the positional reads of the
@@ -537,7 +520,7 @@ fn run_over_coded_file(
     let w = workload();
     let pipeline = w.preset.pipeline.clone();
     let source = Arc::new(WithCodedBlocks {
-        inner: Arc::new(CountsReleases {
+        inner: Arc::new(offload_tests::CountsReleases {
             inner: offload_sim::presets::TrainedWeights::new(0, &pipeline),
             releases: Arc::clone(releases),
         }),

@@ -331,6 +331,110 @@ fn refused_pins_under_a_layerwise_host_budget_stay_within_it() {
     );
 }
 
+/// A run of `config` under `o` over trained weights that count their
+/// `release` calls: the outcome and the count.
+fn run_counting_releases(
+    w: &Workload,
+    config: &StrategyChoice,
+    o: &RunOptions,
+) -> (Result<RunOutcome, offload_sim::harness::RunFailure>, usize) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let releases = Arc::new(AtomicUsize::new(0));
+    let source = Arc::new(offload_tests::CountsReleases {
+        inner: offload_sim::presets::TrainedWeights::new(o.seed, &w.preset.pipeline),
+        releases: Arc::clone(&releases),
+    });
+    let out = offload_sim::harness::Rig::with_weights(w.preset.pipeline.clone(), o, source)
+        .map_err(|error| panic!("rig: {error}"))
+        .and_then(|rig| {
+            offload_sim::harness::drive(
+                rig,
+                config,
+                &config.config(),
+                o,
+                w.requests,
+                |rig| rig.request(w),
+                |_| {},
+            )
+        });
+    (out, releases.load(Ordering::SeqCst))
+}
+
+/// A plan that pins every streamed block releases no page; where the
+/// device refuses pins it counted on, the refused blocks' pages stay
+/// mapped beside the pins that held, more than the budget has room for, so
+/// the engine releases staged pages after each read (CONTRACT §7c), though
+/// the plan did not: every fault plan that stages a block releases, the
+/// run bit-identical to resident within the budget. Without a host budget
+/// nothing is released, refused or not. Seen red (2026-12-04) with the
+/// release taken from the plan alone: no release in any refusing run.
+#[test]
+fn refused_pins_release_staged_pages_when_the_budget_has_no_room_for_them() {
+    let want = resident();
+    let (offloaded, _, transient) = sizes();
+    let host = offloaded + transient;
+    let o = opts(&[], 2, Some(3));
+    let (clean, released) = run_counting_releases(&workload(), &layerwise(None, Some(host)), &o);
+    let clean = clean.unwrap_or_else(|f| panic!("clean: {}", f.error));
+    assert_eq!(outputs(&clean), want);
+    assert_eq!(released, 0, "a plan that pins every block releases nothing");
+    let refusing = refusals_release(
+        &workload(),
+        (&layerwise(None, Some(host)), &layerwise(None, None)),
+        &o,
+        &want,
+        host,
+    );
+    assert!(refusing >= 2, "refusing runs that staged: {refusing}");
+}
+
+/// Every 2nd, 3rd and 5th pin refused under `budgeted` (within `host`) and
+/// `unbudgeted`: each budgeted run that completes with a pin refused is
+/// bit-identical to `want` within the budget and released staged pages;
+/// no unbudgeted run released any. Returns the budgeted runs with a pin
+/// refused.
+fn refusals_release(
+    w: &Workload,
+    (budgeted, unbudgeted): (&StrategyChoice, &StrategyChoice),
+    o: &RunOptions,
+    want: &[u64],
+    host: u64,
+) -> usize {
+    let mut refusing = 0;
+    for every in [2, 3, 5] {
+        let faulty = RunOptions {
+            faults: FaultPlan {
+                refuse_pin_every: Some(every),
+                ..FaultPlan::none()
+            },
+            ..o.clone()
+        };
+        let (out, released) = run_counting_releases(w, budgeted, &faulty);
+        let Ok(out) = out else { continue };
+        assert_eq!(outputs(&out), want, "every {every}");
+        assert!(
+            all_violations(&out).is_empty(),
+            "{:#?}",
+            all_violations(&out)
+        );
+        assert!(host_peak(&out) <= host, "every {every}");
+        if out.at_end.pins_refused > 0 {
+            assert!(
+                released > 0,
+                "every {every}: {} pins refused, blocks staged, no page released",
+                out.at_end.pins_refused
+            );
+            refusing += 1;
+        }
+        let (out, released) = run_counting_releases(w, unbudgeted, &faulty);
+        if out.is_ok() {
+            assert_eq!(released, 0, "every {every}, no host budget");
+        }
+    }
+    refusing
+}
+
 #[test]
 fn planted_staging_reuse_before_copy_is_caught_and_its_control_is_clean() {
     let bug = PlantedBug::HostStagingReuseBeforeCopy;
@@ -1070,6 +1174,27 @@ fn refused_pins_and_outside_units_stay_within_a_planned_host_budget() {
     );
 }
 
+/// The host side of `w`'s plan at `device` under a host budget with room
+/// for every weight pinned twice over: every streamed block pinned,
+/// nothing staged, no page released.
+fn all_pinned(w: &Workload, inputs: &PlannerInputs, device: u64) -> offload_core::budget::HostSide {
+    let total = w.preset.weight_bytes();
+    let plan = plan_within(
+        &w.preset.pipeline,
+        &budgets(device, Some(4 * total)),
+        inputs,
+        DeviceMemory::of(u64::MAX / 4),
+        Some(limits(4 * total)),
+    )
+    .unwrap();
+    let side = plan.host.expect("a host budget is planned");
+    assert!(
+        side.staged_blocks.is_empty() && side.pinned_streamed_bytes > 0 && !side.release_after_read,
+        "device {device}: every streamed block pinned: {side}"
+    );
+    side
+}
+
 /// Every pin refused in turn ([`refuse_each_pin`]) at three device budgets
 /// of `baseline`, each at a host budget of its plan's own peak where the
 /// plan pins every streamed block (so it holds no staging ring). Returns
@@ -1083,20 +1208,7 @@ fn refused_pins_planned(
     let (mut within, mut typed, mut over, mut kept) = (0, 0, 0, Vec::new());
     for k in 1..=3u64 {
         let device = least_device + (total - least_device) * k / 4;
-        // A host budget with room for every weight pinned twice over.
-        let plan = plan_within(
-            &w.preset.pipeline,
-            &budgets(device, Some(4 * total)),
-            &inputs,
-            DeviceMemory::of(u64::MAX / 4),
-            Some(limits(4 * total)),
-        )
-        .unwrap();
-        let side = plan.host.as_ref().expect("a host budget is planned");
-        assert!(
-            side.staged_blocks.is_empty() && side.pinned_streamed_bytes > 0,
-            "device {device}: every streamed block pinned: {side}"
-        );
+        let side = all_pinned(&w, &inputs, device);
         // Its own peak: no room to spare.
         let host = side.peak_bytes;
         let config = StrategyChoice::Config(budgets(device, Some(host)));
@@ -1117,4 +1229,38 @@ fn refused_pins_planned(
     }
     assert!(typed >= 1, "a swapped held set's refused pin fails typed");
     (within, over, kept)
+}
+
+/// As `refused_pins_release_staged_pages_when_the_budget_has_no_room_for_them`,
+/// planned: at a host budget of the plan's own peak with every streamed
+/// block pinned, pins the device refuses leave staged blocks the budget
+/// has no room for beside the pins that held, and the store releases
+/// their pages after each read though its plan did not. Seen red
+/// (2026-12-04) with the release taken from the plan alone.
+#[test]
+fn refused_pins_release_staged_pages_under_a_planned_host_budget() {
+    let (w, opts, _, inputs) = baseline_of(offload_sim::presets::tiny_outside());
+    let opts = RunOptions {
+        trained_weights: true,
+        planner: Some(inputs.clone()),
+        ..opts
+    };
+    let want = outputs(&run(&w, &StrategyChoice::Resident, &opts).unwrap());
+    let least = least_device(&w, &inputs);
+    let device = least + (w.preset.weight_bytes() - least) / 2;
+    let side = all_pinned(&w, &inputs, device);
+    let host = side.peak_bytes;
+    let config = StrategyChoice::Config(budgets(device, Some(host)));
+    let (clean, released) = run_counting_releases(&w, &config, &opts);
+    assert_eq!(
+        outputs(&clean.unwrap_or_else(|f| panic!("clean: {}", f.error))),
+        want
+    );
+    assert_eq!(
+        released, 0,
+        "a plan that pins every streamed block releases nothing"
+    );
+    let unbudgeted = StrategyChoice::Config(budgets(device, None));
+    let refusing = refusals_release(&w, (&config, &unbudgeted), &opts, &want, host);
+    assert!(refusing >= 1, "refusing runs that staged: {refusing}");
 }

@@ -280,8 +280,16 @@ impl HostPlan {
     /// budget), so that the mapped file does not stay resident.
     pub fn release_after_read(&self) -> bool {
         self.budget
-            .is_some_and(|b| self.staged_bytes > b.saturating_sub(self.peak_bytes))
+            .is_some_and(|b| release_after(b, self.staged_bytes, self.peak_bytes))
     }
+}
+
+/// Whether staged blocks' pages are released after each read under
+/// `budget`: their `staged` bytes exceed what the budget leaves beside the
+/// page-locked `peak` (pinned masters, the staging ring, the upload
+/// buffer).
+pub fn release_after(budget: u64, staged: u64, peak: u64) -> bool {
+    staged > budget.saturating_sub(peak)
 }
 
 /// The host budget is below what the least plan needs.
@@ -482,6 +490,26 @@ pub fn built_peak(fixed: u64, blocks: &[BuiltBlock]) -> u64 {
     fixed
         .saturating_add(pinned)
         .saturating_add(HOST_STAGING_BUFFERS.saturating_mul(ring))
+}
+
+/// Whether a store built as `blocks` beside `fixed`, with the blocks of
+/// `more` staged as well, releases its staged pages after each read under
+/// `budget` ([`release_after`] of its staged bytes and its
+/// [`built_peak`]): a plan that released nothing may have to once the
+/// device refused pins it counted on, since every refused block's pages
+/// then stay mapped beside the masters that did pin.
+pub fn built_release(budget: u64, fixed: u64, blocks: &[BuiltBlock], more: &[usize]) -> bool {
+    let mut built = blocks.to_vec();
+    for &i in more {
+        if let Some(b) = built.get_mut(i) {
+            b.is_staged = true;
+        }
+    }
+    let staged = built
+        .iter()
+        .filter(|b| b.is_staged)
+        .fold(0u64, |a, b| a.saturating_add(b.staged));
+    release_after(budget, staged, built_peak(fixed, &built))
 }
 
 /// Which further streamed blocks (indices into `blocks`) a store stages so

@@ -948,15 +948,17 @@ fn host_staging_of<A: Api>(
 /// (every master these handles hold, the staging ring of the largest
 /// staged block, the `transient` upload buffer) fits `budget`
 /// ([`crate::budget::host::restage_within`]); a typed error where no choice
-/// fits. No engine holds the masters yet.
+/// fits. No engine holds the masters yet. Returns whether the store as
+/// built must release its staged pages after each read
+/// ([`crate::budget::host::built_release`]).
 fn restage_rings<A: Api>(
     h: &Handles<A>,
     rings: &mut [Ring<A>],
     (budget, transient): (u64, u64),
     auto: bool,
     tally: &mut StagedTally,
-) -> Result<(), OffloadError> {
-    use crate::budget::host::{BuiltBlock, restage_within};
+) -> Result<bool, OffloadError> {
+    use crate::budget::host::{BuiltBlock, built_release, restage_within};
     let blocks: Vec<BuiltBlock> = rings
         .iter()
         .flat_map(|r| &r.blocks)
@@ -995,6 +997,7 @@ fn restage_rings<A: Api>(
         .saturating_sub(in_rings);
     let more = restage_within(budget, others.saturating_add(transient), &blocks)
         .map_err(|e| OffloadError::Config(Box::new(e.into_config_error())))?;
+    let release = built_release(budget, others.saturating_add(transient), &blocks, &more);
     for (k, m) in rings.iter_mut().flat_map(|r| &mut r.blocks).enumerate() {
         if !more.contains(&k) {
             continue;
@@ -1019,7 +1022,7 @@ fn restage_rings<A: Api>(
             unsafe { h.free_master(old) }?;
         }
     }
-    Ok(())
+    Ok(release)
 }
 
 /// A ring of `buffers` pinned host staging buffers of `bytes` (see
@@ -1853,7 +1856,7 @@ impl<A: Api> LayerwiseBackend<A> {
             })
             .collect();
         let host_plan = host_plan(config, &sized, transient, pin)?;
-        let release = host_plan.release_after_read();
+        let mut release = host_plan.release_after_read();
         let mut staged_at = host_plan.staged.iter().copied();
         let mut staged_log = StagedTally {
             budget_set: config.host_budget.is_some(),
@@ -1967,7 +1970,18 @@ impl<A: Api> LayerwiseBackend<A> {
             // Under `"auto"` a coded master may turn raw after the decode's
             // measurement (the plan sized it raw): counted at its raw bytes.
             let auto = config.compression() == crate::config::WeightCompression::Auto;
-            restage_rings(h, &mut st.rings, (budget, transient), auto, &mut staged_log)?;
+            let more_release =
+                restage_rings(h, &mut st.rings, (budget, transient), auto, &mut staged_log)?;
+            // The refused blocks' pages stay mapped beside the pins that
+            // held: where they exceed the budget's room, they are released
+            // after each read too, though the plan released nothing.
+            if more_release && !release {
+                tracing::info!(
+                    "staged blocks' pages are released after each read: the pins the device refused left more staged than the host budget has room for"
+                );
+                release = true;
+                staged_log.release = true;
+            }
         }
         staged_log.log(&host_plan);
         if layout.gathers() {

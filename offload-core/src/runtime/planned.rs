@@ -113,6 +113,11 @@ pub struct PlannedBackend<A: Api> {
     host_limits: Option<HostLimits>,
     /// The host side in force: which streamed blocks' masters are staged.
     host_side: Option<HostSide>,
+    /// The store as built releases staged pages after each read though
+    /// the host side does not: the device refused pins the plan counted
+    /// on, and what they left staged exceeds the budget's room
+    /// (`fit_store`).
+    release_refused: bool,
 }
 
 impl<A: Api> PlannedBackend<A> {
@@ -197,6 +202,7 @@ impl<A: Api> PlannedBackend<A> {
             hooked: Vec::new(),
             host_limits: None,
             host_side: None,
+            release_refused: false,
         })
     }
 
@@ -303,6 +309,7 @@ impl<A: Api> PlannedBackend<A> {
         layout: &Layout,
         choices: &[ComponentChoice],
     ) -> Result<(), OffloadError> {
+        self.release_refused = false;
         let (Some(limits), Some(side)) = (&self.host_limits, &self.host_side) else {
             return Ok(());
         };
@@ -352,6 +359,21 @@ impl<A: Api> PlannedBackend<A> {
             .fold(0u64, |a, (_, m)| a.saturating_add(m.len_bytes()));
         let more = budget::host::restage_within(budget, others.saturating_add(transient), &blocks)
             .map_err(|e| OffloadError::Config(Box::new(e.into_config_error())))?;
+        // The refused blocks' pages stay mapped beside the pins that held:
+        // where they exceed the budget's room, they are released after
+        // each read though the plan released nothing.
+        self.release_refused = !side.release_after_read
+            && budget::host::built_release(
+                budget,
+                others.saturating_add(transient),
+                &blocks,
+                &more,
+            );
+        if self.release_refused {
+            tracing::info!(
+                "staged blocks' pages are released after each read: the pins the device refused left more staged than the host budget has room for"
+            );
+        }
         let units: Vec<Unit> = more.iter().map(|&i| streamed[i].clone()).collect();
         for unit in &units {
             let why = budget::StageReason::Restaged;
@@ -541,10 +563,11 @@ impl<A: Api> PlannedBackend<A> {
         let rings = RingLayout::new(&resolved, &layout.partition, 1, 0);
         let store = &self.store;
         let master_of = |u: &Unit| store.get(&u.name).cloned();
-        let release = self
-            .host_side
-            .as_ref()
-            .is_some_and(|h| h.release_after_read);
+        let release = self.release_refused
+            || self
+                .host_side
+                .as_ref()
+                .is_some_and(|h| h.release_after_read);
         let block_hooks =
             self.ring
                 .build(&model.pipeline, &rings, &master_of, timer.clone(), release)?;
