@@ -10,3 +10,24 @@ cuda_libs() {
     | grep -v /stubs/ | xargs -r -n1 dirname | sort -u | tr '\n' ':')
   export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:-}"
 }
+
+# The whole GPU suite from a bundle (the `gpu-*` test binary beside this
+# file), as the session calls record it: the machine's name, driver and
+# date in $OUT/machine.txt, the suite's log in $OUT/gpu-suite.log, its
+# exit status and seconds on stdout.
+gpu_suite() {
+  export OUT=${OUT:-/tmp/out}
+  mkdir -p "$OUT"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u +%Y-%m-%dT%H:%M:%SZ; } | tee "$OUT/machine.txt"
+  cuda_libs
+  local gt start
+  gt=$(ls ./gpu-* | head -1)
+  start=$(date +%s)
+  timeout 420 "$gt" --test-threads 1 --nocapture > "$OUT/gpu-suite.log" 2>&1
+  echo "gpu suite rc=$? in $(( $(date +%s) - start )) s"
+}
+
+# The suite log's summary lines.
+gpu_suite_summary() {
+  grep -E "^test |test result|planted .*caught|page-locked peak|panicked" "$OUT/gpu-suite.log" | cut -c1-300 | tail -30
+}

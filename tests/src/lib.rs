@@ -28,6 +28,8 @@ pub struct CountsReleases {
     pub inner: offload_sim::presets::TrainedWeights,
     /// `release` calls so far.
     pub releases: Arc<std::sync::atomic::AtomicUsize>,
+    /// The units released so far.
+    pub released: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl offload_core::runtime::WeightSource for CountsReleases {
@@ -35,9 +37,13 @@ impl offload_core::runtime::WeightSource for CountsReleases {
         self.inner.read(storage, position, dst);
     }
 
-    fn release(&self, _: &offload_core::runtime::Unit) {
+    fn release(&self, unit: &offload_core::runtime::Unit) {
         self.releases
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(unit.name.clone());
     }
 }
 

@@ -523,6 +523,7 @@ fn run_over_coded_file(
         inner: Arc::new(offload_tests::CountsReleases {
             inner: offload_sim::presets::TrainedWeights::new(0, &pipeline),
             releases: Arc::clone(releases),
+            released: Arc::default(),
         }),
         blocks: CodedBlocks::open(path).unwrap(),
     });

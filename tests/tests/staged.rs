@@ -332,18 +332,24 @@ fn refused_pins_under_a_layerwise_host_budget_stay_within_it() {
 }
 
 /// A run of `config` under `o` over trained weights that count their
-/// `release` calls: the outcome and the count.
+/// `release` calls: the outcome, the count and the units released.
 fn run_counting_releases(
     w: &Workload,
     config: &StrategyChoice,
     o: &RunOptions,
-) -> (Result<RunOutcome, offload_sim::harness::RunFailure>, usize) {
+) -> (
+    Result<RunOutcome, offload_sim::harness::RunFailure>,
+    usize,
+    std::collections::BTreeSet<String>,
+) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let releases = Arc::new(AtomicUsize::new(0));
+    let released = Arc::default();
     let source = Arc::new(offload_tests::CountsReleases {
         inner: offload_sim::presets::TrainedWeights::new(o.seed, &w.preset.pipeline),
         releases: Arc::clone(&releases),
+        released: Arc::clone(&released),
     });
     let out = offload_sim::harness::Rig::with_weights(w.preset.pipeline.clone(), o, source)
         .map_err(|error| panic!("rig: {error}"))
@@ -358,48 +364,81 @@ fn run_counting_releases(
                 |_| {},
             )
         });
-    (out, releases.load(Ordering::SeqCst))
+    let names = released.lock().unwrap().clone();
+    (out, releases.load(Ordering::SeqCst), names)
+}
+
+/// The streamed blocks of `config` with every master staged
+/// (`pin_cpu_memory = false`), as its log names them.
+fn streamed_units(
+    w: &Workload,
+    config: OffloadConfig,
+    o: &RunOptions,
+) -> std::collections::BTreeSet<String> {
+    let unpinned = StrategyChoice::Config(OffloadConfig {
+        pin_cpu_memory: Some(false),
+        host_budget: None,
+        ..config
+    });
+    let (out, log) = capture_logs(|| run(w, &unpinned, o));
+    out.unwrap_or_else(|f| panic!("unpinned: {}", f.error));
+    log.lines()
+        .filter(|l| l.contains("streams staged"))
+        .filter_map(|l| l.split('`').nth(1).map(str::to_owned))
+        .collect()
 }
 
 /// A plan that pins every streamed block releases no page; where the
 /// device refuses pins it counted on, the refused blocks' pages stay
 /// mapped beside the pins that held, more than the budget has room for, so
-/// the engine releases staged pages after each read (CONTRACT §7c), though
-/// the plan did not: every fault plan that stages a block releases, the
-/// run bit-identical to resident within the budget. Without a host budget
-/// nothing is released, refused or not. Seen red (2026-12-04) with the
-/// release taken from the plan alone: no release in any refusing run.
+/// the engine releases staged pages after each read (CONTRACT §7c), and
+/// the pinned copies' source pages with them, though the plan did not:
+/// every fault plan that refuses a pin releases every streamed block's
+/// pages, the run bit-identical to resident within the budget. At a budget
+/// with room for the refused blocks' pages nothing is released, refused or
+/// not, nor without a host budget. Seen red (2026-12-04) with the release
+/// taken from the plan alone (no release in any refusing run), and with
+/// the pinned copies' pages kept (their units never released).
 #[test]
 fn refused_pins_release_staged_pages_when_the_budget_has_no_room_for_them() {
     let want = resident();
     let (offloaded, _, transient) = sizes();
     let host = offloaded + transient;
     let o = opts(&[], 2, Some(3));
-    let (clean, released) = run_counting_releases(&workload(), &layerwise(None, Some(host)), &o);
+    let (clean, released, _) = run_counting_releases(&workload(), &layerwise(None, Some(host)), &o);
     let clean = clean.unwrap_or_else(|f| panic!("clean: {}", f.error));
     assert_eq!(outputs(&clean), want);
     assert_eq!(released, 0, "a plan that pins every block releases nothing");
+    let blocks = streamed_units(&workload(), layerwise(None, None).config(), &o);
+    assert!(blocks.len() >= 4, "{blocks:?}");
     let refusing = refusals_release(
         &workload(),
-        (&layerwise(None, Some(host)), &layerwise(None, None)),
+        [
+            (&layerwise(None, Some(host)), host, Some(&blocks)),
+            (&layerwise(None, Some(2 * host)), 2 * host, None),
+            (&layerwise(None, None), u64::MAX, None),
+        ],
         &o,
         &want,
-        host,
     );
-    assert!(refusing >= 2, "refusing runs that staged: {refusing}");
+    assert!(refusing >= 3, "refusing runs that staged: {refusing}");
 }
 
-/// Every 2nd, 3rd and 5th pin refused under `budgeted` (within `host`) and
-/// `unbudgeted`: each budgeted run that completes with a pin refused is
-/// bit-identical to `want` within the budget and released staged pages;
-/// no unbudgeted run released any. Returns the budgeted runs with a pin
-/// refused.
+/// Every 2nd, 3rd and 5th pin refused under each of `configs` (a config,
+/// its host budget, and the units it must release, `None`: none): each run
+/// completes bit-identical to `want` within the budget, or fails with the
+/// typed error of a refusal nothing can stand in for; a completed run with
+/// a pin refused released exactly what it must. Returns the runs of the
+/// first config with a pin refused.
 fn refusals_release(
     w: &Workload,
-    (budgeted, unbudgeted): (&StrategyChoice, &StrategyChoice),
+    configs: [(
+        &StrategyChoice,
+        u64,
+        Option<&std::collections::BTreeSet<String>>,
+    ); 3],
     o: &RunOptions,
     want: &[u64],
-    host: u64,
 ) -> usize {
     let mut refusing = 0;
     for every in [2, 3, 5] {
@@ -410,26 +449,45 @@ fn refusals_release(
             },
             ..o.clone()
         };
-        let (out, released) = run_counting_releases(w, budgeted, &faulty);
-        let Ok(out) = out else { continue };
-        assert_eq!(outputs(&out), want, "every {every}");
-        assert!(
-            all_violations(&out).is_empty(),
-            "{:#?}",
-            all_violations(&out)
-        );
-        assert!(host_peak(&out) <= host, "every {every}");
-        if out.at_end.pins_refused > 0 {
+        for (i, (config, host, must)) in configs.into_iter().enumerate() {
+            let (out, released, names) = run_counting_releases(w, config, &faulty);
+            let out = match out {
+                Ok(out) => out,
+                Err(f) => {
+                    let e = f.error.to_string();
+                    assert!(
+                        (matches!(f.error, offload_core::OffloadError::DeviceOp { .. })
+                            && e.contains("pin request"))
+                            || e.contains("room for what the device allowed"),
+                        "config {i}, every {every}: not a typed error of the refusal: {e}"
+                    );
+                    continue;
+                }
+            };
+            assert_eq!(outputs(&out), want, "config {i}, every {every}");
             assert!(
-                released > 0,
-                "every {every}: {} pins refused, blocks staged, no page released",
-                out.at_end.pins_refused
+                all_violations(&out).is_empty(),
+                "{:#?}",
+                all_violations(&out)
             );
-            refusing += 1;
-        }
-        let (out, released) = run_counting_releases(w, unbudgeted, &faulty);
-        if out.is_ok() {
-            assert_eq!(released, 0, "every {every}, no host budget");
+            assert!(host_peak(&out) <= host, "config {i}, every {every}");
+            if out.at_end.pins_refused == 0 {
+                continue;
+            }
+            match must {
+                Some(units) => {
+                    assert!(
+                        released > 0 && units.iter().all(|u| names.contains(u)),
+                        "config {i}, every {every}: {} pins refused; released {names:?} of {units:?}",
+                        out.at_end.pins_refused
+                    );
+                    refusing += 1;
+                }
+                None => assert_eq!(
+                    released, 0,
+                    "config {i}, every {every}: room for the refused blocks, yet pages released"
+                ),
+            }
         }
     }
     refusing
@@ -1235,8 +1293,9 @@ fn refused_pins_planned(
 /// planned: at a host budget of the plan's own peak with every streamed
 /// block pinned, pins the device refuses leave staged blocks the budget
 /// has no room for beside the pins that held, and the store releases
-/// their pages after each read though its plan did not. Seen red
-/// (2026-12-04) with the release taken from the plan alone.
+/// their pages after each read though its plan did not; at twice that
+/// budget, or without one, nothing is released. Seen red (2026-12-04) with
+/// the release taken from the plan alone.
 #[test]
 fn refused_pins_release_staged_pages_under_a_planned_host_budget() {
     let (w, opts, _, inputs) = baseline_of(offload_sim::presets::tiny_outside());
@@ -1248,10 +1307,9 @@ fn refused_pins_release_staged_pages_under_a_planned_host_budget() {
     let want = outputs(&run(&w, &StrategyChoice::Resident, &opts).unwrap());
     let least = least_device(&w, &inputs);
     let device = least + (w.preset.weight_bytes() - least) / 2;
-    let side = all_pinned(&w, &inputs, device);
-    let host = side.peak_bytes;
+    let host = all_pinned(&w, &inputs, device).peak_bytes;
     let config = StrategyChoice::Config(budgets(device, Some(host)));
-    let (clean, released) = run_counting_releases(&w, &config, &opts);
+    let (clean, released, _) = run_counting_releases(&w, &config, &opts);
     assert_eq!(
         outputs(&clean.unwrap_or_else(|f| panic!("clean: {}", f.error))),
         want
@@ -1260,7 +1318,18 @@ fn refused_pins_release_staged_pages_under_a_planned_host_budget() {
         released, 0,
         "a plan that pins every streamed block releases nothing"
     );
+    let roomy = StrategyChoice::Config(budgets(device, Some(2 * host)));
     let unbudgeted = StrategyChoice::Config(budgets(device, None));
-    let refusing = refusals_release(&w, (&config, &unbudgeted), &opts, &want, host);
-    assert!(refusing >= 1, "refusing runs that staged: {refusing}");
+    let none = std::collections::BTreeSet::new();
+    let refusing = refusals_release(
+        &w,
+        [
+            (&config, host, Some(&none)),
+            (&roomy, 2 * host, None),
+            (&unbudgeted, u64::MAX, None),
+        ],
+        &opts,
+        &want,
+    );
+    assert!(refusing >= 2, "refusing runs that staged: {refusing}");
 }

@@ -1981,6 +1981,13 @@ impl<A: Api> LayerwiseBackend<A> {
                 );
                 release = true;
                 staged_log.release = true;
+                // As a plan that releases does at each pin: a pinned copy
+                // holds its bytes, so its source's pages go too.
+                for m in st.rings.iter().flat_map(|r| &r.blocks) {
+                    if matches!(*m.host, HostMaster::Pinned(_)) && m.coded.is_none() {
+                        h.weights.release(&m.unit);
+                    }
+                }
             }
         }
         staged_log.log(&host_plan);
