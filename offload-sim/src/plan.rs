@@ -776,6 +776,47 @@ mod tests {
         );
     }
 
+    /// Each phase's own layout is solved with the staged blocks priced at
+    /// the host's fill rate (not only the whole plans compared): on Flux
+    /// at 4,608 tokens the plan is never slower, priced alike, than the
+    /// layout the link-priced search chose, and under a 16 GiB device
+    /// budget and a 2 GiB host budget, where the fills bind, more than 5 %
+    /// faster (a shallower ring whose slot holds another resident block).
+    /// Seen red (2026-12-04) with one pass of the search (the layouts
+    /// solved at the link): 6.448 s against 6.448 s.
+    #[test]
+    fn each_phase_is_laid_out_at_the_hosts_fill_rate() {
+        let pipeline = Preset::by_name("flux1-dev").unwrap().pipeline;
+        for (device, host, gain) in [("16GiB", 2u64 << 30, 0.95), ("16GiB", 8 << 30, 1.0)] {
+            let args = PlanArgs {
+                budget: Some(device.to_owned()),
+                tokens: Some(4608),
+                host_budget: Some(format!("{host}B")),
+                ..args("flux1-dev", "h200")
+            };
+            let c = capacity(&args).unwrap();
+            let priced = c.outcome.as_ref().unwrap();
+            let mut at_link = c.inputs.clone();
+            at_link.host_fill_bytes_per_s = None;
+            let linked = capacity_with(&args, at_link).unwrap();
+            let layout = offload_core::budget::Evaluator::new(&pipeline, &c.config, &c.inputs)
+                .unwrap()
+                .with_host(offload_core::budget::HostLimits {
+                    budget: host,
+                    source: format!("{host} B"),
+                    readings: None,
+                })
+                .evaluate(&linked.outcome.as_ref().unwrap().choices())
+                .unwrap()
+                .request_s;
+            assert!(
+                priced.predicted_request_s <= layout * gain * (1.0 + 1e-9),
+                "{device} / {host} B: the plan {} s against the link-laid-out plan priced alike {layout} s",
+                priced.predicted_request_s
+            );
+        }
+    }
+
     /// Every component of every preset has estimated inputs, every block a
     /// compute time from the kernel model, and the plan fits "auto".
     #[test]

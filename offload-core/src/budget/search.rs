@@ -317,6 +317,10 @@ fn better(a: (f64, u64, usize), b: (f64, u64, usize)) -> bool {
         || (a.0 <= b.0 * (1.0 + TIE) && (a.1 > b.1 || (a.1 == b.1 && a.2 < b.2)))
 }
 
+/// Passes of the search with each phase's layout priced at the staged
+/// blocks of the previous pass's best plan ([`Request::search`]).
+const STAGED_HINT_PASSES: usize = 3;
+
 /// The request as the planner sees it.
 struct Request<'a> {
     comps: Vec<PComp>,
@@ -341,6 +345,10 @@ struct Request<'a> {
     /// The device budget planned for, once known: the least host budget is
     /// the least of the plans within it.
     device_budget: Option<u64>,
+    /// The streamed blocks (paths) each phase's own layout prices as
+    /// staged while it is solved: those an earlier pass's best plan
+    /// staged ([`Self::search`]); empty on the first pass.
+    staged_hint: std::cell::RefCell<Vec<String>>,
 }
 
 /// The least host budget and its parts: (least, held, staging, upload
@@ -524,6 +532,7 @@ impl<'a> Request<'a> {
             bound: std::cell::Cell::new(HostBound::NONE),
             least_host_figures: std::cell::OnceCell::new(),
             device_budget: None,
+            staged_hint: std::cell::RefCell::default(),
         })
     }
 
@@ -963,7 +972,7 @@ impl<'a> Request<'a> {
             {
                 return;
             }
-            let time = c.time(&l, kept, inp);
+            let time = c.time_hosted(&l, kept, inp, &self.staged_hint.borrow());
             let is_better = match best {
                 None => true,
                 Some(b) => better((time, held, l.depth), (b.time, b.held, b.local.depth)),
@@ -1070,7 +1079,8 @@ impl<'a> Request<'a> {
         if !c.streams(&l) || over(&l) {
             return None;
         }
-        let mut t = c.time(&l, kept, inp);
+        let hint = self.staged_hint.borrow();
+        let mut t = c.time_hosted(&l, kept, inp, &hint);
         loop {
             let mut pick: Option<(Local, f64, u64)> = None;
             for s in 0..c.stacks.len() {
@@ -1084,7 +1094,7 @@ impl<'a> Request<'a> {
                     if !c.valid(&trial, self.max_depth) || over(&trial) {
                         continue;
                     }
-                    let tt = c.time(&trial, kept, inp);
+                    let tt = c.time_hosted(&trial, kept, inp, &hint);
                     let bytes = c.stacks[s][j].bytes;
                     let is_better = match &pick {
                         None => true,
@@ -1117,7 +1127,8 @@ impl<'a> Request<'a> {
     fn swap_rounds(&self, i: usize, mut l: Local, kept: bool) -> Local {
         let c = &self.comps[i];
         let inp = self.inputs;
-        let mut t = c.time(&l, kept, inp);
+        let hint = self.staged_hint.borrow();
+        let mut t = c.time_hosted(&l, kept, inp, &hint);
         for _ in 0..SWAP_ROUNDS {
             let mut best: Option<(Local, f64)> = None;
             for s in 0..c.stacks.len() {
@@ -1130,7 +1141,7 @@ impl<'a> Request<'a> {
                         let mut trial = l.clone();
                         trial.resident[s][a] = false;
                         trial.resident[s][b] = true;
-                        let tt = c.time(&trial, kept, inp);
+                        let tt = c.time_hosted(&trial, kept, inp, &hint);
                         if tt < best.as_ref().map_or(t, |x| x.1) * (1.0 - 1e-6) {
                             best = Some((trial, tt));
                         }
@@ -1279,15 +1290,36 @@ impl<'a> Request<'a> {
     /// every [`HostBound`], each a pass of [`Self::search_within`]).
     fn search(&self, budget: u64) -> Option<Solution> {
         let mut best: Option<Solution> = None;
-        for bound in self.host_bounds() {
-            self.bound.set(bound);
-            let s = self.search_within(budget);
-            if let Some(s) = s
-                && best.as_ref().is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
-            {
-                best = Some(s);
+        let mut hints: Vec<Vec<String>> = Vec::new();
+        for pass in 0..STAGED_HINT_PASSES {
+            let mut improved = false;
+            for bound in self.host_bounds() {
+                self.bound.set(bound);
+                let s = self.search_within(budget);
+                if let Some(s) = s
+                    && best.as_ref().is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
+                {
+                    best = Some(s);
+                    improved = true;
+                }
             }
+            // Where staged fills are priced, each phase's layout is solved
+            // again with the best plan's staged blocks priced as staged
+            // (the whole plans stay compared as before): while that finds
+            // a faster plan, a new staged set, and something staged.
+            let hint = match &best {
+                Some(b) if self.inputs.host_fill_bytes_per_s.is_some() => {
+                    self.staged_paths(&b.phases)
+                }
+                _ => Vec::new(),
+            };
+            if (pass > 0 && !improved) || hint.is_empty() || hints.contains(&hint) {
+                break;
+            }
+            hints.push(hint.clone());
+            *self.staged_hint.borrow_mut() = hint;
         }
+        self.staged_hint.borrow_mut().clear();
         self.bound.set(HostBound::NONE);
         best
     }
