@@ -781,13 +781,15 @@ mod tests {
     /// at 4,608 tokens the plan is never slower, priced alike, than the
     /// layout the link-priced search chose, and under a 16 GiB device
     /// budget and a 2 GiB host budget, where the fills bind, more than 5 %
-    /// faster (a shallower ring whose slot holds another resident block).
+    /// faster (a shallower ring whose slot holds another resident block),
+    /// and at an 8 GiB host budget faster too (5.454 against 5.507 s when
+    /// run).
     /// Seen red (2026-12-04) with one pass of the search (the layouts
     /// solved at the link): 6.448 s against 6.448 s.
     #[test]
     fn each_phase_is_laid_out_at_the_hosts_fill_rate() {
         let pipeline = Preset::by_name("flux1-dev").unwrap().pipeline;
-        for (device, host, gain) in [("16GiB", 2u64 << 30, 0.95), ("16GiB", 8 << 30, 1.0)] {
+        for (device, host, gain) in [("16GiB", 2u64 << 30, 0.95), ("16GiB", 8 << 30, 0.999)] {
             let args = PlanArgs {
                 budget: Some(device.to_owned()),
                 tokens: Some(4608),

@@ -1287,7 +1287,12 @@ impl<'a> Request<'a> {
     }
 
     /// The best plan within `budget` (and the host budget: the best over
-    /// every [`HostBound`], each a pass of [`Self::search_within`]).
+    /// every [`HostBound`], each a pass of [`Self::search_within`]); where
+    /// staged fills are priced, up to [`STAGED_HINT_PASSES`] passes, each
+    /// laying every phase out at the previous best plan's staged blocks.
+    /// Leaves the best plan's staged blocks as the hint, so that the
+    /// single-strategy alternatives computed next are laid out alike (the
+    /// caller clears it).
     fn search(&self, budget: u64) -> Option<Solution> {
         let mut best: Option<Solution> = None;
         let mut hints: Vec<Vec<String>> = Vec::new();
@@ -1319,7 +1324,10 @@ impl<'a> Request<'a> {
             hints.push(hint.clone());
             *self.staged_hint.borrow_mut() = hint;
         }
-        self.staged_hint.borrow_mut().clear();
+        *self.staged_hint.borrow_mut() = match &best {
+            Some(b) if self.inputs.host_fill_bytes_per_s.is_some() => self.staged_paths(&b.phases),
+            _ => Vec::new(),
+        };
         self.bound.set(HostBound::NONE);
         best
     }
@@ -1854,8 +1862,9 @@ pub(super) fn plan_request(
         }
         None => None,
     };
-    let alternatives = r
-        .alternatives_within_host(budget)
+    let alternatives = r.alternatives_within_host(budget);
+    r.staged_hint.borrow_mut().clear();
+    let alternatives = alternatives
         .into_iter()
         .map(|(name, s)| Alternative {
             strategy: name.to_owned(),
