@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use offload_core::device::{Device, HostBuffer, HostRegion, HostSource};
 use offload_cuda::CudaDevice;
 
@@ -181,15 +181,25 @@ fn main() -> Result<()> {
     }
     // A read-only file mapping in page cache.
     let path = std::env::var("PROBE_FILE").unwrap_or_else(|_| "register-probe.bin".to_owned());
+    // Removed however the probe ends.
+    struct Remove<'a>(&'a str);
+    impl Drop for Remove<'_> {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(self.0);
+        }
+    }
+    let _remove = Remove(&path);
     {
-        let f = std::fs::File::create(&path)?;
-        f.set_len(total as u64)?;
+        let f = std::fs::File::create(&path).with_context(|| format!("create {path}"))?;
+        f.set_len(total as u64)
+            .with_context(|| format!("set_len {path}"))?;
         // SAFETY: the probe just created the file; nothing else maps it.
-        let mut m = unsafe { memmap2::MmapMut::map_mut(&f) }?;
+        let mut m =
+            unsafe { memmap2::MmapMut::map_mut(&f) }.with_context(|| format!("map {path}"))?;
         for (i, b) in m.iter_mut().enumerate().step_by(4096) {
             *b = i as u8 | 1;
         }
-        m.flush()?;
+        m.flush().with_context(|| format!("flush {path}"))?;
     }
     let f = std::fs::File::open(&path)?;
     // SAFETY: the probe wrote the file; nothing else writes it.
@@ -219,6 +229,5 @@ fn main() -> Result<()> {
             block,
         )?;
     }
-    let _ = std::fs::remove_file(&path);
     Ok(())
 }
