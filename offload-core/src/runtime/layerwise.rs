@@ -1002,25 +1002,12 @@ fn restage_rings<A: Api>(
         if !more.contains(&k) {
             continue;
         }
-        // Never freed while shared: an error, the master kept.
-        if Arc::strong_count(&m.host) != 1 {
-            return Err(OffloadError::Forward {
-                module: m.unit.name.clone(),
-                reason: "its host master is shared: it cannot stage to keep the host budget"
-                    .to_owned(),
-            });
-        }
-        let staged = Arc::new(staged_master(
-            h,
-            &m.unit,
-            crate::budget::StageReason::Restaged,
-            tally,
-        ));
-        if let Ok(old) = Arc::try_unwrap(std::mem::replace(&mut m.host, staged)) {
-            // SAFETY: no engine is built yet (and the master has no other
-            // owner): no copy reads it.
-            unsafe { h.free_master(old) }?;
-        }
+        // SAFETY: no engine is built yet: no copy reads the master.
+        unsafe {
+            h.restage(&mut m.host, &m.unit.name, || {
+                staged_master(h, &m.unit, crate::budget::StageReason::Restaged, tally)
+            })
+        }?;
     }
     Ok(release)
 }

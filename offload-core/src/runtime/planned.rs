@@ -378,20 +378,21 @@ impl<A: Api> PlannedBackend<A> {
         for unit in &units {
             let why = budget::StageReason::Restaged;
             tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
-            let staged = Arc::new(self.phases.handles.counted(HostMaster::Staged(
-                crate::runtime::shared::Staged {
-                    bytes: unit.bytes,
-                    coded: None,
-                },
-            )));
-            if let Some(old) = self.store.insert(unit.name.clone(), staged)
-                && let Ok(old) = Arc::try_unwrap(old)
-            {
-                // SAFETY: no engine holds the store's masters here (none
-                // built yet, or both released and drained), and this one
-                // had no other owner: no copy reads it.
-                unsafe { self.phases.handles.free_master(old) }?;
-            }
+            let h = &self.phases.handles;
+            let slot = self
+                .store
+                .get_mut(&unit.name)
+                .expect("a streamed block of the store");
+            // SAFETY: no engine holds the store's masters here (none built
+            // yet, or both released and drained): no copy reads it.
+            unsafe {
+                h.restage(slot, &unit.name, || {
+                    h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
+                        bytes: unit.bytes,
+                        coded: None,
+                    }))
+                })
+            }?;
         }
         Ok(())
     }

@@ -576,6 +576,37 @@ impl<A: Api> Handles<A> {
         *lock(&self.masters)
     }
 
+    /// Puts the master `staged` makes in `slot`, in place of the master
+    /// there, and frees that one (CONTRACT §7c: a pinned block staged to
+    /// keep the host budget). A master shared with another owner is left
+    /// in place, an error naming `name`.
+    ///
+    /// # Safety
+    ///
+    /// No copy reading the master in `slot` may be pending (no engine
+    /// holds it, or every stream that copied from it has drained).
+    pub(crate) unsafe fn restage(
+        &self,
+        slot: &mut std::sync::Arc<HostMaster<A>>,
+        name: &str,
+        staged: impl FnOnce() -> HostMaster<A>,
+    ) -> Result<(), OffloadError> {
+        if std::sync::Arc::strong_count(slot) != 1 {
+            return Err(OffloadError::Forward {
+                module: name.to_owned(),
+                reason: "its host master is shared: it cannot stage to keep the host budget"
+                    .to_owned(),
+            });
+        }
+        let old = std::mem::replace(slot, std::sync::Arc::new(staged()));
+        match std::sync::Arc::try_unwrap(old) {
+            // SAFETY: forwarded from the caller; its only owner (checked
+            // above) was this slot.
+            Ok(old) => unsafe { self.free_master(old) },
+            Err(_) => unreachable!("a master with one owner, checked above"),
+        }
+    }
+
     /// Frees a host master (its copies must have completed).
     ///
     /// # Safety
