@@ -129,6 +129,19 @@ fn main() -> Result<()> {
             bufs.push(device.alloc_pinned(chunk as u64)?);
             evs.push(device.create_event()?);
         }
+        // Chunk `off..off + n` of the source into `buf` by the pool.
+        let fill = |buf: &mut offload_cuda::PinnedBuffer, off: usize, n: usize| {
+            buf.write_from(
+                0,
+                n as u64,
+                &Pooled {
+                    src: &src[off..off + n],
+                    pool: &pool,
+                    threads,
+                    streaming,
+                },
+            )
+        };
         let mut staged = Vec::new();
         let mut alone = Vec::new();
         for _ in 0..3 {
@@ -138,16 +151,7 @@ fn main() -> Result<()> {
                 let j = i % ring;
                 let n = chunk.min(total - off);
                 device.synchronize_event(&evs[j])?;
-                bufs[j].write_from(
-                    0,
-                    n as u64,
-                    &Pooled {
-                        src: &src[off..off + n],
-                        pool: &pool,
-                        threads,
-                        streaming,
-                    },
-                );
+                fill(&mut bufs[j], off, n);
                 // SAFETY: the buffer holds `n`, the device buffer the range; the buffer is
                 // rewritten only after its event (next); drained before free.
                 unsafe {
@@ -166,17 +170,7 @@ fn main() -> Result<()> {
             staged.push(total as f64 / t.elapsed().as_secs_f64() / 1e9);
             let t = Instant::now();
             for (i, off) in (0..total).step_by(chunk).enumerate() {
-                let n = chunk.min(total - off);
-                bufs[i % ring].write_from(
-                    0,
-                    n as u64,
-                    &Pooled {
-                        src: &src[off..off + n],
-                        pool: &pool,
-                        threads,
-                        streaming,
-                    },
-                );
+                fill(&mut bufs[i % ring], off, chunk.min(total - off));
             }
             alone.push(total as f64 / t.elapsed().as_secs_f64() / 1e9);
         }

@@ -1296,6 +1296,9 @@ impl<'a> Request<'a> {
     fn search(&self, budget: u64) -> Option<Solution> {
         let mut best: Option<Solution> = None;
         let mut hints: Vec<Vec<String>> = Vec::new();
+        // The best plan's staged blocks (where fills are priced), as of
+        // the last pass.
+        let mut hint = Vec::new();
         for pass in 0..STAGED_HINT_PASSES {
             let mut improved = false;
             for bound in self.host_bounds() {
@@ -1312,7 +1315,7 @@ impl<'a> Request<'a> {
             // again with the best plan's staged blocks priced as staged
             // (the whole plans stay compared as before): while that finds
             // a faster plan, a new staged set, and something staged.
-            let hint = match &best {
+            hint = match &best {
                 Some(b) if self.inputs.host_fill_bytes_per_s.is_some() => {
                     self.staged_paths(&b.phases)
                 }
@@ -1322,12 +1325,9 @@ impl<'a> Request<'a> {
                 break;
             }
             hints.push(hint.clone());
-            *self.staged_hint.borrow_mut() = hint;
+            self.staged_hint.borrow_mut().clone_from(&hint);
         }
-        *self.staged_hint.borrow_mut() = match &best {
-            Some(b) if self.inputs.host_fill_bytes_per_s.is_some() => self.staged_paths(&b.phases),
-            _ => Vec::new(),
-        };
+        *self.staged_hint.borrow_mut() = hint;
         self.bound.set(HostBound::NONE);
         best
     }
