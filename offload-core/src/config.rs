@@ -405,9 +405,11 @@ pub struct OffloadConfig {
     /// on the host at enable, decoded on the device into its slot,
     /// bit-identical) or `"auto"` (each ring coded only where the ring
     /// recurrence, from the platform's planner inputs and a decode measured
-    /// at enable, says it is faster). Layerwise offload only; both need a
-    /// platform with a codec (`CorePlatform::with_codec`), `"auto"` planner
-    /// inputs too (`CorePlatform::with_planner`).
+    /// at enable, says it is faster). Layerwise offload, or the request
+    /// planner under a `device_budget` (without a `host_budget`), where the
+    /// planner prices coded blocks and `"auto"` lets it choose per stack;
+    /// both need a platform with a codec (`CorePlatform::with_codec`);
+    /// layerwise's `"auto"` planner inputs too (`CorePlatform::with_planner`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_compression: Option<WeightCompression>,
     /// The most page-locked host memory offload may hold for weights
@@ -477,11 +479,12 @@ fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<()
         (WeightCompression::Lossless | WeightCompression::Auto, OffloadStrategy::Layerwise) => {
             Ok(())
         }
-        (_, OffloadStrategy::Planned) => Err(invalid(
+        (_, OffloadStrategy::Planned) if config.host_budget.is_some() => Err(invalid(
             "weight_compression",
             value,
-            "\"none\" with a device_budget (the request planner does not choose coded blocks yet); \"lossless\" or \"auto\" with layerwise offload (enable_layerwise_offload = true, no device_budget)",
+            "\"none\" with both a device_budget and a host_budget (the request planner does not yet stage coded blocks); \"lossless\" or \"auto\" with a device_budget alone, or with layerwise offload and a host_budget",
         )),
+        (_, OffloadStrategy::Planned) => Ok(()),
         (_, strategy) => Err(invalid(
             "weight_compression",
             value,

@@ -45,6 +45,14 @@ pub struct PlannerInputs {
     /// its footprint stages blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_fill_bytes_per_s: Option<f64>,
+    /// The device's decoder of coded blocks (CONTRACT §7b), bf16 bytes it
+    /// writes per second: under a `device_budget` with `weight_compression`
+    /// `"lossless"` or `"auto"`, each coded block's decode is priced at
+    /// it (the recurrence's decode stage). The planned backend measures it
+    /// at enable where it holds coded masters. `None`: coded blocks cannot
+    /// be priced (the planner refuses to plan them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_bytes_per_s: Option<f64>,
     /// The deepest prefetch the planner may choose (1 to 64).
     #[serde(default = "depth")]
     pub max_depth: usize,
@@ -111,6 +119,13 @@ pub struct ComponentInputs {
     /// Blocks not listed cost nothing (a transfer-only model).
     #[serde(default)]
     pub block_compute_s: BTreeMap<String, f64>,
+    /// The coded bytes of each block that has a coded master (CONTRACT
+    /// §7b), by block path: what its copy moves when it streams coded (and
+    /// what the staging buffers it decodes from must hold). A block not
+    /// listed streams as stored. Filled at enable from the masters (the
+    /// codec's output, or a coded-block file's windows).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub coded_block_bytes: BTreeMap<String, u64>,
     /// Device memory the component's forward needs beside the weights
     /// (activations, scratch, workspaces) at its high-water mark.
     pub activation_bytes: u64,
@@ -150,6 +165,7 @@ impl PlannerInputs {
             copy_latency_s: latency(),
             copy_interference: 0.0,
             host_fill_bytes_per_s: None,
+            decode_bytes_per_s: None,
             max_depth: depth(),
             steps,
             allocation_granule_bytes: granule(),
@@ -205,6 +221,7 @@ impl ComponentInputs {
             per_step,
             own_compute_s: 0.0,
             block_compute_s: BTreeMap::new(),
+            coded_block_bytes: BTreeMap::new(),
             activation_bytes,
         }
     }

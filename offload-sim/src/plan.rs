@@ -167,6 +167,7 @@ pub fn estimated_inputs(
                 per_step: true,
                 own_compute_s: s(charges[&m].duration_ns),
                 block_compute_s,
+                coded_block_bytes: BTreeMap::new(),
                 activation_bytes: preset.component_activation_bytes(p, dit, tokens),
             },
         );
@@ -190,6 +191,7 @@ pub fn estimated_inputs(
                 per_step: false,
                 own_compute_s: s(Charge::flops(profile, 2.0 * own as f64 * t).duration_ns),
                 block_compute_s,
+                coded_block_bytes: BTreeMap::new(),
                 activation_bytes: preset.component_activation_bytes(p, enc, tokens),
             },
         );
@@ -202,6 +204,7 @@ pub fn estimated_inputs(
                 per_step: false,
                 own_compute_s: s(profile.compute_ns(preset.vae_flops)),
                 block_compute_s: BTreeMap::new(),
+                coded_block_bytes: BTreeMap::new(),
                 activation_bytes: preset.component_activation_bytes(p, vae, tokens),
             },
         );
@@ -648,6 +651,7 @@ impl UserPipeline {
                     per_step: c.role == Role::Dit,
                     own_compute_s: own,
                     block_compute_s,
+                    coded_block_bytes: BTreeMap::new(),
                     activation_bytes: act,
                 },
             );

@@ -265,6 +265,7 @@ fn best_single_strategy(e: &Evaluator<'_>, budget: u64) -> Option<(f64, String)>
             resident_blocks: stacks.iter().flatten().map(|(b, _)| b.clone()).collect(),
             depth: 0,
             kept,
+            coded_blocks: Vec::new(),
         }
     };
     let mut best: Option<(f64, String)> = None;
@@ -314,6 +315,7 @@ fn best_single_strategy(e: &Evaluator<'_>, budget: u64) -> Option<(f64, String)>
                     .collect(),
                 depth,
                 kept: true,
+                coded_blocks: Vec::new(),
             });
             offer(choices, format!("layerwise (mask {mask:b}, depth {depth})"));
         }
@@ -1171,6 +1173,7 @@ fn a_host_budget_is_planned_as_an_exhaustive_search_finds() {
                                 resident_blocks: l.0.clone(),
                                 depth: usize::from(l.2 > 0),
                                 kept: kept >> c & 1 == 1,
+                                coded_blocks: Vec::new(),
                             }
                         })
                         .collect();

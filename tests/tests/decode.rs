@@ -289,8 +289,8 @@ fn weight_compression_is_checked_where_it_cannot_apply() {
             "with layerwise offload only",
         ),
         (
-            r#"{"device_budget": "8GiB", "weight_compression": "lossless"}"#,
-            "with a device_budget",
+            r#"{"device_budget": "8GiB", "host_budget": "4GiB", "weight_compression": "lossless"}"#,
+            "with both a device_budget and a host_budget",
         ),
     ] {
         let c = OffloadConfig::from_json_str(json).unwrap();
@@ -299,6 +299,12 @@ fn weight_compression_is_checked_where_it_cannot_apply() {
             e.contains("weight_compression") && e.contains(needle),
             "{json}: {e}"
         );
+    }
+    // The request planner chooses coded blocks under a device budget alone.
+    for value in ["lossless", "auto"] {
+        let json = format!(r#"{{"device_budget": "8GiB", "weight_compression": "{value}"}}"#);
+        let c = OffloadConfig::from_json_str(&json).unwrap();
+        assert!(c.select().is_ok(), "{json}");
     }
     let e = OffloadConfig::from_json_str(
         r#"{"enable_layerwise_offload": true, "weight_compression": "zstd"}"#,

@@ -21,12 +21,14 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
-use super::ring::{HostStage, MAX_DEPTH, TIE, forward_ends, forwards_s, hosted_ends};
+use super::ring::{
+    DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DEPTH, TIE, forwards_s, hosted_ends,
+};
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
     DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
 };
-use crate::config::OffloadConfig;
+use crate::config::{OffloadConfig, WeightCompression};
 use crate::declaration::Role;
 use crate::measurements::{ComponentInputs, PlannerInputs};
 use crate::model::Pipeline;
@@ -52,6 +54,25 @@ struct PBlock {
     /// granule.
     mem: u64,
     compute_s: f64,
+    /// Its coded bytes where it has a coded master (CONTRACT §7b): what
+    /// its copy moves when its stack streams coded.
+    coded: Option<u64>,
+    /// Device bytes a staging buffer of its coded bytes takes (granules).
+    coded_mem: u64,
+}
+
+/// Which coded layouts a phase may take (`weight_compression`, CONTRACT
+/// §7b under a device budget).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Code {
+    /// `"none"`: every block streams as stored.
+    Never,
+    /// `"lossless"`: every streamed block with a coded master streams
+    /// coded.
+    Always,
+    /// `"auto"`: each stack streams coded where the recurrence says that is
+    /// faster beside what its staging buffers cost.
+    Choose,
 }
 
 /// One component: one phase of the request.
@@ -70,13 +91,17 @@ struct PComp {
     forwards: f64,
     own_s: f64,
     act: u64,
+    code: Code,
 }
 
-/// How one component's phase runs: which blocks are resident, the depth.
+/// How one component's phase runs: which blocks are resident, the depth,
+/// and which stacks stream coded (a stack that streams nothing, or has no
+/// coded master, never does, whatever its flag).
 #[derive(Clone, Debug, PartialEq)]
 struct Local {
     resident: Vec<Vec<bool>>,
     depth: usize,
+    coded: Vec<bool>,
 }
 
 /// One phase of an evaluated set of choices.
@@ -154,9 +179,85 @@ impl PComp {
         if self.streams(l) { l.depth + 1 } else { 0 }
     }
 
-    /// Bytes of its own phase: held and slots.
+    /// Whether stack `s` streams coded under `l`: flagged, streaming, and
+    /// with a streamed block that has a coded master.
+    fn codes(&self, l: &Local, s: usize) -> bool {
+        l.coded.get(s).copied().unwrap_or(false)
+            && self.stacks[s]
+                .iter()
+                .zip(&l.resident[s])
+                .any(|(b, r)| !r && b.coded.is_some())
+    }
+
+    /// The streamed blocks that stream coded under `l`.
+    fn coded_blocks<'s>(&'s self, l: &'s Local) -> impl Iterator<Item = &'s PBlock> {
+        (0..self.stacks.len())
+            .filter(move |&s| self.codes(l, s))
+            .flat_map(move |s| {
+                self.stacks[s]
+                    .iter()
+                    .zip(&l.resident[s])
+                    .filter(|(b, r)| !**r && b.coded.is_some())
+                    .map(|(b, _)| b)
+            })
+    }
+
+    /// Device bytes of its phase's decode staging buffers: two of its
+    /// largest coded streamed block (0 when nothing streams coded).
+    fn staging(&self, l: &Local) -> u64 {
+        2 * self.coded_blocks(l).map(|b| b.coded_mem).max().unwrap_or(0)
+    }
+
+    /// Bytes its forwards move over the link per forward: each streamed
+    /// block's coded bytes where it streams coded, else its bytes.
+    fn link_bytes(&self, l: &Local) -> u64 {
+        let coded: u64 = self
+            .coded_blocks(l)
+            .map(|b| b.coded.unwrap_or(b.bytes))
+            .sum();
+        let raw: u64 = self.coded_blocks(l).map(|b| b.bytes).sum();
+        self.streamed_bytes(l) - raw + coded
+    }
+
+    /// The coded layouts of `l` this phase may take: `l` itself, or under
+    /// `"auto"` every choice of which of its streaming stacks with coded
+    /// masters stream coded.
+    fn coded_variants(&self, l: &Local) -> Vec<Local> {
+        if self.code != Code::Choose {
+            return vec![l.clone()];
+        }
+        let codable: Vec<usize> = (0..self.stacks.len())
+            .filter(|&s| {
+                self.stacks[s]
+                    .iter()
+                    .zip(&l.resident[s])
+                    .any(|(b, r)| !r && b.coded.is_some())
+            })
+            .collect();
+        if codable.is_empty() {
+            return vec![l.clone()];
+        }
+        let mut out = Vec::new();
+        // At most 16 variants: beyond four codable stacks, all or none.
+        let masks: Vec<u32> = if codable.len() <= 4 {
+            (0..1u32 << codable.len()).collect()
+        } else {
+            vec![0, (1u32 << codable.len().min(31)) - 1]
+        };
+        for mask in masks {
+            let mut v = l.clone();
+            v.coded = vec![false; self.stacks.len()];
+            for (bit, &s) in codable.iter().enumerate() {
+                v.coded[s] = mask >> bit.min(31) & 1 == 1;
+            }
+            out.push(v);
+        }
+        out
+    }
+
+    /// Bytes of its own phase: held, slots and decode staging.
     fn own(&self, l: &Local) -> u64 {
-        self.held(l) + self.slots(l) as u64 * self.slot(l)
+        self.held(l) + self.slots(l) as u64 * self.slot(l) + self.staging(l)
     }
 
     /// No ring of one streaming block; a depth exactly when something
@@ -178,6 +279,23 @@ impl PComp {
         Local {
             resident: self.stacks.iter().map(|s| vec![true; s.len()]).collect(),
             depth: 0,
+            coded: vec![false; self.stacks.len()],
+        }
+    }
+
+    /// Coded flags for every stack as `weight_compression` starts a
+    /// layout: all under `"lossless"`, none otherwise.
+    fn coded_start(&self) -> Vec<bool> {
+        vec![self.code == Code::Always; self.stacks.len()]
+    }
+
+    /// The coded starts a greedy layout runs from: uncoded, coded, or both
+    /// under `"auto"`.
+    fn coded_starts(&self) -> &'static [bool] {
+        match self.code {
+            Code::Never => &[false],
+            Code::Always => &[true],
+            Code::Choose => &[false, true],
         }
     }
 
@@ -192,7 +310,11 @@ impl PComp {
         for r in &mut resident {
             keep_no_lone_block(r);
         }
-        let mut l = Local { resident, depth };
+        let mut l = Local {
+            resident,
+            depth,
+            coded: self.coded_start(),
+        };
         if !self.streams(&l) {
             l.depth = 0;
         }
@@ -252,28 +374,67 @@ impl PComp {
                         .zip(r)
                         .map(|(b, res)| !res && staged.contains(&b.path))
                         .collect();
-                    let ends = match inp.host_fill_bytes_per_s {
-                        Some(rate) if mask.iter().any(|m| *m) => {
-                            let fill: Vec<f64> = s.iter().map(|b| b.bytes as f64 / rate).collect();
-                            let host = HostStage {
-                                staged: &mask,
-                                fill_s: &fill,
-                                buffers: HOST_STAGING_BUFFERS as usize,
-                            };
-                            hosted_ends(
-                                &compute,
-                                &copy,
-                                (None, Some(host)),
-                                r,
-                                l.depth,
-                                other,
-                                inp.copy_interference,
-                            )
-                        }
-                        _ => {
-                            forward_ends(&compute, &copy, r, l.depth, other, inp.copy_interference)
-                        }
+                    // A coded stack: each coded block's copy moves its coded
+                    // bytes, then its decode (at the decoder's rate) fills
+                    // the slot.
+                    let coded = self.codes(l, i);
+                    let copy: Vec<f64> = if coded {
+                        s.iter()
+                            .zip(copy)
+                            .map(|(b, c)| match b.coded {
+                                Some(n) => n as f64 / link + inp.copy_latency_s,
+                                None => c,
+                            })
+                            .collect()
+                    } else {
+                        copy
                     };
+                    let decode_s: Vec<f64> = if coded {
+                        let rate = inp.decode_bytes_per_s.unwrap_or(f64::INFINITY);
+                        s.iter()
+                            .map(|b| {
+                                if b.coded.is_some() {
+                                    b.bytes as f64 / rate
+                                } else {
+                                    0.0
+                                }
+                            })
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let decode = coded.then_some(DecodeStage {
+                        decode_s: &decode_s,
+                        interference: DECODE_INTERFERENCE,
+                    });
+                    let fill: Vec<f64> = match inp.host_fill_bytes_per_s {
+                        Some(rate) if mask.iter().any(|m| *m) => s
+                            .iter()
+                            .map(|b| {
+                                let bytes = if coded {
+                                    b.coded.unwrap_or(b.bytes)
+                                } else {
+                                    b.bytes
+                                };
+                                bytes as f64 / rate
+                            })
+                            .collect(),
+                        _ => Vec::new(),
+                    };
+                    let host = (!fill.is_empty()).then_some(HostStage {
+                        staged: &mask,
+                        fill_s: &fill,
+                        buffers: HOST_STAGING_BUFFERS as usize,
+                    });
+                    let ends = hosted_ends(
+                        &compute,
+                        &copy,
+                        (decode, host),
+                        r,
+                        l.depth,
+                        other,
+                        inp.copy_interference,
+                    );
                     forwards_s(&ends, self.forwards)
                 })
                 .sum::<f64>()
@@ -406,6 +567,25 @@ impl<'a> Request<'a> {
         let groups: Vec<_> = resolved.components.iter().map(|c| c.module).collect();
         let part = partition(pipeline, &resolved.stacks, &groups);
         check_inputs(pipeline, inputs)?;
+        let code = match config.compression() {
+            WeightCompression::None => Code::Never,
+            WeightCompression::Lossless => Code::Always,
+            WeightCompression::Auto => Code::Choose,
+        };
+        let any_coded = inputs
+            .components
+            .values()
+            .any(|c| !c.coded_block_bytes.is_empty());
+        if code != Code::Never && any_coded && inputs.decode_bytes_per_s.is_none() {
+            return Err(BudgetError::Input {
+                input: "decode_bytes_per_s".to_owned(),
+                value: "absent".to_owned(),
+                allowed: format!(
+                    "the decoder's rate (bf16 bytes written per second), which weight_compression = \"{}\" prices each coded block's decode at: the planned backend measures it at enable",
+                    config.compression()
+                ),
+            });
+        }
         let mut comps = Vec::new();
         let mut managed = 0u64;
         // Each allocation takes whole granules of the device's allocator.
@@ -434,16 +614,30 @@ impl<'a> Request<'a> {
                 .map(|s| {
                     s.blocks
                         .iter()
-                        .map(|b| PBlock {
-                            path: b.path.clone(),
-                            bytes: part.blocks[&b.module].bytes,
-                            mem: round(part.blocks[&b.module].bytes),
-                            compute_s: ci.block_compute_s.get(&b.path).copied().unwrap_or(0.0),
+                        .map(|b| {
+                            let coded = ci.coded_block_bytes.get(&b.path).copied();
+                            PBlock {
+                                path: b.path.clone(),
+                                bytes: part.blocks[&b.module].bytes,
+                                mem: round(part.blocks[&b.module].bytes),
+                                compute_s: ci.block_compute_s.get(&b.path).copied().unwrap_or(0.0),
+                                coded,
+                                coded_mem: coded.map_or(0, round),
+                            }
                         })
                         .collect()
                 })
                 .collect();
-            for path in ci.block_compute_s.keys() {
+            for (key, path) in ci
+                .block_compute_s
+                .keys()
+                .map(|p| ("block_compute_s", p))
+                .chain(
+                    ci.coded_block_bytes
+                        .keys()
+                        .map(|p| ("coded_block_bytes", p)),
+                )
+            {
                 if !stacks.iter().flatten().any(|b| &b.path == path) {
                     let blocks: Vec<&str> =
                         stacks.iter().flatten().map(|b| b.path.as_str()).collect();
@@ -462,14 +656,19 @@ impl<'a> Request<'a> {
                         ),
                         _ => "none: it has no blocks".to_owned(),
                     };
+                    let what = if key == "block_compute_s" {
+                        "times"
+                    } else {
+                        "coded sizes"
+                    };
                     return Err(BudgetError::Input {
-                        input: format!("components.{}.block_compute_s", c.path),
+                        input: format!("components.{}.{key}", c.path),
                         value: format!(
-                            "a time for `{path}`, which is not a block of `{}`{hint}",
+                            "an entry for `{path}`, which is not a block of `{}`{hint}",
                             c.path
                         ),
                         allowed: format!(
-                            "times for the blocks of `{}` by full path; its {valid}",
+                            "{what} for the blocks of `{}` by full path; its {valid}",
                             c.path
                         ),
                     });
@@ -488,6 +687,7 @@ impl<'a> Request<'a> {
                 forwards: PlannerInputs::forwards_per_request(ci, inputs.steps),
                 own_s: ci.own_compute_s,
                 act: round(ci.activation_bytes),
+                code,
             });
         }
         if let Some(unknown) = inputs
@@ -826,7 +1026,20 @@ impl<'a> Request<'a> {
             .zip(phases)
             .flat_map(|(c, (l, _))| c.blocks_where(l, false))
             .collect();
-        let blocks: Vec<HostBlock> = streamed.iter().map(|b| HostBlock::raw(b.bytes)).collect();
+        // A coded streamed block's master holds its coded bytes.
+        let coded: Vec<&str> = self
+            .comps
+            .iter()
+            .zip(phases)
+            .flat_map(|(c, (l, _))| c.coded_blocks(l).map(|b| b.path.as_str()))
+            .collect();
+        let blocks: Vec<HostBlock> = streamed
+            .iter()
+            .map(|b| match b.coded {
+                Some(n) if coded.contains(&b.path.as_str()) => HostBlock::raw(n),
+                _ => HostBlock::raw(b.bytes),
+            })
+            .collect();
         let fixed = held.saturating_add(self.transient());
         let plan = plan_host(&blocks, fixed, Some(limits.budget), true);
         Some((held, streamed, plan))
@@ -937,6 +1150,7 @@ impl<'a> Request<'a> {
                 kept_bytes: 0,
                 held_bytes: c.held(l),
                 slot_bytes: c.slots(l) as u64 * c.slot(l),
+                staging_bytes: c.staging(l),
                 activation_bytes: c.act,
             },
             slots: c.slots(l),
@@ -958,7 +1172,7 @@ impl<'a> Request<'a> {
         let c = &self.comps[i];
         let inp = self.inputs;
         let mut best: Option<Solved> = None;
-        let consider = |l: Local, best: &mut Option<Solved>| {
+        let consider_one = |l: Local, best: &mut Option<Solved>| {
             if !c.valid(&l, self.max_depth) {
                 return;
             }
@@ -987,6 +1201,11 @@ impl<'a> Request<'a> {
                 });
             }
         };
+        let consider = |l: Local, best: &mut Option<Solved>| {
+            for v in c.coded_variants(&l) {
+                consider_one(v, best);
+            }
+        };
         consider(c.all_resident(), &mut best);
         let n = c.blocks();
         if n == 0 {
@@ -1009,6 +1228,7 @@ impl<'a> Request<'a> {
                         Local {
                             resident: resident.clone(),
                             depth,
+                            coded: c.coded_start(),
                         },
                         &mut best,
                     );
@@ -1021,8 +1241,13 @@ impl<'a> Request<'a> {
                 continue;
             }
             for depth in 1..=self.max_depth {
-                if let Some(g) = self.greedy(i, sigma, depth, kept, (cap_own, cap_held, cap_host)) {
-                    consider(g, &mut best);
+                // Under "auto" the greedy runs uncoded and coded (the
+                // staging buffers change what fits).
+                for &coded in c.coded_starts() {
+                    let caps = (cap_own, cap_held, cap_host);
+                    if let Some(g) = self.greedy(i, (sigma, depth, coded), kept, caps) {
+                        consider(g, &mut best);
+                    }
                 }
             }
         }
@@ -1061,11 +1286,11 @@ impl<'a> Request<'a> {
     }
 
     /// `caps`: own, held (device) and held host bytes, as [`Self::solve`].
+    /// `start`: the slot size, depth and whether every stack starts coded.
     fn greedy(
         &self,
         i: usize,
-        sigma: u64,
-        depth: usize,
+        (sigma, depth, coded): (u64, usize, bool),
         kept: bool,
         caps: (u64, u64, u64),
     ) -> Option<Local> {
@@ -1076,6 +1301,7 @@ impl<'a> Request<'a> {
             c.own(l) > cap_own || c.held(l) > cap_held || c.pinned_held(l, kept) > cap_host
         };
         let mut l = c.minimal(sigma, depth);
+        l.coded = vec![coded; c.stacks.len()];
         if !c.streams(&l) || over(&l) {
             return None;
         }
@@ -1459,7 +1685,8 @@ impl<'a> Request<'a> {
                 .iter()
                 .map(|&i| {
                     let (l, _) = &sol.phases[i];
-                    self.comps[i].slots(l) as u64 * self.comps[i].slot(l)
+                    let c = &self.comps[i];
+                    c.slots(l) as u64 * c.slot(l) + c.staging(l)
                 })
                 .max()
                 .unwrap_or(0);
@@ -1511,6 +1738,7 @@ impl<'a> Request<'a> {
                 kept_bytes: kept_total - if *kept { held } else { 0 },
                 held_bytes: held,
                 slot_bytes: c.slots(l) as u64 * c.slot(l),
+                staging_bytes: c.staging(l),
                 activation_bytes: c.act,
             };
             out.push(PhaseEvaluation {
@@ -1547,6 +1775,7 @@ impl<'a> Request<'a> {
                 .collect(),
             depth: l.depth,
             kept,
+            coded_blocks: c.coded_blocks(l).map(|b| b.path.clone()).collect(),
         }
     }
 
@@ -1572,6 +1801,20 @@ impl<'a> Request<'a> {
                     });
                 }
             }
+            for p in &ch.coded_blocks {
+                let block = c.stacks.iter().flatten().find(|b| &b.path == p);
+                let streamed = !ch.resident_blocks.contains(p);
+                if !block.is_some_and(|b| b.coded.is_some() && streamed) {
+                    return Err(BudgetError::Input {
+                        input: format!("choices.{}.coded_blocks", c.path),
+                        value: format!("`{p}`"),
+                        allowed: format!(
+                            "streamed blocks of `{}` that have a coded master (coded_block_bytes among the inputs)",
+                            c.path
+                        ),
+                    });
+                }
+            }
             let l = Local {
                 resident: c
                     .stacks
@@ -1583,7 +1826,24 @@ impl<'a> Request<'a> {
                     })
                     .collect(),
                 depth: ch.depth,
+                coded: c
+                    .stacks
+                    .iter()
+                    .map(|s| s.iter().any(|b| ch.coded_blocks.contains(&b.path)))
+                    .collect(),
             };
+            // A stack streams coded whole: every streamed block of it that
+            // has a coded master.
+            if let Some(b) = c
+                .coded_blocks(&l)
+                .find(|b| !ch.coded_blocks.contains(&b.path))
+            {
+                return Err(BudgetError::Input {
+                    input: format!("choices.{}.coded_blocks", c.path),
+                    value: format!("no `{}`, though its stack streams coded", b.path),
+                    allowed: "every streamed block with a coded master of a stack that streams coded (a stack streams coded whole)".to_owned(),
+                });
+            }
             if !c.valid(&l, MAX_DEPTH) {
                 return Err(BudgetError::Input {
                     input: format!("choices.{}", c.path),
@@ -1643,6 +1903,15 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             "a finite number > 0, or absent (staged blocks priced at the link)",
         );
     }
+    if let Some(rate) = inputs.decode_bytes_per_s
+        && !positive(rate)
+    {
+        return bad(
+            "decode_bytes_per_s",
+            rate.to_string(),
+            "a finite number > 0 (bf16 bytes the decoder writes per second), or absent",
+        );
+    }
     for (input, v) in [
         ("copy_latency_s", inputs.copy_latency_s),
         ("copy_interference", inputs.copy_interference),
@@ -1697,6 +1966,17 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
                 &key("own_compute_s"),
                 own_compute_s.to_string(),
                 "a finite number ≥ 0",
+            );
+        }
+        if let Some((b, v)) = c
+            .coded_block_bytes
+            .iter()
+            .find(|(_, v)| **v == 0 || **v > 1 << 60)
+        {
+            return bad(
+                &key("coded_block_bytes"),
+                format!("{v} for `{b}`"),
+                "1 to 2^60 bytes per block",
             );
         }
         if let Some((b, v)) = c.block_compute_s.iter().find(|(_, v)| !non_negative(**v)) {
@@ -1930,13 +2210,19 @@ fn describe(
         ComponentMode::Swapped
     };
     let streamed = c.streamed_bytes(l);
+    let on_link = c.link_bytes(l);
     let link = inp.link_bytes_per_s;
     let bring_in_s = if kept || held == 0 {
         0.0
     } else {
         held as f64 / link
     };
-    let transfer_s = bring_in_s + c.forwards * streamed as f64 / link;
+    let transfer_s = bring_in_s + c.forwards * on_link as f64 / link;
+    let coded: Vec<String> = c.coded_blocks(l).map(|b| b.path.clone()).collect();
+    let decoded: u64 = c.coded_blocks(l).map(|b| b.bytes).sum();
+    let decode_s = inp
+        .decode_bytes_per_s
+        .map_or(0.0, |rate| c.forwards * decoded as f64 / rate);
     let compute_s = c.compute_s();
     // The host's fills of its staged blocks, where they are priced: one
     // fill at a time, so together they bound the phase as the link does.
@@ -1996,7 +2282,7 @@ fn describe(
                 c.blocks(),
                 gb(streamed),
                 fwd(c.forwards),
-                secs(c.forwards * streamed as f64 / link),
+                secs(c.forwards * on_link as f64 / link),
                 link / 1e9,
                 secs(compute_s),
                 limit,
@@ -2010,6 +2296,48 @@ fn describe(
             )
         }
     };
+    if !coded.is_empty() {
+        let ratio = on_link as f64 / streamed.max(1) as f64;
+        reason.push_str(&format!(
+            "; {} of its streamed blocks stream coded (weight_compression = \"{}\"): {} of weights cross the link as {} per forward ({:.3} of the bytes), decoded on the device at {:.0} GB/s ({} per request) through two staging buffers ({})",
+            coded.len(),
+            match c.code {
+                Code::Always => "lossless",
+                _ => "auto",
+            },
+            gb(decoded),
+            gb(on_link - (streamed - decoded)),
+            ratio,
+            inp.decode_bytes_per_s.unwrap_or(0.0) / 1e9,
+            secs(decode_s),
+            gb(c.staging(l))
+        ));
+        if c.code == Code::Choose {
+            let mut raw = l.clone();
+            raw.coded = vec![false; c.stacks.len()];
+            reason.push_str(&format!(
+                "; uncoded the phase would take {} against {}",
+                secs(c.time_hosted(&raw, kept, inp, &r.staged_paths(&best.phases))),
+                secs(ph.time_s)
+            ));
+        }
+    } else if c.code == Code::Choose
+        && streams
+        && c.blocks_where(l, false).any(|b| b.coded.is_some())
+    {
+        let mut all = l.clone();
+        all.coded = vec![true; c.stacks.len()];
+        reason.push_str(&format!(
+            "; weight_compression = \"auto\" streams it uncoded: coded it would take {} against {}{}",
+            secs(c.time_hosted(&all, kept, inp, &r.staged_paths(&best.phases))),
+            secs(ph.time_s),
+            if c.own(&all) > c.own(l) {
+                format!(" and {} more of decode staging", gb(c.staging(&all)))
+            } else {
+                String::new()
+            }
+        ));
+    }
     if let Some(rate) = inp.host_fill_bytes_per_s
         && staged_bytes > 0
     {
@@ -2074,6 +2402,9 @@ fn describe(
         blocks: c.blocks(),
         streamed_blocks: l.resident.iter().flatten().filter(|x| !**x).count(),
         streamed_bytes: streamed,
+        coded_blocks: coded,
+        link_bytes: on_link,
+        decode_s,
         depth: l.depth,
         slots: c.slots(l),
         slot_bytes: c.slot(l),

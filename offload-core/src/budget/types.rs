@@ -104,6 +104,9 @@ pub struct PeakParts {
     pub held_bytes: u64,
     /// Its slots (`slots × slot_bytes`).
     pub slot_bytes: u64,
+    /// Its decode staging buffers (two of its largest coded streamed
+    /// block; 0 when nothing streams coded, CONTRACT §7b).
+    pub staging_bytes: u64,
     /// Its activations.
     pub activation_bytes: u64,
 }
@@ -117,6 +120,7 @@ impl PeakParts {
             + self.kept_bytes
             + self.held_bytes
             + self.slot_bytes
+            + self.staging_bytes
             + self.activation_bytes
     }
 }
@@ -142,8 +146,17 @@ pub struct ComponentPlan {
     pub blocks: usize,
     /// How many stream.
     pub streamed_blocks: usize,
-    /// Bytes streamed per forward.
+    /// Bytes streamed per forward (as stored: bf16).
     pub streamed_bytes: u64,
+    /// Its streamed blocks that stream coded (CONTRACT §7b): copied as
+    /// their coded bytes, decoded on the device into their slots.
+    pub coded_blocks: Vec<String>,
+    /// Bytes its forwards move over the link per forward: `streamed_bytes`
+    /// with each coded block at its coded bytes.
+    pub link_bytes: u64,
+    /// The decodes of its coded blocks per request, s (device time on the
+    /// decode stream, at the decoder's measured rate).
+    pub decode_s: f64,
     /// Prefetch depth (0 when nothing streams).
     pub depth: usize,
     /// Slots of its phase (`depth + 1`; 0 when nothing streams).
@@ -206,8 +219,22 @@ impl MinimumBudget {
             } else {
                 0
             },
+            staging: self.parts.staging_bytes,
             activation_bytes: self.parts.activation_bytes,
         }
+    }
+}
+
+/// The decode staging part of [`BudgetError::DoesNotFit`]'s sum (nothing
+/// where the phase decodes nothing).
+fn staging_part(budget: &ByteSize, staging: u64) -> String {
+    if staging == 0 {
+        String::new()
+    } else {
+        format!(
+            " + {} of decode staging buffers (two of its largest coded block)",
+            budget.in_unit_of(staging)
+        )
     }
 }
 
@@ -358,6 +385,7 @@ impl RequestPlan {
                 resident_blocks: c.resident_blocks.clone(),
                 depth: c.depth,
                 kept: c.kept,
+                coded_blocks: c.coded_blocks.clone(),
             })
             .collect()
     }
@@ -424,13 +452,24 @@ impl fmt::Display for RequestPlan {
         for c in &self.components {
             let what = match c.mode {
                 ComponentMode::Streamed => format!(
-                    "streamed: {} of {} blocks through {} slots of {:.3} GB (depth {}), {} resident",
+                    "streamed: {} of {} blocks through {} slots of {:.3} GB (depth {}), {} resident{}",
                     c.streamed_blocks,
                     c.blocks,
                     c.slots,
                     gb(c.slot_bytes),
                     c.depth,
-                    c.blocks - c.streamed_blocks
+                    c.blocks - c.streamed_blocks,
+                    if c.coded_blocks.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            "; {} coded ({:.2} GB on the link per forward for {:.2} GB of weights, decoded through {:.3} GB of staging)",
+                            c.coded_blocks.len(),
+                            gb(c.link_bytes),
+                            gb(c.streamed_bytes),
+                            gb(c.peak.staging_bytes)
+                        )
+                    }
                 ),
                 m => m.to_string(),
             };
@@ -535,13 +574,14 @@ pub enum BudgetError {
     },
     /// The budget is below the least any plan needs.
     #[error(
-        "`device_budget` = {budget} does not fit: the least this pipeline needs is {}, in the phase of `{phase}`: {} outside every component + {} of host mappings + {} of allocator slack + {} held + {slots} slots of {} + {} of activations; allowed: device_budget ≥ {}",
+        "`device_budget` = {budget} does not fit: the least this pipeline needs is {}, in the phase of `{phase}`: {} outside every component + {} of host mappings + {} of allocator slack + {} held + {slots} slots of {}{} + {} of activations; allowed: device_budget ≥ {}",
         .budget.in_unit_of_at_least(*.minimum),
         .budget.in_unit_of(*.outside),
         .budget.in_unit_of(*.mapping),
         .budget.in_unit_of(*.slack),
         .budget.in_unit_of(*.held),
         .budget.in_unit_of(*.slot_bytes),
+        staging_part(.budget, *.staging),
         .budget.in_unit_of(*.activation_bytes),
         .budget.written_at_least(*.minimum),
     )]
@@ -565,6 +605,8 @@ pub enum BudgetError {
         slots: usize,
         /// One slot.
         slot_bytes: u64,
+        /// Its decode staging buffers (`weight_compression = "lossless"`).
+        staging: u64,
         /// Its activations.
         activation_bytes: u64,
     },
@@ -642,4 +684,7 @@ pub struct ComponentChoice {
     pub depth: usize,
     /// Whether its held set stays on the device across phases.
     pub kept: bool,
+    /// Its streamed blocks that stream coded (CONTRACT §7b; empty: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coded_blocks: Vec<String>,
 }

@@ -396,7 +396,11 @@ pub fn plan_bounds(
     let outside: Vec<&crate::runtime::layout::Unit> =
         part.rest.iter().filter(|u| !is_managed(u.module)).collect();
     let outside_bytes: u64 = outside.iter().map(|u| u.bytes).sum();
-    // Each component's held set and slots, from the plan's choices.
+    // Each component's held set and slots, from the plan's choices; its
+    // coded streamed blocks (CONTRACT §7b) add two device staging buffers
+    // of the largest one's bound, and their masters up to that bound.
+    let bf16 = crate::runtime::layout::bf16_storages(pipeline);
+    let mut coded_overhead = 0u64;
     let mut held = Vec::new();
     for c in &managed {
         let choice = plan
@@ -408,14 +412,21 @@ pub fn plan_bounds(
                 reason: "the request plan has no choice for this component".to_owned(),
             })?;
         let mut held_bytes = part.rest_of(c.module).map_or(0, |u| u.bytes);
-        let mut streamed_max = 0;
+        let (mut streamed_max, mut coded_max) = (0, 0);
         for stack in resolved.stacks.iter().filter(|s| s.owner == c.path) {
             for b in &stack.blocks {
-                let bytes = part.blocks[&b.module].bytes;
+                let unit = &part.blocks[&b.module];
+                let bytes = unit.bytes;
                 if choice.resident_blocks.contains(&b.path) {
                     held_bytes += bytes;
                 } else {
                     streamed_max = streamed_max.max(bytes);
+                    if choice.coded_blocks.contains(&b.path) {
+                        let spans = crate::runtime::layout::codec_spans(unit, &bf16).len();
+                        let bound = crate::device::coded_bound(bytes, spans);
+                        coded_max = coded_max.max(bound);
+                        coded_overhead += bound.saturating_sub(bytes);
+                    }
                 }
             }
         }
@@ -427,7 +438,7 @@ pub fn plan_bounds(
         held.push((
             c.path.clone(),
             held_bytes,
-            slots * streamed_max,
+            slots * streamed_max + crate::runtime::layerwise::STAGING_BUFFERS as u64 * coded_max,
             choice.kept,
         ));
     }
@@ -456,7 +467,7 @@ pub fn plan_bounds(
     Ok(PlanBounds {
         phases,
         budget_bytes: plan.budget_bytes,
-        host_weight_bytes: managed_bytes + staging,
+        host_weight_bytes: managed_bytes + staging + coded_overhead,
         staging_bytes: staging,
         host_staging_bytes: host_staging,
         host_budget_bytes: plan.host.as_ref().map(|h| h.budget_bytes),

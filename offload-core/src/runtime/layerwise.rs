@@ -462,7 +462,12 @@ impl Transport {
                     .expect("a decoding engine has a decode stream");
                 let (coded_bytes, work) = master.coded.expect("a decoded block is coded");
                 let decoded_bytes = master.unit.bytes;
-                let decoding = st.decoding.as_mut().expect("a decoding engine");
+                let Some(decoding) = st.decoding.as_mut() else {
+                    return Err(OffloadError::Forward {
+                        module: master.unit.name.clone(),
+                        reason: "a coded block streamed where no decode staging buffers are held (its phase's pool has none)".to_owned(),
+                    });
+                };
                 let j = decoding.next;
                 decoding.next = (j + 1) % decoding.staging.len();
                 let buffer = &decoding.staging[j];
@@ -1304,7 +1309,7 @@ pub(crate) const STAGING_BUFFERS: usize = 2;
 
 /// What encoding at enable did, for its log line.
 #[derive(Default)]
-struct CodingTally {
+pub(crate) struct CodingTally {
     blocks: usize,
     /// Of `blocks`, those registered in place from a packed checkpoint.
     in_place: usize,
@@ -1318,7 +1323,19 @@ struct CodingTally {
 }
 
 impl CodingTally {
-    fn log(&self, codec: Option<&dyn Codec<impl Api>>) {
+    /// Counts a block encoded earlier (its blob kept) and pinned now.
+    pub(crate) fn encoded_before(&mut self, bytes: u64, coded: u64) {
+        self.blocks += 1;
+        self.decoded += bytes;
+        self.coded += coded;
+    }
+
+    /// Whether it counted anything.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks == 0 && self.raw == 0
+    }
+
+    pub(crate) fn log(&self, codec: Option<&dyn Codec<impl Api>>) {
         let Some(codec) = codec else { return };
         tracing::info!(
             blocks = self.blocks,
@@ -1346,7 +1363,7 @@ impl CodingTally {
 /// [`CodedMaster::Raw`] (logged) where the codec refused it or its blob
 /// exceeds [`coded_bound`] (then it is freed and the block streams raw), or
 /// the coded bytes back where the device refused to pin them.
-fn coded_master<A: Api>(
+pub(crate) fn coded_master<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
     spans: &[CodecSpan],
@@ -2429,91 +2446,19 @@ impl<A: Api> LayerwiseBackend<A> {
         ring: usize,
         block: usize,
     ) -> Result<f64, OffloadError> {
-        let h = &self.engine.handles;
-        let decode = h
-            .decode
-            .as_ref()
-            .expect("a coding engine has a decode stream");
         let d = st.decoding.as_ref().expect("coded masters have staging");
         let m = &st.rings[ring].blocks[block];
-        let (coded_bytes, work) = m.coded.expect("a coded block");
-        let (staging, slot) = (
+        let slot = st.slots.first().ok_or_else(|| OffloadError::Forward {
+            module: m.unit.name.clone(),
+            reason: "no slot to measure a decode into".to_owned(),
+        })?;
+        time_decodes(
+            &self.engine.handles,
+            &*d.codec,
+            (&m.unit, &m.host, m.coded.expect("a coded block")),
             &d.staging[0],
-            st.slots.first().ok_or_else(|| OffloadError::Forward {
-                module: m.unit.name.clone(),
-                reason: "no slot to measure a decode into".to_owned(),
-            })?,
-        );
-        let timing = || {
-            h.device
-                .create_timing_event()
-                .map_err(|e| dev_err("create_timing_event", e))
-        };
-        // Three timed decodes after an untimed one (the module's first
-        // launch): the shortest is the rate, a delay on the stream (a
-        // perturbation, another process) lengthening only one of them.
-        const TIMED: usize = 3;
-        let marks: Vec<A::Event> = (0..=TIMED).map(|_| timing()).collect::<Result<_, _>>()?;
-        // SAFETY: at enable nothing else uses staging buffer 0 or slot 0;
-        // the decode stream waits for the copy (`copied`) and the host
-        // synchronises on the last mark, after every decode, before
-        // anything else touches either buffer or the master is freed.
-        unsafe {
-            h.device
-                .copy_h2d(
-                    &h.copy,
-                    m.host.copy_source("copy_h2d (decode measurement)")?,
-                    0,
-                    &staging.buffer,
-                    0,
-                    coded_bytes,
-                )
-                .map_err(|e| dev_err("copy_h2d (decode measurement)", e))?;
-            h.device
-                .record_event(&staging.copied, &h.copy)
-                .map_err(|e| dev_err("record_event(staging copied)", e))?;
-            h.device
-                .stream_wait_event(decode, &staging.copied)
-                .map_err(|e| dev_err("stream_wait_event(decode, staging copied)", e))?;
-            for k in 0..=TIMED {
-                if k > 0 {
-                    h.device
-                        .record_event(&marks[k - 1], decode)
-                        .map_err(|e| dev_err("record_event(decode mark)", e))?;
-                }
-                d.codec
-                    .decode(
-                        decode,
-                        &staging.buffer,
-                        coded_bytes,
-                        work,
-                        &slot.buffer,
-                        m.unit.bytes,
-                    )
-                    .map_err(|e| dev_err("decode (measurement)", e))?;
-            }
-            h.device
-                .record_event(&marks[TIMED], decode)
-                .map_err(|e| dev_err("record_event(decode end)", e))?;
-            h.device
-                .record_event(&staging.consumed, decode)
-                .map_err(|e| dev_err("record_event(staging consumed)", e))?;
-        }
-        h.device
-            .synchronize_event(&marks[TIMED])
-            .map_err(|e| dev_err("synchronize_event(decode end)", e))?;
-        d.codec
-            .check()
-            .map_err(|e| dev_err("the decoder's check after the measured decodes", e))?;
-        let mut ns = u64::MAX;
-        for k in 0..TIMED {
-            let e = h
-                .device
-                .elapsed_ns(&marks[k], &marks[k + 1])
-                .map_err(|e| dev_err("elapsed_ns(decode)", e))?;
-            ns = ns.min(e.max(1));
-        }
-        Ok(m.unit.bytes as f64 / (ns as f64 / 1e9))
+            &slot.buffer,
+        )
     }
 
     /// A staging ring of up to `buffers` pinned buffers of `bytes`, each
@@ -2854,8 +2799,125 @@ pub(crate) type BlockHookOf = (ModuleId, Box<dyn ModelHook<ForwardCtx>>);
 /// and a slot pool sized per phase (allocated when a streaming phase
 /// begins, freed when a phase that streams nothing begins), with the same
 /// hooks, fills, stamps and events as layerwise.
+/// The decoder's rate on this device, bytes written per second: `unit`'s
+/// coded master (`coded`: its coded bytes and work items) copied to
+/// `staging` and decoded into `out` four times on the decode stream, the
+/// last three timed with the device's events and the shortest taken, then
+/// synchronised and the decoder's check read. Nothing else may use
+/// `staging` or `out` meanwhile (enable time).
+fn time_decodes<A: Api>(
+    h: &Handles<A>,
+    codec: &dyn Codec<A>,
+    (unit, host, (coded_bytes, work)): (&Unit, &HostMaster<A>, (u64, u64)),
+    staging: &Staging<A>,
+    out: &A::DeviceBuffer,
+) -> Result<f64, OffloadError> {
+    let decode = h
+        .decode
+        .as_ref()
+        .expect("a coding engine has a decode stream");
+    let timing = || {
+        h.device
+            .create_timing_event()
+            .map_err(|e| dev_err("create_timing_event", e))
+    };
+    // Three timed decodes after an untimed one (the module's first
+    // launch): the shortest is the rate, a delay on the stream (a
+    // perturbation, another process) lengthening only one of them.
+    const TIMED: usize = 3;
+    let marks: Vec<A::Event> = (0..=TIMED).map(|_| timing()).collect::<Result<_, _>>()?;
+    // SAFETY: at enable nothing else uses `staging` or `out`; the decode
+    // stream waits for the copy (`copied`) and the host synchronises on
+    // the last mark, after every decode, before anything else touches
+    // either buffer or the master is freed.
+    unsafe {
+        h.device
+            .copy_h2d(
+                &h.copy,
+                host.copy_source("copy_h2d (decode measurement)")?,
+                0,
+                &staging.buffer,
+                0,
+                coded_bytes,
+            )
+            .map_err(|e| dev_err("copy_h2d (decode measurement)", e))?;
+        h.device
+            .record_event(&staging.copied, &h.copy)
+            .map_err(|e| dev_err("record_event(staging copied)", e))?;
+        h.device
+            .stream_wait_event(decode, &staging.copied)
+            .map_err(|e| dev_err("stream_wait_event(decode, staging copied)", e))?;
+        for k in 0..=TIMED {
+            if k > 0 {
+                h.device
+                    .record_event(&marks[k - 1], decode)
+                    .map_err(|e| dev_err("record_event(decode mark)", e))?;
+            }
+            codec
+                .decode(decode, &staging.buffer, coded_bytes, work, out, unit.bytes)
+                .map_err(|e| dev_err("decode (measurement)", e))?;
+        }
+        h.device
+            .record_event(&marks[TIMED], decode)
+            .map_err(|e| dev_err("record_event(decode end)", e))?;
+        h.device
+            .record_event(&staging.consumed, decode)
+            .map_err(|e| dev_err("record_event(staging consumed)", e))?;
+    }
+    h.device
+        .synchronize_event(&marks[TIMED])
+        .map_err(|e| dev_err("synchronize_event(decode end)", e))?;
+    codec
+        .check()
+        .map_err(|e| dev_err("the decoder's check after the measured decodes", e))?;
+    let mut ns = u64::MAX;
+    for k in 0..TIMED {
+        let e = h
+            .device
+            .elapsed_ns(&marks[k], &marks[k + 1])
+            .map_err(|e| dev_err("elapsed_ns(decode)", e))?;
+        ns = ns.min(e.max(1));
+    }
+    Ok(unit.bytes as f64 / (ns as f64 / 1e9))
+}
+
+/// A planned phase's slot pool ([`RingEngine::use_pool`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Pool {
+    /// Slots (`depth + 1`; 0: none).
+    pub(crate) slots: usize,
+    /// Bytes of one slot.
+    pub(crate) slot_bytes: u64,
+    /// Prefetch depth.
+    pub(crate) depth: usize,
+    /// Bytes of each of the two decode staging buffers (0: none).
+    pub(crate) staging_bytes: u64,
+}
+
+/// Whether `st`'s pool is `pool` (its depth aside).
+fn pool_is<A: Api>(st: &State<A>, pool: Pool) -> bool {
+    let staging = st
+        .decoding
+        .as_ref()
+        .and_then(|d| d.staging.first())
+        .map_or(0, |b| b.buffer.len_bytes());
+    st.slots.len() == pool.slots
+        && st
+            .slots
+            .first()
+            .is_none_or(|s| s.buffer.len_bytes() == pool.slot_bytes)
+        && staging == pool.staging_bytes
+}
+
+/// A streamed block's host master as the planned backend hands it to the
+/// ring engine: the master, and (coded, CONTRACT §7b) its coded bytes and
+/// the decode's work items.
+pub(crate) type StoredMaster<A> = (Arc<HostMaster<A>>, Option<(u64, u64)>);
+
 pub(crate) struct RingEngine<A: Api> {
     engine: Arc<Engine<A>>,
+    /// The codec coded masters decode with (`weight_compression`).
+    codec: Option<Arc<dyn Codec<A>>>,
 }
 
 impl<A: Api> RingEngine<A> {
@@ -2864,15 +2926,80 @@ impl<A: Api> RingEngine<A> {
         compute: Arc<A::Stream>,
         weights: Arc<dyn WeightSource>,
         bugs: Bugs,
+        codec: Option<Arc<dyn Codec<A>>>,
     ) -> Result<Self, OffloadError> {
+        let handles = Handles::new(device, compute, weights)?;
+        let handles = if codec.is_some() {
+            handles.with_decode()?
+        } else {
+            handles
+        };
         Ok(Self {
             engine: Arc::new(Engine {
-                shared: Shared::new(Handles::new(device, compute, weights)?, bugs),
+                shared: Shared::new(handles, bugs),
                 strategy: OffloadStrategy::Planned,
                 rank: 0,
                 group: 1,
             }),
+            codec,
         })
+    }
+
+    /// The decoder's rate (bf16 bytes written per second) on `unit`'s
+    /// coded master (`coded`: coded bytes, work items), measured as
+    /// layerwise's `"auto"` does ([`time_decodes`]) into a staging buffer
+    /// and an output buffer allocated for it and freed after. Enable time:
+    /// no ring is built.
+    pub(crate) fn measure_decoder(
+        &self,
+        unit: &Unit,
+        master: &HostMaster<A>,
+        coded: (u64, u64),
+    ) -> Result<f64, OffloadError> {
+        let h = &self.engine.handles;
+        let codec = self.codec.as_ref().ok_or_else(|| OffloadError::Forward {
+            module: unit.name.clone(),
+            reason: "no codec to measure a decode with".to_owned(),
+        })?;
+        let alloc = |bytes: u64, what: &str| {
+            h.device
+                .alloc_device(bytes.max(1))
+                .map(Arc::new)
+                .map_err(|e| dev_err(format!("alloc_device({bytes} bytes) for {what}"), e))
+        };
+        let event = || {
+            h.device
+                .create_event()
+                .map_err(|e| dev_err("create_event", e))
+        };
+        let staging = Staging {
+            buffer: alloc(coded.0, "the decode measurement's staging")?,
+            copied: event()?,
+            consumed: event()?,
+        };
+        let out = match alloc(unit.bytes, "the decode measurement's output") {
+            Ok(out) => out,
+            Err(e) => {
+                let _ = h.free(
+                    staging.buffer,
+                    &[&staging.copied, &staging.consumed],
+                    "staging",
+                );
+                return Err(e);
+            }
+        };
+        let rate = time_decodes(h, &**codec, (unit, master, coded), &staging, &out);
+        // Every free runs after the decodes (the measurement synchronised,
+        // or failed before enqueueing them: the events order the rest).
+        let freed = h
+            .free(
+                staging.buffer,
+                &[&staging.copied, &staging.consumed],
+                "staging",
+            )
+            .and_then(|()| h.free(out, &[&staging.consumed], "decode output"));
+        let rate = rate?;
+        freed.map(|()| rate)
     }
 
     /// Builds the rings of `layout` over the masters `master_of` gives (no
@@ -2886,7 +3013,7 @@ impl<A: Api> RingEngine<A> {
         &self,
         pipeline: &crate::model::Pipeline,
         layout: &RingLayout,
-        master_of: &dyn Fn(&Unit) -> Option<Arc<HostMaster<A>>>,
+        master_of: &dyn Fn(&Unit) -> Option<StoredMaster<A>>,
         timer: Option<Arc<Timer<A>>>,
         release: bool,
     ) -> Result<Vec<BlockHookOf>, OffloadError> {
@@ -2915,7 +3042,7 @@ impl<A: Api> RingEngine<A> {
                 st.filled_into.push(vec![None; spec.blocks.len()]);
                 for (i, block) in spec.blocks.iter().enumerate() {
                     let unit = block.unit.clone();
-                    let host = master_of(&unit).ok_or_else(|| OffloadError::Forward {
+                    let (host, coded) = master_of(&unit).ok_or_else(|| OffloadError::Forward {
                         module: unit.name.clone(),
                         reason: "the planned backend has no host master for this streamed block"
                             .to_owned(),
@@ -2929,11 +3056,17 @@ impl<A: Api> RingEngine<A> {
                             block: i,
                         }),
                     ));
+                    if coded.is_some() && self.codec.is_none() {
+                        return Err(OffloadError::Forward {
+                            module: unit.name.clone(),
+                            reason: "a coded master on a ring engine without a codec".to_owned(),
+                        });
+                    }
                     st.rings[r].blocks.push(Master {
                         unit,
                         host,
                         shard: None,
-                        coded: None,
+                        coded,
                     });
                 }
             }
@@ -2959,40 +3092,42 @@ impl<A: Api> RingEngine<A> {
             .bytes_per_s()
     }
 
-    /// Makes the slot pool `slots` slots of `slot_bytes` at prefetch
-    /// `depth`: kept when it already is (consecutive phases alike),
-    /// otherwise the old pool is freed after its last uses (blocks in
-    /// flight discarded) and the new one allocated; `slots == 0` frees it.
-    /// Whether the pool is `slots` slots of `slot_bytes` now.
-    pub(crate) fn has_pool(&self, slots: usize, slot_bytes: u64) -> bool {
-        self.engine.lock().as_ref().is_some_and(|st| {
-            st.slots.len() == slots
-                && st
-                    .slots
-                    .first()
-                    .is_none_or(|s| s.buffer.len_bytes() == slot_bytes)
-        })
+    /// Whether the pool is `pool` now ([`Self::use_pool`]).
+    pub(crate) fn has_pool(&self, pool: Pool) -> bool {
+        self.engine
+            .lock()
+            .as_ref()
+            .is_some_and(|st| pool_is(st, pool))
     }
 
-    pub(crate) fn use_pool(
-        &self,
-        slots: usize,
-        slot_bytes: u64,
-        depth: usize,
-    ) -> Result<(), OffloadError> {
+    /// Makes the slot pool `pool.slots` slots of `pool.slot_bytes` at
+    /// prefetch `pool.depth`, beside two decode staging buffers of
+    /// `pool.staging_bytes` where its phase streams coded blocks (CONTRACT
+    /// §7b; none where 0): kept when it already is (consecutive phases
+    /// alike), otherwise the old pool is freed after its last uses (blocks
+    /// in flight discarded, staging buffers after the decodes that read
+    /// them) and the new one allocated; `slots == 0` frees it.
+    pub(crate) fn use_pool(&self, pool: Pool) -> Result<(), OffloadError> {
+        let Pool {
+            slots,
+            slot_bytes,
+            depth,
+            staging_bytes,
+        } = pool;
         let engine = &*self.engine;
         let mut guard = engine.lock();
         let st = guard
             .as_mut()
             .ok_or_else(|| disabled(OffloadStrategy::Planned))?;
-        let same = st.slots.len() == slots
-            && st
-                .slots
-                .first()
-                .is_none_or(|s| s.buffer.len_bytes() == slot_bytes);
         st.depth = depth.max(1);
-        if same {
+        if pool_is(st, pool) {
             return Ok(());
+        }
+        if staging_bytes > 0 && self.codec.is_none() {
+            return Err(OffloadError::Forward {
+                module: "decode staging".to_owned(),
+                reason: "a pool with decode staging on a ring engine without a codec".to_owned(),
+            });
         }
         if st.table.any_in_use() {
             let module = st
@@ -3005,37 +3140,84 @@ impl<A: Api> RingEngine<A> {
                 reason: "another component's forward began while this block's forward still runs (nested forwards?); run one component at a time".to_owned(),
             });
         }
-        for k in 0..st.slots.len() {
-            if let Some((r, b)) = st.table.stamp(k)
-                && st.in_flight(r, b)
-            {
-                let unit = st.rings[r].blocks[b].unit.clone();
-                st.placement.transition(&unit, Transition::Discard)?;
+        let h = &engine.handles;
+        let slots_same = st.slots.len() == slots
+            && st
+                .slots
+                .first()
+                .is_none_or(|s| s.buffer.len_bytes() == slot_bytes);
+        if !slots_same {
+            for k in 0..st.slots.len() {
+                if let Some((r, b)) = st.table.stamp(k)
+                    && st.in_flight(r, b)
+                {
+                    let unit = st.rings[r].blocks[b].unit.clone();
+                    st.placement.transition(&unit, Transition::Discard)?;
+                }
+            }
+            let old = std::mem::take(&mut st.slots);
+            st.table = SlotTable::new(0);
+            for slot in old {
+                h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot")?;
+            }
+            for k in 0..slots {
+                let buffer = h.device.alloc_device(slot_bytes).map_err(|e| {
+                    dev_err(format!("alloc_device({slot_bytes} bytes) for slot{k}"), e)
+                })?;
+                h.device.name_buffer(&buffer, &format!("slot{k}"));
+                let event = || {
+                    h.device
+                        .create_event()
+                        .map_err(|e| dev_err("create_event", e))
+                };
+                st.slots.push(Slot {
+                    buffer: Arc::new(buffer),
+                    ready: event()?,
+                    last_use: event()?,
+                });
+                st.table = SlotTable::new(st.slots.len());
             }
         }
-        let old = std::mem::take(&mut st.slots);
-        st.table = SlotTable::new(0);
-        let h = &engine.handles;
-        for slot in old {
-            h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot")?;
-        }
-        for k in 0..slots {
-            let buffer = h
-                .device
-                .alloc_device(slot_bytes)
-                .map_err(|e| dev_err(format!("alloc_device({slot_bytes} bytes) for slot{k}"), e))?;
-            h.device.name_buffer(&buffer, &format!("slot{k}"));
-            let event = || {
-                h.device
-                    .create_event()
-                    .map_err(|e| dev_err("create_event", e))
-            };
-            st.slots.push(Slot {
-                buffer: Arc::new(buffer),
-                ready: event()?,
-                last_use: event()?,
-            });
-            st.table = SlotTable::new(st.slots.len());
+        // The decode staging buffers (CONTRACT §7b): the old ones freed
+        // after the decodes that read them, the new ones held as soon as
+        // each is made (a failure leaves them to the state's release).
+        let held = st
+            .decoding
+            .as_ref()
+            .and_then(|d| d.staging.first())
+            .map_or(0, |b| b.buffer.len_bytes());
+        if held != staging_bytes {
+            if let Some(d) = st.decoding.take() {
+                for b in d.staging {
+                    h.free(b.buffer, &[&b.copied, &b.consumed], "staging")?;
+                }
+            }
+            if let (Some(codec), true) = (&self.codec, staging_bytes > 0) {
+                let decoding = st.decoding.insert(Decoding {
+                    codec: Arc::clone(codec),
+                    staging: Vec::new(),
+                    next: 0,
+                });
+                for j in 0..STAGING_BUFFERS {
+                    let buffer = h.device.alloc_device(staging_bytes).map_err(|e| {
+                        dev_err(
+                            format!("alloc_device({staging_bytes} bytes) for staging{j}"),
+                            e,
+                        )
+                    })?;
+                    h.device.name_buffer(&buffer, &format!("staging{j}"));
+                    let event = || {
+                        h.device
+                            .create_event()
+                            .map_err(|e| dev_err("create_event", e))
+                    };
+                    decoding.staging.push(Staging {
+                        buffer: Arc::new(buffer),
+                        copied: event()?,
+                        consumed: event()?,
+                    });
+                }
+            }
         }
         Ok(())
     }

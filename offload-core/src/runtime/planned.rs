@@ -35,9 +35,9 @@ use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 use crate::budget::{
     self, BudgetError, ComponentChoice, DeviceMemory, HostLimits, HostSide, RequestPlan,
 };
-use crate::config::{OffloadConfig, OffloadStrategy};
+use crate::config::{OffloadConfig, OffloadStrategy, WeightCompression};
 use crate::declaration::Role;
-use crate::device::{Api, Device, DeviceErrorKind};
+use crate::device::{Api, Codec, Device, DeviceErrorKind};
 use crate::discovery::log_warnings;
 use crate::lifecycle::{
     DisableStep, EnableStep, Lifecycle, LifecycleState, OffloadBackend, OffloadError,
@@ -50,13 +50,13 @@ use crate::residency::Residency;
 use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::hooks::{ForwardCtx, Model};
-use crate::runtime::layerwise::RingEngine;
+use crate::runtime::layerwise::{Pool, RingEngine, StoredMaster};
 use crate::runtime::layout::{Partition, Unit, partition};
 use crate::runtime::model_level::{self, Group};
 use crate::runtime::ring::RingLayout;
 use crate::runtime::shared::{
-    Handles, HostMaster, Shared, check_single_owner, dev_err, enable_span, install_named_hooks,
-    remove_hooks,
+    CodedFrom, CodedMaster, Handles, HostMaster, Shared, check_single_owner, dev_err, enable_span,
+    install_named_hooks, remove_hooks,
 };
 use crate::runtime::timer::{Mark, Timer};
 
@@ -73,6 +73,41 @@ struct Layout {
     partition: Partition,
     /// Every component the plan manages: path, module, role.
     components: Vec<(String, ModuleId, Role)>,
+    /// The pipeline's bf16 storages (the codec's spans).
+    bf16: BTreeSet<crate::model::StorageId>,
+}
+
+impl Layout {
+    /// Every block of every managed component's stacks: (block path, unit).
+    fn blocks(&self) -> impl Iterator<Item = (&str, &Unit)> {
+        self.resolved
+            .stacks
+            .iter()
+            .filter(|s| self.components.iter().any(|c| c.0 == s.owner))
+            .flat_map(|s| &s.blocks)
+            .map(|b| (b.path.as_str(), &self.partition.blocks[&b.module]))
+    }
+
+    /// The units of the blocks `choices` stream coded.
+    fn coded_units(&self, choices: &[ComponentChoice]) -> BTreeSet<String> {
+        let coded: BTreeSet<&str> = choices
+            .iter()
+            .flat_map(|c| c.coded_blocks.iter().map(String::as_str))
+            .collect();
+        self.blocks()
+            .filter(|(path, _)| coded.contains(path))
+            .map(|(_, u)| u.name.clone())
+            .collect()
+    }
+}
+
+/// A streamed block's coded form as enable learned it (CONTRACT §7b,
+/// `weight_compression` under a device budget): its coded bytes, which the
+/// planner prices, and, where enable encoded it (no coded-block file holds
+/// it), the blob, kept until the first plan's store is built.
+struct CodedForm {
+    bytes: u64,
+    blob: Option<crate::device::Coded>,
 }
 
 type Phases<A> = Shared<A, model_level::State<A>>;
@@ -96,6 +131,17 @@ pub struct PlannedBackend<A: Api> {
     request: Option<RequestShape>,
     /// Host masters of every unit of every managed component, by unit name.
     store: BTreeMap<String, Arc<HostMaster<A>>>,
+    /// The store's coded masters (CONTRACT §7b): their coded bytes and the
+    /// decode's work items, by unit name.
+    store_coded: BTreeMap<String, (u64, u64)>,
+    /// The codec, where `weight_compression` codes blocks.
+    codec: Option<Arc<dyn Codec<A>>>,
+    /// Each streamed block's coded form, by unit name (blocks the codec
+    /// refused have none and stream raw).
+    coded_forms: BTreeMap<String, CodedForm>,
+    /// The decoder's rate measured at enable, bf16 bytes written per
+    /// second.
+    decode_rate: Option<f64>,
     layout: Option<Layout>,
     plan: Option<RequestPlan>,
     inputs: Option<PlannerInputs>,
@@ -137,20 +183,22 @@ impl<A: Api> PlannedBackend<A> {
             compute,
             weights,
             config,
-            inputs,
-            request,
+            (inputs, request),
             Bugs::default(),
+            None,
         )
     }
 
+    /// [`Self::new`] with planted bugs and the device's codec
+    /// (`weight_compression` `"lossless"` or `"auto"` need one).
     pub(crate) fn with_bugs(
         device: Arc<A::Device>,
         compute: Arc<A::Stream>,
         weights: Arc<dyn WeightSource>,
         config: OffloadConfig,
-        inputs: Option<PlannerInputs>,
-        request: Option<RequestShape>,
+        (inputs, request): (Option<PlannerInputs>, Option<RequestShape>),
         bugs: Bugs,
+        codec: Option<Arc<dyn Codec<A>>>,
     ) -> Result<Self, OffloadError> {
         let selection = config.select()?;
         selection.require_pinned()?;
@@ -169,11 +217,19 @@ impl<A: Api> PlannedBackend<A> {
                 }))
             })?;
         }
+        let codec = match (config.compression(), codec) {
+            (WeightCompression::None, _) => None,
+            (_, Some(codec)) => Some(codec),
+            (c, None) => {
+                return Err(OffloadError::Config(Box::new(crate::config::no_codec(c))));
+            }
+        };
         let ring = Arc::new(RingEngine::new(
             Arc::clone(&device),
             Arc::clone(&compute),
             Arc::clone(&weights),
             bugs.clone(),
+            codec.clone(),
         )?);
         let phases = Arc::new(Shared::new(
             Handles::new(Arc::clone(&device), Arc::clone(&compute), weights)?,
@@ -190,6 +246,10 @@ impl<A: Api> PlannedBackend<A> {
             given: inputs,
             request,
             store: BTreeMap::new(),
+            store_coded: BTreeMap::new(),
+            codec,
+            coded_forms: BTreeMap::new(),
+            decode_rate: None,
             layout: None,
             plan: None,
             inputs: None,
@@ -285,12 +345,18 @@ impl<A: Api> PlannedBackend<A> {
         choices: &[ComponentChoice],
     ) -> Result<(), OffloadError> {
         let staged = self.staged_units(layout, choices);
+        let coded = layout.coded_units(choices);
         let held = held_modules(layout, choices);
+        let mut tally = crate::runtime::layerwise::CodingTally::default();
         for unit in &Self::store_units(layout) {
             let streams =
                 layout.partition.blocks.contains_key(&unit.module) && !held.contains(&unit.module);
-            let master = self.make_master(unit, staged.contains(&unit.name), streams)?;
+            let want = (staged.contains(&unit.name), coded.contains(&unit.name));
+            let master = self.make_master(layout, unit, want, streams, &mut tally)?;
             self.store.insert(unit.name.clone(), Arc::new(master));
+        }
+        if !tally.is_empty() {
+            tally.log(self.codec.as_deref());
         }
         self.fit_store(layout, choices)?;
         self.log_staged();
@@ -348,7 +414,9 @@ impl<A: Api> PlannedBackend<A> {
                     is_staged: staged(u),
                     // Only a pinned copy we made (a registered master is the
                     // loader's memory) that no engine shares.
-                    may_stage: matches!(**m, HostMaster::Pinned(_)) && Arc::strong_count(m) == 1,
+                    may_stage: matches!(**m, HostMaster::Pinned(_))
+                        && Arc::strong_count(m) == 1
+                        && !self.store_coded.contains_key(&u.name),
                 }
             })
             .collect();
@@ -400,12 +468,25 @@ impl<A: Api> PlannedBackend<A> {
     /// A host master of `unit`: staged where `staged`, else pinned (or
     /// registered in place without a host budget); a refused pin of a
     /// streamed block (`streams`) under a host budget stages it.
+    /// Where `coded` (a streamed block the plan streams coded, CONTRACT
+    /// §7b), its coded master ([`Self::coded_master_of`]; raw where the
+    /// codec refuses it), recorded in `store_coded`.
     fn make_master(
-        &self,
+        &mut self,
+        layout: &Layout,
         unit: &Unit,
-        staged: bool,
+        (staged, coded): (bool, bool),
         streams: bool,
+        tally: &mut crate::runtime::layerwise::CodingTally,
     ) -> Result<HostMaster<A>, OffloadError> {
+        self.store_coded.remove(&unit.name);
+        if coded
+            && !staged
+            && let Some((master, meta)) = self.coded_master_of(layout, unit, tally)?
+        {
+            self.store_coded.insert(unit.name.clone(), meta);
+            return Ok(master);
+        }
         let h = &self.phases.handles;
         let budget = self.host_limits.is_some();
         let stage = |why: budget::StageReason| {
@@ -431,6 +512,213 @@ impl<A: Api> PlannedBackend<A> {
             }
             other => other,
         }
+    }
+
+    /// `unit`'s coded host master and its (coded bytes, work items): from
+    /// the blob enable encoded (pinned at its size), else the coded bytes
+    /// the weight source holds (a coded-block file's window, registered in
+    /// place), else encoded now; `None` where the codec refuses it (it
+    /// streams raw).
+    fn coded_master_of(
+        &mut self,
+        layout: &Layout,
+        unit: &Unit,
+        tally: &mut crate::runtime::layerwise::CodingTally,
+    ) -> Result<Option<(HostMaster<A>, (u64, u64))>, OffloadError> {
+        let Some(codec) = self.codec.clone() else {
+            return Ok(None);
+        };
+        let h = &self.phases.handles;
+        let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
+        let bound = crate::device::coded_bound(unit.bytes, spans.len());
+        let blob = self
+            .coded_forms
+            .get_mut(&unit.name)
+            .and_then(|f| f.blob.take());
+        let made = match blob {
+            Some(coded) => {
+                let len = coded.blob.len() as u64;
+                tally.encoded_before(unit.bytes, len);
+                let region = crate::runtime::backend::CodedRegion {
+                    work: coded.work,
+                    region: Box::new(coded.blob),
+                };
+                h.pinned_coded(unit, region, CodedFrom::Encoded)?
+            }
+            None => {
+                let offer = codec.format().and_then(|format| {
+                    h.weights
+                        .take_coded(unit, format)
+                        .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
+                });
+                crate::runtime::layerwise::coded_master(
+                    h,
+                    unit,
+                    &spans,
+                    &*codec,
+                    offer,
+                    tally,
+                    self.host_limits.is_none(),
+                )?
+            }
+        };
+        match made {
+            CodedMaster::Made(master, work, _) => {
+                let len = master.len_bytes();
+                Ok(Some((master, (len, work))))
+            }
+            CodedMaster::Raw => Ok(None),
+            CodedMaster::PinRefused { error, .. } => Err(error),
+        }
+    }
+
+    /// Each streamed block's coded form (CONTRACT §7b): the coded bytes a
+    /// coded-block file holds of it (nothing encoded), else its blob
+    /// encoded now on the host (kept until the first plan's store is
+    /// built); none where the codec refuses it or its blob would exceed
+    /// [`crate::device::coded_bound`] (it streams raw). Then the decoder's
+    /// rate, measured on the smallest coded block. Nothing is pinned but
+    /// that block's coded master, freed after the measurement.
+    fn learn_coded(&mut self, layout: &Layout) -> Result<(), OffloadError> {
+        let Some(codec) = self.codec.clone() else {
+            return Ok(());
+        };
+        let h = &self.phases.handles;
+        let start = std::time::Instant::now();
+        let (mut in_file, mut encoded, mut refused) = (0usize, 0usize, 0usize);
+        let (mut bytes, mut coded_bytes) = (0u64, 0u64);
+        let mut forms = BTreeMap::new();
+        for (_, unit) in layout.blocks() {
+            let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
+            let bound = crate::device::coded_bound(unit.bytes, spans.len());
+            let file = codec.format().and_then(|format| {
+                h.weights
+                    .take_coded(unit, format)
+                    .map(|c| c.region.bytes().len() as u64)
+                    .filter(|len| *len <= bound.min(unit.bytes))
+            });
+            let form = match file {
+                Some(len) => {
+                    in_file += 1;
+                    Some(CodedForm {
+                        bytes: len,
+                        blob: None,
+                    })
+                }
+                None => match h.encode(unit, &spans, &*codec) {
+                    Ok(coded) if coded.blob.len() as u64 <= bound => {
+                        encoded += 1;
+                        Some(CodedForm {
+                            bytes: coded.blob.len() as u64,
+                            blob: Some(coded),
+                        })
+                    }
+                    Ok(coded) => {
+                        tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
+                        None
+                    }
+                    Err(reason) => {
+                        tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
+                        None
+                    }
+                },
+            };
+            match form {
+                Some(f) => {
+                    bytes += unit.bytes;
+                    coded_bytes += f.bytes;
+                    forms.insert(unit.name.clone(), f);
+                }
+                None => refused += 1,
+            }
+        }
+        tracing::info!(
+            in_file,
+            encoded,
+            refused,
+            bytes,
+            coded_bytes,
+            "planned offload, weight_compression = \"{}\": {} blocks have coded forms ({} in a coded-block file, {} encoded at enable on the host{}): {coded_bytes} of {bytes} bytes ({:.4}) in {:.2} s; {refused} stream raw",
+            self.config.compression(),
+            in_file + encoded,
+            in_file,
+            encoded,
+            if encoded > 0 {
+                ", kept pageable until the plan pins those it streams coded"
+            } else {
+                ""
+            },
+            coded_bytes as f64 / bytes.max(1) as f64,
+            start.elapsed().as_secs_f64()
+        );
+        self.coded_forms = forms;
+        // The decoder's rate, on the smallest coded block (its coded bytes
+        // and its output fit any budget the planner accepts: two slots of
+        // it at least).
+        let smallest = layout
+            .blocks()
+            .map(|(_, u)| u)
+            .filter(|u| self.coded_forms.contains_key(&u.name))
+            .min_by_key(|u| u.bytes)
+            .cloned();
+        if let Some(unit) = smallest {
+            // Its blob is lent for the measurement and kept.
+            let kept = self
+                .coded_forms
+                .get(&unit.name)
+                .and_then(|f| f.blob.as_ref().map(|b| (b.blob.clone(), b.work)));
+            let mut tally = crate::runtime::layerwise::CodingTally::default();
+            let made = self.coded_master_of(layout, &unit, &mut tally)?;
+            if let (Some((blob, work)), Some(f)) = (kept, self.coded_forms.get_mut(&unit.name)) {
+                f.blob = Some(crate::device::Coded { blob, work });
+            }
+            if let Some((master, meta)) = made {
+                let rate = self.ring.measure_decoder(&unit, &master, meta);
+                // SAFETY: the measurement synchronised with its decodes (or
+                // failed before them): no copy reads the master any more.
+                let freed = unsafe { self.phases.handles.free_master(master) };
+                let rate = rate?;
+                freed?;
+                tracing::info!(
+                    unit = %unit.name,
+                    decode_bytes_per_s = rate,
+                    "planned offload: the {} decoder writes {:.0} GB/s (measured on `{}`)",
+                    codec.name(),
+                    rate / 1e9,
+                    unit.name
+                );
+                self.decode_rate = Some(rate);
+            }
+        }
+        Ok(())
+    }
+
+    /// `inputs` with each block's coded bytes ([`Self::learn_coded`]) and,
+    /// where they carry none, the decoder's measured rate.
+    fn with_coded(&self, layout: &Layout, mut inputs: PlannerInputs) -> PlannerInputs {
+        if self.codec.is_none() {
+            return inputs;
+        }
+        for (path, _, _) in &layout.components {
+            let Some(c) = inputs.components.get_mut(path) else {
+                continue;
+            };
+            c.coded_block_bytes = layout
+                .resolved
+                .stacks
+                .iter()
+                .filter(|s| &s.owner == path)
+                .flat_map(|s| &s.blocks)
+                .filter_map(|b| {
+                    let unit = &layout.partition.blocks[&b.module];
+                    Some((b.path.clone(), self.coded_forms.get(&unit.name)?.bytes))
+                })
+                .collect();
+        }
+        if inputs.decode_bytes_per_s.is_none() {
+            inputs.decode_bytes_per_s = self.decode_rate;
+        }
+        inputs
     }
 
     /// The log line of what the store stages.
@@ -473,21 +761,32 @@ impl<A: Api> PlannedBackend<A> {
         choices: &[ComponentChoice],
     ) -> Result<(), OffloadError> {
         let staged = self.staged_units(layout, choices);
+        let coded = layout.coded_units(choices);
         let held = held_modules(layout, choices);
-        let is_staged = |m: &HostMaster<A>| matches!(m, HostMaster::Staged(_));
         let mut changed = false;
+        let mut tally = crate::runtime::layerwise::CodingTally::default();
         let units = Self::store_units(layout);
+        // A master's form: (staged, coded). A coded master the codec
+        // refused stays raw (it has no coded form to take).
         for to_staged in [true, false] {
             for unit in &units {
                 let Some(now) = self.store.get(&unit.name) else {
                     continue;
                 };
-                let want = staged.contains(&unit.name);
-                if is_staged(now) == want || want != to_staged {
+                let now = (
+                    matches!(**now, HostMaster::Staged(_)),
+                    self.store_coded.contains_key(&unit.name),
+                );
+                let want_coded = coded.contains(&unit.name)
+                    && !staged.contains(&unit.name)
+                    && (now.1 || self.codec.is_some());
+                let want = (staged.contains(&unit.name), want_coded);
+                if now == want || want.0 != to_staged {
                     continue;
                 }
                 changed = true;
                 let old = self.store.remove(&unit.name).expect("present");
+                self.store_coded.remove(&unit.name);
                 match Arc::try_unwrap(old) {
                     // SAFETY: both engines are released (their streams
                     // drained, their clones of the master dropped): no copy
@@ -503,9 +802,12 @@ impl<A: Api> PlannedBackend<A> {
                 }
                 let streams = layout.partition.blocks.contains_key(&unit.module)
                     && !held.contains(&unit.module);
-                let master = self.make_master(unit, want, streams)?;
+                let master = self.make_master(layout, unit, want, streams, &mut tally)?;
                 self.store.insert(unit.name.clone(), Arc::new(master));
             }
+        }
+        if !tally.is_empty() {
+            tally.log(self.codec.as_deref());
         }
         self.fit_store(layout, choices)?;
         if changed {
@@ -516,6 +818,7 @@ impl<A: Api> PlannedBackend<A> {
 
     /// Frees the store's masters (every engine released and drained first).
     fn free_store(&mut self) -> Result<(), OffloadError> {
+        self.store_coded.clear();
         let h = &self.phases.handles;
         let mut first = None;
         for (name, m) in std::mem::take(&mut self.store) {
@@ -562,8 +865,13 @@ impl<A: Api> PlannedBackend<A> {
                 .collect();
         }
         let rings = RingLayout::new(&resolved, &layout.partition, 1, 0);
-        let store = &self.store;
-        let master_of = |u: &Unit| store.get(&u.name).cloned();
+        let (store, store_coded) = (&self.store, &self.store_coded);
+        let master_of = |u: &Unit| -> Option<StoredMaster<A>> {
+            Some((
+                store.get(&u.name).cloned()?,
+                store_coded.get(&u.name).copied(),
+            ))
+        };
         let release = self.release_refused
             || self
                 .host_side
@@ -577,14 +885,14 @@ impl<A: Api> PlannedBackend<A> {
         let mut groups = Vec::new();
         let mut resident = Vec::new();
         let mut group_of: BTreeMap<String, usize> = BTreeMap::new();
-        let mut pools: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
+        let mut pools: BTreeMap<String, Pool> = BTreeMap::new();
         for (path, module, _) in &layout.components {
             let choice = choice_of(path);
             let mut held: Vec<(Unit, Arc<HostMaster<A>>)> = Vec::new();
             if let Some(u) = layout.partition.rest_of(*module) {
                 held.push((u.clone(), Arc::clone(&store[&u.name])));
             }
-            let mut streamed_max = 0;
+            let (mut streamed_max, mut coded_max) = (0, 0);
             for stack in resolved.stacks.iter().filter(|s| &s.owner == path) {
                 for (i, b) in stack.blocks.iter().enumerate() {
                     let u = &layout.partition.blocks[&b.module];
@@ -592,12 +900,25 @@ impl<A: Api> PlannedBackend<A> {
                         held.push((u.clone(), Arc::clone(&store[&u.name])));
                     } else {
                         streamed_max = streamed_max.max(u.bytes);
+                        // Its coded master decodes through the phase's
+                        // staging buffers (CONTRACT §7b).
+                        if let Some((coded, _)) = store_coded.get(&u.name) {
+                            coded_max = coded_max.max(*coded);
+                        }
                     }
                 }
             }
             let depth = choice.map_or(0, |c| c.depth);
             let slots = if streamed_max > 0 { depth + 1 } else { 0 };
-            pools.insert(path.clone(), (slots, streamed_max, depth));
+            pools.insert(
+                path.clone(),
+                Pool {
+                    slots,
+                    slot_bytes: streamed_max,
+                    depth,
+                    staging_bytes: coded_max,
+                },
+            );
             if choice.is_some_and(|c| c.kept) {
                 resident.extend(held.into_iter().map(|(u, m)| (u, Some(m))));
             } else if !held.is_empty() {
@@ -675,7 +996,7 @@ impl<A: Api> PlannedBackend<A> {
         let mut hooks: Vec<(ModuleId, &'static str, Box<dyn ModelHook<ForwardCtx>>)> = Vec::new();
         let name = OffloadStrategy::Planned.hook_name();
         for (path, module, _) in &layout.components {
-            let (slots, slot_bytes, depth) = pools[path];
+            let pool = pools[path];
             hooks.push((
                 *module,
                 name,
@@ -685,7 +1006,7 @@ impl<A: Api> PlannedBackend<A> {
                     phases: Arc::clone(&self.phases),
                     ring: Arc::clone(&self.ring),
                     group: group_of.get(path).copied(),
-                    pool: (slots, slot_bytes, depth),
+                    pool,
                     path: path.clone(),
                     timer: timer.clone(),
                     current: Arc::clone(&self.current),
@@ -795,6 +1116,7 @@ impl<A: Api> PlannedBackend<A> {
         }
         self.plan = Some(plan);
         self.inputs = Some(inputs);
+        self.drop_blobs();
         Ok(())
     }
 
@@ -921,12 +1243,13 @@ impl<A: Api> PlannedBackend<A> {
                     per_step,
                     own_compute_s: own.get(path).copied().unwrap_or(0.0),
                     block_compute_s,
+                    coded_block_bytes: BTreeMap::new(),
                     activation_bytes: activation.get(path).copied().unwrap_or(0),
                 },
             );
         }
         let request = self.request_of(model).unwrap_or_else(|| shape.clone());
-        Ok(PlannerInputs {
+        let inputs = PlannerInputs {
             pipeline_type: model.pipeline.type_name().to_owned(),
             link_bytes_per_s: link,
             steps: request.steps,
@@ -949,7 +1272,18 @@ impl<A: Api> PlannedBackend<A> {
                 .host_fill_rate()
                 .filter(|_| self.device.host_worker_threads()),
             ..PlannerInputs::new(link, request.steps)
-        })
+        };
+        // Coded sizes and the decoder's rate (`weight_compression`).
+        Ok(self.with_coded(layout, inputs))
+    }
+
+    /// Drops the blobs enable encoded (CONTRACT §7b): once a plan's store
+    /// is built, those it streams coded are pinned; a later re-plan that
+    /// streams another block coded encodes it again.
+    fn drop_blobs(&mut self) {
+        for f in self.coded_forms.values_mut() {
+            f.blob = None;
+        }
     }
 }
 
@@ -1003,8 +1337,8 @@ struct PhaseHook<A: Api> {
     ring: Arc<RingEngine<A>>,
     /// Its swap group in the phase state (none: kept, or nothing held).
     group: Option<usize>,
-    /// Its phase's slot pool: slots, bytes of one, depth.
-    pool: (usize, u64, usize),
+    /// Its phase's slot pool (and decode staging).
+    pool: Pool,
     path: String,
     timer: Option<Arc<Timer<A>>>,
     current: Arc<Mutex<Option<String>>>,
@@ -1025,22 +1359,24 @@ impl<A: Api> PhaseHook<A> {
         if !self.bugs.has(PlantedBug::SkipPhaseEviction) {
             model_level::evict_others(&self.phases, self.group)?;
         }
-        let (slots, bytes, depth) = self.pool;
-        let keep_pool = self.bugs.has(PlantedBug::KeepPoolAcrossPhases) && slots == 0;
+        let keep_pool = self.bugs.has(PlantedBug::KeepPoolAcrossPhases) && self.pool.slots == 0;
         if begins {
             // What the phase before freed goes back to the device before
             // this one allocates (the host waits for those frees, so for
             // the phase before's last kernels): the allocator keeps no
             // slack of it that the device's free memory would miss.
-            if !keep_pool && !self.ring.has_pool(slots, bytes) {
-                self.ring.use_pool(0, 0, 1)?;
+            if !keep_pool && !self.ring.has_pool(self.pool) {
+                self.ring.use_pool(Pool {
+                    depth: 1,
+                    ..Pool::default()
+                })?;
             }
             self.device
                 .release_unused()
                 .map_err(|e| dev_err("release_unused (a phase begins)", e))?;
         }
         if !keep_pool {
-            self.ring.use_pool(slots, bytes, depth)?;
+            self.ring.use_pool(self.pool)?;
         }
         if let Some(g) = self.group {
             model_level::enter(&self.phases, g)?;
@@ -1174,9 +1510,18 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             .map(|c| (c.path.clone(), c.module, c.role))
             .collect();
         let request = self.request_of(model);
+        let layout = Layout {
+            bf16: crate::runtime::layout::bf16_storages(&model.pipeline),
+            resolved,
+            partition: part,
+            components,
+        };
+        // `weight_compression` (CONTRACT §7b): each streamed block's coded
+        // size and the decoder's rate, before anything is planned.
+        self.learn_coded(&layout)?;
         let (choices, plan, inputs, warmup, host_side) = match &self.given {
             Some(given) => {
-                let mut inputs = given.clone();
+                let mut inputs = self.with_coded(&layout, given.clone());
                 if let Some(r) = &request {
                     inputs.steps = r.steps;
                 }
@@ -1245,12 +1590,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 (choices, None, None, Some(shape), side)
             }
         };
-        log_warnings(&resolved.warnings);
-        let layout = Layout {
-            resolved,
-            partition: part,
-            components,
-        };
+        log_warnings(&layout.resolved.warnings);
         self.memory = Some(memory);
         self.host_limits = host_limits;
         if let Some(side) = &host_side {
@@ -1318,6 +1658,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         }
         if let Some(plan) = &plan {
             tracing::info!("planned offload: {plan}");
+            self.drop_blobs();
         }
         self.plan = plan;
         self.inputs = inputs;

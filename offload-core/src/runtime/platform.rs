@@ -151,9 +151,9 @@ impl<A: Api> CorePlatform<A> {
             Arc::clone(&self.compute),
             Arc::clone(&self.weights),
             config,
-            self.planner.clone(),
-            self.request.clone(),
+            (self.planner.clone(), self.request.clone()),
             self.bugs(),
+            self.codec.clone(),
         )
     }
 

@@ -383,9 +383,25 @@ impl<A: Api> Handles<A> {
         )
     }
 
+    /// `unit`'s bytes, read from the weight source and encoded by `codec`
+    /// (nothing pinned): the encoder's reason where it refuses.
+    pub(crate) fn encode(
+        &self,
+        unit: &Unit,
+        spans: &[CodecSpan],
+        codec: &dyn Codec<A>,
+    ) -> Result<crate::device::Coded, String> {
+        let reader = UnitBytes {
+            weights: &*self.weights,
+            unit,
+            direct: false,
+        };
+        codec.encode(&reader, unit.bytes, spans)
+    }
+
     /// `coded` copied into pinned memory of its exact size, or handed back
     /// where the device refuses the memory (not a lost device).
-    fn pinned_coded(
+    pub(crate) fn pinned_coded(
         &self,
         unit: &Unit,
         coded: crate::runtime::backend::CodedRegion,
