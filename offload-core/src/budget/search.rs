@@ -91,7 +91,12 @@ struct PComp {
     forwards: f64,
     own_s: f64,
     act: u64,
-    code: Code,
+    /// `weight_compression` as configured (the reasons name it).
+    mode: Code,
+    /// The coded layouts the search considers now: `mode`, except that
+    /// under `"auto"` the search also runs as `"none"` and `"lossless"`
+    /// would ([`Request::search`]).
+    code: std::cell::Cell<Code>,
 }
 
 /// How one component's phase runs: which blocks are resident, the depth,
@@ -223,7 +228,7 @@ impl PComp {
     /// `"auto"` every choice of which of its streaming stacks with coded
     /// masters stream coded.
     fn coded_variants(&self, l: &Local) -> Vec<Local> {
-        if self.code != Code::Choose {
+        if self.code.get() != Code::Choose {
             return vec![l.clone()];
         }
         let codable: Vec<usize> = (0..self.stacks.len())
@@ -286,13 +291,13 @@ impl PComp {
     /// Coded flags for every stack as `weight_compression` starts a
     /// layout: all under `"lossless"`, none otherwise.
     fn coded_start(&self) -> Vec<bool> {
-        vec![self.code == Code::Always; self.stacks.len()]
+        vec![self.code.get() == Code::Always; self.stacks.len()]
     }
 
     /// The coded starts a greedy layout runs from: uncoded, coded, or both
     /// under `"auto"`.
     fn coded_starts(&self) -> &'static [bool] {
-        match self.code {
+        match self.code.get() {
             Code::Never => &[false],
             Code::Always => &[true],
             Code::Choose => &[false, true],
@@ -687,7 +692,8 @@ impl<'a> Request<'a> {
                 forwards: PlannerInputs::forwards_per_request(ci, inputs.steps),
                 own_s: ci.own_compute_s,
                 act: round(ci.activation_bytes),
-                code,
+                mode: code,
+                code: std::cell::Cell::new(code),
             });
         }
         if let Some(unknown) = inputs
@@ -1520,6 +1526,40 @@ impl<'a> Request<'a> {
     /// single-strategy alternatives computed next are laid out alike (the
     /// caller clears it).
     fn search(&self, budget: u64) -> Option<Solution> {
+        // Under "auto" each phase's own best layout, coded or not, can make
+        // a whole plan worse than every phase uncoded (or every streamed
+        // stack coded) would: the search also runs as "none" and
+        // "lossless" would, and the fastest plan of the three wins (so
+        // "auto" is never slower than either, by the planner's model).
+        if self.comps.iter().any(|c| c.mode == Code::Choose) {
+            let mut best: Option<Solution> = None;
+            let mut hint = Vec::new();
+            for code in [Code::Never, Code::Always, Code::Choose] {
+                self.set_code(Some(code));
+                if let Some(s) = self.search_once(budget)
+                    && best.as_ref().is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
+                {
+                    best = Some(s);
+                    hint = self.staged_hint.borrow().clone();
+                }
+            }
+            self.set_code(None);
+            *self.staged_hint.borrow_mut() = hint;
+            return best;
+        }
+        self.search_once(budget)
+    }
+
+    /// Sets the coded layouts every phase considers (`None`: as
+    /// configured).
+    fn set_code(&self, code: Option<Code>) {
+        for c in &self.comps {
+            c.code.set(code.unwrap_or(c.mode));
+        }
+    }
+
+    /// One search ([`Self::search`]) with the coded layouts as set now.
+    fn search_once(&self, budget: u64) -> Option<Solution> {
         let mut best: Option<Solution> = None;
         let mut hints: Vec<Vec<String>> = Vec::new();
         // The best plan's staged blocks (where fills are priced), as of
@@ -2301,7 +2341,7 @@ fn describe(
         reason.push_str(&format!(
             "; {} of its streamed blocks stream coded (weight_compression = \"{}\"): {} of weights cross the link as {} per forward ({:.3} of the bytes), decoded on the device at {:.0} GB/s ({} per request) through two staging buffers ({})",
             coded.len(),
-            match c.code {
+            match c.mode {
                 Code::Always => "lossless",
                 _ => "auto",
             },
@@ -2312,7 +2352,7 @@ fn describe(
             secs(decode_s),
             gb(c.staging(l))
         ));
-        if c.code == Code::Choose {
+        if c.mode == Code::Choose {
             let mut raw = l.clone();
             raw.coded = vec![false; c.stacks.len()];
             reason.push_str(&format!(
@@ -2321,7 +2361,7 @@ fn describe(
                 secs(ph.time_s)
             ));
         }
-    } else if c.code == Code::Choose
+    } else if c.mode == Code::Choose
         && streams
         && c.blocks_where(l, false).any(|b| b.coded.is_some())
     {

@@ -87,6 +87,10 @@ pub enum PlantedBug {
     /// of the phase before instead of freeing it, so its peak holds slots
     /// the plan did not count.
     KeepPoolAcrossPhases,
+    /// INV-7 (planned, `weight_compression`): a phase that decodes nothing
+    /// keeps the decode staging buffers of the phase before instead of
+    /// freeing them, so its peak holds staging the plan did not count.
+    KeepDecodeStagingAcrossPhases,
     /// INV-7 (planned): a phase begins without evicting the held sets of
     /// the components that are not kept, so they stay beside its own.
     SkipPhaseEviction,
@@ -140,7 +144,7 @@ pub enum PlantedBug {
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 40] = [
+    pub const ALL: [PlantedBug; 41] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -169,6 +173,7 @@ impl PlantedBug {
         PlantedBug::ShardReuseBeforeGather,
         PlantedBug::EagerFirstFill,
         PlantedBug::KeepPoolAcrossPhases,
+        PlantedBug::KeepDecodeStagingAcrossPhases,
         PlantedBug::SkipPhaseEviction,
         PlantedBug::UnderstateActivations,
         PlantedBug::DecodeBeforeCopy,

@@ -3186,7 +3186,8 @@ impl<A: Api> RingEngine<A> {
             .as_ref()
             .and_then(|d| d.staging.first())
             .map_or(0, |b| b.buffer.len_bytes());
-        if held != staging_bytes {
+        let keep = staging_bytes == 0 && engine.bug(PlantedBug::KeepDecodeStagingAcrossPhases);
+        if held != staging_bytes && !keep {
             if let Some(d) = st.decoding.take() {
                 for b in d.staging {
                     h.free(b.buffer, &[&b.copied, &b.consumed], "staging")?;
