@@ -77,6 +77,14 @@ impl SimCodec {
     /// The coded size and work items of `unit` estimated from a sample of
     /// each span (gaps raw), laid out as `offload-pack`'s block encoder
     /// lays it out.
+    /// The coded size of a unit of `len` bytes over `spans` (`unit` its
+    /// bytes), estimated from a sample of each bf16 tensor (256 KiB) as
+    /// the sampled mode sizes its blobs: what `offload-sim plan` prices a
+    /// coded block at (CONTRACT §7b).
+    pub fn estimated_bytes(unit: &dyn ByteSource, len: u64, spans: &[CodecSpan]) -> u64 {
+        Self::estimate(unit, len, spans).0
+    }
+
     fn estimate(unit: &dyn ByteSource, len: u64, spans: &[CodecSpan]) -> (u64, u64) {
         let align = |x: u64| x.div_ceil(64) * 64;
         let mut pieces: Vec<(u64, bool, u64)> = Vec::new(); // (bytes, bf16, offset)

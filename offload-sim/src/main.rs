@@ -195,6 +195,11 @@ struct PlanCmdArgs {
     /// `run --save-measurements`) instead of the simulator's estimates.
     #[arg(long)]
     inputs: Option<PathBuf>,
+    /// `weight_compression`: none (default), lossless or auto; coded
+    /// blocks priced at their sizes estimated on weights that look trained
+    /// and the profile's decoder (CONTRACT §7b).
+    #[arg(long)]
+    weight_compression: Option<String>,
     /// Also write the plan as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -628,6 +633,7 @@ fn plan_cmd(args: PlanCmdArgs) -> Result<()> {
         headroom: args.headroom,
         host_budget: args.host_budget,
         device_memory_gb: args.device_memory_gb,
+        weight_compression: args.weight_compression,
     };
     let mut c = capacity(&plan_args)?;
     if let Some(path) = &args.inputs {

@@ -17,6 +17,7 @@ use offload_core::budget::{
     RequestPlan,
 };
 use offload_core::bytes::ByteSize;
+use offload_core::config::WeightCompression;
 use offload_core::declaration::Role;
 use offload_core::model::{DType, ModuleBuilder, Pipeline, PipelineBuilder};
 use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
@@ -53,6 +54,10 @@ pub struct PlanArgs {
     pub host_budget: Option<String>,
     /// Device memory in GB instead of the profile's.
     pub device_memory_gb: Option<f64>,
+    /// `weight_compression` (CONTRACT §7b): `"none"` (default),
+    /// `"lossless"` or `"auto"`; each block's coded size is estimated
+    /// from weights that look trained, the decoder at the profile's rate.
+    pub weight_compression: Option<String>,
 }
 
 /// The answer: the inputs the planner was given and its plan, or why
@@ -311,10 +316,23 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
                 .map_err(|e| bad("--host-budget", text, e))?,
         ),
     };
+    let compression = match args.weight_compression.as_deref() {
+        None | Some("none") => WeightCompression::None,
+        Some("lossless") => WeightCompression::Lossless,
+        Some("auto") => WeightCompression::Auto,
+        Some(other) => {
+            return Err(bad(
+                "--weight-compression",
+                other,
+                "allowed: none, lossless, auto",
+            ));
+        }
+    };
     let config = OffloadConfig {
         device_budget: Some(budget),
         device_headroom: headroom,
         host_budget,
+        weight_compression: (compression != WeightCompression::None).then_some(compression),
         ..OffloadConfig::default()
     };
     let inputs = match given {
@@ -323,6 +341,11 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
             g
         }
         None => inputs_of(tokens, steps),
+    };
+    let inputs = if compression == WeightCompression::None {
+        inputs
+    } else {
+        with_coded_estimates(&pipeline, &profile, inputs)
     };
     let outcome = budget::plan(
         &pipeline,
@@ -341,6 +364,51 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
         inputs,
         outcome,
     })
+}
+
+/// `inputs` with what a planned backend learns at enable under
+/// `weight_compression` (CONTRACT §7b), estimated: each block's coded
+/// size, from weights that look trained ([`crate::presets::TrainedWeights`],
+/// N(0, 1/fan-in) per tensor, within half a point of real trained ones
+/// for this code) sampled as the simulator's codec sizes a sampled blob
+/// ([`crate::SimCodec::estimated_bytes`]), and the decoder at the
+/// profile's rate. What the inputs already carry (a saved warm-up's
+/// measurements) is kept.
+pub fn with_coded_estimates(
+    pipeline: &Pipeline,
+    profile: &DeviceProfile,
+    mut inputs: PlannerInputs,
+) -> PlannerInputs {
+    if inputs.decode_bytes_per_s.is_none() {
+        inputs.decode_bytes_per_s = Some(profile.decode_gbps * 1e9);
+    }
+    let Ok(part) = offload_core::runtime::packing(pipeline) else {
+        return inputs;
+    };
+    let weights = crate::presets::TrainedWeights::new(0, pipeline);
+    let bf16 = offload_core::runtime::bf16_storages(pipeline);
+    for c in inputs.components.values_mut() {
+        if !c.coded_block_bytes.is_empty() {
+            continue;
+        }
+        let blocks: Vec<&String> = c.block_compute_s.keys().collect();
+        for path in blocks {
+            let Some(unit) = pipeline.module_id(path).and_then(|m| part.blocks.get(&m)) else {
+                continue;
+            };
+            let spans = offload_core::runtime::codec_spans(unit, &bf16);
+            let bytes = crate::SimCodec::estimated_bytes(
+                &offload_core::runtime::unit_bytes(&weights, unit),
+                unit.bytes,
+                &spans,
+            );
+            let bound = offload_core::device::coded_bound(unit.bytes, spans.len());
+            if bytes < unit.bytes && bytes <= bound {
+                c.coded_block_bytes.insert(path.clone(), bytes);
+            }
+        }
+    }
+    inputs
 }
 
 /// A user's pipeline, as `offload-sim plan --pipeline FILE` reads it:

@@ -18,11 +18,13 @@ pub struct LinkProfile {
 }
 
 /// The lossless decoder's rate as a share of the device's memory
-/// bandwidth: `offload-cuda`'s decoder wrote 1.30 TB/s of bf16 on the lent
-/// H200 (BENCHMARKS.md, "Packed weights decoded on the GPU"), 0.325 of the
-/// 4,000 GB/s this profile gives its memory; other cards are assumed to
-/// keep the share.
-pub const DECODE_SHARE_OF_HBM: f64 = 0.325;
+/// bandwidth: `offload-cuda`'s block decoder (`opk_decode_block`) wrote
+/// 2.103–2.198 TB/s of bf16 on the lent H200 (BENCHMARKS.md, "Staged
+/// masters", call S1: a single and a double Flux block, normal weights;
+/// the kernel before it 1.30 TB/s), the smaller 0.525 of the 4,000 GB/s
+/// this profile gives its memory; other cards are assumed to keep the
+/// share.
+pub const DECODE_SHARE_OF_HBM: f64 = 0.525;
 
 /// The share of a decode's duration a kernel beside it loses: core's
 /// figure fitted on the H200 (`offload_core::budget::DECODE_INTERFERENCE`),

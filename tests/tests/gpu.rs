@@ -2202,3 +2202,90 @@ fn planned_budgets_fit_every_phase_on_the_gpu() {
         println!("budget {budget}: phase peaks {peaks:?}");
     }
 }
+
+/// `weight_compression = "lossless"` under a device budget on the GPU
+/// (CONTRACT §7a, §7b), over trained-looking (normal) weights: the warm-up
+/// measures the link, every block and the decoder, and learns each
+/// block's coded size; at the least budget a lossless plan needs (which
+/// counts two decode staging buffers) and halfway to everything, two
+/// requests give the resident outputs, the DiT's streamed blocks stream
+/// coded at under 0.8 of their bytes, the decoder's flag stays clean, and
+/// every phase's allocated bytes stay within its INV-7 bound
+/// (`plan_bounds`, which counts the staging) and the budget. Planted: a
+/// phase that decodes nothing keeps the staging buffers of the phase
+/// before; the per-phase check sees it.
+#[test]
+fn planned_lossless_is_bit_identical_within_each_phase_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    const STEPS: u32 = 3;
+    let rig = Rig::trained(&gpu.device, granular_pipeline(), Law::Normal);
+    rig.warm_up();
+    let p = rig.pipeline.clone();
+    let total = memory_bounds(&p, &OffloadConfig::default(), 1)
+        .unwrap()
+        .device_weight_bytes;
+    let resident = planned_resident(&rig, STEPS);
+    let lossless = |budget: u64| OffloadConfig {
+        weight_compression: Some(WeightCompression::Lossless),
+        ..budget_config(budget)
+    };
+    let first = planned_run_within(&rig, lossless(2 * total), STEPS, None, &[]).unwrap();
+    assert_eq!(
+        first.outputs, resident,
+        "lossless (room for all) = resident"
+    );
+    let inputs = first.inputs.clone();
+    let dit = &inputs.components["transformer"];
+    assert_eq!(
+        dit.coded_block_bytes.len(),
+        11,
+        "every DiT block has a coded size: {:?}",
+        dit.coded_block_bytes
+    );
+    let rate = inputs.decode_bytes_per_s.expect("the decoder was measured");
+    assert!(rate > 1e10, "decoder {rate} B/s");
+    let least = first.plan.minimum.bytes;
+    assert!(
+        first.plan.minimum.parts.staging_bytes > 0,
+        "the least lossless budget counts decode staging: {:?}",
+        first.plan.minimum
+    );
+    let mut rows = vec![format!(
+        "decoder {:.0} GB/s; least lossless budget {least} B ({} B of it decode staging); {} of {} DiT block bytes coded",
+        rate / 1e9,
+        first.plan.minimum.parts.staging_bytes,
+        dit.coded_block_bytes.values().sum::<u64>(),
+        p.storages().map(|(_, s)| s.bytes).sum::<u64>()
+    )];
+    for budget in [least, (least + total) / 2] {
+        let run = planned_run_within(&rig, lossless(budget), STEPS, Some(inputs.clone()), &[])
+            .unwrap_or_else(|e| panic!("budget {budget}: {e}"));
+        assert_eq!(run.outputs, resident, "budget {budget}: outputs");
+        assert_eq!(
+            rig.codec().take_error().unwrap(),
+            0,
+            "budget {budget}: the decoder's flag"
+        );
+        phases_within_bounds(&p, budget, &run).unwrap();
+        let c = run.plan.component("transformer").unwrap();
+        assert!(
+            !c.coded_blocks.is_empty() && (c.link_bytes as f64) < 0.8 * c.streamed_bytes as f64,
+            "budget {budget}: {}",
+            c.reason
+        );
+        rows.push(format!(
+            "budget {budget} B: DiT {} of {} blocks streamed, {} coded, {} of {} bytes on the link per forward; phase peaks {:?}",
+            c.streamed_blocks, c.blocks, c.coded_blocks.len(), c.link_bytes, c.streamed_bytes, run.peaks
+        ));
+    }
+    let bug = PlantedBug::KeepDecodeStagingAcrossPhases;
+    let run = planned_run_within(&rig, lossless(least), STEPS, Some(inputs.clone()), &[bug])
+        .unwrap_or_else(|e| panic!("{bug:?} planted: the run failed instead: {e}"));
+    let Err(caught) = phases_within_bounds(&p, least, &run) else {
+        panic!("{bug:?} planted at {least} bytes: not caught");
+    };
+    rows.push(format!("planted {}: caught: {caught}", bug.name()));
+    for r in rows {
+        println!("{r}");
+    }
+}

@@ -53,4 +53,4 @@ pub use model_level::ModelLevelBackend;
 pub use planned::PlannedBackend;
 pub use platform::CorePlatform;
 pub use resident::ResidentBackend;
-pub use shared::{packing, packing_for};
+pub use shared::{packing, packing_for, unit_bytes};

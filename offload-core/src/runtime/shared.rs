@@ -793,7 +793,19 @@ impl ByteSource for StorageBytes<'_> {
     }
 }
 
-/// A unit's bytes in its packing, read from the weight source.
+/// `unit`'s bytes, packed as its entries lay them out, read from
+/// `weights` (what a codec encodes: [`crate::device::Codec::encode`]).
+pub fn unit_bytes<'a>(
+    weights: &'a dyn WeightSource,
+    unit: &'a Unit,
+) -> impl crate::device::ByteSource + 'a {
+    UnitBytes {
+        weights,
+        unit,
+        direct: false,
+    }
+}
+
 /// A unit's bytes, packed as its entries lay them out, read from the
 /// weight source.
 pub(crate) struct UnitBytes<'a> {
