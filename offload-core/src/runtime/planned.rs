@@ -101,6 +101,9 @@ impl Layout {
     }
 }
 
+/// A coded host master and its (coded bytes, the decode's work items).
+type CodedOf<A> = (HostMaster<A>, (u64, u64));
+
 /// A streamed block's coded form as enable learned it (CONTRACT §7b,
 /// `weight_compression` under a device budget): its coded bytes, which the
 /// planner prices, and, where enable encoded it (no coded-block file holds
@@ -524,7 +527,7 @@ impl<A: Api> PlannedBackend<A> {
         layout: &Layout,
         unit: &Unit,
         tally: &mut crate::runtime::layerwise::CodingTally,
-    ) -> Result<Option<(HostMaster<A>, (u64, u64))>, OffloadError> {
+    ) -> Result<Option<CodedOf<A>>, OffloadError> {
         let Some(codec) = self.codec.clone() else {
             return Ok(None);
         };
