@@ -259,7 +259,7 @@ pub(crate) enum Compression {
 }
 
 impl Compression {
-    fn config(self) -> WeightCompression {
+    pub(crate) fn config(self) -> WeightCompression {
         match self {
             Compression::None => WeightCompression::None,
             Compression::Lossless => WeightCompression::Lossless,

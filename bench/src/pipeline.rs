@@ -107,6 +107,8 @@ struct PipelineSettings {
     budgets: Vec<DeviceBudget>,
     hog_gib: Option<u64>,
     saved_from: Option<DeviceBudget>,
+    /// `weight_compression` values each budget runs with (CONTRACT §7b).
+    compressions: Vec<crate::Compression>,
 }
 
 impl PipelineSettings {
@@ -186,6 +188,21 @@ impl PipelineSettings {
                     .or_else(|| sized.first().copied())
             }
         };
+        let mut compressions = Vec::new();
+        for c in &args.weight_compression {
+            if !compressions.contains(c) {
+                compressions.push(*c);
+            }
+        }
+        ensure!(
+            !compressions.is_empty(),
+            "--weight-compression: name at least one of none, lossless, auto"
+        );
+        ensure!(
+            args.coded_blocks.is_none()
+                || compressions.iter().any(|c| *c != crate::Compression::None),
+            "--coded-blocks: with --weight-compression lossless or auto only"
+        );
         Ok(Self {
             tokens: tokens[0],
             steps: u32::try_from(steps).context("--steps")?,
@@ -194,6 +211,7 @@ impl PipelineSettings {
             budgets,
             hog_gib: args.hog_gib,
             saved_from,
+            compressions,
         })
     }
 }
@@ -703,6 +721,8 @@ struct RunReport {
     name: String,
     /// The configuration's `device_budget`, if any.
     device_budget: Option<String>,
+    /// Its `weight_compression`.
+    weight_compression: String,
     error: Option<String>,
     /// `enable_selected` (enable and, without saved measurements, the
     /// warm-up), synchronised.
@@ -884,6 +904,10 @@ struct Bench<'a> {
     stream: Arc<CudaStream>,
     pipeline: Pipeline,
     loaded: Arc<Loaded>,
+    /// The device's codec, where a run codes blocks, and the weights those
+    /// runs read (the loaded ones, with a coded-block file beside them
+    /// where `--coded-blocks` names one).
+    codec: Option<(Arc<offload_cuda::decode::CudaCodec>, Arc<dyn WeightSource>)>,
     work: Arc<Work>,
     shape: RequestShape,
     bugs: &'a [PlantedBug],
@@ -920,6 +944,7 @@ impl Bench<'_> {
         let mut report = RunReport {
             name: spec.name.clone(),
             device_budget: spec.config.device_budget.map(|b| b.to_string()),
+            weight_compression: spec.config.compression().to_string(),
             ..RunReport::default()
         };
         eprintln!("== {}", spec.name);
@@ -936,13 +961,21 @@ impl Bench<'_> {
         let (others, free) = self.others()?;
         report.others_bytes = others;
         report.free_at_enable_bytes = free;
+        let coded = spec.config.compression() != offload_core::config::WeightCompression::None;
+        let weights = match (&self.codec, coded) {
+            (Some((_, w)), true) => Arc::clone(w),
+            _ => Arc::clone(&self.loaded) as Arc<dyn WeightSource>,
+        };
         let mut platform = CorePlatform::<Cuda>::new(
             "cuda",
             Arc::clone(&self.device),
             Arc::clone(&self.stream),
-            Arc::clone(&self.loaded) as Arc<dyn WeightSource>,
+            weights,
         )
         .with_request(self.shape.clone());
+        if let Some((codec, _)) = &self.codec {
+            platform = platform.with_codec(Arc::clone(codec) as _);
+        }
         if let Some(inputs) = &spec.planner {
             platform = platform.with_planner(inputs.clone());
         }
@@ -1194,6 +1227,58 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
             .join(", "),
         gb(scratch_bytes)
     );
+    // The codec and, with --coded-blocks, the coded-block file of every
+    // stack's blocks (written first when absent, then opened: every block
+    // checked), for the runs that code blocks.
+    let codec = if settings
+        .compressions
+        .iter()
+        .any(|c| *c != crate::Compression::None)
+    {
+        let codec = Arc::new(
+            offload_cuda::decode::CudaCodec::new(&device)
+                .context("loading the block decoder (nvrtc)")?,
+        );
+        let weights: Arc<dyn WeightSource> = match &args.coded_blocks {
+            Some(path) => {
+                if !path.exists() {
+                    let t = Instant::now();
+                    let r = offload_pack::blocks_file::pack_blocks(
+                        path,
+                        &pipeline,
+                        &*loaded,
+                        &offload_pack::format::EncodeConfig::default(),
+                    )
+                    .with_context(|| format!("writing the coded-block file {}", path.display()))?;
+                    eprintln!(
+                        "coded-block file {}: {} blocks, {:.2} of {:.2} GB ({:.4}) written in {:.1} s",
+                        path.display(),
+                        r.blocks,
+                        gb(r.coded_bytes),
+                        gb(r.decoded_bytes),
+                        r.coded_bytes as f64 / r.decoded_bytes.max(1) as f64,
+                        t.elapsed().as_secs_f64()
+                    );
+                }
+                let t = Instant::now();
+                let blocks = offload_pack::blocks_file::CodedBlocks::open(path)
+                    .with_context(|| format!("opening the coded-block file {}", path.display()))?;
+                eprintln!(
+                    "coded-block file opened and every block checked in {:.2} s ({:.2} GB)",
+                    t.elapsed().as_secs_f64(),
+                    gb(blocks.coded_bytes())
+                );
+                Arc::new(offload_pack::blocks_file::WithCodedBlocks {
+                    inner: Arc::clone(&loaded) as Arc<dyn WeightSource>,
+                    blocks,
+                })
+            }
+            None => Arc::clone(&loaded) as Arc<dyn WeightSource>,
+        };
+        Some((codec, weights))
+    } else {
+        None
+    };
     let work = Arc::new(Work {
         proxy,
         preset: preset.clone(),
@@ -1206,6 +1291,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         stream: Arc::clone(&stream),
         pipeline: pipeline.clone(),
         loaded: Arc::clone(&loaded),
+        codec,
         work: Arc::clone(&work),
         shape: shape.clone(),
         bugs,
@@ -1290,10 +1376,21 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         push(&mut runs, r, &serde_json::Value::Null)?;
     }
     let mut saved: Option<(RunReport, PlannerInputs)> = None;
-    for &b in &settings.budgets {
+    for (&b, &compression) in settings
+        .budgets
+        .iter()
+        .flat_map(|b| settings.compressions.iter().map(move |c| (b, c)))
+    {
         let config = OffloadConfig {
             device_budget: Some(b),
+            weight_compression: (compression != crate::Compression::None)
+                .then(|| compression.config()),
             ..OffloadConfig::default()
+        };
+        // Rows named by budget, and by compression where it codes.
+        let suffix = match compression {
+            crate::Compression::None => suffix.clone(),
+            c => format!(" {}{suffix}", c.config()),
         };
         let spec = |name: String| RunSpec {
             name,
@@ -1334,6 +1431,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
             _ => bench.run(&spec(format!("{b}{suffix}"))),
         };
         if settings.saved_from == Some(b)
+            && compression == settings.compressions[0]
             && let Some(inputs) = &report.inputs
             && report.error.is_none()
         {
@@ -1355,8 +1453,11 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
                     .with_context(|| format!("writing {}", path.display()))?;
                 let reread = PlannerInputs::from_json_str(&text)
                     .map_err(|e| anyhow::anyhow!("reading back {}: {e}", path.display()))?;
+                let compression = settings.compressions[0];
                 let config = OffloadConfig {
                     device_budget: Some(b),
+                    weight_compression: (compression != crate::Compression::None)
+                        .then(|| compression.config()),
                     ..OffloadConfig::default()
                 };
                 let r = bench.run(&RunSpec {
@@ -1485,6 +1586,45 @@ fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: 
             gb(r.peak(|m| m.info_used_peak_bytes)),
             h.stopped
         );
+    }
+    // The DiT phase of each planned run: what its plan streams and codes,
+    // and its measured forward against the plan's.
+    if runs
+        .iter()
+        .any(|r| r.plan.as_ref().is_some_and(|p| p.component("transformer").is_some()))
+    {
+        println!(
+            "\nThe DiT phase per forward (`weight_compression`; GB; the plan's streamed bf16 bytes, the bytes on the link and the decode staging)"
+        );
+        println!(
+            "| run | compression | streamed / blocks | coded blocks | bf16 GB | link GB | link / bf16 | staging GB | predicted s | measured s | output = resident |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        for r in runs {
+            let Some(c) = r.plan.as_ref().and_then(|p| p.component("transformer")) else {
+                continue;
+            };
+            let measured = r
+                .phases
+                .iter()
+                .find(|p| p.measured.component == "transformer")
+                .map(|p| p.measured.seconds / p.measured.forwards.max(1) as f64);
+            println!(
+                "| {} | {} | {}/{} | {} | {:.2} | {:.2} | {:.3} | {:.3} | {:.4} | {} | {} |",
+                r.name,
+                r.weight_compression,
+                c.streamed_blocks,
+                c.blocks,
+                c.coded_blocks.len(),
+                gb(c.streamed_bytes),
+                gb(c.link_bytes),
+                c.link_bytes as f64 / c.streamed_bytes.max(1) as f64,
+                gb(c.peak.staging_bytes),
+                c.predicted_s / c.forwards.max(1e-12),
+                measured.map_or("–".to_owned(), |s| format!("{s:.4}")),
+                yes(r.output_equals_resident),
+            );
+        }
     }
     if let Some(from) = saved.get("from").and_then(|v| v.as_str()) {
         let f = |k: &str| {
@@ -1648,6 +1788,7 @@ mod tests {
             (&["--requests", "0"][..], "--requests: 0"),
             (&["--steps", "0"][..], "--steps: 0"),
             (&["--ranks", "2"][..], "one GPU"),
+            (&["--coded-blocks", "x.opackb"][..], "lossless or auto only"),
         ] {
             let e = settings(flags)
                 .err()
@@ -1658,6 +1799,15 @@ mod tests {
         assert_eq!(
             settings(&["--saved-from", "none"]).unwrap().saved_from,
             None
+        );
+        let s = settings(&["--weight-compression", "none,lossless,auto,lossless"]).unwrap();
+        assert_eq!(
+            s.compressions,
+            [
+                crate::Compression::None,
+                crate::Compression::Lossless,
+                crate::Compression::Auto
+            ]
         );
     }
 
