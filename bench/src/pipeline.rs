@@ -1589,10 +1589,11 @@ fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: 
     }
     // The DiT phase of each planned run: what its plan streams and codes,
     // and its measured forward against the plan's.
-    if runs
-        .iter()
-        .any(|r| r.plan.as_ref().is_some_and(|p| p.component("transformer").is_some()))
-    {
+    if runs.iter().any(|r| {
+        r.plan
+            .as_ref()
+            .is_some_and(|p| p.component("transformer").is_some())
+    }) {
         println!(
             "\nThe DiT phase per forward (`weight_compression`; GB; the plan's streamed bf16 bytes, the bytes on the link and the decode staging)"
         );

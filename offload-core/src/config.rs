@@ -406,8 +406,8 @@ pub struct OffloadConfig {
     /// bit-identical) or `"auto"` (each ring coded only where the ring
     /// recurrence, from the platform's planner inputs and a decode measured
     /// at enable, says it is faster). Layerwise offload, or the request
-    /// planner under a `device_budget` (without a `host_budget`), where the
-    /// planner prices coded blocks and `"auto"` lets it choose per stack;
+    /// planner under a `device_budget`, where the planner prices coded
+    /// blocks and `"auto"` lets it choose per stack;
     /// both need a platform with a codec (`CorePlatform::with_codec`);
     /// layerwise's `"auto"` planner inputs too (`CorePlatform::with_planner`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -479,11 +479,6 @@ fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<()
         (WeightCompression::Lossless | WeightCompression::Auto, OffloadStrategy::Layerwise) => {
             Ok(())
         }
-        (_, OffloadStrategy::Planned) if config.host_budget.is_some() => Err(invalid(
-            "weight_compression",
-            value,
-            "\"none\" with both a device_budget and a host_budget (the request planner does not yet stage coded blocks); \"lossless\" or \"auto\" with a device_budget alone, or with layerwise offload and a host_budget",
-        )),
         (_, OffloadStrategy::Planned) => Ok(()),
         (_, strategy) => Err(invalid(
             "weight_compression",

@@ -378,3 +378,177 @@ fn auto_is_never_slower_than_none_or_lossless_by_the_planners_model() {
         assert!(faster > 0, "scale {scale}: auto never beat none");
     }
 }
+
+/// The device's own pinned + registered peak.
+fn host_peak(o: &RunOutcome) -> u64 {
+    o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
+}
+
+/// The least host budget the planner accepts for `inputs` within
+/// `device` bytes, under lossless (from its typed error).
+fn least_host(inputs: &PlannerInputs, device: u64) -> u64 {
+    let config = OffloadConfig {
+        host_budget: Some(offload_core::bytes::HostBudget::Bytes(
+            offload_core::bytes::ByteSize::new(1),
+        )),
+        ..config(device, WeightCompression::Lossless)
+    };
+    let limits = offload_core::budget::HostLimits {
+        budget: 1,
+        source: "1 B".to_owned(),
+        readings: None,
+    };
+    match plan_within(
+        &workload().preset.pipeline,
+        &config,
+        inputs,
+        DeviceMemory::of(u64::MAX / 4),
+        Some(limits),
+    ) {
+        Err(BudgetError::HostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget: {other:?}"),
+    }
+}
+
+/// `weight_compression = "lossless"` beside both a device and a host
+/// budget (CONTRACT §7b, §7c): from the least host budget the planner
+/// names to every weight, at a device budget where the DiT streams, the
+/// runs (from saved measurements: the warm-up streams raw and needs more)
+/// give the resident output with no rule broken, the device's own
+/// pinned + registered peak within the host budget, the plan's staged
+/// blocks streamed coded from pageable memory and named in the log; the
+/// least host budget is below the uncoded plan's (a coded master and its
+/// staging buffer hold about 0.7 of the bytes). And each pin request of
+/// the run refused in turn: a refused coded block streams staged, coded,
+/// the run still bit-identical within the budget (a held set's refused
+/// pin fails the run with a typed error).
+#[test]
+fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
+    let want = resident();
+    let total = workload().preset.weight_bytes();
+    let first = run_planned(total, WeightCompression::Lossless, &opts(&[], None));
+    let inputs = estimated(&first);
+    let device = middle();
+    let least = least_host(&inputs, device);
+    let least_raw = {
+        let config = OffloadConfig {
+            host_budget: Some(offload_core::bytes::HostBudget::Bytes(
+                offload_core::bytes::ByteSize::new(1),
+            )),
+            ..offload_tests::budget::budget_config(device)
+        };
+        let limits = offload_core::budget::HostLimits {
+            budget: 1,
+            source: "1 B".to_owned(),
+            readings: None,
+        };
+        match plan_within(
+            &workload().preset.pipeline,
+            &config,
+            &inputs,
+            DeviceMemory::of(u64::MAX / 4),
+            Some(limits),
+        ) {
+            Err(BudgetError::HostDoesNotFit { least, .. }) => least,
+            other => panic!("a 1-byte host budget: {other:?}"),
+        }
+    };
+    assert!(
+        least < least_raw,
+        "the least host budget coded {least} B against {least_raw} B uncoded"
+    );
+    let with_host = |host: u64| OffloadConfig {
+        host_budget: Some(offload_core::bytes::HostBudget::Bytes(
+            offload_core::bytes::ByteSize::new(host),
+        )),
+        ..config(device, WeightCompression::Lossless)
+    };
+    let given = RunOptions {
+        planner: Some(inputs.clone()),
+        ..opts(&[], Some(4))
+    };
+    let mut staged_seen = 0;
+    for k in 0..=4u64 {
+        let host = least + (total - least) * k / 4;
+        let (o, log) = offload_tests::capture_logs(|| {
+            run(
+                &workload(),
+                &StrategyChoice::Config(with_host(host)),
+                &given,
+            )
+        });
+        let o = o.unwrap_or_else(|f| panic!("host {host}: {}", f.error));
+        let plan = o.plan.as_ref().expect("a plan");
+        let side = plan.host.as_ref().expect("a host side");
+        assert_eq!(outputs(&o), want, "host {host}\n{plan}");
+        assert_eq!(all_violations(&o), vec![], "host {host}\n{plan}");
+        assert_eq!(offload_sim::job::phase_violations(&o), None);
+        assert!(
+            host_peak(&o) <= host,
+            "host {host}: the device's pinned + registered peak {} is over\n{plan}",
+            host_peak(&o)
+        );
+        let coded: Vec<&String> = plan
+            .components
+            .iter()
+            .flat_map(|c| &c.coded_blocks)
+            .collect();
+        for b in &side.staged_blocks {
+            if coded.contains(&b) {
+                staged_seen += 1;
+                let unit = b.clone();
+                assert!(
+                    log.contains(&format!("{unit}` streams staged")) && log.contains(", coded: "),
+                    "the log names the coded staged `{unit}`: {log}"
+                );
+            }
+        }
+    }
+    assert!(staged_seen > 0, "some host budget stages coded blocks");
+
+    // Refused pins, with room for every master pinned and a staging ring
+    // beside: each one pin request of the run refused in turn. A held
+    // set's refused pin fails the run typed (its set has no staged path);
+    // a streamed coded block's stages coded.
+    let host = 2 * total;
+    let mut refused_seen = 0;
+    // (Pin requests past 13 are the staging rings', refused and asked
+    // again, which `tests/staged.rs` covers.)
+    for n in 1..=13 {
+        let refusing = RunOptions {
+            faults: offload_sim::faults::FaultPlan {
+                refuse_pins: Some((n, n)),
+                ..offload_sim::faults::FaultPlan::none()
+            },
+            ..given.clone()
+        };
+        let (o, log) = offload_tests::capture_logs(|| {
+            run(
+                &workload(),
+                &StrategyChoice::Config(with_host(host)),
+                &refusing,
+            )
+        });
+        let o = match o {
+            Ok(o) => o,
+            Err(f) => {
+                let e = f.error.to_string();
+                assert!(
+                    e.contains("pinning refused (injected"),
+                    "refusing pin {n}: an untyped failure: {e}"
+                );
+                continue;
+            }
+        };
+        assert_eq!(outputs(&o), want, "refusing pin {n}");
+        assert_eq!(all_violations(&o), vec![], "refusing pin {n}");
+        assert!(host_peak(&o) <= host, "refusing pin {n}: {}", host_peak(&o));
+        if log.contains("pinning the coded `") {
+            refused_seen += 1;
+        }
+    }
+    assert!(
+        refused_seen > 0,
+        "no run refused a coded block's pin and completed"
+    );
+}

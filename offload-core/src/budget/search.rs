@@ -207,6 +207,29 @@ impl PComp {
             })
     }
 
+    /// Each streamed block under `l` and the bytes its host master holds
+    /// (and a host staging buffer takes of it): its coded bytes where it
+    /// streams coded, else its bytes.
+    fn streamed_host<'s>(&'s self, l: &'s Local) -> impl Iterator<Item = (&'s PBlock, u64)> {
+        (0..self.stacks.len()).flat_map(move |s| {
+            let coded = self.codes(l, s);
+            self.stacks[s]
+                .iter()
+                .zip(&l.resident[s])
+                .filter(|(_, r)| !**r)
+                .map(move |(b, _)| {
+                    (
+                        b,
+                        if coded {
+                            b.coded.unwrap_or(b.bytes)
+                        } else {
+                            b.bytes
+                        },
+                    )
+                })
+        })
+    }
+
     /// Device bytes of its phase's decode staging buffers: two of its
     /// largest coded streamed block (0 when nothing streams coded).
     fn staging(&self, l: &Local) -> u64 {
@@ -755,9 +778,18 @@ impl<'a> Request<'a> {
             .collect()
     }
 
-    /// Distinct block sizes over every component, largest first.
+    /// Distinct sizes a streamed block's host master may take over every
+    /// component (its bytes, and its coded bytes where a phase may stream
+    /// it coded), largest first: the sizes a host staging ring may be
+    /// made for.
     fn block_sizes(&self) -> Vec<u64> {
         let mut sizes: Vec<u64> = self.comps.iter().flat_map(PComp::sizes).collect();
+        sizes.extend(
+            self.comps
+                .iter()
+                .filter(|c| c.code.get() != Code::Never)
+                .flat_map(|c| c.stacks.iter().flatten().filter_map(|b| b.coded)),
+        );
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         sizes.dedup();
         sizes
@@ -806,6 +838,28 @@ impl<'a> Request<'a> {
     }
 
     fn least_host(&self) -> (LeastHost, Vec<(Local, bool)>) {
+        // Under "auto" a plan may stream coded or not: the lesser of the
+        // two (the coded layouts the search then runs under restored).
+        if self.comps.iter().any(|c| c.mode == Code::Choose) {
+            let saved: Vec<Code> = self.comps.iter().map(|c| c.code.get()).collect();
+            let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
+            for code in [Code::Never, Code::Always] {
+                self.set_code(Some(code));
+                let found = self.least_host_as_set();
+                if best.as_ref().is_none_or(|b| found.0.0 < b.0.0) {
+                    best = Some(found);
+                }
+            }
+            for (c, code) in self.comps.iter().zip(saved) {
+                c.code.set(code);
+            }
+            return best.expect("two candidates");
+        }
+        self.least_host_as_set()
+    }
+
+    /// [`Self::least_host`] with the coded layouts as set now.
+    fn least_host_as_set(&self) -> (LeastHost, Vec<(Local, bool)>) {
         let found = match self.device_budget {
             Some(budget) => self
                 .least_host_within(budget)
@@ -845,9 +899,7 @@ impl<'a> Request<'a> {
         let layouts = |c: &PComp, r: u64| -> Vec<Local> {
             std::iter::once(c.all_resident())
                 .chain(c.sizes().into_iter().map(|sigma| c.minimal(sigma, 1)))
-                .filter(|l| {
-                    c.valid(l, self.max_depth) && c.blocks_where(l, false).all(|b| b.bytes <= r)
-                })
+                .filter(|l| c.valid(l, self.max_depth) && c.streamed_host(l).all(|(_, n)| n <= r))
                 .collect()
         };
         let transient = self.transient();
@@ -908,7 +960,7 @@ impl<'a> Request<'a> {
                     .comps
                     .iter()
                     .zip(&phases)
-                    .flat_map(|(c, (l, _))| c.blocks_where(l, false).map(|b| b.bytes))
+                    .flat_map(|(c, (l, _))| c.streamed_host(l).map(|(_, n)| n))
                     .collect();
                 // A ring of two of the largest streamed block (the search's
                 // passes plan within it; a plan that pins every weight is
@@ -942,8 +994,7 @@ impl<'a> Request<'a> {
                 .comps
                 .iter()
                 .zip(&phases)
-                .flat_map(|(c, (l, _))| c.blocks_where(l, false))
-                .map(|b| b.bytes)
+                .flat_map(|(c, (l, _))| c.streamed_host(l).map(|(_, n)| n))
                 .max()
                 .unwrap_or(0);
             let staging = HOST_STAGING_BUFFERS.saturating_mul(largest);
@@ -1026,26 +1077,14 @@ impl<'a> Request<'a> {
             .zip(phases)
             .map(|(c, (l, k))| c.pinned_held(l, *k))
             .sum();
-        let streamed: Vec<&PBlock> = self
-            .comps
-            .iter()
-            .zip(phases)
-            .flat_map(|(c, (l, _))| c.blocks_where(l, false))
-            .collect();
         // A coded streamed block's master holds its coded bytes.
-        let coded: Vec<&str> = self
+        let (streamed, blocks): (Vec<&PBlock>, Vec<HostBlock>) = self
             .comps
             .iter()
             .zip(phases)
-            .flat_map(|(c, (l, _))| c.coded_blocks(l).map(|b| b.path.as_str()))
-            .collect();
-        let blocks: Vec<HostBlock> = streamed
-            .iter()
-            .map(|b| match b.coded {
-                Some(n) if coded.contains(&b.path.as_str()) => HostBlock::raw(n),
-                _ => HostBlock::raw(b.bytes),
-            })
-            .collect();
+            .flat_map(|(c, (l, _))| c.streamed_host(l))
+            .map(|(b, n)| (b, HostBlock::raw(n)))
+            .unzip();
         let fixed = held.saturating_add(self.transient());
         let plan = plan_host(&blocks, fixed, Some(limits.budget), true);
         Some((held, streamed, plan))
@@ -1188,7 +1227,7 @@ impl<'a> Request<'a> {
             if own > cap_own
                 || held > cap_held
                 || held_copy > cap_host
-                || c.blocks_where(&l, false).any(|b| b.bytes > max_stream)
+                || c.streamed_host(&l).any(|(_, n)| n > max_stream)
             {
                 return;
             }
@@ -1243,7 +1282,8 @@ impl<'a> Request<'a> {
             return best;
         }
         for sigma in c.sizes() {
-            if sigma > self.bound.get().max_stream {
+            // (A coded block's host master is smaller than its slot.)
+            if sigma > self.bound.get().max_stream && c.code.get() == Code::Never {
                 continue;
             }
             for depth in 1..=self.max_depth {
@@ -1430,8 +1470,7 @@ impl<'a> Request<'a> {
                 let fits = |l: &Local| {
                     c.valid(l, self.max_depth)
                         && c.own(l) <= cap
-                        && c.blocks_where(l, false)
-                            .all(|b| b.bytes <= bound.max_stream)
+                        && c.streamed_host(l).all(|(_, n)| n <= bound.max_stream)
                 };
                 std::iter::once(c.all_resident())
                     .chain(c.sizes().into_iter().map(|sigma| c.minimal(sigma, 1)))
@@ -2268,9 +2307,9 @@ fn describe(
     // fill at a time, so together they bound the phase as the link does.
     let staged = r.staged_paths(&best.phases);
     let staged_bytes: u64 = c
-        .blocks_where(l, false)
-        .filter(|b| staged.contains(&b.path))
-        .map(|b| b.bytes)
+        .streamed_host(l)
+        .filter(|(b, _)| staged.contains(&b.path))
+        .map(|(_, n)| n)
         .sum();
     let fills_s = inp
         .host_fill_bytes_per_s

@@ -472,8 +472,9 @@ impl<A: Api> PlannedBackend<A> {
     /// registered in place without a host budget); a refused pin of a
     /// streamed block (`streams`) under a host budget stages it.
     /// Where `coded` (a streamed block the plan streams coded, CONTRACT
-    /// §7b), its coded master ([`Self::coded_master_of`]; raw where the
-    /// codec refuses it), recorded in `store_coded`.
+    /// §7b), its coded master ([`Self::coded_master_of`]: staged where
+    /// `staged`; raw where the codec refuses it), recorded in
+    /// `store_coded`.
     fn make_master(
         &mut self,
         layout: &Layout,
@@ -484,8 +485,8 @@ impl<A: Api> PlannedBackend<A> {
     ) -> Result<HostMaster<A>, OffloadError> {
         self.store_coded.remove(&unit.name);
         if coded
-            && !staged
-            && let Some((master, meta)) = self.coded_master_of(layout, unit, tally)?
+            && let Some((master, meta)) =
+                self.coded_master_of(layout, unit, (staged, streams), tally)?
         {
             self.store_coded.insert(unit.name.clone(), meta);
             return Ok(master);
@@ -517,17 +518,24 @@ impl<A: Api> PlannedBackend<A> {
         }
     }
 
-    /// `unit`'s coded host master and its (coded bytes, work items): from
-    /// the blob enable encoded (pinned at its size), else the coded bytes
-    /// the weight source holds (a coded-block file's window, registered in
-    /// place), else encoded now; `None` where the codec refuses it (it
-    /// streams raw).
+    /// `unit`'s coded host master and its (coded bytes, work items), from
+    /// its coded bytes: the blob enable encoded, else the coded bytes the
+    /// weight source holds (a coded-block file's window), else encoded
+    /// now. Staged (pageable, streamed through the host staging ring)
+    /// where `staged`; else a file's window registered in place (copied
+    /// into pinned memory of its size under a host budget, where
+    /// registering would lock its whole mapping) and a blob pinned at its
+    /// size; a streamed block whose pin the device refuses under a host
+    /// budget stages coded (CONTRACT §7c). `None` where the codec refuses
+    /// it (it streams raw).
     fn coded_master_of(
         &mut self,
         layout: &Layout,
         unit: &Unit,
+        (staged, streams): (bool, bool),
         tally: &mut crate::runtime::layerwise::CodingTally,
     ) -> Result<Option<CodedOf<A>>, OffloadError> {
+        use crate::runtime::backend::CodedRegion;
         let Some(codec) = self.codec.clone() else {
             return Ok(None);
         };
@@ -538,32 +546,71 @@ impl<A: Api> PlannedBackend<A> {
             .coded_forms
             .get_mut(&unit.name)
             .and_then(|f| f.blob.take());
-        let made = match blob {
-            Some(coded) => {
-                let len = coded.blob.len() as u64;
-                tally.encoded_before(unit.bytes, len);
-                let region = crate::runtime::backend::CodedRegion {
+        let file = || {
+            codec.format().and_then(|format| {
+                h.weights
+                    .take_coded(unit, format)
+                    .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
+            })
+        };
+        let (region, in_file) = match blob {
+            Some(coded) => (
+                CodedRegion {
                     work: coded.work,
                     region: Box::new(coded.blob),
-                };
-                h.pinned_coded(unit, region, CodedFrom::Encoded)?
-            }
-            None => {
-                let offer = codec.format().and_then(|format| {
-                    h.weights
-                        .take_coded(unit, format)
-                        .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
-                });
-                crate::runtime::layerwise::coded_master(
-                    h,
-                    unit,
-                    &spans,
-                    &*codec,
-                    offer,
-                    tally,
-                    self.host_limits.is_none(),
-                )?
-            }
+                },
+                false,
+            ),
+            None => match file() {
+                Some(c) => (c, true),
+                None => match h.encode(unit, &spans, &*codec) {
+                    Ok(coded) if coded.blob.len() as u64 <= bound => (
+                        CodedRegion {
+                            work: coded.work,
+                            region: Box::new(coded.blob),
+                        },
+                        false,
+                    ),
+                    Ok(coded) => {
+                        tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
+                        return Ok(None);
+                    }
+                    Err(reason) => {
+                        tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
+                        return Ok(None);
+                    }
+                },
+            },
+        };
+        let (len, work) = (region.region.bytes().len() as u64, region.work);
+        let staged_coded = |region: CodedRegion, why: budget::StageReason| {
+            tracing::info!(unit = %unit.name, bytes = len, reason = %why, "`{}` streams staged ({why}), coded: {len} of its {} bytes", unit.name, unit.bytes);
+            let region: std::sync::Arc<dyn crate::device::HostRegion> = region.region.into();
+            h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
+                bytes: len,
+                coded: Some(region),
+            }))
+        };
+        if staged {
+            return Ok(Some((
+                staged_coded(region, budget::StageReason::Budget),
+                (len, work),
+            )));
+        }
+        let budget = self.host_limits.is_some();
+        let made = if in_file {
+            crate::runtime::layerwise::coded_master(
+                h,
+                unit,
+                &spans,
+                &*codec,
+                Some(region),
+                tally,
+                !budget,
+            )?
+        } else {
+            tally.encoded_before(unit.bytes, len);
+            h.pinned_coded(unit, region, CodedFrom::Encoded)?
         };
         match made {
             CodedMaster::Made(master, work, _) => {
@@ -571,6 +618,16 @@ impl<A: Api> PlannedBackend<A> {
                 Ok(Some((master, (len, work))))
             }
             CodedMaster::Raw => Ok(None),
+            CodedMaster::PinRefused {
+                coded,
+                error: OffloadError::DeviceOp { kind, cause, .. },
+            } if budget && streams && kind != DeviceErrorKind::DeviceLost => {
+                tracing::warn!(unit = %unit.name, "pinning the coded `{}` was refused ({cause}); it streams staged", unit.name);
+                Ok(Some((
+                    staged_coded(coded, budget::StageReason::Refused),
+                    (len, work),
+                )))
+            }
             CodedMaster::PinRefused { error, .. } => Err(error),
         }
     }
@@ -655,6 +712,15 @@ impl<A: Api> PlannedBackend<A> {
             start.elapsed().as_secs_f64()
         );
         self.coded_forms = forms;
+        // Given inputs that carry the decoder's rate (saved measurements)
+        // are planned from it: nothing to measure.
+        if self
+            .given
+            .as_ref()
+            .is_some_and(|g| g.decode_bytes_per_s.is_some())
+        {
+            return Ok(());
+        }
         // The decoder's rate, on the smallest coded block (its coded bytes
         // and its output fit any budget the planner accepts: two slots of
         // it at least).
@@ -671,7 +737,7 @@ impl<A: Api> PlannedBackend<A> {
                 .get(&unit.name)
                 .and_then(|f| f.blob.as_ref().map(|b| (b.blob.clone(), b.work)));
             let mut tally = crate::runtime::layerwise::CodingTally::default();
-            let made = self.coded_master_of(layout, &unit, &mut tally)?;
+            let made = self.coded_master_of(layout, &unit, (false, false), &mut tally)?;
             if let (Some((blob, work)), Some(f)) = (kept, self.coded_forms.get_mut(&unit.name)) {
                 f.blob = Some(crate::device::Coded { blob, work });
             }
@@ -780,9 +846,7 @@ impl<A: Api> PlannedBackend<A> {
                     matches!(**now, HostMaster::Staged(_)),
                     self.store_coded.contains_key(&unit.name),
                 );
-                let want_coded = coded.contains(&unit.name)
-                    && !staged.contains(&unit.name)
-                    && (now.1 || self.codec.is_some());
+                let want_coded = coded.contains(&unit.name) && self.codec.is_some();
                 let want = (staged.contains(&unit.name), want_coded);
                 if now == want || want.0 != to_staged {
                     continue;
