@@ -283,10 +283,16 @@ fn a_coded_ring_and_a_raw_ring_share_their_slots_safely() {
 
 #[test]
 fn weight_compression_is_checked_where_it_cannot_apply() {
-    for (json, needle) in [(
-        r#"{"enable_cpu_offload": true, "weight_compression": "lossless"}"#,
-        "with layerwise offload only",
-    )] {
+    for (json, needle) in [
+        (
+            r#"{"enable_cpu_offload": true, "weight_compression": "lossless"}"#,
+            "with layerwise offload only",
+        ),
+        (
+            r#"{"enable_distributed_layerwise_offload": true, "weight_compression": "auto"}"#,
+            "a gathered or model-level block is not decoded",
+        ),
+    ] {
         let c = OffloadConfig::from_json_str(json).unwrap();
         let e = c.select().unwrap_err().to_string();
         assert!(
