@@ -469,13 +469,22 @@ pub fn small_pipeline() -> &'static Pipeline {
 /// `budget::plan` over a small pipeline (a DiT of 4 + 2 blocks, a text
 /// encoder) from `PlannerInputs` parsed from the input (measurements a
 /// second start reloads, or a caller writes: untrusted), for a budget of a
-/// size and of `"auto"`: a plan or a typed error, never a panic, a hang or
-/// an unbounded allocation.
+/// size and of `"auto"`, with `weight_compression` `"none"`, `"lossless"`
+/// or `"auto"` by the input's first byte: a plan or a typed error, never
+/// a panic, a hang or an unbounded allocation.
 pub fn planner(data: &[u8]) {
     let Ok(inputs) = PlannerInputs::from_json_str(&text(data)) else {
         return;
     };
     let pipeline = small_pipeline();
+    // Each budget uncoded and, where the input's first byte says so, with
+    // `weight_compression` (the planner prices the inputs' coded sizes and
+    // decoder rate: CONTRACT §7b).
+    let compression = match data.first().map(|b| b % 3) {
+        Some(1) => "\nweight_compression = \"lossless\"",
+        Some(2) => "\nweight_compression = \"auto\"",
+        _ => "",
+    };
     for (budget, memory) in [
         (r#"device_budget = "40KiB""#, DeviceMemory::of(1 << 30)),
         (
@@ -486,7 +495,8 @@ pub fn planner(data: &[u8]) {
             },
         ),
     ] {
-        let config = OffloadConfig::from_toml_str(budget).expect("a fixed budget parses");
+        let config = OffloadConfig::from_toml_str(&format!("{budget}{compression}"))
+            .expect("a fixed budget parses");
         match budget::plan(pipeline, &config, &inputs, memory) {
             Ok(plan) => {
                 let _ = plan.predicted_step_s();
