@@ -316,6 +316,10 @@ enum Loc {
     Registered(u64),
 }
 
+/// Decode windows kept for the interference a kernel sees: more than a
+/// ring runs ahead (64 slots at most).
+const DECODE_WINDOWS: usize = 128;
+
 /// The engines whose work serialises.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Engine {
@@ -526,6 +530,10 @@ struct State {
     next_id: u64,
     next_seq: u64,
     engines: [u64; 5],
+    /// The last decodes' windows on the decode engine (start, end): a
+    /// kernel is slowed for the part of it a decode actually runs (a
+    /// decode queued behind its slot's last use has not started yet).
+    decode_windows: std::collections::VecDeque<(u64, u64)>,
     op_clocks: Vec<VectorClock>,
     checker: BufferOrderChecker,
     violations: Vec<Violation>,
@@ -1352,6 +1360,7 @@ impl SimDevice {
                 next_id: 1,
                 next_seq: 0,
                 engines: [0; 5],
+                decode_windows: std::collections::VecDeque::new(),
                 op_clocks: Vec::new(),
                 checker: BufferOrderChecker::new(),
                 violations: Vec::new(),
@@ -1683,8 +1692,13 @@ impl SimDevice {
         } else {
             duration_ns
         };
-        // And by a decode beside it, for the part of it the decode runs.
-        let decoding = st.engines[Engine::Decode as usize].saturating_sub(start);
+        // And by a decode beside it, for the part of it a decode runs.
+        let end_nominal = start.saturating_add(duration_ns);
+        let decoding: u64 = st
+            .decode_windows
+            .iter()
+            .map(|&(s, e)| e.min(end_nominal).saturating_sub(s.max(start)))
+            .sum();
         let duration_ns = if decoding > 0 {
             let k = st.profile.decode_interference;
             (duration_ns as f64 + decoding.min(duration_ns) as f64 * k).round() as u64
@@ -2280,6 +2294,10 @@ impl SimDevice {
         st.check_range(&name, "destination", 0, decoded_bytes, dst.len)?;
         let duration = st.profile.decode_ns(decoded_bytes);
         let (op, start, end) = st.enqueue(stream.index, Engine::Decode, duration, &name)?;
+        if st.decode_windows.len() == DECODE_WINDOWS {
+            st.decode_windows.pop_front();
+        }
+        st.decode_windows.push_back((start, end));
         st.stats.decodes += 1;
         st.stats.decoded_bytes += decoded_bytes;
         let stream_name = st.streams[stream.index].name.clone();

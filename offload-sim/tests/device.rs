@@ -336,3 +336,81 @@ fn a_copy_slows_the_kernel_it_overlaps() {
         d.free_device(buf, &[]).unwrap();
     }
 }
+
+/// A kernel beside a decode (CONTRACT §7b) takes longer by the profile's
+/// `decode_interference` times the part a decode runs beside it; a decode
+/// enqueued before the kernel but waiting for an event (its slot's last
+/// use) until after the kernel ends slows it not at all. Seen red with a
+/// kernel charged from its start to the last decode's end (the rule
+/// before 2026-12-05: 0.9 × the kernel's whole duration here).
+#[test]
+fn a_decode_slows_only_the_kernel_it_runs_beside() {
+    let d = device(FaultPlan::none());
+    let p = DeviceProfile::h200();
+    let (decode, compute, other) = (
+        d.create_stream().unwrap(),
+        d.create_stream().unwrap(),
+        d.create_stream().unwrap(),
+    );
+    let bytes = 256u64 << 20;
+    let (src, dst) = (
+        d.alloc_device(bytes).unwrap(),
+        d.alloc_device(bytes).unwrap(),
+    );
+    let out = d.create_accumulator();
+    let (a, b, gate) = (
+        d.create_event().unwrap(),
+        d.create_event().unwrap(),
+        d.create_event().unwrap(),
+    );
+    let ident: offload_sim::device::DecodeFn = std::sync::Arc::new(|b: &[u8]| Some(b.to_vec()));
+    // A kernel of about 5 ms, alone.
+    let flops = p.compute_tflops * 5e9;
+    let timed = |what: &str| {
+        d.record_event(&a, &compute).unwrap();
+        d.compute(&compute, &[], flops, what, &out).unwrap();
+        d.record_event(&b, &compute).unwrap();
+        d.synchronize_stream(&compute).unwrap();
+        d.event_time_ns(&b) - d.event_time_ns(&a)
+    };
+    let alone = timed("alone");
+    // A decode gated behind 1.1 GB of device→host copy on another stream
+    // (about 20 ms on the D2H engine, which no kernel shares), enqueued
+    // first: the kernel ends before it starts.
+    let gate_bytes = 1u64 << 30;
+    let gate_src = d.alloc_device(gate_bytes).unwrap();
+    let mut gate_dst = d.alloc_pinned(gate_bytes).unwrap();
+    assert!(p.d2h_ns(gate_bytes) > 2 * p.compute_ns(flops));
+    // SAFETY: in bounds; synchronised before the buffers are freed.
+    unsafe { d.copy_d2h(&other, &gate_src, 0, &mut gate_dst, 0, gate_bytes) }.unwrap();
+    d.record_event(&gate, &other).unwrap();
+    d.stream_wait_event(&decode, &gate).unwrap();
+    d.decode(&decode, (&src, bytes), (&dst, bytes), ident.clone())
+        .unwrap();
+    let gated = timed("beside a gated decode");
+    d.synchronize_stream(&decode).unwrap();
+    assert!(
+        gated <= alone + 20_000,
+        "a decode that had not started slowed the kernel: {gated} ns against {alone} ns alone"
+    );
+    // A decode that runs: the kernel loses the interference of its overlap.
+    d.decode(&decode, (&src, bytes), (&dst, bytes), ident)
+        .unwrap();
+    let beside = timed("beside a running decode") as f64 - alone as f64;
+    d.synchronize_stream(&decode).unwrap();
+    let most = p.decode_interference * p.decode_ns(bytes) as f64;
+    assert!(
+        beside >= 0.9 * most && beside <= most + 20_000.0,
+        "slowed by {beside} ns beside a {} ns decode (interference {})",
+        p.decode_ns(bytes),
+        p.decode_interference
+    );
+    d.synchronize_stream(&other).unwrap();
+    // SAFETY: every stream is drained.
+    unsafe {
+        d.free_device(src, &[]).unwrap();
+        d.free_device(dst, &[]).unwrap();
+        d.free_device(gate_src, &[]).unwrap();
+        d.free_pinned(gate_dst).unwrap();
+    }
+}
