@@ -531,7 +531,7 @@ pub fn bounded_phases<'a>(
             return Err(violation(
                 Invariant::BoundedMemory,
                 format!(
-                    "phase `{}`: peak device weight bytes {} > its bound {bound} (outside + kept + held + slots)",
+                    "phase `{}`: peak device weight bytes {} > its bound {bound} (outside + kept + held + slots + decode staging)",
                     o.phase, o.peak_weight_bytes
                 ),
             ));

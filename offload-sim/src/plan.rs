@@ -390,15 +390,18 @@ pub fn with_coded_estimates(
     // Blocks laid out alike (a stack's repeated blocks) code alike: one
     // estimate per layout of spans.
     let mut by_layout: BTreeMap<Vec<(u64, u64, bool)>, u64> = BTreeMap::new();
-    for c in inputs.components.values_mut() {
+    for (component, c) in inputs.components.iter_mut() {
         if !c.coded_block_bytes.is_empty() {
             continue;
         }
-        let blocks: Vec<&String> = c.block_compute_s.keys().collect();
-        for path in blocks {
-            let Some(unit) = pipeline.module_id(path).and_then(|m| part.blocks.get(&m)) else {
+        // Every block of the component's stacks (whether the inputs time
+        // it or not).
+        let prefix = format!("{component}.");
+        for (m, unit) in &part.blocks {
+            let path = &pipeline.module(*m).path;
+            if !path.starts_with(&prefix) {
                 continue;
-            };
+            }
             let spans = offload_core::runtime::codec_spans(unit, &bf16);
             let layout: Vec<(u64, u64, bool)> =
                 spans.iter().map(|s| (s.offset, s.bytes, s.bf16)).collect();

@@ -265,22 +265,26 @@ impl PComp {
         if codable.is_empty() {
             return vec![l.clone()];
         }
-        let mut out = Vec::new();
-        // At most 16 variants: beyond four codable stacks, all or none.
-        let masks: Vec<u32> = if codable.len() <= 4 {
-            (0..1u32 << codable.len()).collect()
+        // Every subset of up to four codable stacks (16 variants); beyond,
+        // all or none.
+        let subsets: Vec<Vec<bool>> = if codable.len() <= 4 {
+            (0..1u32 << codable.len())
+                .map(|mask| (0..codable.len()).map(|bit| mask >> bit & 1 == 1).collect())
+                .collect()
         } else {
-            vec![0, (1u32 << codable.len().min(31)) - 1]
+            vec![vec![false; codable.len()], vec![true; codable.len()]]
         };
-        for mask in masks {
-            let mut v = l.clone();
-            v.coded = vec![false; self.stacks.len()];
-            for (bit, &s) in codable.iter().enumerate() {
-                v.coded[s] = mask >> bit.min(31) & 1 == 1;
-            }
-            out.push(v);
-        }
-        out
+        subsets
+            .into_iter()
+            .map(|subset| {
+                let mut v = l.clone();
+                v.coded = vec![false; self.stacks.len()];
+                for (&s, on) in codable.iter().zip(subset) {
+                    v.coded[s] = on;
+                }
+                v
+            })
+            .collect()
     }
 
     /// Bytes of its own phase: held, slots and decode staging.
@@ -1879,6 +1883,13 @@ impl<'a> Request<'a> {
                         allowed: format!("blocks of `{}`", c.path),
                     });
                 }
+            }
+            if c.mode == Code::Never && !ch.coded_blocks.is_empty() {
+                return Err(BudgetError::Input {
+                    input: format!("choices.{}.coded_blocks", c.path),
+                    value: format!("{} blocks", ch.coded_blocks.len()),
+                    allowed: "none under weight_compression = \"none\" (every block streams as stored); \"lossless\" or \"auto\" stream blocks coded".to_owned(),
+                });
             }
             for p in &ch.coded_blocks {
                 let block = c.stacks.iter().flatten().find(|b| &b.path == p);

@@ -397,8 +397,10 @@ pub fn plan_bounds(
         part.rest.iter().filter(|u| !is_managed(u.module)).collect();
     let outside_bytes: u64 = outside.iter().map(|u| u.bytes).sum();
     // Each component's held set and slots, from the plan's choices; its
-    // coded streamed blocks (CONTRACT §7b) add two device staging buffers
-    // of the largest one's bound, and their masters up to that bound.
+    // coded streamed blocks (CONTRACT §7b) add the two decode staging
+    // buffers the plan counted for them (of its largest coded streamed
+    // block, at the coded size it planned: the engine allocates exactly
+    // that), and their masters up to `coded_bound` on the host.
     let bf16 = crate::runtime::layout::bf16_storages(pipeline);
     let mut coded_overhead = 0u64;
     let mut held = Vec::new();
@@ -412,7 +414,7 @@ pub fn plan_bounds(
                 reason: "the request plan has no choice for this component".to_owned(),
             })?;
         let mut held_bytes = part.rest_of(c.module).map_or(0, |u| u.bytes);
-        let (mut streamed_max, mut coded_max) = (0, 0);
+        let mut streamed_max = 0;
         for stack in resolved.stacks.iter().filter(|s| s.owner == c.path) {
             for b in &stack.blocks {
                 let unit = &part.blocks[&b.module];
@@ -424,7 +426,6 @@ pub fn plan_bounds(
                     if choice.coded_blocks.contains(&b.path) {
                         let spans = crate::runtime::layout::codec_spans(unit, &bf16).len();
                         let bound = crate::device::coded_bound(bytes, spans);
-                        coded_max = coded_max.max(bound);
                         coded_overhead += bound.saturating_sub(bytes);
                     }
                 }
@@ -435,10 +436,15 @@ pub fn plan_bounds(
         } else {
             0
         };
+        let staging = if choice.coded_blocks.is_empty() {
+            0
+        } else {
+            plan.component(&c.path).map_or(0, |p| p.peak.staging_bytes)
+        };
         held.push((
             c.path.clone(),
             held_bytes,
-            slots * streamed_max + crate::runtime::layerwise::STAGING_BUFFERS as u64 * coded_max,
+            slots * streamed_max + staging,
             choice.kept,
         ));
     }

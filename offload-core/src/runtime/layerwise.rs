@@ -2989,8 +2989,21 @@ impl<A: Api> RingEngine<A> {
             }
         };
         let rate = time_decodes(h, &**codec, (unit, master, coded), &staging, &out);
+        // A failed measurement may leave its copy or decodes in flight (the
+        // events that order them perhaps never recorded): the streams are
+        // drained first, and where that fails too the device may still
+        // touch both buffers, which are leaked (logged).
+        if rate.is_err() && h.drain().is_err() {
+            tracing::error!(
+                unit = %unit.name,
+                "the decode measurement failed and its streams did not drain: leaking its staging and output buffers"
+            );
+            std::mem::forget(staging);
+            std::mem::forget(out);
+            return rate;
+        }
         // Every free runs after the decodes (the measurement synchronised,
-        // or failed before enqueueing them: the events order the rest).
+        // or drained after failing).
         let freed = h
             .free(
                 staging.buffer,
@@ -3000,6 +3013,13 @@ impl<A: Api> RingEngine<A> {
             .and_then(|()| h.free(out, &[&staging.consumed], "decode output"));
         let rate = rate?;
         freed.map(|()| rate)
+    }
+
+    /// Waits for everything enqueued on its streams (never on the hot
+    /// path): what a failed enable-time step must see done before it frees
+    /// what that step's work may read.
+    pub(crate) fn drain(&self) -> Result<(), OffloadError> {
+        self.engine.handles.drain()
     }
 
     /// Builds the rings of `layout` over the masters `master_of` gives (no

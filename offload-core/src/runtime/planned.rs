@@ -637,9 +637,11 @@ impl<A: Api> PlannedBackend<A> {
     /// encoded now on the host (kept until the first plan's store is
     /// built); none where the codec refuses it or its blob would exceed
     /// [`crate::device::coded_bound`] (it streams raw). Then the decoder's
-    /// rate, measured on the smallest coded block. Nothing is pinned but
-    /// that block's coded master, freed after the measurement.
-    fn learn_coded(&mut self, layout: &Layout) -> Result<(), OffloadError> {
+    /// rate, measured on the largest coded block whose coded bytes and
+    /// output fit `budget` (the large blocks' decodes are the ones that
+    /// count; a small one's would be mostly launch latency). Nothing is
+    /// pinned but that block's coded master, freed after the measurement.
+    fn learn_coded(&mut self, layout: &Layout, budget: u64) -> Result<(), OffloadError> {
         let Some(codec) = self.codec.clone() else {
             return Ok(());
         };
@@ -721,16 +723,19 @@ impl<A: Api> PlannedBackend<A> {
         {
             return Ok(());
         }
-        // The decoder's rate, on the smallest coded block (its coded bytes
-        // and its output fit any budget the planner accepts: two slots of
-        // it at least).
-        let smallest = layout
+        // The decoder's rate, on the largest coded block that fits the
+        // budget beside its coded bytes (else the smallest).
+        let coded: Vec<(&Unit, u64)> = layout
             .blocks()
-            .map(|(_, u)| u)
-            .filter(|u| self.coded_forms.contains_key(&u.name))
-            .min_by_key(|u| u.bytes)
-            .cloned();
-        if let Some(unit) = smallest {
+            .filter_map(|(_, u)| Some((u, self.coded_forms.get(&u.name)?.bytes)))
+            .collect();
+        let measured = coded
+            .iter()
+            .filter(|(u, c)| u.bytes.saturating_add(*c) <= budget)
+            .max_by_key(|(u, _)| u.bytes)
+            .or_else(|| coded.iter().min_by_key(|(u, _)| u.bytes))
+            .map(|(u, _)| (*u).clone());
+        if let Some(unit) = measured {
             // Its blob is lent for the measurement and kept.
             let kept = self
                 .coded_forms
@@ -743,8 +748,15 @@ impl<A: Api> PlannedBackend<A> {
             }
             if let Some((master, meta)) = made {
                 let rate = self.ring.measure_decoder(&unit, &master, meta);
-                // SAFETY: the measurement synchronised with its decodes (or
-                // failed before them): no copy reads the master any more.
+                // A failed measurement may leave its copy of the master in
+                // flight: drained first, else the master is leaked (logged).
+                if rate.is_err() && self.ring.drain().is_err() {
+                    tracing::error!(unit = %unit.name, "the decode measurement failed and its streams did not drain: leaking the coded master it read");
+                    std::mem::forget(master);
+                    return rate.map(|_| ());
+                }
+                // SAFETY: the measurement synchronised with its decodes, or
+                // failed and its streams drained: no copy reads the master.
                 let freed = unsafe { self.phases.handles.free_master(master) };
                 let rate = rate?;
                 freed?;
@@ -1148,6 +1160,8 @@ impl<A: Api> PlannedBackend<A> {
             Ok(())
         };
         self.layout = None;
+        // The blobs enable encoded go with everything else.
+        self.coded_forms.clear();
         undone.and(stored)
     }
 
@@ -1584,10 +1598,12 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             components,
         };
         // `weight_compression` (CONTRACT §7b): each streamed block's coded
-        // size and the decoder's rate, before anything is planned.
-        self.learn_coded(&layout)?;
-        let (choices, plan, inputs, warmup, host_side) = match &self.given {
+        // size and the decoder's rate, before anything is planned (but
+        // after what can fail without them: encoding takes minutes).
+        let given = self.given.clone();
+        let (choices, plan, inputs, warmup, host_side) = match &given {
             Some(given) => {
+                self.learn_coded(&layout, budget_bytes)?;
                 let mut inputs = self.with_coded(&layout, given.clone());
                 if let Some(r) = &request {
                     inputs.steps = r.steps;
@@ -1596,14 +1612,20 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 // allocator's granule now, the mappings as last measured
                 // (measured again below, once the masters exist).
                 inputs.allocation_granule_bytes = self.device.allocation_granule();
-                let plan = budget::plan_within(
+                let plan = match budget::plan_within(
                     &model.pipeline,
                     &self.config,
                     &inputs,
                     memory,
                     host_limits.clone(),
-                )
-                .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+                ) {
+                    Ok(plan) => plan,
+                    Err(e) => {
+                        // The blobs enable encoded go with the failed enable.
+                        self.coded_forms.clear();
+                        return Err(OffloadError::Budget(Box::new(e)));
+                    }
+                };
                 let side = plan.host.clone();
                 (plan.choices(), Some(plan), Some(inputs), None, side)
             }
@@ -1654,6 +1676,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                     // (The smallest footprint counts no activations.)
                     return Err(OffloadError::Budget(Box::new(minimum.does_not_fit(device))));
                 }
+                self.learn_coded(&layout, budget_bytes)?;
                 (choices, None, None, Some(shape), side)
             }
         };
