@@ -34,7 +34,9 @@
 //!
 //! **Pipeline** (`--pipeline`, [`pipeline`]): whole Flux.1-dev requests
 //! (both text encoders, the denoising steps, the VAE decode) under each
-//! `--budgets` through the request planner, against a resident run.
+//! `--budgets` through the request planner, against a resident run; with
+//! `--weight-compression` each budget once per value, the coded rows over
+//! `--coded-blocks` where given.
 //!
 //! Prints tables and writes JSON. Never a timed test.
 //!
@@ -165,16 +167,21 @@ pub(crate) struct Args {
     /// encodes every block): only `--depths` run.
     #[arg(long)]
     no_planner: bool,
-    /// With `--weight-compression lossless`: a coded-block file
-    /// (offload-pack's `.opackb`) to enable the lossless rows from, its
+    /// With `--weight-compression lossless` (or `auto`): a coded-block
+    /// file (offload-pack's `.opackb`) to enable the coded rows from, its
     /// coded masters registered in place; written first from the loaded
     /// weights if it does not exist (timed), so it is in the page cache.
+    /// With --pipeline it holds every stack's blocks (DiT, CLIP, T5), and
+    /// a file that lacks some of them, or holds one coded from other
+    /// weights, is written again.
     #[arg(long)]
     coded_blocks: Option<std::path::PathBuf>,
-    /// DiT-only mode: `weight_compression` values to run the layerwise
-    /// rows with, comma-separated (`none`, `lossless`: every streamed
-    /// block coded on the host at enable and decoded on the GPU by
-    /// `CudaCodec`); rows per value.
+    /// `weight_compression` values, comma-separated (`none`; `lossless`:
+    /// every streamed block coded on the host at enable, or taken from
+    /// --coded-blocks, and decoded on the GPU by `CudaCodec`; `auto`:
+    /// coded where the recurrence says it is faster). DiT-only mode: the
+    /// layerwise rows once per value. --pipeline: each budget once per
+    /// value (the resident run once); default `none` alone.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "none")]
     weight_compression: Vec<Compression>,
     /// The law each loaded bf16 tensor is drawn from at its init scale
@@ -400,7 +407,7 @@ impl Settings {
         }
         ensure!(
             !compressions.is_empty(),
-            "--weight-compression: name at least one of none, lossless"
+            "--weight-compression: name at least one of none, lossless, auto"
         );
         Ok(Self {
             tokens,
@@ -1421,7 +1428,9 @@ fn run() -> Result<()> {
                 blocks,
             })
         }
-        (Some(_), None) => bail!("--coded-blocks: with --weight-compression lossless only"),
+        (Some(_), None) => {
+            bail!("--coded-blocks: with --weight-compression lossless or auto only")
+        }
         _ => Arc::clone(&loaded) as Arc<dyn WeightSource>,
     };
     let platform = |depth,

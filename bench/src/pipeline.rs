@@ -48,6 +48,22 @@
 //! weight bytes, against the budget, the plan's prediction and the phase's
 //! INV-7 weight bound (`plan_bounds`). Every output must equal the
 //! resident run's.
+//!
+//! `--weight-compression none,lossless,auto` runs each budget once per
+//! value (rows `16 GiB`, `16 GiB lossless`, `16 GiB auto`; the resident
+//! run once; default `none` alone). Where any value codes, the CUDA codec
+//! (`CudaCodec`) is loaded and given to every platform
+//! (`CorePlatform::with_codec`); with `--coded-blocks PATH` the coded runs
+//! read the loaded weights with the coded-block file of every stack's
+//! blocks beside them (`WithCodedBlocks`; the file written first where
+//! absent, or written again where it lacks a block of the pipeline or
+//! holds one coded from other weights), so the planned backend takes each
+//! block's coded bytes in place instead of encoding it at enable; the
+//! `none` runs read the plain loaded weights. The last table gives each
+//! planned run's DiT phase per forward ([`DitRow`]): streamed bf16 bytes,
+//! bytes on the link, coded blocks, decode staging, and the measured
+//! forward against the bf16 link limit `max(resident DiT forward,
+//! streamed bf16 / pinned bandwidth)` and the plan's prediction.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -721,9 +737,11 @@ struct RunReport {
     name: String,
     /// The configuration's `device_budget`, if any.
     device_budget: Option<String>,
-    /// Its `weight_compression`.
+    /// Its `weight_compression` (`none`, `lossless`, `auto`).
     weight_compression: String,
     error: Option<String>,
+    /// The whole run: enable, every request, disable.
+    wall_s: f64,
     /// `enable_selected` (enable and, without saved measurements, the
     /// warm-up), synchronised.
     enable_s: f64,
@@ -760,6 +778,101 @@ struct RunReport {
     /// Units a backend could not register in place (copied instead).
     units_copied: u64,
     hog: Option<HogReport>,
+    /// Its plan's DiT phase against its limits (planned runs with an
+    /// instrumented request).
+    dit: Option<DitRow>,
+}
+
+/// The DiT phase (component `transformer`) of a planned run: what its
+/// plan streams, codes and puts on the link per forward, and its measured
+/// forward against the bf16 link limit and the plan's prediction.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+struct DitRow {
+    blocks: usize,
+    streamed_blocks: usize,
+    /// The streamed blocks that stream coded (`ComponentPlan::coded_blocks`).
+    coded_blocks: usize,
+    /// bf16 bytes streamed per forward (`streamed_bytes`).
+    streamed_bytes: u64,
+    /// Bytes on the link per forward (`link_bytes`: coded blocks at their
+    /// coded bytes).
+    link_bytes: u64,
+    /// `link_bytes / streamed_bytes` (1 with nothing coded).
+    link_over_bf16: f64,
+    /// Its phase's decode staging (`peak.staging_bytes`).
+    staging_bytes: u64,
+    /// The plan's decodes per forward (`decode_s / forwards`), s.
+    decode_s_per_forward: f64,
+    /// Forwards per request (the plan's).
+    forwards: f64,
+    /// The plan's phase time per forward (`predicted_s / forwards`).
+    predicted_forward_s: f64,
+    /// The instrumented request's DiT phase seconds / its forwards (the
+    /// first forward's cold fill and the phase's bring-in included).
+    forward_s: Option<f64>,
+    /// The resident run's, the same way.
+    resident_forward_s: Option<f64>,
+    /// `streamed_bytes` over the pinned host→device bandwidth measured at
+    /// the start of this process.
+    bf16_link_s: f64,
+    /// `max(resident_forward_s, bf16_link_s)` (`bf16_link_s` alone
+    /// without a resident run): the bf16 link limit of
+    /// `bench/run-crossover.sh`'s budget table.
+    bf16_link_limit_s: f64,
+    /// `forward_s / bf16_link_limit_s` (below 1: faster than bf16
+    /// streaming could be).
+    forward_over_limit: Option<f64>,
+    /// `predicted_forward_s / forward_s`.
+    predicted_over_measured: Option<f64>,
+}
+
+/// `r`'s DiT phase ([`DitRow`]), from its plan and its instrumented
+/// request, against `resident` (the resident run's report) and the pinned
+/// bandwidth `bw_gbps` (GB/s); `None` without a planned `transformer`.
+fn dit_row(r: &RunReport, resident: Option<&RunReport>, bw_gbps: f64) -> Option<DitRow> {
+    let c = r.plan.as_ref()?.component("transformer")?;
+    let forward = |r: &RunReport| {
+        r.phases
+            .iter()
+            .find(|p| p.measured.component == "transformer" && p.measured.forwards > 0)
+            .map(|p| p.measured.seconds / p.measured.forwards as f64)
+    };
+    let forward_s = forward(r);
+    let resident_forward_s = resident.filter(|r| r.error.is_none()).and_then(forward);
+    let per = |s: f64| s / c.forwards.max(1e-12);
+    let bf16_link_s = if bw_gbps > 0.0 {
+        c.streamed_bytes as f64 / (bw_gbps * 1e9)
+    } else {
+        0.0
+    };
+    let bf16_link_limit_s = resident_forward_s.map_or(bf16_link_s, |f| f.max(bf16_link_s));
+    let predicted_forward_s = per(c.predicted_s);
+    Some(DitRow {
+        blocks: c.blocks,
+        streamed_blocks: c.streamed_blocks,
+        coded_blocks: c.coded_blocks.len(),
+        streamed_bytes: c.streamed_bytes,
+        link_bytes: c.link_bytes,
+        link_over_bf16: if c.streamed_bytes > 0 {
+            c.link_bytes as f64 / c.streamed_bytes as f64
+        } else {
+            1.0
+        },
+        staging_bytes: c.peak.staging_bytes,
+        decode_s_per_forward: per(c.decode_s),
+        forwards: c.forwards,
+        predicted_forward_s,
+        forward_s,
+        resident_forward_s,
+        bf16_link_s,
+        bf16_link_limit_s,
+        forward_over_limit: forward_s
+            .filter(|_| bf16_link_limit_s > 0.0)
+            .map(|f| f / bf16_link_limit_s),
+        predicted_over_measured: forward_s
+            .filter(|f| *f > 0.0)
+            .map(|f| predicted_forward_s / f),
+    })
 }
 
 impl RunReport {
@@ -948,10 +1061,13 @@ impl Bench<'_> {
             ..RunReport::default()
         };
         eprintln!("== {}", spec.name);
+        let t = Instant::now();
         if let Err(e) = self.run_into(spec, &mut report) {
             eprintln!("{}: {e:#}", spec.name);
             report.error = Some(format!("{e:#}"));
         }
+        report.wall_s = t.elapsed().as_secs_f64();
+        eprintln!("{}: {:.1} s in all", spec.name, report.wall_s);
         *lock(&self.work.log) = None;
         report.units_copied = self.loaded.mismatched();
         report
@@ -1114,6 +1230,147 @@ impl Bench<'_> {
     }
 }
 
+/// The coded-block file the coded runs read (`--coded-blocks`).
+#[derive(Clone, Debug, Default, Serialize)]
+struct CodedFileReport {
+    path: String,
+    /// Why it was written in this run (absent, or not covering the
+    /// pipeline's blocks), if it was.
+    written: Option<String>,
+    /// Seconds the write took (`pack_blocks`), if written.
+    write_s: Option<f64>,
+    /// Seconds opening it took, with its coverage checked.
+    open_s: f64,
+    /// Blocks of the pipeline (every stack's, as the backends pack them).
+    blocks: usize,
+    /// Of them, those the file holds coded from these weights.
+    covered: usize,
+    /// Bytes of the file's blobs.
+    coded_bytes: u64,
+    /// The bf16 bytes they decode to.
+    decoded_bytes: u64,
+}
+
+/// Of `pipeline`'s blocks (every stack's, as the backends pack them over
+/// `weights`), how many there are and those `blocks` does not hold coded
+/// from `weights`, each with why.
+fn uncovered(
+    blocks: &offload_pack::blocks_file::CodedBlocks,
+    pipeline: &Pipeline,
+    weights: &dyn WeightSource,
+) -> Result<(usize, Vec<String>)> {
+    let part = offload_core::runtime::packing_for(pipeline, weights)
+        .map_err(|e| anyhow::anyhow!("the pipeline's packing: {e}"))?;
+    let mut missing = Vec::new();
+    for u in part.blocks.values() {
+        match blocks.checked_region(u, weights) {
+            Ok(Some(_)) => {}
+            Ok(None) => missing.push(format!(
+                "{}: not in the file (or laid out otherwise)",
+                u.name
+            )),
+            Err(e) => missing.push(format!("{}: {e}", u.name)),
+        }
+    }
+    Ok((part.blocks.len(), missing))
+}
+
+/// The coded-block file at `path` of every block of `pipeline` over
+/// `weights`, opened: written first where absent, and written again where
+/// it is a coded-block file that lacks some block or holds one coded from
+/// other weights (a DiT-only file, or one of another checkpoint); a file
+/// that is not a coded-block file is an error, never overwritten.
+fn coded_blocks_file(
+    path: &std::path::Path,
+    pipeline: &Pipeline,
+    weights: &Arc<Loaded>,
+) -> Result<(offload_pack::blocks_file::CodedBlocks, CodedFileReport)> {
+    use offload_pack::blocks_file::{CodedBlocks, pack_blocks};
+    let source = &**weights as &dyn WeightSource;
+    let mut report = CodedFileReport {
+        path: path.display().to_string(),
+        ..CodedFileReport::default()
+    };
+    let why = if path.exists() {
+        let t = Instant::now();
+        let blocks = CodedBlocks::open(path).map_err(|e| {
+            anyhow::anyhow!(
+                "--coded-blocks {}: exists and is not a coded-block file this build reads ({e}); remove it or name another path",
+                path.display()
+            )
+        })?;
+        let (n, missing) = uncovered(&blocks, pipeline, source)?;
+        if missing.is_empty() {
+            report.open_s = t.elapsed().as_secs_f64();
+            report.blocks = n;
+            report.covered = n;
+            report.coded_bytes = blocks.coded_bytes();
+            report.decoded_bytes = blocks.blocks().map(|(_, e)| e.decoded_bytes).sum();
+            eprintln!(
+                "coded-block file {}: every one of the pipeline's {n} blocks held, coded from these weights ({:.2} GB); opened and checked in {:.2} s",
+                path.display(),
+                gb(report.coded_bytes),
+                report.open_s
+            );
+            return Ok((blocks, report));
+        }
+        // Unmapped before the file is replaced (removed and written anew,
+        // never written under the mapping).
+        drop(blocks);
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing the coded-block file {}", path.display()))?;
+        format!(
+            "it held {} of the pipeline's {n} blocks coded from these weights; first missing or stale: {}",
+            n - missing.len(),
+            missing[0]
+        )
+    } else {
+        "absent".to_owned()
+    };
+    eprintln!("coded-block file {}: writing it ({why})", path.display());
+    let t = Instant::now();
+    let r = pack_blocks(
+        path,
+        pipeline,
+        source,
+        &offload_pack::format::EncodeConfig::default(),
+    )
+    .with_context(|| format!("writing the coded-block file {}", path.display()))?;
+    report.write_s = Some(t.elapsed().as_secs_f64());
+    report.written = Some(why);
+    eprintln!(
+        "coded-block file {}: {} blocks, {:.2} of {:.2} GB ({:.4}) written in {:.1} s",
+        path.display(),
+        r.blocks,
+        gb(r.coded_bytes),
+        gb(r.decoded_bytes),
+        r.coded_bytes as f64 / r.decoded_bytes.max(1) as f64,
+        t.elapsed().as_secs_f64()
+    );
+    let t = Instant::now();
+    let blocks = CodedBlocks::open(path)
+        .with_context(|| format!("opening the coded-block file {}", path.display()))?;
+    let (n, missing) = uncovered(&blocks, pipeline, source)?;
+    ensure!(
+        missing.is_empty(),
+        "the coded-block file {} just written holds {} of the pipeline's {n} blocks: {}",
+        path.display(),
+        n - missing.len(),
+        missing.join("; ")
+    );
+    report.open_s = t.elapsed().as_secs_f64();
+    report.blocks = n;
+    report.covered = n;
+    report.coded_bytes = blocks.coded_bytes();
+    report.decoded_bytes = r.decoded_bytes;
+    eprintln!(
+        "coded-block file opened and every block checked in {:.2} s ({:.2} GB)",
+        report.open_s,
+        gb(report.coded_bytes)
+    );
+    Ok((blocks, report))
+}
+
 fn gb(b: u64) -> f64 {
     b as f64 / 1e9
 }
@@ -1228,8 +1485,9 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         gb(scratch_bytes)
     );
     // The codec and, with --coded-blocks, the coded-block file of every
-    // stack's blocks (written first when absent, then opened: every block
-    // checked), for the runs that code blocks.
+    // stack's blocks (written first when absent or not covering them, then
+    // opened: every block checked), for the runs that code blocks.
+    let mut coded_file: Option<CodedFileReport> = None;
     let codec = if settings
         .compressions
         .iter()
@@ -1241,33 +1499,8 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         );
         let weights: Arc<dyn WeightSource> = match &args.coded_blocks {
             Some(path) => {
-                if !path.exists() {
-                    let t = Instant::now();
-                    let r = offload_pack::blocks_file::pack_blocks(
-                        path,
-                        &pipeline,
-                        &*loaded,
-                        &offload_pack::format::EncodeConfig::default(),
-                    )
-                    .with_context(|| format!("writing the coded-block file {}", path.display()))?;
-                    eprintln!(
-                        "coded-block file {}: {} blocks, {:.2} of {:.2} GB ({:.4}) written in {:.1} s",
-                        path.display(),
-                        r.blocks,
-                        gb(r.coded_bytes),
-                        gb(r.decoded_bytes),
-                        r.coded_bytes as f64 / r.decoded_bytes.max(1) as f64,
-                        t.elapsed().as_secs_f64()
-                    );
-                }
-                let t = Instant::now();
-                let blocks = offload_pack::blocks_file::CodedBlocks::open(path)
-                    .with_context(|| format!("opening the coded-block file {}", path.display()))?;
-                eprintln!(
-                    "coded-block file opened and every block checked in {:.2} s ({:.2} GB)",
-                    t.elapsed().as_secs_f64(),
-                    gb(blocks.coded_bytes())
-                );
+                let (blocks, report) = coded_blocks_file(path, &pipeline, &loaded)?;
+                coded_file = Some(report);
                 Arc::new(offload_pack::blocks_file::WithCodedBlocks {
                     inner: Arc::clone(&loaded) as Arc<dyn WeightSource>,
                     blocks,
@@ -1315,6 +1548,12 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         "proxy_output_bytes": output_bytes,
         "load_s": load_s,
         "planted": plant_name,
+        "weight_compression": settings
+            .compressions
+            .iter()
+            .map(|c| c.config().to_string())
+            .collect::<Vec<_>>(),
+        "coded_blocks_file": coded_file,
     });
     // The JSON after every run: a run cut short by a time limit leaves
     // the ones before.
@@ -1337,6 +1576,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         if r.name != "resident" {
             r.output_equals_resident = resident.zip(r.output).map(|(a, b)| a == b);
         }
+        r.dit = dit_row(&r, runs.first().filter(|f| f.name == "resident"), bw);
         runs.push(r);
         dump(runs, saved, false)
     };
@@ -1421,8 +1661,9 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
                         r
                     }
                     Err(e) => RunReport {
-                        name: format!("auto beside {gib} GiB"),
+                        name: format!("auto beside {gib} GiB{suffix}"),
                         device_budget: Some("auto".to_owned()),
+                        weight_compression: config.compression().to_string(),
                         error: Some(format!("{e:#}")),
                         ..RunReport::default()
                     },
@@ -1505,7 +1746,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
         .iter()
         .find(|r| r.name == "resident" && r.error.is_none())
         .and_then(|r| r.output);
-    print_tables(&runs, &saved_report, resident_output);
+    print_tables(&runs, &saved_report, resident_output, bw);
     dump(&runs, &saved_report, true)?;
     drop(bench);
     match Arc::try_unwrap(work) {
@@ -1515,8 +1756,14 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
     verdict(&runs, &plant_name)
 }
 
-/// The tables: each run's phases, then the summary (printed last).
-fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: Option<u64>) {
+/// The tables: each run's phases, the summary of whole requests, then
+/// each planned run's DiT phase (printed last).
+fn print_tables(
+    runs: &[RunReport],
+    saved: &serde_json::Value,
+    resident_output: Option<u64>,
+    bw_gbps: f64,
+) {
     println!(
         "\nPhases of each run's instrumented request (GB; peaks from the phase's first forward to its end)"
     );
@@ -1587,46 +1834,6 @@ fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: 
             h.stopped
         );
     }
-    // The DiT phase of each planned run: what its plan streams and codes,
-    // and its measured forward against the plan's.
-    if runs.iter().any(|r| {
-        r.plan
-            .as_ref()
-            .is_some_and(|p| p.component("transformer").is_some())
-    }) {
-        println!(
-            "\nThe DiT phase per forward (`weight_compression`; GB; the plan's streamed bf16 bytes, the bytes on the link and the decode staging)"
-        );
-        println!(
-            "| run | compression | streamed / blocks | coded blocks | bf16 GB | link GB | link / bf16 | staging GB | predicted s | measured s | output = resident |"
-        );
-        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-        for r in runs {
-            let Some(c) = r.plan.as_ref().and_then(|p| p.component("transformer")) else {
-                continue;
-            };
-            let measured = r
-                .phases
-                .iter()
-                .find(|p| p.measured.component == "transformer")
-                .map(|p| p.measured.seconds / p.measured.forwards.max(1) as f64);
-            println!(
-                "| {} | {} | {}/{} | {} | {:.2} | {:.2} | {:.3} | {:.3} | {:.4} | {} | {} |",
-                r.name,
-                r.weight_compression,
-                c.streamed_blocks,
-                c.blocks,
-                c.coded_blocks.len(),
-                gb(c.streamed_bytes),
-                gb(c.link_bytes),
-                c.link_bytes as f64 / c.streamed_bytes.max(1) as f64,
-                gb(c.peak.staging_bytes),
-                c.predicted_s / c.forwards.max(1e-12),
-                measured.map_or("–".to_owned(), |s| format!("{s:.4}")),
-                yes(r.output_equals_resident),
-            );
-        }
-    }
     if let Some(from) = saved.get("from").and_then(|v| v.as_str()) {
         let f = |k: &str| {
             saved
@@ -1653,9 +1860,9 @@ fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: 
         resident_output.map_or("unknown".to_owned(), |o| format!("{o:#018x}"))
     );
     println!(
-        "| run | modes | enable s (warm-up s) | predicted s | measured s | predicted / measured | largest phase GB: in use / cuMemGetInfo | budget GB | peaks ≤ budget | weights ≤ INV-7 bound | output = resident | error |"
+        "| run | compression | modes | enable s (warm-up s) | predicted s | measured s | predicted / measured | largest phase GB: in use / cuMemGetInfo | budget GB | peaks ≤ budget | weights ≤ INV-7 bound | output = resident | error |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in runs {
         let within = match (
             r.all(|p| p.pool_within_budget),
@@ -1665,8 +1872,9 @@ fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: 
             (a, b) => format!("{} (cuMemGetInfo {})", yes(a), yes(b)),
         };
         println!(
-            "| {} | {} | {:.2}{} | {} | {:.3} | {} | {:.2} / {:.2} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.2}{} | {} | {:.3} | {} | {:.2} / {:.2} | {} | {} | {} | {} | {} |",
             r.name,
+            r.weight_compression,
             r.modes,
             r.enable_s,
             r.warmup_s.map_or(String::new(), |w| format!(" ({w:.2})")),
@@ -1690,6 +1898,56 @@ fn print_tables(runs: &[RunReport], saved: &serde_json::Value, resident_output: 
                 (_, None) => "–",
             },
             r.error.as_deref().unwrap_or(""),
+        );
+    }
+    print_dit_table(runs, bw_gbps);
+}
+
+/// The DiT phase of each planned run ([`DitRow`], printed last): what its
+/// plan streams and codes per forward, and its measured forward against
+/// the bf16 link limit and the plan's prediction.
+fn print_dit_table(runs: &[RunReport], bw_gbps: f64) {
+    let rows: Vec<(&RunReport, &DitRow)> = runs
+        .iter()
+        .filter_map(|r| r.dit.as_ref().map(|d| (r, d)))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let resident = rows
+        .iter()
+        .find_map(|(_, d)| d.resident_forward_s)
+        .map_or("– (no resident run)".to_owned(), |f| format!("{f:.4} s"));
+    println!(
+        "\nThe DiT phase per forward (GB; the plan's streamed bf16 bytes, the bytes on the link and the decode staging; bf16 link limit = max(resident DiT forward {resident}, streamed bf16 / pinned {bw_gbps:.2} GB/s); measured = the instrumented request's phase / forwards)"
+    );
+    println!(
+        "| run | compression | streamed / blocks | coded blocks | bf16 GB | link GB | link / bf16 | staging GB | decode s | measured s | bf16 link limit s | measured / limit | predicted s | predicted / measured | output = resident |"
+    );
+    println!(
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    let f4 = |v: Option<f64>| v.map_or("–".to_owned(), |x| format!("{x:.4}"));
+    let f3 = |v: Option<f64>| v.map_or("–".to_owned(), |x| format!("{x:.3}"));
+    for (r, d) in rows {
+        println!(
+            "| {} | {} | {}/{} | {} | {:.2} | {:.2} | {:.3} | {:.3} | {:.4} | {} | {:.4} | {} | {:.4} | {} | {} |",
+            r.name,
+            r.weight_compression,
+            d.streamed_blocks,
+            d.blocks,
+            d.coded_blocks,
+            gb(d.streamed_bytes),
+            gb(d.link_bytes),
+            d.link_over_bf16,
+            gb(d.staging_bytes),
+            d.decode_s_per_forward,
+            f4(d.forward_s),
+            d.bf16_link_limit_s,
+            f3(d.forward_over_limit),
+            d.predicted_forward_s,
+            f3(d.predicted_over_measured),
+            yes(r.output_equals_resident),
         );
     }
 }
@@ -1801,6 +2059,41 @@ mod tests {
             settings(&["--saved-from", "none"]).unwrap().saved_from,
             None
         );
+        assert_eq!(
+            settings(&[]).unwrap().compressions,
+            [crate::Compression::None]
+        );
+        for flags in [
+            &["--weight-compression", "none", "--coded-blocks", "x.opackb"][..],
+            &[
+                "--weight-compression",
+                "none,none",
+                "--coded-blocks",
+                "x.opackb",
+            ][..],
+        ] {
+            let e = settings(flags).err().unwrap().to_string();
+            assert!(e.contains("lossless or auto only"), "{flags:?}: {e}");
+        }
+        let e = settings(&["--weight-compression", "lossy"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("none") && e.contains("lossless") && e.contains("auto"),
+            "{e}"
+        );
+        for flags in [
+            &["--weight-compression", "auto", "--coded-blocks", "x.opackb"][..],
+            &[
+                "--weight-compression",
+                "none,lossless",
+                "--coded-blocks",
+                "x.opackb",
+            ][..],
+        ] {
+            settings(flags).unwrap_or_else(|e| panic!("{flags:?}: {e}"));
+        }
         let s = settings(&["--weight-compression", "none,lossless,auto,lossless"]).unwrap();
         assert_eq!(
             s.compressions,
@@ -1975,6 +2268,225 @@ mod tests {
             rig.runtime.disable().unwrap();
         }
         assert!(outputs.windows(2).all(|o| o[0] == o[1]), "{outputs:?}");
+    }
+
+    /// `--coded-blocks`: the file of every stack's blocks written where
+    /// absent, opened as it is where it covers them, written again where
+    /// it holds blocks of other weights or of other layouts, and refused
+    /// (left alone) where it is no coded-block file; on the simulator,
+    /// planned `lossless` and `auto` over the loaded weights with the file
+    /// beside them (as the coded rows run) stream coded blocks and give
+    /// the resident output, and so does `none` over the plain weights.
+    #[test]
+    fn coded_runs_read_the_pipelines_coded_block_file() {
+        use offload_pack::synth::Law;
+        use offload_sim::harness::{Rig, RunOptions, Workload, request};
+        let preset = offload_sim::presets::tiny_wide();
+        let p = preset.pipeline.clone();
+        let loaded = Arc::new(load(&p, Law::Normal).unwrap());
+        let dir = std::env::temp_dir().join(format!("bench-coded-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pipeline.opackb");
+        let blocks = crate::packing(&p).unwrap().blocks.len();
+        let (_, r) = coded_blocks_file(&path, &p, &loaded).unwrap();
+        assert_eq!(r.written.as_deref(), Some("absent"));
+        assert_eq!((r.blocks, r.covered), (blocks, blocks));
+        assert!(
+            r.write_s.is_some() && r.coded_bytes < r.decoded_bytes,
+            "{r:?}"
+        );
+        let (file, r) = coded_blocks_file(&path, &p, &loaded).unwrap();
+        assert_eq!((r.written, r.covered), (None, blocks));
+
+        // The coded rows' weights, as `main` makes them; the none rows'.
+        let coded: Arc<dyn WeightSource> = Arc::new(offload_pack::blocks_file::WithCodedBlocks {
+            inner: Arc::clone(&loaded) as Arc<dyn WeightSource>,
+            blocks: file,
+        });
+        let opts = RunOptions::new(offload_sim::DeviceProfile::h200());
+        let w = Workload {
+            preset: preset.clone(),
+            tokens: preset.default_tokens,
+            steps: 4,
+            requests: 1,
+        };
+        let inputs =
+            offload_sim::plan::estimated_inputs(&preset, &opts.profile, w.tokens, w.steps as u32);
+        let least = offload_core::budget::plan(
+            &p,
+            &OffloadConfig {
+                device_budget: Some(DeviceBudget::Auto),
+                ..OffloadConfig::default()
+            },
+            &inputs,
+            offload_core::budget::DeviceMemory::of(1 << 40),
+        )
+        .unwrap()
+        .minimum
+        .bytes;
+        let total = preset.weight_bytes();
+        let budget = least + (total - least) / 2;
+        let mut outputs = Vec::new();
+        for c in [
+            None,
+            Some(crate::Compression::Lossless),
+            Some(crate::Compression::Auto),
+            Some(crate::Compression::None),
+        ] {
+            let (config, weights) = match c {
+                None => (
+                    OffloadConfig::default(),
+                    Arc::clone(&loaded) as Arc<dyn WeightSource>,
+                ),
+                Some(c) => (
+                    OffloadConfig {
+                        device_budget: Some(DeviceBudget::Bytes(ByteSize::new(budget))),
+                        weight_compression: (c != crate::Compression::None).then(|| c.config()),
+                        ..OffloadConfig::default()
+                    },
+                    if c == crate::Compression::None {
+                        Arc::clone(&loaded) as Arc<dyn WeightSource>
+                    } else {
+                        Arc::clone(&coded)
+                    },
+                ),
+            };
+            let mut rig = Rig::with_weights(p.clone(), &opts, weights).unwrap();
+            rig.platform.set_planner(inputs.clone());
+            rig.runtime.enable_selected(&config, &rig.platform).unwrap();
+            if c == Some(crate::Compression::Lossless) {
+                let plan = rig.runtime.request_plan().expect("a plan");
+                let dit = plan.component("transformer").expect("a DiT");
+                assert!(
+                    !dit.coded_blocks.is_empty() && dit.link_bytes < dit.streamed_bytes,
+                    "{plan}"
+                );
+            }
+            let m = request(&rig.runtime, &rig.device, &rig.probe, &w).unwrap();
+            outputs.push(m.output);
+            rig.runtime.disable().unwrap();
+        }
+        assert!(outputs.windows(2).all(|o| o[0] == o[1]), "{outputs:?}");
+        assert_eq!(loaded.mismatched(), 0);
+
+        // Coded from other weights (stale): written again.
+        let other = load(&p, Law::Uniform).unwrap();
+        let (_, r) = coded_blocks_file(&path, &p, &Arc::new(other)).unwrap();
+        let why = r.written.unwrap();
+        assert!(why.contains("held 0 of") && why.contains("stale"), "{why}");
+        // Of other layouts (the narrower preset's blocks): written again.
+        let narrow = offload_sim::presets::tiny().pipeline;
+        let narrow_loaded = load(&narrow, Law::Normal).unwrap();
+        offload_pack::blocks_file::pack_blocks(
+            &path,
+            &narrow,
+            &narrow_loaded,
+            &offload_pack::format::EncodeConfig::default(),
+        )
+        .unwrap();
+        let (_, r) = coded_blocks_file(&path, &p, &loaded).unwrap();
+        let why = r.written.unwrap();
+        assert!(why.contains("not in the file"), "{why}");
+        assert_eq!(r.covered, blocks);
+        // Not a coded-block file: refused, left as it was.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"not a coded-block file").unwrap();
+        let e = coded_blocks_file(&path, &p, &loaded)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("is not a coded-block file"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"not a coded-block file");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A planned run's DiT row: the plan's bytes per forward, the
+    /// measured forward against `max(resident forward, bf16 / bandwidth)`
+    /// and the plan's prediction.
+    #[test]
+    fn the_dit_row_sets_the_forward_against_the_bf16_link_limit() {
+        let preset = offload_sim::presets::tiny_wide();
+        let p = &preset.pipeline;
+        let inputs = offload_sim::plan::estimated_inputs(
+            &preset,
+            &offload_sim::DeviceProfile::h200().clone(),
+            preset.default_tokens,
+            4,
+        );
+        let total = preset.weight_bytes();
+        let plan = offload_core::budget::plan(
+            p,
+            &OffloadConfig {
+                device_budget: Some(DeviceBudget::Bytes(ByteSize::new(total / 2))),
+                ..OffloadConfig::default()
+            },
+            &inputs,
+            offload_core::budget::DeviceMemory::of(1 << 40),
+        )
+        .unwrap();
+        let c = plan.component("transformer").unwrap().clone();
+        assert!(c.streamed_bytes > 0, "{plan}");
+        let phase = |seconds: f64, forwards: u64| PhaseRow {
+            measured: MeasuredPhase {
+                component: "transformer".to_owned(),
+                forwards,
+                seconds,
+                pool_used_peak_bytes: 0,
+                pool_reserved_peak_bytes: 0,
+                info_used_peak_bytes: 0,
+                weight_peak_bytes: 0,
+                info_used_at_start_bytes: 0,
+                info_used_at_end_bytes: 0,
+            },
+            mode: None,
+            kept: None,
+            predicted_s: None,
+            predicted_peak_bytes: None,
+            predicted_activation_bytes: None,
+            activation_bytes: 0,
+            weight_bound_bytes: None,
+            budget_bytes: None,
+            pool_within_budget: None,
+            reserved_within_budget: None,
+            info_within_budget: None,
+            within_bound: None,
+        };
+        let resident = RunReport {
+            name: "resident".to_owned(),
+            phases: vec![phase(0.4, 4)],
+            ..RunReport::default()
+        };
+        let run = RunReport {
+            name: "x".to_owned(),
+            plan: Some(plan.clone()),
+            phases: vec![phase(0.8, 4)],
+            ..RunReport::default()
+        };
+        assert_eq!(dit_row(&resident, None, 50.0), None, "no plan, no row");
+        // The link binds: 1 byte per second.
+        let d = dit_row(&run, Some(&resident), 1e-9).unwrap();
+        assert_eq!(d.streamed_bytes, c.streamed_bytes);
+        assert_eq!((d.link_bytes, d.coded_blocks), (c.link_bytes, 0));
+        assert_eq!(d.link_over_bf16, 1.0);
+        assert_eq!((d.forward_s, d.resident_forward_s), (Some(0.2), Some(0.1)));
+        assert_eq!(d.bf16_link_s, c.streamed_bytes as f64);
+        assert_eq!(d.bf16_link_limit_s, c.streamed_bytes as f64);
+        assert_eq!(d.forward_over_limit, Some(0.2 / c.streamed_bytes as f64));
+        let predicted = c.predicted_s / c.forwards;
+        assert_eq!(d.predicted_forward_s, predicted);
+        assert_eq!(d.predicted_over_measured, Some(predicted / 0.2));
+        // Compute binds: the resident forward.
+        let d = dit_row(&run, Some(&resident), 1e12).unwrap();
+        assert_eq!(d.bf16_link_limit_s, 0.1);
+        assert_eq!(d.forward_over_limit, Some(2.0));
+        // A failed resident run: the link alone.
+        let failed = RunReport {
+            error: Some("out of memory".to_owned()),
+            ..resident.clone()
+        };
+        let d = dit_row(&run, Some(&failed), 1e12).unwrap();
+        assert_eq!(d.resident_forward_s, None);
+        assert_eq!(d.bf16_link_limit_s, d.bf16_link_s);
     }
 
     #[test]
