@@ -1243,6 +1243,14 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    // The library's `info` lines (plans, coded forms, staged blocks,
+    // warnings) on stderr, beside the bench's own.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing::Level::INFO)
+        .with_target(false)
+        .without_time()
+        .try_init();
     PLAIN_FILL.store(args.fill_copy == FillCopy::Plain, Ordering::Relaxed);
     #[cfg(feature = "planted-bugs")]
     let bugs = planted(&args)?;
