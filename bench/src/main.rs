@@ -399,16 +399,7 @@ impl Settings {
                 .filter(|d| (1..=8).contains(d))
                 .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
         })?;
-        let mut compressions = Vec::new();
-        for c in &args.weight_compression {
-            if !compressions.contains(c) {
-                compressions.push(*c);
-            }
-        }
-        ensure!(
-            !compressions.is_empty(),
-            "--weight-compression: name at least one of none, lossless, auto"
-        );
+        let compressions = compressions(args)?;
         Ok(Self {
             tokens,
             steps,
@@ -418,6 +409,21 @@ impl Settings {
             compressions,
         })
     }
+}
+
+/// `--weight-compression`'s values, each once, in the order given.
+pub(crate) fn compressions(args: &Args) -> Result<Vec<Compression>> {
+    let mut out = Vec::new();
+    for c in &args.weight_compression {
+        if !out.contains(c) {
+            out.push(*c);
+        }
+    }
+    ensure!(
+        !out.is_empty(),
+        "--weight-compression: name at least one of none, lossless, auto"
+    );
+    Ok(out)
 }
 
 /// The planted bugs `--plant` asks for (none without the feature).

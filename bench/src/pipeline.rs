@@ -204,16 +204,7 @@ impl PipelineSettings {
                     .or_else(|| sized.first().copied())
             }
         };
-        let mut compressions = Vec::new();
-        for c in &args.weight_compression {
-            if !compressions.contains(c) {
-                compressions.push(*c);
-            }
-        }
-        ensure!(
-            !compressions.is_empty(),
-            "--weight-compression: name at least one of none, lossless, auto"
-        );
+        let compressions = crate::compressions(args)?;
         ensure!(
             args.coded_blocks.is_none()
                 || compressions.iter().any(|c| *c != crate::Compression::None),
@@ -2207,26 +2198,28 @@ mod tests {
         }
     }
 
-    /// On the simulated device, with the loader as the weight source:
-    /// resident, layerwise, model level and a planned budget register
-    /// every unit in place (none refused), and their outputs agree.
-    #[test]
-    fn backends_register_the_loaded_units_in_place() {
-        use offload_sim::harness::{Rig, RunOptions, Workload, request};
-        let preset = offload_sim::presets::tiny();
-        let p = preset.pipeline.clone();
-        let loaded = Arc::new(load(&p, offload_pack::synth::Law::Normal).unwrap());
-        let opts = RunOptions::new(offload_sim::DeviceProfile::h200());
-        let w = Workload {
+    /// The simulated H200's run options, a workload of one request of 4
+    /// steps of `preset`, the simulator's estimated planner inputs, and
+    /// the least device budget the planner accepts on them.
+    fn simulated(
+        preset: &offload_sim::presets::Preset,
+    ) -> (
+        offload_sim::harness::RunOptions,
+        offload_sim::harness::Workload,
+        offload_core::budget::PlannerInputs,
+        u64,
+    ) {
+        let opts = offload_sim::harness::RunOptions::new(offload_sim::DeviceProfile::h200());
+        let w = offload_sim::harness::Workload {
             preset: preset.clone(),
             tokens: preset.default_tokens,
             steps: 4,
             requests: 1,
         };
         let inputs =
-            offload_sim::plan::estimated_inputs(&preset, &opts.profile, w.tokens, w.steps as u32);
-        let budget = offload_core::budget::plan(
-            &p,
+            offload_sim::plan::estimated_inputs(preset, &opts.profile, w.tokens, w.steps as u32);
+        let least = offload_core::budget::plan(
+            &preset.pipeline,
             &OffloadConfig {
                 device_budget: Some(DeviceBudget::Auto),
                 ..OffloadConfig::default()
@@ -2237,6 +2230,19 @@ mod tests {
         .unwrap()
         .minimum
         .bytes;
+        (opts, w, inputs, least)
+    }
+
+    /// On the simulated device, with the loader as the weight source:
+    /// resident, layerwise, model level and a planned budget register
+    /// every unit in place (none refused), and their outputs agree.
+    #[test]
+    fn backends_register_the_loaded_units_in_place() {
+        use offload_sim::harness::{Rig, request};
+        let preset = offload_sim::presets::tiny();
+        let p = preset.pipeline.clone();
+        let loaded = Arc::new(load(&p, offload_pack::synth::Law::Normal).unwrap());
+        let (opts, w, inputs, budget) = simulated(&preset);
         let configs = [
             OffloadConfig::default(),
             OffloadConfig {
@@ -2280,7 +2286,7 @@ mod tests {
     #[test]
     fn coded_runs_read_the_pipelines_coded_block_file() {
         use offload_pack::synth::Law;
-        use offload_sim::harness::{Rig, RunOptions, Workload, request};
+        use offload_sim::harness::{Rig, request};
         let preset = offload_sim::presets::tiny_wide();
         let p = preset.pipeline.clone();
         let loaded = Arc::new(load(&p, Law::Normal).unwrap());
@@ -2303,27 +2309,7 @@ mod tests {
             inner: Arc::clone(&loaded) as Arc<dyn WeightSource>,
             blocks: file,
         });
-        let opts = RunOptions::new(offload_sim::DeviceProfile::h200());
-        let w = Workload {
-            preset: preset.clone(),
-            tokens: preset.default_tokens,
-            steps: 4,
-            requests: 1,
-        };
-        let inputs =
-            offload_sim::plan::estimated_inputs(&preset, &opts.profile, w.tokens, w.steps as u32);
-        let least = offload_core::budget::plan(
-            &p,
-            &OffloadConfig {
-                device_budget: Some(DeviceBudget::Auto),
-                ..OffloadConfig::default()
-            },
-            &inputs,
-            offload_core::budget::DeviceMemory::of(1 << 40),
-        )
-        .unwrap()
-        .minimum
-        .bytes;
+        let (opts, w, inputs, least) = simulated(&preset);
         let total = preset.weight_bytes();
         let budget = least + (total - least) / 2;
         let mut outputs = Vec::new();

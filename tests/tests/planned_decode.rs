@@ -386,13 +386,13 @@ fn host_peak(o: &RunOutcome) -> u64 {
 }
 
 /// The least host budget the planner accepts for `inputs` within
-/// `device` bytes, under lossless (from its typed error).
-fn least_host(inputs: &PlannerInputs, device: u64) -> u64 {
+/// `device` bytes, under `compression` (from its typed error).
+fn least_host(inputs: &PlannerInputs, device: u64, compression: WeightCompression) -> u64 {
     let config = OffloadConfig {
         host_budget: Some(offload_core::bytes::HostBudget::Bytes(
             offload_core::bytes::ByteSize::new(1),
         )),
-        ..config(device, WeightCompression::Lossless)
+        ..config(device, compression)
     };
     let limits = offload_core::budget::HostLimits {
         budget: 1,
@@ -430,30 +430,8 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
     let first = run_planned(total, WeightCompression::Lossless, &opts(&[], None));
     let inputs = estimated(&first);
     let device = middle();
-    let least = least_host(&inputs, device);
-    let least_raw = {
-        let config = OffloadConfig {
-            host_budget: Some(offload_core::bytes::HostBudget::Bytes(
-                offload_core::bytes::ByteSize::new(1),
-            )),
-            ..offload_tests::budget::budget_config(device)
-        };
-        let limits = offload_core::budget::HostLimits {
-            budget: 1,
-            source: "1 B".to_owned(),
-            readings: None,
-        };
-        match plan_within(
-            &workload().preset.pipeline,
-            &config,
-            &inputs,
-            DeviceMemory::of(u64::MAX / 4),
-            Some(limits),
-        ) {
-            Err(BudgetError::HostDoesNotFit { least, .. }) => least,
-            other => panic!("a 1-byte host budget: {other:?}"),
-        }
-    };
+    let least = least_host(&inputs, device, WeightCompression::Lossless);
+    let least_raw = least_host(&inputs, device, WeightCompression::None);
     assert!(
         least < least_raw,
         "the least host budget coded {least} B against {least_raw} B uncoded"
