@@ -2471,21 +2471,11 @@ impl<A: Api> LayerwiseBackend<A> {
     }
 
     fn alloc(&self, bytes: u64, name: &str) -> Result<Arc<A::DeviceBuffer>, OffloadError> {
-        let h = &self.engine.handles;
-        let buffer = h
-            .device
-            .alloc_device(bytes)
-            .map_err(|e| dev_err(format!("alloc_device({bytes} bytes) for {name}"), e))?;
-        h.device.name_buffer(&buffer, name);
-        Ok(Arc::new(buffer))
+        alloc_named(&self.engine.handles, bytes, name)
     }
 
     fn event(&self) -> Result<A::Event, OffloadError> {
-        self.engine
-            .handles
-            .device
-            .create_event()
-            .map_err(|e| dev_err("create_event", e))
+        new_event(&self.engine.handles)
     }
 
     /// Gathers every gathered block once more and hands it to the weight
@@ -2881,6 +2871,27 @@ fn time_decodes<A: Api>(
     Ok(unit.bytes as f64 / (ns as f64 / 1e9))
 }
 
+/// A device buffer of `bytes` named `name` (in the device's traces).
+fn alloc_named<A: Api>(
+    h: &Handles<A>,
+    bytes: u64,
+    name: &str,
+) -> Result<Arc<A::DeviceBuffer>, OffloadError> {
+    let buffer = h
+        .device
+        .alloc_device(bytes)
+        .map_err(|e| dev_err(format!("alloc_device({bytes} bytes) for {name}"), e))?;
+    h.device.name_buffer(&buffer, name);
+    Ok(Arc::new(buffer))
+}
+
+/// A fresh event.
+fn new_event<A: Api>(h: &Handles<A>) -> Result<A::Event, OffloadError> {
+    h.device
+        .create_event()
+        .map_err(|e| dev_err("create_event", e))
+}
+
 /// A planned phase's slot pool ([`RingEngine::use_pool`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Pool {
@@ -2961,23 +2972,12 @@ impl<A: Api> RingEngine<A> {
             module: unit.name.clone(),
             reason: "no codec to measure a decode with".to_owned(),
         })?;
-        let alloc = |bytes: u64, what: &str| {
-            h.device
-                .alloc_device(bytes.max(1))
-                .map(Arc::new)
-                .map_err(|e| dev_err(format!("alloc_device({bytes} bytes) for {what}"), e))
-        };
-        let event = || {
-            h.device
-                .create_event()
-                .map_err(|e| dev_err("create_event", e))
-        };
         let staging = Staging {
-            buffer: alloc(coded.0, "the decode measurement's staging")?,
-            copied: event()?,
-            consumed: event()?,
+            buffer: alloc_named(h, coded.0.max(1), "the decode measurement's staging")?,
+            copied: new_event(h)?,
+            consumed: new_event(h)?,
         };
-        let out = match alloc(unit.bytes, "the decode measurement's output") {
+        let out = match alloc_named(h, unit.bytes.max(1), "the decode measurement's output") {
             Ok(out) => out,
             Err(e) => {
                 let _ = h.free(
@@ -3181,19 +3181,10 @@ impl<A: Api> RingEngine<A> {
                 h.free(slot.buffer, &[&slot.ready, &slot.last_use], "slot")?;
             }
             for k in 0..slots {
-                let buffer = h.device.alloc_device(slot_bytes).map_err(|e| {
-                    dev_err(format!("alloc_device({slot_bytes} bytes) for slot{k}"), e)
-                })?;
-                h.device.name_buffer(&buffer, &format!("slot{k}"));
-                let event = || {
-                    h.device
-                        .create_event()
-                        .map_err(|e| dev_err("create_event", e))
-                };
                 st.slots.push(Slot {
-                    buffer: Arc::new(buffer),
-                    ready: event()?,
-                    last_use: event()?,
+                    buffer: alloc_named(h, slot_bytes, &format!("slot{k}"))?,
+                    ready: new_event(h)?,
+                    last_use: new_event(h)?,
                 });
                 st.table = SlotTable::new(st.slots.len());
             }
@@ -3220,22 +3211,10 @@ impl<A: Api> RingEngine<A> {
                     next: 0,
                 });
                 for j in 0..STAGING_BUFFERS {
-                    let buffer = h.device.alloc_device(staging_bytes).map_err(|e| {
-                        dev_err(
-                            format!("alloc_device({staging_bytes} bytes) for staging{j}"),
-                            e,
-                        )
-                    })?;
-                    h.device.name_buffer(&buffer, &format!("staging{j}"));
-                    let event = || {
-                        h.device
-                            .create_event()
-                            .map_err(|e| dev_err("create_event", e))
-                    };
                     decoding.staging.push(Staging {
-                        buffer: Arc::new(buffer),
-                        copied: event()?,
-                        consumed: event()?,
+                        buffer: alloc_named(h, staging_bytes, &format!("staging{j}"))?,
+                        copied: new_event(h)?,
+                        consumed: new_event(h)?,
                     });
                 }
             }
