@@ -110,7 +110,44 @@ type CodedOf<A> = (HostMaster<A>, (u64, u64));
 /// it), the blob, kept until the first plan's store is built.
 struct CodedForm {
     bytes: u64,
-    blob: Option<crate::device::Coded>,
+    blob: Option<crate::runtime::backend::CodedRegion>,
+}
+
+/// `unit`'s coded bytes (CONTRACT §7b): the weight source's own (a
+/// coded-block file's window, `true`), else encoded now by `codec`
+/// (`false`); `None` (logged) where the codec refuses it or its blob would
+/// exceed `coded_bound` (it streams raw).
+fn coded_region<A: Api>(
+    h: &Handles<A>,
+    codec: &dyn Codec<A>,
+    unit: &Unit,
+    spans: &[crate::device::CodecSpan],
+) -> Option<(crate::runtime::backend::CodedRegion, bool)> {
+    let bound = crate::device::coded_bound(unit.bytes, spans.len());
+    if let Some(c) = codec.format().and_then(|format| {
+        h.weights
+            .take_coded(unit, format)
+            .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
+    }) {
+        return Some((c, true));
+    }
+    match h.encode(unit, spans, codec) {
+        Ok(coded) if coded.blob.len() as u64 <= bound => Some((
+            crate::runtime::backend::CodedRegion {
+                work: coded.work,
+                region: Box::new(coded.blob),
+            },
+            false,
+        )),
+        Ok(coded) => {
+            tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
+            None
+        }
+        Err(reason) => {
+            tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
+            None
+        }
+    }
 }
 
 type Phases<A> = Shared<A, model_level::State<A>>;
@@ -541,45 +578,15 @@ impl<A: Api> PlannedBackend<A> {
         };
         let h = &self.phases.handles;
         let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-        let bound = crate::device::coded_bound(unit.bytes, spans.len());
         let blob = self
             .coded_forms
             .get_mut(&unit.name)
             .and_then(|f| f.blob.take());
-        let file = || {
-            codec.format().and_then(|format| {
-                h.weights
-                    .take_coded(unit, format)
-                    .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
-            })
-        };
         let (region, in_file) = match blob {
-            Some(coded) => (
-                CodedRegion {
-                    work: coded.work,
-                    region: Box::new(coded.blob),
-                },
-                false,
-            ),
-            None => match file() {
-                Some(c) => (c, true),
-                None => match h.encode(unit, &spans, &*codec) {
-                    Ok(coded) if coded.blob.len() as u64 <= bound => (
-                        CodedRegion {
-                            work: coded.work,
-                            region: Box::new(coded.blob),
-                        },
-                        false,
-                    ),
-                    Ok(coded) => {
-                        tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
-                        return Ok(None);
-                    }
-                    Err(reason) => {
-                        tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
-                        return Ok(None);
-                    }
-                },
+            Some(region) => (region, false),
+            None => match coded_region(h, &*codec, unit, &spans) {
+                Some(found) => found,
+                None => return Ok(None),
             },
         };
         let (len, work) = (region.region.bytes().len() as u64, region.work);
@@ -652,39 +659,19 @@ impl<A: Api> PlannedBackend<A> {
         let mut forms = BTreeMap::new();
         for (_, unit) in layout.blocks() {
             let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-            let bound = crate::device::coded_bound(unit.bytes, spans.len());
-            let file = codec.format().and_then(|format| {
-                h.weights
-                    .take_coded(unit, format)
-                    .map(|c| c.region.bytes().len() as u64)
-                    .filter(|len| *len <= bound.min(unit.bytes))
-            });
-            let form = match file {
-                Some(len) => {
+            // A file's window is taken again when its master is made.
+            let form = coded_region(h, &*codec, unit, &spans).map(|(region, in_place)| {
+                let bytes = region.region.bytes().len() as u64;
+                if in_place {
                     in_file += 1;
-                    Some(CodedForm {
-                        bytes: len,
-                        blob: None,
-                    })
+                } else {
+                    encoded += 1;
                 }
-                None => match h.encode(unit, &spans, &*codec) {
-                    Ok(coded) if coded.blob.len() as u64 <= bound => {
-                        encoded += 1;
-                        Some(CodedForm {
-                            bytes: coded.blob.len() as u64,
-                            blob: Some(coded),
-                        })
-                    }
-                    Ok(coded) => {
-                        tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
-                        None
-                    }
-                    Err(reason) => {
-                        tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
-                        None
-                    }
-                },
-            };
+                CodedForm {
+                    bytes,
+                    blob: (!in_place).then_some(region),
+                }
+            });
             match form {
                 Some(f) => {
                     bytes += unit.bytes;
@@ -737,14 +724,18 @@ impl<A: Api> PlannedBackend<A> {
             .map(|(u, _)| (*u).clone());
         if let Some(unit) = measured {
             // Its blob is lent for the measurement and kept.
-            let kept = self
-                .coded_forms
-                .get(&unit.name)
-                .and_then(|f| f.blob.as_ref().map(|b| (b.blob.clone(), b.work)));
+            let kept = self.coded_forms.get(&unit.name).and_then(|f| {
+                f.blob
+                    .as_ref()
+                    .map(|b| crate::runtime::backend::CodedRegion {
+                        work: b.work,
+                        region: Box::new(b.region.bytes().to_vec()),
+                    })
+            });
             let mut tally = crate::runtime::layerwise::CodingTally::default();
             let made = self.coded_master_of(layout, &unit, (false, false), &mut tally)?;
-            if let (Some((blob, work)), Some(f)) = (kept, self.coded_forms.get_mut(&unit.name)) {
-                f.blob = Some(crate::device::Coded { blob, work });
+            if let (Some(region), Some(f)) = (kept, self.coded_forms.get_mut(&unit.name)) {
+                f.blob = Some(region);
             }
             if let Some((master, meta)) = made {
                 let rate = self.ring.measure_decoder(&unit, &master, meta);
