@@ -239,12 +239,7 @@ impl PComp {
     /// Bytes its forwards move over the link per forward: each streamed
     /// block's coded bytes where it streams coded, else its bytes.
     fn link_bytes(&self, l: &Local) -> u64 {
-        let coded: u64 = self
-            .coded_blocks(l)
-            .map(|b| b.coded.unwrap_or(b.bytes))
-            .sum();
-        let raw: u64 = self.coded_blocks(l).map(|b| b.bytes).sum();
-        self.streamed_bytes(l) - raw + coded
+        self.streamed_host(l).map(|(_, n)| n).sum()
     }
 
     /// The coded layouts of `l` this phase may take: `l` itself, or under
