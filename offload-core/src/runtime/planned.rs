@@ -751,6 +751,12 @@ impl<A: Api> PlannedBackend<A> {
                 let freed = unsafe { self.phases.handles.free_master(master) };
                 let rate = rate?;
                 freed?;
+                // Its buffers go back to the device (not kept by the
+                // allocator), so the masters' mappings measured next see
+                // the device as enable found it.
+                self.device
+                    .release_unused()
+                    .map_err(|e| dev_err("release_unused (after the decode measurement)", e))?;
                 tracing::info!(
                     unit = %unit.name,
                     decode_bytes_per_s = rate,
