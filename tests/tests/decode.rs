@@ -1078,3 +1078,85 @@ fn a_staged_blob_is_never_read_from_a_stale_files_window() {
     }
     assert!(refused_coded > 0, "some coded master's pin was refused");
 }
+
+/// `weight_compression = "lossless"` under a device and a host budget over
+/// a coded-block file (CONTRACT §7b, §7c): the decoder measured at enable
+/// (given inputs without a rate, and through the warm-up) pins its coded
+/// master within the host budget, a copy of the file's window, never a
+/// registration that locks the whole file; the device's page-locked peak
+/// stays within the budget and the output is resident's. Seen red (the
+/// review's finding) with the host budget read only after the
+/// measurement: 1,105,920 page-locked bytes (the whole file) against the
+/// budget.
+#[test]
+fn planned_lossless_over_a_coded_file_measures_within_the_host_budget() {
+    use offload_core::bytes::{ByteSize, HostBudget};
+    let (path, _) = coded_block_file("planned-host", 0);
+    let file = std::fs::metadata(&path).unwrap().len();
+    let releases = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let want = resident();
+    let total = workload().preset.weight_bytes();
+    let base = |device: u64| OffloadConfig {
+        weight_compression: Some(WeightCompression::Lossless),
+        ..offload_tests::budget::budget_config(device)
+    };
+    let first = run(
+        &workload(),
+        &StrategyChoice::Config(base(total)),
+        &opts(&[], 1, None),
+    )
+    .unwrap();
+    let inputs = first.inputs.clone().expect("a plan's inputs");
+    let least = |device: u64| {
+        let limits = offload_core::budget::HostLimits {
+            budget: 1,
+            source: "1 B".to_owned(),
+            readings: None,
+        };
+        let config = OffloadConfig {
+            host_budget: Some(HostBudget::Bytes(ByteSize::new(1))),
+            ..base(device)
+        };
+        match offload_core::budget::plan_within(
+            &workload().preset.pipeline,
+            &config,
+            &inputs,
+            offload_core::budget::DeviceMemory::of(u64::MAX / 4),
+            Some(limits),
+        ) {
+            Err(offload_core::budget::BudgetError::HostDoesNotFit { least, .. }) => least,
+            other => panic!("a 1-byte host budget: {other:?}"),
+        }
+    };
+    // A device budget where the DiT streams, a host budget below the file.
+    let device = first.plan.as_ref().unwrap().minimum.bytes
+        + (total - first.plan.as_ref().unwrap().minimum.bytes) / 2;
+    let host = least(device) + (file - least(device)) / 2;
+    assert!(host < file, "host {host} B below the file's {file} B");
+    let config = OffloadConfig {
+        host_budget: Some(HostBudget::Bytes(ByteSize::new(host))),
+        ..base(device)
+    };
+    let mut no_rate = inputs.clone();
+    no_rate.decode_bytes_per_s = None;
+    for given in [Some(no_rate), None] {
+        let warm = given.is_none();
+        let o = RunOptions {
+            planner: given,
+            ..opts(&[], 1, None)
+        };
+        let out = match run_over_coded_file(&path, &releases, &config, &o) {
+            Ok(out) => out,
+            // The warm-up keeps nothing and may need more than the plan.
+            Err(f) if warm && f.error.to_string().contains("warm-up") => continue,
+            Err(f) => panic!("host {host}: {}", f.error),
+        };
+        assert_eq!(outputs(&out), want, "host {host}, warm-up {warm}");
+        assert_eq!(all_violations(&out), vec![], "host {host}, warm-up {warm}");
+        assert!(
+            out.at_end.locked_peak_bytes <= host,
+            "host {host}, warm-up {warm}: {} page-locked",
+            out.at_end.locked_peak_bytes
+        );
+    }
+}

@@ -839,33 +839,53 @@ impl<'a> Request<'a> {
     fn least_host(&self) -> (LeastHost, Vec<(Local, bool)>) {
         // Under "auto" a plan may stream coded or not: the lesser of the
         // two (the coded layouts the search then runs under restored).
+        // A way whose plans do not fit the device budget (coded ones hold
+        // decode staging) names no least: the other's stands.
         if self.comps.iter().any(|c| c.mode == Code::Choose) {
             let saved: Vec<Code> = self.comps.iter().map(|c| c.code.get()).collect();
             let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
             for code in [Code::Never, Code::Always] {
                 self.set_code(Some(code));
-                let found = self.least_host_as_set();
-                if best.as_ref().is_none_or(|b| found.0.0 < b.0.0) {
+                if let Some(found) = self.least_host_fitting()
+                    && best.as_ref().is_none_or(|b| found.0.0 < b.0.0)
+                {
                     best = Some(found);
                 }
             }
+            let best = best.unwrap_or_else(|| {
+                self.set_code(Some(Code::Never));
+                self.least_host_as_set()
+            });
             for (c, code) in self.comps.iter().zip(saved) {
                 c.code.set(code);
             }
-            return best.expect("two candidates");
+            return best;
         }
         self.least_host_as_set()
     }
 
     /// [`Self::least_host`] with the coded layouts as set now.
     fn least_host_as_set(&self) -> (LeastHost, Vec<(Local, bool)>) {
+        self.least_host_fitting()
+            .unwrap_or_else(|| self.with_all_pinned(self.least_host_unkept()))
+    }
+
+    /// [`Self::least_host_as_set`] where some plan with the coded layouts
+    /// as set now fits the device budget (`None` where none does; without
+    /// a device budget, the least with nothing kept).
+    fn least_host_fitting(&self) -> Option<(LeastHost, Vec<(Local, bool)>)> {
         let found = match self.device_budget {
-            Some(budget) => self
-                .least_host_within(budget)
-                .unwrap_or_else(|| self.least_host_unkept()),
+            Some(budget) => self.least_host_within(budget)?,
             None => self.least_host_unkept(),
         };
-        // Or every weight pinned (no ring), where that is less.
+        Some(self.with_all_pinned(found))
+    }
+
+    /// `found`, or every weight pinned (no ring) where that is less.
+    fn with_all_pinned(
+        &self,
+        found: (LeastHost, Vec<(Local, bool)>),
+    ) -> (LeastHost, Vec<(Local, bool)>) {
         let all: u64 = self.comps.iter().map(|c| c.bytes).sum();
         let pinned = all.saturating_add(self.transient());
         if pinned < found.0.0 {

@@ -450,7 +450,9 @@ impl<A: Api> PlannedBackend<A> {
                 let m = &self.store[&u.name];
                 budget::host::BuiltBlock {
                     pinned: m.len_bytes(),
-                    staged: u.bytes,
+                    // What a staging buffer holds of it: a coded master's
+                    // coded bytes (the ring is made from them).
+                    staged: self.store_coded.get(&u.name).map_or(u.bytes, |c| c.0),
                     is_staged: staged(u),
                     // Only a pinned copy we made (a registered master is the
                     // loader's memory) that no engine shares.
@@ -716,9 +718,12 @@ impl<A: Api> PlannedBackend<A> {
             .blocks()
             .filter_map(|(_, u)| Some((u, self.coded_forms.get(&u.name)?.bytes)))
             .collect();
+        // (Its coded master is pinned for the measurement: within the host
+        // budget too, where one is set.)
+        let host = self.host_limits.as_ref().map_or(u64::MAX, |l| l.budget);
         let measured = coded
             .iter()
-            .filter(|(u, c)| u.bytes.saturating_add(*c) <= budget)
+            .filter(|(u, c)| u.bytes.saturating_add(*c) <= budget && *c <= host)
             .max_by_key(|(u, _)| u.bytes)
             .or_else(|| coded.iter().min_by_key(|(u, _)| u.bytes))
             .map(|(u, _)| (*u).clone());
@@ -769,6 +774,15 @@ impl<A: Api> PlannedBackend<A> {
             }
         }
         Ok(())
+    }
+
+    /// [`Self::learn_coded`], its encoded blobs dropped where it fails.
+    fn learn_coded_or_drop(&mut self, layout: &Layout, budget: u64) -> Result<(), OffloadError> {
+        let learned = self.learn_coded(layout, budget);
+        if learned.is_err() {
+            self.coded_forms.clear();
+        }
+        learned
     }
 
     /// `inputs` with each block's coded bytes ([`Self::learn_coded`]) and,
@@ -1598,9 +1612,13 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         // size and the decoder's rate, before anything is planned (but
         // after what can fail without them: encoding takes minutes).
         let given = self.given.clone();
+        // Coded masters are made (the decoder's measurement) within the
+        // host budget: a coded-block file's window copied, never
+        // registered (which would lock its whole mapping).
+        self.host_limits = host_limits.clone();
         let (choices, plan, inputs, warmup, host_side) = match &given {
             Some(given) => {
-                self.learn_coded(&layout, budget_bytes)?;
+                self.learn_coded_or_drop(&layout, budget_bytes)?;
                 let mut inputs = self.with_coded(&layout, given.clone());
                 if let Some(r) = &request {
                     inputs.steps = r.steps;
@@ -1673,7 +1691,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                     // (The smallest footprint counts no activations.)
                     return Err(OffloadError::Budget(Box::new(minimum.does_not_fit(device))));
                 }
-                self.learn_coded(&layout, budget_bytes)?;
+                self.learn_coded_or_drop(&layout, budget_bytes)?;
                 (choices, None, None, Some(shape), side)
             }
         };
