@@ -707,51 +707,64 @@ fn a_refused_coded_pin_restages_within_a_tight_host_budget() {
     );
 }
 
-/// Under `"auto"`, the least host budget the planner names is one it
-/// plans within, and a byte less is the typed `HostDoesNotFit`: at a
-/// device budget below what a lossless plan needs (only uncoded plans
-/// fit: the least is none's) and at one where both fit. Seen red (the
-/// review's finding) with the lossless least taken where no lossless plan
-/// fits the device: the named least ended in `NoPlanFitsBoth`.
+/// The least host budget the planner names is one it plans within, and a
+/// byte less is the typed `HostDoesNotFit`: under `"none"`, `"lossless"`
+/// and `"auto"`, at device budgets from the least uncoded plan's (where
+/// only uncoded plans fit: `"auto"`'s least is none's) to twice every
+/// weight. Seen red twice (the second review's findings): under `"auto"`
+/// with the coded way's least taken where no coded plan fits the device
+/// (`NoPlanFitsBoth` at the named least); and, older, at a device budget
+/// of every weight, where the search's passes found no plan at the least
+/// the planner had constructed (the first plan at 16 KB more), now offered
+/// as the plan of last resort.
 #[test]
-fn the_least_host_budget_under_auto_is_plannable() {
+fn the_least_host_budget_is_plannable() {
     let total = workload().preset.weight_bytes();
     let first = run_planned(total, WeightCompression::Lossless, &opts(&[], None));
     let inputs = estimated(&first);
     let least_none = least_device(&inputs, WeightCompression::None);
     let least_lossless = least_device(&inputs, WeightCompression::Lossless);
     assert!(least_none < least_lossless);
-    for device in [least_none, middle()] {
-        let least = least_host(&inputs, device, WeightCompression::Auto);
-        let at = |host: u64| {
-            let limits = offload_core::budget::HostLimits {
-                budget: host,
-                source: format!("{host} B"),
-                readings: None,
+    for compression in [
+        WeightCompression::None,
+        WeightCompression::Lossless,
+        WeightCompression::Auto,
+    ] {
+        for device in [least_none, middle(), total, 2 * total] {
+            if compression == WeightCompression::Lossless && device < least_lossless {
+                continue;
+            }
+            let least = least_host(&inputs, device, compression);
+            let at = |host: u64| {
+                let limits = offload_core::budget::HostLimits {
+                    budget: host,
+                    source: format!("{host} B"),
+                    readings: None,
+                };
+                plan_within(
+                    &workload().preset.pipeline,
+                    &OffloadConfig {
+                        host_budget: Some(offload_core::bytes::HostBudget::Bytes(
+                            offload_core::bytes::ByteSize::new(host),
+                        )),
+                        ..config(device, compression)
+                    },
+                    &inputs,
+                    DeviceMemory::of(u64::MAX / 4),
+                    Some(limits),
+                )
             };
-            plan_within(
-                &workload().preset.pipeline,
-                &OffloadConfig {
-                    host_budget: Some(offload_core::bytes::HostBudget::Bytes(
-                        offload_core::bytes::ByteSize::new(host),
-                    )),
-                    ..config(device, WeightCompression::Auto)
-                },
-                &inputs,
-                DeviceMemory::of(u64::MAX / 4),
-                Some(limits),
-            )
-        };
-        assert!(
-            at(least).is_ok(),
-            "device {device}: the least {least} B: {:?}",
-            at(least).err()
-        );
-        assert!(
-            matches!(at(least - 1), Err(BudgetError::HostDoesNotFit { .. })),
-            "device {device}: {:?}",
-            at(least - 1).err()
-        );
+            assert!(
+                at(least).is_ok(),
+                "{compression}, device {device}: the least {least} B: {:?}",
+                at(least).err()
+            );
+            assert!(
+                matches!(at(least - 1), Err(BudgetError::HostDoesNotFit { .. })),
+                "{compression}, device {device}: {:?}",
+                at(least - 1).err()
+            );
+        }
     }
 }
 

@@ -1584,6 +1584,23 @@ impl<'a> Request<'a> {
     /// single-strategy alternatives computed next are laid out alike (the
     /// caller clears it).
     fn search(&self, budget: u64) -> Option<Solution> {
+        let found = self.search_coded(budget);
+        if found.is_some() || self.host.is_none() {
+            return found;
+        }
+        // The search's passes are a heuristic; the least host budget is a
+        // plan it constructed (within both budgets at any host budget at
+        // or above that least): never name a least no plan is found at.
+        let (_, phases) = self.least_host();
+        let e = self.evaluate(&phases);
+        (e.peak_bytes <= budget && self.host_fits(&phases)).then_some(Solution {
+            phases,
+            time: e.request_s,
+        })
+    }
+
+    /// [`Self::search`]'s passes, under every coded way `"auto"` weighs.
+    fn search_coded(&self, budget: u64) -> Option<Solution> {
         // Under "auto" each phase's own best layout, coded or not, can make
         // a whole plan worse than every phase uncoded (or every streamed
         // stack coded) would: the search also runs as "none" and
