@@ -31,3 +31,23 @@ gpu_suite() {
 gpu_suite_summary() {
   grep -E "^test |test result|planted .*caught|page-locked peak|panicked" "$OUT/gpu-suite.log" | cut -c1-300 | tail -30
 }
+
+# The offload-bench a script runs, echoed: the path given ($2), else the
+# one beside the script ($1: a bundle), else target/release's. None found:
+# a usage line on stderr and status 2.
+bench_bin() {
+  local here=$1 given=${2:-} c
+  if [ -n "$given" ]; then
+    [ -x "$given" ] && { echo "$given"; return 0; }
+  else
+    for c in "$here/offload-bench" "$here/../target/release/offload-bench"; do
+      [ -x "$c" ] && { echo "$c"; return 0; }
+    done
+  fi
+  if [ -n "$given" ]; then
+    echo "usage: $(basename "$0") path/to/offload-bench ($given is not an executable)" >&2
+  else
+    echo "usage: $(basename "$0") path/to/offload-bench (none found beside it or in target/release)" >&2
+  fi
+  return 2
+}

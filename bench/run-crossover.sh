@@ -26,13 +26,8 @@
 #   ~35 s resident, ~150 s for the 3 × 17 layerwise rows; the budgets ~100 s)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  for c in "$HERE/offload-bench" "$HERE/../target/release/offload-bench"; do
-    [ -x "$c" ] && BIN=$c && break
-  done
-fi
-[ -n "$BIN" ] && [ -x "$BIN" ] || { echo "usage: $0 path/to/offload-bench (none found)" >&2; exit 2; }
+. "$HERE/lib.sh"
+BIN=$(bench_bin "$HERE" "${1:-}") || exit 2
 OUT=${OUT:-/tmp/crossover-out}
 mkdir -p "$OUT"
 if [ -z "${TOKENS:-}" ]; then

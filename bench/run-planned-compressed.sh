@@ -42,13 +42,8 @@
 # ~15 s). With the coded-block file already written, stage 1 is ~215 s.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  for c in "$HERE/offload-bench" "$HERE/../target/release/offload-bench"; do
-    [ -x "$c" ] && BIN=$c && break
-  done
-fi
-[ -n "$BIN" ] && [ -x "$BIN" ] || { echo "usage: $0 path/to/offload-bench (none found)" >&2; exit 2; }
+. "$HERE/lib.sh"
+BIN=$(bench_bin "$HERE" "${1:-}") || exit 2
 OUT=${OUT:-/tmp/planned-compressed-out}
 mkdir -p "$OUT"
 BUDGETS=${BUDGETS:-16GiB,8GiB}
@@ -75,7 +70,7 @@ stage() {
   LAST=$now
 }
 status=0
-[ -f "$HERE/lib.sh" ] && . "$HERE/lib.sh" && cuda_libs
+cuda_libs
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u +%Y-%m-%dT%H:%M:%SZ; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 { echo "bin=$BIN"; echo "budgets=$BUDGETS tokens=$TOKENS steps=${STEPS:-default} requests=$REQUESTS compression=$WEIGHT_COMPRESSION coded=$CODED"; echo "late: budgets=$LATE_BUDGETS tokens=$LATE_TOKENS steps=$LATE_STEPS requests=$LATE_REQUESTS compression=$LATE_COMPRESSION"; } > "$OUT/settings.txt"

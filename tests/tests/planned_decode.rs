@@ -490,11 +490,29 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
     // set's refused pin fails the run typed (its set has no staged path);
     // a streamed coded block's stages coded.
     let host = 2 * total;
-    let mut refused_seen = 0;
     // (On this workload requests 1–3 and 9–11 pin held sets, 4–8 and 12–13
     // coded streamed blocks; past 13 the staging rings', refused and asked
     // again, which `tests/staged.rs` covers. One of each kind.)
-    for n in [1, 4, 9, 12] {
+    let refused_seen = refusing_pins(&given, &with_host(host), host, &[1, 4, 9, 12], &want);
+    assert!(
+        refused_seen > 0,
+        "no run refused a coded block's pin and completed"
+    );
+}
+
+/// Runs `given` under `config` (host budget `host`) once per pin request in `nth`, that request
+/// refused: each run fails typed (the refusal named, not the host budget)
+/// or completes equal to `want`, with no violation and within `host`.
+/// Returns how many completed after refusing a coded block's pin.
+fn refusing_pins(
+    given: &RunOptions,
+    config: &OffloadConfig,
+    host: u64,
+    nth: &[u64],
+    want: &[u64],
+) -> usize {
+    let mut completed = 0;
+    for &n in nth {
         let refusing = RunOptions {
             faults: offload_sim::faults::FaultPlan {
                 refuse_pins: Some((n, n)),
@@ -505,7 +523,7 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
         let (o, log) = offload_tests::capture_logs(|| {
             run(
                 &workload(),
-                &StrategyChoice::Config(with_host(host)),
+                &StrategyChoice::Config(config.clone()),
                 &refusing,
             )
         });
@@ -514,8 +532,8 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
             Err(f) => {
                 let e = f.error.to_string();
                 assert!(
-                    e.contains("pinning refused (injected"),
-                    "refusing pin {n}: an untyped failure: {e}"
+                    e.contains("pinning refused (injected") && !e.contains("host_budget"),
+                    "refusing pin {n} at host {host}: {e}"
                 );
                 continue;
             }
@@ -524,13 +542,10 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
         assert_eq!(all_violations(&o), vec![], "refusing pin {n}");
         assert!(host_peak(&o) <= host, "refusing pin {n}: {}", host_peak(&o));
         if log.contains("pinning the coded `") {
-            refused_seen += 1;
+            completed += 1;
         }
     }
-    assert!(
-        refused_seen > 0,
-        "no run refused a coded block's pin and completed"
-    );
+    completed
 }
 
 /// A failed host synchronisation inside the decoder's measurement at
@@ -665,42 +680,9 @@ fn a_refused_coded_pin_restages_within_a_tight_host_budget() {
         planner: Some(inputs.clone()),
         ..opts(&[], None)
     };
-    let mut completed = 0;
     // (On this workload each of the first 12 pin requests is a coded
     // block's, with given inputs; four of them.)
-    for n in [1, 4, 8, 12] {
-        let refusing = RunOptions {
-            faults: offload_sim::faults::FaultPlan {
-                refuse_pins: Some((n, n)),
-                ..offload_sim::faults::FaultPlan::none()
-            },
-            ..given.clone()
-        };
-        let (o, log) = offload_tests::capture_logs(|| {
-            run(
-                &workload(),
-                &StrategyChoice::Config(with_host(host)),
-                &refusing,
-            )
-        });
-        let o = match o {
-            Ok(o) => o,
-            Err(f) => {
-                let e = f.error.to_string();
-                assert!(
-                    e.contains("pinning refused (injected") && !e.contains("host_budget"),
-                    "refusing pin {n} at host {host}: {e}"
-                );
-                continue;
-            }
-        };
-        assert_eq!(outputs(&o), want, "refusing pin {n}");
-        assert_eq!(all_violations(&o), vec![], "refusing pin {n}");
-        assert!(host_peak(&o) <= host, "refusing pin {n}: {}", host_peak(&o));
-        if log.contains("pinning the coded `") {
-            completed += 1;
-        }
-    }
+    let completed = refusing_pins(&given, &with_host(host), host, &[1, 4, 8, 12], &want);
     assert!(
         completed > 0,
         "no refused coded pin completed at host {host}"
