@@ -585,6 +585,46 @@ fn a_failed_decode_measurement_frees_nothing_in_flight() {
     }
 }
 
+/// The decoder's measurement at enable pins one coded block, the largest
+/// that fits; where the platform refuses that pin, the smallest coded
+/// block is measured instead (logged) and the run completes bit-identical,
+/// 0 violations; where both pins are refused, enable fails typed, naming
+/// the refusal. Seen red with no second candidate (the first refusal
+/// failed enable: "pinning refused (injected").
+#[test]
+fn a_refused_measurement_pin_measures_on_the_smallest_coded_block() {
+    let want = resident();
+    let total = workload().preset.weight_bytes();
+    let refusing = |last: u64| RunOptions {
+        faults: offload_sim::faults::FaultPlan {
+            refuse_pins: Some((1, last)),
+            ..offload_sim::faults::FaultPlan::none()
+        },
+        ..opts(&[], None)
+    };
+    let lossless = StrategyChoice::Config(config(total, WeightCompression::Lossless));
+    let (o, log) = offload_tests::capture_logs(|| run(&workload(), &lossless, &refusing(1)));
+    let o = o.unwrap_or_else(|f| panic!("one refused measurement pin: {}", f.error));
+    assert_eq!(outputs(&o), want);
+    assert_eq!(all_violations(&o), vec![]);
+    assert!(
+        log.contains("to measure the decoder was refused")
+            && log.contains("measuring on `")
+            && o.inputs
+                .as_ref()
+                .is_some_and(|i| i.decode_bytes_per_s.is_some()),
+        "the refusal logged and the decoder measured on another block: {log}"
+    );
+    let Err(f) = run(&workload(), &lossless, &refusing(2)) else {
+        panic!("both measurement pins refused: enable completed");
+    };
+    assert!(
+        f.error.to_string().contains("pinning refused (injected"),
+        "both measurement pins refused: {}",
+        f.error
+    );
+}
+
 /// The planner's model of a plan chosen elsewhere
 /// (`budget::Evaluator`): a lossless plan's choices evaluate under
 /// `"lossless"` to what the planner predicted, and under `"none"` (where

@@ -721,13 +721,25 @@ impl<A: Api> PlannedBackend<A> {
         // (Its coded master is pinned for the measurement: within the host
         // budget too, where one is set.)
         let host = self.host_limits.as_ref().map_or(u64::MAX, |l| l.budget);
-        let measured = coded
+        let largest = coded
             .iter()
             .filter(|(u, c)| u.bytes.saturating_add(*c) <= budget && *c <= host)
-            .max_by_key(|(u, _)| u.bytes)
-            .or_else(|| coded.iter().min_by_key(|(u, _)| u.bytes))
-            .map(|(u, _)| (*u).clone());
-        if let Some(unit) = measured {
+            .max_by_key(|(u, _)| u.bytes);
+        let smallest = coded.iter().min_by_key(|(u, _)| u.bytes);
+        // Where the platform refuses the largest's pin, the smallest is
+        // tried (a platform short of pinned memory may grant a smaller
+        // pin; its rate, more of it launch latency, is the lower one).
+        let mut candidates: Vec<Unit> = largest
+            .or(smallest)
+            .map(|(u, _)| (*u).clone())
+            .into_iter()
+            .collect();
+        if let Some((u, _)) = smallest.filter(|(u, _)| candidates.iter().all(|c| c.name != u.name))
+        {
+            candidates.push((*u).clone());
+        }
+        let mut made = None;
+        for (i, unit) in candidates.iter().enumerate() {
             // Its blob is lent for the measurement and kept.
             let kept = self.coded_forms.get(&unit.name).and_then(|f| {
                 f.blob
@@ -738,40 +750,56 @@ impl<A: Api> PlannedBackend<A> {
                     })
             });
             let mut tally = crate::runtime::layerwise::CodingTally::default();
-            let made = self.coded_master_of(layout, &unit, (false, false), &mut tally)?;
+            let tried = self.coded_master_of(layout, unit, (false, false), &mut tally);
             if let (Some(region), Some(f)) = (kept, self.coded_forms.get_mut(&unit.name)) {
                 f.blob = Some(region);
             }
-            if let Some((master, meta)) = made {
-                let rate = self.ring.measure_decoder(&unit, &master, meta);
-                // A failed measurement may leave its copy of the master in
-                // flight: drained first, else the master is leaked (logged).
-                if rate.is_err() && self.ring.drain().is_err() {
-                    tracing::error!(unit = %unit.name, "the decode measurement failed and its streams did not drain: leaking the coded master it read");
-                    std::mem::forget(master);
-                    return rate.map(|_| ());
+            match tried {
+                Err(OffloadError::DeviceOp { kind, cause, .. })
+                    if kind != DeviceErrorKind::DeviceLost && i + 1 < candidates.len() =>
+                {
+                    tracing::warn!(
+                        unit = %unit.name,
+                        "planned offload: pinning `{}` to measure the decoder was refused ({cause}); measuring on `{}` instead",
+                        unit.name,
+                        candidates[i + 1].name
+                    );
                 }
-                // SAFETY: the measurement synchronised with its decodes, or
-                // failed and its streams drained: no copy reads the master.
-                let freed = unsafe { self.phases.handles.free_master(master) };
-                let rate = rate?;
-                freed?;
-                // Its buffers go back to the device (not kept by the
-                // allocator), so the masters' mappings measured next see
-                // the device as enable found it.
-                self.device
-                    .release_unused()
-                    .map_err(|e| dev_err("release_unused (after the decode measurement)", e))?;
-                tracing::info!(
-                    unit = %unit.name,
-                    decode_bytes_per_s = rate,
-                    "planned offload: the {} decoder writes {:.0} GB/s (measured on `{}`)",
-                    codec.name(),
-                    rate / 1e9,
-                    unit.name
-                );
-                self.decode_rate = Some(rate);
+                tried => {
+                    made = tried?.map(|m| (unit.clone(), m));
+                    break;
+                }
             }
+        }
+        if let Some((unit, (master, meta))) = made {
+            let rate = self.ring.measure_decoder(&unit, &master, meta);
+            // A failed measurement may leave its copy of the master in
+            // flight: drained first, else the master is leaked (logged).
+            if rate.is_err() && self.ring.drain().is_err() {
+                tracing::error!(unit = %unit.name, "the decode measurement failed and its streams did not drain: leaking the coded master it read");
+                std::mem::forget(master);
+                return rate.map(|_| ());
+            }
+            // SAFETY: the measurement synchronised with its decodes, or
+            // failed and its streams drained: no copy reads the master.
+            let freed = unsafe { self.phases.handles.free_master(master) };
+            let rate = rate?;
+            freed?;
+            // Its buffers go back to the device (not kept by the
+            // allocator), so the masters' mappings measured next see
+            // the device as enable found it.
+            self.device
+                .release_unused()
+                .map_err(|e| dev_err("release_unused (after the decode measurement)", e))?;
+            tracing::info!(
+                unit = %unit.name,
+                decode_bytes_per_s = rate,
+                "planned offload: the {} decoder writes {:.0} GB/s (measured on `{}`)",
+                codec.name(),
+                rate / 1e9,
+                unit.name
+            );
+            self.decode_rate = Some(rate);
         }
         Ok(())
     }
