@@ -38,10 +38,10 @@ gpu_suite_summary() {
 bench_bin() {
   local here=$1 given=${2:-} c
   if [ -n "$given" ]; then
-    [ -x "$given" ] && { echo "$given"; return 0; }
+    [ -f "$given" ] && [ -x "$given" ] && { echo "$given"; return 0; }
   else
     for c in "$here/offload-bench" "$here/../target/release/offload-bench"; do
-      [ -x "$c" ] && { echo "$c"; return 0; }
+      [ -f "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
     done
   fi
   if [ -n "$given" ]; then

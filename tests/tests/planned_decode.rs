@@ -586,13 +586,14 @@ fn a_failed_decode_measurement_frees_nothing_in_flight() {
 }
 
 /// The decoder's measurement at enable pins one coded block, the largest
-/// that fits; where the platform refuses that pin, the smallest coded
-/// block is measured instead (logged) and the run completes bit-identical,
-/// 0 violations; where both pins are refused, enable fails typed, naming
-/// the refusal. Seen red with no second candidate (the first refusal
-/// failed enable: "pinning refused (injected").
+/// that fits; where the platform refuses that pin, the next that fits with
+/// fewer coded bytes is measured instead (logged, named) and the run
+/// completes bit-identical, 0 violations; where both are refused, enable
+/// fails typed, naming the refusal. Seen red with no second candidate (the
+/// first refusal failed enable) and with the refused block tried again
+/// (the second candidate not a smaller pin).
 #[test]
-fn a_refused_measurement_pin_measures_on_the_smallest_coded_block() {
+fn a_refused_measurement_pin_measures_on_a_smaller_coded_block() {
     let want = resident();
     let total = workload().preset.weight_bytes();
     let refusing = |last: u64| RunOptions {
@@ -607,13 +608,38 @@ fn a_refused_measurement_pin_measures_on_the_smallest_coded_block() {
     let o = o.unwrap_or_else(|f| panic!("one refused measurement pin: {}", f.error));
     assert_eq!(outputs(&o), want);
     assert_eq!(all_violations(&o), vec![]);
+    // The refused block and the one measured instead, from the log.
+    let named = |after: &str| -> String {
+        let at = log
+            .find(after)
+            .unwrap_or_else(|| panic!("no `{after}` in the log: {log}"));
+        log[at + after.len()..]
+            .split('`')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let refused = named("pinning `");
+    let measured = named("(measured on `");
+    let inputs = o.inputs.as_ref().expect("a planned run's inputs");
+    let coded = |name: &str| -> u64 {
+        inputs
+            .components
+            .values()
+            .find_map(|c| c.coded_block_bytes.get(name).copied())
+            .unwrap_or_else(|| panic!("`{name}` has no coded size"))
+    };
     assert!(
         log.contains("to measure the decoder was refused")
-            && log.contains("measuring on `")
-            && o.inputs
-                .as_ref()
-                .is_some_and(|i| i.decode_bytes_per_s.is_some()),
+            && log.contains(&format!("measuring on `{measured}` instead"))
+            && inputs.decode_bytes_per_s.is_some(),
         "the refusal logged and the decoder measured on another block: {log}"
+    );
+    assert!(
+        coded(&measured) < coded(&refused),
+        "measured on `{measured}` ({} coded bytes) after `{refused}` ({}) was refused: a smaller pin",
+        coded(&measured),
+        coded(&refused)
     );
     let Err(f) = run(&workload(), &lossless, &refusing(2)) else {
         panic!("both measurement pins refused: enable completed");

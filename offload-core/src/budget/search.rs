@@ -1582,7 +1582,9 @@ impl<'a> Request<'a> {
     /// laying every phase out at the previous best plan's staged blocks.
     /// Leaves the best plan's staged blocks as the hint, so that the
     /// single-strategy alternatives computed next are laid out alike (the
-    /// caller clears it).
+    /// caller clears it). Where the passes find no plan within both
+    /// budgets, the plan the least host budget was constructed from, if it
+    /// fits `budget` (the hint then left as the passes left it).
     fn search(&self, budget: u64) -> Option<Solution> {
         let found = self.search_coded(budget);
         if found.is_some() || self.host.is_none() {

@@ -104,6 +104,28 @@ impl Layout {
 /// A coded host master and its (coded bytes, the decode's work items).
 type CodedOf<A> = (HostMaster<A>, (u64, u64));
 
+/// Why [`Planned::coded_master_of`] failed: the device refused the coded
+/// master's pin or registration (a platform short of page-locked memory,
+/// which a smaller pin may pass), or anything else.
+enum CodedFail {
+    PinRefused(OffloadError),
+    Other(OffloadError),
+}
+
+impl CodedFail {
+    fn error(self) -> OffloadError {
+        match self {
+            Self::PinRefused(e) | Self::Other(e) => e,
+        }
+    }
+}
+
+impl From<OffloadError> for CodedFail {
+    fn from(e: OffloadError) -> Self {
+        Self::Other(e)
+    }
+}
+
 /// A streamed block's coded form as enable learned it (CONTRACT §7b,
 /// `weight_compression` under a device budget): its coded bytes, which the
 /// planner prices, and, where enable encoded it (no coded-block file holds
@@ -524,8 +546,9 @@ impl<A: Api> PlannedBackend<A> {
     ) -> Result<HostMaster<A>, OffloadError> {
         self.store_coded.remove(&unit.name);
         if coded
-            && let Some((master, meta)) =
-                self.coded_master_of(layout, unit, (staged, streams), tally)?
+            && let Some((master, meta)) = self
+                .coded_master_of(layout, unit, (staged, streams), tally)
+                .map_err(CodedFail::error)?
         {
             self.store_coded.insert(unit.name.clone(), meta);
             return Ok(master);
@@ -573,7 +596,7 @@ impl<A: Api> PlannedBackend<A> {
         unit: &Unit,
         (staged, streams): (bool, bool),
         tally: &mut crate::runtime::layerwise::CodingTally,
-    ) -> Result<Option<CodedOf<A>>, OffloadError> {
+    ) -> Result<Option<CodedOf<A>>, CodedFail> {
         use crate::runtime::backend::CodedRegion;
         let Some(codec) = self.codec.clone() else {
             return Ok(None);
@@ -637,7 +660,7 @@ impl<A: Api> PlannedBackend<A> {
                     (len, work),
                 )))
             }
-            CodedMaster::PinRefused { error, .. } => Err(error),
+            CodedMaster::PinRefused { error, .. } => Err(CodedFail::PinRefused(error)),
         }
     }
 
@@ -721,21 +744,23 @@ impl<A: Api> PlannedBackend<A> {
         // (Its coded master is pinned for the measurement: within the host
         // budget too, where one is set.)
         let host = self.host_limits.as_ref().map_or(u64::MAX, |l| l.budget);
-        let largest = coded
+        // The largest that fits both budgets; where the platform refuses
+        // its pin, the next that fits with fewer coded bytes (a platform
+        // short of page-locked memory may grant a smaller pin; the rate,
+        // more of it launch latency, is the lower one). None fits: the
+        // smallest, alone.
+        let mut fitting: Vec<&(&Unit, u64)> = coded
             .iter()
             .filter(|(u, c)| u.bytes.saturating_add(*c) <= budget && *c <= host)
-            .max_by_key(|(u, _)| u.bytes);
-        let smallest = coded.iter().min_by_key(|(u, _)| u.bytes);
-        // Where the platform refuses the largest's pin, the smallest is
-        // tried (a platform short of pinned memory may grant a smaller
-        // pin; its rate, more of it launch latency, is the lower one).
-        let mut candidates: Vec<Unit> = largest
-            .or(smallest)
-            .map(|(u, _)| (*u).clone())
-            .into_iter()
             .collect();
-        if let Some((u, _)) = smallest.filter(|(u, _)| candidates.iter().all(|c| c.name != u.name))
-        {
+        fitting.sort_by_key(|(u, c)| (std::cmp::Reverse(u.bytes), std::cmp::Reverse(*c)));
+        let mut candidates: Vec<Unit> = Vec::new();
+        if let Some(&&(first, first_coded)) = fitting.first() {
+            candidates.push(first.clone());
+            if let Some(&&(next, _)) = fitting.iter().find(|(_, c)| *c < first_coded) {
+                candidates.push(next.clone());
+            }
+        } else if let Some((u, _)) = coded.iter().min_by_key(|(u, _)| u.bytes) {
             candidates.push((*u).clone());
         }
         let mut made = None;
@@ -755,7 +780,7 @@ impl<A: Api> PlannedBackend<A> {
                 f.blob = Some(region);
             }
             match tried {
-                Err(OffloadError::DeviceOp { kind, cause, .. })
+                Err(CodedFail::PinRefused(OffloadError::DeviceOp { kind, cause, .. }))
                     if kind != DeviceErrorKind::DeviceLost && i + 1 < candidates.len() =>
                 {
                     tracing::warn!(
@@ -766,7 +791,7 @@ impl<A: Api> PlannedBackend<A> {
                     );
                 }
                 tried => {
-                    made = tried?.map(|m| (unit.clone(), m));
+                    made = tried.map_err(CodedFail::error)?.map(|m| (unit.clone(), m));
                     break;
                 }
             }
