@@ -385,27 +385,42 @@ fn host_peak(o: &RunOutcome) -> u64 {
     o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
 }
 
-/// The least host budget the planner accepts for `inputs` within
-/// `device` bytes, under `compression` (from its typed error).
-fn least_host(inputs: &PlannerInputs, device: u64, compression: WeightCompression) -> u64 {
-    let config = OffloadConfig {
+/// `config(device, compression)` with a host budget of `host` bytes.
+fn with_host_budget(device: u64, compression: WeightCompression, host: u64) -> OffloadConfig {
+    OffloadConfig {
         host_budget: Some(offload_core::bytes::HostBudget::Bytes(
-            offload_core::bytes::ByteSize::new(1),
+            offload_core::bytes::ByteSize::new(host),
         )),
         ..config(device, compression)
-    };
+    }
+}
+
+/// The planner's plan for `inputs` within `device` and `host` bytes under
+/// `compression` (the host's limits those `host` bytes).
+fn plan_at(
+    inputs: &PlannerInputs,
+    device: u64,
+    host: u64,
+    compression: WeightCompression,
+) -> Result<offload_core::budget::RequestPlan, BudgetError> {
     let limits = offload_core::budget::HostLimits {
-        budget: 1,
-        source: "1 B".to_owned(),
+        budget: host,
+        source: format!("{host} B"),
         readings: None,
     };
-    match plan_within(
+    plan_within(
         &workload().preset.pipeline,
-        &config,
+        &with_host_budget(device, compression, host),
         inputs,
         DeviceMemory::of(u64::MAX / 4),
         Some(limits),
-    ) {
+    )
+}
+
+/// The least host budget the planner accepts for `inputs` within
+/// `device` bytes, under `compression` (from its typed error).
+fn least_host(inputs: &PlannerInputs, device: u64, compression: WeightCompression) -> u64 {
+    match plan_at(inputs, device, 1, compression) {
         Err(BudgetError::HostDoesNotFit { least, .. }) => least,
         other => panic!("a 1-byte host budget: {other:?}"),
     }
@@ -436,12 +451,7 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
         least < least_raw,
         "the least host budget coded {least} B against {least_raw} B uncoded"
     );
-    let with_host = |host: u64| OffloadConfig {
-        host_budget: Some(offload_core::bytes::HostBudget::Bytes(
-            offload_core::bytes::ByteSize::new(host),
-        )),
-        ..config(device, WeightCompression::Lossless)
-    };
+    let with_host = |host: u64| with_host_budget(device, WeightCompression::Lossless, host);
     let given = RunOptions {
         planner: Some(inputs.clone()),
         ..opts(&[], Some(4))
@@ -710,26 +720,9 @@ fn a_refused_coded_pin_restages_within_a_tight_host_budget() {
     let first = run_planned(total, WeightCompression::Lossless, &opts(&[], None));
     let inputs = estimated(&first);
     let device = middle();
-    let with_host = |host: u64| OffloadConfig {
-        host_budget: Some(offload_core::bytes::HostBudget::Bytes(
-            offload_core::bytes::ByteSize::new(host),
-        )),
-        ..config(device, WeightCompression::Lossless)
-    };
+    let with_host = |host: u64| with_host_budget(device, WeightCompression::Lossless, host);
     // Every coded block pinned: the peak of the plan with room for all.
-    let limits = |host: u64| offload_core::budget::HostLimits {
-        budget: host,
-        source: format!("{host} B"),
-        readings: None,
-    };
-    let roomy = plan_within(
-        &workload().preset.pipeline,
-        &with_host(2 * total),
-        &inputs,
-        DeviceMemory::of(u64::MAX / 4),
-        Some(limits(2 * total)),
-    )
-    .unwrap();
+    let roomy = plan_at(&inputs, device, 2 * total, WeightCompression::Lossless).unwrap();
     let side = roomy.host.as_ref().expect("a host side");
     assert!(side.staged_blocks.is_empty(), "{side}");
     let largest_coded = inputs
@@ -783,25 +776,7 @@ fn the_least_host_budget_is_plannable() {
                 continue;
             }
             let least = least_host(&inputs, device, compression);
-            let at = |host: u64| {
-                let limits = offload_core::budget::HostLimits {
-                    budget: host,
-                    source: format!("{host} B"),
-                    readings: None,
-                };
-                plan_within(
-                    &workload().preset.pipeline,
-                    &OffloadConfig {
-                        host_budget: Some(offload_core::bytes::HostBudget::Bytes(
-                            offload_core::bytes::ByteSize::new(host),
-                        )),
-                        ..config(device, compression)
-                    },
-                    &inputs,
-                    DeviceMemory::of(u64::MAX / 4),
-                    Some(limits),
-                )
-            };
+            let at = |host: u64| plan_at(&inputs, device, host, compression);
             assert!(
                 at(least).is_ok(),
                 "{compression}, device {device}: the least {least} B: {:?}",
