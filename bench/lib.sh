@@ -39,15 +39,12 @@ bench_bin() {
   local here=$1 given=${2:-} c
   if [ -n "$given" ]; then
     [ -f "$given" ] && [ -x "$given" ] && { echo "$given"; return 0; }
-  else
-    for c in "$here/offload-bench" "$here/../target/release/offload-bench"; do
-      [ -f "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
-    done
-  fi
-  if [ -n "$given" ]; then
     echo "usage: $(basename "$0") path/to/offload-bench ($given is not an executable)" >&2
-  else
-    echo "usage: $(basename "$0") path/to/offload-bench (none found beside it or in target/release)" >&2
+    return 2
   fi
+  for c in "$here/offload-bench" "$here/../target/release/offload-bench"; do
+    [ -f "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+  done
+  echo "usage: $(basename "$0") path/to/offload-bench (none found beside it or in target/release)" >&2
   return 2
 }
