@@ -735,20 +735,18 @@ impl<A: Api> PlannedBackend<A> {
         {
             return Ok(());
         }
-        // The decoder's rate, on the largest coded block that fits the
-        // budget beside its coded bytes (else the smallest).
+        // The decoder's rate, on the largest coded block that fits both
+        // budgets (its bytes and coded bytes the device's, its coded
+        // master, pinned for the measurement, the host's); where the
+        // platform refuses its pin, the next that fits with fewer coded
+        // bytes (a platform short of page-locked memory may grant a
+        // smaller pin; the rate, more of it launch latency, is the lower
+        // one). None fits: the smallest, alone.
         let coded: Vec<(&Unit, u64)> = layout
             .blocks()
             .filter_map(|(_, u)| Some((u, self.coded_forms.get(&u.name)?.bytes)))
             .collect();
-        // (Its coded master is pinned for the measurement: within the host
-        // budget too, where one is set.)
         let host = self.host_limits.as_ref().map_or(u64::MAX, |l| l.budget);
-        // The largest that fits both budgets; where the platform refuses
-        // its pin, the next that fits with fewer coded bytes (a platform
-        // short of page-locked memory may grant a smaller pin; the rate,
-        // more of it launch latency, is the lower one). None fits: the
-        // smallest, alone.
         let mut fitting: Vec<&(&Unit, u64)> = coded
             .iter()
             .filter(|(u, c)| u.bytes.saturating_add(*c) <= budget && *c <= host)
