@@ -480,7 +480,7 @@ fn max_activation_bytes(w: &Workload) -> u64 {
 /// and registered host bytes), with the exact bound of the strategy
 /// (CONTRACT §10): the one INV-7 checker of simulated runs.
 pub fn memory_violations(out: &RunOutcome) -> Option<Violation> {
-    // A refused pin (the device's own count) stages a layerwise block
+    // A refused pin (the device's own count) stages a layerwise or planned block
     // through the staging ring, which the bounds then declare.
     let bounds = if out.at_end.pins_refused > 0 {
         out.bounds.with_refused_pins()

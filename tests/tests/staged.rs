@@ -211,17 +211,22 @@ fn refused_pins_stream_staged_and_the_log_names_each_block() {
 /// Every pin request of a clean run at `config` refused in turn: each run
 /// ends bit-identical to `want` within `host` on the device's own
 /// page-locked count, with no checker violation, a refused block named in
-/// the log; or `enable` fails typed with the refusal (a pin nothing can
-/// stand in for). With `KeepPinsBesideRefused` planted, every run over the
-/// budget is flagged by INV-7. Returns (runs within with a block staged,
-/// typed errors, planted runs over the budget).
+/// the log; or `enable` fails typed (no choice of staged blocks fits what
+/// the device allowed). With `KeepPinsBesideRefused` planted, every run
+/// over the budget is flagged by INV-7. A run whose refused pin was a
+/// swapped held unit's (brought in from pageable memory at each phase,
+/// CONTRACT §7c) runs again with `StagedBringInSkipsCopy` planted, which
+/// must not pass: its output differs from `want` or a checker reports it.
+/// Returns (runs within with a block staged, typed errors, planted runs
+/// over the budget, runs with a swapped held unit staged whose plant was
+/// caught).
 fn refuse_each_pin(
     w: &Workload,
     config: &StrategyChoice,
     given: &RunOptions,
     want: &[u64],
     host: u64,
-) -> (usize, usize, usize) {
+) -> (usize, usize, usize, usize) {
     let clean = run(w, config, given).unwrap_or_else(|f| panic!("clean: {}", f.error));
     assert!(host_peak(&clean) <= host, "clean: {}", host_peak(&clean));
     // Each request alone (a re-plan asks again, and may be granted), then
@@ -242,7 +247,7 @@ fn refuse_each_pin(
         bugs,
         ..given.clone()
     };
-    let (mut within, mut typed, mut over, mut restaged) = (0, 0, 0, 0);
+    let (mut within, mut typed, mut over, mut restaged, mut held) = (0, 0, 0, 0, 0);
     for k in 0..faults.len() {
         let (o, log) = capture_logs(|| run(w, config, &refusing(k, Vec::new())));
         match o {
@@ -265,18 +270,38 @@ fn refuse_each_pin(
                 if log.contains("streams staged (beyond the host budget: the staging ring a refused pin needs takes its room)") {
                     restaged += 1;
                 }
+                // A swapped held unit staged when its phase state was built
+                // (a re-plan may pin it again): its refusal named too.
+                if log.contains("is brought in from pageable memory at each of its phases") {
+                    assert!(
+                        log.contains("its phase brings it in from pageable memory each time"),
+                        "fault plan {k}: the refused held unit is named: {log}"
+                    );
+                    let planted = run(
+                        w,
+                        config,
+                        &refusing(k, vec![PlantedBug::StagedBringInSkipsCopy]),
+                    );
+                    let caught = match &planted {
+                        Ok(p) => outputs(p) != want || !all_violations(p).is_empty(),
+                        Err(f) => !f.violations.is_empty(),
+                    };
+                    assert!(
+                        caught,
+                        "planted StagedBringInSkipsCopy, fault plan {k}: the unwritten bring-in passed"
+                    );
+                    held += 1;
+                }
             }
             Err(f) => {
+                // No choice of staged blocks fits what the device allowed:
+                // every refused pin, a held unit's too, stages.
                 let e = f.error.to_string();
-                // The refusal itself (a held set's pin), or no choice of
-                // staged blocks fitting what the device allowed.
-                let refusal = matches!(f.error, offload_core::OffloadError::DeviceOp { .. })
-                    && e.contains("pin request");
                 assert!(
-                    refusal || e.contains("room for what the device allowed"),
-                    "fault plan {k} refused: not a typed error of the refusal: {e}"
+                    e.contains("room for what the device allowed"),
+                    "fault plan {k} refused: not a typed error of the host budget: {e}"
                 );
-                typed += usize::from(refusal);
+                typed += 1;
             }
         }
         if let Ok(o) = run(
@@ -296,14 +321,14 @@ fn refuse_each_pin(
         }
     }
     eprintln!(
-        "{requests} pin requests, {} fault plans: {within} refused and staged within the budget ({restaged} staging more to make room), {typed} typed errors, planted: {over} over the budget",
+        "{requests} pin requests, {} fault plans: {within} refused and staged within the budget ({restaged} staging more to make room, {held} a swapped held unit brought in staged), {typed} typed errors, planted: {over} over the budget",
         faults.len()
     );
     assert!(
         restaged >= 1,
         "some refusal made the store stage more blocks"
     );
-    (within, typed, over)
+    (within, typed, over, held)
 }
 
 /// Layerwise at a host budget that its plan fits with every block pinned
@@ -314,7 +339,7 @@ fn refused_pins_under_a_layerwise_host_budget_stay_within_it() {
     let want = resident();
     let (offloaded, _, transient) = sizes();
     let host = offloaded + transient;
-    let (within, _, over) = refuse_each_pin(
+    let (within, _, over, _) = refuse_each_pin(
         &workload(),
         &layerwise(None, Some(host)),
         &opts(&[], 2, Some(3)),
@@ -1177,8 +1202,10 @@ fn a_host_budget_below_the_least_plan_fails_typed_and_auto_plans() {
 /// turn, then every n-th ([`refuse_each_pin`]): each run ends
 /// bit-identical to resident, within the budget on the device's own
 /// page-locked count, with no checker violation and the refused block
-/// named in the log; or, where the refused pin is a swapped held set's
-/// (whose phase swap needs a pinned master), `enable` fails typed. The
+/// named in the log. Where the refused pin is a swapped held unit's, its
+/// phase brings it in from pageable memory through the upload buffer the
+/// plan counts (once `enable` failed typed here), and planted
+/// `StagedBringInSkipsCopy` (that bring-in never written) is caught. The
 /// preset's text encoder holds its largest unit, so where it is kept the
 /// upload buffer the plan counts is the one its upload uses (on `tiny` the
 /// plan counts one no upload fills, room a refused block's ring fits in).
@@ -1263,7 +1290,7 @@ fn refused_pins_planned(
 ) -> (usize, usize, Vec<(u64, u64)>) {
     let least_device = least_device(&w, &inputs);
     let total = w.preset.weight_bytes();
-    let (mut within, mut typed, mut over, mut kept) = (0, 0, 0, Vec::new());
+    let (mut within, mut held, mut over, mut kept) = (0, 0, 0, Vec::new());
     for k in 1..=3u64 {
         let device = least_device + (total - least_device) * k / 4;
         let side = all_pinned(&w, &inputs, device);
@@ -1280,12 +1307,15 @@ fn refused_pins_planned(
         if !clean_side.kept_staged.is_empty() {
             kept.push((device, host));
         }
-        let (w_, t_, o_) = refuse_each_pin(&w, &config, &given, &want, host);
+        let (w_, _, o_, h_) = refuse_each_pin(&w, &config, &given, &want, host);
         within += w_;
-        typed += t_;
+        held += h_;
         over += o_;
     }
-    assert!(typed >= 1, "a swapped held set's refused pin fails typed");
+    assert!(
+        held >= 1,
+        "a swapped held unit's refused pin completes, brought in from pageable memory (and its planted unwritten bring-in is caught)"
+    );
     (within, over, kept)
 }
 

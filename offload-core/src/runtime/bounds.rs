@@ -227,7 +227,7 @@ pub fn memory_bounds(
 
 impl MemoryBounds {
     /// These bounds for a run whose device refused a pin (its own count): a
-    /// layerwise block whose pin was refused streams staged, through the
+    /// layerwise or planned block whose pin was refused streams staged, through the
     /// staging ring (CONTRACT §7c), which the bounds then declare.
     pub fn with_refused_pins(mut self) -> Self {
         if self.host_staging_bytes == 0 && self.staging_ring_bytes > 0 {
@@ -324,6 +324,11 @@ pub struct PlanBounds {
     /// footprint and the plan may stage different blocks; a staged master
     /// holds no pinned copy). 0 without one.
     pub host_staging_bytes: u64,
+    /// The staging ring a staged master streams through (two pinned
+    /// buffers of the largest block), whether or not declared above:
+    /// without a host budget a block stages only where the device refused
+    /// its pin, and the bounds then declare it.
+    pub staging_ring_bytes: u64,
     /// The host budget the plan was made within (a size, or what `"auto"`
     /// read at enable): the most pinned + registered bytes.
     pub host_budget_bytes: Option<u64>,
@@ -370,7 +375,7 @@ impl PlanBounds {
             padding_bytes: 0,
             coded_overhead_bytes: 0,
             host_staging_bytes: self.host_staging_bytes,
-            staging_ring_bytes: self.host_staging_bytes,
+            staging_ring_bytes: self.staging_ring_bytes,
             host_budget_bytes: self.host_budget_bytes,
         }
     }
@@ -463,12 +468,12 @@ pub fn plan_bounds(
         .chain(part.blocks.values())
         .map(|u| u.bytes)
         .sum();
-    let host_staging = if plan.host.is_some() {
-        crate::budget::host::HOST_STAGING_BUFFERS
-            * part.blocks.values().map(|u| u.bytes).max().unwrap_or(0)
-    } else {
-        0
-    };
+    // The ring a staged master streams through: declared under a host
+    // budget; without one only where the device refused a pin
+    // (`MemoryBounds::with_refused_pins`).
+    let ring = crate::budget::host::HOST_STAGING_BUFFERS
+        * part.blocks.values().map(|u| u.bytes).max().unwrap_or(0);
+    let host_staging = if plan.host.is_some() { ring } else { 0 };
     let staging = outside.iter().map(|u| u.bytes).max().unwrap_or(0) + host_staging;
     Ok(PlanBounds {
         phases,
@@ -476,6 +481,7 @@ pub fn plan_bounds(
         host_weight_bytes: managed_bytes + staging + coded_overhead,
         staging_bytes: staging,
         host_staging_bytes: host_staging,
+        staging_ring_bytes: ring,
         host_budget_bytes: plan.host.as_ref().map(|h| h.budget_bytes),
     })
 }

@@ -140,11 +140,15 @@ pub enum PlantedBug {
     /// upload buffer is alive: two upload buffers where the plan counts
     /// the larger.
     OutsideUploadBesideBuffer,
+    /// INV-8 (planned, CONTRACT §7c): a swapped held unit whose pin was
+    /// refused is brought in as a fresh device buffer, its staged upload
+    /// discarded, so its phase reads bytes nobody wrote.
+    StagedBringInSkipsCopy,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 41] = [
+    pub const ALL: [PlantedBug; 42] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -186,6 +190,7 @@ impl PlantedBug {
         PlantedBug::PlannedPinsStagedBlocks,
         PlantedBug::KeepPinsBesideRefused,
         PlantedBug::OutsideUploadBesideBuffer,
+        PlantedBug::StagedBringInSkipsCopy,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

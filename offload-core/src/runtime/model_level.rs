@@ -19,6 +19,7 @@ use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::backend::{Backend, DeviceLocation, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
+use crate::runtime::filler::StagingRing;
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
 use crate::runtime::shared::{
@@ -45,6 +46,10 @@ pub(crate) struct State<A: Api> {
     placement: Placement<A>,
     resident: Vec<Arc<A::DeviceBuffer>>,
     components: Vec<Component<A>>,
+    /// The pinned upload buffer a swapped held unit whose master is staged
+    /// (its pin refused, CONTRACT §7c) is brought in through at each of
+    /// its phases (a planned backend's; none otherwise).
+    upload: Option<StagingRing<A>>,
 }
 
 impl<A: Api> StrategyState<A> for State<A> {
@@ -66,11 +71,21 @@ impl<A: Api> StrategyState<A> for State<A> {
             .iter()
             .flat_map(|c| &c.units)
             .map(|(_, h)| h.len_bytes())
-            .sum()
+            .sum::<u64>()
+            + self.upload.as_ref().map_or(0, StagingRing::bytes)
     }
 }
 
 impl<A: Api> Shared<A, State<A>> {
+    /// The pinned bytes of the upload buffer staged held units are brought
+    /// in through (0 where none is held).
+    pub(crate) fn upload_bytes(&self) -> u64 {
+        self.lock()
+            .as_ref()
+            .and_then(|st| st.upload.as_ref())
+            .map_or(0, StagingRing::bytes)
+    }
+
     fn evict(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
         let comp = &mut st.components[c];
         let buffers = std::mem::take(&mut comp.on_device);
@@ -94,9 +109,34 @@ impl<A: Api> Shared<A, State<A>> {
     fn bring_in(&self, st: &mut State<A>, c: usize) -> Result<(), OffloadError> {
         let h = &self.handles;
         let comp = &mut st.components[c];
+        let upload = st.upload.as_ref();
         let mut buffers: Vec<Arc<A::DeviceBuffer>> = Vec::new();
         let mut copy_all = || -> Result<(), OffloadError> {
             for (unit, host) in &comp.units {
+                if matches!(**host, HostMaster::Staged(_)) {
+                    // Its pin was refused (CONTRACT §7c): from pageable
+                    // memory through the upload buffer, chunk by chunk (the
+                    // host waits for each chunk's copy, and for the last).
+                    let ring = upload.ok_or_else(|| OffloadError::Forward {
+                        module: unit.name.clone(),
+                        reason: "its host master is staged and no upload buffer is held to bring it in through".to_owned(),
+                    })?;
+                    let buffer = crate::runtime::layerwise::upload_staged(h, unit, ring)?;
+                    if self.bug(PlantedBug::StagedBringInSkipsCopy) {
+                        // Planted: the staged unit's fresh buffer, never
+                        // written, stands in for the uploaded one.
+                        let fresh = h.device.alloc_device(unit.bytes).map_err(|e| {
+                            dev_err(format!("alloc_device({} bytes)", unit.bytes), e)
+                        })?;
+                        // SAFETY: `upload_staged` synchronised the copy
+                        // stream: nothing uses `buffer` any more.
+                        let _ = unsafe { h.device.free_device(buffer, &[]) };
+                        buffers.push(Arc::new(fresh));
+                    } else {
+                        buffers.push(Arc::new(buffer));
+                    }
+                    continue;
+                }
                 let buffer = h.device.alloc_device(unit.bytes).map_err(|e| {
                     dev_err(
                         format!("alloc_device({} bytes) for `{}`", unit.bytes, unit.name),
@@ -406,7 +446,38 @@ pub(crate) fn release_state<A: Api>(
             }
         }
         h.free_all(st.resident, "resident unit", first);
+        if let Some(ring) = st.upload {
+            crate::runtime::layerwise::free_staging_ring(h, ring, true, first);
+        }
     })
+}
+
+/// Hands the phase state built into `shared` the upload buffer its staged
+/// swapped held units are brought in through (CONTRACT §7c), kept until
+/// the state is released; `Err(ring)` back where no state is built.
+pub(crate) fn keep_upload<A: Api>(
+    shared: &Shared<A, State<A>>,
+    ring: StagingRing<A>,
+) -> Result<(), StagingRing<A>> {
+    match shared.lock().as_mut() {
+        Some(st) => {
+            st.upload = Some(ring);
+            Ok(())
+        }
+        None => Err(ring),
+    }
+}
+
+/// The largest unit of `groups` whose master is staged (its pin refused),
+/// if any: its phase brings it in through an upload buffer held for the
+/// request.
+pub(crate) fn largest_staged_held(groups: &[Group<impl Api>]) -> Option<u64> {
+    groups
+        .iter()
+        .flat_map(|g| &g.units)
+        .filter(|(_, m)| matches!(**m, HostMaster::Staged(_)))
+        .map(|(u, _)| u.bytes)
+        .max()
 }
 
 /// One component's held set, swapped in for its phase by a planned
@@ -441,6 +512,7 @@ pub(crate) fn build_planned<A: Api>(
         placement: Placement::new(pipeline, OffloadStrategy::Planned),
         resident: Vec::new(),
         components: Vec::new(),
+        upload: None,
     };
     let none = BTreeSet::new();
     let build = |st: &mut State<A>| -> Result<(), OffloadError> {
@@ -526,6 +598,7 @@ impl<A: Api> OffloadBackend for ModelLevelBackend<A> {
             placement: Placement::new(&model.pipeline, OffloadStrategy::ModelLevel),
             resident: Vec::new(),
             components: Vec::new(),
+            upload: None,
         };
         if let Err(e) = self.build(model, &mut st) {
             let _ = self.release(st, true);

@@ -408,13 +408,11 @@ impl<A: Api> PlannedBackend<A> {
     ) -> Result<(), OffloadError> {
         let staged = self.staged_units(layout, choices);
         let coded = layout.coded_units(choices);
-        let held = held_modules(layout, choices);
+        let use_of = unit_uses(layout, choices);
         let mut tally = crate::runtime::layerwise::CodingTally::default();
         for unit in &Self::store_units(layout) {
-            let streams =
-                layout.partition.blocks.contains_key(&unit.module) && !held.contains(&unit.module);
             let want = (staged.contains(&unit.name), coded.contains(&unit.name));
-            let master = self.make_master(layout, unit, want, streams, &mut tally)?;
+            let master = self.make_master(layout, unit, want, use_of(unit), &mut tally)?;
             self.store.insert(unit.name.clone(), Arc::new(master));
         }
         if !tally.is_empty() {
@@ -529,9 +527,13 @@ impl<A: Api> PlannedBackend<A> {
         Ok(())
     }
 
-    /// A host master of `unit`: staged where `staged`, else pinned (or
-    /// registered in place without a host budget); a refused pin of a
-    /// streamed block (`streams`) under a host budget stages it.
+    /// A host master of `unit` (its use under the plan, `role`): staged
+    /// where `staged`, else pinned (or registered in place without a host
+    /// budget); a unit whose pin or registration the device refuses (not
+    /// a lost device) stages, with a warning naming it and the device's
+    /// error: a streamed block streams staged, a kept unit is uploaded
+    /// once from pageable memory, a swapped held unit is brought in from
+    /// pageable memory at each of its phases (CONTRACT §7c).
     /// Where `coded` (a streamed block the plan streams coded, CONTRACT
     /// §7b), its coded master ([`Self::coded_master_of`]: staged where
     /// `staged`; raw where the codec refuses it), recorded in
@@ -541,9 +543,10 @@ impl<A: Api> PlannedBackend<A> {
         layout: &Layout,
         unit: &Unit,
         (staged, coded): (bool, bool),
-        streams: bool,
+        role: UnitUse,
         tally: &mut crate::runtime::layerwise::CodingTally,
     ) -> Result<HostMaster<A>, OffloadError> {
+        let streams = role == UnitUse::Streams;
         self.store_coded.remove(&unit.name);
         if coded
             && let Some((master, meta)) = self
@@ -556,10 +559,16 @@ impl<A: Api> PlannedBackend<A> {
         let h = &self.phases.handles;
         let budget = self.host_limits.is_some();
         let stage = |why: budget::StageReason| {
-            if streams {
-                tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name);
-            } else {
-                tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` is kept on the device, uploaded once from pageable memory", unit.name);
+            match role {
+                UnitUse::Streams => {
+                    tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why})", unit.name)
+                }
+                UnitUse::Kept => {
+                    tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` is kept on the device, uploaded once from pageable memory", unit.name)
+                }
+                // Named where its phase state is built (`apply`): a re-plan
+                // may pin it again.
+                UnitUse::Swapped => {}
             }
             h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
                 bytes: unit.bytes,
@@ -571,9 +580,14 @@ impl<A: Api> PlannedBackend<A> {
         }
         match h.master_within(unit, &BTreeSet::new(), !budget) {
             Err(OffloadError::DeviceOp { kind, cause, .. })
-                if budget && streams && kind != DeviceErrorKind::DeviceLost =>
+                if kind != DeviceErrorKind::DeviceLost =>
             {
-                tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); it streams staged", unit.name);
+                let then = match role {
+                    UnitUse::Streams => "it streams staged",
+                    UnitUse::Kept => "it is uploaded once from pageable memory",
+                    UnitUse::Swapped => "its phase brings it in from pageable memory each time",
+                };
+                tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); {then}", unit.name);
                 Ok(stage(budget::StageReason::Refused))
             }
             other => other,
@@ -905,7 +919,7 @@ impl<A: Api> PlannedBackend<A> {
     ) -> Result<(), OffloadError> {
         let staged = self.staged_units(layout, choices);
         let coded = layout.coded_units(choices);
-        let held = held_modules(layout, choices);
+        let use_of = unit_uses(layout, choices);
         let mut changed = false;
         let mut tally = crate::runtime::layerwise::CodingTally::default();
         let units = Self::store_units(layout);
@@ -941,9 +955,7 @@ impl<A: Api> PlannedBackend<A> {
                         std::mem::forget(m);
                     }
                 }
-                let streams = layout.partition.blocks.contains_key(&unit.module)
-                    && !held.contains(&unit.module);
-                let master = self.make_master(layout, unit, want, streams, &mut tally)?;
+                let master = self.make_master(layout, unit, want, use_of(unit), &mut tally)?;
                 self.store.insert(unit.name.clone(), Arc::new(master));
             }
         }
@@ -1080,7 +1092,11 @@ impl<A: Api> PlannedBackend<A> {
         // Kept sets whose masters are staged (a host budget) upload through
         // one pinned buffer made for them, in chunks, freed once they are
         // done.
+        // Swapped held units whose pin was refused are brought in through
+        // it at each phase: then it is held for the request (within the
+        // plan's upload buffer, never beside a second one).
         let h = &self.phases.handles;
+        let held_staged = model_level::largest_staged_held(&groups);
         let largest_staged = resident
             .iter()
             .filter(|(_, m)| {
@@ -1088,7 +1104,15 @@ impl<A: Api> PlannedBackend<A> {
                     .is_some_and(|m| matches!(**m, HostMaster::Staged(_)))
             })
             .map(|(u, _)| u.bytes)
+            .chain(held_staged)
             .max();
+        for (u, _) in groups
+            .iter()
+            .flat_map(|g| &g.units)
+            .filter(|(_, m)| matches!(**m, HostMaster::Staged(_)))
+        {
+            tracing::info!(unit = %u.name, bytes = u.bytes, "`{}` is brought in from pageable memory at each of its phases, through a pinned upload buffer (its pin was refused)", u.name);
+        }
         let upload_ring = match largest_staged {
             Some(bytes) => Some(crate::runtime::layerwise::staging_ring(
                 h,
@@ -1118,6 +1142,12 @@ impl<A: Api> PlannedBackend<A> {
             self.host_limits.is_none(),
             &upload,
         );
+        let upload_ring = match upload_ring {
+            Some(ring) if built.is_ok() && held_staged.is_some() => {
+                model_level::keep_upload(&self.phases, ring).err()
+            }
+            other => other,
+        };
         if let Some(ring) = upload_ring {
             let mut first = None;
             crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
@@ -1426,6 +1456,52 @@ impl<A: Api> PlannedBackend<A> {
     fn drop_blobs(&mut self) {
         for f in self.coded_forms.values_mut() {
             f.blob = None;
+        }
+    }
+}
+
+/// What a unit of the store is under a plan: a streamed block, or a held
+/// unit (its component's rest or a resident block) of a kept component
+/// (uploaded once) or of a swapped one (brought in at each of its
+/// phases).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum UnitUse {
+    Streams,
+    Kept,
+    Swapped,
+}
+
+/// Each store unit's [`UnitUse`] under `choices`.
+fn unit_uses(layout: &Layout, choices: &[ComponentChoice]) -> impl Fn(&Unit) -> UnitUse {
+    let held = held_modules(layout, choices);
+    let kept_paths: BTreeSet<&str> = choices
+        .iter()
+        .filter(|c| c.kept)
+        .map(|c| c.path.as_str())
+        .collect();
+    let mut kept: BTreeSet<ModuleId> = layout
+        .components
+        .iter()
+        .filter(|(path, _, _)| kept_paths.contains(path.as_str()))
+        .map(|(_, module, _)| *module)
+        .collect();
+    kept.extend(
+        layout
+            .resolved
+            .stacks
+            .iter()
+            .filter(|s| kept_paths.contains(s.owner.as_str()))
+            .flat_map(|s| &s.blocks)
+            .map(|b| b.module),
+    );
+    let blocks: BTreeSet<ModuleId> = layout.partition.blocks.keys().copied().collect();
+    move |unit: &Unit| {
+        if blocks.contains(&unit.module) && !held.contains(&unit.module) {
+            UnitUse::Streams
+        } else if kept.contains(&unit.module) {
+            UnitUse::Kept
+        } else {
+            UnitUse::Swapped
         }
     }
 }
@@ -1777,8 +1853,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         };
         // Given inputs planned before the masters existed: plan again if
         // the mappings measured now differ from what they assumed.
+        let mut replanned = false;
         let (choices, plan, inputs) = match (plan, inputs) {
             (Some(_), Some(mut inp)) if inp.mapping_bytes != self.mapping_bytes => {
+                replanned = true;
                 inp.mapping_bytes = self.mapping_bytes;
                 match budget::plan_within(
                     &model.pipeline,
@@ -1801,7 +1879,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             }
             (plan, inputs) => (choices, plan, inputs),
         };
-        if let Err(e) = self.reconcile_store(&choices) {
+        // The store was just built for these choices: only a re-plan
+        // moves it (asking again at once for the pins just refused would
+        // only be refused again, or take a pin a staged unit gave up).
+        if replanned && let Err(e) = self.reconcile_store(&choices) {
             let _ = self.release_all(None, true);
             return Err(e);
         }
@@ -1864,7 +1945,9 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
     }
 
     fn host_weight_bytes(&self) -> u64 {
-        self.store.values().map(|m| m.len_bytes()).sum::<u64>() + self.ring.host_staging_bytes()
+        self.store.values().map(|m| m.len_bytes()).sum::<u64>()
+            + self.ring.host_staging_bytes()
+            + self.phases.upload_bytes()
     }
 
     fn host_masters(&self) -> crate::runtime::backend::HostMasters {
