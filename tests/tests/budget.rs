@@ -970,8 +970,8 @@ fn a_planned_enable_that_fails_anywhere_leaves_nothing() {
         }
     }
     assert!(
-        succeeded >= 1,
-        "no enable succeeded past the last allocation"
+        succeeded > 1,
+        "no master's refused pin staged: {succeeded} enables succeeded (the fault past the last allocation one of them)"
     );
     assert!(
         failed > 10,

@@ -510,6 +510,54 @@ fn lossless_beside_a_host_budget_stages_coded_blocks_within_it() {
     );
 }
 
+/// Without a host budget, every pin request of a lossless run refused in
+/// turn: each run completes bit-identical to resident with no rule broken
+/// (INV-7 declaring the staging ring a refused pin needs), the refused
+/// unit staged, whatever it is: a coded block streams staged, coded (named
+/// in the log), a raw unit stages as without coding (CONTRACT §7c). Seen
+/// red (the review of 2026-12-05) with a refused coded pin staged only
+/// under a host budget: `enable` failed on the coded transformer blocks'
+/// pins.
+#[test]
+fn refused_pins_without_a_host_budget_stage_coded_blocks() {
+    let want = resident();
+    let total = workload().preset.weight_bytes();
+    let first = run_planned(total, WeightCompression::Lossless, &opts(&[], None));
+    let given = RunOptions {
+        planner: Some(estimated(&first)),
+        ..opts(&[], None)
+    };
+    let config = config(middle(), WeightCompression::Lossless);
+    let clean = run(&workload(), &StrategyChoice::Config(config.clone()), &given)
+        .unwrap_or_else(|f| panic!("clean: {}", f.error));
+    let mut coded = 0;
+    for n in 1..=clean.at_end.pin_requests {
+        let refusing = RunOptions {
+            faults: offload_sim::faults::FaultPlan {
+                refuse_pins: Some((n, n)),
+                ..offload_sim::faults::FaultPlan::none()
+            },
+            ..given.clone()
+        };
+        let (o, log) = offload_tests::capture_logs(|| {
+            run(
+                &workload(),
+                &StrategyChoice::Config(config.clone()),
+                &refusing,
+            )
+        });
+        let o = o.unwrap_or_else(|f| panic!("refusing pin {n}: {}", f.error));
+        assert_eq!(outputs(&o), want, "refusing pin {n}");
+        assert_eq!(all_violations(&o), vec![], "refusing pin {n}");
+        assert_eq!(o.at_end.pins_refused, 1, "refusing pin {n}");
+        assert!(log.contains("was refused"), "refusing pin {n}: {log}");
+        if log.contains("pinning the coded `") {
+            coded += 1;
+        }
+    }
+    assert!(coded > 0, "some refused pin was a coded block's");
+}
+
 /// Runs `given` under `config` (host budget `host`) once per pin request in `nth`, that request
 /// refused: each run fails typed (the refusal named, not the host budget)
 /// or completes equal to `want`, with no violation and within `host`.

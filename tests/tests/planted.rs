@@ -439,6 +439,73 @@ fn a_failed_drain_leaves_no_staging_fill_thread_behind() {
     );
     assert!(rig.device.check_released() > 0, "the memory is leaked");
     assert_eq!(offload_core::runtime::staging_fill_threads_alive(), 0);
+
+    // The planned backend's upload buffer, which a swapped held unit whose
+    // pin was refused is brought in through (CONTRACT §7c), the same way:
+    // no host budget, pins refused until a held unit stages, then the
+    // device lost. Seen red (the review of 2026-12-05) with the buffer's
+    // fill thread left running into the failed drain: one thread alive
+    // after every such disable.
+    let w = Workload {
+        tokens: offload_sim::presets::tiny_outside().default_tokens,
+        preset: offload_sim::presets::tiny_outside(),
+        steps: 3,
+        requests: 1,
+    };
+    let inputs = offload_sim::plan::estimated_inputs(&w.preset, &o.profile, w.tokens, 3);
+    let least = match offload_core::budget::plan_within(
+        &w.preset.pipeline,
+        &offload_tests::budget::budget_config(1),
+        &inputs,
+        offload_core::budget::DeviceMemory::of(u64::MAX / 4),
+        None,
+    ) {
+        Err(offload_core::budget::BudgetError::DoesNotFit { minimum, .. }) => minimum,
+        other => panic!("{other:?}"),
+    };
+    let total = w.preset.weight_bytes();
+    let mut staged_held = 0;
+    for k in 1..=3u64 {
+        let config = StrategyChoice::Config(offload_tests::budget::budget_config(
+            least + (total - least) * k / 4,
+        ));
+        for n in 1..=12u64 {
+            let refusing = RunOptions {
+                planner: Some(inputs.clone()),
+                faults: FaultPlan {
+                    refuse_pins: Some((n, n)),
+                    ..FaultPlan::none()
+                },
+                ..o.clone()
+            };
+            let mut rig = Rig::new(w.preset.pipeline.clone(), &refusing).unwrap();
+            let backend = rig.backend(&config).unwrap();
+            let (enabled, log) = offload_tests::capture_logs(|| {
+                rig.runtime.enable(backend).map_err(|(e, _)| e.to_string())
+            });
+            enabled.unwrap_or_else(|e| panic!("device budget {k}/4, pin {n} refused: {e}"));
+            if !log.contains("is brought in from pageable memory at each of its phases") {
+                rig.runtime.disable().unwrap();
+                continue;
+            }
+            staged_held += 1;
+            rig.request(&w).unwrap();
+            rig.device.lose();
+            assert!(
+                rig.runtime.disable().is_err(),
+                "the drain was planned to fail"
+            );
+            assert_eq!(
+                offload_core::runtime::staging_fill_threads_alive(),
+                0,
+                "device budget {k}/4, pin {n} refused: the upload buffer's fill thread outlived a failed drain"
+            );
+        }
+    }
+    assert!(
+        staged_held > 0,
+        "some refused pin staged a swapped held unit"
+    );
 }
 
 /// INV-2 read from the device's host allocations: each offloaded storage's

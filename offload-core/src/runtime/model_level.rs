@@ -125,12 +125,13 @@ impl<A: Api> Shared<A, State<A>> {
                     if self.bug(PlantedBug::StagedBringInSkipsCopy) {
                         // Planted: the staged unit's fresh buffer, never
                         // written, stands in for the uploaded one.
-                        let fresh = h.device.alloc_device(unit.bytes).map_err(|e| {
-                            dev_err(format!("alloc_device({} bytes)", unit.bytes), e)
-                        })?;
+                        let fresh = h.device.alloc_device(unit.bytes);
                         // SAFETY: `upload_staged` synchronised the copy
                         // stream: nothing uses `buffer` any more.
                         let _ = unsafe { h.device.free_device(buffer, &[]) };
+                        let fresh = fresh.map_err(|e| {
+                            dev_err(format!("alloc_device({} bytes)", unit.bytes), e)
+                        })?;
                         buffers.push(Arc::new(fresh));
                     } else {
                         buffers.push(Arc::new(buffer));
@@ -420,10 +421,15 @@ impl<A: Api> ModelLevelBackend<A> {
 pub(crate) fn release_state<A: Api>(
     shared: &Shared<A, State<A>>,
     what: &str,
-    st: State<A>,
+    mut st: State<A>,
     drain: bool,
 ) -> Result<(), OffloadError> {
     let h = &shared.handles;
+    // The upload buffer's fill thread first, as layerwise stops its ring's:
+    // a drain that fails leaks the state, and would leave it parked there.
+    if let Some(ring) = st.upload.as_mut() {
+        ring.stop();
+    }
     h.release(what, st, drain, |st, first| {
         // Placement holds references to the buffers: drop it first.
         drop(st.placement);

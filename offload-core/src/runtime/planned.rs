@@ -667,7 +667,7 @@ impl<A: Api> PlannedBackend<A> {
             CodedMaster::PinRefused {
                 coded,
                 error: OffloadError::DeviceOp { kind, cause, .. },
-            } if budget && streams && kind != DeviceErrorKind::DeviceLost => {
+            } if streams && kind != DeviceErrorKind::DeviceLost => {
                 tracing::warn!(unit = %unit.name, "pinning the coded `{}` was refused ({cause}); it streams staged", unit.name);
                 Ok(Some((
                     staged_coded(coded, budget::StageReason::Refused),
