@@ -170,9 +170,41 @@ impl io::Write for Sink {
     }
 }
 
+/// The process-wide default where no test installs its own: records
+/// nothing, but never lets a callsite's interest be cached as "never". A
+/// thread without a subscriber of its own (another test, a fill thread)
+/// that hits a callsite first would otherwise disable it for every thread,
+/// and a test capturing logs beside it would miss its events.
+struct Quiet;
+
+impl tracing::Subscriber for Quiet {
+    fn register_callsite(
+        &self,
+        _: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        tracing::subscriber::Interest::sometimes()
+    }
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        false
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {}
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 /// Runs `f` with a subscriber that records every event at `info` and
 /// above; returns `f`'s result and the log text.
 pub fn capture_logs<T>(f: impl FnOnce() -> T) -> (T, String) {
+    static QUIET: std::sync::Once = std::sync::Once::new();
+    // A binary that installed its own default keeps it.
+    QUIET.call_once(|| {
+        let _ = tracing::subscriber::set_global_default(Quiet);
+    });
     let sink = Sink::default();
     let writer = sink.clone();
     let subscriber = tracing_subscriber::fmt()

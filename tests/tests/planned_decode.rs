@@ -532,20 +532,7 @@ fn refused_pins_without_a_host_budget_stage_coded_blocks() {
         .unwrap_or_else(|f| panic!("clean: {}", f.error));
     let mut coded = 0;
     for n in 1..=clean.at_end.pin_requests {
-        let refusing = RunOptions {
-            faults: offload_sim::faults::FaultPlan {
-                refuse_pins: Some((n, n)),
-                ..offload_sim::faults::FaultPlan::none()
-            },
-            ..given.clone()
-        };
-        let (o, log) = offload_tests::capture_logs(|| {
-            run(
-                &workload(),
-                &StrategyChoice::Config(config.clone()),
-                &refusing,
-            )
-        });
+        let (o, log) = run_refusing_pin(&given, &config, n);
         let o = o.unwrap_or_else(|f| panic!("refusing pin {n}: {}", f.error));
         assert_eq!(outputs(&o), want, "refusing pin {n}");
         assert_eq!(all_violations(&o), vec![], "refusing pin {n}");
@@ -556,6 +543,29 @@ fn refused_pins_without_a_host_budget_stage_coded_blocks() {
         }
     }
     assert!(coded > 0, "some refused pin was a coded block's");
+}
+
+/// One run of `given` under `config` with pin request `n` refused, and
+/// its log.
+fn run_refusing_pin(
+    given: &RunOptions,
+    config: &OffloadConfig,
+    n: u64,
+) -> (Result<RunOutcome, offload_sim::harness::RunFailure>, String) {
+    let refusing = RunOptions {
+        faults: offload_sim::faults::FaultPlan {
+            refuse_pins: Some((n, n)),
+            ..offload_sim::faults::FaultPlan::none()
+        },
+        ..given.clone()
+    };
+    offload_tests::capture_logs(|| {
+        run(
+            &workload(),
+            &StrategyChoice::Config(config.clone()),
+            &refusing,
+        )
+    })
 }
 
 /// Runs `given` under `config` (host budget `host`) once per pin request in `nth`, that request
@@ -571,20 +581,7 @@ fn refusing_pins(
 ) -> usize {
     let mut completed = 0;
     for &n in nth {
-        let refusing = RunOptions {
-            faults: offload_sim::faults::FaultPlan {
-                refuse_pins: Some((n, n)),
-                ..offload_sim::faults::FaultPlan::none()
-            },
-            ..given.clone()
-        };
-        let (o, log) = offload_tests::capture_logs(|| {
-            run(
-                &workload(),
-                &StrategyChoice::Config(config.clone()),
-                &refusing,
-            )
-        });
+        let (o, log) = run_refusing_pin(given, config, n);
         let o = match o {
             Ok(o) => o,
             Err(f) => {
