@@ -925,30 +925,23 @@ fn a_planned_enable_that_fails_anywhere_leaves_nothing() {
         };
         let mut rig = Rig::new(w.preset.pipeline.clone(), &faulty).unwrap();
         rig.serve_workload(&w);
-        let before = rig.device.stats();
-        let left = |rig: &Rig| {
-            let after = rig.device.stats();
+        // What the device holds: pinned, registered, weights, activations.
+        let held = |rig: &Rig| {
+            let s = rig.device.stats();
             (
-                (
-                    after.pinned_bytes,
-                    after.registered_bytes,
-                    after.device_bytes,
-                    after.activation_bytes,
-                ),
-                (
-                    before.pinned_bytes,
-                    before.registered_bytes,
-                    before.device_bytes,
-                    before.activation_bytes,
-                ),
+                s.pinned_bytes,
+                s.registered_bytes,
+                s.device_bytes,
+                s.activation_bytes,
             )
         };
+        let before = held(&rig);
         match rig.runtime.enable_selected(&config, &rig.platform) {
             Ok(_) => {
                 rig.runtime.disable().unwrap();
-                let (after, before) = left(&rig);
                 assert_eq!(
-                    after, before,
+                    held(&rig),
+                    before,
                     "allocation {n} refused, then disabled: something was left behind"
                 );
                 succeeded += 1;
@@ -957,9 +950,9 @@ fn a_planned_enable_that_fails_anywhere_leaves_nothing() {
                 failed += 1;
                 let text = e.to_string();
                 assert!(text.contains("injected failure"), "allocation {n}: {text}");
-                let (after, before) = left(&rig);
                 assert_eq!(
-                    after, before,
+                    held(&rig),
+                    before,
                     "allocation {n} failed ({text}): something was left behind"
                 );
                 assert!(

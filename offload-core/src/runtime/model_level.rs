@@ -474,18 +474,6 @@ pub(crate) fn keep_upload<A: Api>(
     }
 }
 
-/// The largest unit of `groups` whose master is staged (its pin refused),
-/// if any: its phase brings it in through an upload buffer held for the
-/// request.
-pub(crate) fn largest_staged_held(groups: &[Group<impl Api>]) -> Option<u64> {
-    groups
-        .iter()
-        .flat_map(|g| &g.units)
-        .filter(|(_, m)| matches!(**m, HostMaster::Staged(_)))
-        .map(|(u, _)| u.bytes)
-        .max()
-}
-
 /// One component's held set, swapped in for its phase by a planned
 /// backend: its units and their (shared) host masters.
 pub(crate) struct Group<A: Api> {

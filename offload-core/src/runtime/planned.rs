@@ -1096,7 +1096,15 @@ impl<A: Api> PlannedBackend<A> {
         // it at each phase: then it is held for the request (within the
         // plan's upload buffer, never beside a second one).
         let h = &self.phases.handles;
-        let held_staged = model_level::largest_staged_held(&groups);
+        let mut held_staged = None;
+        for (u, _) in groups
+            .iter()
+            .flat_map(|g| &g.units)
+            .filter(|(_, m)| matches!(**m, HostMaster::Staged(_)))
+        {
+            tracing::info!(unit = %u.name, bytes = u.bytes, "`{}` is brought in from pageable memory at each of its phases, through a pinned upload buffer (its pin was refused)", u.name);
+            held_staged = held_staged.max(Some(u.bytes));
+        }
         let largest_staged = resident
             .iter()
             .filter(|(_, m)| {
@@ -1106,13 +1114,6 @@ impl<A: Api> PlannedBackend<A> {
             .map(|(u, _)| u.bytes)
             .chain(held_staged)
             .max();
-        for (u, _) in groups
-            .iter()
-            .flat_map(|g| &g.units)
-            .filter(|(_, m)| matches!(**m, HostMaster::Staged(_)))
-        {
-            tracing::info!(unit = %u.name, bytes = u.bytes, "`{}` is brought in from pageable memory at each of its phases, through a pinned upload buffer (its pin was refused)", u.name);
-        }
         let upload_ring = match largest_staged {
             Some(bytes) => Some(crate::runtime::layerwise::staging_ring(
                 h,
