@@ -856,11 +856,11 @@ impl Selection {
     }
 
     /// Refuses unpinned host masters where the strategy has no staging
-    /// transport (model level, distributed layerwise, a device budget):
-    /// a pageable host→device copy runs at 6–8 GB/s against 55 GB/s pinned
-    /// on the lent H200 (8× slower), and would stage through the driver.
-    /// Layerwise offload stages them itself (CONTRACT §7c) and never calls
-    /// this.
+    /// transport (distributed layerwise: its shards are gathered from
+    /// pinned masters): a pageable host→device copy runs at 6–8 GB/s
+    /// against 55 GB/s pinned on the lent H200 (8× slower), and would stage
+    /// through the driver. Layerwise, model-level and planned offload stage
+    /// them themselves (CONTRACT §7c) and never call this.
     pub fn require_pinned(&self) -> Result<(), ConfigError> {
         if self.pin_memory {
             return Ok(());
@@ -873,7 +873,7 @@ impl Selection {
             key,
             false,
             format!(
-                "true with {}: its host masters are pinned once at enable; false (every master staged through pinned staging buffers) with layerwise offload only",
+                "true with {}: its host masters are pinned once at enable; false (every master staged through pinned staging buffers) with layerwise offload, model-level offload (enable_cpu_offload) or a device_budget only",
                 self.strategy
             ),
         ))

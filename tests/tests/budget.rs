@@ -1470,3 +1470,101 @@ fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
     let b = plan(&p, &budget_config(device), &inp, big()).unwrap();
     assert_eq!(a.predicted_request_s, b.predicted_request_s);
 }
+
+/// `pin_cpu_memory = false` under a device budget (CONTRACT §7c): the plan
+/// pins no master (no held set, no streamed block; every streamed block
+/// staged) with or without a host budget, and prices it: without the
+/// host's fill rate exactly as a pinned plan (every staged copy at the
+/// link), with a slow host each staged fill and each swapped held set's
+/// bring-in (the upload buffer's fills, which its copies wait for) cost
+/// their time, so the request is slower than pinned by at least the
+/// swapped sets' fills. Its prediction is its own evaluator's.
+#[test]
+fn unpinned_masters_are_planned_staged_and_priced_at_the_hosts_fill_rate() {
+    let p = pipeline((10, 300, 10, 200, 4096), (4, 150), 300_000, 0);
+    let link = 1e9;
+    let base = inputs(&p, link, 4, &[2e-4, 1e-4], &[50_000]);
+    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
+    let mut swapped_seen = 0;
+    for device in [total / 3, total / 2, 3 * total / 4] {
+        let pinned = budget_config(device);
+        let unpinned = OffloadConfig {
+            pin_cpu_memory: Some(false),
+            ..budget_config(device)
+        };
+        let at = |config: &OffloadConfig, rate: Option<f64>| {
+            let inp = PlannerInputs {
+                host_fill_bytes_per_s: rate,
+                ..base.clone()
+            };
+            let plan = plan(&p, config, &inp, big())
+                .unwrap_or_else(|e| panic!("device {device}, rate {rate:?}: {e}"));
+            let own = Evaluator::new(&p, config, &inp)
+                .unwrap()
+                .evaluate(&plan.choices())
+                .unwrap()
+                .request_s;
+            assert!(
+                (own - plan.predicted_request_s).abs() <= 1e-9 * own,
+                "device {device}, rate {rate:?}: predicted {} against its evaluator's {own}",
+                plan.predicted_request_s
+            );
+            plan
+        };
+        // Unpriced: the same plan and time as pinned, its side all staged.
+        let (a, b) = (at(&pinned, None), at(&unpinned, None));
+        assert!(a.host.is_none(), "{a}");
+        assert_eq!(a.choices(), b.choices(), "device {device}\n{a}\n{b}");
+        assert_eq!(a.predicted_request_s, b.predicted_request_s);
+        let side = b.host.as_ref().expect("unpinned: a host side");
+        let streamed: usize = b.components.iter().map(|c| c.streamed_blocks).sum();
+        assert!(streamed > 0, "{b}");
+        assert_eq!(side.staged_blocks.len(), streamed, "{side}");
+        assert_eq!(side.held_bytes + side.pinned_streamed_bytes, 0, "{side}");
+        assert!(side.peak_bytes <= side.budget_bytes, "{side}");
+        // A host filling at a quarter of the link.
+        let rate = link / 4.0;
+        let (a, b) = (at(&pinned, Some(rate)), at(&unpinned, Some(rate)));
+        assert!(
+            b.predicted_request_s > a.predicted_request_s,
+            "device {device}: unpinned {} against pinned {}",
+            b.predicted_request_s,
+            a.predicted_request_s
+        );
+        // Each swapped held set's bring-in waits for its fills.
+        for c in b.components.iter().filter(|c| !c.kept && c.held_bytes > 0) {
+            swapped_seen += 1;
+            let pinned_same = Evaluator::new(&p, &pinned, &base)
+                .unwrap()
+                .evaluate(&b.choices())
+                .unwrap();
+            let unpinned_same = Evaluator::new(&p, &unpinned, &base)
+                .unwrap()
+                .evaluate(&b.choices())
+                .unwrap();
+            let phase = |e: &offload_core::budget::Evaluation| {
+                e.phases.iter().find(|x| x.path == c.path).unwrap().time_s
+            };
+            // (Unpriced inputs: the same time; the fills are the rate's.)
+            assert_eq!(phase(&pinned_same), phase(&unpinned_same));
+            let inp = PlannerInputs {
+                host_fill_bytes_per_s: Some(rate),
+                ..base.clone()
+            };
+            let slow = Evaluator::new(&p, &unpinned, &inp)
+                .unwrap()
+                .evaluate(&b.choices())
+                .unwrap();
+            let fills = c.held_bytes as f64 / rate;
+            assert!(
+                phase(&slow) >= phase(&pinned_same) + fills * (1.0 - 1e-9),
+                "`{}`: {} against {} + fills {fills}",
+                c.path,
+                phase(&slow),
+                phase(&pinned_same)
+            );
+            assert!(c.reason.contains("from pageable memory"), "{}", c.reason);
+        }
+    }
+    assert!(swapped_seen >= 1, "a swapped held set is priced");
+}

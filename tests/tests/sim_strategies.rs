@@ -175,32 +175,36 @@ fn forward_errors_name_their_module_once() {
 }
 
 /// `pin_cpu_memory = false` (or the compact `pin_memory = false`) means
-/// "stage every master" for layerwise offload (CONTRACT §7c) and is refused,
-/// with where it works, by every backend that has no staging transport;
-/// without offload it changes nothing.
+/// "stage every master" for layerwise, model-level and planned offload
+/// (CONTRACT §7c) and is refused, with where it works, by distributed
+/// layerwise, which has no staging transport; without offload it changes
+/// nothing.
 #[test]
-fn unpinned_host_masters_stage_in_layerwise_and_are_refused_elsewhere() {
+fn unpinned_host_masters_stage_where_a_staging_transport_is_and_are_refused_elsewhere() {
     use offload_core::{OffloadConfig, get_offload_backend};
     use offload_sim::harness::Rig;
     let rig = Rig::new(tiny().pipeline, &RunOptions::new(DeviceProfile::h200())).unwrap();
     for text in [
         r#"{"enable_layerwise_offload": true, "pin_cpu_memory": false}"#,
         r#"{"diffusion_offload_config": {"mode": "layer", "components": ["dit"], "pin_memory": false}}"#,
+        r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#,
+        r#"{"device_budget": "1GiB", "pin_cpu_memory": false}"#,
     ] {
         let config = OffloadConfig::from_json_str(text).unwrap();
         assert!(
             get_offload_backend(&config, &rig.platform).is_ok(),
-            "{text}: layerwise stages unpinned masters"
+            "{text}: its masters are staged"
         );
     }
-    let text = r#"{"enable_cpu_offload": true, "pin_cpu_memory": false}"#;
+    let text = r#"{"enable_distributed_layerwise_offload": true, "pin_cpu_memory": false}"#;
     let config = OffloadConfig::from_json_str(text).unwrap();
     let e = get_offload_backend(&config, &rig.platform)
         .map(|_| ())
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("`pin_cpu_memory` = false") && e.contains("with layerwise offload only"),
+        e.contains("`pin_cpu_memory` = false")
+            && e.contains("with layerwise offload, model-level offload (enable_cpu_offload) or a device_budget only"),
         "{text}: {e}"
     );
     let config = OffloadConfig::from_json_str(r#"{"pin_cpu_memory": false}"#).unwrap();

@@ -1365,3 +1365,265 @@ fn refused_pins_release_staged_pages_under_a_planned_host_budget() {
     );
     assert!(refusing >= 2, "refusing runs that staged: {refusing}");
 }
+
+/// `budgets(device, host)` with `pin_cpu_memory = false`.
+fn unpinned(device: u64, host: Option<u64>) -> OffloadConfig {
+    OffloadConfig {
+        pin_cpu_memory: Some(false),
+        ..budgets(device, host)
+    }
+}
+
+/// `pin_cpu_memory = false` under a device budget (CONTRACT §7c) stages
+/// every master, with or without a host budget: from the least device
+/// budget to every weight, through the warm-up and from saved
+/// measurements, each run is bit-identical to resident with no checker
+/// violation; the plan's host side pins no master (no held set, no
+/// streamed block) and stages every streamed block; the device registers
+/// nothing and pins at most the staging ring and the upload buffer (the
+/// plan's own peak where no warm-up ran, INV-7's host bound); the log
+/// names each staged block and each swapped held unit brought in from
+/// pageable memory. A host budget below the ring and the buffer fails
+/// typed. Planted: the staged bring-in skipped (outputs differ) and the
+/// store pinning what the plan stages (INV-7) are each caught.
+#[test]
+fn unpinned_masters_under_a_device_budget_stage_every_unit() {
+    let (w, opts, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
+    let least_device = least_device(&w, &inputs);
+    let total = w.preset.weight_bytes();
+    let (mut swapped_seen, mut streamed_seen, mut runs) = (0, 0, 0);
+    let mut swapped_budgets = Vec::new();
+    for k in 0..=4u64 {
+        let device = least_device + (total + 100_000 - least_device) * k / 4;
+        for host in [None, Some(total / 2)] {
+            for given in [None, Some(inputs.clone())] {
+                let from = if given.is_some() { "saved" } else { "warm-up" };
+                let run_opts = RunOptions {
+                    planner: given.clone(),
+                    ..opts.clone()
+                };
+                let (o, log) = capture_logs(|| {
+                    run(
+                        &w,
+                        &StrategyChoice::Config(unpinned(device, host)),
+                        &run_opts,
+                    )
+                });
+                let o = o.unwrap_or_else(|f| {
+                    panic!("device {device}, host {host:?}, {from}: {}", f.error)
+                });
+                runs += 1;
+                let plan = o.plan.as_ref().expect("a planned run has its plan");
+                let side = plan
+                    .host
+                    .as_ref()
+                    .expect("unpinned: a host side is planned");
+                let at = format!("device {device}, host {host:?}, {from}\n{plan}");
+                assert_eq!(outputs(&o), want, "{at}");
+                assert!(
+                    all_violations(&o).is_empty(),
+                    "{at}: {:#?}",
+                    all_violations(&o)
+                );
+                assert_eq!(offload_sim::job::phase_violations(&o), None, "{at}");
+                assert_eq!(side.held_bytes + side.pinned_streamed_bytes, 0, "{at}");
+                let streamed: usize = plan.components.iter().map(|c| c.streamed_blocks).sum();
+                assert_eq!(side.staged_blocks.len(), streamed, "{at}");
+                assert_eq!(
+                    o.at_end.registered_peak_bytes, 0,
+                    "{at}: nothing registered"
+                );
+                assert_eq!(
+                    o.bounds.host_budget_bytes,
+                    Some(side.budget_bytes),
+                    "{at}: INV-7 checks the host side's bound"
+                );
+                if given.is_some() {
+                    assert!(
+                        host_peak(&o) <= side.peak_bytes,
+                        "{at}: pinned {} beyond the ring and the buffer",
+                        host_peak(&o)
+                    );
+                }
+                if let Some(host) = host {
+                    assert!(host_peak(&o) <= host, "{at}");
+                    assert_eq!(side.budget_bytes, host, "{at}");
+                } else {
+                    assert!(side.peak_bytes <= side.budget_bytes, "{at}");
+                    assert!(host_peak(&o) <= side.budget_bytes, "{at}");
+                }
+                for b in &side.staged_blocks {
+                    streamed_seen += 1;
+                    assert!(
+                        log.contains(&format!("{b}` streams staged (pin_cpu_memory = false)")),
+                        "{at}: the log names staged `{b}`: {log}"
+                    );
+                }
+                if plan.components.iter().any(|c| !c.kept && c.held_bytes > 0) {
+                    swapped_seen += 1;
+                    assert!(
+                        log.contains("through a pinned upload buffer (pin_cpu_memory = false)"),
+                        "{at}: a swapped held unit named: {log}"
+                    );
+                    if given.is_some() {
+                        swapped_budgets.push((device, host));
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "COUNTS runs {runs} streamed {streamed_seen} swapped {swapped_seen} budgets {swapped_budgets:?}"
+    );
+    assert!(
+        runs == 20 && streamed_seen >= 10 && swapped_seen >= 2,
+        "runs {runs}, staged blocks named {streamed_seen}, swapped held sets {swapped_seen}"
+    );
+
+    // A host budget below what the ring and the buffer page-lock: typed.
+    let device = least_device + (total - least_device) / 2;
+    let e = plan_within(
+        &w.preset.pipeline,
+        &unpinned(device, Some(1)),
+        &inputs,
+        DeviceMemory::of(u64::MAX / 4),
+        Some(limits(1)),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, BudgetError::HostDoesNotFit { held: 0, .. }),
+        "{e:?}"
+    );
+
+    // Planted: each caught where a swapped held set is staged, and the
+    // store pinning the staged masters over the host side's bound.
+    let (mut skipped, mut pinned) = (0, 0);
+    for &(device, host) in &swapped_budgets {
+        let planted = |bug| RunOptions {
+            bugs: vec![bug],
+            planner: Some(inputs.clone()),
+            ..opts.clone()
+        };
+        let config = StrategyChoice::Config(unpinned(device, host));
+        let o = run(&w, &config, &planted(PlantedBug::StagedBringInSkipsCopy))
+            .unwrap_or_else(|f| panic!("planted skip: {}", f.error));
+        if outputs(&o) != want {
+            skipped += 1;
+        }
+        let o = run(&w, &config, &planted(PlantedBug::PlannedPinsStagedBlocks))
+            .unwrap_or_else(|f| panic!("planted pins: {}", f.error));
+        assert_eq!(outputs(&o), want, "a memory bug");
+        if all_violations(&o)
+            .iter()
+            .any(|v| v.invariant == Invariant::BoundedMemory)
+        {
+            pinned += 1;
+        }
+    }
+    assert!(
+        !swapped_budgets.is_empty()
+            && skipped == swapped_budgets.len()
+            && pinned == swapped_budgets.len(),
+        "planted bring-in skipped caught {skipped}, pins caught {pinned}, of {}",
+        swapped_budgets.len()
+    );
+}
+
+/// Model-level offload with `pin_cpu_memory = false`, and with each of its
+/// pin requests refused in turn (CONTRACT §7c): every swapped unit is
+/// brought in from pageable memory at each of its phases and every
+/// resident unit uploaded once, through one pinned upload buffer; each run
+/// is bit-identical to resident with no checker violation, registers
+/// nothing where unpinned and page-locks at most that buffer, and the log
+/// names each unit staged. Planted: the staged bring-in skipped is caught
+/// (outputs differ) in every run that stages a swapped unit.
+#[test]
+fn model_level_stages_unpinned_and_refused_masters() {
+    let (w, opts, want, _) = planned_baseline();
+    let model_level = |pin: Option<bool>| {
+        StrategyChoice::Config(OffloadConfig {
+            enable_cpu_offload: true,
+            pin_cpu_memory: pin,
+            ..OffloadConfig::default()
+        })
+    };
+    let (o, log) = capture_logs(|| run(&w, &model_level(Some(false)), &opts));
+    let o = o.unwrap_or_else(|f| panic!("unpinned: {}", f.error));
+    assert_eq!(outputs(&o), want);
+    assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
+    assert_eq!(o.at_end.registered_peak_bytes, 0, "nothing registered");
+    let largest = w
+        .preset
+        .pipeline
+        .storages()
+        .map(|(_, s)| s.bytes)
+        .sum::<u64>();
+    assert!(
+        o.at_end.pinned_peak_bytes <= largest.min(offload_core::budget::host::UPLOAD_STAGING_BYTES),
+        "pinned {}",
+        o.at_end.pinned_peak_bytes
+    );
+    let named = log
+        .matches("through a pinned upload buffer (pin_cpu_memory = false)")
+        .count();
+    assert!(named >= 2, "the swapped units are named: {log}");
+    let planted = RunOptions {
+        bugs: vec![PlantedBug::StagedBringInSkipsCopy],
+        ..opts.clone()
+    };
+    let p = run(&w, &model_level(Some(false)), &planted)
+        .unwrap_or_else(|f| panic!("planted: {}", f.error));
+    assert_ne!(outputs(&p), want, "planted StagedBringInSkipsCopy passed");
+
+    // Each pin request refused in turn, then every n-th.
+    let clean = run(&w, &model_level(None), &opts).unwrap();
+    assert!(clean.at_end.pins_refused == 0 && clean.at_end.pin_requests > 0);
+    let faults: Vec<FaultPlan> = (1..=clean.at_end.pin_requests)
+        .map(|k| FaultPlan {
+            refuse_pins: Some((k, k)),
+            ..FaultPlan::none()
+        })
+        .chain((2..=5).map(|n| FaultPlan {
+            refuse_pin_every: Some(n),
+            ..FaultPlan::none()
+        }))
+        .collect();
+    let (mut swapped, mut caught) = (0, 0);
+    for (k, faults) in faults.iter().enumerate() {
+        let refusing = |bugs: Vec<PlantedBug>| RunOptions {
+            faults: *faults,
+            bugs,
+            ..opts.clone()
+        };
+        let (o, log) = capture_logs(|| run(&w, &model_level(None), &refusing(Vec::new())));
+        let o = o.unwrap_or_else(|f| panic!("fault plan {k}: {}", f.error));
+        assert!(o.at_end.pins_refused > 0, "fault plan {k} fired");
+        assert_eq!(outputs(&o), want, "fault plan {k}");
+        assert!(
+            all_violations(&o).is_empty(),
+            "fault plan {k}: {:#?}",
+            all_violations(&o)
+        );
+        assert!(log.contains("was refused"), "fault plan {k}: {log}");
+        if log.contains("through a pinned upload buffer (its pin was refused)") {
+            swapped += 1;
+            let p = run(
+                &w,
+                &model_level(None),
+                &refusing(vec![PlantedBug::StagedBringInSkipsCopy]),
+            )
+            .unwrap_or_else(|f| panic!("planted, fault plan {k}: {}", f.error));
+            if outputs(&p) != want {
+                caught += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{} fault plans: {swapped} staged a swapped unit, planted caught {caught}",
+        faults.len()
+    );
+    assert!(
+        swapped >= 2 && caught == swapped,
+        "swapped units staged {swapped}, planted caught {caught}"
+    );
+}

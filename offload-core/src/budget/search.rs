@@ -97,6 +97,9 @@ struct PComp {
     /// under `"auto"` the search also runs as `"none"` and `"lossless"`
     /// would ([`Request::search`]).
     code: std::cell::Cell<Code>,
+    /// `pin_cpu_memory = false`: no master is pinned; a swapped held set
+    /// is brought in from pageable memory through the upload buffer.
+    unpinned: bool,
 }
 
 /// How one component's phase runs: which blocks are resident, the depth,
@@ -157,10 +160,34 @@ impl PComp {
 
     /// Host bytes its held set pins under a host budget: none when kept
     /// (uploaded once, at enable, from pageable masters through a staging
-    /// buffer), else its held set (the phase engine brings it in from
-    /// pinned masters each time its phase begins).
+    /// buffer) or unpinned (`pin_cpu_memory = false`: brought in from
+    /// pageable masters through the upload buffer), else its held set (the
+    /// phase engine brings it in from pinned masters each time its phase
+    /// begins).
     fn pinned_held(&self, l: &Local, kept: bool) -> u64 {
-        if kept { 0 } else { self.held_copy(l) }
+        if kept || self.unpinned {
+            0
+        } else {
+            self.held_copy(l)
+        }
+    }
+
+    /// The time its phase's bring-in takes (0 when kept or nothing is
+    /// held): its held set over the link, each unit's copy latency, and
+    /// where its masters are pageable (`pin_cpu_memory = false`) the
+    /// host's fills of the upload buffer, which the copies wait for (one
+    /// buffer: fill, then copy, chunk after chunk).
+    fn bring_in_s(&self, l: &Local, kept: bool, inp: &PlannerInputs) -> f64 {
+        let held = self.held_copy(l);
+        if kept || held == 0 {
+            return 0.0;
+        }
+        let units = 1 + l.resident.iter().flatten().filter(|r| **r).count();
+        let fills = match inp.host_fill_bytes_per_s {
+            Some(rate) if self.unpinned => held as f64 / rate,
+            _ => 0.0,
+        };
+        held as f64 / inp.link_bytes_per_s + fills + inp.copy_latency_s * units as f64
     }
 
     /// Bytes its held set copies in (exact).
@@ -368,13 +395,7 @@ impl PComp {
     /// one fill at a time, [`super::ring::HostStage`]).
     fn time_hosted(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
         let link = inp.link_bytes_per_s;
-        let held = self.held_copy(l);
-        let bring = if kept || held == 0 {
-            0.0
-        } else {
-            let units = 1 + l.resident.iter().flatten().filter(|r| **r).count();
-            held as f64 / link + inp.copy_latency_s * units as f64
-        };
+        let bring = self.bring_in_s(l, kept, inp);
         let fwd = if !self.streams(l) {
             self.forwards
                 * (self.own_s
@@ -537,6 +558,10 @@ struct Request<'a> {
     /// staged while it is solved: those an earlier pass's best plan
     /// staged ([`Self::search`]); empty on the first pass.
     staged_hint: std::cell::RefCell<Vec<String>>,
+    /// `pin_cpu_memory = false`: every master pageable, a host side
+    /// planned with or without a host budget (every streamed block staged,
+    /// no held set pinned).
+    unpinned: bool,
 }
 
 /// The least host budget and its parts: (least, held, staging, upload
@@ -613,6 +638,11 @@ impl<'a> Request<'a> {
                 ),
             });
         }
+        // `pin_cpu_memory = false`: every master pageable (CONTRACT §7c).
+        let unpinned = !config
+            .select()
+            .map_err(|e| BudgetError::Plan(crate::plan::PlanError::Config(e)))?
+            .pin_memory;
         let mut comps = Vec::new();
         let mut managed = 0u64;
         // Each allocation takes whole granules of the device's allocator.
@@ -716,6 +746,7 @@ impl<'a> Request<'a> {
                 act: round(ci.activation_bytes),
                 mode: code,
                 code: std::cell::Cell::new(code),
+                unpinned,
             });
         }
         if let Some(unknown) = inputs
@@ -761,6 +792,7 @@ impl<'a> Request<'a> {
             least_host_figures: std::cell::OnceCell::new(),
             device_budget: None,
             staged_hint: std::cell::RefCell::default(),
+            unpinned,
         })
     }
 
@@ -888,7 +920,8 @@ impl<'a> Request<'a> {
     ) -> (LeastHost, Vec<(Local, bool)>) {
         let all: u64 = self.comps.iter().map(|c| c.bytes).sum();
         let pinned = all.saturating_add(self.transient());
-        if pinned < found.0.0 {
+        // (`pin_cpu_memory = false` pins no master, whatever the budget.)
+        if !self.unpinned && pinned < found.0.0 {
             let phases = self
                 .comps
                 .iter()
@@ -1007,7 +1040,7 @@ impl<'a> Request<'a> {
                 .comps
                 .iter()
                 .zip(&phases)
-                .map(|(c, (l, _))| c.held_copy(l))
+                .map(|(c, (l, _))| c.pinned_held(l, false))
                 .sum();
             let largest = self
                 .comps
@@ -1029,9 +1062,9 @@ impl<'a> Request<'a> {
 
     /// The host side of `phases` within the host budget: `Err(least)`, the
     /// least host budget these phases need, where it is too small (`None`
-    /// without a host budget).
+    /// without a host budget, unless `pin_cpu_memory = false`: its host
+    /// side, every master pageable, is planned with or without one).
     fn host_side(&self, phases: &[(Local, bool)]) -> Option<Result<HostSide, u64>> {
-        let limits = self.host.as_ref()?;
         let kept_staged_bytes: u64 = self
             .comps
             .iter()
@@ -1052,9 +1085,22 @@ impl<'a> Request<'a> {
         Some(match plan {
             Ok(p) => {
                 let release_after_read = p.release_after_read();
+                // Without a host budget, `pin_cpu_memory = false`'s side is
+                // bounded by what any of its plans (the warm-up's too)
+                // page-locks: a ring of two of the largest block and the
+                // upload buffer.
+                let (budget_bytes, source) = match &self.host {
+                    Some(limits) => (limits.budget, limits.source.clone()),
+                    None => (
+                        HOST_STAGING_BUFFERS
+                            .saturating_mul(self.block_sizes().first().copied().unwrap_or(0))
+                            .saturating_add(transient),
+                        "pin_cpu_memory = false, no host_budget: no master page-locked, at most a staging ring of two of the largest block and the upload buffer".to_owned(),
+                    ),
+                };
                 Ok(HostSide {
-                    budget_bytes: limits.budget,
-                    source: limits.source.clone(),
+                    budget_bytes,
+                    source,
                     held_bytes: held,
                     pinned_streamed_bytes: p.pinned_bytes,
                     staged_bytes: p.staged_bytes,
@@ -1080,7 +1126,8 @@ impl<'a> Request<'a> {
 
     /// The swapped held sets' pinned bytes of `phases`, their streamed
     /// blocks, and which of those the host budget pins beside the held
-    /// sets and the upload buffer (`None` without a host budget).
+    /// sets and the upload buffer (`None` without a host budget, unless
+    /// `pin_cpu_memory = false`: then none is pinned, with or without one).
     fn host_plan<'s>(
         &'s self,
         phases: &'s [(Local, bool)],
@@ -1089,7 +1136,11 @@ impl<'a> Request<'a> {
         Vec<&'s PBlock>,
         Result<super::host::HostPlan, super::host::HostBudgetTooSmall>,
     )> {
-        let limits = self.host.as_ref()?;
+        let budget = match (&self.host, self.unpinned) {
+            (Some(limits), _) => Some(limits.budget),
+            (None, true) => None,
+            (None, false) => return None,
+        };
         let held: u64 = self
             .comps
             .iter()
@@ -1105,7 +1156,7 @@ impl<'a> Request<'a> {
             .map(|(b, n)| (b, HostBlock::raw(n)))
             .unzip();
         let fixed = held.saturating_add(self.transient());
-        let plan = plan_host(&blocks, fixed, Some(limits.budget), true);
+        let plan = plan_host(&blocks, fixed, budget, !self.unpinned);
         Some((held, streamed, plan))
     }
 
@@ -2336,11 +2387,7 @@ fn describe(
     let streamed = c.streamed_bytes(l);
     let on_link = c.link_bytes(l);
     let link = inp.link_bytes_per_s;
-    let bring_in_s = if kept || held == 0 {
-        0.0
-    } else {
-        held as f64 / link
-    };
+    let bring_in_s = c.bring_in_s(l, kept, inp);
     let transfer_s = bring_in_s + c.forwards * on_link as f64 / link;
     let coded: Vec<String> = c.coded_blocks(l).map(|b| b.path.clone()).collect();
     let decoded: u64 = c.coded_blocks(l).map(|b| b.bytes).sum();
@@ -2392,9 +2439,14 @@ fn describe(
             secs(compute_s)
         ),
         ComponentMode::Swapped => format!(
-            "swapped in for its {} forward(s): {} copied once per request ({}), then {} of compute",
+            "swapped in for its {} forward(s): {} copied once per request{} ({}), then {} of compute",
             fwd(c.forwards),
             gb(held),
+            if c.unpinned {
+                " from pageable memory through the upload buffer (pin_cpu_memory = false)"
+            } else {
+                ""
+            },
             secs(bring_in_s),
             secs(compute_s)
         ),
@@ -2412,10 +2464,12 @@ fn describe(
                 limit,
                 resident,
                 gb(held),
-                if kept {
-                    ", kept across phases"
-                } else {
-                    ", brought in when its phase begins"
+                match (kept, c.unpinned) {
+                    (true, _) => ", kept across phases",
+                    (false, false) => ", brought in when its phase begins",
+                    (false, true) => {
+                        ", brought in from pageable memory when its phase begins (pin_cpu_memory = false)"
+                    }
                 }
             )
         }

@@ -350,7 +350,8 @@ impl<A: Api> ModelLevelBackend<A> {
         config: OffloadConfig,
         bugs: Bugs,
     ) -> Result<Self, OffloadError> {
-        config.select()?.require_pinned()?;
+        // `pin_cpu_memory = false` stages every master (`build`).
+        config.select()?;
         Ok(Self {
             config,
             lifecycle: Lifecycle::new(OffloadStrategy::ModelLevel),
@@ -370,7 +371,28 @@ impl<A: Api> ModelLevelBackend<A> {
         log_warnings(&plan.warnings);
         let h = &self.shared.handles;
         let none = BTreeSet::new();
+        // `pin_cpu_memory = false` (CONTRACT §7c): every master stays in
+        // pageable memory; a swapped unit is brought in at each of its
+        // phases, and a resident unit uploaded once, through one pinned
+        // upload buffer (`st.upload`). A pin the device refuses (not a lost
+        // device) stages its unit too.
+        let unpinned = !plan.selection.pin_memory;
+        let refused = |r: Result<HostMaster<A>, OffloadError>,
+                       unit: &Unit,
+                       then: &str|
+         -> Result<Option<HostMaster<A>>, OffloadError> {
+            match r {
+                Err(OffloadError::DeviceOp { kind, cause, .. })
+                    if kind != crate::device::DeviceErrorKind::DeviceLost =>
+                {
+                    tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); {then}", unit.name);
+                    Ok(None)
+                }
+                other => other.map(Some),
+            }
+        };
         let mut swapped: BTreeSet<StorageId> = BTreeSet::new();
+        let mut largest_staged: Option<u64> = None;
         for (comp, units) in swapped_components(&model.pipeline, &plan, &partition) {
             let ready = h
                 .device
@@ -390,23 +412,88 @@ impl<A: Api> ModelLevelBackend<A> {
                 in_use: false,
             });
             for unit in units {
-                let host = Arc::new(h.master(unit, &none)?);
+                let (master, why) = if unpinned {
+                    (None, "pin_cpu_memory = false")
+                } else {
+                    let then = "its phase brings it in from pageable memory each time";
+                    (
+                        refused(h.master(unit, &none), unit, then)?,
+                        "its pin was refused",
+                    )
+                };
+                let host = match master {
+                    Some(m) => m,
+                    None => {
+                        tracing::info!(unit = %unit.name, bytes = unit.bytes, "`{}` is brought in from pageable memory at each of its phases, through a pinned upload buffer ({why})", unit.name);
+                        largest_staged = largest_staged.max(Some(unit.bytes));
+                        h.counted(HostMaster::Staged(crate::runtime::shared::Staged {
+                            bytes: unit.bytes,
+                            coded: None,
+                        }))
+                    }
+                };
                 swapped.extend(unit.entries.iter().map(|e| e.storage));
                 st.placement.claim(unit)?;
                 st.components
                     .last_mut()
                     .expect("pushed above")
                     .units
-                    .push((unit.clone(), host));
+                    .push((unit.clone(), Arc::new(host)));
             }
         }
-        for unit in partition
+        let resident: Vec<&Unit> = partition
             .all()
             .filter(|u| !u.entries.iter().any(|e| swapped.contains(&e.storage)))
-        {
-            let buffer = Arc::new(h.upload(unit, &none)?);
+            .collect();
+        let largest_resident = resident.iter().map(|u| u.bytes).max();
+        // One pinned upload buffer, of the largest unit that goes through
+        // it (at most `UPLOAD_STAGING_BYTES`: larger ones go in chunks):
+        // where a swapped unit is staged, every resident upload goes
+        // through it too, so that no second pinned buffer sits beside it.
+        let ring = |bytes: u64| {
+            crate::runtime::layerwise::staging_ring(
+                h,
+                bytes.clamp(1, crate::budget::host::UPLOAD_STAGING_BYTES),
+                1,
+            )
+        };
+        if let Some(staged) = largest_staged {
+            let resident = if unpinned { largest_resident } else { None };
+            st.upload = Some(ring(staged.max(resident.unwrap_or(0)))?);
+        } else if unpinned && let Some(bytes) = largest_resident {
+            st.upload = Some(ring(bytes)?);
+        }
+        for unit in resident {
+            let master = match st.upload {
+                Some(_) => None,
+                None => refused(
+                    h.master(unit, &none),
+                    unit,
+                    "it is uploaded once from pageable memory",
+                )?,
+            };
+            let buffer = Arc::new(match master {
+                Some(m) => h.upload_through(unit, m)?,
+                None => {
+                    if st.upload.is_none() {
+                        st.upload = Some(ring(largest_resident.unwrap_or(unit.bytes))?);
+                    }
+                    let ring = st.upload.as_ref().expect("made above");
+                    crate::runtime::layerwise::upload_staged(h, unit, ring)?
+                }
+            });
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(unit, &buffer)?;
+        }
+        // Only a staged swapped unit needs the upload buffer after enable.
+        if largest_staged.is_none()
+            && let Some(ring) = st.upload.take()
+        {
+            let mut first = None;
+            crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
+            if let Some(e) = first {
+                return Err(e);
+            }
         }
         Ok(())
     }

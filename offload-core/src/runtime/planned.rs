@@ -226,6 +226,9 @@ pub struct PlannedBackend<A: Api> {
     /// on, and what they left staged exceeds the budget's room
     /// (`fit_store`).
     release_refused: bool,
+    /// `pin_cpu_memory = false` (CONTRACT §7c): every master stays in
+    /// pageable memory; the plan's host side stages every unit.
+    unpinned: bool,
 }
 
 impl<A: Api> PlannedBackend<A> {
@@ -263,7 +266,9 @@ impl<A: Api> PlannedBackend<A> {
         codec: Option<Arc<dyn Codec<A>>>,
     ) -> Result<Self, OffloadError> {
         let selection = config.select()?;
-        selection.require_pinned()?;
+        // `pin_cpu_memory = false` stages every master (below): the planner
+        // prices it, with or without a host budget.
+        let unpinned = !selection.pin_memory;
         if selection.strategy != OffloadStrategy::Planned {
             return Err(OffloadError::Unsupported {
                 platform: "planned backend".to_owned(),
@@ -325,6 +330,7 @@ impl<A: Api> PlannedBackend<A> {
             host_limits: None,
             host_side: None,
             release_refused: false,
+            unpinned,
         })
     }
 
@@ -336,10 +342,11 @@ impl<A: Api> PlannedBackend<A> {
             .or_else(|| model.pipeline.warmup_request().cloned())
     }
 
-    /// The block modules the host side in force stages.
     /// The units (by name) the host side in force stages for `choices`:
     /// the streamed blocks it stages, and every held unit of a kept
-    /// component (uploaded once from pageable memory).
+    /// component (uploaded once from pageable memory); under
+    /// `pin_cpu_memory = false`, every unit of the store (a swapped held
+    /// unit is brought in from pageable memory at each of its phases).
     fn staged_units(&self, layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<String> {
         let Some(side) = &self.host_side else {
             return BTreeSet::new();
@@ -347,6 +354,12 @@ impl<A: Api> PlannedBackend<A> {
         let mut out: BTreeSet<String> = BTreeSet::new();
         if self.bugs.has(PlantedBug::PlannedPinsStagedBlocks) {
             return out;
+        }
+        if self.unpinned {
+            return Self::store_units(layout)
+                .into_iter()
+                .map(|u| u.name)
+                .collect();
         }
         {
             out.extend(
@@ -379,6 +392,16 @@ impl<A: Api> PlannedBackend<A> {
             );
         }
         out
+    }
+
+    /// Why the host side in force stages a unit: `pin_cpu_memory = false`,
+    /// else the host budget.
+    fn stage_reason(&self) -> budget::StageReason {
+        if self.unpinned {
+            budget::StageReason::Unpinned
+        } else {
+            budget::StageReason::Budget
+        }
     }
 
     /// Every unit the store holds a master of: each managed component's
@@ -576,7 +599,7 @@ impl<A: Api> PlannedBackend<A> {
             }))
         };
         if staged {
-            return Ok(stage(budget::StageReason::Budget));
+            return Ok(stage(self.stage_reason()));
         }
         match h.master_within(unit, &BTreeSet::new(), !budget) {
             Err(OffloadError::DeviceOp { kind, cause, .. })
@@ -639,7 +662,7 @@ impl<A: Api> PlannedBackend<A> {
         };
         if staged {
             return Ok(Some((
-                staged_coded(region, budget::StageReason::Budget),
+                staged_coded(region, self.stage_reason()),
                 (len, work),
             )));
         }
@@ -936,6 +959,18 @@ impl<A: Api> PlannedBackend<A> {
                 );
                 let want_coded = coded.contains(&unit.name) && self.codec.is_some();
                 let want = (staged.contains(&unit.name), want_coded);
+                if now == want && now.0 && to_staged && use_of(unit) == UnitUse::Streams {
+                    // Its master stays as it was (staged while the plan
+                    // before held it, or streamed it): named again under
+                    // this plan, which streams it.
+                    let why = if want.0 {
+                        self.stage_reason()
+                    } else {
+                        budget::StageReason::Refused
+                    };
+                    let coded = if now.1 { ", coded" } else { "" };
+                    tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why}){coded}", unit.name);
+                }
                 if now == want || want.0 != to_staged {
                     continue;
                 }
@@ -1102,7 +1137,12 @@ impl<A: Api> PlannedBackend<A> {
             .flat_map(|g| &g.units)
             .filter(|(_, m)| matches!(**m, HostMaster::Staged(_)))
         {
-            tracing::info!(unit = %u.name, bytes = u.bytes, "`{}` is brought in from pageable memory at each of its phases, through a pinned upload buffer (its pin was refused)", u.name);
+            let why = if self.unpinned {
+                "pin_cpu_memory = false"
+            } else {
+                "its pin was refused"
+            };
+            tracing::info!(unit = %u.name, bytes = u.bytes, "`{}` is brought in from pageable memory at each of its phases, through a pinned upload buffer ({why})", u.name);
             held_staged = held_staged.max(Some(u.bytes));
         }
         let largest_staged = resident
