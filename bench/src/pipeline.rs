@@ -742,6 +742,12 @@ struct RunReport {
     free_at_enable_bytes: u64,
     /// Device bytes used by others and the context before the run.
     others_bytes: u64,
+    /// Right after `enable` (the device synchronised): `cuMemGetInfo`'s
+    /// used bytes less `others_bytes` less what the allocator's pool holds,
+    /// i.e. what the driver holds for this run outside the pool (host
+    /// mappings' page tables and anything else); the plan counts its
+    /// `mapping_bytes` for it.
+    outside_pool_after_enable_bytes: u64,
     request_s: Vec<f64>,
     /// The median of `request_s` (the mean of the middle two for an even
     /// count): the time per image (batch 1).
@@ -1104,6 +1110,16 @@ impl Bench<'_> {
             .with_context(|| format!("{}: enable_selected", spec.name))?;
         self.device.synchronize_stream(&self.stream)?;
         report.enable_s = t.elapsed().as_secs_f64();
+        {
+            self.device.synchronize()?;
+            let info = self.device.memory_info()?;
+            let (reserved, _) = self.device.pool_reserved()?;
+            report.outside_pool_after_enable_bytes = info
+                .total_bytes
+                .saturating_sub(info.free_bytes)
+                .saturating_sub(others)
+                .saturating_sub(reserved);
+        }
         report.host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
         let mut plan = rt.request_plan().cloned();
         report.enable_plan.clone_from(&plan);

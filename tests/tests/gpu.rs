@@ -298,6 +298,10 @@ enum Strategy {
         depth: usize,
     },
     ModelLevel,
+    /// Model level with `pin_cpu_memory = false`: every master pageable,
+    /// swapped units brought in through one pinned upload buffer (CONTRACT
+    /// §6, §7c).
+    StagedModelLevel,
 }
 
 impl Strategy {
@@ -328,6 +332,11 @@ impl Strategy {
                 enable_cpu_offload: true,
                 ..OffloadConfig::default()
             },
+            Strategy::StagedModelLevel => OffloadConfig {
+                enable_cpu_offload: true,
+                pin_cpu_memory: Some(false),
+                ..OffloadConfig::default()
+            },
         }
     }
 
@@ -351,9 +360,11 @@ impl Strategy {
             | Strategy::StagedLossless { .. } => {
                 Box::new(platform.layerwise(self.config()).map_err(e)?)
             }
-            Strategy::ModelLevel => offload_core::get_offload_backend(&self.config(), platform)
-                .map_err(e)?
-                .ok_or("model level selects no backend")?,
+            Strategy::ModelLevel | Strategy::StagedModelLevel => {
+                offload_core::get_offload_backend(&self.config(), platform)
+                    .map_err(e)?
+                    .ok_or("model level selects no backend")?
+            }
         })
     }
 
@@ -2288,4 +2299,158 @@ fn planned_lossless_is_bit_identical_within_each_phase_on_the_gpu() {
     for r in rows {
         println!("{r}");
     }
+}
+
+/// Model level with `pin_cpu_memory = false` on the GPU (CONTRACT §6,
+/// §7c): every swapped unit brought in from pageable memory at each of its
+/// phases and every resident unit uploaded once, through one pinned upload
+/// buffer: bit-identical to resident, within INV-7 on the allocator, the
+/// page-locked peak beyond the rig's at most that buffer (nothing
+/// registered), and bit-identical under perturbation. Planted: the staged
+/// bring-in skipped (an unwritten buffer in its place) makes the output
+/// differ.
+#[test]
+fn unpinned_model_level_is_bit_identical_and_pins_only_its_upload_buffer_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let rig = Rig::new(&g.device, pipeline());
+    rig.warm_up();
+    let p = &rig.pipeline;
+    let resident = measured_run(&rig, Strategy::Resident);
+    let staged = Strategy::StagedModelLevel;
+    rig.settle();
+    let before = offload_cuda::host_locked();
+    offload_cuda::reset_host_locked_peak();
+    let out = measured_run(&rig, staged);
+    let locked = offload_cuda::host_locked();
+    let held = locked.peak_bytes - (before.pinned_bytes + before.registered_bytes);
+    let largest = p.storages().map(|(_, s)| s.bytes).max().unwrap_or(0);
+    let buffer = largest.min(offload_core::budget::host::UPLOAD_STAGING_BYTES);
+    let b = memory_bounds(p, &staged.config(), 1).unwrap();
+    println!(
+        "{staged:?}: page-locked peak {held} B beyond the rig's (upload buffer at most {buffer} B; one copy of the swapped units {} B); allocator peak {} B (bound {} B)",
+        b.offloaded_bytes,
+        out.peak_allocated_bytes,
+        staged.bound_bytes(p)
+    );
+    assert_eq!(
+        out.outputs, resident.outputs,
+        "unpinned model level vs resident"
+    );
+    assert!(
+        held <= buffer,
+        "page-locked peak {held} B > one upload buffer {buffer} B"
+    );
+    assert_eq!(
+        locked.registered_bytes, before.registered_bytes,
+        "nothing registered"
+    );
+    assert!(
+        out.peak_allocated_bytes <= staged.bound_bytes(p),
+        "allocator peak {} B > INV-7's bound {} B",
+        out.peak_allocated_bytes,
+        staged.bound_bytes(p)
+    );
+    let seeds = if under_sanitizer() { 1 } else { 4 };
+    for seed in 0..seeds {
+        let weights = 9100 + seed;
+        let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
+        let got = timing_run(&rig, staged, weights, &[], Some(wide(seed)));
+        assert_eq!(got, Ok(expected), "{staged:?} perturbation seed {seed}");
+    }
+    println!("perturbed: unpinned model level equals resident on {seeds} seeds");
+    let bug = PlantedBug::StagedBringInSkipsCopy;
+    let expected = timing_run(&rig, Strategy::Resident, 9200, &[], None).unwrap();
+    let planted = timing_run(&rig, staged, 9200, &[bug], None);
+    assert_ne!(
+        planted,
+        Ok(expected.clone()),
+        "planted {}: not caught",
+        bug.name()
+    );
+    assert_eq!(
+        timing_run(&rig, staged, 9200, &[], None),
+        Ok(expected),
+        "clean control"
+    );
+    println!(
+        "planted {}: caught (output differs); clean control equals resident",
+        bug.name()
+    );
+}
+
+/// The request planner with `pin_cpu_memory = false` on the GPU (CONTRACT
+/// §7c): at a device budget with room for everything, halfway from the
+/// least and at the least (from saved measurements), and once through a
+/// warm-up, two requests give the resident outputs with every phase within
+/// its bound, the plan's host side pins no master, and the page-locked peak
+/// beyond the rig's stays within its bound (a ring of two of the largest
+/// block and the upload buffer). Planted: a swapped held set's staged
+/// bring-in skipped makes the output differ.
+#[test]
+fn unpinned_planned_is_bit_identical_and_pins_only_its_buffers_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    const STEPS: u32 = 3;
+    let (rig, p, total, resident, first) = planned_setup(&gpu, STEPS);
+    let unpinned = |device: u64| OffloadConfig {
+        pin_cpu_memory: Some(false),
+        ..budget_config(device)
+    };
+    let least = first.plan.minimum.bytes;
+    let mut swapped_at = None;
+    for (device, warm) in [
+        (2 * total, false),
+        ((least + total) / 2, false),
+        (least, false),
+        ((least + total) / 2, true),
+    ] {
+        rig.settle();
+        let before = offload_cuda::host_locked();
+        offload_cuda::reset_host_locked_peak();
+        let inputs = (!warm).then(|| first.inputs.clone());
+        let run = planned_run_within(&rig, unpinned(device), STEPS, inputs, &[])
+            .unwrap_or_else(|e| panic!("device {device}: {e}"));
+        let locked = offload_cuda::host_locked();
+        let held = locked.peak_bytes - (before.pinned_bytes + before.registered_bytes);
+        let side = run.plan.host.clone().expect("unpinned: a host side");
+        assert_eq!(run.outputs, resident, "device {device}: outputs");
+        phases_within_bounds(&p, device, &run).unwrap();
+        assert_eq!(side.held_bytes + side.pinned_streamed_bytes, 0, "{side}");
+        assert!(
+            held <= side.budget_bytes,
+            "device {device}: page-locked peak {held} B over its bound {} B\n{}",
+            side.budget_bytes,
+            run.plan
+        );
+        let swapped = run
+            .plan
+            .components
+            .iter()
+            .filter(|c| !c.kept && c.held_bytes > 0)
+            .count();
+        if swapped > 0 && !warm {
+            swapped_at.get_or_insert(device);
+        }
+        println!(
+            "device {device} B{}: page-locked peak {held} B (bound {} B); {} streamed blocks staged, {swapped} swapped held set(s) brought in from pageable memory, kept {} B uploaded once",
+            if warm { " (warm-up)" } else { "" },
+            side.budget_bytes,
+            side.staged_blocks.len(),
+            side.kept_staged_bytes
+        );
+    }
+    let device = swapped_at.expect("some device budget swaps a held set");
+    let bug = PlantedBug::StagedBringInSkipsCopy;
+    let planted = planned_run_within(
+        &rig,
+        unpinned(device),
+        STEPS,
+        Some(first.inputs.clone()),
+        &[bug],
+    );
+    assert!(
+        planted.as_ref().map_or(true, |r| r.outputs != resident),
+        "planted {}: not caught at device {device}",
+        bug.name()
+    );
+    println!("planted {} at device {device} B: caught", bug.name());
 }

@@ -60,9 +60,12 @@ pub struct MemoryBounds {
     /// and `host_weight_bytes`; a staged master holds no pinned copy, so
     /// pinned masters and the ring stay within one copy + this). 0
     /// otherwise: a run whose device refused a pin adds it
-    /// ([`Self::with_refused_pins`]).
+    /// ([`Self::with_refused_pins`]). Model level: its one upload buffer
+    /// (at most the largest unit, at most 64 MiB; CONTRACT §6), on the
+    /// same terms.
     pub host_staging_bytes: u64,
-    /// Layerwise: the staging ring's bytes, whether or not declared above.
+    /// Layerwise: the staging ring's bytes, whether or not declared above;
+    /// model level: its upload buffer's.
     pub staging_ring_bytes: u64,
     /// `host_budget` when it is a size: the most pinned + registered bytes
     /// the host may hold for weights (`"auto"` is read at enable, so only
@@ -150,7 +153,7 @@ pub fn memory_bounds(
             if strategy == OffloadStrategy::Layerwise {
                 ring_bytes = crate::budget::host::HOST_STAGING_BUFFERS
                     * layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0);
-                if config.host_budget.is_some() || config.pin_cpu_memory == Some(false) {
+                if config.host_budget.is_some() || !plan.selection.pin_memory {
                     host_staging_bytes = ring_bytes;
                 }
             }
@@ -190,6 +193,18 @@ pub fn memory_bounds(
                 .map(|(_, us)| us.len() as u64)
                 .max()
                 .unwrap_or(0);
+            // The upload buffer a staged master goes through (CONTRACT §6,
+            // §7c): declared with `pin_cpu_memory = false`, and where the
+            // device refuses a pin (`MemoryBounds::with_refused_pins`).
+            ring_bytes = partition
+                .all()
+                .map(|u| u.bytes)
+                .max()
+                .unwrap_or(0)
+                .min(crate::budget::host::UPLOAD_STAGING_BYTES);
+            if !plan.selection.pin_memory {
+                host_staging_bytes = ring_bytes;
+            }
             (
                 total - swapped_bytes + largest,
                 swapped_bytes,
