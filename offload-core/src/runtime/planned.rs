@@ -1885,7 +1885,14 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             Ok(after) => {
                 let used =
                     |i: &crate::device::MemoryInfo| i.total_bytes.saturating_sub(i.free_bytes);
-                used(&after).saturating_sub(used(&info)).min(host / 256)
+                let grew = used(&after).saturating_sub(used(&info));
+                tracing::info!(
+                    grew,
+                    host,
+                    "planned offload: device memory in use grew by {grew} B from the start of enable to the host masters made ({host} B page-locked); the plan counts at most 1/256 of them, {} B, as their mappings",
+                    grew.min(host / 256)
+                );
+                grew.min(host / 256)
             }
             Err(e) => {
                 let _ = self.release_all(None, true);
