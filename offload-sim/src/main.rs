@@ -200,6 +200,11 @@ struct PlanCmdArgs {
     /// and the profile's decoder (CONTRACT §7b).
     #[arg(long)]
     weight_compression: Option<String>,
+    /// `pin_cpu_memory`: true (default) or false (every master pageable,
+    /// staged through pinned buffers at the profile's host fill rate;
+    /// CONTRACT §7c).
+    #[arg(long)]
+    pin_cpu_memory: Option<String>,
     /// Also write the plan as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -634,6 +639,7 @@ fn plan_cmd(args: PlanCmdArgs) -> Result<()> {
         host_budget: args.host_budget,
         device_memory_gb: args.device_memory_gb,
         weight_compression: args.weight_compression,
+        pin_cpu_memory: args.pin_cpu_memory,
     };
     let mut c = capacity(&plan_args)?;
     if let Some(path) = &args.inputs {

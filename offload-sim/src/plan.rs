@@ -54,6 +54,11 @@ pub struct PlanArgs {
     pub host_budget: Option<String>,
     /// Device memory in GB instead of the profile's.
     pub device_memory_gb: Option<f64>,
+    /// `pin_cpu_memory` (CONTRACT §7c): `"true"` (default) or `"false"`
+    /// (every master pageable: streamed blocks staged, swapped held sets
+    /// brought in through the upload buffer, priced at the profile's host
+    /// fill rate).
+    pub pin_cpu_memory: Option<String>,
     /// `weight_compression` (CONTRACT §7b): `"none"` (default),
     /// `"lossless"` or `"auto"`; each block's coded size is estimated
     /// from weights that look trained, the decoder at the profile's rate.
@@ -111,6 +116,7 @@ impl Capacity {
             "memory_bytes": self.memory_bytes,
             "device_budget": self.config.device_budget,
             "host_budget": self.config.host_budget,
+            "pin_cpu_memory": self.config.pin_cpu_memory.unwrap_or(true),
             "inputs": self.inputs,
             "fits": self.outcome.is_ok(),
             "minimum_bytes": self.minimum_bytes(),
@@ -316,6 +322,11 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
                 .map_err(|e| bad("--host-budget", text, e))?,
         ),
     };
+    let pin_cpu_memory = match args.pin_cpu_memory.as_deref() {
+        None | Some("true") => None,
+        Some("false") => Some(false),
+        Some(other) => return Err(bad("--pin-cpu-memory", other, "allowed: true, false")),
+    };
     let compression = match args.weight_compression.as_deref() {
         None | Some("none") => WeightCompression::None,
         Some("lossless") => WeightCompression::Lossless,
@@ -332,6 +343,7 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
         device_budget: Some(budget),
         device_headroom: headroom,
         host_budget,
+        pin_cpu_memory,
         weight_compression: (compression != WeightCompression::None).then_some(compression),
         ..OffloadConfig::default()
     };
@@ -813,6 +825,45 @@ mod tests {
             panic!("a host budget that is no size was accepted");
         };
         assert!(e.to_string().contains("--host-budget"), "{e}");
+    }
+
+    /// `--pin-cpu-memory false` plans every master staged (no held set or
+    /// streamed block pinned, with or without a host budget), priced at the
+    /// profile's host fill rate: slower than pinned on a transfer-bound
+    /// request; anything but true or false is refused naming the flag.
+    #[test]
+    fn unpinned_masters_are_planned_staged() {
+        let with = |pin: Option<&str>, host: Option<&str>| PlanArgs {
+            budget: Some("16GiB".to_owned()),
+            tokens: Some(4608),
+            host_budget: host.map(str::to_owned),
+            pin_cpu_memory: pin.map(str::to_owned),
+            ..args("flux1-dev", "h200")
+        };
+        let pinned = capacity(&with(None, None)).unwrap();
+        let pinned = pinned.outcome.as_ref().unwrap();
+        assert!(pinned.host.is_none(), "{pinned}");
+        for host in [None, Some("8GiB")] {
+            let c = capacity(&with(Some("false"), host)).unwrap();
+            let plan = c
+                .outcome
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{host:?}: {e}"));
+            let side = plan.host.as_ref().expect("unpinned: a host side");
+            assert_eq!(side.held_bytes + side.pinned_streamed_bytes, 0, "{side}");
+            assert!(!side.staged_blocks.is_empty(), "{side}");
+            assert!(
+                plan.predicted_request_s > pinned.predicted_request_s,
+                "{host:?}: unpinned {} against pinned {}",
+                plan.predicted_request_s,
+                pinned.predicted_request_s
+            );
+            assert_eq!(c.to_json()["pin_cpu_memory"], serde_json::json!(false));
+        }
+        let Err(e) = capacity(&with(Some("no"), None)) else {
+            panic!("--pin-cpu-memory no was accepted");
+        };
+        assert!(e.to_string().contains("--pin-cpu-memory"), "{e}");
     }
 
     /// The estimated inputs carry the profile's host fill rate, so a plan

@@ -2323,9 +2323,11 @@ fn unpinned_model_level_is_bit_identical_and_pins_only_its_upload_buffer_on_the_
     let out = measured_run(&rig, staged);
     let locked = offload_cuda::host_locked();
     let held = locked.peak_bytes - (before.pinned_bytes + before.registered_bytes);
-    let largest = p.storages().map(|(_, s)| s.bytes).max().unwrap_or(0);
-    let buffer = largest.min(offload_core::budget::host::UPLOAD_STAGING_BYTES);
+    // The buffer of the largest unit (a block, or a component's weights
+    // outside its blocks), at most 64 MiB: INV-7's declared staging.
     let b = memory_bounds(p, &staged.config(), 1).unwrap();
+    let buffer = b.host_staging_bytes;
+    assert!(buffer > 0 && buffer <= offload_core::budget::host::UPLOAD_STAGING_BYTES);
     println!(
         "{staged:?}: page-locked peak {held} B beyond the rig's (upload buffer at most {buffer} B; one copy of the swapped units {} B); allocator peak {} B (bound {} B)",
         b.offloaded_bytes,

@@ -928,6 +928,22 @@ impl<A: Api> PlannedBackend<A> {
     /// never holds both plans' pins), then the blocks it now pins or holds
     /// are pinned (a block staged because its pin was refused is asked
     /// again).
+    /// [`Self::reconcile_store`], measuring what device memory in use grew
+    /// by meanwhile (both engines released and the allocator's unused
+    /// memory given back first, so that only the masters' mappings move
+    /// it; 0 where it shrank).
+    fn reconcile_measured(&mut self, choices: &[ComponentChoice]) -> Result<u64, OffloadError> {
+        let used = |d: &A::Device| -> Result<u64, OffloadError> {
+            d.release_unused()
+                .map_err(|e| dev_err("release_unused (before the store follows a plan)", e))?;
+            let info = d.memory_info().map_err(|e| dev_err("memory_info", e))?;
+            Ok(info.total_bytes.saturating_sub(info.free_bytes))
+        };
+        let before = used(&self.device)?;
+        self.reconcile_store(choices)?;
+        Ok(used(&self.device)?.saturating_sub(before))
+    }
+
     fn reconcile_store(&mut self, choices: &[ComponentChoice]) -> Result<(), OffloadError> {
         let layout = self.layout.take().expect("enabled");
         let result = self.reconcile_with(&layout, choices);
@@ -1312,11 +1328,13 @@ impl<A: Api> PlannedBackend<A> {
         )
         .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         *lock(&self.current) = None;
+        let mut settled = None;
         let applied = self.unapply(model, true).and_then(|()| {
+            let (plan, inputs) = self.settle_store(&model.pipeline, plan, inputs)?;
             tracing::info!("planned offload: {plan}");
-            self.host_side = plan.host.clone();
-            self.reconcile_store(&plan.choices())?;
-            self.apply(model, &plan.choices(), None)
+            let applied = self.apply(model, &plan.choices(), None);
+            settled = Some((plan, inputs));
+            applied
         });
         if let Err(e) = applied {
             // Half of one plan and half of another is no plan: everything
@@ -1328,10 +1346,53 @@ impl<A: Api> PlannedBackend<A> {
                 .poison(format!("planned offload: a re-plan failed: {e}"));
             return Err(e);
         }
+        let (plan, inputs) = settled.expect("applied");
         self.plan = Some(plan);
         self.inputs = Some(inputs);
         self.drop_blobs();
         Ok(())
+    }
+
+    /// Makes the store follow `plan` (both engines released), measuring
+    /// what its change grew device memory in use by: its new masters may
+    /// map more than the plan counted (a coded-block file registered beside
+    /// the checkpoint whose windows the raw units still hold). Where they
+    /// do, plans again from `inputs` with the larger mappings and follows
+    /// that plan, up to three times, so that the plan returned counts at
+    /// least what the store it leaves maps.
+    fn settle_store(
+        &mut self,
+        pipeline: &crate::model::Pipeline,
+        mut plan: RequestPlan,
+        mut inputs: PlannerInputs,
+    ) -> Result<(RequestPlan, PlannerInputs), OffloadError> {
+        let memory = self.memory.expect("enabled");
+        for _ in 0..3 {
+            self.host_side = plan.host.clone();
+            let grew = self.reconcile_measured(&plan.choices())?;
+            let host: u64 = self.store.values().map(|m| m.len_bytes()).sum();
+            let counted = inputs.mapping_bytes;
+            let mapping = counted.saturating_add(grew).min((host / 256).max(counted));
+            if mapping == counted {
+                break;
+            }
+            tracing::info!(
+                grew,
+                mapping,
+                "planned offload: the masters of this plan grew device memory in use by {grew} B beyond the {counted} B of mappings it counted; planning again with {mapping} B"
+            );
+            inputs.mapping_bytes = mapping;
+            self.mapping_bytes = mapping;
+            plan = budget::plan_within(
+                pipeline,
+                &self.config,
+                &inputs,
+                memory,
+                self.host_limits.clone(),
+            )
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+        }
+        Ok((plan, inputs))
     }
 
     /// What the warm-up measured, from its marks and memory samples.
@@ -1902,7 +1963,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         // Given inputs planned before the masters existed: plan again if
         // the mappings measured now differ from what they assumed.
         let mut replanned = false;
-        let (choices, plan, inputs) = match (plan, inputs) {
+        let (mut choices, mut plan, mut inputs) = match (plan, inputs) {
             (Some(_), Some(mut inp)) if inp.mapping_bytes != self.mapping_bytes => {
                 replanned = true;
                 inp.mapping_bytes = self.mapping_bytes;
@@ -1930,9 +1991,18 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         // The store was just built for these choices: only a re-plan
         // moves it (asking again at once for the pins just refused would
         // only be refused again, or take a pin a staged unit gave up).
-        if replanned && let Err(e) = self.reconcile_store(&choices) {
-            let _ = self.release_all(None, true);
-            return Err(e);
+        if replanned && let (Some(p), Some(i)) = (plan.take(), inputs.take()) {
+            match self.settle_store(&model.pipeline, p, i) {
+                Ok((p, i)) => {
+                    choices = p.choices();
+                    plan = Some(p);
+                    inputs = Some(i);
+                }
+                Err(e) => {
+                    let _ = self.release_all(None, true);
+                    return Err(e);
+                }
+            }
         }
         let timer = warmup
             .is_some()
