@@ -1897,7 +1897,9 @@ impl Device<Sim> for SimDevice {
         let st = self.state();
         let mapping = match st.profile.host_mapping_divisor {
             0 => 0,
-            d => (st.stats.pinned_bytes + st.stats.registered_bytes) / d,
+            // Page tables map what is locked: a registered window of a
+            // larger mapping maps that whole mapping, once.
+            d => st.stats.locked_bytes / d,
         };
         Ok(MemoryInfo {
             free_bytes: st

@@ -90,8 +90,10 @@ pub struct DeviceProfile {
     /// Device memory, bytes.
     pub memory_bytes: u64,
     /// Device memory the device's page tables take for pinned and
-    /// registered host memory: one byte per this many host bytes (0: none,
-    /// the presets' default; a CUDA device maps 8 B per 4 KiB page, 512).
+    /// registered host memory: one byte per this many host bytes locked (a
+    /// registered window of a larger mapping maps that whole mapping,
+    /// once; 0: none, the presets' default; a CUDA device maps 8 B per
+    /// 4 KiB page, 512).
     pub host_mapping_divisor: u64,
     /// Host time one driver call takes, µs.
     pub launch_overhead_us: f64,

@@ -1160,3 +1160,96 @@ fn planned_lossless_over_a_coded_file_measures_within_the_host_budget() {
         );
     }
 }
+
+/// After the warm-up (raw masters, pinned copies), a planned `"lossless"`
+/// plan registers its coded masters in place from a coded-block file: the
+/// file's whole mapping, once, which the device maps (the simulator
+/// charges a byte of device memory per 512 bytes locked, a registered
+/// window's whole mapping included, as a GPU's page tables do), beyond
+/// what the warm-up's store mapped where the plan codes fewer blocks than
+/// the file holds. The store that follows the plan measures that growth
+/// and the plan is made again with it (`PlannedBackend::settle_store`), so
+/// that the plan in force counts at least what the device maps for the
+/// masters it holds. Planted `StoreMappingsUnmeasured` (the growth not
+/// measured): the plan counts the warm-up's mappings only, and the check
+/// goes red.
+#[test]
+fn a_replan_to_coded_masters_counts_their_mappings() {
+    use offload_pack::blocks_file::{CodedBlocks, WithCodedBlocks};
+    use offload_sim::presets::TrainedWeights;
+    use std::sync::Arc;
+    let w = workload();
+    let pipeline = w.preset.pipeline.clone();
+    let (path, _) = coded_block_file("replan-mappings", 0);
+    let total = w.preset.weight_bytes();
+    let want = resident();
+    // (plan's mappings, the device's) at `device`, `bugs` planted; `None`
+    // below the least budget.
+    let run_at = |device: u64, bugs: &[PlantedBug]| {
+        let source = Arc::new(WithCodedBlocks {
+            inner: Arc::new(TrainedWeights::new(0, &pipeline)),
+            blocks: CodedBlocks::open(&path).unwrap(),
+        });
+        let base = opts(bugs, 1, None);
+        let o = RunOptions {
+            profile: DeviceProfile {
+                host_mapping_divisor: 512,
+                ..base.profile.clone()
+            },
+            ..base
+        };
+        let mut rig =
+            offload_sim::harness::Rig::with_weights(pipeline.clone(), &o, source).unwrap();
+        rig.serve_workload(&w);
+        let config = OffloadConfig {
+            weight_compression: Some(WeightCompression::Lossless),
+            ..offload_tests::budget::budget_config(device)
+        };
+        let (enabled, log) =
+            offload_tests::capture_logs(|| rig.runtime.enable_selected(&config, &rig.platform));
+        if let Err(e) = enabled {
+            assert!(
+                e.to_string().contains("does not fit"),
+                "device {device}: {e}"
+            );
+            return None;
+        }
+        let plan = rig.runtime.request_plan().cloned().expect("a plan");
+        let mapped = rig.device.stats().locked_bytes / 512;
+        let out = rig.request(&w).unwrap();
+        assert_eq!(out.output, want[0], "device {device}, {bugs:?}");
+        rig.runtime.disable().unwrap();
+        assert!(
+            rig.device.violations().is_empty(),
+            "{:#?}",
+            rig.device.violations()
+        );
+        let again = log.contains("of mappings it counted; planning again");
+        Some((plan.mapping_bytes, mapped, again))
+    };
+    let (mut grew, mut runs, mut caught) = (0, 0, 0);
+    for k in 1..=8u64 {
+        let device = total * k / 8 + 100_000;
+        let Some((counted, mapped, again)) = run_at(device, &[]) else {
+            continue;
+        };
+        runs += 1;
+        assert!(
+            counted >= mapped,
+            "device {device}: the plan counts {counted} B of mappings, the device maps {mapped} B"
+        );
+        if again {
+            grew += 1;
+            let (counted, mapped, _) =
+                run_at(device, &[PlantedBug::StoreMappingsUnmeasured]).expect("fits");
+            if counted < mapped {
+                caught += 1;
+            }
+        }
+    }
+    eprintln!("{runs} runs, {grew} planned again, the plant caught in {caught}");
+    assert!(
+        runs >= 2 && grew >= 1 && caught == grew,
+        "{runs} runs, {grew} planned again, the plant caught in {caught}"
+    );
+}

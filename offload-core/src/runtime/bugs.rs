@@ -144,11 +144,16 @@ pub enum PlantedBug {
     /// refused is brought in as a fresh device buffer, its staged upload
     /// discarded, so its phase reads bytes nobody wrote.
     StagedBringInSkipsCopy,
+    /// The budget (planned, CONTRACT §7a): the store follows a new plan
+    /// without measuring what its masters' mappings grew device memory by,
+    /// so the plan counts the mappings of the store before it (the
+    /// warm-up's) while the device maps more.
+    StoreMappingsUnmeasured,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 42] = [
+    pub const ALL: [PlantedBug; 43] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -191,6 +196,7 @@ impl PlantedBug {
         PlantedBug::KeepPinsBesideRefused,
         PlantedBug::OutsideUploadBesideBuffer,
         PlantedBug::StagedBringInSkipsCopy,
+        PlantedBug::StoreMappingsUnmeasured,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -47,8 +47,9 @@ pub(crate) struct State<A: Api> {
     resident: Vec<Arc<A::DeviceBuffer>>,
     components: Vec<Component<A>>,
     /// The pinned upload buffer a swapped held unit whose master is staged
-    /// (its pin refused, CONTRACT §7c) is brought in through at each of
-    /// its phases (a planned backend's; none otherwise).
+    /// (`pin_cpu_memory = false`, or its pin refused; CONTRACT §6, §7c) is
+    /// brought in through at each of its phases; none where no held unit
+    /// is staged.
     upload: Option<StagingRing<A>>,
 }
 
@@ -114,9 +115,10 @@ impl<A: Api> Shared<A, State<A>> {
         let mut copy_all = || -> Result<(), OffloadError> {
             for (unit, host) in &comp.units {
                 if matches!(**host, HostMaster::Staged(_)) {
-                    // Its pin was refused (CONTRACT §7c): from pageable
-                    // memory through the upload buffer, chunk by chunk (the
-                    // host waits for each chunk's copy, and for the last).
+                    // Unpinned, or its pin was refused (CONTRACT §7c): from
+                    // pageable memory through the upload buffer, chunk by
+                    // chunk (the host waits for each chunk's copy, and for
+                    // the last).
                     let ring = upload.ok_or_else(|| OffloadError::Forward {
                         module: unit.name.clone(),
                         reason: "its host master is staged and no upload buffer is held to bring it in through".to_owned(),
@@ -457,9 +459,10 @@ impl<A: Api> ModelLevelBackend<A> {
                 1,
             )
         };
+        // (Sized for the resident units too, which go through it: a small
+        // staged unit must not make them upload in small chunks.)
         if let Some(staged) = largest_staged {
-            let resident = if unpinned { largest_resident } else { None };
-            st.upload = Some(ring(staged.max(resident.unwrap_or(0)))?);
+            st.upload = Some(ring(staged.max(largest_resident.unwrap_or(0)))?);
         } else if unpinned && let Some(bytes) = largest_resident {
             st.upload = Some(ring(bytes)?);
         }

@@ -231,6 +231,10 @@ pub struct PlannedBackend<A: Api> {
     unpinned: bool,
 }
 
+/// Plans a store may follow in one re-plan while its masters' mappings
+/// grow ([`PlannedBackend::settle_store`]).
+const SETTLE_ROUNDS: usize = 3;
+
 impl<A: Api> PlannedBackend<A> {
     /// A planned backend for `config` (which must set `device_budget`),
     /// planning from `inputs` when given, else from a warm-up of `request`
@@ -348,9 +352,6 @@ impl<A: Api> PlannedBackend<A> {
     /// `pin_cpu_memory = false`, every unit of the store (a swapped held
     /// unit is brought in from pageable memory at each of its phases).
     fn staged_units(&self, layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<String> {
-        let Some(side) = &self.host_side else {
-            return BTreeSet::new();
-        };
         let mut out: BTreeSet<String> = BTreeSet::new();
         if self.bugs.has(PlantedBug::PlannedPinsStagedBlocks) {
             return out;
@@ -361,6 +362,9 @@ impl<A: Api> PlannedBackend<A> {
                 .map(|u| u.name)
                 .collect();
         }
+        let Some(side) = &self.host_side else {
+            return out;
+        };
         {
             out.extend(
                 layout
@@ -979,11 +983,8 @@ impl<A: Api> PlannedBackend<A> {
                     // Its master stays as it was (staged while the plan
                     // before held it, or streamed it): named again under
                     // this plan, which streams it.
-                    let why = if want.0 {
-                        self.stage_reason()
-                    } else {
-                        budget::StageReason::Refused
-                    };
+                    // (`now == want` and `now.0`: the plan stages it.)
+                    let why = self.stage_reason();
                     let coded = if now.1 { ", coded" } else { "" };
                     tracing::info!(unit = %unit.name, bytes = unit.bytes, reason = %why, "`{}` streams staged ({why}){coded}", unit.name);
                 }
@@ -1196,7 +1197,9 @@ impl<A: Api> PlannedBackend<A> {
             &model.pipeline,
             groups,
             resident,
-            self.host_limits.is_none(),
+            // (A mapping is registered whole only without a host budget
+            // and with pinned masters, CONTRACT §7c.)
+            self.host_limits.is_none() && !self.unpinned,
             &upload,
         );
         let upload_ring = match upload_ring {
@@ -1318,7 +1321,10 @@ impl<A: Api> PlannedBackend<A> {
     /// now in force.
     fn replan(&mut self, model: &mut Model, inputs: PlannerInputs) -> Result<(), OffloadError> {
         let memory = self.memory.expect("enabled");
-        // Planning is pure: a plan that fails leaves the one in force.
+        // Planning is pure: a plan that fails here leaves the one in force.
+        // (One made again once the store has followed it, with the
+        // mappings its masters took, may fail after the plan in force is
+        // taken out: `settle_store`'s typed error, which poisons.)
         let plan = budget::plan_within(
             &model.pipeline,
             &self.config,
@@ -1358,8 +1364,10 @@ impl<A: Api> PlannedBackend<A> {
     /// map more than the plan counted (a coded-block file registered beside
     /// the checkpoint whose windows the raw units still hold). Where they
     /// do, plans again from `inputs` with the larger mappings and follows
-    /// that plan, up to three times, so that the plan returned counts at
-    /// least what the store it leaves maps.
+    /// that plan, up to [`SETTLE_ROUNDS`] plans in all; the plan returned
+    /// is always the one the store (and the host side in force) follows.
+    /// A plan that no longer fits the budget with the mappings counted is
+    /// a typed error (the budget cannot hold the masters' mappings).
     fn settle_store(
         &mut self,
         pipeline: &crate::model::Pipeline,
@@ -1367,13 +1375,25 @@ impl<A: Api> PlannedBackend<A> {
         mut inputs: PlannerInputs,
     ) -> Result<(RequestPlan, PlannerInputs), OffloadError> {
         let memory = self.memory.expect("enabled");
-        for _ in 0..3 {
+        for round in 1..=SETTLE_ROUNDS {
             self.host_side = plan.host.clone();
-            let grew = self.reconcile_measured(&plan.choices())?;
+            let grew = if self.bugs.has(PlantedBug::StoreMappingsUnmeasured) {
+                self.reconcile_store(&plan.choices())?;
+                0
+            } else {
+                self.reconcile_measured(&plan.choices())?
+            };
             let host: u64 = self.store.values().map(|m| m.len_bytes()).sum();
             let counted = inputs.mapping_bytes;
             let mapping = counted.saturating_add(grew).min((host / 256).max(counted));
             if mapping == counted {
+                break;
+            }
+            if round == SETTLE_ROUNDS {
+                tracing::warn!(
+                    grew,
+                    "planned offload: the masters still grew device memory in use by {grew} B beyond the {counted} B of mappings the plan counts after {SETTLE_ROUNDS} plans (another process allocating?); keeping the last"
+                );
                 break;
             }
             tracing::info!(
