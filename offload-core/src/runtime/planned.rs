@@ -926,12 +926,6 @@ impl<A: Api> PlannedBackend<A> {
         }
     }
 
-    /// Makes the store's masters match the host side in force for
-    /// `choices` (after a re-plan, both engines released): masters of
-    /// blocks the plan now stages are freed first (so the page-locked peak
-    /// never holds both plans' pins), then the blocks it now pins or holds
-    /// are pinned (a block staged because its pin was refused is asked
-    /// again).
     /// [`Self::reconcile_store`], measuring what device memory in use grew
     /// by meanwhile (both engines released and the allocator's unused
     /// memory given back first, so that only the masters' mappings move
@@ -948,6 +942,12 @@ impl<A: Api> PlannedBackend<A> {
         Ok(used(&self.device)?.saturating_sub(before))
     }
 
+    /// Makes the store's masters match the host side in force for
+    /// `choices` (after a re-plan, both engines released): masters of
+    /// blocks the plan now stages are freed first (so the page-locked peak
+    /// never holds both plans' pins), then the blocks it now pins or holds
+    /// are pinned (a block staged because its pin was refused is asked
+    /// again).
     fn reconcile_store(&mut self, choices: &[ComponentChoice]) -> Result<(), OffloadError> {
         let layout = self.layout.take().expect("enabled");
         let result = self.reconcile_with(&layout, choices);
