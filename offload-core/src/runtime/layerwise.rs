@@ -1017,8 +1017,22 @@ fn restage_rings<A: Api>(
     Ok(release)
 }
 
-/// A ring of `buffers` pinned host staging buffers of `bytes` (see
-/// `LayerwiseBackend::staging_ring`).
+/// The one pinned upload buffer that uploads from pageable memory go
+/// through (CONTRACT §7c): a ring of one buffer of the largest unit it
+/// carries, `largest`, at most [`UPLOAD_STAGING_BYTES`] (larger units go
+/// in chunks).
+pub(crate) fn upload_ring<A: Api>(
+    h: &Handles<A>,
+    largest: u64,
+) -> Result<StagingRing<A>, OffloadError> {
+    staging_ring(h, largest.clamp(1, UPLOAD_STAGING_BYTES), 1)
+}
+
+/// A staging ring of up to `buffers` pinned buffers of `bytes`, each
+/// asked for up to three times (a platform that limits pinned memory may
+/// refuse one request and grant the next); fewer where a later one is
+/// refused (the host then waits for each staged copy before the next
+/// fill, logged), an error where the first is.
 pub(crate) fn staging_ring<A: Api>(
     h: &Handles<A>,
     bytes: u64,
@@ -2052,9 +2066,7 @@ impl<A: Api> LayerwiseBackend<A> {
                                 Some(s) => &s.ring,
                                 // Within the plan's transient pinned buffer
                                 // (the largest resident unit), chunked.
-                                None => &*upload_ring.insert(
-                                    self.staging_ring(transient.clamp(1, UPLOAD_STAGING_BYTES), 1)?,
-                                ),
+                                None => &*upload_ring.insert(self::upload_ring(h, transient)?),
                             };
                             upload_staged(h, unit, ring)?
                         }
@@ -2459,15 +2471,6 @@ impl<A: Api> LayerwiseBackend<A> {
             &d.staging[0],
             &slot.buffer,
         )
-    }
-
-    /// A staging ring of up to `buffers` pinned buffers of `bytes`, each
-    /// asked for up to three times (a platform that limits pinned memory
-    /// may refuse one request and grant the next); fewer where a later one
-    /// is refused (the host then waits for each staged copy before the next
-    /// fill, logged), an error where the first is.
-    fn staging_ring(&self, bytes: u64, buffers: usize) -> Result<StagingRing<A>, OffloadError> {
-        staging_ring(&self.engine.handles, bytes, buffers)
     }
 
     fn alloc(&self, bytes: u64, name: &str) -> Result<Arc<A::DeviceBuffer>, OffloadError> {

@@ -372,27 +372,12 @@ impl<A: Api> ModelLevelBackend<A> {
         )?;
         log_warnings(&plan.warnings);
         let h = &self.shared.handles;
-        let none = BTreeSet::new();
         // `pin_cpu_memory = false` (CONTRACT §7c): every master stays in
         // pageable memory; a swapped unit is brought in at each of its
         // phases, and a resident unit uploaded once, through one pinned
         // upload buffer (`st.upload`). A pin the device refuses (not a lost
         // device) stages its unit too.
         let unpinned = !plan.selection.pin_memory;
-        let refused = |r: Result<HostMaster<A>, OffloadError>,
-                       unit: &Unit,
-                       then: &str|
-         -> Result<Option<HostMaster<A>>, OffloadError> {
-            match r {
-                Err(OffloadError::DeviceOp { kind, cause, .. })
-                    if kind != crate::device::DeviceErrorKind::DeviceLost =>
-                {
-                    tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); {then}", unit.name);
-                    Ok(None)
-                }
-                other => other.map(Some),
-            }
-        };
         let mut swapped: BTreeSet<StorageId> = BTreeSet::new();
         let mut largest_staged: Option<u64> = None;
         for (comp, units) in swapped_components(&model.pipeline, &plan, &partition) {
@@ -419,7 +404,7 @@ impl<A: Api> ModelLevelBackend<A> {
                 } else {
                     let then = "its phase brings it in from pageable memory each time";
                     (
-                        refused(h.master(unit, &none), unit, then)?,
+                        h.master_or_refused(unit, true, then)?,
                         "its pin was refused",
                     )
                 };
@@ -452,13 +437,7 @@ impl<A: Api> ModelLevelBackend<A> {
         // it (at most `UPLOAD_STAGING_BYTES`: larger ones go in chunks):
         // where a swapped unit is staged, every resident upload goes
         // through it too, so that no second pinned buffer sits beside it.
-        let ring = |bytes: u64| {
-            crate::runtime::layerwise::staging_ring(
-                h,
-                bytes.clamp(1, crate::budget::host::UPLOAD_STAGING_BYTES),
-                1,
-            )
-        };
+        let ring = |bytes: u64| crate::runtime::layerwise::upload_ring(h, bytes);
         // (Sized for the resident units too, which go through it: a small
         // staged unit must not make them upload in small chunks.)
         if let Some(staged) = largest_staged {
@@ -469,11 +448,9 @@ impl<A: Api> ModelLevelBackend<A> {
         for unit in resident {
             let master = match st.upload {
                 Some(_) => None,
-                None => refused(
-                    h.master(unit, &none),
-                    unit,
-                    "it is uploaded once from pageable memory",
-                )?,
+                None => {
+                    h.master_or_refused(unit, true, "it is uploaded once from pageable memory")?
+                }
             };
             let buffer = Arc::new(match master {
                 Some(m) => h.upload_through(unit, m)?,

@@ -605,20 +605,15 @@ impl<A: Api> PlannedBackend<A> {
         if staged {
             return Ok(stage(self.stage_reason()));
         }
-        match h.master_within(unit, &BTreeSet::new(), !budget) {
-            Err(OffloadError::DeviceOp { kind, cause, .. })
-                if kind != DeviceErrorKind::DeviceLost =>
-            {
-                let then = match role {
-                    UnitUse::Streams => "it streams staged",
-                    UnitUse::Kept => "it is uploaded once from pageable memory",
-                    UnitUse::Swapped => "its phase brings it in from pageable memory each time",
-                };
-                tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); {then}", unit.name);
-                Ok(stage(budget::StageReason::Refused))
-            }
-            other => other,
-        }
+        let then = match role {
+            UnitUse::Streams => "it streams staged",
+            UnitUse::Kept => "it is uploaded once from pageable memory",
+            UnitUse::Swapped => "its phase brings it in from pageable memory each time",
+        };
+        Ok(match h.master_or_refused(unit, !budget, then)? {
+            Some(master) => master,
+            None => stage(budget::StageReason::Refused),
+        })
     }
 
     /// `unit`'s coded host master and its (coded bytes, work items), from
@@ -1172,11 +1167,7 @@ impl<A: Api> PlannedBackend<A> {
             .chain(held_staged)
             .max();
         let upload_ring = match largest_staged {
-            Some(bytes) => Some(crate::runtime::layerwise::staging_ring(
-                h,
-                bytes.clamp(1, budget::host::UPLOAD_STAGING_BYTES),
-                1,
-            )?),
+            Some(bytes) => Some(crate::runtime::layerwise::upload_ring(h, bytes)?),
             None => None,
         };
         // Every upload of this apply goes through it where it exists (the

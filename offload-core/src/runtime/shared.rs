@@ -524,20 +524,11 @@ impl<A: Api> Handles<A> {
     }
 
     /// The host master of `unit`: memory the weight source already holds,
-    /// registered in place, else a pinned buffer filled from the source.
-    pub(crate) fn master(
-        &self,
-        unit: &Unit,
-        skip: &BTreeSet<StorageId>,
-    ) -> Result<HostMaster<A>, OffloadError> {
-        self.master_within(unit, skip, true)
-    }
-
-    /// [`Self::master`], registering a window of a larger mapping (which a
-    /// device registers whole, once: a mapped checkpoint) only where
-    /// `whole_mappings`; otherwise such a window is pinned as a copy, so
-    /// that a host budget counts exactly the bytes of the blocks it pins
-    /// (CONTRACT §7c).
+    /// registered in place, else a pinned buffer filled from the source;
+    /// a window of a larger mapping (which a device registers whole, once:
+    /// a mapped checkpoint) is registered only where `whole_mappings`,
+    /// otherwise pinned as a copy, so that a host budget counts exactly the
+    /// bytes of the blocks it pins (CONTRACT §7c).
     pub(crate) fn master_within(
         &self,
         unit: &Unit,
@@ -558,6 +549,27 @@ impl<A: Api> Handles<A> {
         }
         self.fill_pinned(unit, skip)
             .map(|b| self.counted(HostMaster::Pinned(b)))
+    }
+
+    /// [`Self::master_within`] for a unit that may stage (CONTRACT §7c):
+    /// `Ok(None)` where the device refuses its pin or registration (any
+    /// device error but a lost device), with a warning naming the unit,
+    /// the device's error and `then` (what becomes of it).
+    pub(crate) fn master_or_refused(
+        &self,
+        unit: &Unit,
+        whole_mappings: bool,
+        then: &str,
+    ) -> Result<Option<HostMaster<A>>, OffloadError> {
+        match self.master_within(unit, &BTreeSet::new(), whole_mappings) {
+            Err(OffloadError::DeviceOp { kind, cause, .. })
+                if kind != crate::device::DeviceErrorKind::DeviceLost =>
+            {
+                tracing::warn!(unit = %unit.name, "pinning `{}` was refused ({cause}); {then}", unit.name);
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
     }
 
     /// Counts `master` among the masters these handles hold.
