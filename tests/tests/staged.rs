@@ -208,6 +208,22 @@ fn refused_pins_stream_staged_and_the_log_names_each_block() {
     }
 }
 
+/// Fault plans refusing each of `requests` pin requests alone (a re-plan
+/// asks again, and may be granted), then every n-th for n from 2 to
+/// `every` (a platform that keeps refusing).
+fn pin_refusals(requests: u64, every: u64) -> Vec<FaultPlan> {
+    (1..=requests)
+        .map(|k| FaultPlan {
+            refuse_pins: Some((k, k)),
+            ..FaultPlan::none()
+        })
+        .chain((2..=every).map(|n| FaultPlan {
+            refuse_pin_every: Some(n),
+            ..FaultPlan::none()
+        }))
+        .collect()
+}
+
 /// Every pin request of a clean run at `config` refused in turn: each run
 /// ends bit-identical to `want` within `host` on the device's own
 /// page-locked count, with no checker violation, a refused block named in
@@ -232,16 +248,7 @@ fn refuse_each_pin(
     // Each request alone (a re-plan asks again, and may be granted), then
     // every n-th (a platform that keeps refusing).
     let requests = clean.at_end.pin_requests;
-    let faults: Vec<FaultPlan> = (1..=requests)
-        .map(|k| FaultPlan {
-            refuse_pins: Some((k, k)),
-            ..FaultPlan::none()
-        })
-        .chain((2..=7).map(|n| FaultPlan {
-            refuse_pin_every: Some(n),
-            ..FaultPlan::none()
-        }))
-        .collect();
+    let faults = pin_refusals(requests, 7);
     let refusing = |k: usize, bugs: Vec<PlantedBug>| RunOptions {
         faults: faults[k],
         bugs,
@@ -1579,16 +1586,7 @@ fn model_level_stages_unpinned_and_refused_masters() {
     // Each pin request refused in turn, then every n-th.
     let clean = run(&w, &model_level(None), &opts).unwrap();
     assert!(clean.at_end.pins_refused == 0 && clean.at_end.pin_requests > 0);
-    let faults: Vec<FaultPlan> = (1..=clean.at_end.pin_requests)
-        .map(|k| FaultPlan {
-            refuse_pins: Some((k, k)),
-            ..FaultPlan::none()
-        })
-        .chain((2..=5).map(|n| FaultPlan {
-            refuse_pin_every: Some(n),
-            ..FaultPlan::none()
-        }))
-        .collect();
+    let faults = pin_refusals(clean.at_end.pin_requests, 5);
     let (mut swapped, mut caught) = (0, 0);
     for (k, faults) in faults.iter().enumerate() {
         let refusing = |bugs: Vec<PlantedBug>| RunOptions {
