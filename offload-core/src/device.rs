@@ -320,6 +320,26 @@ pub trait Device<A: Api>: Send + Sync {
         1
     }
 
+    /// The chunk the allocator maps device memory in where it packs
+    /// allocations into shared chunks (1, the default: no such chunks).
+    /// What it holds at a peak is then what is in use rounded up to a
+    /// chunk, plus what frees left in chunks still part used: the planner
+    /// counts up to a chunk less one byte of that rounding in every phase,
+    /// beside the fragmentation the warm-up measured (CONTRACT §7a).
+    fn allocation_chunk(&self) -> u64 {
+        1
+    }
+
+    /// Device memory the device's page tables take to map `locked` bytes
+    /// of page-locked host memory (a pinned allocation or a registration
+    /// of that size), where it takes any (0, the default): what the
+    /// planner counts for the pinned staging and upload buffers a plan
+    /// holds beside the masters, whose own mappings are measured.
+    fn host_page_table_bytes(&self, locked: u64) -> u64 {
+        let _ = locked;
+        0
+    }
+
     /// Names a stream for traces and reports (no behaviour).
     fn name_stream(&self, stream: &A::Stream, name: &str) {
         let _ = (stream, name);

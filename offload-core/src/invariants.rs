@@ -508,6 +508,11 @@ pub struct PhaseObservation {
     pub peak_weight_bytes: u64,
     /// Peak device bytes of everything (weights, activations) in it.
     pub peak_total_bytes: u64,
+    /// Peak of the device's own count of memory in use in it, where the
+    /// observer reads one (its free memory's complement: what the
+    /// allocator holds, chunks and all, and the page tables of page-locked
+    /// host memory); 0 where not.
+    pub peak_counted_bytes: u64,
 }
 
 /// INV-7 for a planned request, per phase: each phase's weight peak within
@@ -542,6 +547,15 @@ pub fn bounded_phases<'a>(
                 format!(
                     "phase `{}`: peak device bytes {} (weights and activations) > the budget {budget_bytes}",
                     o.phase, o.peak_total_bytes
+                ),
+            ));
+        }
+        if o.peak_counted_bytes > budget_bytes {
+            return Err(violation(
+                Invariant::BoundedMemory,
+                format!(
+                    "phase `{}`: the device counts {} B in use at its peak (what the allocator holds, rounded up to its chunks, and the page tables of page-locked host memory) > the budget {budget_bytes}",
+                    o.phase, o.peak_counted_bytes
                 ),
             ));
         }

@@ -66,14 +66,17 @@ pub struct PlannerInputs {
     #[serde(default = "granule")]
     pub allocation_granule_bytes: u64,
     /// Device memory the host masters' mappings take (the device's page
-    /// tables for pinned and registered host memory), measured at enable:
-    /// every phase carries it.
+    /// tables for pinned and registered host memory), measured at enable,
+    /// and the page tables of the pinned staging and upload buffers the
+    /// plan holds: every phase carries it.
     #[serde(default)]
     pub mapping_bytes: u64,
-    /// The device allocator's slack: the most it held beyond what was in
-    /// use in any phase of the warm-up (its chunks' unused bytes, which
-    /// the device's free memory does not count either): every phase
-    /// carries it.
+    /// The device allocator's slack: up to a chunk less one byte of
+    /// rounding where it packs allocations into chunks
+    /// (`Device::allocation_chunk`), and the most it held beyond what was
+    /// in use rounded up to a chunk in any phase of the warm-up (what
+    /// frees left in chunks still part used), which the device's free
+    /// memory counts as used: every phase carries it.
     #[serde(default)]
     pub allocator_slack_bytes: u64,
     /// Each component, by path.

@@ -737,6 +737,74 @@ pub struct CudaDevice {
     perturbation: Mutex<Option<Perturber>>,
     timeline: timeline::Recorder,
     shared: Arc<SharedRegistrations>,
+    /// The chunk the stream-ordered pool maps device memory in (measured
+    /// at creation; 1 where it could not be).
+    pool_chunk: u64,
+}
+
+/// The chunk a stream-ordered pool maps device memory in: what a pool of
+/// our own, empty, reserves for a one-byte allocation (32 MiB on an H100
+/// with driver 580, where every reservation of the default pool is a
+/// multiple of it and allocations are packed into its chunks:
+/// `bench/pool_probe.py`, BENCHMARKS.md).
+fn measure_pool_chunk(ctx: &CudaContext) -> Result<u64, CudaError> {
+    ctx.bind()?;
+    // SAFETY: a zeroed `CUmemPoolProps` is every field's default (no
+    // handle type, no size limit, reserved bytes zero); the allocation type
+    // and location are set below.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = ctx.ordinal;
+    // SAFETY: `props` is a valid, initialised `CUmemPoolProps`.
+    let pool = wrap(
+        unsafe { result::mem_pool::create(&raw const props) },
+        || "cuMemPoolCreate".to_owned(),
+    )?;
+    let measured = (|| {
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `pool` is live; the allocation is ordered on the
+        // context's memory stream and freed on it below.
+        let allocated = unsafe { sys::cuMemAllocFromPoolAsync(&raw mut ptr, 1, pool, ctx.memory) };
+        wrap(allocated.result(), || {
+            "cuMemAllocFromPoolAsync(1 byte)".to_owned()
+        })?;
+        let mut reserved: u64 = 0;
+        // SAFETY: the stream is the context's own; `reserved` is a u64, the
+        // attribute's type; the pointer came from this pool and is freed
+        // once.
+        let read = unsafe {
+            wrap(result::stream::synchronize(ctx.memory), || {
+                "cuStreamSynchronize(memory)".to_owned()
+            })?;
+            let read = wrap(
+                result::mem_pool::get_attribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                    (&raw mut reserved).cast(),
+                ),
+                || "cuMemPoolGetAttribute(RESERVED_MEM_CURRENT)".to_owned(),
+            );
+            let freed = wrap(result::free_async(ptr, ctx.memory), || {
+                "cuMemFreeAsync".to_owned()
+            })
+            .and_then(|()| {
+                wrap(result::stream::synchronize(ctx.memory), || {
+                    "cuStreamSynchronize(memory)".to_owned()
+                })
+            });
+            read.and(freed)
+        };
+        read.map(|()| reserved.max(1))
+    })();
+    // SAFETY: nothing of the pool is allocated any more (freed above, the
+    // stream synchronised) or the allocation failed.
+    let destroyed = wrap(unsafe { result::mem_pool::destroy(pool) }, || {
+        "cuMemPoolDestroy".to_owned()
+    });
+    let chunk = measured?;
+    destroyed?;
+    Ok(chunk)
 }
 
 impl fmt::Debug for CudaDevice {
@@ -759,13 +827,29 @@ impl CudaDevice {
         let name = wrap(result::device::get_name(ctx.dev), || {
             "cuDeviceGetName".to_owned()
         })?;
+        let pool_chunk = match measure_pool_chunk(&ctx) {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                tracing::warn!(
+                    "offload-cuda: the stream-ordered pool's chunk could not be measured ({e}); budgets count no rounding of it"
+                );
+                1
+            }
+        };
         Ok(Self {
             ctx,
             name,
             perturbation: Mutex::new(None),
             timeline: timeline::Recorder::default(),
             shared: Arc::default(),
+            pool_chunk,
         })
+    }
+
+    /// The chunk the stream-ordered pool maps device memory in
+    /// ([`Device::allocation_chunk`]).
+    pub fn pool_chunk(&self) -> u64 {
+        self.pool_chunk
     }
 
     /// Mappings registered now for their windows ([`HostRegion::enclosing`]),
@@ -1276,6 +1360,17 @@ impl Device<Cuda> for CudaDevice {
     fn memory_reserved_peak(&self) -> Result<Option<u64>, CudaError> {
         self.bind()?;
         Ok(Some(self.pool_reserved()?.1))
+    }
+
+    fn allocation_chunk(&self) -> u64 {
+        self.pool_chunk
+    }
+
+    /// One 8-byte entry per 4 KiB host page (`bench/pool_probe.py`: 2 MiB
+    /// of device memory per GiB pinned or registered, H100, driver 580; a
+    /// host of larger pages maps fewer, so this counts at least theirs).
+    fn host_page_table_bytes(&self, locked: u64) -> u64 {
+        locked.div_ceil(4096).saturating_mul(8)
     }
 
     fn record_event(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), CudaError> {

@@ -463,6 +463,11 @@ pub struct SimStats {
     pub window_weight_peak_bytes: u64,
     /// Peak of everything since the last [`SimDevice::take_window`].
     pub window_total_peak_bytes: u64,
+    /// Peak of the device's own count of memory in use (what its free
+    /// memory misses: what the allocator holds, everything in use rounded
+    /// up to its chunk, and the page tables of page-locked host memory)
+    /// since the last [`SimDevice::take_window`].
+    pub window_counted_peak_bytes: u64,
     /// Pinned host bytes allocated now.
     pub pinned_bytes: u64,
     /// Peak pinned host bytes.
@@ -1269,6 +1274,40 @@ impl State {
     fn lock_more(&mut self, bytes: u64) {
         self.stats.locked_bytes += bytes;
         self.stats.locked_peak_bytes = self.stats.locked_peak_bytes.max(self.stats.locked_bytes);
+        self.note_counted();
+    }
+
+    /// What the allocator holds for `bytes` in use: rounded up to its
+    /// chunk where it maps chunks.
+    fn reserved_for(&self, bytes: u64) -> u64 {
+        match self.profile.allocation_chunk_bytes {
+            0 => bytes,
+            c => bytes.div_ceil(c).saturating_mul(c),
+        }
+    }
+
+    /// The page tables of what is page-locked now.
+    fn mapping_bytes(&self) -> u64 {
+        match self.profile.host_mapping_divisor {
+            0 => 0,
+            // Page tables map what is locked: a registered window of a
+            // larger mapping maps that whole mapping, once.
+            d => self.stats.locked_bytes / d,
+        }
+    }
+
+    /// The device's own count of memory in use (its free memory's
+    /// complement, less nothing of others'): the allocator's holding and
+    /// the page tables.
+    fn counted_bytes(&self) -> u64 {
+        self.reserved_for(self.stats.device_bytes + self.stats.activation_bytes)
+            + self.mapping_bytes()
+    }
+
+    /// Raises the window's peak of [`Self::counted_bytes`].
+    fn note_counted(&mut self) {
+        let c = self.counted_bytes();
+        self.stats.window_counted_peak_bytes = self.stats.window_counted_peak_bytes.max(c);
     }
 }
 
@@ -1465,6 +1504,7 @@ impl SimDevice {
         st.stats.window_total_peak_bytes = st.stats.window_total_peak_bytes.max(total);
         st.stats.window_weight_peak_bytes =
             st.stats.window_weight_peak_bytes.max(st.stats.device_bytes);
+        st.note_counted();
         Ok(SimDeviceBuffer {
             id,
             len: bytes,
@@ -1477,13 +1517,23 @@ impl SimDevice {
     /// window from the memory in use now: what a harness reads phase by
     /// phase without disturbing the run's own peaks.
     pub fn take_window(&self) -> (u64, u64) {
+        let (weights, total, _) = self.take_window_counted();
+        (weights, total)
+    }
+
+    /// [`Self::take_window`], and the peak of the device's own count of
+    /// memory in use in the window (what its free memory misses: the
+    /// allocator's chunks and the page tables beside the allocations).
+    pub fn take_window_counted(&self) -> (u64, u64, u64) {
         let mut st = self.state();
         let out = (
             st.stats.window_weight_peak_bytes,
             st.stats.window_total_peak_bytes,
+            st.stats.window_counted_peak_bytes,
         );
         st.stats.window_weight_peak_bytes = st.stats.device_bytes;
         st.stats.window_total_peak_bytes = st.stats.device_bytes + st.stats.activation_bytes;
+        st.stats.window_counted_peak_bytes = st.counted_bytes();
         out
     }
 
@@ -1895,23 +1945,31 @@ impl Device<Sim> for SimDevice {
 
     fn memory_info(&self) -> Result<MemoryInfo, SimError> {
         let st = self.state();
-        let mapping = match st.profile.host_mapping_divisor {
-            0 => 0,
-            // Page tables map what is locked: a registered window of a
-            // larger mapping maps that whole mapping, once.
-            d => st.stats.locked_bytes / d,
-        };
         Ok(MemoryInfo {
-            free_bytes: st
-                .profile
-                .memory_bytes
-                .saturating_sub(st.stats.device_bytes + st.stats.activation_bytes + mapping),
+            free_bytes: st.profile.memory_bytes.saturating_sub(st.counted_bytes()),
             total_bytes: st.profile.memory_bytes,
         })
     }
 
     fn memory_peak(&self) -> Result<Option<u64>, SimError> {
         Ok(Some(self.state().stats.total_peak_bytes))
+    }
+
+    fn memory_reserved_peak(&self) -> Result<Option<u64>, SimError> {
+        let st = self.state();
+        Ok((st.profile.allocation_chunk_bytes > 0)
+            .then(|| st.reserved_for(st.stats.total_peak_bytes)))
+    }
+
+    fn allocation_chunk(&self) -> u64 {
+        self.state().profile.allocation_chunk_bytes.max(1)
+    }
+
+    fn host_page_table_bytes(&self, locked: u64) -> u64 {
+        match self.state().profile.host_mapping_divisor {
+            0 => 0,
+            d => locked.div_ceil(d),
+        }
     }
 
     fn reset_memory_peak(&self) -> Result<(), SimError> {

@@ -617,7 +617,15 @@ pub struct PhaseMeasure {
     pub weight_peak_bytes: u64,
     /// The device's peak of everything (weights and activations) in it.
     pub total_peak_bytes: u64,
+    /// The peak of the device's own count of memory in use in it (what
+    /// its free memory misses: the allocator's chunks, the page tables of
+    /// page-locked host memory), as a GPU's `cuMemGetInfo` counts.
+    pub counted_peak_bytes: u64,
 }
+
+/// A phase ended: its component, start and end events, and its peaks
+/// (weights, everything, the device's own count).
+type EndedPhase = (String, SimEvent, SimEvent, (u64, u64, u64));
 
 /// Phases of one request, timed with events and measured with the
 /// device's window peaks.
@@ -625,7 +633,9 @@ struct PhaseClock<'d> {
     device: &'d SimDevice,
     current: Option<(String, SimEvent)>,
     fresh: std::cell::Cell<bool>,
-    done: Vec<(String, SimEvent, SimEvent, (u64, u64))>,
+    /// Each phase ended: its component, start and end, and its peaks
+    /// (weights, everything, the device's own count).
+    done: Vec<EndedPhase>,
 }
 
 impl<'d> PhaseClock<'d> {
@@ -678,7 +688,7 @@ impl<'d> PhaseClock<'d> {
             self.device
                 .record_event(&end, stream)
                 .map_err(|e| dev_err("record_event(phase end)", e))?;
-            let peaks = self.device.take_window();
+            let peaks = self.device.take_window_counted();
             self.done.push((c, start, end, peaks));
         }
         Ok(())
@@ -688,11 +698,12 @@ impl<'d> PhaseClock<'d> {
     fn finish(self) -> Vec<PhaseMeasure> {
         self.done
             .into_iter()
-            .map(|(component, start, end, (w, t))| PhaseMeasure {
+            .map(|(component, start, end, (w, t, c))| PhaseMeasure {
                 component,
                 ns: self.device.event_time_ns(&end) - self.device.event_time_ns(&start),
                 weight_peak_bytes: w,
                 total_peak_bytes: t,
+                counted_peak_bytes: c,
             })
             .collect()
     }

@@ -640,6 +640,7 @@ pub fn phase_violations(out: &RunOutcome) -> Option<Violation> {
             phase: p.component.clone(),
             peak_weight_bytes: p.weight_peak_bytes,
             peak_total_bytes: p.total_peak_bytes,
+            peak_counted_bytes: p.counted_peak_bytes,
         })
         .collect();
     offload_core::invariants::bounded_phases(&observed, &bounds.by_phase(), bounds.budget_bytes)

@@ -95,6 +95,12 @@ pub struct DeviceProfile {
     /// once; 0: none, the presets' default; a CUDA device maps 8 B per
     /// 4 KiB page, 512).
     pub host_mapping_divisor: u64,
+    /// The chunk the device's allocator maps memory in, packing
+    /// allocations into shared chunks, as CUDA's stream-ordered pool does
+    /// (32 MiB on an H100 or H200 with driver 580: `bench/pool_probe.py`):
+    /// what it holds, and what its free memory counts, is what is in use
+    /// rounded up to a chunk. 0: exact (the presets' default).
+    pub allocation_chunk_bytes: u64,
     /// Host time one driver call takes, µs.
     pub launch_overhead_us: f64,
     /// Pinned host→device bandwidth per GPU, GB/s, while the other GPUs of
@@ -156,6 +162,7 @@ impl DeviceProfile {
             kernel_latency_us: 6.0,
             memory_bytes: 141_000_000_000,
             host_mapping_divisor: 0,
+            allocation_chunk_bytes: 0,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 52.3,
             link: LinkProfile {
@@ -200,6 +207,7 @@ impl DeviceProfile {
             // "24GiB" names the whole card).
             memory_bytes: 24 << 30,
             host_mapping_divisor: 0,
+            allocation_chunk_bytes: 0,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 25.0 * SHARED_H2D_FRACTION,
             link: Self::pcie_link(),
@@ -234,6 +242,7 @@ impl DeviceProfile {
             // 48 GiB of GDDR6.
             memory_bytes: 48 << 30,
             host_mapping_divisor: 0,
+            allocation_chunk_bytes: 0,
             launch_overhead_us: 3.0,
             h2d_pinned_gbps_shared: 25.0 * SHARED_H2D_FRACTION,
             link: Self::pcie_link(),

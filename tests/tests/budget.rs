@@ -1568,3 +1568,74 @@ fn unpinned_masters_are_planned_staged_and_priced_at_the_hosts_fill_rate() {
     }
     assert!(swapped_seen >= 1, "a swapped held set is priced");
 }
+
+/// An allocator that packs allocations into chunks (CUDA's stream-ordered
+/// pool maps 32 MiB chunks: `bench/pool_probe.py`) holds what is in use
+/// rounded up to a chunk, and the device's free memory counts what it
+/// holds. The warm-up's sample of that rounding says nothing of another
+/// phase's, so every phase counts up to a chunk less one byte of it
+/// (`Device::allocation_chunk`, CONTRACT §7a): swept over budgets from the
+/// least to everything with a chunk of 1/48 of the weights, every phase's
+/// peak of the device's own count (the simulator's chunked holding and
+/// page tables, `PhaseMeasure::counted_peak_bytes`) within the budget,
+/// outputs equal to resident. Planted `SlackSampledNotChunked` (the
+/// warm-up's sample as every phase's slack, as before): some phase goes
+/// over.
+#[test]
+fn the_allocators_chunk_rounding_is_counted_in_every_phase() {
+    use offload_core::runtime::PlantedBug;
+    let (w, base, want, least) = tiny_baseline(1, 3);
+    let total = w.preset.weight_bytes() + 100_000;
+    let chunk = w.preset.weight_bytes() / 48;
+    let opts = |bugs: Vec<PlantedBug>| RunOptions {
+        profile: DeviceProfile {
+            allocation_chunk_bytes: chunk,
+            ..base.profile.clone()
+        },
+        bugs,
+        ..base.clone()
+    };
+    let (mut runs, mut over) = (0, 0);
+    for k in 0..=24u64 {
+        let budget = least + (total - least) * k / 24 + chunk;
+        let out = match run(
+            &w,
+            &StrategyChoice::Config(budget_config(budget)),
+            &opts(vec![]),
+        ) {
+            Ok(out) => out,
+            Err(f) => {
+                assert!(
+                    f.error.to_string().contains("does not fit"),
+                    "budget {budget}: {}",
+                    f.error
+                );
+                continue;
+            }
+        };
+        runs += 1;
+        assert!(out.violations.is_empty(), "{budget}: {:#?}", out.violations);
+        assert_eq!(
+            offload_sim::job::phase_violations(&out),
+            None,
+            "budget {budget}"
+        );
+        let inputs = out.inputs.as_ref().expect("measured");
+        assert!(inputs.allocator_slack_bytes >= chunk - 1, "{inputs:?}");
+        let got: Vec<u64> = out.requests.iter().map(|r| r.output).collect();
+        assert_eq!(got, want, "budget {budget}");
+        if let Ok(planted) = run(
+            &w,
+            &StrategyChoice::Config(budget_config(budget)),
+            &opts(vec![PlantedBug::SlackSampledNotChunked]),
+        ) && offload_sim::job::phase_violations(&planted).is_some()
+        {
+            over += 1;
+        }
+    }
+    eprintln!("{runs} budgets ran within the device's count; the plant went over at {over}");
+    assert!(
+        runs >= 12 && over >= 1,
+        "{runs} runs, the plant over at {over}"
+    );
+}

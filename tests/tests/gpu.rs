@@ -748,6 +748,19 @@ fn device_basics() {
     }
     d.set_perturbation(None).unwrap();
     assert_eq!(d.perturbation(), None);
+    // The pool's chunk (measured at creation, CONTRACT §7a): what the
+    // default pool holds, its unused chunks given back, is a whole number
+    // of chunks and at least what is in use.
+    let chunk = d.pool_chunk();
+    d.trim_pool().unwrap();
+    let (reserved, _) = d.pool_reserved().unwrap();
+    let (used, _) = d.pool_used().unwrap();
+    println!("pool chunk {chunk} B; the default pool holds {reserved} B for {used} B in use");
+    assert!(chunk >= 2 << 20, "a pool chunk of {chunk} B");
+    assert!(
+        reserved % chunk == 0 && reserved >= used,
+        "the pool holds {reserved} B for {used} B in use, chunk {chunk} B"
+    );
     // Out of memory is a typed error. (Under compute-sanitizer the failed
     // allocation would be reported as an API error: the probe is skipped.)
     if !under_sanitizer() {

@@ -1626,3 +1626,83 @@ fn model_level_stages_unpinned_and_refused_masters() {
         "swapped units staged {swapped}, planted caught {caught}"
     );
 }
+
+/// The pinned staging ring and upload buffer a plan holds take device
+/// memory for their page tables, as the masters' mappings do (a GPU maps
+/// 8 B per 4 KiB page: `bench/pool_probe.py`), and the masters' measured
+/// mappings do not hold them: the plan counts them beside the masters'
+/// (`Device::host_page_table_bytes`, `PlannedBackend::settle_store`,
+/// CONTRACT §7a). With every master unpinned (only those buffers locked)
+/// and page tables of one byte per 16 locked (large, so that they move a
+/// plan), swept over device budgets, through the warm-up and from saved
+/// measurements: every phase's peak of the device's own count within the
+/// budget, outputs equal to resident. Planted `StagingTablesUncounted`:
+/// some phase goes over.
+#[test]
+fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
+    let (w, base, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
+    let least = least_device(&w, &inputs);
+    let total = w.preset.weight_bytes();
+    let opts = |bugs: Vec<PlantedBug>, given: Option<PlannerInputs>| RunOptions {
+        profile: DeviceProfile {
+            host_mapping_divisor: 16,
+            ..base.profile.clone()
+        },
+        bugs,
+        planner: given,
+        ..base.clone()
+    };
+    let (mut runs, mut over, mut tables) = (0, 0, 0);
+    for k in 0..=16u64 {
+        let device = least + (total + 100_000 - least) * k / 16 + total / 64;
+        for given in [None, Some(inputs.clone())] {
+            let config = StrategyChoice::Config(unpinned(device, None));
+            let o = match run(&w, &config, &opts(vec![], given.clone())) {
+                Ok(o) => o,
+                Err(f) => {
+                    assert!(
+                        f.error.to_string().contains("does not fit"),
+                        "device {device}: {}",
+                        f.error
+                    );
+                    continue;
+                }
+            };
+            runs += 1;
+            let plan = o.plan.as_ref().expect("planned");
+            let side = plan.host.as_ref().expect("unpinned: a host side");
+            let at = format!("device {device}, given {}\n{plan}", given.is_some());
+            assert_eq!(outputs(&o), want, "{at}");
+            assert!(
+                all_violations(&o).is_empty(),
+                "{at}: {:#?}",
+                all_violations(&o)
+            );
+            assert_eq!(offload_sim::job::phase_violations(&o), None, "{at}");
+            let buffers = (side.staging_bytes.div_ceil(16)) + side.transient_bytes.div_ceil(16);
+            assert!(
+                plan.mapping_bytes >= buffers,
+                "{at}: {} < {buffers}",
+                plan.mapping_bytes
+            );
+            if side.staging_bytes > 0 {
+                tables += 1;
+            }
+            if let Ok(p) = run(
+                &w,
+                &config,
+                &opts(vec![PlantedBug::StagingTablesUncounted], given),
+            ) && offload_sim::job::phase_violations(&p).is_some()
+            {
+                over += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{runs} runs within the device's count ({tables} with a staging ring); the plant went over in {over}"
+    );
+    assert!(
+        runs >= 16 && tables >= 8 && over >= 1,
+        "{runs} runs, {tables} with a ring, the plant over in {over}"
+    );
+}

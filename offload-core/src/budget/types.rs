@@ -95,7 +95,8 @@ pub struct PeakParts {
     pub outside_bytes: u64,
     /// Device memory the host masters' mappings take (measured at enable).
     pub mapping_bytes: u64,
-    /// The device allocator's slack (measured by the warm-up).
+    /// The device allocator's slack (its chunk's rounding and the
+    /// fragmentation the warm-up measured).
     pub allocator_slack_bytes: u64,
     /// Other components' kept sets.
     pub kept_bytes: u64,
@@ -437,7 +438,7 @@ impl fmt::Display for RequestPlan {
         if self.mapping_bytes > 0 || self.allocator_slack_bytes > 0 {
             writeln!(
                 f,
-                "  every phase counts {:.3} GB of host mappings (the device's page tables for the pinned or registered host masters) and {:.3} GB of allocator slack (its chunks' unused bytes, as the warm-up measured)",
+                "  every phase counts {:.3} GB of host mappings (the device's page tables for the pinned or registered host masters and the pinned staging and upload buffers) and {:.3} GB of allocator slack (up to one of its chunks of rounding, and what the warm-up saw its frees leave)",
                 gb(self.mapping_bytes),
                 gb(self.allocator_slack_bytes)
             )?;

@@ -149,11 +149,20 @@ pub enum PlantedBug {
     /// so the plan counts the mappings of the store before it (the
     /// warm-up's) while the device maps more.
     StoreMappingsUnmeasured,
+    /// The budget (planned, CONTRACT §7a): the allocator's slack is the
+    /// warm-up's sample of it (what its pool held beyond what was in use),
+    /// not the chunk rounding any phase may carry, so a phase whose use
+    /// rounds up further than the warm-up's did holds more than planned.
+    SlackSampledNotChunked,
+    /// The budget (planned, CONTRACT §7a): the page tables of the pinned
+    /// staging ring and upload buffer a plan holds are not counted beside
+    /// the masters' measured mappings.
+    StagingTablesUncounted,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 43] = [
+    pub const ALL: [PlantedBug; 45] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -197,6 +206,8 @@ impl PlantedBug {
         PlantedBug::OutsideUploadBesideBuffer,
         PlantedBug::StagedBringInSkipsCopy,
         PlantedBug::StoreMappingsUnmeasured,
+        PlantedBug::SlackSampledNotChunked,
+        PlantedBug::StagingTablesUncounted,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -1375,9 +1375,14 @@ impl<A: Api> PlannedBackend<A> {
                 self.reconcile_measured(&plan.choices())?
             };
             let host: u64 = self.store.values().map(|m| m.len_bytes()).sum();
+            // The masters' mappings (never counted smaller), and the page
+            // tables of the pinned buffers this plan holds beside them.
+            let masters = self.mapping_bytes;
+            self.mapping_bytes = masters.saturating_add(grew).min((host / 256).max(masters));
+            let tables = self.buffer_tables(plan.host.as_ref());
             let counted = inputs.mapping_bytes;
-            let mapping = counted.saturating_add(grew).min((host / 256).max(counted));
-            if mapping == counted {
+            let mapping = self.mapping_bytes.saturating_add(tables);
+            if mapping <= counted {
                 break;
             }
             if round == SETTLE_ROUNDS {
@@ -1389,11 +1394,11 @@ impl<A: Api> PlannedBackend<A> {
             }
             tracing::info!(
                 grew,
+                tables,
                 mapping,
-                "planned offload: the masters of this plan grew device memory in use by {grew} B beyond the {counted} B of mappings it counted; planning again with {mapping} B"
+                "planned offload: the masters of this plan grew device memory in use by {grew} B, and its pinned staging and upload buffers take {tables} B of page tables, beyond the {counted} B of mappings it counted; planning again with {mapping} B"
             );
             inputs.mapping_bytes = mapping;
-            self.mapping_bytes = mapping;
             plan = budget::plan_within(
                 pipeline,
                 &self.config,
@@ -1404,6 +1409,28 @@ impl<A: Api> PlannedBackend<A> {
             .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         }
         Ok((plan, inputs))
+    }
+
+    /// Device memory the page tables of the pinned buffers `side` holds
+    /// beside the masters take (the staging ring and the upload buffer,
+    /// pinned at apply: not in the masters' measured mappings).
+    fn buffer_tables(&self, side: Option<&HostSide>) -> u64 {
+        if self.bugs.has(PlantedBug::StagingTablesUncounted) {
+            return 0;
+        }
+        side.map_or(0, |s| {
+            self.device.host_page_table_bytes(s.staging_bytes)
+                + self.device.host_page_table_bytes(s.transient_bytes)
+        })
+    }
+
+    /// The allocator's slack every phase carries at least: up to a chunk
+    /// less one byte of rounding (CONTRACT §7a).
+    fn least_slack(&self) -> u64 {
+        if self.bugs.has(PlantedBug::SlackSampledNotChunked) {
+            return 0;
+        }
+        self.device.allocation_chunk().max(1) - 1
     }
 
     /// What the warm-up measured, from its marks and memory samples.
@@ -1484,11 +1511,19 @@ impl<A: Api> PlannedBackend<A> {
         // carries them), not as activations.
         let used_before = memory.total_bytes.saturating_sub(memory.free_bytes) + self.mapping_bytes;
         let mut activation: BTreeMap<String, u64> = BTreeMap::new();
-        // The allocator's slack: what it held beyond what was in use.
+        // The allocator's slack: what it held beyond what was in use
+        // rounded up to its chunk (what frees left in chunks still part
+        // used), and the rounding itself, up to a chunk less one byte in
+        // any phase (a sample of it here says nothing of another phase's).
+        let chunk = match self.least_slack() {
+            0 => 1,
+            least => least + 1,
+        };
         let mut slack = 0u64;
         for (p, s) in timer.samples() {
             if let (Some(reserved), Some(peak)) = (s.reserved_peak_bytes, s.peak_bytes) {
-                slack = slack.max(reserved.saturating_sub(peak));
+                let rounded = peak.div_ceil(chunk).saturating_mul(chunk);
+                slack = slack.max(reserved.saturating_sub(rounded));
             }
             let by_free = s
                 .used_bytes
@@ -1549,7 +1584,7 @@ impl<A: Api> PlannedBackend<A> {
             copy_latency_s: latency,
             allocation_granule_bytes: self.device.allocation_granule(),
             mapping_bytes: self.mapping_bytes,
-            allocator_slack_bytes: slack,
+            allocator_slack_bytes: slack + (chunk - 1),
             // Where the warm-up staged blocks, their fills' rate; only a
             // host that fills on threads of its own times them as they
             // run (a simulated host's fills take no simulated time).
@@ -1972,12 +2007,20 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
             }
         };
         // Given inputs planned before the masters existed: plan again if
-        // the mappings measured now differ from what they assumed.
+        // the mappings measured now (and the page tables of the plan's
+        // pinned buffers) differ from what they assumed, or if they count
+        // less of the allocator's slack than its chunk leaves.
         let mut replanned = false;
+        let mapped =
+            self.mapping_bytes + self.buffer_tables(plan.as_ref().and_then(|p| p.host.as_ref()));
+        let least_slack = self.least_slack();
         let (mut choices, mut plan, mut inputs) = match (plan, inputs) {
-            (Some(_), Some(mut inp)) if inp.mapping_bytes != self.mapping_bytes => {
+            (Some(_), Some(mut inp))
+                if inp.mapping_bytes != mapped || inp.allocator_slack_bytes < least_slack =>
+            {
                 replanned = true;
-                inp.mapping_bytes = self.mapping_bytes;
+                inp.mapping_bytes = mapped;
+                inp.allocator_slack_bytes = inp.allocator_slack_bytes.max(least_slack);
                 match budget::plan_within(
                     &model.pipeline,
                     &self.config,
