@@ -742,6 +742,10 @@ pub struct CudaDevice {
     pool_chunk: u64,
 }
 
+/// The pool chunk counted where it cannot be measured: what the default
+/// pool of an H100 with driver 580 maps (`bench/pool_probe.py`).
+const ASSUMED_POOL_CHUNK: u64 = 32 << 20;
+
 /// The chunk a stream-ordered pool maps device memory in: what a pool of
 /// our own, empty, reserves for a one-byte allocation (32 MiB on an H100
 /// with driver 580, where every reservation of the default pool is a
@@ -774,17 +778,20 @@ fn measure_pool_chunk(ctx: &CudaContext) -> Result<u64, CudaError> {
         // attribute's type; the pointer came from this pool and is freed
         // once.
         let read = unsafe {
-            wrap(result::stream::synchronize(ctx.memory), || {
+            let read = wrap(result::stream::synchronize(ctx.memory), || {
                 "cuStreamSynchronize(memory)".to_owned()
-            })?;
-            let read = wrap(
-                result::mem_pool::get_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-                    (&raw mut reserved).cast(),
-                ),
-                || "cuMemPoolGetAttribute(RESERVED_MEM_CURRENT)".to_owned(),
-            );
+            });
+            let read = read.and_then(|()| {
+                wrap(
+                    result::mem_pool::get_attribute(
+                        pool,
+                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                        (&raw mut reserved).cast(),
+                    ),
+                    || "cuMemPoolGetAttribute(RESERVED_MEM_CURRENT)".to_owned(),
+                )
+            });
+            // Freed whatever the read did.
             let freed = wrap(result::free_async(ptr, ctx.memory), || {
                 "cuMemFreeAsync".to_owned()
             })
@@ -831,9 +838,9 @@ impl CudaDevice {
             Ok(chunk) => chunk,
             Err(e) => {
                 tracing::warn!(
-                    "offload-cuda: the stream-ordered pool's chunk could not be measured ({e}); budgets count no rounding of it"
+                    "offload-cuda: the stream-ordered pool's chunk could not be measured ({e}); budgets count {ASSUMED_POOL_CHUNK} B of its rounding (what an H100 with driver 580 maps)"
                 );
-                1
+                ASSUMED_POOL_CHUNK
             }
         };
         Ok(Self {
@@ -1354,7 +1361,7 @@ impl Device<Cuda> for CudaDevice {
     }
 
     /// The pool's reserved high-water mark: it maps device memory in
-    /// chunks (multiples of 32 MiB on the H200) and packs allocations into
+    /// chunks (multiples of 32 MiB on the H100 and H200) and packs allocations into
     /// them, so what it holds exceeds what is in use by its chunks' slack,
     /// not by a granule per allocation (BENCHMARKS.md, the pool probe).
     fn memory_reserved_peak(&self) -> Result<Option<u64>, CudaError> {

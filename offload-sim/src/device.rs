@@ -1301,7 +1301,7 @@ impl State {
     /// the page tables.
     fn counted_bytes(&self) -> u64 {
         self.reserved_for(self.stats.device_bytes + self.stats.activation_bytes)
-            + self.mapping_bytes()
+            .saturating_add(self.mapping_bytes())
     }
 
     /// Raises the window's peak of [`Self::counted_bytes`].

@@ -136,13 +136,16 @@ fn bad(flag: &'static str, value: impl ToString, allowed: impl Into<String>) -> 
 
 /// The inputs `profile` gives any pipeline `p` before its components are
 /// estimated: the link, a copy's latency and interference, the host's fill
-/// rate (staged blocks priced at it).
+/// rate (staged blocks priced at it), the allocator's chunk rounding.
 fn profile_inputs(p: &Pipeline, profile: &DeviceProfile, steps: u32) -> PlannerInputs {
     let mut inputs = PlannerInputs::new(profile.h2d_pinned_gbps * 1e9, steps);
     inputs.pipeline_type = p.type_name().to_owned();
     inputs.copy_latency_s = profile.copy_latency_us * 1e-6;
     inputs.copy_interference = profile.copy_interference;
     inputs.host_fill_bytes_per_s = Some(profile.host_fill_gbps * 1e9);
+    // An allocator of chunks: up to a chunk less one byte of rounding in
+    // every phase, as a device that reports one counts (CONTRACT §7a).
+    inputs.allocator_slack_bytes = profile.allocation_chunk_bytes.saturating_sub(1);
     inputs.source = InputSource::Estimated;
     inputs
 }

@@ -1575,34 +1575,37 @@ fn unpinned_masters_are_planned_staged_and_priced_at_the_hosts_fill_rate() {
 /// holds. The warm-up's sample of that rounding says nothing of another
 /// phase's, so every phase counts up to a chunk less one byte of it
 /// (`Device::allocation_chunk`, CONTRACT §7a): swept over budgets from the
-/// least to everything with a chunk of 1/48 of the weights, every phase's
-/// peak of the device's own count (the simulator's chunked holding and
-/// page tables, `PhaseMeasure::counted_peak_bytes`) within the budget,
+/// least to everything with a chunk of 1/48 of the weights, through the
+/// warm-up and from saved measurements that counted no slack, every
+/// phase's peak of the device's own count (the simulator's chunked holding
+/// and page tables, `PhaseMeasure::counted_peak_bytes`) within the budget,
 /// outputs equal to resident. Planted `SlackSampledNotChunked` (the
-/// warm-up's sample as every phase's slack, as before): some phase goes
-/// over.
+/// warm-up's sample as every phase's slack, saved measurements taken as
+/// they are): some phase's count goes over, in each path.
 #[test]
 fn the_allocators_chunk_rounding_is_counted_in_every_phase() {
     use offload_core::runtime::PlantedBug;
     let (w, base, want, least) = tiny_baseline(1, 3);
     let total = w.preset.weight_bytes() + 100_000;
     let chunk = w.preset.weight_bytes() / 48;
-    let opts = |bugs: Vec<PlantedBug>| RunOptions {
+    let opts = |bugs: Vec<PlantedBug>, given: Option<PlannerInputs>| RunOptions {
         profile: DeviceProfile {
             allocation_chunk_bytes: chunk,
             ..base.profile.clone()
         },
         bugs,
+        planner: given,
         ..base.clone()
     };
-    let (mut runs, mut over) = (0, 0);
+    let counted_over = |o: &offload_sim::harness::RunOutcome| {
+        offload_sim::job::phase_violations(o)
+            .is_some_and(|v| v.to_string().contains("the device counts"))
+    };
+    let (mut runs, mut over_warm, mut over_saved) = (0, 0, 0);
     for k in 0..=24u64 {
         let budget = least + (total - least) * k / 24 + chunk;
-        let out = match run(
-            &w,
-            &StrategyChoice::Config(budget_config(budget)),
-            &opts(vec![]),
-        ) {
+        let config = StrategyChoice::Config(budget_config(budget));
+        let out = match run(&w, &config, &opts(vec![], None)) {
             Ok(out) => out,
             Err(f) => {
                 assert!(
@@ -1613,29 +1616,55 @@ fn the_allocators_chunk_rounding_is_counted_in_every_phase() {
                 continue;
             }
         };
-        runs += 1;
-        assert!(out.violations.is_empty(), "{budget}: {:#?}", out.violations);
-        assert_eq!(
-            offload_sim::job::phase_violations(&out),
-            None,
-            "budget {budget}"
-        );
-        let inputs = out.inputs.as_ref().expect("measured");
+        let inputs = out.inputs.clone().expect("measured");
         assert!(inputs.allocator_slack_bytes >= chunk - 1, "{inputs:?}");
-        let got: Vec<u64> = out.requests.iter().map(|r| r.output).collect();
-        assert_eq!(got, want, "budget {budget}");
-        if let Ok(planted) = run(
-            &w,
-            &StrategyChoice::Config(budget_config(budget)),
-            &opts(vec![PlantedBug::SlackSampledNotChunked]),
-        ) && offload_sim::job::phase_violations(&planted).is_some()
-        {
-            over += 1;
+        // Saved measurements that counted no slack.
+        let unslacked = PlannerInputs {
+            allocator_slack_bytes: 0,
+            ..inputs
+        };
+        let saved = match run(&w, &config, &opts(vec![], Some(unslacked.clone()))) {
+            Ok(o) => Some(o),
+            Err(f) => {
+                assert!(
+                    f.error.to_string().contains("does not fit"),
+                    "budget {budget}: {}",
+                    f.error
+                );
+                None
+            }
+        };
+        for o in std::iter::once(&out).chain(saved.as_ref()) {
+            runs += 1;
+            assert!(o.violations.is_empty(), "{budget}: {:#?}", o.violations);
+            assert_eq!(
+                offload_sim::job::phase_violations(o),
+                None,
+                "budget {budget}"
+            );
+            let got: Vec<u64> = o.requests.iter().map(|r| r.output).collect();
+            assert_eq!(got, want, "budget {budget}");
+        }
+        if let Some(o) = &saved {
+            let plan = o.plan.as_ref().expect("planned");
+            assert!(
+                plan.allocator_slack_bytes >= chunk - 1,
+                "budget {budget}: saved measurements planned again with the chunk's slack"
+            );
+        }
+        let planted = vec![PlantedBug::SlackSampledNotChunked];
+        if run(&w, &config, &opts(planted.clone(), None)).is_ok_and(|o| counted_over(&o)) {
+            over_warm += 1;
+        }
+        if run(&w, &config, &opts(planted, Some(unslacked))).is_ok_and(|o| counted_over(&o)) {
+            over_saved += 1;
         }
     }
-    eprintln!("{runs} budgets ran within the device's count; the plant went over at {over}");
+    eprintln!(
+        "{runs} runs within the device's count; the plant went over at {over_warm} budgets through the warm-up, {over_saved} from saved measurements"
+    );
     assert!(
-        runs >= 12 && over >= 1,
-        "{runs} runs, the plant over at {over}"
+        runs >= 24 && over_warm >= 1 && over_saved >= 1,
+        "{runs} runs, the plant over at {over_warm} (warm-up) and {over_saved} (saved)"
     );
 }

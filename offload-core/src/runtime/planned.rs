@@ -1388,7 +1388,8 @@ impl<A: Api> PlannedBackend<A> {
             if round == SETTLE_ROUNDS {
                 tracing::warn!(
                     grew,
-                    "planned offload: the masters still grew device memory in use by {grew} B beyond the {counted} B of mappings the plan counts after {SETTLE_ROUNDS} plans (another process allocating?); keeping the last"
+                    tables,
+                    "planned offload: after {SETTLE_ROUNDS} plans the masters' mappings and the page tables of the pinned staging and upload buffers ({tables} B) still exceed the {counted} B the plan counts (the masters grew device memory in use by {grew} B: another process allocating?); keeping the last"
                 );
                 break;
             }
@@ -1411,17 +1412,32 @@ impl<A: Api> PlannedBackend<A> {
         Ok((plan, inputs))
     }
 
-    /// Device memory the page tables of the pinned buffers `side` holds
-    /// beside the masters take (the staging ring and the upload buffer,
-    /// pinned at apply: not in the masters' measured mappings).
+    /// Device memory the page tables of the pinned buffers held beside
+    /// the masters take (the staging ring and the upload buffer, pinned at
+    /// apply: not in the masters' measured mappings): those `side` plans,
+    /// or, where the store stages masters the plan did not (pins the
+    /// device refused, with or without a host side), those its staged
+    /// masters make (a ring of two of the largest and its upload buffer),
+    /// whichever is more.
     fn buffer_tables(&self, side: Option<&HostSide>) -> u64 {
         if self.bugs.has(PlantedBug::StagingTablesUncounted) {
             return 0;
         }
-        side.map_or(0, |s| {
-            self.device.host_page_table_bytes(s.staging_bytes)
-                + self.device.host_page_table_bytes(s.transient_bytes)
-        })
+        let tables = |bytes: u64| self.device.host_page_table_bytes(bytes);
+        let planned = side.map_or(0, |s| tables(s.staging_bytes) + tables(s.transient_bytes));
+        let largest = self
+            .store
+            .values()
+            .filter_map(|m| match &**m {
+                HostMaster::Staged(s) => Some(s.bytes),
+                _ => None,
+            })
+            .max();
+        let built = largest.map_or(0, |b| {
+            tables(b.saturating_mul(crate::budget::host::HOST_STAGING_BUFFERS))
+                + tables(b.min(crate::budget::host::UPLOAD_STAGING_BYTES))
+        });
+        planned.max(built)
     }
 
     /// The allocator's slack every phase carries at least: up to a chunk
@@ -1584,7 +1600,7 @@ impl<A: Api> PlannedBackend<A> {
             copy_latency_s: latency,
             allocation_granule_bytes: self.device.allocation_granule(),
             mapping_bytes: self.mapping_bytes,
-            allocator_slack_bytes: slack + (chunk - 1),
+            allocator_slack_bytes: slack.saturating_add(chunk - 1),
             // Where the warm-up staged blocks, their fills' rate; only a
             // host that fills on threads of its own times them as they
             // run (a simulated host's fills take no simulated time).
@@ -2011,8 +2027,9 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         // pinned buffers) differ from what they assumed, or if they count
         // less of the allocator's slack than its chunk leaves.
         let mut replanned = false;
-        let mapped =
-            self.mapping_bytes + self.buffer_tables(plan.as_ref().and_then(|p| p.host.as_ref()));
+        let mapped = self
+            .mapping_bytes
+            .saturating_add(self.buffer_tables(plan.as_ref().and_then(|p| p.host.as_ref())));
         let least_slack = self.least_slack();
         let (mut choices, mut plan, mut inputs) = match (plan, inputs) {
             (Some(_), Some(mut inp))
