@@ -23,11 +23,11 @@ import ctypes as C
 import json
 import mmap
 
-cu = C.CDLL("libcuda.so.1")
+from cuda_driver import cu, declare, init, ok
 
 MIB = 1 << 20
 
-for f, args in {
+declare({
     "cuMemAllocAsync": [C.POINTER(C.c_uint64), C.c_size_t, C.c_void_p],
     "cuMemAllocFromPoolAsync": [C.POINTER(C.c_uint64), C.c_size_t, C.c_void_p, C.c_void_p],
     "cuMemFreeAsync": [C.c_uint64, C.c_void_p],
@@ -43,29 +43,9 @@ for f, args in {
     "cuMemFreeHost": [C.c_void_p],
     "cuMemHostRegister_v2": [C.c_void_p, C.c_size_t, C.c_uint],
     "cuMemHostUnregister": [C.c_void_p],
-}.items():
-    getattr(cu, f).argtypes = args
+})
 
 RESERVED_CURRENT, USED_CURRENT = 5, 7
-
-
-def ok(rc, what):
-    if rc != 0:
-        name = C.c_char_p()
-        cu.cuGetErrorName(rc, C.byref(name))
-        raise RuntimeError(f"{what}: {name.value.decode() if name.value else rc}")
-
-
-def init():
-    ok(cu.cuInit(0), "cuInit")
-    dev = C.c_int()
-    ok(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
-    ctx = C.c_void_p()
-    ok(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    name = C.create_string_buffer(128)
-    cu.cuDeviceGetName(name, 128, dev)
-    return dev, name.value.decode()
 
 
 def attr(pool, a):
@@ -177,7 +157,7 @@ def pinned(base_info):
 
 
 def main():
-    dev, name = init()
+    dev, _, name = init()
     default = C.c_void_p()
     ok(cu.cuDeviceGetDefaultMemPool(C.byref(default), dev), "default pool")
     ok(cu.cuMemPoolTrimTo(default, 0), "trim")

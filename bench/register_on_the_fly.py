@@ -20,17 +20,9 @@ import os
 import threading
 import time
 
-cu = C.CDLL("libcuda.so.1")
+from cuda_driver import cu, declare, init, ok
 
-
-def ok(rc, what):
-    if rc != 0:
-        name = C.c_char_p()
-        cu.cuGetErrorName(rc, C.byref(name))
-        raise RuntimeError(f"{what}: {name.value.decode() if name.value else rc}")
-
-
-for f, args in {
+declare({
     "cuMemHostRegister_v2": [C.c_void_p, C.c_size_t, C.c_uint],
     "cuMemHostUnregister": [C.c_void_p],
     "cuMemcpyHtoDAsync_v2": [C.c_uint64, C.c_void_p, C.c_size_t, C.c_void_p],
@@ -41,22 +33,9 @@ for f, args in {
     "cuEventElapsedTime": [C.POINTER(C.c_float), C.c_void_p, C.c_void_p],
     "cuStreamSynchronize": [C.c_void_p],
     "cuCtxSetCurrent": [C.c_void_p],
-}.items():
-    getattr(cu, f).argtypes = args
+})
 
 READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
-
-
-def init():
-    ok(cu.cuInit(0), "cuInit")
-    dev = C.c_int()
-    ok(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
-    ctx = C.c_void_p()
-    ok(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    name = C.create_string_buffer(128)
-    cu.cuDeviceGetName(name, 128, dev)
-    return ctx, name.value.decode()
 
 
 def event():
@@ -84,7 +63,7 @@ def main():
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--dir", default="/tmp")
     a = p.parse_args()
-    ctx, device = init()
+    _, ctx, device = init()
     block = a.block_mb << 20
     n = a.blocks
     total = block * n

@@ -89,3 +89,26 @@ pub fn inputs(p: &Pipeline, link: f64, steps: u32, compute: &[f64], act: &[u64])
     }
     inputs
 }
+
+/// A planned simulator run at a budget that may be below the least: its
+/// outcome, or `None` where `enable` refused it as not fitting (any other
+/// failure panics, naming `at`).
+pub fn fitting(
+    run: Result<offload_sim::harness::RunOutcome, offload_sim::harness::RunFailure>,
+    at: &str,
+) -> Option<offload_sim::harness::RunOutcome> {
+    match run {
+        Ok(out) => Some(out),
+        Err(f) if f.error.to_string().contains("does not fit") => None,
+        Err(f) => panic!("{at}: {}", f.error),
+    }
+}
+
+/// Whether some phase of `out` went over the budget on the device's own
+/// count of memory in use (the allocator's chunks and the page tables
+/// beside the allocations: CONTRACT §7a), as INV-7's per-phase check
+/// reports it.
+pub fn over_the_devices_count(out: &offload_sim::harness::RunOutcome) -> bool {
+    offload_sim::job::phase_violations(out)
+        .is_some_and(|v| v.to_string().contains("the device counts"))
+}

@@ -1597,24 +1597,14 @@ fn the_allocators_chunk_rounding_is_counted_in_every_phase() {
         planner: given,
         ..base.clone()
     };
-    let counted_over = |o: &offload_sim::harness::RunOutcome| {
-        offload_sim::job::phase_violations(o)
-            .is_some_and(|v| v.to_string().contains("the device counts"))
-    };
+    use offload_tests::budget::{fitting, over_the_devices_count};
     let (mut runs, mut over_warm, mut over_saved) = (0, 0, 0);
     for k in 0..=24u64 {
         let budget = least + (total - least) * k / 24 + chunk;
         let config = StrategyChoice::Config(budget_config(budget));
-        let out = match run(&w, &config, &opts(vec![], None)) {
-            Ok(out) => out,
-            Err(f) => {
-                assert!(
-                    f.error.to_string().contains("does not fit"),
-                    "budget {budget}: {}",
-                    f.error
-                );
-                continue;
-            }
+        let at = format!("budget {budget}");
+        let Some(out) = fitting(run(&w, &config, &opts(vec![], None)), &at) else {
+            continue;
         };
         let inputs = out.inputs.clone().expect("measured");
         assert!(inputs.allocator_slack_bytes >= chunk - 1, "{inputs:?}");
@@ -1623,17 +1613,10 @@ fn the_allocators_chunk_rounding_is_counted_in_every_phase() {
             allocator_slack_bytes: 0,
             ..inputs
         };
-        let saved = match run(&w, &config, &opts(vec![], Some(unslacked.clone()))) {
-            Ok(o) => Some(o),
-            Err(f) => {
-                assert!(
-                    f.error.to_string().contains("does not fit"),
-                    "budget {budget}: {}",
-                    f.error
-                );
-                None
-            }
-        };
+        let saved = fitting(
+            run(&w, &config, &opts(vec![], Some(unslacked.clone()))),
+            &at,
+        );
         for o in std::iter::once(&out).chain(saved.as_ref()) {
             runs += 1;
             assert!(o.violations.is_empty(), "{budget}: {:#?}", o.violations);
@@ -1653,10 +1636,13 @@ fn the_allocators_chunk_rounding_is_counted_in_every_phase() {
             );
         }
         let planted = vec![PlantedBug::SlackSampledNotChunked];
-        if run(&w, &config, &opts(planted.clone(), None)).is_ok_and(|o| counted_over(&o)) {
+        if run(&w, &config, &opts(planted.clone(), None)).is_ok_and(|o| over_the_devices_count(&o))
+        {
             over_warm += 1;
         }
-        if run(&w, &config, &opts(planted, Some(unslacked))).is_ok_and(|o| counted_over(&o)) {
+        if run(&w, &config, &opts(planted, Some(unslacked)))
+            .is_ok_and(|o| over_the_devices_count(&o))
+        {
             over_saved += 1;
         }
     }

@@ -1640,6 +1640,7 @@ fn model_level_stages_unpinned_and_refused_masters() {
 /// some phase goes over.
 #[test]
 fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
+    use offload_tests::budget::{fitting, over_the_devices_count};
     let (w, base, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
     let least = least_device(&w, &inputs);
     let total = w.preset.weight_bytes();
@@ -1657,21 +1658,14 @@ fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
         let device = least + (total + 100_000 - least) * k / 16 + total / 64;
         for given in [None, Some(inputs.clone())] {
             let config = StrategyChoice::Config(unpinned(device, None));
-            let o = match run(&w, &config, &opts(vec![], given.clone())) {
-                Ok(o) => o,
-                Err(f) => {
-                    assert!(
-                        f.error.to_string().contains("does not fit"),
-                        "device {device}: {}",
-                        f.error
-                    );
-                    continue;
-                }
+            let at = format!("device {device}, given {}", given.is_some());
+            let Some(o) = fitting(run(&w, &config, &opts(vec![], given.clone())), &at) else {
+                continue;
             };
             runs += 1;
             let plan = o.plan.as_ref().expect("planned");
             let side = plan.host.as_ref().expect("unpinned: a host side");
-            let at = format!("device {device}, given {}\n{plan}", given.is_some());
+            let at = format!("{at}\n{plan}");
             assert_eq!(outputs(&o), want, "{at}");
             assert!(
                 all_violations(&o).is_empty(),
@@ -1688,12 +1682,8 @@ fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
             if side.staging_bytes > 0 {
                 tables += 1;
             }
-            if let Ok(p) = run(
-                &w,
-                &config,
-                &opts(vec![PlantedBug::StagingTablesUncounted], given),
-            ) && offload_sim::job::phase_violations(&p).is_some()
-            {
+            let planted = vec![PlantedBug::StagingTablesUncounted];
+            if run(&w, &config, &opts(planted, given)).is_ok_and(|p| over_the_devices_count(&p)) {
                 over += 1;
             }
         }
