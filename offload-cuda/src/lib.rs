@@ -738,7 +738,7 @@ pub struct CudaDevice {
     timeline: timeline::Recorder,
     shared: Arc<SharedRegistrations>,
     /// The chunk the stream-ordered pool maps device memory in (measured
-    /// at creation; 1 where it could not be).
+    /// at creation; [`ASSUMED_POOL_CHUNK`] where it could not be).
     pool_chunk: u64,
 }
 
@@ -1361,9 +1361,10 @@ impl Device<Cuda> for CudaDevice {
     }
 
     /// The pool's reserved high-water mark: it maps device memory in
-    /// chunks (multiples of 32 MiB on the H100 and H200) and packs allocations into
-    /// them, so what it holds exceeds what is in use by its chunks' slack,
-    /// not by a granule per allocation (BENCHMARKS.md, the pool probe).
+    /// chunks (multiples of 32 MiB on the H100 and H200) and packs
+    /// allocations into them, so what it holds exceeds what is in use by
+    /// its chunks' slack, not by a granule per allocation (BENCHMARKS.md,
+    /// the pool probe).
     fn memory_reserved_peak(&self) -> Result<Option<u64>, CudaError> {
         self.bind()?;
         Ok(Some(self.pool_reserved()?.1))
