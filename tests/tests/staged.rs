@@ -1692,7 +1692,73 @@ fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
         "{runs} runs within the device's count ({tables} with a staging ring); the plant went over in {over}"
     );
     assert!(
-        runs >= 16 && tables >= 8 && over >= 1,
+        runs >= 32 && tables >= 8 && over >= 1,
         "{runs} runs, {tables} with a ring, the plant over in {over}"
+    );
+}
+
+/// The same for masters the plan pins but the device refuses (CONTRACT
+/// §7c: a refused pin stages its block, through a ring the plan did not
+/// hold, with no host budget and so no host side): the tables counted are
+/// those the store's staged masters make. Every second to fifth pin
+/// refused (every third refuses the pinned copy that uploads the unit
+/// outside every component, which then uploads from pageable memory
+/// through an upload buffer of its own: before, a typed error failed
+/// `enable`), page tables of one byte per 16 locked, swept over 17
+/// device budgets: every phase within the budget on the device's own count,
+/// outputs equal to resident. Planted `StagingTablesUncounted`: some phase
+/// goes over.
+#[test]
+fn the_page_tables_of_a_refused_pins_staging_are_counted() {
+    use offload_tests::budget::{fitting, over_the_devices_count};
+    let (w, base, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
+    let least = least_device(&w, &inputs);
+    let total = w.preset.weight_bytes();
+    let opts = |bugs: Vec<PlantedBug>, every: u64| RunOptions {
+        profile: DeviceProfile {
+            host_mapping_divisor: 16,
+            ..base.profile.clone()
+        },
+        bugs,
+        faults: FaultPlan {
+            refuse_pin_every: Some(every),
+            ..FaultPlan::none()
+        },
+        ..base.clone()
+    };
+    let (mut runs, mut staged, mut over) = (0, 0, 0);
+    for every in [2, 3, 4, 5] {
+        for k in 0..=16u64 {
+            let device = least + (total + 100_000 - least) * k / 16 + total / 32;
+            let config = StrategyChoice::Config(budgets(device, None));
+            let at = format!("device {device}, every {every}");
+            let Some(o) = fitting(run(&w, &config, &opts(vec![], every)), &at) else {
+                continue;
+            };
+            runs += 1;
+            let plan = o.plan.as_ref().expect("planned");
+            assert!(plan.host.is_none(), "{at}: no host budget, no host side");
+            assert_eq!(outputs(&o), want, "{at}");
+            assert!(
+                all_violations(&o).is_empty(),
+                "{at}: {:#?}",
+                all_violations(&o)
+            );
+            assert_eq!(offload_sim::job::phase_violations(&o), None, "{at}\n{plan}");
+            if o.at_end.pins_refused > 0 {
+                staged += 1;
+            }
+            let planted = vec![PlantedBug::StagingTablesUncounted];
+            if run(&w, &config, &opts(planted, every)).is_ok_and(|p| over_the_devices_count(&p)) {
+                over += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{runs} runs within the device's count ({staged} with a pin refused); the plant went over in {over}"
+    );
+    assert!(
+        runs >= 56 && staged == runs && over >= 1,
+        "{runs} runs, {staged} with a pin refused, the plant over in {over}"
     );
 }

@@ -575,7 +575,6 @@ pub(crate) fn build_planned<A: Api>(
         components: Vec::new(),
         upload: None,
     };
-    let none = BTreeSet::new();
     let build = |st: &mut State<A>| -> Result<(), OffloadError> {
         for g in groups {
             let ready = h
@@ -618,7 +617,28 @@ pub(crate) fn build_planned<A: Api>(
                 // §7c).
                 None => match upload_staged(&unit) {
                     Some(uploaded) => uploaded?,
-                    None => h.upload_within(&unit, &none, whole_mappings)?,
+                    None => match h.master_or_refused(
+                        &unit,
+                        whole_mappings,
+                        "uploading it through a pinned upload buffer",
+                    )? {
+                        Some(copy) => h.upload_through(&unit, copy)?,
+                        // Its pin refused (CONTRACT §7c): from pageable
+                        // memory through an upload buffer of its own,
+                        // freed once the upload has completed.
+                        None => {
+                            let ring = crate::runtime::layerwise::upload_ring(h, unit.bytes)?;
+                            let uploaded =
+                                crate::runtime::layerwise::upload_staged(h, &unit, &ring);
+                            let mut first = None;
+                            crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
+                            let buffer = uploaded?;
+                            if let Some(e) = first {
+                                return Err(e);
+                            }
+                            buffer
+                        }
+                    },
                 },
             });
             st.resident.push(Arc::clone(&buffer));

@@ -1378,7 +1378,9 @@ impl<A: Api> PlannedBackend<A> {
             // The masters' mappings (never counted smaller), and the page
             // tables of the pinned buffers this plan holds beside them.
             let masters = self.mapping_bytes;
-            self.mapping_bytes = masters.saturating_add(grew).min((host / 256).max(masters));
+            self.mapping_bytes = masters
+                .saturating_add(grew)
+                .min(self.mapping_cap(host).max(masters));
             let tables = self.buffer_tables(plan.host.as_ref());
             let counted = inputs.mapping_bytes;
             let mapping = self.mapping_bytes.saturating_add(tables);
@@ -1438,6 +1440,14 @@ impl<A: Api> PlannedBackend<A> {
                 + tables(b.min(crate::budget::host::UPLOAD_STAGING_BYTES))
         });
         planned.max(built)
+    }
+
+    /// The most of a growth in device memory while `host` bytes of
+    /// masters were made that is taken for their mappings: twice the page
+    /// tables the device declares for them, at least 1/256 of them (twice
+    /// a page table of 8 B per 4 KiB page); beyond it, another process's.
+    fn mapping_cap(&self, host: u64) -> u64 {
+        (host / 256).max(self.device.host_page_table_bytes(host).saturating_mul(2))
     }
 
     /// The allocator's slack every phase carries at least: up to a chunk
@@ -1525,6 +1535,10 @@ impl<A: Api> PlannedBackend<A> {
         // weights held then (and beside what was in use before enable).
         // The host masters' mappings are counted apart (every phase
         // carries them), not as activations.
+        // (The pool's rounding at a mark and the page tables of the
+        // warm-up's own staging buffers are in the device's count, so in
+        // `by_free`, and the slack and tables counted apart count them
+        // again: on the safe side.)
         let used_before = memory.total_bytes.saturating_sub(memory.free_bytes) + self.mapping_bytes;
         let mut activation: BTreeMap<String, u64> = BTreeMap::new();
         // The allocator's slack: what it held beyond what was in use
@@ -2000,10 +2014,11 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         }
         self.layout = Some(layout);
         // The masters' mappings: what device memory in use grew by while
-        // only host memory was pinned or registered. A delta above 1/256
-        // of the masters' bytes (twice a page table of 8 B per 4 KiB page)
-        // is another process's, not ours.
+        // only host memory was pinned or registered. A delta above
+        // `mapping_cap` (twice the page tables the device declares for
+        // them) is another process's, not ours.
         let host: u64 = self.store.values().map(|m| m.len_bytes()).sum();
+        let cap = self.mapping_cap(host);
         self.mapping_bytes = match self.device.memory_info() {
             Ok(after) => {
                 let used =
@@ -2012,10 +2027,10 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
                 tracing::info!(
                     grew,
                     host,
-                    "planned offload: device memory in use grew by {grew} B from the start of enable to the host masters made ({host} B page-locked); the plan counts at most 1/256 of them, {} B, as their mappings",
-                    grew.min(host / 256)
+                    "planned offload: device memory in use grew by {grew} B from the start of enable to the host masters made ({host} B page-locked); the plan counts {} B of it (at most {cap} B: twice their page tables) as their mappings",
+                    grew.min(cap)
                 );
-                grew.min(host / 256)
+                grew.min(cap)
             }
             Err(e) => {
                 let _ = self.release_all(None, true);
