@@ -1627,6 +1627,39 @@ fn model_level_stages_unpinned_and_refused_masters() {
     );
 }
 
+/// `base` with page tables of one byte per 16 bytes locked (large, so
+/// that the staging buffers' tables move a plan), `bugs` planted, `faults`
+/// and `given` measurements: the runs of the two page-table tests below.
+fn large_tables(
+    base: &RunOptions,
+    bugs: Vec<PlantedBug>,
+    faults: FaultPlan,
+    given: Option<PlannerInputs>,
+) -> RunOptions {
+    RunOptions {
+        profile: DeviceProfile {
+            host_mapping_divisor: 16,
+            ..base.profile.clone()
+        },
+        bugs,
+        faults,
+        planner: given,
+        ..base.clone()
+    }
+}
+
+/// A planned run within the device's own count: outputs equal to `want`,
+/// no checker violation, every phase within its bound and the budget.
+fn within_the_count(o: &RunOutcome, want: &[u64], at: &str) {
+    assert_eq!(outputs(o), want, "{at}");
+    assert!(
+        all_violations(o).is_empty(),
+        "{at}: {:#?}",
+        all_violations(o)
+    );
+    assert_eq!(offload_sim::job::phase_violations(o), None, "{at}");
+}
+
 /// The pinned staging ring and upload buffer a plan holds take device
 /// memory for their page tables, as the masters' mappings do (a GPU maps
 /// 8 B per 4 KiB page: `bench/pool_probe.py`), and the masters' measured
@@ -1644,15 +1677,7 @@ fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
     let (w, base, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
     let least = least_device(&w, &inputs);
     let total = w.preset.weight_bytes();
-    let opts = |bugs: Vec<PlantedBug>, given: Option<PlannerInputs>| RunOptions {
-        profile: DeviceProfile {
-            host_mapping_divisor: 16,
-            ..base.profile.clone()
-        },
-        bugs,
-        planner: given,
-        ..base.clone()
-    };
+    let opts = |bugs, given| large_tables(&base, bugs, FaultPlan::none(), given);
     let (mut runs, mut over, mut tables) = (0, 0, 0);
     for k in 0..=16u64 {
         let device = least + (total + 100_000 - least) * k / 16 + total / 64;
@@ -1666,13 +1691,7 @@ fn the_page_tables_of_staging_buffers_are_counted_in_every_phase() {
             let plan = o.plan.as_ref().expect("planned");
             let side = plan.host.as_ref().expect("unpinned: a host side");
             let at = format!("{at}\n{plan}");
-            assert_eq!(outputs(&o), want, "{at}");
-            assert!(
-                all_violations(&o).is_empty(),
-                "{at}: {:#?}",
-                all_violations(&o)
-            );
-            assert_eq!(offload_sim::job::phase_violations(&o), None, "{at}");
+            within_the_count(&o, &want, &at);
             let buffers = (side.staging_bytes.div_ceil(16)) + side.transient_bytes.div_ceil(16);
             assert!(
                 plan.mapping_bytes >= buffers,
@@ -1714,17 +1733,12 @@ fn the_page_tables_of_a_refused_pins_staging_are_counted() {
     let (w, base, want, inputs) = baseline_of(offload_sim::presets::tiny_outside());
     let least = least_device(&w, &inputs);
     let total = w.preset.weight_bytes();
-    let opts = |bugs: Vec<PlantedBug>, every: u64| RunOptions {
-        profile: DeviceProfile {
-            host_mapping_divisor: 16,
-            ..base.profile.clone()
-        },
-        bugs,
-        faults: FaultPlan {
+    let opts = |bugs, every| {
+        let faults = FaultPlan {
             refuse_pin_every: Some(every),
             ..FaultPlan::none()
-        },
-        ..base.clone()
+        };
+        large_tables(&base, bugs, faults, None)
     };
     let (mut runs, mut staged, mut over) = (0, 0, 0);
     for every in [2, 3, 4, 5] {
@@ -1738,13 +1752,7 @@ fn the_page_tables_of_a_refused_pins_staging_are_counted() {
             runs += 1;
             let plan = o.plan.as_ref().expect("planned");
             assert!(plan.host.is_none(), "{at}: no host budget, no host side");
-            assert_eq!(outputs(&o), want, "{at}");
-            assert!(
-                all_violations(&o).is_empty(),
-                "{at}: {:#?}",
-                all_violations(&o)
-            );
-            assert_eq!(offload_sim::job::phase_violations(&o), None, "{at}\n{plan}");
+            within_the_count(&o, &want, &at);
             if o.at_end.pins_refused > 0 {
                 staged += 1;
             }
