@@ -617,32 +617,46 @@ pub(crate) fn build_planned<A: Api>(
                 // §7c).
                 None => match upload_staged(&unit) {
                     Some(uploaded) => uploaded?,
-                    None => match h.master_or_refused(
-                        &unit,
-                        whole_mappings,
-                        "uploading it through a pinned upload buffer",
-                    )? {
-                        Some(copy) => h.upload_through(&unit, copy)?,
-                        // Its pin refused (CONTRACT §7c): from pageable
-                        // memory through an upload buffer of its own,
-                        // freed once the upload has completed.
-                        None => {
-                            let ring = crate::runtime::layerwise::upload_ring(h, unit.bytes)?;
-                            let uploaded =
-                                crate::runtime::layerwise::upload_staged(h, &unit, &ring);
-                            let mut first = None;
-                            crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
-                            let buffer = uploaded?;
-                            if let Some(e) = first {
-                                return Err(e);
+                    None => {
+                        // Once a pin was refused, no pin is asked again:
+                        // the rest go through the buffer made for it, as
+                        // in model level and layerwise (CONTRACT §7c).
+                        let copy = match st.upload {
+                            Some(_) => None,
+                            None => h.master_or_refused(
+                                &unit,
+                                whole_mappings,
+                                "uploading it through a pinned upload buffer",
+                            )?,
+                        };
+                        match copy {
+                            Some(copy) => h.upload_through(&unit, copy)?,
+                            None => {
+                                if st.upload.is_none() {
+                                    // Of this unit (later, larger ones go
+                                    // through it in chunks).
+                                    st.upload = Some(crate::runtime::layerwise::upload_ring(
+                                        h, unit.bytes,
+                                    )?);
+                                }
+                                let ring = st.upload.as_ref().expect("made above");
+                                crate::runtime::layerwise::upload_staged(h, &unit, ring)?
                             }
-                            buffer
                         }
-                    },
+                    }
                 },
             });
             st.resident.push(Arc::clone(&buffer));
             st.placement.resident(&unit, &buffer)?;
+        }
+        // A buffer made for refused pins is freed once the uploads are
+        // done (on an error, with the state that holds it).
+        if let Some(ring) = st.upload.take() {
+            let mut first = None;
+            crate::runtime::layerwise::free_staging_ring(h, ring, true, &mut first);
+            if let Some(e) = first {
+                return Err(e);
+            }
         }
         Ok(())
     };
