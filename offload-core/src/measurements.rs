@@ -53,6 +53,15 @@ pub struct PlannerInputs {
     /// be priced (the planner refuses to plan them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_bytes_per_s: Option<f64>,
+    /// How much of its overlap with a running decode a kernel loses
+    /// (CONTRACT §7b): 0.9 makes a kernel beside a decode of 1 ms run
+    /// 0.9 ms longer. Above 1 where a decode costs the kernels beside it
+    /// more than its own time (measured 1.7–2 on an H100 at 4,608 tokens).
+    /// The planned backend measures it at enable where its first plan
+    /// streams coded blocks (the check request, CONTRACT §9). `None`: the
+    /// planner assumes `budget::DECODE_INTERFERENCE` (the H200's fit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_interference: Option<f64>,
     /// The deepest prefetch the planner may choose (1 to 64).
     #[serde(default = "depth")]
     pub max_depth: usize,
@@ -169,6 +178,7 @@ impl PlannerInputs {
             copy_interference: 0.0,
             host_fill_bytes_per_s: None,
             decode_bytes_per_s: None,
+            decode_interference: None,
             max_depth: depth(),
             steps,
             allocation_granule_bytes: granule(),

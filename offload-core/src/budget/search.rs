@@ -22,8 +22,10 @@ use serde::Serialize;
 
 use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
 use super::ring::{
-    DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DEPTH, TIE, forwards_s, hosted_ends,
+    DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DECODE_INTERFERENCE, MAX_DEPTH, TIE,
+    forwards_s, hosted_ends,
 };
+
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
     DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
@@ -43,6 +45,12 @@ const EXACT_BLOCKS: usize = 10;
 const MAX_KEPT_SEARCH: usize = 8;
 /// Rounds of the large-stack local search.
 const SWAP_ROUNDS: usize = 8;
+
+/// The decode interference the planner prices coded blocks at: the
+/// inputs' measured figure, else [`DECODE_INTERFERENCE`].
+pub fn decode_interference(inputs: &PlannerInputs) -> f64 {
+    inputs.decode_interference.unwrap_or(DECODE_INTERFERENCE)
+}
 
 /// One block as the planner sees it.
 #[derive(Clone, Debug)]
@@ -453,7 +461,7 @@ impl PComp {
                     };
                     let decode = coded.then_some(DecodeStage {
                         decode_s: &decode_s,
-                        interference: DECODE_INTERFERENCE,
+                        interference: decode_interference(inp),
                     });
                     let fill: Vec<f64> = match inp.host_fill_bytes_per_s {
                         Some(rate) if mask.iter().any(|m| *m) => s
@@ -2087,6 +2095,17 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             "a finite number > 0 (bf16 bytes the decoder writes per second), or absent",
         );
     }
+    if let Some(k) = inputs.decode_interference
+        && (!non_negative(k) || k > MAX_DECODE_INTERFERENCE)
+    {
+        return bad(
+            "decode_interference",
+            k.to_string(),
+            &format!(
+                "a finite number from 0 to {MAX_DECODE_INTERFERENCE} (how much of its overlap with a decode a kernel loses), or absent ({DECODE_INTERFERENCE} assumed)"
+            ),
+        );
+    }
     for (input, v) in [
         ("copy_latency_s", inputs.copy_latency_s),
         ("copy_interference", inputs.copy_interference),
@@ -2477,7 +2496,7 @@ fn describe(
     if !coded.is_empty() {
         let ratio = on_link as f64 / streamed.max(1) as f64;
         reason.push_str(&format!(
-            "; {} of its streamed blocks stream coded (weight_compression = \"{}\"): {} of weights cross the link as {} per forward ({:.3} of the bytes), decoded on the device at {:.0} GB/s ({} per request) through two staging buffers ({})",
+            "; {} of its streamed blocks stream coded (weight_compression = \"{}\"): {} of weights cross the link as {} per forward ({:.3} of the bytes), decoded on the device at {:.0} GB/s ({} per request, each decode slowing the kernels beside it by {:.2} of their overlap, {}) through two staging buffers ({})",
             coded.len(),
             match c.mode {
                 Code::Always => "lossless",
@@ -2488,6 +2507,12 @@ fn describe(
             ratio,
             inp.decode_bytes_per_s.unwrap_or(0.0) / 1e9,
             secs(decode_s),
+            decode_interference(inp),
+            if inp.decode_interference.is_some() {
+                "as measured"
+            } else {
+                "assumed: not measured on this device"
+            },
             gb(c.staging(l))
         ));
         if c.mode == Code::Choose {

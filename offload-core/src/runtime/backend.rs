@@ -252,14 +252,20 @@ pub trait Backend<A: Api>: OffloadBackend {
         false
     }
 
-    /// The request the pending warm-up runs, if one is pending.
+    /// The request the pending measuring request runs, if one is pending:
+    /// the warm-up, or after it the check request (a plan that streams
+    /// coded blocks, run once timed to measure what its decodes cost the
+    /// kernels beside them, CONTRACT §9). The runtime runs it and calls
+    /// [`Self::finish_warmup`] while one is pending.
     fn warmup_shape(&self) -> Option<RequestShape> {
         None
     }
 
-    /// Ends the warm-up: reads what it measured, plans from it and puts the
-    /// plan in force (a planned backend; others have nothing to do).
-    /// `seconds` is the host time the warm-up took.
+    /// Ends the pending measuring request: reads what it measured, plans
+    /// from it and puts the plan in force (a planned backend; others have
+    /// nothing to do). After the warm-up the plan in force may want the
+    /// check request ([`Self::warmup_shape`] again). `seconds` is the host
+    /// time the request took.
     fn finish_warmup(&mut self, model: &mut Model, seconds: f64) -> Result<(), OffloadError> {
         let _ = (model, seconds);
         Ok(())

@@ -158,11 +158,16 @@ pub enum PlantedBug {
     /// staging ring and upload buffer a plan holds are not counted beside
     /// the masters' measured mappings.
     StagingTablesUncounted,
+    /// The budget's timing (planned, CONTRACT §7b, §9): no check request
+    /// runs after a warm-up whose plan streams coded blocks, so the plan
+    /// prices each decode's cost to the kernels beside it at the assumed
+    /// `DECODE_INTERFERENCE`, whatever this device's is.
+    DecodeInterferenceAssumed,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 45] = [
+    pub const ALL: [PlantedBug; 46] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -208,6 +213,7 @@ impl PlantedBug {
         PlantedBug::StoreMappingsUnmeasured,
         PlantedBug::SlackSampledNotChunked,
         PlantedBug::StagingTablesUncounted,
+        PlantedBug::DecodeInterferenceAssumed,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -19,6 +19,12 @@ use crate::runtime::backend::{Backend, Disabled};
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::platform::CorePlatform;
 
+/// The most requests `enable` runs to measure the device: the warm-up, the
+/// check request where its plan streams coded blocks (CONTRACT §9), and
+/// the check once more where the first ran out of memory and the plan was
+/// made again with the shortfall.
+const MEASURING_REQUESTS: usize = 3;
+
 /// The runtime's own request, as a warm-up runs it: the forwards of every
 /// component for a request of the given shape (CONTRACT §9).
 pub type RequestFn<A> = dyn Fn(&Runtime<A>, &RequestShape) -> Result<(), BoxError> + Send + Sync;
@@ -175,28 +181,61 @@ impl<A: Api> Runtime<A> {
         }
         self.backend = Some(backend);
         // A planned backend with nothing given to plan from measures this
-        // device: the runtime's request runs once, then the plan is made.
-        let Some(shape) = self.backend.as_ref().and_then(|b| b.warmup_shape()) else {
-            self.log_masters();
-            return Ok(());
-        };
-        let request = request.expect("checked above");
-        let began = std::time::Instant::now();
-        let result = request(self, &shape).map_err(|e| OffloadError::Request {
-            reason: format!("the warm-up request ({shape}) failed: {}", request_error(e)),
-        });
-        let seconds = began.elapsed().as_secs_f64();
-        let finished = result.and_then(|()| {
-            let backend = self.backend.as_mut().expect("enabled above");
-            backend.finish_warmup(&mut self.model, seconds)
-        });
-        if let Err(e) = finished {
-            let mut backend = self.backend.take().expect("enabled above");
-            let _ = backend.disable(&mut self.model);
-            return Err((e, backend));
+        // device: the runtime's request runs once, then the plan is made;
+        // where that plan streams coded blocks, once more under it (the
+        // check request, which measures what its decodes cost compute),
+        // then the plan is made again.
+        let mut round = 0;
+        while let Some(shape) = self.backend.as_ref().and_then(|b| b.warmup_shape()) {
+            round += 1;
+            let what = if round == 1 { "warm-up" } else { "check" };
+            let finished = if round > MEASURING_REQUESTS {
+                Err(OffloadError::Request {
+                    reason: format!(
+                        "the backend asked for a {round}th measuring request at enable ({shape}); at most {MEASURING_REQUESTS} run (the warm-up, the check, the check after a shortfall)"
+                    ),
+                })
+            } else {
+                self.measure_once(request.as_ref().expect("checked above"), &shape, what)
+            };
+            if let Err(e) = finished {
+                let mut backend = self.backend.take().expect("enabled above");
+                let _ = backend.disable(&mut self.model);
+                return Err((e, backend));
+            }
         }
         self.log_masters();
         Ok(())
+    }
+
+    /// Runs one measuring request of `shape` at enable (`what`: the
+    /// warm-up or the check) and hands the backend its host time. A check
+    /// request that runs out of device memory is the plan's first request:
+    /// the backend plans again with the shortfall and the check runs again
+    /// (the enable loop asks for it).
+    fn measure_once(
+        &mut self,
+        request: &Arc<RequestFn<A>>,
+        shape: &RequestShape,
+        what: &str,
+    ) -> Result<(), OffloadError> {
+        let began = std::time::Instant::now();
+        match request(self, shape) {
+            Ok(()) => {
+                let seconds = began.elapsed().as_secs_f64();
+                let backend = self.backend.as_mut().expect("enabled");
+                backend.finish_warmup(&mut self.model, seconds)
+            }
+            Err(e) => {
+                let error = request_error(e);
+                if what == "check" && self.replan_after(&error)? {
+                    return Ok(());
+                }
+                Err(OffloadError::Request {
+                    reason: format!("the {what} request ({shape}) failed: {error}"),
+                })
+            }
+        }
     }
 
     /// What `enable` made of the host masters, at `info`.

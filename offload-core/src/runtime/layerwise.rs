@@ -546,6 +546,9 @@ impl Transport {
                 if !engine.bug(PlantedBug::DecodeIntoSlotInUse) {
                     wait(decode, "decode")?;
                 }
+                if let Some(t) = &st.timer {
+                    t.mark(decode, Mark::DecodeStart)?;
+                }
                 let _span = transfer_span(name, decoded_bytes, "decode", "decode").entered();
                 // SAFETY: the staging buffer holds the coded bytes once the
                 // decode stream reaches this call (it waits for `copied`
@@ -573,6 +576,9 @@ impl Transport {
                         e,
                     )
                 })?;
+                if let Some(t) = &st.timer {
+                    t.mark(decode, Mark::DecodeEnd)?;
+                }
                 if !engine.bug(PlantedBug::ComputeBeforeDecode) {
                     h.device
                         .record_event(&slot.ready, decode)

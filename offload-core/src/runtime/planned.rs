@@ -207,9 +207,15 @@ pub struct PlannedBackend<A: Api> {
     layout: Option<Layout>,
     plan: Option<RequestPlan>,
     inputs: Option<PlannerInputs>,
-    /// The warm-up's marks, while one is pending.
+    /// The warm-up's (or the check request's) marks, while one is
+    /// pending.
     timer: Option<Arc<Timer<A>>>,
     warmup: Option<RequestShape>,
+    /// The check request, while one is pending (CONTRACT §9): the plan
+    /// made from the warm-up streams coded blocks and its inputs carry no
+    /// measured decode interference, so the request runs once more under
+    /// that plan, timed, to measure it.
+    check: Option<RequestShape>,
     memory: Option<DeviceMemory>,
     /// Device memory the host masters' mappings took (measured at enable).
     mapping_bytes: u64,
@@ -326,6 +332,7 @@ impl<A: Api> PlannedBackend<A> {
             inputs: None,
             timer: None,
             warmup: None,
+            check: None,
             memory: None,
             mapping_bytes: 0,
             current: Arc::new(Mutex::new(None)),
@@ -1309,8 +1316,16 @@ impl<A: Api> PlannedBackend<A> {
     }
 
     /// Plans from `inputs` and puts the plan in force in place of the one
-    /// now in force.
-    fn replan(&mut self, model: &mut Model, inputs: PlannerInputs) -> Result<(), OffloadError> {
+    /// now in force. With `check` (the request the warm-up ran), a plan
+    /// that streams coded blocks while `inputs` carry no measured decode
+    /// interference is put in force timed, and the check request is
+    /// pending ([`Self::wants_check`]).
+    fn replan(
+        &mut self,
+        model: &mut Model,
+        inputs: PlannerInputs,
+        check: Option<RequestShape>,
+    ) -> Result<(), OffloadError> {
         let memory = self.memory.expect("enabled");
         // Planning is pure: a plan that fails here leaves the one in force.
         // (One made again once the store has followed it, with the
@@ -1329,7 +1344,10 @@ impl<A: Api> PlannedBackend<A> {
         let applied = self.unapply(model, true).and_then(|()| {
             let (plan, inputs) = self.settle_store(&model.pipeline, plan, inputs)?;
             tracing::info!("planned offload: {plan}");
-            let applied = self.apply(model, &plan.choices(), None);
+            let timer = (check.is_some() && self.wants_check(&plan, &inputs))
+                .then(|| Arc::new(Timer::new(Arc::clone(&self.device))));
+            self.check = timer.as_ref().and(check);
+            let applied = self.apply(model, &plan.choices(), timer);
             settled = Some((plan, inputs));
             applied
         });
@@ -1337,6 +1355,7 @@ impl<A: Api> PlannedBackend<A> {
             // Half of one plan and half of another is no plan: everything
             // is released (hooks removed, memory freed, masters unpinned)
             // and the backend refuses further use.
+            self.check = None;
             let _ = self.release_all(Some(model), true);
             self.plan = None;
             self.lifecycle
@@ -1483,6 +1502,8 @@ impl<A: Api> PlannedBackend<A> {
         for (mark, t) in marks {
             match mark {
                 Mark::CopyStart { bytes } => open_copy = Some((bytes, t)),
+                // The warm-up streams every block raw: no decodes.
+                Mark::DecodeStart | Mark::DecodeEnd => {}
                 Mark::CopyEnd => {
                     if let Some((bytes, t0)) = open_copy.take() {
                         copies.push((bytes, t.saturating_sub(t0)));
@@ -1628,6 +1649,61 @@ impl<A: Api> PlannedBackend<A> {
         Ok(self.with_coded(layout, inputs))
     }
 
+    /// Whether `plan` needs the check request (CONTRACT §9): it streams
+    /// coded blocks and `inputs` carry no measured decode interference,
+    /// so what its decodes cost the kernels beside them is the H200's
+    /// fit, not this device's.
+    fn wants_check(&self, plan: &RequestPlan, inputs: &PlannerInputs) -> bool {
+        !self.bugs.has(PlantedBug::DecodeInterferenceAssumed)
+            && inputs.decode_interference.is_none()
+            && plan.components.iter().any(|c| !c.coded_blocks.is_empty())
+    }
+
+    /// After the check request: the decode interference its marks show
+    /// (how much longer each block's kernels ran than the warm-up measured
+    /// them, over how long decodes ran beside them), planned again with.
+    fn finish_check(
+        &mut self,
+        model: &mut Model,
+        shape: &RequestShape,
+        seconds: f64,
+    ) -> Result<(), OffloadError> {
+        let timer = self.timer.clone().expect("a check request runs timed");
+        let marks = timer.read()?;
+        drop(timer.samples());
+        let mut inputs = self.inputs.clone().expect("a plan has its inputs");
+        let measured = decode_interference_of(&marks, &inputs);
+        if let InputSource::Warmup { seconds: s, .. } = &mut inputs.source {
+            *s += seconds;
+        }
+        match measured {
+            Some(m) => {
+                let k = m.interference();
+                tracing::info!(
+                    decode_interference = k,
+                    decodes = m.decodes,
+                    beside_compute_s = m.overlap_s,
+                    longer_s = m.longer_s,
+                    "planned offload: the check request ({}) measured each decode slowing the kernels beside it by {k:.2} of their overlap ({} decodes, {:.1} ms of them beside compute, the kernels {:.1} ms longer than in the warm-up; {} assumed); planning again with it",
+                    shape.for_warmup(),
+                    m.decodes,
+                    m.overlap_s * 1e3,
+                    m.longer_s * 1e3,
+                    budget::DECODE_INTERFERENCE
+                );
+                inputs.decode_interference = Some(k);
+            }
+            None => tracing::warn!(
+                "planned offload: the check request ({}) ran too few decodes beside compute to measure what they cost it; keeping the assumed decode interference {}",
+                shape.for_warmup(),
+                budget::DECODE_INTERFERENCE
+            ),
+        }
+        // Planned again either way: the plan in force carries the check's
+        // timing marks.
+        self.replan(model, inputs, None)
+    }
+
     /// Drops the blobs enable encoded (CONTRACT §7b): once a plan's store
     /// is built, those it streams coded are pinned; a later re-plan that
     /// streams another block coded encodes it again.
@@ -1694,6 +1770,90 @@ fn held_modules(layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<Module
         .filter(|b| choices.iter().any(|c| c.resident_blocks.contains(&b.path)))
         .map(|b| b.module)
         .collect()
+}
+
+/// What the check request's marks show of its decodes and the kernels
+/// beside them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct DecodeCost {
+    /// Decodes timed.
+    decodes: usize,
+    /// Seconds of decode beside the kernels of blocks whose warm-up compute
+    /// is known.
+    overlap_s: f64,
+    /// How much longer those blocks' kernels ran than in the warm-up,
+    /// seconds (negative where they ran shorter).
+    longer_s: f64,
+}
+
+impl DecodeCost {
+    /// The interference: `longer_s / overlap_s`, within the planner's
+    /// range.
+    fn interference(&self) -> f64 {
+        (self.longer_s / self.overlap_s).clamp(0.0, budget::MAX_DECODE_INTERFERENCE)
+    }
+}
+
+/// The decode interference the check request's `marks` show against the
+/// block compute `inputs` carry (the warm-up's, every block streamed raw):
+/// over every block forward that ran beside a decode, how much longer its
+/// kernels ran, over how long decodes ran beside them. `None` where the
+/// decodes ran beside the kernels for less than a quarter of their time
+/// (where the link binds and decodes run while compute waits: what they
+/// cost compute then says little, and matters little).
+fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Option<DecodeCost> {
+    let compute: BTreeMap<&str, f64> = inputs
+        .components
+        .values()
+        .flat_map(|c| c.block_compute_s.iter().map(|(p, t)| (p.as_str(), *t)))
+        .collect();
+    let mut decodes: Vec<(u64, u64)> = Vec::new();
+    let mut open: Option<u64> = None;
+    let mut start: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut windows: Vec<(&str, u64, u64)> = Vec::new();
+    for (mark, t) in marks {
+        match mark {
+            Mark::DecodeStart => open = Some(*t),
+            Mark::DecodeEnd => {
+                if let Some(t0) = open.take() {
+                    decodes.push((t0, *t));
+                }
+            }
+            Mark::BlockStart(p) => {
+                start.insert(p, *t);
+            }
+            Mark::BlockEnd(p) => {
+                if let Some(s) = start.remove(p.as_str()) {
+                    windows.push((p, s, *t));
+                }
+            }
+            _ => {}
+        }
+    }
+    let decoding: u64 = decodes.iter().map(|(s, e)| e.saturating_sub(*s)).sum();
+    let (mut overlap, mut longer) = (0u64, 0.0f64);
+    for (p, s, e) in windows {
+        let Some(raw) = compute.get(p) else {
+            continue;
+        };
+        // Within the kernels' own time (what the warm-up measured them
+        // at): a decode in the tail it stretched them by is its cost, not
+        // more overlap.
+        let end = e.min(s.saturating_add((raw * 1e9) as u64));
+        let o: u64 = decodes
+            .iter()
+            .map(|&(ds, de)| de.min(end).saturating_sub(ds.max(s)))
+            .sum();
+        if o > 0 {
+            overlap += o;
+            longer += e.saturating_sub(s) as f64 * 1e-9 - raw;
+        }
+    }
+    (overlap > 0 && overlap.saturating_mul(4) >= decoding).then_some(DecodeCost {
+        decodes: decodes.len(),
+        overlap_s: overlap as f64 * 1e-9,
+        longer_s: longer,
+    })
 }
 
 /// The link from the warm-up's copies `(bytes, ns)`: a least-squares fit
@@ -2118,6 +2278,7 @@ impl<A: Api> OffloadBackend for PlannedBackend<A> {
         *lock(&self.current) = None;
         self.plan = None;
         self.warmup = None;
+        self.check = None;
         self.lifecycle.finish_disable();
         result
     }
@@ -2171,15 +2332,23 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
     }
 
     fn warmup_shape(&self) -> Option<RequestShape> {
-        self.warmup.as_ref().map(RequestShape::for_warmup)
+        self.warmup
+            .as_ref()
+            .or(self.check.as_ref())
+            .map(RequestShape::for_warmup)
     }
 
     fn finish_warmup(&mut self, model: &mut Model, seconds: f64) -> Result<(), OffloadError> {
+        if self.warmup.is_none()
+            && let Some(shape) = self.check.take()
+        {
+            return self.finish_check(model, &shape, seconds);
+        }
         let (Some(shape), Some(timer)) = (self.warmup.take(), self.timer.clone()) else {
             return Ok(());
         };
         let inputs = self.measurements(model, &timer, &shape.for_warmup(), seconds)?;
-        self.replan(model, inputs)
+        self.replan(model, inputs, Some(shape))
     }
 
     fn replan_after(
@@ -2233,7 +2402,88 @@ impl<A: Api> Backend<A> for PlannedBackend<A> {
             "planned offload: a request ran out of device memory in the `{phase}` phase ({shortfall} bytes short); planning again with {shortfall} more bytes of activations there"
         );
         self.replanned = true;
-        self.replan(model, inputs)?;
+        // A check request that ran out of memory runs again under the
+        // plan made with the shortfall (if that one still streams coded).
+        let check = self.check.take();
+        self.replan(model, inputs, check)?;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Inputs whose one component's blocks `a` and `b` computed 1 ms each
+    /// in the warm-up.
+    fn inputs() -> PlannerInputs {
+        let mut c = crate::measurements::ComponentInputs {
+            forwards: 1.0,
+            ..Default::default()
+        };
+        c.block_compute_s.insert("a".into(), 1e-3);
+        c.block_compute_s.insert("b".into(), 1e-3);
+        let mut i = PlannerInputs::new(1e9, 1);
+        i.components.insert("dit".into(), c);
+        i
+    }
+
+    fn block(p: &str, s: u64, e: u64) -> [(Mark, u64); 2] {
+        [(Mark::BlockStart(p.into()), s), (Mark::BlockEnd(p.into()), e)]
+    }
+
+    fn decode(s: u64, e: u64) -> [(Mark, u64); 2] {
+        [(Mark::DecodeStart, s), (Mark::DecodeEnd, e)]
+    }
+
+    /// A 0.2 ms decode inside each of two 1 ms blocks that ran 0.36 ms
+    /// longer: 1.8. Blocks without a warm-up figure, or beside no decode,
+    /// count nothing.
+    #[test]
+    fn the_interference_is_the_kernels_extra_time_over_the_decodes_beside_them() {
+        let mut marks = Vec::new();
+        marks.extend(decode(100_000, 300_000));
+        marks.extend(block("a", 0, 1_360_000));
+        marks.extend(decode(1_500_000, 1_700_000));
+        marks.extend(block("b", 1_400_000, 2_760_000));
+        // Beside no decode: not counted, however long.
+        marks.extend(block("a", 3_000_000, 9_000_000));
+        // No warm-up figure: not counted.
+        marks.extend(decode(10_100_000, 10_300_000));
+        marks.extend(block("c", 10_000_000, 12_000_000));
+        let m = decode_interference_of(&marks, &inputs()).expect("measured");
+        assert_eq!(m.decodes, 3);
+        assert!((m.overlap_s - 0.4e-3).abs() < 1e-12, "{m:?}");
+        assert!((m.interference() - 1.8).abs() < 1e-9, "{m:?}");
+    }
+
+    /// Decodes that ran while compute waited (the link binds) say nothing
+    /// of what they cost it: no figure where less than a quarter of their
+    /// time ran beside the kernels. The tail a decode stretched a kernel by
+    /// is not counted as more overlap; a figure beyond the planner's range
+    /// is clamped to it, and kernels that ran shorter give 0.
+    #[test]
+    fn decodes_beside_little_compute_measure_nothing() {
+        let mut marks = Vec::new();
+        marks.extend(decode(0, 1_000_000));
+        marks.extend(block("a", 900_000, 1_900_000));
+        assert_eq!(decode_interference_of(&marks, &inputs()), None);
+        // Within the kernels' own millisecond only: 0.2 ms beside it.
+        let mut marks = Vec::new();
+        marks.extend(block("a", 0, 1_400_000));
+        marks.extend(decode(800_000, 1_400_000));
+        let m = decode_interference_of(&marks, &inputs()).expect("measured");
+        assert!((m.overlap_s - 0.2e-3).abs() < 1e-12, "{m:?}");
+        assert!((m.interference() - 2.0).abs() < 1e-9, "{m:?}");
+        let mut marks = Vec::new();
+        marks.extend(block("a", 0, 20_000_000));
+        marks.extend(decode(0, 100_000));
+        let m = decode_interference_of(&marks, &inputs()).expect("measured");
+        assert_eq!(m.interference(), budget::MAX_DECODE_INTERFERENCE);
+        let mut marks = Vec::new();
+        marks.extend(block("a", 0, 900_000));
+        marks.extend(decode(0, 100_000));
+        let m = decode_interference_of(&marks, &inputs()).expect("measured");
+        assert_eq!(m.interference(), 0.0);
     }
 }

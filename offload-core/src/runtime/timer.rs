@@ -1,7 +1,8 @@
-//! Device-timed marks the warm-up records (CONTRACT §9): timing events on
-//! the copy stream around each fill and on the compute stream around each
-//! block's and each component's forward, and the device's memory figures
-//! sampled at the same points. Read once the warm-up request is done (the
+//! Device-timed marks the warm-up (and the check request after it)
+//! records (CONTRACT §9): timing events on the copy stream around each
+//! fill, on the decode stream around each decode and on the compute
+//! stream around each block's and each component's forward, and the
+//! device's memory figures sampled at the same points. Read once the warm-up request is done (the
 //! host waits for every mark then, never on the hot path: a backend
 //! records marks only while it measures).
 
@@ -21,6 +22,11 @@ pub(crate) enum Mark {
     },
     /// The fill just begun ends.
     CopyEnd,
+    /// A decode of a coded block begins on the decode stream (after its
+    /// waits: its copy and its slot's last use).
+    DecodeStart,
+    /// The decode just begun ends.
+    DecodeEnd,
     /// Block `path`'s hooks begin, before compute waits for its fill.
     BlockBefore(String),
     /// Block `path`'s kernels may begin (its fill is waited for).
