@@ -527,7 +527,8 @@ fn budget_keys_are_checked() {
     assert!(e.contains("input of the request planner"), "{e}");
 }
 
-/// Inputs that do not describe the pipeline are typed errors.
+/// Inputs that do not describe the pipeline, or carry a figure out of
+/// range, are typed errors.
 #[test]
 fn planner_inputs_are_checked_against_the_pipeline() {
     let p = pipeline((2, 16, 4, 8, 100), (3, 24), 600, 0);
@@ -550,12 +551,18 @@ fn planner_inputs_are_checked_against_the_pipeline() {
     other.pipeline_type = "SomethingElse".into();
     let mut link = good.clone();
     link.link_bytes_per_s = f64::NAN;
+    let mut decode = good.clone();
+    decode.decode_interference = Some(offload_core::budget::MAX_DECODE_INTERFERENCE * 1.5);
+    let mut negative = good.clone();
+    negative.decode_interference = Some(-0.1);
     for (inputs, needle) in [
         (missing, "no entry for `vae`"),
         (unknown, "an entry for `vea`"),
         (block, "transformer.blocks.99"),
         (other, "SomethingElse"),
         (link, "link_bytes_per_s"),
+        (decode, "decode_interference"),
+        (negative, "decode_interference"),
     ] {
         let e = plan(&p, &config, &inputs, big()).unwrap_err();
         let text = e.to_string();
@@ -566,6 +573,11 @@ fn planner_inputs_are_checked_against_the_pipeline() {
             "{text}"
         );
     }
+    // A decode that costs the kernels beside it more than its own time is
+    // a card's measured figure (an H100's 1.7–2), not an error.
+    let mut above_one = good.clone();
+    above_one.decode_interference = Some(2.0);
+    assert!(plan(&p, &config, &above_one, big()).is_ok());
 }
 
 /// The `tiny` preset's workload (`requests` requests of `steps` steps) on

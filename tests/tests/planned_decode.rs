@@ -894,3 +894,103 @@ fn staged_coded_fills_are_priced_at_their_coded_bytes() {
         dit.predicted_s
     );
 }
+
+/// Flux.1-dev at 4,608 tokens (2 steps, one payload byte in 16 of the
+/// default's) under a 16 GiB budget with `compression`, on the simulated
+/// H200 whose decodes cost the kernels beside them `interference` of
+/// their overlap (the profile's figure: the device charges it to kernels
+/// launched after the decode), with `bugs` planted.
+fn flux_at_16gib(
+    compression: WeightCompression,
+    interference: f64,
+    bugs: &[PlantedBug],
+    planner: Option<PlannerInputs>,
+) -> RunOutcome {
+    let preset = offload_sim::presets::flux1_dev();
+    let divisor = offload_sim::harness::default_payload_divisor(preset.weight_bytes()) * 16;
+    let w = Workload {
+        tokens: 4608,
+        preset,
+        steps: 2,
+        requests: 2,
+    };
+    let mut profile = offload_sim::DeviceProfile::h200();
+    profile.decode_interference = interference;
+    let o = RunOptions {
+        profile,
+        payload_divisor: divisor,
+        planner,
+        ..opts(bugs, None)
+    };
+    run(
+        &w,
+        &StrategyChoice::Config(config(16 << 30, compression)),
+        &o,
+    )
+    .unwrap_or_else(|f| panic!("16 GiB, {compression}: {}", f.error))
+}
+
+/// How far a run's timed request ran from its plan's prediction, relative.
+fn prediction_error(o: &RunOutcome) -> f64 {
+    let measured = o.requests[1].request_ns as f64 * 1e-9;
+    let predicted = o.plan.as_ref().expect("a plan").predicted_request_s;
+    (predicted - measured).abs() / measured
+}
+
+/// Where the warm-up's plan streams coded blocks, the check request runs
+/// it once more, timed, and measures what each decode costs the kernels
+/// beside it (CONTRACT §7b, §9); the plan is made again with that figure,
+/// which the saved inputs carry (a second enable from them runs no check
+/// and makes the same plan). On a device whose decodes cost compute more
+/// than the assumed 0.9 (the profile charges 4 of the overlap to the
+/// kernels launched after a decode, so about 2.5 of all the overlap the
+/// marks see): the figure is measured above 0.9, the plan reports it as
+/// measured, the coded request is bit-identical to `"none"`'s, no slower,
+/// breaks no rule, and runs closer to its prediction than the plan that
+/// assumed 0.9. Planted `DecodeInterferenceAssumed` (no check): the
+/// figure stays the assumed one and the request runs further from its
+/// prediction (5.1 % against 3.7 % when written).
+#[test]
+fn the_check_request_measures_what_decodes_cost_compute() {
+    let none = flux_at_16gib(WeightCompression::None, 4.0, &[], None);
+    let auto = flux_at_16gib(WeightCompression::Auto, 4.0, &[], None);
+    let inputs = estimated(&auto);
+    let k = inputs
+        .decode_interference
+        .expect("the check request measured the decode interference");
+    assert!(
+        k > offload_core::budget::DECODE_INTERFERENCE && k <= 4.0,
+        "measured {k}"
+    );
+    let plan = auto.plan.as_ref().expect("a plan");
+    let dit = plan.component("transformer").expect("a DiT phase");
+    assert!(!dit.coded_blocks.is_empty(), "{plan}");
+    assert!(dit.reason.contains("as measured"), "{}", dit.reason);
+    assert_eq!(outputs(&auto), outputs(&none));
+    assert_eq!(all_violations(&auto), vec![]);
+    assert_eq!(offload_sim::job::phase_violations(&auto), None);
+    assert!(
+        auto.requests[1].request_ns <= none.requests[1].request_ns,
+        "auto {} ns against none {} ns",
+        auto.requests[1].request_ns,
+        none.requests[1].request_ns
+    );
+    let assumed = flux_at_16gib(
+        WeightCompression::Auto,
+        4.0,
+        &[PlantedBug::DecodeInterferenceAssumed],
+        None,
+    );
+    assert_eq!(estimated(&assumed).decode_interference, None);
+    let (checked, planted) = (prediction_error(&auto), prediction_error(&assumed));
+    println!("prediction error: checked {checked:.4}, assumed {planted:.4}; measured {k:.3}");
+    assert!(
+        checked < planted,
+        "the checked plan runs {checked:.4} from its prediction, the assumed one {planted:.4}"
+    );
+    // Saved and given back: no check, the same plan.
+    let again = flux_at_16gib(WeightCompression::Auto, 4.0, &[], Some(inputs.clone()));
+    assert_eq!(estimated(&again).decode_interference, Some(k));
+    assert_eq!(again.plan.as_ref().unwrap().choices(), plan.choices());
+    assert_eq!(outputs(&again), outputs(&none));
+}

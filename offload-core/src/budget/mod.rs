@@ -40,13 +40,12 @@ use crate::plan::PlanError;
 pub use host::{HostBlock, HostLimits, HostPlan, StageReason, host_limits, plan_host};
 pub use ring::{
     CompressionChoice, DECODE_INTERFERENCE, DecodeStage, HostStage, Lookahead,
-    MAX_DECODE_INTERFERENCE, RingShape,
-    StagedForecast, choose_compression, choose_lookahead, forecast_staged, forward_ends,
-    forwards_s, hosted_ends, predict_step, staged_ends, steady_s,
+    MAX_DECODE_INTERFERENCE, RingShape, StagedForecast, choose_compression, choose_lookahead,
+    forecast_staged, forward_ends, forwards_s, hosted_ends, predict_step, staged_ends, steady_s,
 };
 pub use search::{
-    Evaluation, Evaluator, PhaseEvaluation, Stack, decode_interference, evaluate, smallest_footprint,
-    smallest_footprint_within,
+    Evaluation, Evaluator, PhaseEvaluation, Stack, decode_interference, evaluate,
+    smallest_footprint, smallest_footprint_within,
 };
 pub use types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,

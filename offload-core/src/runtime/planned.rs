@@ -2429,7 +2429,10 @@ mod tests {
     }
 
     fn block(p: &str, s: u64, e: u64) -> [(Mark, u64); 2] {
-        [(Mark::BlockStart(p.into()), s), (Mark::BlockEnd(p.into()), e)]
+        [
+            (Mark::BlockStart(p.into()), s),
+            (Mark::BlockEnd(p.into()), e),
+        ]
     }
 
     fn decode(s: u64, e: u64) -> [(Mark, u64); 2] {
