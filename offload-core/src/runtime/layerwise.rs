@@ -2345,7 +2345,9 @@ impl<A: Api> LayerwiseBackend<A> {
                 &coded_s,
                 crate::budget::DecodeStage {
                     decode_s: &decode_s,
-                    interference: crate::budget::DECODE_INTERFERENCE,
+                    // The inputs' measured figure (a planned backend's
+                    // check request saved it), else the assumed one.
+                    interference: crate::budget::decode_interference(inputs),
                 },
                 st.depth,
             )
