@@ -387,7 +387,7 @@ fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capaci
 /// N(0, 1/fan-in) per tensor, within half a point of real trained ones
 /// for this code) sampled as the simulator's codec sizes a sampled blob
 /// ([`crate::SimCodec::estimated_bytes`]), and the decoder at the
-/// profile's rate and interference. What the inputs already carry (a saved warm-up's
+/// profile's rate. What the inputs already carry (a saved warm-up's
 /// measurements) is kept.
 pub fn with_coded_estimates(
     pipeline: &Pipeline,
@@ -396,11 +396,6 @@ pub fn with_coded_estimates(
 ) -> PlannerInputs {
     if inputs.decode_bytes_per_s.is_none() {
         inputs.decode_bytes_per_s = Some(profile.decode_gbps * 1e9);
-    }
-    // What a decode costs the kernels beside it: the profile's (a saved
-    // warm-up's measured figure kept).
-    if inputs.decode_interference.is_none() {
-        inputs.decode_interference = Some(profile.decode_interference);
     }
     let Ok(part) = offload_core::runtime::packing(pipeline) else {
         return inputs;

@@ -251,6 +251,28 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
         e.contains("weight_compression") && e.contains("with_planner"),
         "{e}"
     );
+    // A decode interference out of range in the given inputs: a typed
+    // error naming the key (seen red as the recurrence's "coded ring
+    // shape" before layerwise checked it).
+    let w = workload();
+    let mut inputs =
+        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
+    inputs.decode_interference = Some(f64::NAN);
+    let Err(failure) = run(
+        &w,
+        &layerwise(WeightCompression::Auto),
+        &RunOptions {
+            planner: Some(inputs),
+            ..opts(&[], 1, None)
+        },
+    ) else {
+        panic!("auto with a NaN decode interference ran");
+    };
+    let e = failure.error.to_string();
+    assert!(
+        e.contains("decode_interference") && e.contains("allowed"),
+        "{e}"
+    );
 }
 
 /// One ring coded, the other raw, sharing one slot pool: a copy fill that

@@ -947,7 +947,8 @@ fn prediction_error(o: &RunOutcome) -> f64 {
 /// marks see): the figure is measured above 0.9, the plan reports it as
 /// measured, the coded request is bit-identical to `"none"`'s, no slower,
 /// breaks no rule, and runs closer to its prediction than the plan that
-/// assumed 0.9. Planted `DecodeInterferenceAssumed` (no check): the
+/// assumed 0.9; a profile of 1 measures less than half of it (0.424
+/// against 2.468 when written). Planted `DecodeInterferenceAssumed` (no check): the
 /// figure stays the assumed one and the request runs further from its
 /// prediction (5.1 % against 3.7 % when written).
 #[test]
@@ -988,6 +989,16 @@ fn the_check_request_measures_what_decodes_cost_compute() {
         checked < planted,
         "the checked plan runs {checked:.4} from its prediction, the assumed one {planted:.4}"
     );
+    // The figure follows the device's: a device whose decodes cost a
+    // quarter as much measures less.
+    let low = flux_at_16gib(WeightCompression::Auto, 1.0, &[], None);
+    let k_low = estimated(&low).decode_interference;
+    println!("a profile of 1 measures {k_low:?}, of 4 {k:.3}");
+    assert!(
+        k_low.is_some_and(|l| l < k * 0.5),
+        "a profile of 1 measured {k_low:?}, of 4 {k}"
+    );
+    assert_eq!(outputs(&low), outputs(&none));
     // Saved and given back: no check, the same plan.
     let again = flux_at_16gib(WeightCompression::Auto, 4.0, &[], Some(inputs.clone()));
     assert_eq!(estimated(&again).decode_interference, Some(k));

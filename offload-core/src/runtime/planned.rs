@@ -1700,7 +1700,9 @@ impl<A: Api> PlannedBackend<A> {
             ),
         }
         // Planned again either way: the plan in force carries the check's
-        // timing marks.
+        // timing marks. A shortfall the check ran into was enable's: the
+        // first served request keeps its own re-plan (CONTRACT §7a).
+        self.replanned = false;
         self.replan(model, inputs, None)
     }
 
@@ -1797,10 +1799,12 @@ impl DecodeCost {
 /// The decode interference the check request's `marks` show against the
 /// block compute `inputs` carry (the warm-up's, every block streamed raw):
 /// over every block forward that ran beside a decode, how much longer its
-/// kernels ran, over how long decodes ran beside them. `None` where the
-/// decodes ran beside the kernels for less than a quarter of their time
-/// (where the link binds and decodes run while compute waits: what they
-/// cost compute then says little, and matters little).
+/// kernels ran, over how long decodes ran beside them within the kernels'
+/// own time. `None` where that overlap is less than a quarter of the
+/// decodes' time (where the link binds and decodes run
+/// while compute waits: what they cost compute then says little, and
+/// matters little), or the figure is at or below 0 or at or beyond
+/// `MAX_DECODE_INTERFERENCE` (noise, not a measurement).
 fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Option<DecodeCost> {
     let compute: BTreeMap<&str, f64> = inputs
         .components
@@ -1836,9 +1840,12 @@ fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Opti
         let Some(raw) = compute.get(p) else {
             continue;
         };
-        // Within the kernels' own time (what the warm-up measured them
-        // at): a decode in the tail it stretched them by is its cost, not
-        // more overlap.
+        // Every decode within the kernels' own time (what the warm-up
+        // measured them at): a decode in the tail it stretched them by is
+        // its cost, not more overlap. (The planner's recurrence counts
+        // only the decode running when a block starts; counted that way
+        // the figure predicted the simulator's coded request worse: 5.4 %
+        // from it against 3.7 %, ARCHITECTURE.md.)
         let end = e.min(s.saturating_add((raw * 1e9) as u64));
         let o: u64 = decodes
             .iter()
@@ -1849,11 +1856,20 @@ fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Opti
             longer += e.saturating_sub(s) as f64 * 1e-9 - raw;
         }
     }
-    (overlap > 0 && overlap.saturating_mul(4) >= decoding).then_some(DecodeCost {
+    let cost = DecodeCost {
         decodes: decodes.len(),
         overlap_s: overlap as f64 * 1e-9,
         longer_s: longer,
-    })
+    };
+    // A figure at or below 0, or beyond the planner's range, is noise (a
+    // clock that moved between the warm-up and the check), not a
+    // measurement.
+    let k = cost.longer_s / cost.overlap_s;
+    (overlap > 0
+        && overlap.saturating_mul(4) >= decoding
+        && k > 0.0
+        && k < budget::MAX_DECODE_INTERFERENCE)
+        .then_some(cost)
 }
 
 /// The link from the warm-up's copies `(bytes, ns)`: a least-squares fit
@@ -2439,7 +2455,7 @@ mod tests {
         [(Mark::DecodeStart, s), (Mark::DecodeEnd, e)]
     }
 
-    /// A 0.2 ms decode inside each of two 1 ms blocks that ran 0.36 ms
+    /// A 0.2 ms decode beside each of two 1 ms blocks that ran 0.36 ms
     /// longer: 1.8. Blocks without a warm-up figure, or beside no decode,
     /// count nothing.
     #[test]
@@ -2463,30 +2479,26 @@ mod tests {
     /// Decodes that ran while compute waited (the link binds) say nothing
     /// of what they cost it: no figure where less than a quarter of their
     /// time ran beside the kernels. The tail a decode stretched a kernel by
-    /// is not counted as more overlap; a figure beyond the planner's range
-    /// is clamped to it, and kernels that ran shorter give 0.
+    /// is not counted as more overlap. A figure at or below 0 or beyond
+    /// the planner's range is noise: no figure.
     #[test]
     fn decodes_beside_little_compute_measure_nothing() {
         let mut marks = Vec::new();
         marks.extend(decode(0, 1_000_000));
         marks.extend(block("a", 900_000, 1_900_000));
         assert_eq!(decode_interference_of(&marks, &inputs()), None);
-        // Within the kernels' own millisecond only: 0.2 ms beside it.
+        // Within the kernels' own millisecond only: 0.2 ms beside them.
         let mut marks = Vec::new();
         marks.extend(block("a", 0, 1_400_000));
         marks.extend(decode(800_000, 1_400_000));
         let m = decode_interference_of(&marks, &inputs()).expect("measured");
         assert!((m.overlap_s - 0.2e-3).abs() < 1e-12, "{m:?}");
         assert!((m.interference() - 2.0).abs() < 1e-9, "{m:?}");
-        let mut marks = Vec::new();
-        marks.extend(block("a", 0, 20_000_000));
-        marks.extend(decode(0, 100_000));
-        let m = decode_interference_of(&marks, &inputs()).expect("measured");
-        assert_eq!(m.interference(), budget::MAX_DECODE_INTERFERENCE);
-        let mut marks = Vec::new();
-        marks.extend(block("a", 0, 900_000));
-        marks.extend(decode(0, 100_000));
-        let m = decode_interference_of(&marks, &inputs()).expect("measured");
-        assert_eq!(m.interference(), 0.0);
+        for end in [20_000_000, 1_000_000, 900_000] {
+            let mut marks = Vec::new();
+            marks.extend(block("a", 0, end));
+            marks.extend(decode(0, 100_000));
+            assert_eq!(decode_interference_of(&marks, &inputs()), None, "{end}");
+        }
     }
 }
