@@ -941,8 +941,11 @@ fn prediction_error(o: &RunOutcome) -> f64 {
 /// it once more, timed, and measures what each decode costs the kernels
 /// beside it (CONTRACT §7b, §9); the plan is made again with that figure,
 /// which the saved inputs carry (a second enable from them runs no check
-/// and makes the same plan). On a device whose decodes cost compute more
-/// than the assumed 0.9 (the profile charges 4 of the overlap to the
+/// and makes the same plan), and its timing marks are gone once enable
+/// returns (the served requests sync no more than `"none"`'s: seen red,
+/// 12 against 2, with the marks left on the plan made after the check).
+/// On a device whose decodes cost compute more than the assumed 0.9 (the
+/// profile charges 4 of the overlap to the
 /// kernels launched after a decode, so about 2.5 of all the overlap the
 /// marks see): the figure is measured above 0.9, the plan reports it as
 /// measured, the coded request is bit-identical to `"none"`'s, no slower,
@@ -970,6 +973,11 @@ fn the_check_request_measures_what_decodes_cost_compute() {
     assert_eq!(outputs(&auto), outputs(&none));
     assert_eq!(all_violations(&auto), vec![]);
     assert_eq!(offload_sim::job::phase_violations(&auto), None);
+    // The check's marks are gone once enable returns: the served requests
+    // wait on the host no more than `"none"`'s (the marks synchronise the
+    // compute stream at each phase's end and read every event).
+    let served_syncs = |o: &RunOutcome| o.at_end.syncs - o.after_enable.syncs;
+    assert_eq!(served_syncs(&auto), served_syncs(&none));
     assert!(
         auto.requests[1].request_ns <= none.requests[1].request_ns,
         "auto {} ns against none {} ns",
