@@ -1013,3 +1013,60 @@ fn the_check_request_measures_what_decodes_cost_compute() {
     assert_eq!(again.plan.as_ref().unwrap().choices(), plan.choices());
     assert_eq!(outputs(&again), outputs(&none));
 }
+
+/// A dearer decode never makes the planner predict a shorter request, and
+/// where compute binds its cost to the kernels beside it is priced:
+/// Flux.1-dev's estimated inputs (coded sizes from weights that look
+/// trained) at 4,608 tokens × 28 steps under `"auto"`, at 12 GiB (the
+/// link binds) and 16 GiB (compute binds), the decode interference at 0,
+/// 0.45, 0.9 and the largest allowed.
+/// Seen red before the coded searches also ran at the assumed figure: at
+/// 12 GiB a figure of 0 predicted 5.217 s and 0.9 predicted 5.027 s (the
+/// greedy residency at 0 landed on a worse plan).
+#[test]
+fn a_dearer_decode_never_predicts_a_shorter_request() {
+    let preset = offload_sim::presets::flux1_dev();
+    let profile = offload_sim::DeviceProfile::h200();
+    let base = offload_sim::plan::with_coded_estimates(
+        &preset.pipeline,
+        &profile,
+        offload_sim::plan::estimated_inputs(&preset, &profile, 4608, 28),
+    );
+    let device = DeviceMemory::of(u64::MAX / 4);
+    let mut priced = 0;
+    for gib in [12u64, 16] {
+        let mut last = 0.0f64;
+        let mut first = None;
+        for k in [
+            0.0,
+            0.45,
+            0.9,
+            offload_core::budget::MAX_DECODE_INTERFERENCE,
+        ] {
+            let mut inputs = base.clone();
+            inputs.decode_interference = Some(k);
+            let plan = plan_within(
+                &preset.pipeline,
+                &config(gib << 30, WeightCompression::Auto),
+                &inputs,
+                device,
+                None,
+            )
+            .unwrap_or_else(|e| panic!("{gib} GiB, figure {k}: {e}"));
+            let t = plan.predicted_request_s;
+            println!("{gib} GiB, figure {k}: {t:.5} s");
+            assert!(
+                t >= last * (1.0 - 1e-9),
+                "{gib} GiB: figure {k} predicts {t} s, below {last} s at a smaller one\n{plan}"
+            );
+            last = last.max(t);
+            first.get_or_insert(t);
+        }
+        let first = first.expect("swept");
+        println!("{gib} GiB: {first:.4} s at 0 to {last:.4} s at the largest figure");
+        priced += usize::from(last > first * (1.0 + 1e-6));
+    }
+    // Where the link binds, decodes run while compute waits and the figure
+    // changes nothing; where compute binds it is priced.
+    assert!(priced > 0, "the decode's cost to compute is priced nowhere");
+}
