@@ -157,7 +157,8 @@ pub enum InputSource {
     Warmup {
         /// The request the warm-up ran.
         shape: RequestShape,
-        /// Host time the warm-up took (its enable, request and disable).
+        /// Host time the warm-up took (its enable, request and disable),
+        /// and the check request's where one ran (CONTRACT §9).
         seconds: f64,
         /// The device's total memory.
         device_total_bytes: u64,
