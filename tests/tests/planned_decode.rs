@@ -1070,3 +1070,73 @@ fn a_dearer_decode_never_predicts_a_shorter_request() {
     // changes nothing; where compute binds it is priced.
     assert!(priced > 0, "the decode's cost to compute is priced nowhere");
 }
+
+/// The check request is the coded plan's first request: where it runs out
+/// of device memory (the warm-up reported half the DiT's activations:
+/// planted `UnderstateActivations`, on a device exactly the budget), the
+/// backend plans again with the shortfall and runs the check again, and
+/// `enable` succeeds; the served requests are the resident run's, with no
+/// rule broken, and a served request that runs short still re-plans once.
+/// Seen red with the check's shortfall not re-planned (the enable fails
+/// naming the check request).
+#[test]
+fn a_check_request_short_of_memory_replans_and_checks_again() {
+    let want = resident();
+    let budget = middle();
+    let device = RunOptions {
+        profile: offload_sim::DeviceProfile {
+            memory_bytes: budget,
+            ..offload_sim::DeviceProfile::h200()
+        },
+        ..opts(&[PlantedBug::UnderstateActivations], None)
+    };
+    let (out, logs) = offload_tests::capture_logs(|| {
+        run(
+            &workload(),
+            &StrategyChoice::Config(config(budget, WeightCompression::Lossless)),
+            &device,
+        )
+    });
+    let out = out.unwrap_or_else(|f| panic!("{}\n{logs}", f.error));
+    let short = logs
+        .lines()
+        .position(|l| l.contains("ran out of device memory"))
+        .unwrap_or_else(|| panic!("no shortfall at enable:\n{logs}"));
+    let checks: Vec<usize> = logs
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("the check request"))
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        checks.iter().any(|&i| i > short),
+        "the check ran again after the shortfall:\n{logs}"
+    );
+    assert_eq!(outputs(&out), want);
+    // The checker's rules, and each served phase within the final plan's
+    // bounds (the run's peak weights are the first plan's, held during
+    // the check before the shortfall: `a_first_request_short_of_memory_
+    // replans_once` in budget.rs reads it the same way).
+    assert!(out.violations.is_empty(), "{:#?}", out.violations);
+    assert_eq!(offload_sim::job::phase_violations(&out), None);
+    // The shortfall was enable's: a served request that runs short still
+    // gets its own re-plan (seen red, `ShortfallAgain`, with the flag kept).
+    let w = workload();
+    let mut rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &device).unwrap();
+    rig.serve_workload(&w);
+    rig.runtime
+        .enable_selected(&config(budget, WeightCompression::Lossless), &rig.platform)
+        .unwrap();
+    let oom = offload_core::OffloadError::device(
+        "alloc_activations",
+        offload_sim::device::SimError {
+            operation: "alloc_activations".into(),
+            kind: offload_core::device::DeviceErrorKind::OutOfMemory,
+            detail: "planted".into(),
+            shortfall_bytes: Some(1000),
+        },
+    );
+    rig.request(&w).unwrap();
+    assert!(rig.runtime.replan_after(&oom).unwrap());
+    rig.request(&w).unwrap();
+}

@@ -25,7 +25,6 @@ use super::ring::{
     DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DECODE_INTERFERENCE, MAX_DEPTH, TIE,
     forwards_s, hosted_ends,
 };
-
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
     DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,

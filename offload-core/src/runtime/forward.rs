@@ -188,7 +188,6 @@ impl<A: Api> Runtime<A> {
         let mut round = 0;
         while let Some(shape) = self.backend.as_ref().and_then(|b| b.warmup_shape()) {
             round += 1;
-            let what = if round == 1 { "warm-up" } else { "check" };
             let finished = if round > MEASURING_REQUESTS {
                 Err(OffloadError::Request {
                     reason: format!(
@@ -196,7 +195,7 @@ impl<A: Api> Runtime<A> {
                     ),
                 })
             } else {
-                self.measure_once(request.as_ref().expect("checked above"), &shape, what)
+                self.measure_once(request.as_ref().expect("checked above"), &shape, round > 1)
             };
             if let Err(e) = finished {
                 let mut backend = self.backend.take().expect("enabled above");
@@ -208,17 +207,18 @@ impl<A: Api> Runtime<A> {
         Ok(())
     }
 
-    /// Runs one measuring request of `shape` at enable (`what`: the
-    /// warm-up or the check) and hands the backend its host time. A check
-    /// request that runs out of device memory is the plan's first request:
-    /// the backend plans again with the shortfall and the check runs again
-    /// (the enable loop asks for it).
+    /// Runs one measuring request of `shape` at enable (the warm-up, or
+    /// the check where `check`) and hands the backend its host time. A
+    /// check request that runs out of device memory is the plan's first
+    /// request: the backend plans again with the shortfall and the check
+    /// runs again (the enable loop asks for it).
     fn measure_once(
         &mut self,
         request: &Arc<RequestFn<A>>,
         shape: &RequestShape,
-        what: &str,
+        check: bool,
     ) -> Result<(), OffloadError> {
+        let what = if check { "check" } else { "warm-up" };
         let began = std::time::Instant::now();
         match request(self, shape) {
             Ok(()) => {
@@ -228,7 +228,7 @@ impl<A: Api> Runtime<A> {
             }
             Err(e) => {
                 let error = request_error(e);
-                if what == "check" && self.replan_after(&error)? {
+                if check && self.replan_after(&error)? {
                     return Ok(());
                 }
                 Err(OffloadError::Request {
