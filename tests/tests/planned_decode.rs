@@ -945,15 +945,15 @@ fn prediction_error(o: &RunOutcome) -> f64 {
 /// returns (the served requests sync no more than `"none"`'s: seen red,
 /// 12 against 2, with the marks left on the plan made after the check).
 /// On a device whose decodes cost compute more than the assumed 0.9 (the
-/// profile charges 4 of the overlap to the
-/// kernels launched after a decode, so about 2.5 of all the overlap the
-/// marks see): the figure is measured above 0.9, the plan reports it as
-/// measured, the coded request is bit-identical to `"none"`'s, no slower,
-/// breaks no rule, and runs closer to its prediction than the plan that
-/// assumed 0.9; a profile of 1 measures less than half of it (0.424
-/// against 2.468 when written). Planted `DecodeInterferenceAssumed` (no check): the
-/// figure stays the assumed one and the request runs further from its
-/// prediction (5.1 % against 3.7 % when written).
+/// profile charges 4 of the overlap to the kernels launched after a
+/// decode, so about 2.5 of all the overlap the marks see): the figure is
+/// measured above 0.9, the plan reports it as measured, the coded request
+/// is bit-identical to `"none"`'s, no slower, breaks no rule, and runs
+/// closer to its prediction than the plan that assumed 0.9; a profile of
+/// 1 measures less than half of it (0.424 against 2.468 when written).
+/// Planted `DecodeInterferenceAssumed` (no check): the figure stays the
+/// assumed one and the request runs further from its prediction (4.9 %
+/// against 3.7 % when written).
 #[test]
 fn the_check_request_measures_what_decodes_cost_compute() {
     let none = flux_at_16gib(WeightCompression::None, 4.0, &[], None);
