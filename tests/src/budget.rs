@@ -112,3 +112,17 @@ pub fn over_the_devices_count(out: &offload_sim::harness::RunOutcome) -> bool {
     offload_sim::job::phase_violations(out)
         .is_some_and(|v| v.to_string().contains("the device counts"))
 }
+
+/// The error a simulated allocation that ran `bytes` short returns, as a
+/// request sees it: what `Runtime::replan_after` re-plans from.
+pub fn out_of_memory(bytes: u64) -> offload_core::OffloadError {
+    offload_core::OffloadError::device(
+        "alloc_activations",
+        offload_sim::device::SimError {
+            operation: "alloc_activations".into(),
+            kind: offload_core::device::DeviceErrorKind::OutOfMemory,
+            detail: "planted".into(),
+            shortfall_bytes: Some(bytes),
+        },
+    )
+}

@@ -782,17 +782,7 @@ fn a_first_request_short_of_memory_replans_once() {
     rig.serve_workload(&w);
     rig.runtime.enable_selected(&config, &rig.platform).unwrap();
     rig.request(&w).unwrap();
-    let oom = |bytes| {
-        offload_core::OffloadError::device(
-            "alloc_activations",
-            offload_sim::device::SimError {
-                operation: "alloc_activations".into(),
-                kind: offload_core::device::DeviceErrorKind::OutOfMemory,
-                detail: "planted".into(),
-                shortfall_bytes: Some(bytes),
-            },
-        )
-    };
+    let oom = offload_tests::budget::out_of_memory;
     assert!(rig.runtime.replan_after(&oom(1000)).unwrap());
     rig.request(&w).unwrap();
     let e = rig
@@ -1003,17 +993,7 @@ fn a_replan_that_fails_releases_everything_and_poisons() {
         ..opts
     };
     let config = budget_config(budget);
-    let oom = |bytes| {
-        offload_core::OffloadError::device(
-            "alloc_activations",
-            offload_sim::device::SimError {
-                operation: "alloc_activations".into(),
-                kind: offload_core::device::DeviceErrorKind::OutOfMemory,
-                detail: "planted".into(),
-                shortfall_bytes: Some(bytes),
-            },
-        )
-    };
+    let oom = offload_tests::budget::out_of_memory;
     // The simulator is deterministic: count the allocations up to the
     // re-plan, then fail the next one.
     let count = {

@@ -1127,16 +1127,8 @@ fn a_check_request_short_of_memory_replans_and_checks_again() {
     rig.runtime
         .enable_selected(&config(budget, WeightCompression::Lossless), &rig.platform)
         .unwrap();
-    let oom = offload_core::OffloadError::device(
-        "alloc_activations",
-        offload_sim::device::SimError {
-            operation: "alloc_activations".into(),
-            kind: offload_core::device::DeviceErrorKind::OutOfMemory,
-            detail: "planted".into(),
-            shortfall_bytes: Some(1000),
-        },
-    );
     rig.request(&w).unwrap();
+    let oom = offload_tests::budget::out_of_memory(1000);
     assert!(rig.runtime.replan_after(&oom).unwrap());
     rig.request(&w).unwrap();
 }

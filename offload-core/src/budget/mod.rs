@@ -44,8 +44,8 @@ pub use ring::{
     forecast_staged, forward_ends, forwards_s, hosted_ends, predict_step, staged_ends, steady_s,
 };
 pub use search::{
-    Evaluation, Evaluator, PhaseEvaluation, Stack, decode_interference, evaluate,
-    smallest_footprint, smallest_footprint_within,
+    Evaluation, Evaluator, PhaseEvaluation, Stack, checked_decode_interference,
+    decode_interference, evaluate, smallest_footprint, smallest_footprint_within,
 };
 pub use types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,

@@ -51,6 +51,24 @@ pub fn decode_interference(inputs: &PlannerInputs) -> f64 {
     inputs.decode_interference.unwrap_or(DECODE_INTERFERENCE)
 }
 
+/// [`decode_interference`], or a typed error naming the key where the
+/// inputs' figure is not a finite number from 0 to
+/// [`MAX_DECODE_INTERFERENCE`] (the planner's input check, and layerwise
+/// `"auto"`'s).
+pub fn checked_decode_interference(inputs: &PlannerInputs) -> Result<f64, BudgetError> {
+    let k = decode_interference(inputs);
+    if k.is_finite() && (0.0..=MAX_DECODE_INTERFERENCE).contains(&k) {
+        return Ok(k);
+    }
+    Err(BudgetError::Input {
+        input: "decode_interference".to_owned(),
+        value: k.to_string(),
+        allowed: format!(
+            "a finite number from 0 to {MAX_DECODE_INTERFERENCE} (how much of its overlap with a decode a kernel loses), or absent ({DECODE_INTERFERENCE} assumed)"
+        ),
+    })
+}
+
 /// One block as the planner sees it.
 #[derive(Clone, Debug)]
 struct PBlock {
@@ -2146,17 +2164,7 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             "a finite number > 0 (bf16 bytes the decoder writes per second), or absent",
         );
     }
-    if let Some(k) = inputs.decode_interference
-        && (!non_negative(k) || k > MAX_DECODE_INTERFERENCE)
-    {
-        return bad(
-            "decode_interference",
-            k.to_string(),
-            &format!(
-                "a finite number from 0 to {MAX_DECODE_INTERFERENCE} (how much of its overlap with a decode a kernel loses), or absent ({DECODE_INTERFERENCE} assumed)"
-            ),
-        );
-    }
+    checked_decode_interference(inputs)?;
     for (input, v) in [
         ("copy_latency_s", inputs.copy_latency_s),
         ("copy_interference", inputs.copy_interference),

@@ -2302,21 +2302,8 @@ impl<A: Api> LayerwiseBackend<A> {
         };
         // The inputs' measured figure (a planned backend's check request
         // saved it), else the assumed one; one out of range names its key.
-        let decode_k = crate::budget::decode_interference(inputs);
-        if !(decode_k.is_finite()
-            && (0.0..=crate::budget::MAX_DECODE_INTERFERENCE).contains(&decode_k))
-        {
-            return Err(OffloadError::Budget(Box::new(
-                crate::budget::BudgetError::Input {
-                    input: "decode_interference".to_owned(),
-                    value: decode_k.to_string(),
-                    allowed: format!(
-                        "a finite number from 0 to {}, or absent",
-                        crate::budget::MAX_DECODE_INTERFERENCE
-                    ),
-                },
-            )));
-        }
+        let decode_k = crate::budget::checked_decode_interference(inputs)
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         let decode_bytes_per_s = self.measure_decode(st, r0, b0)?;
         let link = inputs.link_bytes_per_s.max(1.0);
         let h = &self.engine.handles;

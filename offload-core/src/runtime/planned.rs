@@ -1789,10 +1789,10 @@ struct DecodeCost {
 }
 
 impl DecodeCost {
-    /// The interference: `longer_s / overlap_s`, within the planner's
-    /// range.
+    /// The interference: `longer_s / overlap_s` (within the planner's
+    /// range: [`decode_interference_of`] measures nothing outside it).
     fn interference(&self) -> f64 {
-        (self.longer_s / self.overlap_s).clamp(0.0, budget::MAX_DECODE_INTERFERENCE)
+        self.longer_s / self.overlap_s
     }
 }
 
@@ -1864,7 +1864,7 @@ fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Opti
     // A figure at or below 0, or beyond the planner's range, is noise (a
     // clock that moved between the warm-up and the check), not a
     // measurement.
-    let k = cost.longer_s / cost.overlap_s;
+    let k = cost.interference();
     (overlap > 0
         && overlap.saturating_mul(4) >= decoding
         && k > 0.0
