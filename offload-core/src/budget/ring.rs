@@ -6,7 +6,7 @@
 //! Fills run in order on one copy stream; the fill of streamed block j
 //! starts after the fill before it and after the compute of streamed block
 //! j − depth − 1 (whose slot it takes); block i computes after block i − 1
-//! and, if streamed, after its fill; the part of it a running fill overlaps
+//! and, if streamed, after its fill; the part of it that fills overlap
 //! takes `1 + interference` times longer. A phase starts cold (its slots
 //! are filled on demand: the planned backend allocates a phase's slots when
 //! it begins), so its first forward pays the first fill.
@@ -25,8 +25,12 @@ pub(super) const TIE: f64 = 1e-3;
 /// beside it (Flux's double and single blocks at 12,288 and 16,896
 /// tokens, coded against uncoded: the decode takes the SMs and a third of
 /// the memory bandwidth while it runs); the simulator's profiles use it
-/// too. An H100 measured 1.7–2 (2026-12-05): the planned backend measures
-/// the card's own figure where a plan streams coded blocks.
+/// too. The H100's coded forwards at 16 GiB (2026-12-05) ran 6.9–9.1 ms
+/// over predictions that charged their 8.7–8.9 ms of decodes next to
+/// nothing (the recurrence then counted only the decode running when a
+/// block started): 0.79–1.06 of each decode, not the 1.7–2 first
+/// read from them. The planned backend measures the card's own figure
+/// where a plan streams coded blocks.
 pub const DECODE_INTERFERENCE: f64 = 0.9;
 
 /// The largest decode interference the planner accepts: a decode costing
@@ -255,13 +259,24 @@ pub fn hosted_ends(
     };
     let depth = fills.depth;
     let mut ends = [0.0f64; FORWARDS];
+    // Every issued fill's window within the kernel's own time, not only
+    // the one running when it starts: a coded ring's decodes are short
+    // beside a block and, where the copy (not a slot) paces them, start
+    // anywhere within it; counted at the start only, a compute-bound
+    // ring's decodes were charged almost nothing (Flux.1-dev at 16 GiB
+    // on the H100's inputs: 0.14 ms of ~8.9 ms of decodes per forward),
+    // while the device, like the simulated one, slows a kernel for all of
+    // them. Windows are in order and never overlap each other (one copy
+    // stream, one decode stream).
     let overlap = |windows: &[(f64, f64)], start: f64, compute: f64| {
+        let end = start + compute;
         windows
             .iter()
             .rev()
             .take(depth + 3)
-            .find(|(s, e)| *s <= start && start < *e)
-            .map_or(0.0, |(_, e)| (e - start).min(compute))
+            .map(|(s, e)| (e.min(end) - s.max(start)).max(0.0))
+            .sum::<f64>()
+            .min(compute)
     };
     let decode_k = decode.map_or(0.0, |d| d.interference);
     // Fills issued so far (by the pre-forwards before this block).
@@ -922,6 +937,53 @@ mod tests {
         assert!((t - 21.0).abs() < 1e-9, "{t}");
         let none = predict_step(&[10.0; 2], &[1.0; 2], &[false; 2], 1, 0.0, 0.0);
         assert!((none - 20.0).abs() < 1e-9, "{none}");
+    }
+
+    /// A kernel loses its interference for every fill within its own
+    /// time, not only the one running when it starts: a resident block of
+    /// 10 s computes while the next streamed block copies (0–6 s) and
+    /// decodes (6–7 s), so at a decode interference k it takes 10 + k s;
+    /// and a copy that starts within a kernel slows it as one running at
+    /// its start does.
+    #[test]
+    fn every_fill_within_a_kernel_slows_it() {
+        let (compute, copy, decode) = ([10.0, 1.0], [0.0, 6.0], [0.0, 1.0]);
+        let resident = [true, false];
+        let at = |k: f64| {
+            staged_ends(
+                &compute,
+                &copy,
+                Some(DecodeStage {
+                    decode_s: &decode,
+                    interference: k,
+                }),
+                &resident,
+                1,
+                0.0,
+                0.0,
+            )[0]
+        };
+        // Block 0 ends at 10 + k; block 1 (ready at 7) then computes 1 s,
+        // beside the next forward's decode (12–13 s) where it overlaps it:
+        // 11, 12, and at k = 2 block 1 runs 12–13 beside it, 15.
+        assert!((at(0.0) - 11.0).abs() < 1e-9, "{}", at(0.0));
+        assert!((at(1.0) - 12.0).abs() < 1e-9, "{}", at(1.0));
+        assert!((at(2.0) - 15.0).abs() < 1e-9, "{}", at(2.0));
+        // Copies: a resident block of 10 s computes while the next two
+        // streamed blocks copy back to back (0–4 s, 4–8 s; depth 2), so at
+        // an interference of 0.5 it takes 14 s, not 12 (the copy running
+        // at its start only). The rest, by the recurrence's rules: block
+        // 1 runs 14–15; block 2 15–16.5 beside the copy of block 4 (15–19
+        // s); block 3 16.5–18 beside the same copy; block 4 19–20.5.
+        let ends = forward_ends(
+            &[10.0, 1.0, 1.0, 1.0, 1.0],
+            &[0.0, 4.0, 4.0, 4.0, 4.0],
+            &[true, false, false, false, false],
+            2,
+            0.0,
+            0.5,
+        );
+        assert!((ends[0] - 20.5).abs() < 1e-9, "{ends:?}");
     }
 
     /// Resident blocks take their compute but no copy.

@@ -1842,10 +1842,8 @@ fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Opti
         };
         // Every decode within the kernels' own time (what the warm-up
         // measured them at): a decode in the tail it stretched them by is
-        // its cost, not more overlap. (The planner's recurrence counts
-        // only the decode running when a block starts; counted that way
-        // the figure predicted the simulator's coded request worse: 5.4 %
-        // from it against 3.7 %, ARCHITECTURE.md.)
+        // its cost, not more overlap. The planner's recurrence charges the
+        // figure the same way (`budget::staged_ends`).
         let end = e.min(s.saturating_add((raw * 1e9) as u64));
         let o: u64 = decodes
             .iter()
