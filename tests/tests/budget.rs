@@ -574,7 +574,7 @@ fn planner_inputs_are_checked_against_the_pipeline() {
         );
     }
     // A decode that costs the kernels beside it more than its own time is
-    // a card's measured figure (an H100's 1.7–2), not an error.
+    // a card's measured figure, not an error.
     let mut above_one = good.clone();
     above_one.decode_interference = Some(2.0);
     assert!(plan(&p, &config, &above_one, big()).is_ok());
