@@ -1209,3 +1209,42 @@ fn the_h100s_inputs_plan_16_gib_auto_as_the_h100_ran_it() {
         last = last.max(t);
     }
 }
+
+/// Where the link binds every phase that streams coded blocks, their
+/// decodes run while compute waits for them: a check request would
+/// measure nothing (less than a quarter of the decodes' time beside
+/// kernels) and cost a request at every start. So none runs, an `info`
+/// line says why, and the plan keeps the assumed figure. The lossless
+/// plan of [`middle`]'s budget on the H200 profile with a link 50 times
+/// slower. Seen red with the link's binding not consulted (the check
+/// request ran and measured nothing).
+#[test]
+fn no_check_request_where_the_link_binds_every_coded_phase() {
+    let h200 = offload_sim::DeviceProfile::h200();
+    let device = RunOptions {
+        profile: offload_sim::DeviceProfile {
+            h2d_pinned_gbps: h200.h2d_pinned_gbps / 50.0,
+            h2d_pinned_gbps_shared: h200.h2d_pinned_gbps_shared / 50.0,
+            ..h200
+        },
+        ..opts(&[], None)
+    };
+    let (out, logs) = offload_tests::capture_logs(|| {
+        run(
+            &workload(),
+            &StrategyChoice::Config(config(middle(), WeightCompression::Lossless)),
+            &device,
+        )
+    });
+    let out = out.unwrap_or_else(|f| panic!("{}\n{logs}", f.error));
+    assert!(
+        logs.contains("no check request: the link binds every phase"),
+        "{logs}"
+    );
+    assert!(
+        !logs.contains("the check request ("),
+        "a check ran:\n{logs}"
+    );
+    assert_eq!(outputs(&out), resident());
+    assert!(out.violations.is_empty(), "{:#?}", out.violations);
+}

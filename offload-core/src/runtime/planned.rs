@@ -1652,11 +1652,39 @@ impl<A: Api> PlannedBackend<A> {
     /// Whether `plan` needs the check request (CONTRACT §9): it streams
     /// coded blocks and `inputs` carry no measured decode interference,
     /// so what its decodes cost the kernels beside them is the H200's
-    /// fit, not this device's.
+    /// fit, not this device's; and some phase that streams coded blocks
+    /// is bound by compute. Where the link binds every such phase, its
+    /// decodes run while compute waits for them: the check would measure
+    /// nothing ([`decode_interference_of`]'s quarter rule) and pay a
+    /// request at every start, so it is skipped, and an `info` line says
+    /// so.
     fn wants_check(&self, plan: &RequestPlan, inputs: &PlannerInputs) -> bool {
-        !self.bugs.has(PlantedBug::DecodeInterferenceAssumed)
-            && inputs.decode_interference.is_none()
-            && plan.components.iter().any(|c| !c.coded_blocks.is_empty())
+        if self.bugs.has(PlantedBug::DecodeInterferenceAssumed)
+            || inputs.decode_interference.is_some()
+        {
+            return false;
+        }
+        let coded: Vec<&budget::ComponentPlan> = plan
+            .components
+            .iter()
+            .filter(|c| !c.coded_blocks.is_empty())
+            .collect();
+        if coded.is_empty() {
+            return false;
+        }
+        let beside_compute = coded.iter().any(|c| c.limit == budget::Limit::Compute);
+        if !beside_compute {
+            tracing::info!(
+                "planned offload: no check request: the link binds every phase that streams coded blocks ({}), so their decodes run while compute waits and what they cost the kernels would not show; the assumed decode interference {} stays",
+                coded
+                    .iter()
+                    .map(|c| c.path.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                budget::DECODE_INTERFERENCE
+            );
+        }
+        beside_compute
     }
 
     /// After the check request: the decode interference its marks show
