@@ -2,7 +2,8 @@
 """Would slots packed for heterogeneous blocks pay? (issue 20, item 1)
 
 An exploration behind a decision, not a check: it sized the decision
-recorded in ARCHITECTURE.md ("Packed slots: explored, not built"). It
+recorded in ARCHITECTURE.md (the "Not built" paragraph on packed slots,
+under "The look-ahead near the crossover"). It
 runs the planner's recurrence (`offload-core` `budget/ring.rs`,
 `hosted_ends` without decode or host stage and without copy interference,
 ported here) for Flux.1-dev's DiT (19 double blocks of 648 MiB, 38 single

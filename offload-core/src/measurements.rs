@@ -56,7 +56,7 @@ pub struct PlannerInputs {
     /// How much of its overlap with a running decode a kernel loses
     /// (CONTRACT §7b): 0.9 makes a kernel beside a decode of 1 ms run
     /// 0.9 ms longer. Above 1 where a decode costs the kernels beside it
-    /// more than its own time (measured 1.7–2 on an H100 at 4,608 tokens).
+    /// more than its own time.
     /// The planned backend measures it at enable where its first plan
     /// streams coded blocks (the check request, CONTRACT §9). `None`: the
     /// planner assumes `budget::DECODE_INTERFERENCE` (the H200's fit).

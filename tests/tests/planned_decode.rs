@@ -1138,8 +1138,8 @@ fn a_check_request_short_of_memory_replans_and_checks_again() {
 /// inputs with each block's coded size and the decoder's rate, no decode
 /// interference; `bench/results/chunks-2026-12-05-h100/requests-19-13`),
 /// planned at 16 GiB for 28 steps. There `"auto"` coded 44 DiT blocks,
-/// predicted 0.15 % faster than `"none"`, and ran 3.9–4.8 % slower: the
-/// recurrence charged their 8.9 ms of decodes a forward about 0.14 ms
+/// predicted 0.14 % faster than `"none"`, and ran 3.9–4.8 % slower: the
+/// recurrence charged their 8.9 ms of decodes a forward about 0.16 ms
 /// (only the decode running when a block started). Charged for every
 /// decode within a kernel, `"auto"` at the assumed figure streams the DiT
 /// raw, as `"none"` does; and over figures from 0 to the largest a dearer
@@ -1147,7 +1147,7 @@ fn a_check_request_short_of_memory_replans_and_checks_again() {
 /// 44 coded blocks at the assumed figure, and 5.409 s at a figure of 2
 /// below 5.430 s at 1.5.
 #[test]
-fn the_h100s_inputs_plan_16_gib_auto_as_the_h100_ran_it() {
+fn the_h100s_inputs_plan_16_gib_auto_raw() {
     let inputs: PlannerInputs = serde_json::from_str(include_str!(
         "../fixtures/h100-flux1-dev-4608-auto-inputs.json"
     ))

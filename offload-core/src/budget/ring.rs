@@ -25,10 +25,10 @@ pub(super) const TIE: f64 = 1e-3;
 /// beside it (Flux's double and single blocks at 12,288 and 16,896
 /// tokens, coded against uncoded: the decode takes the SMs and a third of
 /// the memory bandwidth while it runs); the simulator's profiles use it
-/// too. The H100's coded forwards at 16 GiB (2026-12-05) ran 6.9–9.1 ms
+/// too. The H100's coded forwards at 16 GiB (2026-12-05) ran 6.5–9.1 ms
 /// over predictions that charged their 8.7–8.9 ms of decodes next to
 /// nothing (the recurrence then counted only the decode running when a
-/// block started): 0.79–1.06 of each decode, not the 1.7–2 first
+/// block started): about 0.75–1.06 of each decode, not the 1.7–2 first
 /// read from them. The planned backend measures the card's own figure
 /// where a plan streams coded blocks.
 pub const DECODE_INTERFERENCE: f64 = 0.9;
@@ -264,10 +264,14 @@ pub fn hosted_ends(
     // beside a block and, where the copy (not a slot) paces them, start
     // anywhere within it; counted at the start only, a compute-bound
     // ring's decodes were charged almost nothing (Flux.1-dev at 16 GiB
-    // on the H100's inputs: 0.14 ms of ~8.9 ms of decodes per forward),
-    // while the device, like the simulated one, slows a kernel for all of
-    // them. Windows are in order and never overlap each other (one copy
-    // stream, one decode stream).
+    // on the H100's inputs: about 0.16 ms of 8.9 ms of decodes per
+    // forward). Issued means up to `ahead` below, as the simulated device
+    // charges a kernel for the fills enqueued before it; a fill the
+    // recurrence starts before its hook issues it (its slot freed early)
+    // is not charged to the kernels it overlaps before then (on that
+    // plan about 0.17 ms of 8.7 ms of decode overlap a forward), where a
+    // GPU would slow them. Windows are in order and never overlap each
+    // other (one copy stream, one decode stream).
     let overlap = |windows: &[(f64, f64)], start: f64, compute: f64| {
         let end = start + compute;
         windows
@@ -290,8 +294,8 @@ pub fn hosted_ends(
                 let g = done.len();
                 t_compute.max(fills.fill(g, &done, &streamed, copy_s, stages))
             };
-            // Fills are issued up to `depth` streamed blocks ahead; one
-            // still running slows this block's kernels. A staged one's
+            // Fills are issued up to `depth` streamed blocks ahead; those
+            // running within this block's kernels slow them. A staged one's
             // hook waits for its host fill before this block launches.
             let (copying, decoding) = if m > 0 {
                 let ahead = done.len() + usize::from(!resident[i]) + depth - 1;
