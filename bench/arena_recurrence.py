@@ -80,18 +80,23 @@ def steady_forward(compute, copy, size, resident, depth=None, arena=None):
     return ends[-1] - ends[-2]
 
 
+def footprint(size, resident, depth=None, arena=None):
+    """Resident blocks plus the ring's slots (or its arena), bytes."""
+    streamed = [b for b, r in zip(size, resident) if not r]
+    held = sum(b for b, r in zip(size, resident) if r)
+    if not streamed:
+        return held
+    if arena is None:
+        return held + (min(depth, max(len(streamed) - 1, 1)) + 1) * max(streamed)
+    return held + max(arena, max(streamed))
+
+
 def greedy(compute, copy, size, budget, depth=None, arena=None):
     n = len(compute)
     resident = [False] * n
 
     def memory(res):
-        streamed = [size[i] for i in range(n) if not res[i]]
-        held = sum(size[i] for i in range(n) if res[i])
-        if not streamed:
-            return held
-        if arena is None:
-            return held + (min(depth, max(len(streamed) - 1, 1)) + 1) * max(streamed)
-        return held + max(arena, max(streamed))
+        return footprint(size, res, depth, arena)
 
     if memory(resident) > budget:
         return None
@@ -122,13 +127,7 @@ def shed(compute, copy, size, budget, depth=None, arena=None):
     resident = [True] * n
 
     def memory(res):
-        streamed = [size[i] for i in range(n) if not res[i]]
-        held = sum(size[i] for i in range(n) if res[i])
-        if not streamed:
-            return held
-        if arena is None:
-            return held + (min(depth, max(len(streamed) - 1, 1)) + 1) * max(streamed)
-        return held + max(arena, max(streamed))
+        return footprint(size, res, depth, arena)
 
     while memory(resident) > budget:
         pick = None
