@@ -1871,7 +1871,9 @@ fn decode_interference_of(marks: &[(Mark, u64)], inputs: &PlannerInputs) -> Opti
         // Every decode within the kernels' own time (what the warm-up
         // measured them at): a decode in the tail it stretched them by is
         // its cost, not more overlap. The planner's recurrence charges the
-        // figure the same way (`budget::staged_ends`).
+        // figure over every decode its ring has issued within a kernel
+        // (`budget::staged_ends`): all of these but those it starts
+        // before their hook issues them.
         let end = e.min(s.saturating_add((raw * 1e9) as u64));
         let o: u64 = decodes
             .iter()
