@@ -141,6 +141,19 @@ struct Fills {
 }
 
 impl Fills {
+    /// Room for `fills` fills (no reallocation while the recurrence runs:
+    /// the planner's search runs it a million times a plan).
+    fn new(depth: usize, fills: usize) -> Self {
+        Self {
+            depth,
+            filled: Vec::with_capacity(fills),
+            hosted: Vec::with_capacity(fills),
+            copies: Vec::with_capacity(fills),
+            decodes: Vec::with_capacity(fills),
+            ..Self::default()
+        }
+    }
+
     /// When fill `g` (of streamed block `streamed[g % m]`) is ready.
     fn fill(
         &mut self,
@@ -253,10 +266,10 @@ pub fn hosted_ends(
     let mut t_compute = 0.0f64; // end of the last compute
     // End of compute of each streamed block, in fill order.
     let mut done: Vec<f64> = Vec::with_capacity(m * FORWARDS);
-    let mut fills = Fills {
-        depth: depth.min(m.saturating_sub(1)).max(1),
-        ..Fills::default()
-    };
+    let mut fills = Fills::new(
+        depth.min(m.saturating_sub(1)).max(1),
+        m * FORWARDS + depth + 1,
+    );
     let depth = fills.depth;
     let mut ends = [0.0f64; FORWARDS];
     // Every issued fill's window within the kernel's own time, not only
@@ -272,12 +285,16 @@ pub fn hosted_ends(
     // plan about 0.17 ms of 8.7 ms of decode overlap a forward), where a
     // GPU would slow them. Windows are in order and never overlap each
     // other (one copy stream, one decode stream).
+    // (In order and apart, the windows that start by the kernel's end are
+    // a prefix, and before the last of them that ends by `start` none
+    // adds anything: the walk back runs between the two.)
     let overlap = |windows: &[(f64, f64)], start: f64, compute: f64| {
         let end = start + compute;
-        windows
+        let recent = &windows[windows.len().saturating_sub(depth + 3)..];
+        recent[..recent.partition_point(|(s, _)| *s < end)]
             .iter()
             .rev()
-            .take(depth + 3)
+            .take_while(|(_, e)| *e > start)
             .map(|(s, e)| (e.min(end) - s.max(start)).max(0.0))
             .sum::<f64>()
             .min(compute)

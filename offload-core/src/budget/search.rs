@@ -17,6 +17,10 @@
 //! are computed beside it, so the plan is never worse than the best of them.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU8, AtomicU64};
+
+use rayon::prelude::*;
 
 use serde::Serialize;
 
@@ -89,6 +93,7 @@ struct PBlock {
 /// Which coded layouts a phase may take (`weight_compression`, CONTRACT
 /// §7b under a device budget).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 enum Code {
     /// `"none"`: every block streams as stored.
     Never,
@@ -100,8 +105,21 @@ enum Code {
     Choose,
 }
 
-/// One component: one phase of the request.
-#[derive(Clone, Debug)]
+impl Code {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Never,
+            1 => Self::Always,
+            _ => Self::Choose,
+        }
+    }
+}
+
+/// One component: one phase of the request. `Sync`: its greedy layouts
+/// are laid out on rayon's threads ([`Request::solve`]); what the search
+/// changes between its passes (the coded layouts, the decode figure) is
+/// held in atomics, set only between them.
+#[derive(Debug)]
 struct PComp {
     path: String,
     role: Role,
@@ -121,11 +139,13 @@ struct PComp {
     /// The coded layouts the search considers now: `mode`, except that
     /// under `"auto"` the search also runs as `"none"` and `"lossless"`
     /// would ([`Request::search`]).
-    code: std::cell::Cell<Code>,
+    /// A [`Code`] (`as u8`): [`Self::code`], [`Self::set_code`].
+    code: AtomicU8,
     /// The decode interference its coded layouts are priced at now: the
     /// inputs' (or the assumed one), except while the search also runs
     /// at the assumed one ([`Request::search_coded`]).
-    decode_k: std::cell::Cell<f64>,
+    /// An `f64`'s bits: [`Self::decode_k`], [`Self::set_decode_k`].
+    decode_k: AtomicU64,
     /// `pin_cpu_memory = false`: no master is pinned; a swapped held set
     /// is brought in from pageable memory through the upload buffer.
     unpinned: bool,
@@ -164,6 +184,22 @@ pub struct Evaluation {
 }
 
 impl PComp {
+    fn code(&self) -> Code {
+        Code::from_u8(self.code.load(Relaxed))
+    }
+
+    fn set_code(&self, code: Code) {
+        self.code.store(code as u8, Relaxed);
+    }
+
+    fn decode_k(&self) -> f64 {
+        f64::from_bits(self.decode_k.load(Relaxed))
+    }
+
+    fn set_decode_k(&self, k: f64) {
+        self.decode_k.store(k.to_bits(), Relaxed);
+    }
+
     fn blocks(&self) -> usize {
         self.stacks.iter().map(Vec::len).sum()
     }
@@ -302,7 +338,7 @@ impl PComp {
     /// `"auto"` every choice of which of its streaming stacks with coded
     /// masters stream coded.
     fn coded_variants(&self, l: &Local) -> Vec<Local> {
-        if self.code.get() != Code::Choose {
+        if self.code() != Code::Choose {
             return vec![l.clone()];
         }
         let codable: Vec<usize> = (0..self.stacks.len())
@@ -369,13 +405,13 @@ impl PComp {
     /// Coded flags for every stack as `weight_compression` starts a
     /// layout: all under `"lossless"`, none otherwise.
     fn coded_start(&self) -> Vec<bool> {
-        vec![self.code.get() == Code::Always; self.stacks.len()]
+        vec![self.code() == Code::Always; self.stacks.len()]
     }
 
     /// The coded starts a greedy layout runs from: uncoded, coded, or both
     /// under `"auto"`.
     fn coded_starts(&self) -> &'static [bool] {
-        match self.code.get() {
+        match self.code() {
             Code::Never => &[false],
             Code::Always => &[true],
             Code::Choose => &[false, true],
@@ -482,7 +518,7 @@ impl PComp {
                     };
                     let decode = coded.then_some(DecodeStage {
                         decode_s: &decode_s,
-                        interference: self.decode_k.get(),
+                        interference: self.decode_k(),
                     });
                     let fill: Vec<f64> = match inp.host_fill_bytes_per_s {
                         Some(rate) if mask.iter().any(|m| *m) => s
@@ -522,6 +558,95 @@ impl PComp {
                 }
         };
         bring + fwd
+    }
+
+    /// Positions of stack `s`'s blocks worth trying to flip from
+    /// `resident == from` (a few per class of equal size and compute:
+    /// blocks of one class differ only by where they sit).
+    fn candidates(c: &PComp, l: &Local, s: usize, from: bool) -> Vec<usize> {
+        let mut classes: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
+        for (j, b) in c.stacks[s].iter().enumerate() {
+            if l.resident[s][j] == from {
+                classes
+                    .entry((b.bytes, (b.compute_s * 1e12) as u64))
+                    .or_default()
+                    .push(j);
+            }
+        }
+        let mut out = Vec::new();
+        for members in classes.values() {
+            let k = members.len();
+            for q in [0, k / 4, k / 2, (3 * k) / 4, k - 1] {
+                if !out.contains(&members[q]) {
+                    out.push(members[q]);
+                }
+            }
+        }
+        out
+    }
+
+    /// The greedy layout from one start ([`Request::solve`]): `caps` are
+    /// own, held (device) and held host bytes, as there; `start` the slot
+    /// size, depth and whether every stack starts coded; `hint` the
+    /// streamed blocks priced as staged.
+    fn greedy(
+        &self,
+        inp: &PlannerInputs,
+        max_depth: usize,
+        hint: &[String],
+        (sigma, depth, coded): (u64, usize, bool),
+        kept: bool,
+        caps: (u64, u64, u64),
+    ) -> Option<Local> {
+        let c = self;
+        let (cap_own, cap_held, cap_host) = caps;
+        let over = |l: &Local| {
+            c.own(l) > cap_own || c.held(l) > cap_held || c.pinned_held(l, kept) > cap_host
+        };
+        let mut l = c.minimal(sigma, depth);
+        l.coded = vec![coded; c.stacks.len()];
+        if !c.streams(&l) || over(&l) {
+            return None;
+        }
+        let mut t = c.time_hosted(&l, kept, inp, hint);
+        loop {
+            let mut pick: Option<(Local, f64, u64)> = None;
+            for s in 0..c.stacks.len() {
+                for j in Self::candidates(c, &l, s, false) {
+                    let mut trial = l.clone();
+                    trial.resident[s][j] = true;
+                    keep_no_lone_block(&mut trial.resident[s]);
+                    if !c.streams(&trial) {
+                        trial.depth = 0;
+                    }
+                    if !c.valid(&trial, max_depth) || over(&trial) {
+                        continue;
+                    }
+                    let tt = c.time_hosted(&trial, kept, inp, hint);
+                    let bytes = c.stacks[s][j].bytes;
+                    let is_better = match &pick {
+                        None => true,
+                        Some((_, pt, pb)) => {
+                            tt < pt * (1.0 - 1e-9) || (tt <= pt * (1.0 + 1e-9) && bytes > *pb)
+                        }
+                    };
+                    if is_better {
+                        pick = Some((trial, tt, bytes));
+                    }
+                }
+            }
+            match pick {
+                Some((trial, tt, _)) if tt <= t * (1.0 + 1e-9) => {
+                    l = trial;
+                    t = tt;
+                    if !c.streams(&l) {
+                        break;
+                    }
+                }
+                _ => break,
+            }
+        }
+        Some(l)
     }
 
     fn compute_s(&self) -> f64 {
@@ -774,8 +899,8 @@ impl<'a> Request<'a> {
                 own_s: ci.own_compute_s,
                 act: round(ci.activation_bytes),
                 mode: code,
-                code: std::cell::Cell::new(code),
-                decode_k: std::cell::Cell::new(decode_interference(inputs)),
+                code: AtomicU8::new(code as u8),
+                decode_k: AtomicU64::new(decode_interference(inputs).to_bits()),
                 unpinned,
             });
         }
@@ -848,7 +973,7 @@ impl<'a> Request<'a> {
         sizes.extend(
             self.comps
                 .iter()
-                .filter(|c| c.code.get() != Code::Never)
+                .filter(|c| c.code() != Code::Never)
                 .flat_map(|c| c.stacks.iter().flatten().filter_map(|b| b.coded)),
         );
         sizes.sort_unstable_by(|a, b| b.cmp(a));
@@ -904,7 +1029,7 @@ impl<'a> Request<'a> {
         // A way whose plans do not fit the device budget (coded ones hold
         // decode staging) names no least: the other's stands.
         if self.comps.iter().any(|c| c.mode == Code::Choose) {
-            let saved: Vec<Code> = self.comps.iter().map(|c| c.code.get()).collect();
+            let saved: Vec<Code> = self.comps.iter().map(|c| c.code()).collect();
             let mut best: Option<(LeastHost, Vec<(Local, bool)>)> = None;
             for code in [Code::Never, Code::Always] {
                 self.set_code(Some(code));
@@ -919,7 +1044,7 @@ impl<'a> Request<'a> {
                 self.least_host_as_set()
             });
             for (c, code) in self.comps.iter().zip(saved) {
-                c.code.set(code);
+                c.set_code(code);
             }
             return best;
         }
@@ -1381,21 +1506,31 @@ impl<'a> Request<'a> {
             }
             return best;
         }
+        let mut starts = Vec::new();
         for sigma in c.sizes() {
             // (A coded block's host master is smaller than its slot.)
-            if sigma > self.bound.get().max_stream && c.code.get() == Code::Never {
+            if sigma > self.bound.get().max_stream && c.code() == Code::Never {
                 continue;
             }
             for depth in 1..=self.max_depth {
                 // Under "auto" the greedy runs uncoded and coded (the
                 // staging buffers change what fits).
                 for &coded in c.coded_starts() {
-                    let caps = (cap_own, cap_held, cap_host);
-                    if let Some(g) = self.greedy(i, (sigma, depth, coded), kept, caps) {
-                        consider(g, &mut best);
-                    }
+                    starts.push((sigma, depth, coded));
                 }
             }
+        }
+        // Each start's greedy layout is independent of the others': laid
+        // out on rayon's threads, then considered in order (the plan is
+        // the sequential search's, whatever the threads).
+        let hint = self.staged_hint.borrow().clone();
+        let (caps, max_depth) = ((cap_own, cap_held, cap_host), self.max_depth);
+        let greedy: Vec<Option<Local>> = starts
+            .par_iter()
+            .map(|&start| c.greedy(inp, max_depth, &hint, start, kept, caps))
+            .collect();
+        for g in greedy.into_iter().flatten() {
+            consider(g, &mut best);
         }
         if let Some(b) = &best
             && c.streams(&b.local)
@@ -1404,93 +1539,6 @@ impl<'a> Request<'a> {
             consider(improved, &mut best);
         }
         best
-    }
-
-    /// Positions of stack `s`'s blocks worth trying to flip from
-    /// `resident == from` (a few per class of equal size and compute:
-    /// blocks of one class differ only by where they sit).
-    fn candidates(c: &PComp, l: &Local, s: usize, from: bool) -> Vec<usize> {
-        let mut classes: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
-        for (j, b) in c.stacks[s].iter().enumerate() {
-            if l.resident[s][j] == from {
-                classes
-                    .entry((b.bytes, (b.compute_s * 1e12) as u64))
-                    .or_default()
-                    .push(j);
-            }
-        }
-        let mut out = Vec::new();
-        for members in classes.values() {
-            let k = members.len();
-            for q in [0, k / 4, k / 2, (3 * k) / 4, k - 1] {
-                if !out.contains(&members[q]) {
-                    out.push(members[q]);
-                }
-            }
-        }
-        out
-    }
-
-    /// `caps`: own, held (device) and held host bytes, as [`Self::solve`].
-    /// `start`: the slot size, depth and whether every stack starts coded.
-    fn greedy(
-        &self,
-        i: usize,
-        (sigma, depth, coded): (u64, usize, bool),
-        kept: bool,
-        caps: (u64, u64, u64),
-    ) -> Option<Local> {
-        let c = &self.comps[i];
-        let inp = self.inputs;
-        let (cap_own, cap_held, cap_host) = caps;
-        let over = |l: &Local| {
-            c.own(l) > cap_own || c.held(l) > cap_held || c.pinned_held(l, kept) > cap_host
-        };
-        let mut l = c.minimal(sigma, depth);
-        l.coded = vec![coded; c.stacks.len()];
-        if !c.streams(&l) || over(&l) {
-            return None;
-        }
-        let hint = self.staged_hint.borrow();
-        let mut t = c.time_hosted(&l, kept, inp, &hint);
-        loop {
-            let mut pick: Option<(Local, f64, u64)> = None;
-            for s in 0..c.stacks.len() {
-                for j in Self::candidates(c, &l, s, false) {
-                    let mut trial = l.clone();
-                    trial.resident[s][j] = true;
-                    keep_no_lone_block(&mut trial.resident[s]);
-                    if !c.streams(&trial) {
-                        trial.depth = 0;
-                    }
-                    if !c.valid(&trial, self.max_depth) || over(&trial) {
-                        continue;
-                    }
-                    let tt = c.time_hosted(&trial, kept, inp, &hint);
-                    let bytes = c.stacks[s][j].bytes;
-                    let is_better = match &pick {
-                        None => true,
-                        Some((_, pt, pb)) => {
-                            tt < pt * (1.0 - 1e-9) || (tt <= pt * (1.0 + 1e-9) && bytes > *pb)
-                        }
-                    };
-                    if is_better {
-                        pick = Some((trial, tt, bytes));
-                    }
-                }
-            }
-            match pick {
-                Some((trial, tt, _)) if tt <= t * (1.0 + 1e-9) => {
-                    l = trial;
-                    t = tt;
-                    if !c.streams(&l) {
-                        break;
-                    }
-                }
-                _ => break,
-            }
-        }
-        Some(l)
     }
 
     /// Moves residency between blocks of one size (memory unchanged) while
@@ -1502,10 +1550,10 @@ impl<'a> Request<'a> {
         let hint = self.staged_hint.borrow();
         let mut t = c.time_hosted(&l, kept, inp, &hint);
         for _ in 0..SWAP_ROUNDS {
-            let mut best: Option<(Local, f64)> = None;
+            let mut trials = Vec::new();
             for s in 0..c.stacks.len() {
-                let streamed = Self::candidates(c, &l, s, false);
-                for a in Self::candidates(c, &l, s, true) {
+                let streamed = PComp::candidates(c, &l, s, false);
+                for a in PComp::candidates(c, &l, s, true) {
                     for &b in &streamed {
                         if c.stacks[s][a].bytes != c.stacks[s][b].bytes {
                             continue;
@@ -1513,11 +1561,20 @@ impl<'a> Request<'a> {
                         let mut trial = l.clone();
                         trial.resident[s][a] = false;
                         trial.resident[s][b] = true;
-                        let tt = c.time_hosted(&trial, kept, inp, &hint);
-                        if tt < best.as_ref().map_or(t, |x| x.1) * (1.0 - 1e-6) {
-                            best = Some((trial, tt));
-                        }
+                        trials.push(trial);
                     }
+                }
+            }
+            // Priced on rayon's threads, compared in order.
+            let hint: &[String] = &hint;
+            let times: Vec<f64> = trials
+                .par_iter()
+                .map(|trial| c.time_hosted(trial, kept, inp, hint))
+                .collect();
+            let mut best: Option<(Local, f64)> = None;
+            for (trial, tt) in trials.into_iter().zip(times) {
+                if tt < best.as_ref().map_or(t, |x| x.1) * (1.0 - 1e-6) {
+                    best = Some((trial, tt));
                 }
             }
             let Some((trial, tt)) = best else { break };
@@ -1714,7 +1771,7 @@ impl<'a> Request<'a> {
         let mut hint = Vec::new();
         for (i, &k) in figures.iter().enumerate() {
             for c in &self.comps {
-                c.decode_k.set(k);
+                c.set_decode_k(k);
             }
             // Each search's solution with the staged hint it left.
             let once = |code: Option<Code>| {
@@ -1733,7 +1790,7 @@ impl<'a> Request<'a> {
                     .collect()
             };
             for c in &self.comps {
-                c.decode_k.set(measured);
+                c.set_decode_k(measured);
             }
             for (s, left) in found {
                 let Some(s) = s else { continue };
@@ -1759,7 +1816,7 @@ impl<'a> Request<'a> {
     /// configured).
     fn set_code(&self, code: Option<Code>) {
         for c in &self.comps {
-            c.code.set(code.unwrap_or(c.mode));
+            c.set_code(code.unwrap_or(c.mode));
         }
     }
 
