@@ -1,8 +1,12 @@
 //! The request planner's test pipelines and inputs, shared by
-//! `tests/budget.rs` and `tests/budget_edges.rs`.
+//! `tests/budget.rs`, `tests/budget_edges.rs`, `tests/planned_decode.rs`
+//! and `tests/planner_threads.rs`.
 
-use offload_core::budget::{ComponentInputs, PlannerInputs};
+use offload_core::budget::{
+    BudgetError, ComponentInputs, DeviceMemory, PlannerInputs, RequestPlan, plan_within,
+};
 use offload_core::bytes::ByteSize;
+use offload_core::config::WeightCompression;
 use offload_core::discovery::Role;
 use offload_core::model::{DType, Pipeline, PipelineBuilder};
 use offload_core::{ComponentDeclaration, OffloadConfig, resolve};
@@ -67,6 +71,35 @@ pub fn budget_config(bytes: u64) -> OffloadConfig {
         device_budget: Some(ByteSize::new(bytes).into()),
         ..OffloadConfig::default()
     }
+}
+
+/// The H100's saved planner inputs for Flux.1-dev at 4,608 tokens × 28
+/// steps (its 2026-12-05 19:13 UTC call under `"auto"`; no measured
+/// decode figure).
+pub fn h100_flux_inputs() -> PlannerInputs {
+    serde_json::from_str(include_str!(
+        "../fixtures/h100-flux1-dev-4608-auto-inputs.json"
+    ))
+    .expect("the fixture is saved planner inputs")
+}
+
+/// The simulator's Flux.1-dev planned from `inputs` within `budget` bytes
+/// under `compression`, the device itself unbounded.
+pub fn plan_flux(
+    inputs: &PlannerInputs,
+    budget: u64,
+    compression: WeightCompression,
+) -> Result<RequestPlan, BudgetError> {
+    plan_within(
+        &offload_sim::presets::flux1_dev().pipeline,
+        &OffloadConfig {
+            weight_compression: Some(compression),
+            ..budget_config(budget)
+        },
+        inputs,
+        DeviceMemory::of(u64::MAX / 4),
+        None,
+    )
 }
 
 /// Inputs for every component of `p`: compute per block from `compute`

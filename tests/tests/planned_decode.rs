@@ -1032,7 +1032,6 @@ fn a_dearer_decode_never_predicts_a_shorter_request() {
         &profile,
         offload_sim::plan::estimated_inputs(&preset, &profile, 4608, 28),
     );
-    let device = DeviceMemory::of(u64::MAX / 4);
     let mut priced = 0;
     for gib in [12u64, 16] {
         let mut last = 0.0f64;
@@ -1045,14 +1044,9 @@ fn a_dearer_decode_never_predicts_a_shorter_request() {
         ] {
             let mut inputs = base.clone();
             inputs.decode_interference = Some(k);
-            let plan = plan_within(
-                &preset.pipeline,
-                &config(gib << 30, WeightCompression::Auto),
-                &inputs,
-                device,
-                None,
-            )
-            .unwrap_or_else(|e| panic!("{gib} GiB, figure {k}: {e}"));
+            let plan =
+                offload_tests::budget::plan_flux(&inputs, gib << 30, WeightCompression::Auto)
+                    .unwrap_or_else(|e| panic!("{gib} GiB, figure {k}: {e}"));
             let t = plan.predicted_request_s;
             println!("{gib} GiB, figure {k}: {t:.5} s");
             assert!(
@@ -1148,23 +1142,11 @@ fn a_check_request_short_of_memory_replans_and_checks_again() {
 /// below 5.430 s at 1.5.
 #[test]
 fn the_h100s_inputs_plan_16_gib_auto_raw() {
-    let inputs: PlannerInputs = serde_json::from_str(include_str!(
-        "../fixtures/h100-flux1-dev-4608-auto-inputs.json"
-    ))
-    .expect("the fixture is saved planner inputs");
+    let inputs = offload_tests::budget::h100_flux_inputs();
     assert_eq!(inputs.decode_interference, None);
-    let preset = offload_sim::presets::flux1_dev();
-    let device = DeviceMemory::of(u64::MAX / 4);
-    let budget = 16u64 << 30;
     let plan = |inputs: &PlannerInputs, compression| {
-        plan_within(
-            &preset.pipeline,
-            &config(budget, compression),
-            inputs,
-            device,
-            None,
-        )
-        .unwrap_or_else(|e| panic!("{e}"))
+        offload_tests::budget::plan_flux(inputs, 16 << 30, compression)
+            .unwrap_or_else(|e| panic!("{e}"))
     };
     let dit_coded = |p: &offload_core::budget::RequestPlan| {
         p.components

@@ -5,38 +5,18 @@
 
 use std::time::Instant;
 
-use offload_core::budget::{DeviceMemory, RequestPlan, plan_within};
-use offload_core::config::{OffloadConfig, WeightCompression};
-use offload_core::measurements::PlannerInputs;
+use offload_core::budget::RequestPlan;
+use offload_core::config::WeightCompression;
+use offload_tests::budget::{h100_flux_inputs, plan_flux};
 
-/// The H100's saved inputs for Flux.1-dev at 4,608 tokens (the fixture of
-/// `planned_decode.rs`).
-fn h100_inputs() -> PlannerInputs {
-    serde_json::from_str(include_str!(
-        "../fixtures/h100-flux1-dev-4608-auto-inputs.json"
-    ))
-    .expect("the fixture is saved planner inputs")
-}
-
+/// The H100's Flux.1-dev inputs planned on a rayon pool of `threads`.
 fn plan_on(threads: usize, gib: u64, compression: WeightCompression) -> RequestPlan {
-    let preset = offload_sim::presets::flux1_dev();
-    let config = OffloadConfig {
-        weight_compression: Some(compression),
-        ..offload_tests::budget::budget_config(gib << 30)
-    };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .expect("a rayon pool");
     pool.install(|| {
-        plan_within(
-            &preset.pipeline,
-            &config,
-            &h100_inputs(),
-            DeviceMemory::of(u64::MAX / 4),
-            None,
-        )
-        .unwrap_or_else(|e| panic!("{e}"))
+        plan_flux(&h100_flux_inputs(), gib << 30, compression).unwrap_or_else(|e| panic!("{e}"))
     })
 }
 
