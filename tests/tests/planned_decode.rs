@@ -1211,10 +1211,13 @@ fn no_check_request_where_the_link_binds_every_coded_phase() {
         },
         ..opts(&[], None)
     };
+    // (Outside the capture: the budget's own run, where this test runs
+    // first, runs a check of its own.)
+    let budget = middle();
     let (out, logs) = offload_tests::capture_logs(|| {
         run(
             &workload(),
-            &StrategyChoice::Config(config(middle(), WeightCompression::Lossless)),
+            &StrategyChoice::Config(config(budget, WeightCompression::Lossless)),
             &device,
         )
     });
@@ -1229,4 +1232,40 @@ fn no_check_request_where_the_link_binds_every_coded_phase() {
     );
     assert_eq!(outputs(&out), resident());
     assert!(out.violations.is_empty(), "{:#?}", out.violations);
+}
+
+/// A check request times decodes beside compute; where the phases compute
+/// binds decode for a sliver of the request, it would time too few and
+/// could move the prediction by less than that sliver, at the cost of a
+/// request at every start. The H100's 16 GiB `"auto"` plan (the fixture)
+/// streams the DiT raw and codes 7 blocks of CLIP (compute-bound, 0.06 ms
+/// of decodes in a 5.43 s request): no check, and the reason names CLIP
+/// and its decodes. Its `"lossless"` plan codes the DiT beside compute
+/// (0.17 s of decodes): a check. Seen red with the share not consulted
+/// (on the H100, 2026-12-06, that check ran, measured nothing, and
+/// `enable` took 37.7 s against 5.3 s uncoded).
+#[test]
+fn no_check_request_for_a_sliver_of_decodes_beside_compute() {
+    use offload_core::runtime::{CHECK_DECODE_SHARE, check_request_wanted};
+    let inputs = offload_tests::budget::h100_flux_inputs();
+    let auto = offload_tests::budget::plan_flux(&inputs, 16 << 30, WeightCompression::Auto)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let beside: f64 = auto
+        .components
+        .iter()
+        .filter(|c| !c.coded_blocks.is_empty() && c.limit == offload_core::budget::Limit::Compute)
+        .map(|c| c.decode_s)
+        .sum();
+    assert!(
+        beside > 0.0 && beside < CHECK_DECODE_SHARE * auto.predicted_request_s,
+        "the fixture's auto plan no longer has a sliver of decodes beside compute ({beside} s):\n{auto}"
+    );
+    let why = check_request_wanted(&auto).expect_err("no check for a sliver");
+    assert!(
+        why.contains("text_encoder") && why.contains("decode for"),
+        "{why}"
+    );
+    let lossless = offload_tests::budget::plan_flux(&inputs, 16 << 30, WeightCompression::Lossless)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(check_request_wanted(&lossless), Ok(true), "{lossless}");
 }

@@ -33,6 +33,7 @@ mod layerwise;
 pub(crate) mod layout;
 mod model_level;
 mod planned;
+pub use planned::{CHECK_DECODE_SHARE, check_request_wanted};
 mod platform;
 mod resident;
 mod ring;

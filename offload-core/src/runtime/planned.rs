@@ -1664,27 +1664,16 @@ impl<A: Api> PlannedBackend<A> {
         {
             return false;
         }
-        let coded: Vec<&budget::ComponentPlan> = plan
-            .components
-            .iter()
-            .filter(|c| !c.coded_blocks.is_empty())
-            .collect();
-        if coded.is_empty() {
-            return false;
+        match check_request_wanted(plan) {
+            Ok(wanted) => wanted,
+            Err(why) => {
+                tracing::info!(
+                    "planned offload: no check request: {why}; the assumed decode interference {} stays",
+                    budget::DECODE_INTERFERENCE
+                );
+                false
+            }
         }
-        let beside_compute = coded.iter().any(|c| c.limit == budget::Limit::Compute);
-        if !beside_compute {
-            tracing::info!(
-                "planned offload: no check request: the link binds every phase that streams coded blocks ({}), so their decodes run while compute waits and what they cost the kernels would not show; the assumed decode interference {} stays",
-                coded
-                    .iter()
-                    .map(|c| c.path.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                budget::DECODE_INTERFERENCE
-            );
-        }
-        beside_compute
     }
 
     /// After the check request: the decode interference its marks show
@@ -1800,6 +1789,60 @@ fn held_modules(layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<Module
         .filter(|b| choices.iter().any(|c| c.resident_blocks.contains(&b.path)))
         .map(|b| b.module)
         .collect()
+}
+
+/// The least share of a request's predicted time that the decodes beside
+/// compute (those of the phases compute binds) must take for a check
+/// request to run: below it, no figure in the planner's range moves the
+/// prediction by more than a few per cent of it at the extreme (under a
+/// fifth of one per cent over the cards measured, 0.75–1.08), and the
+/// decodes are too few to time against the kernels' own spread.
+pub const CHECK_DECODE_SHARE: f64 = 0.01;
+
+/// Whether a check request (CONTRACT §9) is worth running for `plan`:
+/// `Ok(false)` where it streams nothing coded, `Ok(true)` where the coded
+/// phases that compute binds decode for at least [`CHECK_DECODE_SHARE`]
+/// of the request, and otherwise why not (the `info` line's words): the
+/// link binds every phase that streams coded blocks (their decodes run
+/// while compute waits), or those compute binds decode too little.
+pub fn check_request_wanted(plan: &RequestPlan) -> Result<bool, String> {
+    let coded: Vec<&budget::ComponentPlan> = plan
+        .components
+        .iter()
+        .filter(|c| !c.coded_blocks.is_empty())
+        .collect();
+    if coded.is_empty() {
+        return Ok(false);
+    }
+    let names = |cs: &[&budget::ComponentPlan]| {
+        cs.iter()
+            .map(|c| c.path.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let beside: Vec<&budget::ComponentPlan> = coded
+        .iter()
+        .copied()
+        .filter(|c| c.limit == budget::Limit::Compute)
+        .collect();
+    if beside.is_empty() {
+        return Err(format!(
+            "the link binds every phase that streams coded blocks ({}), so their decodes run while compute waits and what they cost the kernels would not show",
+            names(&coded)
+        ));
+    }
+    let decode_s: f64 = beside.iter().map(|c| c.decode_s).sum();
+    let request_s = plan.predicted_request_s;
+    if decode_s < CHECK_DECODE_SHARE * request_s {
+        return Err(format!(
+            "the phases compute binds that stream coded blocks ({}) decode for {:.2} ms of a {:.3} s request, under {:.0} % of it: too few decodes to time, and whatever they cost the kernels moves the prediction by less than that",
+            names(&beside),
+            decode_s * 1e3,
+            request_s,
+            CHECK_DECODE_SHARE * 100.0
+        ));
+    }
+    Ok(true)
 }
 
 /// What the check request's marks show of its decodes and the kernels
