@@ -1235,9 +1235,12 @@ fn no_check_request_where_the_link_binds_every_coded_phase() {
 }
 
 /// A check request times decodes beside compute; where the phases compute
-/// binds decode for a sliver of the request, it would time too few and
-/// could move the prediction by less than that sliver, at the cost of a
-/// request at every start. The H100's 16 GiB `"auto"` plan (the fixture)
+/// binds decode for a sliver of the request, it would time too few, and
+/// what it measured would move the prediction little (CONTRACT §9), at
+/// the cost of a request at every start. This tests the predicate; the
+/// backend logs its reason and skips the check through it, as
+/// `no_check_request_where_the_link_binds_every_coded_phase` sees on the
+/// simulator for the link-bound reason. The H100's 16 GiB `"auto"` plan (the fixture)
 /// streams the DiT raw and codes 7 blocks of CLIP (compute-bound, 0.06 ms
 /// of decodes in a 5.43 s request): no check, and the reason names CLIP
 /// and its decodes. Its `"lossless"` plan codes the DiT beside compute

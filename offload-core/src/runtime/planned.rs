@@ -1653,11 +1653,13 @@ impl<A: Api> PlannedBackend<A> {
     /// coded blocks and `inputs` carry no measured decode interference,
     /// so what its decodes cost the kernels beside them is the H200's
     /// fit, not this device's; and some phase that streams coded blocks
-    /// is bound by compute. Where the link binds every such phase, its
-    /// decodes run while compute waits for them: the check would measure
-    /// nothing ([`decode_interference_of`]'s quarter rule) and pay a
-    /// request at every start, so it is skipped, and an `info` line says
-    /// so.
+    /// is bound by compute, its decodes at least [`CHECK_DECODE_SHARE`] of
+    /// the request ([`check_request_wanted`]). Where the link binds every
+    /// such phase, its decodes run while compute waits for them: the check
+    /// would measure nothing ([`decode_interference_of`]'s quarter rule)
+    /// and pay a request at every start; where those compute binds decode
+    /// for a sliver, it would time too few. Either way it is skipped, and
+    /// an `info` line says why.
     fn wants_check(&self, plan: &RequestPlan, inputs: &PlannerInputs) -> bool {
         if self.bugs.has(PlantedBug::DecodeInterferenceAssumed)
             || inputs.decode_interference.is_some()
@@ -1793,10 +1795,11 @@ fn held_modules(layout: &Layout, choices: &[ComponentChoice]) -> BTreeSet<Module
 
 /// The least share of a request's predicted time that the decodes beside
 /// compute (those of the phases compute binds) must take for a check
-/// request to run: below it, no figure in the planner's range moves the
-/// prediction by more than a few per cent of it at the extreme (under a
-/// fifth of one per cent over the cards measured, 0.75–1.08), and the
-/// decodes are too few to time against the kernels' own spread.
+/// request to run. Below it the decodes are too few to time against the
+/// kernels' own spread, and what their figure moves the prediction by is
+/// small: (figure − 0.9) × the decodes, under 0.2 % of the request over
+/// the figures measured (the H100's 0.75–1.06, the H200's 0.79–1.08) and
+/// at most 3.1 % at the planner's extreme, 4.
 pub const CHECK_DECODE_SHARE: f64 = 0.01;
 
 /// Whether a check request (CONTRACT §9) is worth running for `plan`:
@@ -1832,10 +1835,12 @@ pub fn check_request_wanted(plan: &RequestPlan) -> Result<bool, String> {
         ));
     }
     let decode_s: f64 = beside.iter().map(|c| c.decode_s).sum();
+    // (A prediction of 0 or NaN, which no plan the planner makes has,
+    // runs the check: the comparison below is false.)
     let request_s = plan.predicted_request_s;
     if decode_s < CHECK_DECODE_SHARE * request_s {
         return Err(format!(
-            "the phases compute binds that stream coded blocks ({}) decode for {:.2} ms of a {:.3} s request, under {:.0} % of it: too few decodes to time, and whatever they cost the kernels moves the prediction by less than that",
+            "the phases compute binds that stream coded blocks ({}) decode for {:.2} ms of a {:.3} s request, under {:.0} % of it: too few decodes to time, and what they cost the kernels moves the prediction little",
             names(&beside),
             decode_s * 1e3,
             request_s,
