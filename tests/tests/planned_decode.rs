@@ -146,6 +146,19 @@ fn middle() -> u64 {
     })
 }
 
+/// A lossless run of the workload within `budget` on `device`, with the
+/// logs it wrote (a failure panics with them).
+fn lossless_logged(budget: u64, device: &RunOptions) -> (RunOutcome, String) {
+    let (out, logs) = offload_tests::capture_logs(|| {
+        run(
+            &workload(),
+            &StrategyChoice::Config(config(budget, WeightCompression::Lossless)),
+            device,
+        )
+    });
+    (out.unwrap_or_else(|f| panic!("{}\n{logs}", f.error)), logs)
+}
+
 /// `bug` planted under a lossless plan at [`middle`]'s budget, through the
 /// warm-up, without and with seeded delays: what caught it (INV-3 from the
 /// device's happens-before checker, INV-7 per phase, an output that
@@ -1084,14 +1097,7 @@ fn a_check_request_short_of_memory_replans_and_checks_again() {
         },
         ..opts(&[PlantedBug::UnderstateActivations], None)
     };
-    let (out, logs) = offload_tests::capture_logs(|| {
-        run(
-            &workload(),
-            &StrategyChoice::Config(config(budget, WeightCompression::Lossless)),
-            &device,
-        )
-    });
-    let out = out.unwrap_or_else(|f| panic!("{}\n{logs}", f.error));
+    let (out, logs) = lossless_logged(budget, &device);
     let short = logs
         .lines()
         .position(|l| l.contains("ran out of device memory"))
@@ -1214,14 +1220,7 @@ fn no_check_request_where_the_link_binds_every_coded_phase() {
     // (Outside the capture: the budget's own run, where this test runs
     // first, runs a check of its own.)
     let budget = middle();
-    let (out, logs) = offload_tests::capture_logs(|| {
-        run(
-            &workload(),
-            &StrategyChoice::Config(config(budget, WeightCompression::Lossless)),
-            &device,
-        )
-    });
-    let out = out.unwrap_or_else(|f| panic!("{}\n{logs}", f.error));
+    let (out, logs) = lossless_logged(budget, &device);
     assert!(
         logs.contains("no check request: the link binds every phase"),
         "{logs}"
