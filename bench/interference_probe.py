@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""How much a host-to-device copy slows the kernels beside it, and why.
+
+Issue 20's crossover and 16 GiB rows sit 2-4 % over their limit because
+kernels run slower while the copy engine streams (BENCHMARKS.md, "The
+timeline and the run-to-run spread"). This probe (PyTorch and the driver's
+NVML through ctypes; no offload code) times kernels shaped like a Flux
+block's alone and beside a stream of pinned host-to-device copies, and
+samples the SM clock, the power draw and the clock-event reasons through
+every phase, so the slowdown can be put on its cause:
+
+  * a power or clock cause shows as a lower SM clock beside the copies;
+  * a memory-system cause (the DMA's writes into HBM and L2) as the same
+    clock and a slower kernel, larger for memory-bound kernels.
+
+Each workload: alone, beside copies in 64 MiB pieces, beside copies in
+680 MiB pieces (a Flux double block), beside copies at half the link
+(each 64 MiB piece followed by an idle gap as long, from a host thread), and
+alone again (drift). Each phase runs REPS timed loops; the figure is the
+median loop, the spread beside it.
+
+Usage: python3 bench/interference_probe.py [--seconds 1.0] [--reps 3]
+Prints a table last; --json PATH writes every loop.
+"""
+import argparse
+import ctypes
+import json
+import statistics
+import threading
+import time
+
+import torch
+
+
+class Nvml:
+    """SM clock (MHz), power (W) and the clock-event reasons' bitmask."""
+
+    def __init__(self, index=0):
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        assert self.lib.nvmlInit_v2() == 0, "nvmlInit_v2 failed"
+        self.h = ctypes.c_void_p()
+        assert self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.h)) == 0
+
+    def sample(self):
+        clk = ctypes.c_uint()
+        mw = ctypes.c_uint()
+        reasons = ctypes.c_ulonglong()
+        self.lib.nvmlDeviceGetClockInfo(self.h, 1, ctypes.byref(clk))  # NVML_CLOCK_SM
+        self.lib.nvmlDeviceGetPowerUsage(self.h, ctypes.byref(mw))
+        self.lib.nvmlDeviceGetCurrentClocksThrottleReasons(self.h, ctypes.byref(reasons))
+        return clk.value, mw.value / 1000.0, reasons.value
+
+
+class Sampler:
+    def __init__(self, nvml, period=0.02):
+        self.nvml, self.period = nvml, period
+        self.samples, self.on = [], False
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        while True:
+            if self.on:
+                self.samples.append(self.nvml.sample())
+            time.sleep(self.period)
+
+    def start(self):
+        self.samples = []
+        self.on = True
+
+    def stop(self):
+        self.on = False
+        s = self.samples
+        if not s:
+            return {}
+        reasons = 0
+        for _, _, r in s:
+            reasons |= r
+        return {
+            "sm_mhz": statistics.median(c for c, _, _ in s),
+            "sm_mhz_min": min(c for c, _, _ in s),
+            "watts": statistics.median(w for _, w, _ in s),
+            "reasons": hex(reasons),
+            "samples": len(s),
+        }
+
+
+def workloads(dev):
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    out = {}
+    # A Flux double block's MLP up-projection at 4,608 and 12,288 tokens.
+    for tokens in (4608, 12288):
+        a = torch.randn(tokens, 3072, device=dev, dtype=bf)
+        w = torch.randn(3072, 12288, device=dev, dtype=bf) * 0.02
+        out[f"gemm {tokens}x3072x12288"] = lambda a=a, w=w: torch.matmul(a, w)
+    # Attention over the joint sequence (24 heads of 128).
+    q = torch.randn(1, 24, 12288, 128, device=dev, dtype=bf)
+    out["attention 12288 tok"] = lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    # A memory-bound elementwise pass (modulation-like: x * (1 + s) + t).
+    x = torch.randn(12288, 3072 * 8, device=dev, dtype=bf)
+    s = torch.randn(3072 * 8, device=dev, dtype=bf)
+    out["elementwise 604 MB"] = lambda x=x, s=s: torch.addcmul(s, x, 1 + s)
+    return out
+
+
+def timed(fn, seconds, stream):
+    # Iterations for about `seconds`, found from one short run.
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        per = (time.perf_counter() - t0) / 10
+    return max(10, int(seconds / per))
+
+
+def loop(fn, n, stream):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+    return s, e
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    nvml = Nvml()
+    sampler = Sampler(nvml)
+    compute = torch.cuda.Stream()
+    copy = torch.cuda.Stream()
+    piece_small = 64 << 20
+    piece_block = 680 << 20
+    host = torch.empty(piece_block, dtype=torch.uint8).pin_memory()
+    host.random_()
+    dst = torch.empty(piece_block, dtype=torch.uint8, device=dev)
+
+    # The link alone.
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(copy):
+        s.record()
+        for _ in range(8):
+            dst.copy_(host, non_blocking=True)
+        e.record()
+    torch.cuda.synchronize()
+    link = 8 * piece_block / (s.elapsed_time(e) / 1e3) / 1e9
+    print(f"{torch.cuda.get_device_name()}: pinned link {link:.2f} GB/s", flush=True)
+
+    def enqueue_copies(seconds, piece):
+        # Enough copies to outlast the compute loop.
+        n = int(seconds * 1.2 * link * 1e9 / piece) + 2
+        with torch.cuda.stream(copy):
+            for _ in range(n):
+                dst[:piece].copy_(host[:piece], non_blocking=True)
+        return n
+
+    class HalfDuty:
+        # One piece at a time from a host thread, each followed by an idle
+        # gap as long as it took: the copy engine busy about half the time,
+        # and nothing on the SMs (a sleeping kernel would take one).
+        def __init__(self, piece):
+            self.piece, self.stop = piece, False
+            self.t = threading.Thread(target=self.run, daemon=True)
+            self.t.start()
+
+        def run(self):
+            while not self.stop:
+                t0 = time.perf_counter()
+                with torch.cuda.stream(copy):
+                    dst[:self.piece].copy_(host[:self.piece], non_blocking=True)
+                copy.synchronize()
+                time.sleep(time.perf_counter() - t0)
+
+        def join(self):
+            self.stop = True
+            self.t.join()
+
+    phases = [
+        ("alone", None, 1.0),
+        ("copies 64 MiB", piece_small, 1.0),
+        ("copies 680 MiB", piece_block, 1.0),
+        ("copies 64 MiB, half duty", piece_small, 0.5),
+        ("alone again", None, 1.0),
+    ]
+    rows, every = [], []
+    for name, fn in workloads(dev).items():
+        n = timed(fn, args.seconds, compute)
+        base = None
+        for phase, piece, duty in phases:
+            ms, stats = [], []
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                half = None
+                if piece and duty < 1:
+                    half = HalfDuty(piece)
+                    time.sleep(0.05)
+                elif piece:
+                    enqueue_copies(args.seconds, piece)
+                sampler.start()
+                s, e = loop(fn, n, compute)
+                e.synchronize()
+                st = sampler.stop()
+                if half:
+                    half.join()
+                torch.cuda.synchronize()
+                ms.append(s.elapsed_time(e) / n)
+                stats.append(st)
+            med = statistics.median(ms)
+            if base is None:
+                base = med
+            mhz = statistics.median(st.get("sm_mhz", 0) for st in stats)
+            watts = statistics.median(st.get("watts", 0) for st in stats)
+            reasons = 0
+            for st in stats:
+                reasons |= int(st.get("reasons", "0x0"), 16)
+            row = {
+                "workload": name, "phase": phase, "iters": n,
+                "ms_median": med, "ms_min": min(ms), "ms_max": max(ms),
+                "vs_alone": med / base, "sm_mhz": mhz, "watts": watts,
+                "reasons": hex(reasons),
+            }
+            rows.append(row)
+            every.append({"workload": name, "phase": phase, "ms": ms, "nvml": stats})
+            print(f"{name:24s} {phase:26s} {med:8.3f} ms ({min(ms):.3f}-{max(ms):.3f})"
+                  f" x{med / base:.4f}  SM {mhz:.0f} MHz  {watts:.0f} W  reasons {hex(reasons)}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "link_gbps": link,
+                       "rows": rows, "loops": every}, f, indent=1)
+    print()
+    print(f"| workload | phase | ms / iteration (min-max) | / alone | SM MHz | W | clock-event reasons |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['workload']} | {r['phase']} | {r['ms_median']:.3f} ({r['ms_min']:.3f}-{r['ms_max']:.3f})"
+              f" | {r['vs_alone']:.4f} | {r['sm_mhz']:.0f} | {r['watts']:.0f} | {r['reasons']} |")
+
+
+if __name__ == "__main__":
+    main()
