@@ -919,6 +919,15 @@ struct Row {
     /// `max(resident step, streamed / host-master bandwidth)`.
     limit_masters_s: f64,
     ratio_masters: f64,
+    /// Streamed rows: the fresh-buffer pinned bandwidth measured right
+    /// after this row's timed steps (the link drifts by a few per cent over
+    /// a sweep's minutes; `None` where the probe's 1 GiB did not fit),
+    /// GB/s.
+    row_link_gbps: Option<f64>,
+    /// `max(resident step, streamed / row_link_gbps)`.
+    row_limit_s: Option<f64>,
+    /// `step_s / row_limit_s`.
+    ratio_row_link: Option<f64>,
     /// The predicted step: the ring recurrence
     /// (`budget::predict_step`) on the resident step's per-block compute
     /// and the host-master bandwidth.
@@ -1570,6 +1579,17 @@ fn run() -> Result<()> {
                 Some(c) => Some(c.take_error()?),
                 None => None,
             };
+            // The row's own page-locked peak, read before the link probe
+            // below pins its buffer.
+            let locked_peak = offload_cuda::host_locked().peak_bytes;
+            // The link as it is now, beside this row's steps: the limit of
+            // a transfer-bound row moves with it (a probe that does not fit
+            // leaves the row without this figure, not without the row).
+            let row_link_gbps = if spec.depth > 0 {
+                sampled_bandwidth(&device, &stream, 4, 1, || Ok(())).ok()
+            } else {
+                None
+            };
             // One more step, traced (not timed: the events cost launches).
             device.timeline_start()?;
             let traced = step_marked(&rt, proxy, tokens, Some(&device));
@@ -1593,6 +1613,9 @@ fn run() -> Result<()> {
                 ratio: 0.0,
                 limit_masters_s: 0.0,
                 ratio_masters: 0.0,
+                row_link_gbps,
+                row_limit_s: None,
+                ratio_row_link: None,
                 predicted_s: 0.0,
                 simulated_s: None,
                 simulated_ratio: None,
@@ -1610,8 +1633,7 @@ fn run() -> Result<()> {
                 bf16_link_limit_s: 0.0,
                 step_over_bf16_link: 0.0,
                 decode_error,
-                host_locked_peak_bytes: offload_cuda::host_locked()
-                    .peak_bytes
+                host_locked_peak_bytes: locked_peak
                     .saturating_sub(locked_before.pinned_bytes + locked_before.registered_bytes),
                 staged_bytes,
                 staged_limit_s: None,
@@ -1815,6 +1837,11 @@ fn run() -> Result<()> {
         r.ratio = r.step_s / r.limit_s;
         r.limit_masters_s = resident_step.max(streamed / (master_gbps * 1e9));
         r.ratio_masters = r.step_s / r.limit_masters_s;
+        r.row_limit_s = r
+            .row_link_gbps
+            .filter(|g| *g > 0.0)
+            .map(|g| resident_step.max(streamed / (g * 1e9)));
+        r.ratio_row_link = r.row_limit_s.map(|l| r.step_s / l);
         if r.depth > 0 {
             r.bf16_link_limit_s = streamed / (bw * 1e9);
             r.step_over_bf16_link = r.step_s / r.bf16_link_limit_s;
