@@ -898,6 +898,29 @@ fn kernels(
 /// Builds one run's backend.
 type MakeBackend<'a> = dyn Fn() -> Result<Box<dyn Backend<Cuda>>> + 'a;
 
+/// The limit no schedule beats: `max(resident step, streamed bytes / the
+/// link at `gbps` GB/s)`, seconds.
+fn link_limit_s(resident_step: f64, streamed_bytes: f64, gbps: f64) -> f64 {
+    resident_step.max(streamed_bytes / (gbps * 1e9))
+}
+
+/// A row's limit at the link measured beside it, and its step against
+/// that limit; `(None, None)` where no positive rate was measured.
+fn row_link_ratio(
+    step: f64,
+    resident_step: f64,
+    streamed_bytes: f64,
+    row_gbps: Option<f64>,
+) -> (Option<f64>, Option<f64>) {
+    match row_gbps.filter(|g| *g > 0.0) {
+        Some(g) => {
+            let limit = link_limit_s(resident_step, streamed_bytes, g);
+            (Some(limit), Some(step / limit))
+        }
+        None => (None, None),
+    }
+}
+
 /// One row of the tables.
 #[derive(Serialize, Clone)]
 struct Row {
@@ -1833,15 +1856,12 @@ fn run() -> Result<()> {
             .get(&r.tokens)
             .context("a resident row per token count")?;
         let streamed = r.streamed_bytes as f64;
-        r.limit_s = resident_step.max(streamed / (bw * 1e9));
+        r.limit_s = link_limit_s(*resident_step, streamed, bw);
         r.ratio = r.step_s / r.limit_s;
-        r.limit_masters_s = resident_step.max(streamed / (master_gbps * 1e9));
+        r.limit_masters_s = link_limit_s(*resident_step, streamed, master_gbps);
         r.ratio_masters = r.step_s / r.limit_masters_s;
-        r.row_limit_s = r
-            .row_link_gbps
-            .filter(|g| *g > 0.0)
-            .map(|g| resident_step.max(streamed / (g * 1e9)));
-        r.ratio_row_link = r.row_limit_s.map(|l| r.step_s / l);
+        (r.row_limit_s, r.ratio_row_link) =
+            row_link_ratio(r.step_s, *resident_step, streamed, r.row_link_gbps);
         if r.depth > 0 {
             r.bf16_link_limit_s = streamed / (bw * 1e9);
             r.step_over_bf16_link = r.step_s / r.bf16_link_limit_s;
@@ -2190,8 +2210,35 @@ fn slug(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{Args, Settings, median, name_seed};
+    use super::{Args, Settings, link_limit_s, median, name_seed, row_link_ratio};
     use clap::Parser;
+
+    /// A transfer-bound row is judged against the link measured beside it
+    /// (the link drifted 52.8-54.7 GB/s over one H100 sweep), a
+    /// compute-bound one against the resident step whatever the link; an
+    /// unmeasured or non-positive rate gives no figure, not a division by
+    /// zero.
+    #[test]
+    fn a_row_is_judged_at_its_own_link() {
+        let streamed = 23.67e9;
+        // Transfer-bound: 0.4419 s at the process's 53.57 GB/s; the row's
+        // own link ran at 54.65 GB/s, so its limit is 0.4331 s.
+        let (limit, ratio) = row_link_ratio(0.4330, 0.0490, streamed, Some(54.65));
+        let limit = limit.expect("a measured rate gives a limit");
+        assert!((limit - streamed / 54.65e9).abs() < 1e-12, "{limit}");
+        assert!((ratio.expect("and a ratio") - 0.4330 / limit).abs() < 1e-12);
+        assert!(
+            (link_limit_s(0.0490, streamed, 53.57) - streamed / 53.57e9).abs() < 1e-12,
+            "the process's limit is its own"
+        );
+        // Compute-bound: the resident step binds at either rate.
+        let (limit, ratio) = row_link_ratio(0.5617, 0.5514, streamed, Some(50.0));
+        assert_eq!(limit, Some(0.5514));
+        assert!((ratio.expect("a ratio") - 0.5617 / 0.5514).abs() < 1e-12);
+        for none in [None, Some(0.0), Some(-1.0)] {
+            assert_eq!(row_link_ratio(0.43, 0.05, streamed, none), (None, None));
+        }
+    }
 
     fn settings(flags: &[&str]) -> Result<Vec<u64>, String> {
         let args =
