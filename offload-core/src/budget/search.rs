@@ -119,7 +119,6 @@ impl Code {
 /// are laid out on rayon's threads ([`Request::solve`]); what the search
 /// changes between its passes (the coded layouts, the decode figure) is
 /// held in atomics, set only between them.
-#[derive(Debug)]
 struct PComp {
     path: String,
     role: Role,
@@ -181,6 +180,28 @@ pub struct Evaluation {
     pub request_s: f64,
     /// The largest phase peak.
     pub peak_bytes: u64,
+}
+
+/// The atomics as the values they hold (a [`Code`], an `f64`), not as
+/// their raw bits.
+impl std::fmt::Debug for PComp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PComp")
+            .field("path", &self.path)
+            .field("role", &self.role)
+            .field("bytes", &self.bytes)
+            .field("nonblock", &self.nonblock)
+            .field("nonblock_mem", &self.nonblock_mem)
+            .field("stacks", &self.stacks)
+            .field("forwards", &self.forwards)
+            .field("own_s", &self.own_s)
+            .field("act", &self.act)
+            .field("mode", &self.mode)
+            .field("code", &self.code())
+            .field("decode_k", &self.decode_k())
+            .field("unpinned", &self.unpinned)
+            .finish()
+    }
 }
 
 impl PComp {
@@ -2837,4 +2858,34 @@ pub fn smallest_footprint_within(
         .map(|(i, (l, k))| r.choice(i, l, *k))
         .collect();
     Ok((choices, minimum, host))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A phase's `Debug` shows its search-time settings as the values they
+    /// hold, not as an atomic's raw bits.
+    #[test]
+    fn a_phase_debugs_its_settings_as_values() {
+        let comp = PComp {
+            path: "transformer".to_owned(),
+            role: Role::Dit,
+            bytes: 1,
+            nonblock: 1,
+            nonblock_mem: 1,
+            stacks: Vec::new(),
+            forwards: 28.0,
+            own_s: 0.0,
+            act: 0,
+            mode: Code::Choose,
+            code: AtomicU8::new(Code::Always as u8),
+            decode_k: AtomicU64::new(0.9f64.to_bits()),
+            unpinned: false,
+        };
+        let shown = format!("{comp:?}");
+        assert!(shown.contains("code: Always"), "{shown}");
+        assert!(shown.contains("decode_k: 0.9,"), "{shown}");
+        assert!(!shown.contains(&0.9f64.to_bits().to_string()), "{shown}");
+    }
 }
