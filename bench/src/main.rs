@@ -67,6 +67,7 @@ use offload_sim::presets::{TokenSplit, flux1_dev_dit, linear_rows};
 use serde::Serialize;
 use timeline::Analysis;
 
+mod beside;
 mod dist;
 mod pipeline;
 mod staged;
@@ -167,6 +168,13 @@ pub(crate) struct Args {
     /// encodes every block): only `--depths` run.
     #[arg(long)]
     no_planner: bool,
+    /// DiT-only mode: also time the resident step beside an unrelated
+    /// stream of pinned host→device copies (no offload engine: no hooks,
+    /// waits or slots), one `resident beside copies` row per token count:
+    /// what copies cost this workload's kernels, its step and compute
+    /// busy against the resident row's. Not with --pipeline or --ranks.
+    #[arg(long)]
+    copy_beside: bool,
     /// With `--weight-compression lossless` (or `auto`): a coded-block
     /// file (offload-pack's `.opackb`) to enable the coded rows from, its
     /// coded masters registered in place; written first from the loaded
@@ -382,6 +390,10 @@ impl Settings {
                 "{flag} goes with --pipeline (device budgets plan whole requests; the DiT-only mode has no budget rows)"
             );
         }
+        ensure!(
+            !(args.copy_beside && args.ranks > 1),
+            "--copy-beside times one GPU's resident step beside copies; allowed: --ranks 1"
+        );
         let tokens = token_list(args.tokens.as_deref().unwrap_or("4608,16896"))?;
         let steps = args.steps.unwrap_or(5);
         ensure!(
@@ -951,6 +963,9 @@ struct Row {
     row_limit_s: Option<f64>,
     /// `step_s / row_limit_s`.
     ratio_row_link: Option<f64>,
+    /// `--copy-beside` rows: the rate the unrelated copy stream ran at
+    /// over the row (from after its enable to its last step), GB/s.
+    beside_gbps: Option<f64>,
     /// The predicted step: the ring recurrence
     /// (`budget::predict_step`) on the resident step's per-block compute
     /// and the host-master bandwidth.
@@ -1035,6 +1050,9 @@ struct Spec<'a> {
     /// A `file` row: its masters from `--masters-file`, whose page cache
     /// is dropped before the enable; resident file pages sampled.
     file: bool,
+    /// A `--copy-beside` row: an unrelated copy stream runs from after the
+    /// enable to the last step ([`beside::Beside`]).
+    beside: bool,
 }
 
 /// Host→device bandwidth of the host masters themselves, GB/s: every block
@@ -1557,6 +1575,12 @@ fn run() -> Result<()> {
         let coded = codec
             .as_ref()
             .filter(|_| spec.compression != Compression::None);
+        let first_row = rows.len();
+        let copier = if spec.beside {
+            Some(beside::Beside::start(&device)?)
+        } else {
+            None
+        };
         for &tokens in &spec.tokens {
             let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
@@ -1639,6 +1663,7 @@ fn run() -> Result<()> {
                 row_link_gbps,
                 row_limit_s: None,
                 ratio_row_link: None,
+                beside_gbps: None,
                 predicted_s: 0.0,
                 simulated_s: None,
                 simulated_ratio: None,
@@ -1678,6 +1703,12 @@ fn run() -> Result<()> {
                 r.timeline.copy_idle_s * 1e3
             );
         }
+        if let Some(c) = copier {
+            let gbps = c.finish()?;
+            for r in &mut rows[first_row..] {
+                r.beside_gbps = Some(gbps);
+            }
+        }
         rt.disable()?;
         Ok(())
     };
@@ -1699,6 +1730,7 @@ fn run() -> Result<()> {
                 )
             }),
             file: false,
+            beside: false,
         },
         &mut rows,
     )?;
@@ -1716,6 +1748,26 @@ fn run() -> Result<()> {
             .map(|(&t, ring)| (t, ring.inputs(&block_units, master_gbps, settings.steps))),
     );
     let mut specs: Vec<Spec<'_>> = Vec::new();
+    if args.copy_beside {
+        specs.push(Spec {
+            name: "resident beside copies".to_owned(),
+            repeat: 0,
+            lookahead: BTreeMap::new(),
+            proxy: &proxy,
+            depth: 0,
+            streamed: 0,
+            tokens: settings.tokens.clone(),
+            compression: Compression::None,
+            make: Box::new(|| {
+                Ok(
+                    platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>, None)
+                        .resident()?,
+                )
+            }),
+            file: false,
+            beside: true,
+        });
+    }
     // The look-ahead the chooser picks with every block streamed (one
     // slot beyond the shallowest depth the recurrence finds as short as
     // any up to MAX_PLANNED_DEPTH), per token count.
@@ -1755,6 +1807,7 @@ fn run() -> Result<()> {
                                 Some(ring.inputs(&block_units, master_gbps, settings.steps)),
                             ),
                             file: false,
+                            beside: false,
                         });
                     }
                 }
@@ -1772,6 +1825,7 @@ fn run() -> Result<()> {
                     compression,
                     make: layerwise_at(config.clone(), d, None),
                     file: false,
+                    beside: false,
                 });
             }
             let mut by_depth: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
@@ -1790,6 +1844,7 @@ fn run() -> Result<()> {
                     compression,
                     make: layerwise_at(config.clone(), d, None),
                     file: false,
+                    beside: false,
                 });
             }
         }
@@ -1842,6 +1897,7 @@ fn run() -> Result<()> {
                             compression,
                             make: layerwise_over(config.clone(), d, None, weights.clone()),
                             file: *file,
+                            beside: false,
                         });
                     }
                 }
@@ -1989,6 +2045,32 @@ fn run() -> Result<()> {
             kinds.join(", "),
             copies.join(", ")
         );
+    }
+    let beside: Vec<&Row> = rows.iter().filter(|r| r.beside_gbps.is_some()).collect();
+    if !beside.is_empty() {
+        println!(
+            "\nThe resident step beside an unrelated copy stream (no offload engine): what copies cost these kernels"
+        );
+        println!(
+            "| tokens | resident step s | beside copies s | step ratio | compute busy ratio | compute idle ms | copies GB/s | output = resident |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+        for r in beside {
+            let Some((alone, _, a)) = resident.get(&r.tokens) else {
+                continue;
+            };
+            println!(
+                "| {} | {:.4} | {:.4} | {:.4} | {:.4} | {:.1} | {:.2} | {} |",
+                r.tokens,
+                alone,
+                r.step_s,
+                r.step_s / alone,
+                r.timeline.compute_busy_s / a.compute_busy_s.max(f64::MIN_POSITIVE),
+                r.timeline.compute_idle_s * 1e3,
+                r.beside_gbps.unwrap_or(0.0),
+                r.output_equals_resident
+            );
+        }
     }
     if let Some(dir) = &args.trace_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -2280,6 +2362,11 @@ mod tests {
                 Err("--warmup: 101 is outside 0..=100"),
             ),
             (&["--warmup", "0"], Ok(vec![4608, 16896])),
+            (&["--copy-beside"], Ok(vec![4608, 16896])),
+            (
+                &["--copy-beside", "--ranks", "2"],
+                Err("--copy-beside times one GPU's resident step"),
+            ),
         ];
         for (flags, expect) in rows {
             match (settings(flags), expect) {

@@ -133,6 +133,10 @@ impl PipelineSettings {
             args.ranks == 1,
             "--pipeline runs on one GPU; allowed: --ranks 1 (distributed layerwise is the DiT-only mode's)"
         );
+        ensure!(
+            !args.copy_beside,
+            "--copy-beside is the DiT-only mode's (it times the DiT's resident step beside copies); allowed: without --pipeline"
+        );
         let tokens = token_list(args.tokens.as_deref().unwrap_or("4608"))?;
         ensure!(
             tokens.len() == 1,
@@ -2054,6 +2058,10 @@ mod tests {
             (&["--requests", "0"][..], "--requests: 0"),
             (&["--steps", "0"][..], "--steps: 0"),
             (&["--ranks", "2"][..], "one GPU"),
+            (
+                &["--copy-beside"][..],
+                "--copy-beside is the DiT-only mode's",
+            ),
             (&["--coded-blocks", "x.opackb"][..], "lossless or auto only"),
         ] {
             let e = settings(flags)
