@@ -1712,28 +1712,33 @@ fn run() -> Result<()> {
         rt.disable()?;
         Ok(())
     };
+    // The resident rows, alone or (`--copy-beside`) beside an unrelated
+    // copy stream.
+    let resident_spec = |beside: bool| Spec {
+        name: if beside {
+            "resident beside copies"
+        } else {
+            "resident"
+        }
+        .to_owned(),
+        repeat: 0,
+        lookahead: BTreeMap::new(),
+        proxy: &proxy,
+        depth: 0,
+        streamed: 0,
+        tokens: settings.tokens.clone(),
+        compression: Compression::None,
+        make: Box::new(|| {
+            Ok(
+                platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>, None)
+                    .resident()?,
+            )
+        }),
+        file: false,
+        beside,
+    };
     // Resident first: its traced steps give the planner each block's compute.
-    run(
-        &Spec {
-            name: "resident".to_owned(),
-            repeat: 0,
-            lookahead: BTreeMap::new(),
-            proxy: &proxy,
-            depth: 0,
-            streamed: 0,
-            tokens: settings.tokens.clone(),
-            compression: Compression::None,
-            make: Box::new(|| {
-                Ok(
-                    platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>, None)
-                        .resident()?,
-                )
-            }),
-            file: false,
-            beside: false,
-        },
-        &mut rows,
-    )?;
+    run(&resident_spec(false), &mut rows)?;
     let resident: BTreeMap<u64, (f64, u64, Analysis)> = rows
         .iter()
         .map(|r| (r.tokens, (r.step_s, r.output, r.timeline.clone())))
@@ -1749,24 +1754,7 @@ fn run() -> Result<()> {
     );
     let mut specs: Vec<Spec<'_>> = Vec::new();
     if args.copy_beside {
-        specs.push(Spec {
-            name: "resident beside copies".to_owned(),
-            repeat: 0,
-            lookahead: BTreeMap::new(),
-            proxy: &proxy,
-            depth: 0,
-            streamed: 0,
-            tokens: settings.tokens.clone(),
-            compression: Compression::None,
-            make: Box::new(|| {
-                Ok(
-                    platform(1, false, Arc::clone(&loaded) as Arc<dyn WeightSource>, None)
-                        .resident()?,
-                )
-            }),
-            file: false,
-            beside: true,
-        });
+        specs.push(resident_spec(true));
     }
     // The look-ahead the chooser picks with every block streamed (one
     // slot beyond the shallowest depth the recurrence finds as short as
