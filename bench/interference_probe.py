@@ -29,26 +29,46 @@ import statistics
 import threading
 import time
 
-import torch
+try:
+    import torch
+except ImportError:  # said after the flags are checked
+    torch = None
 
 
 class Nvml:
-    """SM clock (MHz), power (W) and the clock-event reasons' bitmask."""
+    """SM clock (MHz), power (W) and the clock-event reasons' bitmask of
+    the device torch computes on (found by its PCI bus id: NVML's indices
+    ignore CUDA_VISIBLE_DEVICES). A sample NVML refuses is left out."""
 
-    def __init__(self, index=0):
+    def __init__(self, dev):
         self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        assert self.lib.nvmlInit_v2() == 0, "nvmlInit_v2 failed"
+        rc = self.lib.nvmlInit_v2()
+        if rc != 0:
+            raise SystemExit(f"interference_probe: nvmlInit_v2 returned {rc}")
         self.h = ctypes.c_void_p()
-        assert self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.h)) == 0
+        props = torch.cuda.get_device_properties(dev)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is not None:
+            pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+            rc = self.lib.nvmlDeviceGetHandleByPciBusId_v2(pci.encode(), ctypes.byref(self.h))
+            what = f"PCI bus id {pci}"
+        else:
+            rc = self.lib.nvmlDeviceGetHandleByIndex_v2(dev.index or 0, ctypes.byref(self.h))
+            what = f"index {dev.index or 0} (this torch gives no PCI bus id)"
+        if rc != 0:
+            raise SystemExit(f"interference_probe: no NVML handle for the device at {what} (NVML {rc})")
+        print(f"NVML: the device at {what}", flush=True)
 
     def sample(self):
         clk = ctypes.c_uint()
         mw = ctypes.c_uint()
         reasons = ctypes.c_ulonglong()
-        self.lib.nvmlDeviceGetClockInfo(self.h, 1, ctypes.byref(clk))  # NVML_CLOCK_SM
-        self.lib.nvmlDeviceGetPowerUsage(self.h, ctypes.byref(mw))
-        self.lib.nvmlDeviceGetCurrentClocksThrottleReasons(self.h, ctypes.byref(reasons))
-        return clk.value, mw.value / 1000.0, reasons.value
+        ok = (
+            self.lib.nvmlDeviceGetClockInfo(self.h, 1, ctypes.byref(clk)) == 0  # NVML_CLOCK_SM
+            and self.lib.nvmlDeviceGetPowerUsage(self.h, ctypes.byref(mw)) == 0
+            and self.lib.nvmlDeviceGetCurrentClocksThrottleReasons(self.h, ctypes.byref(reasons)) == 0
+        )
+        return (clk.value, mw.value / 1000.0, reasons.value) if ok else None
 
 
 class Sampler:
@@ -61,7 +81,9 @@ class Sampler:
     def run(self):
         while True:
             if self.on:
-                self.samples.append(self.nvml.sample())
+                s = self.nvml.sample()
+                if s is not None:
+                    self.samples.append(s)
             time.sleep(self.period)
 
     def start(self):
@@ -134,8 +156,16 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    nvml = Nvml()
+    if not (args.seconds > 0 and args.seconds < 3600):
+        ap.error(f"--seconds: {args.seconds} is not a number of seconds per timed loop in (0, 3600)")
+    if args.reps < 1:
+        ap.error(f"--reps: {args.reps} is not at least 1 timed loop per phase")
+    if torch is None:
+        raise SystemExit("interference_probe: PyTorch is not installed here (it runs on the GPU machine)")
+    if not torch.cuda.is_available():
+        raise SystemExit("interference_probe: no CUDA device (torch.cuda.is_available() is false)")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    nvml = Nvml(dev)
     sampler = Sampler(nvml)
     compute = torch.cuda.Stream()
     copy = torch.cuda.Stream()

@@ -963,8 +963,10 @@ struct Row {
     row_limit_s: Option<f64>,
     /// `step_s / row_limit_s`.
     ratio_row_link: Option<f64>,
-    /// `--copy-beside` rows: the rate the unrelated copy stream ran at
-    /// over the row (from after its enable to its last step), GB/s.
+    /// `--copy-beside` rows: the rate the unrelated copy stream ran at,
+    /// one figure for every row of the spec (from after its enable to its
+    /// last token count's traced step), GB/s. Its copies are in the row's
+    /// traced copy figures too (the compute figures are what it is for).
     beside_gbps: Option<f64>,
     /// The predicted step: the ring recurrence
     /// (`budget::predict_step`) on the resident step's per-block compute
@@ -1551,6 +1553,13 @@ fn run() -> Result<()> {
     let forecast_inputs: std::cell::RefCell<BTreeMap<u64, budget::PlannerInputs>> =
         std::cell::RefCell::new(BTreeMap::new());
     let mut run = |spec: &Spec<'_>, rows: &mut Vec<Row>| -> Result<()> {
+        // A `--copy-beside` row's copier is allocated before what is in
+        // use is read below, so no peak of the row counts its buffers.
+        let mut copier = if spec.beside {
+            Some(beside::Beside::new(&device)?)
+        } else {
+            None
+        };
         device.synchronize_stream(&stream)?;
         device.trim_pool()?;
         device.reset_pool_high()?;
@@ -1576,11 +1585,13 @@ fn run() -> Result<()> {
             .as_ref()
             .filter(|_| spec.compression != Compression::None);
         let first_row = rows.len();
-        let copier = if spec.beside {
-            Some(beside::Beside::start(&device)?)
-        } else {
-            None
-        };
+        if let Some(c) = &mut copier {
+            c.start()?;
+        }
+        // The peaks over the spec's rows so far: the link probe's buffers
+        // (below) are let go of, and the high-water marks reset, after
+        // each probe, so a later row's peak is this and what it saw since.
+        let (mut spec_pool_peak, mut spec_locked_peak) = (0u64, 0u64);
         for &tokens in &spec.tokens {
             let mut peak_info = free_before.saturating_sub(device.memory_info()?.free_bytes);
             let mut times = Vec::new();
@@ -1609,7 +1620,8 @@ fn run() -> Result<()> {
             };
             // The allocator's high-water mark, less what was in use before
             // enable (the proxy's scratch): device bytes held for weights.
-            let peak = device.pool_used()?.1.saturating_sub(used_before);
+            let peak = spec_pool_peak.max(device.pool_used()?.1.saturating_sub(used_before));
+            spec_pool_peak = peak;
             let output = proxy.read_output()?;
             // Coded bytes as decoded, plus any block the codec refused
             // (streamed as bf16): every block crosses the link once a step.
@@ -1628,19 +1640,41 @@ fn run() -> Result<()> {
             };
             // The row's own page-locked peak, read before the link probe
             // below pins its buffer.
-            let locked_peak = offload_cuda::host_locked().peak_bytes;
+            let locked_peak = spec_locked_peak.max(offload_cuda::host_locked().peak_bytes);
+            spec_locked_peak = locked_peak;
             // The link as it is now, beside this row's steps: the limit of
-            // a transfer-bound row moves with it (a probe that does not fit
-            // leaves the row without this figure, not without the row).
-            let row_link_gbps = if spec.depth > 0 {
-                sampled_bandwidth(&device, &stream, 4, 1, || Ok(())).ok()
+            // a transfer-bound row moves with it. Not for `file` rows (their
+            // resident file pages are sampled until the row is in). A probe
+            // that fails leaves the row without this figure, said, not
+            // without the row; its buffers go back before the next row.
+            let row_link_gbps = if spec.depth > 0 && !spec.file {
+                let measured = sampled_bandwidth(&device, &stream, 4, 1, || Ok(()));
+                device.trim_pool()?;
+                device.reset_pool_high()?;
+                offload_cuda::reset_host_locked_peak();
+                match measured {
+                    Ok(g) => Some(g),
+                    Err(e) => {
+                        eprintln!(
+                            "{} at {tokens} tokens: the link probe failed ({e:#}); no own-link figure for the row",
+                            spec.name
+                        );
+                        None
+                    }
+                }
             } else {
                 None
             };
             // One more step, traced (not timed: the events cost launches).
-            device.timeline_start()?;
+            {
+                let _q = copier.as_ref().map(beside::Beside::quiet);
+                device.timeline_start()?;
+            }
             let traced = step_marked(&rt, proxy, tokens, Some(&device));
-            let spans = device.timeline_stop();
+            let spans = {
+                let _q = copier.as_ref().map(beside::Beside::quiet);
+                device.timeline_stop()
+            };
             traced?;
             let spans = spans?;
             let analysis = timeline::analyse(&spans);
@@ -1694,6 +1728,9 @@ fn run() -> Result<()> {
                 forecast_fill_gbps: forecast.first().map(|(_, f)| f.fill_bytes_per_s / 1e9),
                 forecast_bound: forecast.first().map(|(_, f)| f.bound().to_owned()),
             });
+            if let Some(c) = &mut copier {
+                c.check()?;
+            }
             let r = rows.last().context("pushed")?;
             eprintln!(
                 "{} at {tokens} tokens: {:.4} s/step (traced: compute idle {:.1} ms, copy idle {:.1} ms), output {output:#018x}",
