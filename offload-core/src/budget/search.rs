@@ -186,20 +186,37 @@ pub struct Evaluation {
 /// their raw bits.
 impl std::fmt::Debug for PComp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Every field named (no `..`): a field added later fails to build
+        // here until it is shown.
+        let Self {
+            path,
+            role,
+            bytes,
+            nonblock,
+            nonblock_mem,
+            stacks,
+            forwards,
+            own_s,
+            act,
+            mode,
+            code: _,
+            decode_k: _,
+            unpinned,
+        } = self;
         f.debug_struct("PComp")
-            .field("path", &self.path)
-            .field("role", &self.role)
-            .field("bytes", &self.bytes)
-            .field("nonblock", &self.nonblock)
-            .field("nonblock_mem", &self.nonblock_mem)
-            .field("stacks", &self.stacks)
-            .field("forwards", &self.forwards)
-            .field("own_s", &self.own_s)
-            .field("act", &self.act)
-            .field("mode", &self.mode)
+            .field("path", path)
+            .field("role", role)
+            .field("bytes", bytes)
+            .field("nonblock", nonblock)
+            .field("nonblock_mem", nonblock_mem)
+            .field("stacks", stacks)
+            .field("forwards", forwards)
+            .field("own_s", own_s)
+            .field("act", act)
+            .field("mode", mode)
             .field("code", &self.code())
             .field("decode_k", &self.decode_k())
-            .field("unpinned", &self.unpinned)
+            .field("unpinned", unpinned)
             .finish()
     }
 }
