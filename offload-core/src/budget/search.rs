@@ -601,9 +601,9 @@ impl PComp {
     /// Positions of stack `s`'s blocks worth trying to flip from
     /// `resident == from` (a few per class of equal size and compute:
     /// blocks of one class differ only by where they sit).
-    fn candidates(c: &PComp, l: &Local, s: usize, from: bool) -> Vec<usize> {
+    fn candidates(&self, l: &Local, s: usize, from: bool) -> Vec<usize> {
         let mut classes: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
-        for (j, b) in c.stacks[s].iter().enumerate() {
+        for (j, b) in self.stacks[s].iter().enumerate() {
             if l.resident[s][j] == from {
                 classes
                     .entry((b.bytes, (b.compute_s * 1e12) as u64))
@@ -650,7 +650,7 @@ impl PComp {
         loop {
             let mut pick: Option<(Local, f64, u64)> = None;
             for s in 0..c.stacks.len() {
-                for j in Self::candidates(c, &l, s, false) {
+                for j in c.candidates(&l, s, false) {
                     let mut trial = l.clone();
                     trial.resident[s][j] = true;
                     keep_no_lone_block(&mut trial.resident[s]);
@@ -1590,8 +1590,8 @@ impl<'a> Request<'a> {
         for _ in 0..SWAP_ROUNDS {
             let mut trials = Vec::new();
             for s in 0..c.stacks.len() {
-                let streamed = PComp::candidates(c, &l, s, false);
-                for a in PComp::candidates(c, &l, s, true) {
+                let streamed = c.candidates(&l, s, false);
+                for a in c.candidates(&l, s, true) {
                     for &b in &streamed {
                         if c.stacks[s][a].bytes != c.stacks[s][b].bytes {
                             continue;
