@@ -36,6 +36,9 @@
 # under $WORK.
 #   INIT=normal GRIDS="64x64 16x32 128x128" TEXT=512 STEPS=5 GROWTH=200
 #   NO_PEER=1 BUDGET_S=560 ATTENTION=auto (flash | unfused)
+#   DEPTH=2 (the layerwise rows' prefetch_depth, 1 to 16) WARMUP=1 (untimed
+#   offloaded steps first; the first ones after enable run short) CHECK_TOKENS=4608
+#   (0: no kernel checks) ABLATION=true (false: no fast-path-off steps)
 #   BUDGETS=16GiB,8GiB,auto  WEIGHT_COMPRESSION=none (lossless: the layerwise
 #   rows' blocks coded at enable and decoded on the GPU beside candle)
 set -uo pipefail
@@ -139,6 +142,7 @@ for grid in $GRIDS; do
   [ -f "$OUT/diffusers_$tag.json" ] && REF+=(--diffusers-json "$OUT/diffusers_$tag.json")
   run_step "candle $tag" 260 "$W/offload-flux-bench" --ckpt "$W/flux" --inputs "$W/inputs_$tag.safetensors" "${REF[@]}" \
     --steps "$STEPS" --growth-steps "$growth" --budgets "$budgets" --attention "$ATTENTION" \
+    --depth "${DEPTH:-2}" --warmup "${WARMUP:-1}" --check-tokens "${CHECK_TOKENS:-4608}" --ablation "${ABLATION:-true}" \
     --weight-compression "${WEIGHT_COMPRESSION:-none}" --json "$OUT/candle_$tag.json" \
     >"$L/candle_$tag.out" 2>"$L/candle_$tag.err"
   tail -4 "$L/candle_$tag.err"
@@ -207,6 +211,15 @@ for g in grids:
     if "attention_check" in c:
         checks.append((g, c["attention_check"]))
 print()
+print("| tokens | depth | link GB/s | offloaded steps / limit (min-max) | resident steps s (min-max) |")
+print("| --- | --- | --- | --- | --- |")
+for g in grids:
+    c = load(f"candle_{g}.json")
+    off, res, lim = c.get("offload_steps_s") or [], c.get("resident_steps_s") or [], c.get("limit_s")
+    if off and lim:
+        print(f"| {c.get('tokens', g)} | {c.get('depth')} | {f(c.get('pinned_h2d_gb_s'), '.2f')} "
+              f"| {min(off) / lim:.3f}-{max(off) / lim:.3f} | {f(min(res) if res else None)}-{f(max(res) if res else None)} |")
+print()
 for g in grids:
     c = load(f"candle_{g}.json")
     if c.get("weight_compression") == "lossless":
@@ -249,15 +262,19 @@ print(f"enable s {f(c0.get('enable_s'))} (in place / copied units {c0.get('units
       f"diffusers group-offload step s {f(d0.get('group_offload_step_s'))}")
 print()
 print(f"request planner budgets ({c0.get('tokens')} tokens, DiT only; step: median of the request's steps):")
-print("| budget | planned resident blocks | step s | predicted s | step vs diffusers group offload | peak in use GB (budget) | peak <= budget | == resident |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| budget | planned resident blocks | depth | step s | predicted s | step / limit | step vs diffusers group offload | peak in use GB (budget) | peak <= budget | == resident |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in c0.get("budgets", []):
     if "error" in r:
-        print(f"| {r['budget']} | FAILED: {r['error']} | - | - | - | - | - | - |")
+        print(f"| {r['budget']} | FAILED: {r['error']} | - | - | - | - | - | - | - | - |")
         continue
     g, s = r.get("group_offload_step_s"), r.get("step_s")
     vs = f"{g / s:.2f}x faster ({g:.4f} s)" if g and s else "-"
-    print(f"| {r['budget']} | {r.get('resident_blocks_text')} | {f(s)} | {f(r.get('predicted_step_s'))} | {vs} "
+    # The plan's limit: max(candle resident, its streamed bytes / the link).
+    res, gb, sb = c0.get("resident_step_s"), c0.get("pinned_h2d_gb_s"), r.get("streamed_bytes_per_step")
+    lim = max(res, (sb or 0) / (gb * 1e9)) if res and gb else None
+    print(f"| {r['budget']} | {r.get('resident_blocks_text')} | {r.get('depth')} | {f(s)} | {f(r.get('predicted_step_s'))} "
+          f"| {f(s / lim if s and lim else None, '.3f')} | {vs} "
           f"| {f((r.get('pool_used_peak_bytes') or 0) / 1e9, '.2f')} ({f((r.get('budget_bytes') or 0) / 1e9, '.2f')}) "
           f"| {r.get('peak_within_budget')} | {r.get('equals_resident')} |")
 print()

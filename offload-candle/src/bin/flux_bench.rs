@@ -69,6 +69,13 @@ struct Args {
     /// Timed steps per figure (median reported).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     steps: u32,
+    /// Untimed offloaded steps before the timed ones, 1 to 100: with a
+    /// deep look-ahead the first timed steps after one untimed step ran
+    /// short (seen on an H100, depth 16: 0.55 of the link's time at 4,608
+    /// tokens, 0.88-0.91 at 9,728; not looked into), so a steady-state
+    /// figure needs a few.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    warmup: u32,
     /// Offloaded steps of the memory-growth run.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     growth_steps: u32,
@@ -114,6 +121,11 @@ struct Args {
     /// Write the JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Time the resident step with each fast path switched off (what each
+    /// bought); `false` skips them (a sweep of token counts that needs
+    /// only the offloaded and resident steps).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    ablation: bool,
 }
 
 /// The budgets of `--budgets` (`none`: no budget).
@@ -677,6 +689,14 @@ fn run() -> Result<()> {
     let fused_before = offload_candle::fused::stats();
     let first = off.step(&model, &inputs)?;
     sync(&candle, &dev, &compute)?;
+    for _ in 1..args.warmup {
+        let out = off.step(&model, &inputs)?;
+        sync(&candle, &dev, &compute)?;
+        if bits(&out)? != bits(&first)? && args.plant.is_none() {
+            bail!("two offloaded steps on the same inputs differ");
+        }
+    }
+    report.insert("warmup_steps".into(), args.warmup.into());
     let mut times = Vec::new();
     for _ in 0..args.steps {
         let t = Instant::now();
@@ -689,6 +709,7 @@ fn run() -> Result<()> {
     }
     let offload_step = median(times.clone());
     report.insert("offload_step_s".into(), offload_step.into());
+    report.insert("depth".into(), args.depth.into());
     let lt_offloaded = offload_candle::lt::stats();
     let fused_offloaded = offload_candle::fused::stats();
     let lt_offloaded = (lt_offloaded.0 - lt_before.0, lt_offloaded.1 - lt_before.1);
@@ -722,7 +743,8 @@ fn run() -> Result<()> {
         candle.synchronize()?;
         times.push(t.elapsed().as_secs_f64());
     }
-    let resident_step = median(times);
+    let resident_step = median(times.clone());
+    report.insert("resident_steps_s".into(), times.into());
     // cuBLASLt GEMMs and fallbacks of the offloaded and of the resident
     // steps: the same paths compute the same bits.
     let lt_now = offload_candle::lt::stats();
@@ -758,7 +780,7 @@ fn run() -> Result<()> {
     // step that has them all.
     let all = model.kernels();
     let mut variants = Vec::new();
-    if all.gemm_bias_epilogue {
+    if args.ablation && all.gemm_bias_epilogue {
         variants.push((
             "without the cuBLASLt epilogues (nor what needs them)",
             flux::Kernels {
@@ -769,7 +791,7 @@ fn run() -> Result<()> {
             },
         ));
     }
-    if all.blhd {
+    if args.ablation && all.blhd {
         variants.push((
             "without the [B, L, H, D] layout (nor the fused q/k norm and RoPE)",
             flux::Kernels {
@@ -779,7 +801,7 @@ fn run() -> Result<()> {
             },
         ));
     }
-    if all.fused_qk_rope {
+    if args.ablation && all.fused_qk_rope {
         variants.push((
             "without the fused q/k norm and RoPE",
             flux::Kernels {
@@ -788,7 +810,7 @@ fn run() -> Result<()> {
             },
         ));
     }
-    if all.gelu_epilogue {
+    if args.ablation && all.gelu_epilogue {
         variants.push((
             "without the GELU epilogue and the concatenation-free MLP",
             flux::Kernels {
@@ -797,7 +819,7 @@ fn run() -> Result<()> {
             },
         ));
     }
-    if all.fused_gate {
+    if args.ablation && all.fused_gate {
         variants.push((
             "without the fused gate",
             flux::Kernels {
@@ -806,7 +828,7 @@ fn run() -> Result<()> {
             },
         ));
     }
-    if all.fused_modulate {
+    if args.ablation && all.fused_modulate {
         variants.push((
             "without the fused AdaLN",
             flux::Kernels {
@@ -815,7 +837,7 @@ fn run() -> Result<()> {
             },
         ));
     }
-    if flash && check_tokens == tokens {
+    if args.ablation && flash && check_tokens == tokens {
         variants.push((
             "unfused attention",
             flux::Kernels {
