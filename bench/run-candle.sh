@@ -37,7 +37,8 @@
 #   INIT=normal GRIDS="64x64 16x32 128x128" TEXT=512 STEPS=5 GROWTH=200
 #   NO_PEER=1 BUDGET_S=560 ATTENTION=auto (flash | unfused)
 #   DEPTH=2 (the layerwise rows' prefetch_depth, 1 to 16) WARMUP=1 (untimed
-#   offloaded steps first; the first ones after enable run short) CHECK_TOKENS=4608
+#   offloaded steps first; at depth 16 the first timed step after one ran
+#   short) CHECK_TOKENS=4608
 #   (0: no kernel checks) ABLATION=true (false: no fast-path-off steps)
 #   BUDGETS=16GiB,8GiB,auto  WEIGHT_COMPRESSION=none (lossless: the layerwise
 #   rows' blocks coded at enable and decoded on the GPU beside candle)
