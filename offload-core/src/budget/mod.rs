@@ -44,12 +44,13 @@ pub use ring::{
     forecast_staged, forward_ends, forwards_s, hosted_ends, predict_step, staged_ends, steady_s,
 };
 pub use search::{
-    Evaluation, Evaluator, PhaseEvaluation, Stack, checked_decode_interference,
-    decode_interference, evaluate, smallest_footprint, smallest_footprint_within,
+    Evaluation, Evaluator, PAST_LIMIT_PART_SAID, PhaseEvaluation, Stack,
+    checked_decode_interference, decode_interference, evaluate, smallest_footprint,
+    smallest_footprint_within,
 };
 pub use types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
-    DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
+    DeviceMemory, HostSide, Limit, MinimumBudget, PastLimit, PeakParts, RequestPlan,
 };
 
 /// The budget `config` states for `device`: a size (at most the device's

@@ -31,7 +31,7 @@ use super::ring::{
 };
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
-    DeviceMemory, HostSide, Limit, MinimumBudget, PeakParts, RequestPlan,
+    DeviceMemory, HostSide, Limit, MinimumBudget, PastLimit, PeakParts, RequestPlan,
 };
 use crate::config::{OffloadConfig, WeightCompression};
 use crate::declaration::Role;
@@ -2723,6 +2723,48 @@ fn describe(
     } else if streams && limit == Limit::Compute {
         reason.push_str("; more residency would not shorten it (compute-bound)");
     }
+    let past_limit = past_limit(r, c, l, kept, ph.time_s, &staged, {
+        let forwards = c.forwards * on_link as f64 / link;
+        bring_in_s + forwards.max(compute_s).max(fills_s).max(decode_s)
+    });
+    if let Some(p) = &past_limit {
+        reason.push_str(&format!(
+            "; predicted {}, {:.3}× its bound ({}: the bring-in, then the longest of its copies, its compute{}): ",
+            secs(ph.time_s),
+            ph.time_s / p.bound_s,
+            secs(p.bound_s),
+            match (staged_bytes > 0 && inp.host_fill_bytes_per_s.is_some(), decode_s > 0.0) {
+                (true, true) => ", its host fills and its decodes",
+                (true, false) => " and its host fills",
+                (false, true) => " and its decodes",
+                (false, false) => "",
+            }
+        ));
+        let mut parts = Vec::new();
+        let said = |part: f64| part >= PAST_LIMIT_PART_SAID * ph.time_s;
+        if said(p.interference_s) {
+            parts.push(format!(
+                "{} from the copies slowing the kernels beside them (copy_interference {:.3})",
+                secs(p.interference_s),
+                inp.copy_interference
+            ));
+        }
+        if said(p.lookahead_s) {
+            parts.push(format!(
+                "{} from its look-ahead of {} (depth {} would take it off, with {} more of slots)",
+                secs(p.lookahead_s),
+                l.depth,
+                p.deep_depth,
+                gb(p.deep_extra_bytes)
+            ));
+        }
+        parts.push(format!(
+            "{} that depth {} does not remove (each request's first fill, copy latencies, copies longer than the compute beside them)",
+            secs(p.rest_s),
+            p.deep_depth
+        ));
+        reason.push_str(&parts.join(", "));
+    }
     if !kept && held > 0 {
         // What keeping it would have cost.
         let mut alt = best.phases.clone();
@@ -2774,8 +2816,56 @@ fn describe(
         limit,
         memory_binds,
         reason,
+        past_limit,
     }
 }
+
+/// Where a streamed phase's predicted time (`time_s`) is more than 1 %
+/// past `bound_s`, where the difference goes: the phase priced again by
+/// the ring recurrence without the copy interference, then also at the
+/// deepest look-ahead the planner allows ([`PastLimit`]).
+fn past_limit(
+    r: &Request<'_>,
+    c: &PComp,
+    l: &Local,
+    kept: bool,
+    time_s: f64,
+    staged: &[String],
+    bound_s: f64,
+) -> Option<PastLimit> {
+    if !c.streams(l) || time_s <= bound_s * (1.0 + PAST_LIMIT_SAID) {
+        return None;
+    }
+    let calm = PlannerInputs {
+        copy_interference: 0.0,
+        ..r.inputs.clone()
+    };
+    // Each time no longer than the one before it, so the parts are ≥ 0
+    // (but the rest, where the recurrence beats the bound) and add up.
+    let calm_s = c.time_hosted(l, kept, &calm, staged).min(time_s);
+    let deep_depth = r.max_depth.max(l.depth);
+    let deep = Local {
+        depth: deep_depth,
+        ..l.clone()
+    };
+    let deep_s = c.time_hosted(&deep, kept, &calm, staged).min(calm_s);
+    Some(PastLimit {
+        bound_s,
+        interference_s: time_s - calm_s,
+        lookahead_s: calm_s - deep_s,
+        deep_depth,
+        deep_extra_bytes: (c.slots(&deep) - c.slots(l)) as u64 * c.slot(l),
+        rest_s: deep_s - bound_s,
+    })
+}
+
+/// How far past its bound a streamed phase must be predicted for its plan
+/// to say where the difference goes: 1 %.
+const PAST_LIMIT_SAID: f64 = 0.01;
+
+/// The least part of a phase's time its reason names as a share of the
+/// time past its bound: a thousandth of the phase.
+pub const PAST_LIMIT_PART_SAID: f64 = 0.001;
 
 /// The smallest streamed block of `c` under `l` (stack, index).
 fn smallest_streamed(c: &PComp, l: &Local) -> Option<(usize, usize)> {

@@ -184,6 +184,39 @@ pub struct ComponentPlan {
     pub memory_binds: bool,
     /// Why: the choice, what binds it, and what the alternatives cost.
     pub reason: String,
+    /// Where a streamed phase is predicted more than 1 % past the longest
+    /// of what bounds it, where the difference goes ([`PastLimit`]);
+    /// `None` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub past_limit: Option<PastLimit>,
+}
+
+/// Why a streamed phase is predicted past its bound (CONTRACT §7a): the
+/// phase's time from the ring recurrence again without the copies'
+/// slowing of the kernels beside them (`copy_interference` 0), then also
+/// at the deepest look-ahead the planner allows. The three parts add up
+/// to `predicted_s − bound_s`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PastLimit {
+    /// The bound, s per request: the bring-in, then the longest of the
+    /// forwards' copies, their compute, the host's fills of staged blocks
+    /// and the decodes of coded ones.
+    pub bound_s: f64,
+    /// What the copies' slowing of the kernels beside them adds, s
+    /// (`copy_interference`; 0 for measured compute, which already ran
+    /// beside the warm-up's copies).
+    pub interference_s: f64,
+    /// What the look-ahead adds, s: the time at this depth less the time
+    /// at `deep_depth` (both without the interference).
+    pub lookahead_s: f64,
+    /// The deepest look-ahead the planner allows (`max_depth`).
+    pub deep_depth: usize,
+    /// The slot memory `deep_depth` would take beyond this plan's.
+    pub deep_extra_bytes: u64,
+    /// The rest, s: what no deeper ring removes (each request's first
+    /// fill and bring-in order, copy latencies, blocks whose copy outlasts
+    /// the compute that can hide it).
+    pub rest_s: f64,
 }
 
 /// The least budget any plan needs: the largest phase's own minimum.
