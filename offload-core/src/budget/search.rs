@@ -2561,7 +2561,9 @@ fn describe(
     let on_link = c.link_bytes(l);
     let link = inp.link_bytes_per_s;
     let bring_in_s = c.bring_in_s(l, kept, inp);
-    let transfer_s = bring_in_s + c.forwards * on_link as f64 / link;
+    // The forwards' bytes over the link, per request.
+    let link_s = c.forwards * on_link as f64 / link;
+    let transfer_s = bring_in_s + link_s;
     let coded: Vec<String> = c.coded_blocks(l).map(|b| b.path.clone()).collect();
     let decoded: u64 = c.coded_blocks(l).map(|b| b.bytes).sum();
     let decode_s = inp
@@ -2631,7 +2633,7 @@ fn describe(
                 c.blocks(),
                 gb(streamed),
                 fwd(c.forwards),
-                secs(c.forwards * on_link as f64 / link),
+                secs(link_s),
                 link / 1e9,
                 secs(compute_s),
                 limit,
@@ -2723,10 +2725,15 @@ fn describe(
     } else if streams && limit == Limit::Compute {
         reason.push_str("; more residency would not shorten it (compute-bound)");
     }
-    let past_limit = past_limit(r, c, l, kept, ph.time_s, &staged, {
-        let forwards = c.forwards * on_link as f64 / link;
-        bring_in_s + forwards.max(compute_s).max(fills_s).max(decode_s)
-    });
+    let past_limit = past_limit(
+        r,
+        c,
+        l,
+        kept,
+        ph.time_s,
+        &staged,
+        bring_in_s + link_s.max(compute_s).max(fills_s).max(decode_s),
+    );
     if let Some(p) = &past_limit {
         reason.push_str(&format!(
             "; predicted {}, {:.3}× its bound ({}: the bring-in, then the longest of its copies, its compute{}): ",
