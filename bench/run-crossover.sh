@@ -23,6 +23,8 @@
 # if both runs completed with every output equal to resident.
 #   TOKENS=1024,2048,...  REPEATS=3  STEPS=3  WARMUP=1
 #   BUDGETS=16GiB,8GiB  BUDGET_TOKENS=4608  BUDGET_STEPS=12  REQUESTS=2
+#   ATTENTION=flash (the proxy's attention, `--attention`: flash or
+#   materialized; both runs)
 #   BUDGET_S=400 (the deadline of both runs together, seconds), of which
 #   SWEEP_S=270 at most for the sweep (estimated on an H200: ~40 s of set-up,
 #   ~35 s resident, ~150 s for the 3 × 17 layerwise rows; the budgets ~100 s)
@@ -42,15 +44,16 @@ BUDGETS=${BUDGETS:-16GiB,8GiB}
 BUDGET_TOKENS=${BUDGET_TOKENS:-4608}
 BUDGET_STEPS=${BUDGET_STEPS:-12}
 REQUESTS=${REQUESTS:-2}
+ATTENTION=${ATTENTION:-flash}
 BEGAN=$(date +%s)
 DEADLINE=$((BEGAN + ${BUDGET_S:-400}))
 left() { echo $((DEADLINE - $(date +%s))); }
 status=0
 
-echo "== sweep: default layerwise at the chooser's look-ahead, tokens $TOKENS, $REPEATS repeats"
+echo "== sweep: default layerwise at the chooser's look-ahead, tokens $TOKENS, $REPEATS repeats, $ATTENTION attention"
 sweep_s=${SWEEP_S:-270}
 [ "$sweep_s" -lt "$(left)" ] || sweep_s=$(left)
-timeout "$sweep_s" "$BIN" --tokens "$TOKENS" --depths "" --repeats "$REPEATS" \
+timeout "$sweep_s" "$BIN" --tokens "$TOKENS" --depths "" --repeats "$REPEATS" --attention "$ATTENTION" \
   --steps "$STEPS" --warmup "$WARMUP" --no-simulate \
   --json "$OUT/crossover.json" >"$OUT/crossover.log" 2>"$OUT/crossover.err"
 rc=$?
@@ -58,7 +61,7 @@ rc=$?
 
 echo "== budgets $BUDGETS at $BUDGET_TOKENS tokens (pipeline mode)"
 if [ "$(left)" -gt 30 ]; then
-  timeout "$(left)" "$BIN" --pipeline --budgets "$BUDGETS" --tokens "$BUDGET_TOKENS" \
+  timeout "$(left)" "$BIN" --pipeline --budgets "$BUDGETS" --tokens "$BUDGET_TOKENS" --attention "$ATTENTION" \
     --steps "$BUDGET_STEPS" --requests "$REQUESTS" --saved-from none \
     --json "$OUT/budgets.json" >"$OUT/budgets.log" 2>"$OUT/budgets.err"
   rc=$?

@@ -255,7 +255,7 @@ pub(crate) fn main(
     );
     let max_t = settings.tokens.iter().copied().max().unwrap_or(1);
     let (input_bytes, output_bytes) = scratch_bytes(&pipeline, max_t);
-    let proxy = Proxy::new(&device, Arc::clone(&stream), input_bytes, output_bytes)?;
+    let proxy = crate::new_proxy(&device, &stream, input_bytes, output_bytes)?;
     let platform = |depth: usize, gather: bool, plant: bool| {
         let p = CorePlatform::<Cuda>::new(
             "cuda",
@@ -381,6 +381,7 @@ pub(crate) fn main(
         "device": device.name(),
         "rank": g.rank,
         "ranks": ranks,
+        "attention": crate::attention_kind().name(),
         "pinned_h2d_gbps_all_ranks_copying": bw_shared,
         "pinned_h2d_gbps_alone": bw_alone,
         "all_gather_largest_block_s": gather_s,

@@ -59,7 +59,7 @@ use offload_core::runtime::PlantedBug;
 use offload_core::runtime::{Backend, CorePlatform, Entry, Runtime, Scope, Unit, WeightSource};
 use offload_core::{OffloadConfig, resolve};
 use offload_cuda::decode::CudaCodec;
-use offload_cuda::proxy::Proxy;
+use offload_cuda::proxy::{Attention, Proxy};
 use offload_cuda::{Cuda, CudaDevice, CudaStream, driver_present};
 use offload_pack::synth::{Law, tensor_bytes};
 use offload_sim::harness::blocks_of;
@@ -220,6 +220,52 @@ pub(crate) struct Args {
     /// the budget binds), the process's resident file pages sampled.
     #[arg(long)]
     masters_file: Option<std::path::PathBuf>,
+    /// How the proxy computes attention, in every mode: `flash` (a fused
+    /// FlashAttention-2-style kernel, the scores kept on the SM, as the
+    /// models' runtimes run it) or `materialized` (cuBLAS batched GEMMs
+    /// that write and read the scores: the same FLOPs, bound by memory
+    /// traffic, and slowed about 2 % by host-to-device copies beside it).
+    #[arg(long, value_enum, default_value = "flash")]
+    attention: AttentionArg,
+}
+
+/// `--attention` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum AttentionArg {
+    /// `Attention::Flash`.
+    Flash,
+    /// `Attention::Materialized`.
+    Materialized,
+}
+
+impl AttentionArg {
+    fn kind(self) -> Attention {
+        match self {
+            Self::Flash => Attention::Flash,
+            Self::Materialized => Attention::Materialized,
+        }
+    }
+}
+
+/// `--attention`, set once at start.
+static ATTENTION: std::sync::OnceLock<Attention> = std::sync::OnceLock::new();
+
+/// The proxy's attention kind as `--attention` set it.
+pub(crate) fn attention_kind() -> Attention {
+    ATTENTION.get().copied().unwrap_or_default()
+}
+
+/// A proxy on `stream` with the scratch given, computing attention as
+/// `--attention` says: every mode builds its proxy here.
+pub(crate) fn new_proxy(
+    device: &CudaDevice,
+    stream: &Arc<CudaStream>,
+    input_bytes: u64,
+    output_bytes: u64,
+) -> Result<Proxy> {
+    let mut proxy = Proxy::new(device, Arc::clone(stream), input_bytes, output_bytes)?;
+    proxy.set_attention(attention_kind());
+    Ok(proxy)
 }
 
 /// A `--host-budgets` value: a `host_budget`, or every master staged.
@@ -859,7 +905,7 @@ fn measured_proxy(
     let (input_bytes, output_bytes) = scratch_bytes(pipeline, tokens);
     device.synchronize_stream(stream)?;
     let before = device.pool_used()?.0;
-    let proxy = Proxy::new(device, Arc::clone(stream), input_bytes, output_bytes)?;
+    let proxy = new_proxy(device, stream, input_bytes, output_bytes)?;
     Ok((proxy, device.pool_used()?.0.saturating_sub(before)))
 }
 
@@ -1310,6 +1356,8 @@ fn run() -> Result<()> {
         .without_time()
         .try_init();
     PLAIN_FILL.store(args.fill_copy == FillCopy::Plain, Ordering::Relaxed);
+    let _ = ATTENTION.set(args.attention.kind());
+    eprintln!("proxy attention: {}", attention_kind().name());
     #[cfg(feature = "planted-bugs")]
     let bugs = planted(&args)?;
     #[cfg(not(feature = "planted-bugs"))]
@@ -2118,6 +2166,7 @@ fn run() -> Result<()> {
         "activation_bytes": activation_bytes,
         "planted": plant_name,
         "law": settings.law.name(),
+        "attention": attention_kind().name(),
         "rows": rows,
         "resident_block_compute_s": resident.iter().map(|(t, (_, _, a))| (t.to_string(), a.per_block_s.clone())).collect::<BTreeMap<_, _>>(),
     });

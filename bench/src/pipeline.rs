@@ -1432,7 +1432,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
     let output_bytes = PROXY_OUTPUT_BYTES.max(att_out);
     device.synchronize()?;
     let pool_before = device.pool_used()?.0;
-    let proxy = Proxy::new(&device, Arc::clone(&stream), input_bytes, output_bytes)?;
+    let proxy = crate::new_proxy(&device, &stream, input_bytes, output_bytes)?;
     let scratch_bytes = device.pool_used()?.0.saturating_sub(pool_before);
     let elementwise_gbps = traffic_gbps(&device, &stream, &proxy)?;
     eprintln!(
@@ -1546,6 +1546,7 @@ pub(crate) fn main(args: &Args, bugs: &[PlantedBug]) -> Result<()> {
     let header = serde_json::json!({
         "mode": "pipeline",
         "device": device.name(),
+        "attention": crate::attention_kind().name(),
         "device_total_bytes": total,
         "pinned_h2d_gbps": bw,
         "elementwise_gbps": elementwise_gbps,

@@ -1,7 +1,9 @@
 //! The compute proxy of the GPU suite and the benchmark: cuBLAS bf16 GEMMs
-//! over a block's own weights with their real shapes, attention-sized
-//! batched GEMMs, and two nvrtc kernels (`kernels.cu`) that make the output
-//! depend on every byte read, in order.
+//! over a block's own weights with their real shapes, attention (by
+//! default fused as FlashAttention computes it, `attention.cu`; or as
+//! batched GEMMs that materialize the scores, [`Attention`]), and two
+//! nvrtc kernels (`kernels.cu`) that make the output depend on every byte
+//! read, in order.
 //!
 //! * [`Proxy::fold`] adds bytes into a per-block accumulator `sum` (an
 //!   integer sum: thread order does not change it). The caller folds every
@@ -16,11 +18,11 @@
 //! The output is therefore a function of every weight byte each block read,
 //! of the block order, and of the token count.
 //!
-//! With `OFFLOAD_PROXY_NO_GEMM` set, the GEMMs and their output folds are
-//! skipped (the weight folds and the chain still run): compute-sanitizer's
-//! racecheck cannot run cuBLAS's Hopper kernels (it fails inside the
-//! sanitizer on their hardware barriers), and our own kernels are what it
-//! should check.
+//! With `OFFLOAD_PROXY_NO_GEMM` set, the cuBLAS GEMMs and their output
+//! folds are skipped (the weight folds, the chain and the fused attention,
+//! all ours, still run): compute-sanitizer's racecheck cannot run cuBLAS's
+//! Hopper kernels (it fails inside the sanitizer on their hardware
+//! barriers), and our own kernels are what it should check.
 
 use std::ffi::{CString, c_void};
 use std::sync::{Arc, OnceLock};
@@ -33,6 +35,60 @@ use crate::{CudaBuffer, CudaContext, CudaDevice, CudaError, CudaStream};
 
 /// The proxy's kernels (CUDA C, compiled once per process with nvrtc).
 const KERNELS_SRC: &str = include_str!("kernels.cu");
+
+/// The fused attention kernels (CUDA C for `compute_80`: `mma.sync` and
+/// `ldmatrix`), compiled once per process with nvrtc. Public so that a
+/// check can compile a planted copy ([`FlashKernels::from_source`]).
+pub const ATTENTION_SRC: &str = include_str!("attention.cu");
+
+/// The virtual architecture [`ATTENTION_SRC`] is compiled for: the least
+/// with bf16 `mma.sync` (Ampere); the driver JITs it for the device.
+const ATTENTION_ARCH: &str = "compute_80";
+
+/// How [`Proxy::attention`] computes attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Attention {
+    /// Fused, as the models' runtimes run it (FlashAttention-2's forward:
+    /// the scores stay on the SM, an online softmax): compute-bound, as a
+    /// DiT's attention is in candle (`candle-flash-attn`), diffusers (SDPA)
+    /// and ComfyUI.
+    #[default]
+    Flash,
+    /// Two cuBLAS batched GEMMs per batch of heads, the scores written to
+    /// and read back from device memory (no softmax): the same FLOPs, but
+    /// bound by memory traffic, and measured to lose about 2 % beside
+    /// host-to-device copies (BENCHMARKS). Head dimensions other than 64
+    /// and 128 run this way under either kind.
+    Materialized,
+}
+
+impl Attention {
+    /// Every kind, with the name `offload-bench --attention` takes.
+    pub const ALL: [(Self, &'static str); 2] =
+        [(Self::Flash, "flash"), (Self::Materialized, "materialized")];
+
+    /// Its name (`flash` or `materialized`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Flash => "flash",
+            Self::Materialized => "materialized",
+        }
+    }
+}
+
+impl std::str::FromStr for Attention {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .iter()
+            .find(|(_, n)| *n == s)
+            .map(|(k, _)| *k)
+            .ok_or_else(|| {
+                format!("unknown attention {s:?}; expected \"flash\" or \"materialized\"")
+            })
+    }
+}
 
 /// Activations the chain kernel rewrites after each block (bf16 elements):
 /// at least the widest `in_features` of Flux.1-dev (15,360), so a GEMM's
@@ -100,6 +156,24 @@ pub enum ProxyError {
         /// The operation.
         operation: &'static str,
     },
+    /// A dimension the kernel has no variant for.
+    #[error("{operation}: {name} = {value} is not supported; allowed: {allowed}")]
+    Unsupported {
+        /// The operation.
+        operation: &'static str,
+        /// The dimension's name.
+        name: &'static str,
+        /// Its value.
+        value: u64,
+        /// What is allowed.
+        allowed: &'static str,
+    },
+    /// The output buffer is one of the inputs.
+    #[error("{operation}: the output buffer is one of the inputs")]
+    Aliased {
+        /// The operation, with its shape.
+        operation: String,
+    },
 }
 
 fn blas<T>(r: Result<T, cublas::CublasError>, operation: &'static str) -> Result<T, ProxyError> {
@@ -122,15 +196,33 @@ fn ptx() -> Result<&'static CString, ProxyError> {
         .map_err(|e| ProxyError::Nvrtc(e.clone()))
 }
 
+/// The fused attention's PTX, compiled once per process.
+fn attention_ptx() -> Result<&'static CString, ProxyError> {
+    static PTX: OnceLock<Result<CString, String>> = OnceLock::new();
+    PTX.get_or_init(|| compile_for(ATTENTION_SRC, Some(ATTENTION_ARCH)))
+        .as_ref()
+        .map_err(|e| ProxyError::Nvrtc(e.clone()))
+}
+
 /// `src` compiled by nvrtc to NUL-terminated PTX, or nvrtc's log.
 pub(crate) fn compile(src: &str) -> Result<CString, String> {
+    compile_for(src, None)
+}
+
+/// [`compile`] for the virtual architecture `arch` (nvrtc's default where
+/// `None`).
+fn compile_for(src: &str, arch: Option<&'static str>) -> Result<CString, String> {
     // SAFETY: only probes for the shared library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(
             "libnvrtc was not found (is the CUDA toolkit's lib on LD_LIBRARY_PATH?)".to_owned(),
         );
     }
-    let ptx = cudarc::nvrtc::compile_ptx(src).map_err(|e| match e {
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch,
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
         e => format!("{e:?}"),
     })?;
@@ -172,12 +264,208 @@ impl Drop for Module {
     }
 }
 
+/// The fused attention kernels (`attention.cu`) loaded in one context:
+/// `O = softmax(Q·Kᵀ / sqrt(D))·V` per head, bf16 in and out, for head
+/// dimensions 64 and 128.
+pub struct FlashKernels {
+    module: Module,
+    d64: sys::CUfunction,
+    d128: sys::CUfunction,
+}
+
+// SAFETY: the function handles belong to the module this owns; the driver
+// lets any thread launch them with the context current (every launch binds
+// it).
+unsafe impl Send for FlashKernels {}
+// SAFETY: as above; launching only enqueues work.
+unsafe impl Sync for FlashKernels {}
+
+impl std::fmt::Debug for FlashKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlashKernels").finish_non_exhaustive()
+    }
+}
+
+impl FlashKernels {
+    /// Query rows (and keys) per tile of the kernels: a CTA per 64 rows.
+    pub const TILE: u64 = 64;
+
+    /// The kernels of [`ATTENTION_SRC`] (compiled once per process),
+    /// loaded in `device`'s context.
+    pub fn new(device: &CudaDevice) -> Result<Self, ProxyError> {
+        Self::load(device, attention_ptx()?)
+    }
+
+    /// The kernels of `src` instead: a check's planted copy of
+    /// [`ATTENTION_SRC`], with the same entry points (`flash_d64`,
+    /// `flash_d128`) and parameters.
+    pub fn from_source(device: &CudaDevice, src: &str) -> Result<Self, ProxyError> {
+        let ptx = compile_for(src, Some(ATTENTION_ARCH)).map_err(ProxyError::Nvrtc)?;
+        Self::load(device, &ptx)
+    }
+
+    fn load(device: &CudaDevice, ptx: &CString) -> Result<Self, ProxyError> {
+        device.bind()?;
+        // SAFETY: `ptx` is a NUL-terminated PTX module; the context is current.
+        let raw = driver(
+            unsafe { result::module::load_data(ptx.as_ptr().cast()) },
+            "cuModuleLoadData(attention kernels)",
+        )?;
+        let module = Module {
+            ctx: Arc::clone(device.context()),
+            raw,
+        };
+        // SAFETY: the module is loaded; a source without the entry point
+        // gives an error, not a handle.
+        let d64 = driver(
+            unsafe { result::module::get_function(module.raw, c"flash_d64".to_owned()) },
+            "cuModuleGetFunction(flash_d64)",
+        )?;
+        // SAFETY: as above.
+        let d128 = driver(
+            unsafe { result::module::get_function(module.raw, c"flash_d128".to_owned()) },
+            "cuModuleGetFunction(flash_d128)",
+        )?;
+        Ok(Self { module, d64, d128 })
+    }
+
+    /// Whether a head dimension has a fused kernel (64 and 128).
+    pub fn supports(head_dim: u64) -> bool {
+        matches!(head_dim, 64 | 128)
+    }
+
+    /// Enqueues `o = attention(q, k, v)` on `stream` over `heads` heads of
+    /// `tokens` rows of `head_dim` bf16 each (`[heads][tokens][head_dim]`,
+    /// row-major). Every buffer must hold `heads·tokens·head_dim` bf16 and
+    /// `o` must not be one of the inputs; buffers stay alive until the
+    /// kernel has run (dropping one synchronises its context).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        stream: &CudaStream,
+        q: &CudaBuffer,
+        k: &CudaBuffer,
+        v: &CudaBuffer,
+        o: &CudaBuffer,
+        heads: u64,
+        tokens: u64,
+        head_dim: u64,
+    ) -> Result<(), ProxyError> {
+        let need = heads
+            .saturating_mul(tokens)
+            .saturating_mul(head_dim)
+            .saturating_mul(2);
+        let shape = format!("attention of {heads} heads x {tokens} tokens x {head_dim}");
+        for (name, b) in [("q", q), ("k", k), ("v", v), ("o", o)] {
+            if b.len_bytes() < need {
+                return Err(ProxyError::Scratch {
+                    operation: shape,
+                    buffer: name,
+                    needed_bytes: need,
+                    have_bytes: b.len_bytes(),
+                });
+            }
+        }
+        if [q, k, v].iter().any(|b| b.ptr() == o.ptr()) {
+            return Err(ProxyError::Aliased { operation: shape });
+        }
+        // SAFETY: each range lies within its live buffer (checked above),
+        // `o` is none of the inputs, and the borrows keep the buffers
+        // alive past the launch (a buffer's drop synchronises first).
+        unsafe {
+            self.launch(
+                stream,
+                q.ptr(),
+                k.ptr(),
+                v.ptr(),
+                o.ptr(),
+                heads,
+                tokens,
+                head_dim,
+            )
+        }
+    }
+
+    /// [`Self::run`] over raw ranges.
+    ///
+    /// # Safety
+    ///
+    /// `q`, `k`, `v` and `o` each address `heads·tokens·head_dim` bf16 of
+    /// device memory that stays allocated until the kernel has run on
+    /// `stream`; `o` overlaps none of the inputs, and nothing else writes
+    /// the inputs or touches `o` meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        q: sys::CUdeviceptr,
+        k: sys::CUdeviceptr,
+        v: sys::CUdeviceptr,
+        o: sys::CUdeviceptr,
+        heads: u64,
+        tokens: u64,
+        head_dim: u64,
+    ) -> Result<(), ProxyError> {
+        let function = match head_dim {
+            64 => self.d64,
+            128 => self.d128,
+            _ => {
+                return Err(ProxyError::Unsupported {
+                    operation: "attention (flash)",
+                    name: "head_dim",
+                    value: head_dim,
+                    allowed: "64 or 128",
+                });
+            }
+        };
+        let t = Proxy::dim("attention", "tokens", tokens)?;
+        let h = u32::try_from(Proxy::dim("attention", "heads", heads)?)
+            .ok()
+            .filter(|h| *h <= 65_535)
+            .ok_or(ProxyError::Unsupported {
+                operation: "attention (flash)",
+                name: "heads",
+                value: heads,
+                allowed: "1..=65535 (the grid's y dimension)",
+            })?;
+        let tiles = tokens.div_ceil(Self::TILE) as u32;
+        let (mut q, mut k, mut v, mut o, mut t) = (q, k, v, o, t);
+        let mut scale = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
+        let mut params: [*mut c_void; 6] = [
+            (&raw mut q).cast(),
+            (&raw mut k).cast(),
+            (&raw mut v).cast(),
+            (&raw mut o).cast(),
+            (&raw mut t).cast(),
+            (&raw mut scale).cast(),
+        ];
+        self.module.ctx.bind()?;
+        // SAFETY: `function` is `flash_d64` or `flash_d128`, whose
+        // parameters are exactly these six (three input pointers, the
+        // output, T as int, the scale as float), pointing at live locals;
+        // the ranges are the caller's to vouch for; 128 threads and static
+        // shared memory, as the kernels are written for.
+        let launched = unsafe {
+            result::launch_kernel(
+                function,
+                (tiles, h, 1),
+                (128, 1, 1),
+                0,
+                stream.raw(),
+                &mut params,
+            )
+        };
+        driver(launched, "cuLaunchKernel(flash)")
+    }
+}
+
 /// Kernels and scratch buffers on one stream.
 pub struct Proxy {
     // Drop order matters: cuBLAS and the module go before the buffers
     // (the workspace among them).
     blas: Blas,
     module: Module,
+    flash: FlashKernels,
     fold: sys::CUfunction,
     chain: sys::CUfunction,
     touch: sys::CUfunction,
@@ -189,6 +477,7 @@ pub struct Proxy {
     output: CudaBuffer,
     stream: Arc<CudaStream>,
     gemms: bool,
+    attention: Attention,
     chain_elements: u64,
 }
 
@@ -205,6 +494,7 @@ impl std::fmt::Debug for Proxy {
             .field("input_bytes", &self.input.len_bytes())
             .field("output_bytes", &self.output.len_bytes())
             .field("gemms", &self.gemms)
+            .field("attention", &self.attention)
             .finish()
     }
 }
@@ -252,6 +542,7 @@ impl Proxy {
             unsafe { result::module::get_function(module.raw, c"touch".to_owned()) },
             "cuModuleGetFunction(touch)",
         )?;
+        let flash = FlashKernels::new(device)?;
         let blas_handle = Blas {
             ctx: Arc::clone(&ctx),
             raw: blas(cublas::create_handle(), "cublasCreate")?,
@@ -286,6 +577,7 @@ impl Proxy {
         let proxy = Self {
             blas: blas_handle,
             module,
+            flash,
             fold,
             chain,
             touch,
@@ -297,6 +589,7 @@ impl Proxy {
             output,
             stream,
             gemms: std::env::var_os("OFFLOAD_PROXY_NO_GEMM").is_none(),
+            attention: Attention::default(),
         };
         let stream = Arc::clone(&proxy.stream);
         proxy.reset(&stream)?;
@@ -321,6 +614,19 @@ impl Proxy {
     /// Whether the GEMMs run (`OFFLOAD_PROXY_NO_GEMM` unset).
     pub fn gemms(&self) -> bool {
         self.gemms
+    }
+
+    /// How [`Self::attention`] computes attention ([`Attention::Flash`]
+    /// unless set).
+    pub fn attention_kind(&self) -> Attention {
+        self.attention
+    }
+
+    /// Sets how [`Self::attention`] computes attention. The scratch is the
+    /// same for both kinds ([`Self::attention_scratch`]), so the device
+    /// memory a run takes does not move with it.
+    pub fn set_attention(&mut self, kind: Attention) {
+        self.attention = kind;
     }
 
     fn ours(&self, stream: &CudaStream, operation: &'static str) -> Result<(), ProxyError> {
@@ -544,12 +850,19 @@ impl Proxy {
         (input, output)
     }
 
-    /// Attention at Flux's cost (`4·T²·heads·head_dim` FLOPs) as batched
-    /// GEMMs over the scratch, a batch of heads at a time (so the scores
-    /// of one batch, not of every head, are held): scores
-    /// `S[h, t, t] = Q[h, t, d] · K[h, t, d]ᵀ`, then `O[h, t, d] = S · V`
-    /// (Q, K and V share the activations), then folds O's first row, which
-    /// sums over every token.
+    /// Attention at Flux's cost (`4·T²·heads·head_dim` FLOPs; Q, K and V
+    /// share the activations), then folds O's first row, which sums over
+    /// every token. As [`Self::attention_kind`] says:
+    ///
+    /// * [`Attention::Flash`] (head dimensions 64 and 128): the fused
+    ///   kernel ([`FlashKernels`]) over every head at once, the softmax's
+    ///   scores never written. It runs under `OFFLOAD_PROXY_NO_GEMM` too
+    ///   (it is ours, for the sanitizer to check).
+    /// * [`Attention::Materialized`] (and other head dimensions): batched
+    ///   GEMMs over the scratch, a batch of heads at a time (so the scores
+    ///   of one batch, not of every head, are held): scores
+    ///   `S[h, t, t] = Q[h, t, d] · K[h, t, d]ᵀ`, then `O[h, t, d] = S · V`,
+    ///   no softmax.
     pub fn attention(&self, heads: u64, tokens: u64, head_dim: u64) -> Result<(), ProxyError> {
         let t = Self::dim("attention", "tokens", tokens)?;
         let d = Self::dim("attention", "head_dim", head_dim)?;
@@ -560,10 +873,26 @@ impl Proxy {
         let (need_in, need_out) = Self::attention_scratch(heads, tokens, head_dim);
         self.fits(shape, "input", need_in)?;
         self.fits(shape, "output", need_out)?;
+        let g = Self::attention_heads_per_batch(heads, tokens);
+        if self.attention == Attention::Flash && FlashKernels::supports(head_dim) {
+            let x = self.input.ptr();
+            // Where the materialized kind puts O (after one batch's scores):
+            // the scratch is the same for both kinds.
+            let o = self.output.ptr() + g * scores * 2;
+            // SAFETY: Q = K = V is the first `heads·qkv` bf16 of the input
+            // and O the `heads·qkv` after one batch's scores in the output
+            // (both sizes checked above), distinct buffers the proxy owns
+            // and frees only after synchronising; the launch is on its
+            // stream, which every other kernel of the proxy shares.
+            unsafe {
+                self.flash
+                    .launch(&self.stream, x, x, x, o, heads, tokens, head_dim)?;
+            }
+            return self.fold_raw(o, head_dim * 2);
+        }
         if !self.gemms {
             return Ok(());
         }
-        let g = Self::attention_heads_per_batch(heads, tokens);
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.module.ctx.bind()?;
         #[allow(clippy::too_many_arguments)]
@@ -725,5 +1054,45 @@ impl Proxy {
         driver(synced, "cuStreamSynchronize(proxy)")?;
         drop(self);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where nvrtc is found (the toolkit's lib on `LD_LIBRARY_PATH`; no GPU
+    /// needed), both sources compile as the device will compile them and
+    /// define every kernel the proxy loads.
+    #[test]
+    fn the_kernels_compile_with_nvrtc_where_found() {
+        // SAFETY: only probes for the shared library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("skipped: libnvrtc not found (LD_LIBRARY_PATH)");
+            return;
+        }
+        for (ptx, kernels) in [
+            (ptx(), &["fold", "chain", "touch"][..]),
+            (attention_ptx(), &["flash_d64", "flash_d128"][..]),
+        ] {
+            let ptx = ptx.unwrap_or_else(|e| panic!("{e}")).to_string_lossy();
+            for kernel in kernels {
+                assert!(
+                    ptx.contains(&format!(".entry {kernel}(")),
+                    "{kernel} missing from the PTX"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn attention_kinds_parse_by_name_and_refuse_others() {
+        for (kind, name) in Attention::ALL {
+            assert_eq!(name.parse::<Attention>(), Ok(kind));
+            assert_eq!(kind.name(), name);
+        }
+        assert_eq!(Attention::default(), Attention::Flash);
+        let e = "fused".parse::<Attention>().unwrap_err();
+        assert!(e.contains("\"fused\"") && e.contains("\"flash\""), "{e}");
     }
 }

@@ -23,6 +23,12 @@
 //!   bit-identical to resident, within INV-7 and under perturbation, with
 //!   no decode error; each planted decode-transport ordering bug makes it
 //!   differ, beside a clean control on the same seed.
+//! * The proxy's fused attention (`FlashKernels`, head dimensions 64 and
+//!   128, token counts on and off its 64-row tiles) matches a host
+//!   reference, and each of its planted bugs (no rescale when a row's max
+//!   moves, keys past T unmasked, a quad's row sums not combined) does
+//!   not; the proxy's two attention kinds differ in output (the fused one
+//!   applies a softmax) and each is deterministic.
 //! * The timeline recorder puts copies and marked spans on their streams'
 //!   tracks, in order, and refuses a span never ended.
 //! * Dropping an enabled runtime, or panicking inside a forward, leaks no
@@ -46,7 +52,7 @@ use offload_core::runtime::{
 };
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
 use offload_cuda::decode::CudaCodec;
-use offload_cuda::proxy::Proxy;
+use offload_cuda::proxy::{ATTENTION_SRC, Attention, FlashKernels, Proxy};
 use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
 use offload_hooks::BoxError;
 use offload_pack::synth::{Law, tensor_bytes};
@@ -787,6 +793,255 @@ fn device_basics() {
         d.free_pinned(back).unwrap();
     }
     d.synchronize().unwrap();
+}
+
+/// `n` bf16 drawn from a standard normal (Box–Muller over splitmix64),
+/// little-endian, rounded to nearest.
+fn normal_bf16(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed;
+    let mut next = || {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        let (u, v) = (next(), next());
+        let f = ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32;
+        let b = f.to_bits();
+        let r = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
+        out.extend_from_slice(&(r as u16).to_le_bytes());
+    }
+    out
+}
+
+fn bf16_at(bytes: &[u8], i: usize) -> f32 {
+    f32::from_bits((u32::from(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]))) << 16)
+}
+
+/// `softmax(Q·Kᵀ / sqrt(D))·V` on the host in f64, `[heads][t][d]`.
+fn attention_reference(q: &[u8], k: &[u8], v: &[u8], heads: usize, t: usize, d: usize) -> Vec<f64> {
+    let mut o = vec![0f64; heads * t * d];
+    let scale = 1.0 / (d as f64).sqrt();
+    for h in 0..heads {
+        let at = |b: &[u8], row: usize, col: usize| f64::from(bf16_at(b, (h * t + row) * d + col));
+        for i in 0..t {
+            let s: Vec<f64> = (0..t)
+                .map(|j| (0..d).map(|c| at(q, i, c) * at(k, j, c)).sum::<f64>() * scale)
+                .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let l: f64 = p.iter().sum();
+            for c in 0..d {
+                o[(h * t + i) * d + c] = (0..t).map(|j| p[j] * at(v, j, c)).sum::<f64>() / l;
+            }
+        }
+    }
+    o
+}
+
+/// The fused attention's output on the device, as f32.
+#[allow(clippy::too_many_arguments)]
+fn flash_on_device(
+    d: &CudaDevice,
+    s: &CudaStream,
+    kernels: &FlashKernels,
+    inputs: [&[u8]; 3],
+    heads: u64,
+    tokens: u64,
+    head_dim: u64,
+) -> Vec<f32> {
+    let bytes = heads * tokens * head_dim * 2;
+    let upload = |data: &[u8]| {
+        let mut host = d.alloc_pinned(bytes).unwrap();
+        host.write_from(0, bytes, &data.to_vec());
+        let dev = d.alloc_device(bytes).unwrap();
+        // SAFETY: ranges in bounds; the stream is synchronised before the
+        // pinned buffer is freed.
+        unsafe { d.copy_h2d(s, HostSource::Pinned(&host), 0, &dev, 0, bytes) }.unwrap();
+        d.synchronize_stream(s).unwrap();
+        // SAFETY: the copy has finished.
+        unsafe { d.free_pinned(host) }.unwrap();
+        dev
+    };
+    let (q, k, v) = (upload(inputs[0]), upload(inputs[1]), upload(inputs[2]));
+    let o = d.alloc_device(bytes).unwrap();
+    kernels
+        .run(s, &q, &k, &v, &o, heads, tokens, head_dim)
+        .unwrap();
+    let mut back = d.alloc_pinned(bytes).unwrap();
+    // SAFETY: same stream, ordered after the kernel.
+    unsafe { d.copy_d2h(s, &o, 0, &mut back, 0, bytes) }.unwrap();
+    d.synchronize_stream(s).unwrap();
+    let mut out = vec![0u8; bytes as usize];
+    back.read_into(0, &mut out);
+    // SAFETY: the stream is drained.
+    unsafe {
+        d.free_pinned(back).unwrap();
+        for b in [q, k, v, o] {
+            d.free_device(b, &[]).unwrap();
+        }
+    }
+    (0..out.len() / 2).map(|i| bf16_at(&out, i)).collect()
+}
+
+/// The worst error of `got` against `want`, relative to `want`'s largest
+/// magnitude.
+fn relative_error(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (f64::from(*g) - w).abs())
+        .fold(0f64, f64::max)
+        / scale
+}
+
+/// The proxy's fused attention (`attention.cu`) against a host reference
+/// in f64, over head dimensions 64 and 128 and token counts on and off
+/// its 64-row tiles (1, 64, 200, 1,000), Q, K and V distinct normal
+/// draws; then each planted bug, compiled from a copy of the source, is
+/// off by more than the bound on at least one shape. The bound (2 % of
+/// the largest output) covers P and O rounded to bf16.
+#[test]
+fn flash_attention_matches_a_host_reference_and_its_planted_bugs_do_not() {
+    const BOUND: f64 = 0.02;
+    let Some(g) = gpu() else { return };
+    let d = &g.device;
+    let s = d.create_stream().unwrap();
+    let shapes: [(u64, u64, u64); 5] = [
+        (2, 200, 64),
+        (2, 200, 128),
+        (1, 64, 128),
+        (3, 1, 64),
+        (1, 1000, 128),
+    ];
+    let cases: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(h, t, dim))| {
+            let n = (h * t * dim) as usize;
+            let seed = 40_000 + 3 * i as u64;
+            let (q, k, v) = (
+                normal_bf16(seed, n),
+                normal_bf16(seed + 1, n),
+                normal_bf16(seed + 2, n),
+            );
+            let want = attention_reference(&q, &k, &v, h as usize, t as usize, dim as usize);
+            ((h, t, dim), [q, k, v], want)
+        })
+        .collect();
+    let worst = |kernels: &FlashKernels| -> Vec<f64> {
+        cases
+            .iter()
+            .map(|((h, t, dim), [q, k, v], want)| {
+                relative_error(
+                    &flash_on_device(d, &s, kernels, [q, k, v], *h, *t, *dim),
+                    want,
+                )
+            })
+            .collect()
+    };
+    let clean = worst(&FlashKernels::new(d).unwrap());
+    println!("flash attention, worst error / largest output per shape {shapes:?}: {clean:.5?}");
+    assert!(clean.iter().all(|e| *e <= BOUND), "{clean:?} past {BOUND}");
+    let planted = [
+        (
+            "no rescale when a row's max moves",
+            "const float alpha[2] = {ex2(mrow[0] - mx[0]), ex2(mrow[1] - mx[1])};",
+            "const float alpha[2] = {1.f, 1.f};",
+        ),
+        (
+            "keys past T unmasked",
+            "s[j][e] = key < T ? s[j][e] * scale_log2 : neg_inf;",
+            "s[j][e] = s[j][e] * scale_log2;",
+        ),
+        (
+            "a quad's row sums not combined",
+            "l += __shfl_xor_sync(0xffffffffu, l, 1);",
+            "",
+        ),
+    ];
+    let mut missed = vec![];
+    for (name, from, to) in planted {
+        assert_eq!(
+            ATTENTION_SRC.matches(from).count(),
+            1,
+            "{name}: the source changed"
+        );
+        let bugged = FlashKernels::from_source(d, &ATTENTION_SRC.replacen(from, to, 1)).unwrap();
+        let errors = worst(&bugged);
+        let caught = errors.iter().any(|e| *e > BOUND);
+        println!(
+            "planted attention bug \"{name}\": {} (worst error per shape {errors:.4?})",
+            if caught { "caught" } else { "NOT caught" }
+        );
+        if !caught {
+            missed.push(name);
+        }
+    }
+    assert!(
+        missed.is_empty(),
+        "planted attention bugs not caught: {missed:?}"
+    );
+    // Refused shapes: a head dimension without a kernel, an output that
+    // is an input.
+    let b = d.alloc_device(1 << 16).unwrap();
+    let kernels = FlashKernels::new(d).unwrap();
+    let e = kernels.run(&s, &b, &b, &b, &b, 1, 64, 64).unwrap_err();
+    assert!(
+        e.to_string().contains("output buffer is one of the inputs"),
+        "{e}"
+    );
+    let o = d.alloc_device(1 << 16).unwrap();
+    let e = kernels.run(&s, &b, &b, &b, &o, 1, 64, 96).unwrap_err();
+    assert!(
+        e.to_string().contains("head_dim = 96 is not supported"),
+        "{e}"
+    );
+    let e = kernels.run(&s, &b, &b, &b, &o, 1, 1024, 64).unwrap_err();
+    assert!(e.to_string().contains("needs 131072 bytes of q"), "{e}");
+}
+
+/// The proxy's two attention kinds over the same activations: each is
+/// deterministic (equal outputs from two runs) and they differ (the fused
+/// kind applies a softmax, the materialized one does not), so a run
+/// measures the kind it names.
+#[test]
+fn the_proxy_attention_kinds_are_deterministic_and_distinct() {
+    let Some(g) = gpu() else { return };
+    let d = &g.device;
+    let stream = Arc::new(d.create_stream().unwrap());
+    let mut proxy = Proxy::new(d, Arc::clone(&stream), INPUT_BYTES, OUTPUT_BYTES).unwrap();
+    assert_eq!(proxy.attention_kind(), Attention::Flash);
+    let mut run = |kind| {
+        proxy.set_attention(kind);
+        proxy.reset(&stream).unwrap();
+        for _ in 0..3 {
+            proxy.attention(HEADS, TOKENS, HEAD_DIM).unwrap();
+            proxy.chain(&stream).unwrap();
+        }
+        proxy.read_output().unwrap()
+    };
+    let flash = [run(Attention::Flash), run(Attention::Flash)];
+    if under_sanitizer() {
+        // The materialized kind's cuBLAS GEMMs are off there.
+        assert_eq!(flash[0], flash[1]);
+        return;
+    }
+    let materialized = [run(Attention::Materialized), run(Attention::Materialized)];
+    println!("proxy outputs: flash {flash:x?}, materialized {materialized:x?}");
+    assert_eq!(
+        flash[0], flash[1],
+        "the fused attention is not deterministic"
+    );
+    assert_eq!(materialized[0], materialized[1]);
+    assert_ne!(
+        flash[0], materialized[0],
+        "the attention kind changed nothing"
+    );
 }
 
 /// The timeline recorder: two copies on one labelled stream, in issue
