@@ -2,7 +2,7 @@
 //! Where no CUDA driver is found every test prints one skip line and passes.
 //!
 //! Kernels are real: cuBLAS bf16 GEMMs over each block's own 2-D weights
-//! with their shapes, attention-sized batched GEMMs, and the chained proxy
+//! with their shapes, fused attention (the proxy's default), and the chained proxy
 //! (every weight byte folded, a state mixed after each block that rewrites
 //! the next block's activations), so an output is a function of every byte
 //! each block read, in order. Weights are random, finite, never zero and
