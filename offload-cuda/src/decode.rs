@@ -120,30 +120,9 @@ impl PackDecoder {
     }
 
     fn load(device: &CudaDevice, ptx: &CString, block_items: u32) -> Result<Self, DecodeError> {
-        device.bind()?;
-        // SAFETY: `ptx` is a NUL-terminated PTX module; the context is current.
-        let raw = driver(
-            unsafe { result::module::load_data(ptx.as_ptr().cast()) },
-            "cuModuleLoadData(offload-pack decoder)",
-        )?;
-        let module = Module {
-            ctx: Arc::clone(device.context()),
-            raw,
-        };
-        let name = CString::new(offload_pack::kernels::DECODE_KERNEL)
-            .map_err(|e| DecodeError::Nvrtc(e.to_string()))?;
-        // SAFETY: the module is loaded and defines the kernel.
-        let function = driver(
-            unsafe { result::module::get_function(module.raw, name) },
-            "cuModuleGetFunction(opk_decode_window3)",
-        )?;
-        let name = CString::new(offload_pack::kernels::BLOCK_KERNEL)
-            .map_err(|e| DecodeError::Nvrtc(e.to_string()))?;
-        // SAFETY: as above: the same module defines the block kernel.
-        let block = driver(
-            unsafe { result::module::get_function(module.raw, name) },
-            "cuModuleGetFunction(opk_decode_block)",
-        )?;
+        let module = Module::load(device, ptx, "offload-pack decoder")?;
+        let function = module.function(offload_pack::kernels::DECODE_KERNEL)?;
+        let block = module.function(offload_pack::kernels::BLOCK_KERNEL)?;
         let flag = device.alloc_device(4)?;
         driver(
             // SAFETY: the flag is ours, 4 bytes, not yet used by any stream.

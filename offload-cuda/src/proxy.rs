@@ -24,7 +24,7 @@
 //! Hopper kernels (it fails inside the sanitizer on their hardware
 //! barriers), and our own kernels are what it should check.
 
-use std::ffi::{CString, c_void};
+use std::ffi::{CStr, CString, c_void};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
@@ -251,6 +251,33 @@ pub(crate) struct Module {
     pub(crate) raw: sys::CUmodule,
 }
 
+impl Module {
+    /// `ptx` (a NUL-terminated PTX module) loaded in `device`'s context;
+    /// `what` names it in an error.
+    pub(crate) fn load(device: &CudaDevice, ptx: &CStr, what: &str) -> Result<Self, CudaError> {
+        device.bind()?;
+        // SAFETY: `ptx` is NUL-terminated (a `CStr`); the context is current.
+        let raw = unsafe { result::module::load_data(ptx.as_ptr().cast()) }
+            .map_err(|e| CudaError::new(format!("cuModuleLoadData({what})"), e.0))?;
+        Ok(Self {
+            ctx: Arc::clone(device.context()),
+            raw,
+        })
+    }
+
+    /// The module's kernel `name`: an error, not a handle, where the
+    /// module does not define it.
+    pub(crate) fn function(&self, name: &str) -> Result<sys::CUfunction, CudaError> {
+        let operation = || format!("cuModuleGetFunction({name})");
+        let c_name = CString::new(name).map_err(|_| {
+            CudaError::new(operation(), sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE)
+        })?;
+        // SAFETY: the module is loaded (it is unloaded only on drop).
+        unsafe { result::module::get_function(self.raw, c_name) }
+            .map_err(|e| CudaError::new(operation(), e.0))
+    }
+}
+
 impl Drop for Module {
     fn drop(&mut self) {
         match self.ctx.synchronize() {
@@ -304,28 +331,10 @@ impl FlashKernels {
         Self::load(device, &ptx)
     }
 
-    fn load(device: &CudaDevice, ptx: &CString) -> Result<Self, ProxyError> {
-        device.bind()?;
-        // SAFETY: `ptx` is a NUL-terminated PTX module; the context is current.
-        let raw = driver(
-            unsafe { result::module::load_data(ptx.as_ptr().cast()) },
-            "cuModuleLoadData(attention kernels)",
-        )?;
-        let module = Module {
-            ctx: Arc::clone(device.context()),
-            raw,
-        };
-        // SAFETY: the module is loaded; a source without the entry point
-        // gives an error, not a handle.
-        let d64 = driver(
-            unsafe { result::module::get_function(module.raw, c"flash_d64".to_owned()) },
-            "cuModuleGetFunction(flash_d64)",
-        )?;
-        // SAFETY: as above.
-        let d128 = driver(
-            unsafe { result::module::get_function(module.raw, c"flash_d128".to_owned()) },
-            "cuModuleGetFunction(flash_d128)",
-        )?;
+    fn load(device: &CudaDevice, ptx: &CStr) -> Result<Self, ProxyError> {
+        let module = Module::load(device, ptx, "attention kernels")?;
+        let d64 = module.function("flash_d64")?;
+        let d128 = module.function("flash_d128")?;
         Ok(Self { module, d64, d128 })
     }
 
@@ -517,31 +526,10 @@ impl Proxy {
             });
         }
         let ctx = Arc::clone(device.context());
-        device.bind()?;
-        // SAFETY: `ptx` is a NUL-terminated PTX module; the context is current.
-        let raw = driver(
-            unsafe { result::module::load_data(ptx.as_ptr().cast()) },
-            "cuModuleLoadData(proxy kernels)",
-        )?;
-        let module = Module {
-            ctx: Arc::clone(&ctx),
-            raw,
-        };
-        // SAFETY: the module is loaded and defines both kernels.
-        let fold = driver(
-            unsafe { result::module::get_function(module.raw, c"fold".to_owned()) },
-            "cuModuleGetFunction(fold)",
-        )?;
-        // SAFETY: as above.
-        let chain = driver(
-            unsafe { result::module::get_function(module.raw, c"chain".to_owned()) },
-            "cuModuleGetFunction(chain)",
-        )?;
-        // SAFETY: as above.
-        let touch = driver(
-            unsafe { result::module::get_function(module.raw, c"touch".to_owned()) },
-            "cuModuleGetFunction(touch)",
-        )?;
+        let module = Module::load(device, ptx, "proxy kernels")?;
+        let fold = module.function("fold")?;
+        let chain = module.function("chain")?;
+        let touch = module.function("touch")?;
         let flash = FlashKernels::new(device)?;
         let blas_handle = Blas {
             ctx: Arc::clone(&ctx),
