@@ -168,6 +168,18 @@ pub enum ProxyError {
         /// What is allowed.
         allowed: &'static str,
     },
+    /// A buffer is not aligned as the kernel's accesses need.
+    #[error("{operation}: {buffer} at {address:#x} is not {align}-byte aligned")]
+    Misaligned {
+        /// The operation.
+        operation: &'static str,
+        /// Which buffer.
+        buffer: &'static str,
+        /// Its device address.
+        address: u64,
+        /// The alignment it needs, in bytes.
+        align: u64,
+    },
     /// The output buffer is one of the inputs.
     #[error("{operation}: the output buffer is one of the inputs")]
     Aliased {
@@ -395,14 +407,59 @@ impl FlashKernels {
         }
     }
 
+    /// What the kernels take: head dimension 64 or 128; 1 to
+    /// `i32::MAX − 64` tokens (its key loop counts in `int`); 1 to 65,535
+    /// heads (the grid's y dimension); Q, K and V 16-byte aligned (loaded
+    /// 16 bytes at a time) and O 4-byte aligned (stored as bf16 pairs).
+    /// `ptrs` are Q, K, V and O.
+    pub fn check(ptrs: [u64; 4], heads: u64, tokens: u64, head_dim: u64) -> Result<(), ProxyError> {
+        let unsupported = |name, value, allowed| ProxyError::Unsupported {
+            operation: "attention (flash)",
+            name,
+            value,
+            allowed,
+        };
+        if !Self::supports(head_dim) {
+            return Err(unsupported("head_dim", head_dim, "64 or 128"));
+        }
+        if tokens == 0 || tokens > i32::MAX as u64 - Self::TILE {
+            return Err(unsupported("tokens", tokens, "1..=2147483583"));
+        }
+        if heads == 0 || heads > 65_535 {
+            return Err(unsupported(
+                "heads",
+                heads,
+                "1..=65535 (the grid's y dimension)",
+            ));
+        }
+        for (name, ptr, align) in [
+            ("q", ptrs[0], 16),
+            ("k", ptrs[1], 16),
+            ("v", ptrs[2], 16),
+            ("o", ptrs[3], 4),
+        ] {
+            if ptr % align != 0 {
+                return Err(ProxyError::Misaligned {
+                    operation: "attention (flash)",
+                    buffer: name,
+                    address: ptr,
+                    align,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// [`Self::run`] over raw ranges.
     ///
     /// # Safety
     ///
     /// `q`, `k`, `v` and `o` each address `heads·tokens·head_dim` bf16 of
-    /// device memory that stays allocated until the kernel has run on
-    /// `stream`; `o` overlaps none of the inputs, and nothing else writes
-    /// the inputs or touches `o` meanwhile.
+    /// device memory of the kernels' context that stays allocated until
+    /// the kernel has run on `stream`; `o` overlaps none of the inputs, and
+    /// nothing else writes the inputs or touches `o` meanwhile. (Shapes,
+    /// and the alignment the kernel's vector accesses need, are checked
+    /// here: [`Self::check`].)
     #[allow(clippy::too_many_arguments)]
     unsafe fn launch(
         &self,
@@ -415,28 +472,9 @@ impl FlashKernels {
         tokens: u64,
         head_dim: u64,
     ) -> Result<(), ProxyError> {
-        let function = match head_dim {
-            64 => self.d64,
-            128 => self.d128,
-            _ => {
-                return Err(ProxyError::Unsupported {
-                    operation: "attention (flash)",
-                    name: "head_dim",
-                    value: head_dim,
-                    allowed: "64 or 128",
-                });
-            }
-        };
-        let t = Proxy::dim("attention", "tokens", tokens)?;
-        let h = u32::try_from(Proxy::dim("attention", "heads", heads)?)
-            .ok()
-            .filter(|h| *h <= 65_535)
-            .ok_or(ProxyError::Unsupported {
-                operation: "attention (flash)",
-                name: "heads",
-                value: heads,
-                allowed: "1..=65535 (the grid's y dimension)",
-            })?;
+        Self::check([q, k, v, o], heads, tokens, head_dim)?;
+        let function = if head_dim == 64 { self.d64 } else { self.d128 };
+        let (t, h) = (tokens as i32, heads as u32);
         let tiles = tokens.div_ceil(Self::TILE) as u32;
         let (mut q, mut k, mut v, mut o, mut t) = (q, k, v, o, t);
         let mut scale = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
@@ -511,6 +549,11 @@ impl std::fmt::Debug for Proxy {
 impl Proxy {
     /// Builds the proxy on `stream`: `input_bytes` of activations (at least
     /// [`CHAIN_ELEMENTS`] bf16 are useful) and `output_bytes` of outputs.
+    ///
+    /// It needs a device of compute capability 8.0 or later (Ampere on):
+    /// its GEMMs are bf16 and the fused attention is compiled for
+    /// `compute_80`, which an older device refuses when the module loads
+    /// (a typed error), whichever [`Attention`] kind is set.
     pub fn new(
         device: &CudaDevice,
         stream: Arc<CudaStream>,
@@ -829,13 +872,23 @@ impl Proxy {
     /// and V share the input; one batch's scores, then every head's O).
     pub fn attention_scratch(heads: u64, tokens: u64, head_dim: u64) -> (u64, u64) {
         let qkv = tokens.saturating_mul(head_dim);
-        let g = Self::attention_heads_per_batch(heads, tokens);
         let input = heads.saturating_mul(qkv).saturating_mul(2);
-        let output = g
-            .saturating_mul(tokens.saturating_mul(tokens))
-            .saturating_add(heads.saturating_mul(qkv))
-            .saturating_mul(2);
+        let output = Self::attention_output_offset(heads, tokens)
+            .saturating_add(heads.saturating_mul(qkv).saturating_mul(2));
         (input, output)
+    }
+
+    /// Where O starts in the output scratch, in bytes: after one batch's
+    /// scores (`g·T²` bf16), rounded up to 16 bytes, so that O is aligned
+    /// for the fused kernel's stores (4 bytes) whatever `g·T²` is (odd
+    /// where both are odd: 2,365 or 4,097 tokens at 24 heads) and the
+    /// scratch is the same for both kinds.
+    pub fn attention_output_offset(heads: u64, tokens: u64) -> u64 {
+        let g = Self::attention_heads_per_batch(heads, tokens);
+        g.saturating_mul(tokens.saturating_mul(tokens))
+            .saturating_mul(2)
+            .saturating_add(15)
+            & !15
     }
 
     /// Attention at Flux's cost (`4·T²·heads·head_dim` FLOPs; Q, K and V
@@ -864,9 +917,9 @@ impl Proxy {
         let g = Self::attention_heads_per_batch(heads, tokens);
         if self.attention == Attention::Flash && FlashKernels::supports(head_dim) {
             let x = self.input.ptr();
-            // Where the materialized kind puts O (after one batch's scores):
-            // the scratch is the same for both kinds.
-            let o = self.output.ptr() + g * scores * 2;
+            // Where the materialized kind puts O too: the scratch is the
+            // same for both kinds.
+            let o = self.output.ptr() + Self::attention_output_offset(heads, tokens);
             // SAFETY: Q = K = V is the first `heads·qkv` bf16 of the input
             // and O the `heads·qkv` after one batch's scores in the output
             // (both sizes checked above), distinct buffers the proxy owns
@@ -934,7 +987,7 @@ impl Proxy {
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let (x, s) = (self.input.ptr(), self.output.ptr());
         // Every head's O after one batch's scores.
-        let o = s + g * scores * 2;
+        let o = s + Self::attention_output_offset(heads, tokens);
         let mut h0 = 0;
         while h0 < heads {
             let batch = g.min(heads - h0);
@@ -1071,6 +1124,82 @@ mod tests {
                 );
             }
         }
+        // For real architectures nvrtc also assembles the PTX, which checks
+        // the inline `mma`/`ldmatrix` instructions a virtual target passes
+        // through unread.
+        for arch in ["sm_80", "sm_90"] {
+            if let Err(log) = compile_for(ATTENTION_SRC, Some(arch)) {
+                panic!("attention.cu for {arch}: {log}");
+            }
+        }
+    }
+
+    /// O's offset in the output scratch is 16-byte aligned and O fits
+    /// behind one batch's scores, for every head count up to Flux's 24 and
+    /// token counts on and off every alignment (odd `g·T²` among them:
+    /// 2,365 and 4,097 tokens at 24 heads, every odd count from 8,193 up).
+    #[test]
+    fn attention_output_is_aligned_and_within_the_scratch() {
+        let counts = (1..=4200u64).chain((8185..=8200).chain([9537, 16897, 20001]));
+        for tokens in counts {
+            for heads in 1..=24u64 {
+                for head_dim in [64u64, 128] {
+                    let at = Proxy::attention_output_offset(heads, tokens);
+                    let g = Proxy::attention_heads_per_batch(heads, tokens);
+                    assert_eq!(at % 16, 0, "{heads} heads, {tokens} tokens: O at {at}");
+                    assert!(at >= g * tokens * tokens * 2, "O overlaps the scores");
+                    let (_, output) = Proxy::attention_scratch(heads, tokens, head_dim);
+                    assert!(at + heads * tokens * head_dim * 2 <= output);
+                }
+            }
+        }
+    }
+
+    /// The fused kernel's launch refuses what it cannot run: other head
+    /// dimensions, no tokens or more than its `int` loop counts, more heads
+    /// than the grid takes, inputs not 16-byte or an output not 4-byte
+    /// aligned.
+    #[test]
+    fn the_fused_kernel_refuses_shapes_and_alignments_it_cannot_run() {
+        let ok = [0x1000u64, 0x2000, 0x3000, 0x4004];
+        FlashKernels::check(ok, 24, 4097, 128).unwrap();
+        FlashKernels::check(ok, 65_535, 1, 64).unwrap();
+        let refused = |ptrs, heads, tokens, head_dim, what: &str| {
+            let e = FlashKernels::check(ptrs, heads, tokens, head_dim).unwrap_err();
+            assert!(e.to_string().contains(what), "{e}");
+        };
+        refused(
+            ok,
+            1,
+            64,
+            96,
+            "head_dim = 96 is not supported; allowed: 64 or 128",
+        );
+        refused(ok, 1, 0, 64, "tokens = 0");
+        refused(ok, 1, i32::MAX as u64, 64, "tokens = 2147483647");
+        refused(ok, 0, 64, 64, "heads = 0");
+        refused(ok, 65_536, 64, 64, "heads = 65536");
+        refused(
+            [0x1008, 0x2000, 0x3000, 0x4000],
+            1,
+            64,
+            64,
+            "q at 0x1008 is not 16-byte aligned",
+        );
+        refused(
+            [0x1000, 0x2000, 0x3004, 0x4000],
+            1,
+            64,
+            64,
+            "v at 0x3004 is not 16-byte aligned",
+        );
+        refused(
+            [0x1000, 0x2000, 0x3000, 0x4002],
+            1,
+            64,
+            64,
+            "o at 0x4002 is not 4-byte aligned",
+        );
     }
 
     #[test]

@@ -27,8 +27,9 @@
 //!   128, token counts on and off its 64-row tiles) matches a host
 //!   reference, and each of its planted bugs (no rescale when a row's max
 //!   moves, keys past T unmasked, a quad's row sums not combined) does
-//!   not; the proxy's two attention kinds differ in output (the fused one
-//!   applies a softmax) and each is deterministic.
+//!   not; the proxy's own fused path matches it at shapes where O's
+//!   offset is odd; the proxy's two attention kinds differ in output (the
+//!   fused one applies a softmax) and each is deterministic.
 //! * The timeline recorder puts copies and marked spans on their streams'
 //!   tracks, in order, and refuses a span never ended.
 //! * Dropping an enabled runtime, or panicking inside a forward, leaks no
@@ -1003,6 +1004,73 @@ fn flash_attention_matches_a_host_reference_and_its_planted_bugs_do_not() {
     );
     let e = kernels.run(&s, &b, &b, &b, &o, 1, 1024, 64).unwrap_err();
     assert!(e.to_string().contains("needs 131072 bytes of q"), "{e}");
+}
+
+/// The proxy's own fused path (`Proxy::attention`, Q = K = V = its
+/// activations, O read back from where it writes it) against the host
+/// reference, at shapes whose `g·T²` is odd (3 heads × 63 tokens, 5 × 129)
+/// — where O once started 2 bytes off a 4-byte boundary and the kernel's
+/// stores faulted — and at one token.
+#[test]
+fn the_proxy_fused_attention_matches_the_reference_at_odd_shapes() {
+    const BOUND: f64 = 0.02;
+    let Some(g) = gpu() else { return };
+    let d = &g.device;
+    let stream = Arc::new(d.create_stream().unwrap());
+    let proxy = Proxy::new(d, Arc::clone(&stream), INPUT_BYTES, OUTPUT_BYTES).unwrap();
+    let shapes: [(u64, u64, u64); 3] = [(3, 63, 64), (5, 129, 128), (1, 1, 128)];
+    for (i, (heads, tokens, head_dim)) in shapes.into_iter().enumerate() {
+        let n = (heads * tokens * head_dim) as usize;
+        let bytes = n as u64 * 2;
+        let x = normal_bf16(41_000 + i as u64, n);
+        let mut host = d.alloc_pinned(bytes).unwrap();
+        host.write_from(0, bytes, &x);
+        // SAFETY: in bounds (the proxy's input holds INPUT_BYTES); on the
+        // proxy's stream, so ordered before its kernels; synchronised
+        // before the pinned buffer is freed.
+        unsafe {
+            d.copy_h2d(
+                &stream,
+                HostSource::Pinned(&host),
+                0,
+                proxy.input(),
+                0,
+                bytes,
+            )
+        }
+        .unwrap();
+        proxy.attention(heads, tokens, head_dim).unwrap();
+        let at = Proxy::attention_output_offset(heads, tokens);
+        let mut back = d.alloc_pinned(bytes).unwrap();
+        // SAFETY: O lies within the output scratch (attention_scratch);
+        // the same stream, after the kernel.
+        unsafe { d.copy_d2h(&stream, proxy.output(), at, &mut back, 0, bytes) }.unwrap();
+        d.synchronize_stream(&stream).unwrap();
+        let mut out = vec![0u8; bytes as usize];
+        back.read_into(0, &mut out);
+        // SAFETY: the stream is drained.
+        unsafe {
+            d.free_pinned(host).unwrap();
+            d.free_pinned(back).unwrap();
+        }
+        let got: Vec<f32> = (0..n).map(|j| bf16_at(&out, j)).collect();
+        let want = attention_reference(
+            &x,
+            &x,
+            &x,
+            heads as usize,
+            tokens as usize,
+            head_dim as usize,
+        );
+        let e = relative_error(&got, &want);
+        println!(
+            "proxy fused attention, {heads} heads x {tokens} tokens x {head_dim}: O at byte {at}, worst error / largest output {e:.5}"
+        );
+        assert!(
+            e <= BOUND,
+            "{heads} x {tokens} x {head_dim}: {e} past {BOUND}"
+        );
+    }
 }
 
 /// The proxy's two attention kinds over the same activations: each is
