@@ -232,9 +232,9 @@ pub(crate) struct Args {
 /// `--attention` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum AttentionArg {
-    /// `Attention::Flash`.
+    /// Fused: the scores stay on the SM (the default).
     Flash,
-    /// `Attention::Materialized`.
+    /// Scores written to and read from device memory.
     Materialized,
 }
 
@@ -2449,6 +2449,27 @@ mod tests {
                 (got, want) => panic!("{flags:?}: got {got:?}, want {want:?}"),
             }
         }
+    }
+
+    /// `--attention`: each name maps to its proxy kind (flash unless
+    /// given), any other is clap's error naming the allowed values.
+    #[test]
+    fn the_attention_flag_maps_to_the_proxy_kind() {
+        use offload_cuda::proxy::Attention;
+        let parse = |flags: &[&str]| {
+            Args::try_parse_from(std::iter::once("offload-bench").chain(flags.iter().copied()))
+                .map(|a| a.attention.kind())
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(parse(&[]), Ok(Attention::Flash));
+        for (kind, name) in Attention::ALL {
+            assert_eq!(parse(&["--attention", name]), Ok(kind), "{name}");
+        }
+        let e = parse(&["--attention", "fused"]).unwrap_err();
+        assert!(
+            e.contains("'fused'") && e.contains("flash") && e.contains("materialized"),
+            "{e}"
+        );
     }
 
     /// `--weight-compression` and `--law`: lists and names checked by
