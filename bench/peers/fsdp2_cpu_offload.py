@@ -3,7 +3,8 @@
 Measures s/step (per rank and max over ranks; median and min-max of the timed steps; a step = one forward,
 batch 1, on every rank) of exactly offload-bench's DiT proxy (bench/src/main.rs): Flux.1-dev's tensors,
 23,803,996,288 bytes; one GEMM [tokens, in] x [out, in]^T per 2-D bf16 weight, two attention-sized batched
-GEMMs per block (24 heads x tokens^2 x 128), every weight byte folded: 124.5 TFLOP at 4608 tokens, 602.0 at
+GEMMs per block (24 heads x tokens^2 x 128: the bench's `--attention materialized`; its default is a fused
+kernel of the same FLOPs), every weight byte folded: 124.5 TFLOP at 4608 tokens, 602.0 at
 16896. Rows map to the bench's: `fsdp2 cpu offload` ~ `layerwise`, `resident` = compute floor, limit =
 max(resident, streamed bytes / (G x pinned H2D GB/s)), `above scratch` ~ peak device weight bytes.
 
