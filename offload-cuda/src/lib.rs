@@ -318,6 +318,11 @@ impl CudaStream {
     pub fn raw(&self) -> sys::CUstream {
         self.raw
     }
+
+    /// The context the stream belongs to.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self._ctx
+    }
 }
 
 impl Drop for CudaStream {
@@ -391,6 +396,11 @@ impl CudaBuffer {
     /// The device address.
     pub fn ptr(&self) -> sys::CUdeviceptr {
         self.ptr
+    }
+
+    /// The context the buffer was allocated in.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 }
 

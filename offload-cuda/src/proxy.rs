@@ -180,6 +180,13 @@ pub enum ProxyError {
         /// The alignment it needs, in bytes.
         align: u64,
     },
+    /// A buffer or the stream belongs to another device's context than the
+    /// kernels.
+    #[error("{operation}: a buffer or the stream is of another context than the kernels")]
+    OtherContext {
+        /// The operation, with its shape.
+        operation: String,
+    },
     /// The output buffer is one of the inputs.
     #[error("{operation}: the output buffer is one of the inputs")]
     Aliased {
@@ -357,9 +364,10 @@ impl FlashKernels {
 
     /// Enqueues `o = attention(q, k, v)` on `stream` over `heads` heads of
     /// `tokens` rows of `head_dim` bf16 each (`[heads][tokens][head_dim]`,
-    /// row-major). Every buffer must hold `heads·tokens·head_dim` bf16 and
-    /// `o` must not be one of the inputs; buffers stay alive until the
-    /// kernel has run (dropping one synchronises its context).
+    /// row-major). Every buffer must hold `heads·tokens·head_dim` bf16, be
+    /// of the kernels' context (as the stream), and `o` must not be one of
+    /// the inputs ([`Self::check`] says the rest); buffers stay alive until
+    /// the kernel has run (dropping one synchronises its context).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -389,6 +397,10 @@ impl FlashKernels {
         }
         if [q, k, v].iter().any(|b| b.ptr() == o.ptr()) {
             return Err(ProxyError::Aliased { operation: shape });
+        }
+        let ours = |c: &Arc<CudaContext>| Arc::ptr_eq(c, &self.module.ctx);
+        if !ours(stream.context()) || ![q, k, v, o].iter().all(|b| ours(b.context())) {
+            return Err(ProxyError::OtherContext { operation: shape });
         }
         // SAFETY: each range lies within its live buffer (checked above),
         // `o` is none of the inputs, and the borrows keep the buffers
