@@ -56,7 +56,7 @@ pub enum Attention {
     Flash,
     /// Two cuBLAS batched GEMMs per batch of heads, the scores written to
     /// and read back from device memory (no softmax): the same FLOPs, but
-    /// bound by memory traffic, and measured to lose about 2 % beside
+    /// bound by memory traffic, and measured to lose 2–3.6 % beside
     /// host-to-device copies (BENCHMARKS). Head dimensions other than 64
     /// and 128 run this way under either kind.
     Materialized,
