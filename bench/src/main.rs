@@ -224,7 +224,7 @@ pub(crate) struct Args {
     /// FlashAttention-2-style kernel, the scores kept on the SM, as the
     /// models' runtimes run it) or `materialized` (cuBLAS batched GEMMs
     /// that write and read the scores: the same FLOPs, bound by memory
-    /// traffic, and slowed about 2 % by host-to-device copies beside it).
+    /// traffic, and slowed 2–3.6 % by host-to-device copies beside it).
     #[arg(long, value_enum, default_value = "flash")]
     attention: AttentionArg,
 }
