@@ -54,7 +54,7 @@ use offload_core::runtime::{
 use offload_core::{ComponentDeclaration, OffloadConfig, OffloadError};
 use offload_cuda::decode::CudaCodec;
 use offload_cuda::proxy::{ATTENTION_SRC, Attention, FlashKernels, Proxy};
-use offload_cuda::{Cuda, CudaDevice, CudaStream, Perturbation, driver_present};
+use offload_cuda::{Cuda, CudaBuffer, CudaDevice, CudaStream, Perturbation, driver_present};
 use offload_hooks::BoxError;
 use offload_pack::synth::{Law, tensor_bytes};
 use offload_sim::harness::blocks_of;
@@ -796,27 +796,10 @@ fn device_basics() {
     d.synchronize().unwrap();
 }
 
-/// `n` bf16 drawn from a standard normal (Box–Muller over splitmix64),
-/// little-endian, rounded to nearest.
+/// `n` bf16 drawn from a standard normal: offload-pack's synthetic
+/// normal law at fan-in 1 (σ = 1), from `seed`.
 fn normal_bf16(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed;
-    let mut next = || {
-        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    let mut out = Vec::with_capacity(n * 2);
-    for _ in 0..n {
-        let (u, v) = (next(), next());
-        let f = ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32;
-        let b = f.to_bits();
-        let r = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
-        out.extend_from_slice(&(r as u16).to_le_bytes());
-    }
-    out
+    tensor_bytes(Law::Normal, seed, 0, "x.weight", &[n as u64, 1], &[], 1)
 }
 
 fn bf16_at(bytes: &[u8], i: usize) -> f32 {
@@ -844,6 +827,34 @@ fn attention_reference(q: &[u8], k: &[u8], v: &[u8], heads: usize, t: usize, d: 
     o
 }
 
+/// `data` copied into `dst` at byte `at` on `s`, waited for.
+fn upload(d: &CudaDevice, s: &CudaStream, data: &[u8], dst: &CudaBuffer, at: u64) {
+    let bytes = data.len() as u64;
+    let mut host = d.alloc_pinned(bytes).unwrap();
+    host.write_from(0, bytes, &data.to_vec());
+    // SAFETY: the caller's range lies in `dst` (a bad one is an error, not
+    // a write past it); the stream is synchronised before the pinned
+    // buffer is freed.
+    unsafe { d.copy_h2d(s, HostSource::Pinned(&host), 0, dst, at, bytes) }.unwrap();
+    d.synchronize_stream(s).unwrap();
+    // SAFETY: the copy has finished.
+    unsafe { d.free_pinned(host) }.unwrap();
+}
+
+/// `n` bf16 of `src` from byte `at`, read on `s` after the work enqueued
+/// on it, as f32.
+fn download_bf16(d: &CudaDevice, s: &CudaStream, src: &CudaBuffer, at: u64, n: u64) -> Vec<f32> {
+    let mut back = d.alloc_pinned(n * 2).unwrap();
+    // SAFETY: as `upload`; ordered after the stream's earlier work.
+    unsafe { d.copy_d2h(s, src, at, &mut back, 0, n * 2) }.unwrap();
+    d.synchronize_stream(s).unwrap();
+    let mut out = vec![0u8; (n * 2) as usize];
+    back.read_into(0, &mut out);
+    // SAFETY: the stream is drained.
+    unsafe { d.free_pinned(back) }.unwrap();
+    (0..n as usize).map(|i| bf16_at(&out, i)).collect()
+}
+
 /// The fused attention's output on the device, as f32.
 #[allow(clippy::too_many_arguments)]
 fn flash_on_device(
@@ -855,38 +866,27 @@ fn flash_on_device(
     tokens: u64,
     head_dim: u64,
 ) -> Vec<f32> {
-    let bytes = heads * tokens * head_dim * 2;
-    let upload = |data: &[u8]| {
-        let mut host = d.alloc_pinned(bytes).unwrap();
-        host.write_from(0, bytes, &data.to_vec());
-        let dev = d.alloc_device(bytes).unwrap();
-        // SAFETY: ranges in bounds; the stream is synchronised before the
-        // pinned buffer is freed.
-        unsafe { d.copy_h2d(s, HostSource::Pinned(&host), 0, &dev, 0, bytes) }.unwrap();
-        d.synchronize_stream(s).unwrap();
-        // SAFETY: the copy has finished.
-        unsafe { d.free_pinned(host) }.unwrap();
+    let n = heads * tokens * head_dim;
+    let on_device = |data: &[u8]| {
+        let dev = d.alloc_device(n * 2).unwrap();
+        upload(d, s, data, &dev, 0);
         dev
     };
-    let (q, k, v) = (upload(inputs[0]), upload(inputs[1]), upload(inputs[2]));
-    let o = d.alloc_device(bytes).unwrap();
+    let (q, k, v) = (
+        on_device(inputs[0]),
+        on_device(inputs[1]),
+        on_device(inputs[2]),
+    );
+    let o = d.alloc_device(n * 2).unwrap();
     kernels
         .run(s, &q, &k, &v, &o, heads, tokens, head_dim)
         .unwrap();
-    let mut back = d.alloc_pinned(bytes).unwrap();
-    // SAFETY: same stream, ordered after the kernel.
-    unsafe { d.copy_d2h(s, &o, 0, &mut back, 0, bytes) }.unwrap();
-    d.synchronize_stream(s).unwrap();
-    let mut out = vec![0u8; bytes as usize];
-    back.read_into(0, &mut out);
-    // SAFETY: the stream is drained.
-    unsafe {
-        d.free_pinned(back).unwrap();
-        for b in [q, k, v, o] {
-            d.free_device(b, &[]).unwrap();
-        }
+    let out = download_bf16(d, s, &o, 0, n);
+    for b in [q, k, v, o] {
+        // SAFETY: the stream is drained (download_bf16 waited for it).
+        unsafe { d.free_device(b, &[]) }.unwrap();
     }
-    (0..out.len() / 2).map(|i| bf16_at(&out, i)).collect()
+    out
 }
 
 /// The worst error of `got` against `want`, relative to `want`'s largest
@@ -1021,39 +1021,12 @@ fn the_proxy_fused_attention_matches_the_reference_at_odd_shapes() {
     let shapes: [(u64, u64, u64); 3] = [(3, 63, 64), (5, 129, 128), (1, 1, 128)];
     for (i, (heads, tokens, head_dim)) in shapes.into_iter().enumerate() {
         let n = (heads * tokens * head_dim) as usize;
-        let bytes = n as u64 * 2;
         let x = normal_bf16(41_000 + i as u64, n);
-        let mut host = d.alloc_pinned(bytes).unwrap();
-        host.write_from(0, bytes, &x);
-        // SAFETY: in bounds (the proxy's input holds INPUT_BYTES); on the
-        // proxy's stream, so ordered before its kernels; synchronised
-        // before the pinned buffer is freed.
-        unsafe {
-            d.copy_h2d(
-                &stream,
-                HostSource::Pinned(&host),
-                0,
-                proxy.input(),
-                0,
-                bytes,
-            )
-        }
-        .unwrap();
+        // On the proxy's stream, so ordered before its kernels.
+        upload(d, &stream, &x, proxy.input(), 0);
         proxy.attention(heads, tokens, head_dim).unwrap();
         let at = Proxy::attention_output_offset(heads, tokens);
-        let mut back = d.alloc_pinned(bytes).unwrap();
-        // SAFETY: O lies within the output scratch (attention_scratch);
-        // the same stream, after the kernel.
-        unsafe { d.copy_d2h(&stream, proxy.output(), at, &mut back, 0, bytes) }.unwrap();
-        d.synchronize_stream(&stream).unwrap();
-        let mut out = vec![0u8; bytes as usize];
-        back.read_into(0, &mut out);
-        // SAFETY: the stream is drained.
-        unsafe {
-            d.free_pinned(host).unwrap();
-            d.free_pinned(back).unwrap();
-        }
-        let got: Vec<f32> = (0..n).map(|j| bf16_at(&out, j)).collect();
+        let got = download_bf16(d, &stream, proxy.output(), at, n as u64);
         let want = attention_reference(
             &x,
             &x,
