@@ -440,6 +440,10 @@ impl Settings {
                 .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
         })?;
         let compressions = compressions(args)?;
+        ensure!(
+            !(depths.is_empty() && args.no_planner),
+            "--depths names no depth and --no-planner leaves out the chooser's rows: no layerwise row would run; name a depth in 1..=8 or drop --no-planner"
+        );
         Ok(Self {
             tokens,
             steps,
@@ -449,6 +453,25 @@ impl Settings {
             compressions,
         })
     }
+}
+
+/// The `"auto"` rows of the DiT-only mode, `(at the chooser's look-ahead,
+/// depth, tokens)`: one enable per token count (`"auto"` decides from that
+/// count's compute) at each `--depths`, then at the depth the chooser
+/// picked for it unless `--no-planner`, as the uncoded rows run.
+pub(crate) fn auto_rows(
+    depths: &[usize],
+    chosen: &BTreeMap<u64, budget::Lookahead>,
+    no_planner: bool,
+) -> Vec<(bool, usize, u64)> {
+    let fixed = depths
+        .iter()
+        .flat_map(|&d| chosen.keys().map(move |&t| (false, d, t)));
+    let planned = chosen
+        .iter()
+        .filter(|_| !no_planner)
+        .map(|(&t, l)| (true, l.depth, t));
+    fixed.chain(planned).collect()
 }
 
 /// `--weight-compression`'s values, each once, in the order given.
@@ -1844,27 +1867,31 @@ fn run() -> Result<()> {
             };
             if compression == Compression::Auto {
                 // "auto" decides at enable for one token count's compute:
-                // an enable per count.
-                for &d in &settings.depths {
-                    for (&t, ring) in &rings {
-                        specs.push(Spec {
-                            name: format!("layerwise depth {d}{coded}{suffix}"),
-                            repeat,
-                            lookahead: BTreeMap::new(),
-                            proxy: &proxy,
-                            depth: d,
-                            streamed: streamed_all,
-                            tokens: vec![t],
-                            compression,
-                            make: layerwise_at(
-                                config.clone(),
-                                d,
-                                Some(ring.inputs(&block_units, master_gbps, settings.steps)),
-                            ),
-                            file: false,
-                            beside: false,
-                        });
-                    }
+                // an enable per count, at each `--depths` and at the
+                // chooser's look-ahead.
+                for (planner, d, t) in auto_rows(&settings.depths, &chosen, args.no_planner) {
+                    let kind = if planner { "planner depth" } else { "depth" };
+                    specs.push(Spec {
+                        name: format!("layerwise {kind} {d}{coded}{suffix}"),
+                        repeat,
+                        lookahead: if planner {
+                            BTreeMap::from([(t, chosen[&t])])
+                        } else {
+                            BTreeMap::new()
+                        },
+                        proxy: &proxy,
+                        depth: d,
+                        streamed: streamed_all,
+                        tokens: vec![t],
+                        compression,
+                        make: layerwise_at(
+                            config.clone(),
+                            d,
+                            Some(rings[&t].inputs(&block_units, master_gbps, settings.steps)),
+                        ),
+                        file: false,
+                        beside: false,
+                    });
                 }
                 continue;
             }
@@ -2184,9 +2211,12 @@ fn run() -> Result<()> {
 /// look-ahead and the device memory its slots take, the median step of
 /// its `--repeats` and their spread in step / limit.
 fn print_lookahead_summary(rows: &[Row]) {
-    let mut by_tokens: BTreeMap<u64, Vec<&Row>> = BTreeMap::new();
+    let mut by_tokens: BTreeMap<(&str, u64), Vec<&Row>> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.lookahead.is_some()) {
-        by_tokens.entry(r.tokens).or_default().push(r);
+        by_tokens
+            .entry((r.weight_compression.as_str(), r.tokens))
+            .or_default()
+            .push(r);
     }
     if by_tokens.is_empty() {
         return;
@@ -2195,10 +2225,10 @@ fn print_lookahead_summary(rows: &[Row]) {
         "\nDefault layerwise at the chooser's look-ahead (step: median over repeats; spread: max − min of step / limit)"
     );
     println!(
-        "| tokens | step s | limit s | step / limit | spread | repeats | look-ahead (depth) | slots | slot memory GB | peak device weight GB | output = resident |"
+        "| tokens | compression | step s | limit s | step / limit | spread | repeats | look-ahead (depth) | slots | slot memory GB | peak device weight GB | output = resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    for (t, rs) in by_tokens {
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for ((compression, t), rs) in by_tokens {
         let mut steps: Vec<f64> = rs.iter().map(|r| r.step_s).collect();
         let ratios: Vec<f64> = rs.iter().map(|r| r.ratio).collect();
         let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
@@ -2207,7 +2237,7 @@ fn print_lookahead_summary(rows: &[Row]) {
         let limit = rs[0].limit_s;
         let step = median(&mut steps).unwrap_or(0.0);
         println!(
-            "| {t} | {step:.4} | {limit:.4} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} | {} |",
+            "| {t} | {compression} | {step:.4} | {limit:.4} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} | {} |",
             step / limit,
             hi - lo,
             rs.len(),
@@ -2451,6 +2481,62 @@ mod tests {
         assert!(
             e.contains("fused") && e.contains("flash") && e.contains("materialized"),
             "{e}"
+        );
+    }
+
+    /// `"auto"` runs at the chooser's look-ahead as the uncoded rows do:
+    /// with `--depths ""` (the crossover sweep's flags) it ran no row at
+    /// all, silently. One row per token count and depth; `--depths ""`
+    /// with `--no-planner` is refused, since no layerwise row would run.
+    #[test]
+    fn auto_rows_run_at_the_choosers_look_ahead_and_each_depth() {
+        use super::auto_rows;
+        use offload_core::budget::Lookahead;
+        use std::collections::BTreeMap;
+        let at = |depth| Lookahead {
+            depth,
+            slots: depth + 1,
+            slot_bytes: 1,
+            slot_memory_bytes: depth as u64 + 1,
+            predicted_step_s: 1.0,
+            limit_s: 1.0,
+        };
+        let chosen = BTreeMap::from([(4608, at(2)), (8192, at(13))]);
+        assert_eq!(
+            auto_rows(&[], &chosen, false),
+            vec![(true, 2, 4608), (true, 13, 8192)]
+        );
+        assert_eq!(
+            auto_rows(&[1], &chosen, false),
+            vec![
+                (false, 1, 4608),
+                (false, 1, 8192),
+                (true, 2, 4608),
+                (true, 13, 8192)
+            ]
+        );
+        assert_eq!(
+            auto_rows(&[1, 2], &chosen, true),
+            vec![
+                (false, 1, 4608),
+                (false, 1, 8192),
+                (false, 2, 4608),
+                (false, 2, 8192)
+            ]
+        );
+        let e = Settings::from_args(
+            &Args::try_parse_from(["offload-bench", "--depths", "", "--no-planner"]).unwrap(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("--no-planner") && e.contains("no layerwise row"),
+            "{e}"
+        );
+        assert!(
+            Settings::from_args(&Args::try_parse_from(["offload-bench", "--depths", ""]).unwrap())
+                .is_ok()
         );
     }
 
