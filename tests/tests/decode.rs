@@ -214,7 +214,8 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
     assert_eq!(all_violations(&out), vec![]);
     assert!(out.at_end.decodes > 0);
     // A thousand times the compute: every ring compute-bound, none coded,
-    // the staging buffers freed, nothing decoded.
+    // none even encoded (its copies are hidden: decided before encoding),
+    // so no decoder is measured and nothing is decoded.
     let (slow, out) = auto_at(1000.0);
     assert!(
         !slow.is_empty() && slow.iter().all(|(_, l)| !*l),
@@ -223,8 +224,8 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
     assert_eq!(outputs(&out), want);
     assert_eq!(all_violations(&out), vec![]);
     assert_eq!(
-        out.at_end.decodes, 4,
-        "only the enable-time measurement decodes (four times)"
+        out.at_end.decodes, 0,
+        "a hidden ring is not encoded, so no decoder is measured"
     );
     // ...and the staging buffers went: the rings hold only their slots,
     // as an uncoded run's do.
@@ -856,38 +857,46 @@ fn a_host_budget_holds_coded_masters_at_their_coded_size() {
             releases.store(0, Ordering::SeqCst);
         }
     }
-    // `"auto"` with compute-bound rings (the planner's inputs give every
-    // block 1,000× its estimated compute): it streams uncoded, its raw
-    // masters within the budget; with coded sizes planted, beyond it.
+    // `"auto"` with rings it leaves uncoded: compute-bound (the planner's
+    // inputs give every block 1,000× its estimated compute: decided before
+    // encoding, nothing decoded) and exposed (half the estimate: the
+    // decoder measured, an untimed run and three timed, then each ring
+    // decided; one slower coded turns its coded masters raw). Its masters
+    // within the budget; with coded sizes planted, beyond it.
     let budget = least + (full - least) * 7 / 8;
-    let mut inputs =
-        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
-    for c in inputs.components.values_mut() {
-        for s in c.block_compute_s.values_mut() {
-            *s *= 1000.0;
+    for (scale, decodes) in [(1000.0, 0), (0.5, 4)] {
+        let mut inputs =
+            offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
+        for c in inputs.components.values_mut() {
+            for s in c.block_compute_s.values_mut() {
+                *s *= scale;
+            }
         }
+        let o = RunOptions {
+            planner: Some(inputs),
+            ..o.clone()
+        };
+        let clean = run_with(&config(WeightCompression::Auto, budget), &o, &[])
+            .unwrap_or_else(|f| panic!("auto ×{scale}: {}", f.error));
+        assert_eq!(outputs(&clean), want, "×{scale}");
+        assert_eq!(all_violations(&clean), vec![], "×{scale}");
+        // Compute-bound: nothing decoded; exposed: at least the decoder's
+        // measurement (a ring may stay coded).
+        assert!(
+            (clean.at_end.decodes == 0) == (decodes == 0) && clean.at_end.decodes >= decodes,
+            "auto ×{scale}: {} decodes",
+            clean.at_end.decodes
+        );
+        let bug = PlantedBug::HostPlanCodedUnderAuto;
+        let v = match run_with(&config(WeightCompression::Auto, budget), &o, &[bug]) {
+            Ok(out) => all_violations(&out),
+            Err(f) => f.violations,
+        };
+        assert!(
+            v.iter().any(|v| v.invariant == Invariant::BoundedMemory),
+            "{bug:?} ×{scale}: {v:?}"
+        );
     }
-    let o = RunOptions {
-        planner: Some(inputs),
-        ..o
-    };
-    let clean = run_with(&config(WeightCompression::Auto, budget), &o, &[])
-        .unwrap_or_else(|f| panic!("auto: {}", f.error));
-    assert_eq!(outputs(&clean), want);
-    assert_eq!(all_violations(&clean), vec![]);
-    assert_eq!(
-        clean.at_end.decodes, 4,
-        "auto measured the decode (an untimed run and three timed), then streamed uncoded"
-    );
-    let bug = PlantedBug::HostPlanCodedUnderAuto;
-    let v = match run_with(&config(WeightCompression::Auto, budget), &o, &[bug]) {
-        Ok(out) => all_violations(&out),
-        Err(f) => f.violations,
-    };
-    assert!(
-        v.iter().any(|v| v.invariant == Invariant::BoundedMemory),
-        "{bug:?}: {v:?}"
-    );
 }
 
 /// The raw layerwise run's offloaded bytes, and what a host budget holds
@@ -1025,7 +1034,9 @@ fn auto_keeps_running_when_coded_pins_are_refused() {
     let want = resident();
     let profile = DeviceProfile::h200();
     let mut kept = 0;
-    for scale in [0.01, 1000.0] {
+    // Transfer-bound (coded), exposed but slower coded (measured, then
+    // raw: the refused ones stay coded), compute-bound (never encoded).
+    for scale in [0.01, 0.5, 1000.0] {
         let mut inputs = offload_sim::plan::estimated_inputs(&w.preset, &profile, w.tokens, 3);
         for (_, c) in inputs.components.iter_mut() {
             for v in c.block_compute_s.values_mut() {

@@ -685,15 +685,47 @@ pub struct CompressionChoice {
     pub lossless_s: f64,
     /// `max(compute, streamed bf16 copies)`, seconds: today's limit.
     pub limit_s: f64,
+    /// Whether its uncoded copies are exposed ([`copies_exposed`]). Where
+    /// they are not, the ring stays uncoded and, decided by
+    /// [`hidden_choice`] before anything is encoded, `lossless_s` is
+    /// `none_s` (no coded forward predicted).
+    pub exposed: bool,
+}
+
+/// Whether a ring's uncoded copies are exposed at `depth`: its forward by
+/// the recurrence, with copies slowing no kernel, outlasts its compute (and
+/// `other_s`) by more than the planner's tie. Where they are not, coding can
+/// only add decodes ([`choose_compression`]); `"auto"` then leaves the
+/// ring raw without encoding it. Unusable input (lengths that differ):
+/// not exposed, for [`choose_compression`]'s typed error to name.
+pub fn copies_exposed(shape: &RingShape<'_>, depth: usize) -> bool {
+    let n = shape.compute_s.len();
+    if shape.copy_s.len() != n || shape.resident.len() != n || n == 0 {
+        return false;
+    }
+    let step = |copy: &[f64]| {
+        let e = staged_ends(
+            shape.compute_s,
+            copy,
+            None,
+            shape.resident,
+            depth.clamp(1, MAX_DEPTH),
+            shape.other_s,
+            0.0,
+        );
+        e[FORWARDS - 1] - e[FORWARDS - 2]
+    };
+    step(shape.copy_s) > step(&vec![0.0; n]) * (1.0 + TIE)
 }
 
 /// `weight_compression = "auto"` for one ring (CONTRACT §7b): coded when
 /// the recurrence ([`staged_ends`]) says its steady-state forward at
 /// `depth` is shorter coded (`coded_copy_s` and `decode`) than uncoded
 /// (`shape.copy_s`) by more than the planner's tie (a thousandth): where
-/// the copies are exposed; a compute-bound ring stays uncoded, the decode's
-/// interference being all it would add. Typed errors on unusable input, as
-/// [`choose_lookahead`]'s.
+/// the copies are exposed; a compute-bound ring (whose uncoded forward,
+/// interference aside, is its compute) stays uncoded whatever the
+/// interference models predict, the decode's interference being all it
+/// would add. Typed errors on unusable input, as [`choose_lookahead`]'s.
 pub fn choose_compression(
     shape: &RingShape<'_>,
     coded_copy_s: &[f64],
@@ -729,7 +761,7 @@ pub fn choose_compression(
     }
     // The uncoded shape's own checks.
     choose_lookahead(shape, 1, depth.clamp(1, MAX_DEPTH), None)?;
-    let step = |copy: &[f64], decode: Option<DecodeStage<'_>>| {
+    let step = |copy: &[f64], decode: Option<DecodeStage<'_>>, interference: f64| {
         let e = staged_ends(
             shape.compute_s,
             copy,
@@ -737,17 +769,54 @@ pub fn choose_compression(
             shape.resident,
             depth,
             shape.other_s,
-            shape.interference,
+            interference,
         );
         e[FORWARDS - 1] - e[FORWARDS - 2]
     };
-    let none_s = step(shape.copy_s, None);
-    let lossless_s = step(coded_copy_s, Some(decode));
+    let none_s = step(shape.copy_s, None, shape.interference);
+    let lossless_s = step(coded_copy_s, Some(decode), shape.interference);
+    // Coding pays only where the copies are exposed: the uncoded forward,
+    // interference aside, outlasts its compute. Where it does not, the two
+    // predictions differ only by how the interference models price fewer
+    // copied bytes against the decodes' kernels, a difference smaller than
+    // either model's error (an H100 at 16,896 tokens: predicted 0.1 %
+    // faster coded, measured 1 % slower), so the ring stays uncoded.
+    let exposed = copies_exposed(shape, depth);
     Ok(CompressionChoice {
-        lossless: lossless_s < none_s * (1.0 - TIE),
+        lossless: exposed && lossless_s < none_s * (1.0 - TIE),
         none_s,
         lossless_s,
         limit_s: shape.limit_s(),
+        exposed,
+    })
+}
+
+/// `"auto"`'s choice for a ring whose uncoded copies are hidden at `depth`
+/// ([`copies_exposed`]), made before any block is encoded: uncoded, its
+/// forward by the recurrence (`lossless_s` the same: nothing coded to
+/// predict). `None` where the copies are exposed (or the input unusable):
+/// then only the coded sizes and the measured decoder decide
+/// ([`choose_compression`]).
+pub fn hidden_choice(shape: &RingShape<'_>, depth: usize) -> Option<CompressionChoice> {
+    if copies_exposed(shape, depth) || shape.compute_s.is_empty() {
+        return None;
+    }
+    let e = staged_ends(
+        shape.compute_s,
+        shape.copy_s,
+        None,
+        shape.resident,
+        depth.clamp(1, MAX_DEPTH),
+        shape.other_s,
+        shape.interference,
+    );
+    let none_s = e[FORWARDS - 1] - e[FORWARDS - 2];
+    Some(CompressionChoice {
+        lossless: false,
+        none_s,
+        lossless_s: none_s,
+        limit_s: shape.limit_s(),
+        exposed: false,
     })
 }
 
@@ -893,6 +962,59 @@ mod tests {
         let c = choice(2.0, 1.0, 0.7, 0.2);
         assert!(!c.lossless, "{c:?}");
         assert!(c.lossless_s >= c.none_s, "{c:?}");
+    }
+
+    /// A compute-bound ring whose copies slow its kernels more than the
+    /// decodes would (copy interference 0.3, decode interference 0): the
+    /// recurrence predicts it faster coded (fewer copied bytes to
+    /// interfere), but its copies are hidden, so it stays uncoded. Near
+    /// the crossover, where the copies are exposed, it codes.
+    #[test]
+    fn a_hidden_ring_stays_uncoded_whatever_the_interference_predicts() {
+        let n = 12;
+        let run = |compute: f64, copy: f64| {
+            let (compute_s, copy_s) = (vec![compute; n], vec![copy; n]);
+            let coded: Vec<f64> = copy_s.iter().map(|c| c * 0.7).collect();
+            let (decode_s, resident) = (vec![0.05; n], vec![false; n]);
+            let shape = RingShape {
+                compute_s: &compute_s,
+                copy_s: &copy_s,
+                resident: &resident,
+                other_s: 0.0,
+                interference: 0.3,
+            };
+            let d = DecodeStage {
+                decode_s: &decode_s,
+                interference: 0.0,
+            };
+            choose_compression(&shape, &coded, d, 2).unwrap()
+        };
+        let hidden = run(3.0, 1.0);
+        assert!(
+            hidden.lossless_s < hidden.none_s * (1.0 - TIE),
+            "{hidden:?}"
+        );
+        assert!(!hidden.lossless && !hidden.exposed, "{hidden:?}");
+        let exposed = run(1.0, 1.1);
+        assert!(exposed.lossless && exposed.exposed, "{exposed:?}");
+        // Decided before encoding: the same uncoded forward, and nothing
+        // where the copies are exposed.
+        let (compute_s, copy_s, resident) = (vec![3.0; n], vec![1.0; n], vec![false; n]);
+        let shape = RingShape {
+            compute_s: &compute_s,
+            copy_s: &copy_s,
+            resident: &resident,
+            other_s: 0.0,
+            interference: 0.3,
+        };
+        let early = hidden_choice(&shape, 2).unwrap();
+        assert_eq!((early.lossless, early.none_s), (false, hidden.none_s));
+        let copy_s = vec![3.3; n];
+        let shape = RingShape {
+            copy_s: &copy_s,
+            ..shape
+        };
+        assert_eq!(hidden_choice(&shape, 2), None);
     }
 
     #[test]

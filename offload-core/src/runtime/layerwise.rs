@@ -1890,7 +1890,8 @@ impl<A: Api> LayerwiseBackend<A> {
         };
         let masters_before = h.host_masters();
         let mut offers_at = offers.drain(..);
-        for spec in &layout.rings {
+        let hidden = self.hidden_rings(config, &layout, st.depth);
+        for (spec, hidden) in layout.rings.iter().zip(hidden.iter().map(Option::is_some)) {
             st.rings.push(Ring {
                 blocks: Vec::new(),
                 gathered: spec.gathered,
@@ -1923,7 +1924,7 @@ impl<A: Api> LayerwiseBackend<A> {
                         )?,
                         None,
                     ),
-                    (None, Some(codec), None) if skip.is_empty() => {
+                    (None, Some(codec), None) if skip.is_empty() && !hidden => {
                         let spans = crate::runtime::layout::codec_spans(&unit, &bf16);
                         match coded_master(
                             h,
@@ -2165,7 +2166,7 @@ impl<A: Api> LayerwiseBackend<A> {
             (engine.strategy == OffloadStrategy::Layerwise).then_some(0)
         };
         if config.compression() == WeightCompression::Auto {
-            self.choose_compression(st, &skip)?;
+            self.choose_compression(st, &skip, hidden)?;
         }
         if let Some(r) = first
             && st.rings.get(r).is_some_and(|r| !r.blocks.is_empty())
@@ -2280,15 +2281,79 @@ impl<A: Api> LayerwiseBackend<A> {
     /// planner inputs: each block's compute, the link) whether it is faster
     /// coded; a ring that is not streams its raw masters instead (the coded
     /// ones freed), and with no coded ring left the staging buffers go.
+    /// Under `weight_compression = "auto"` with planner inputs, the choice
+    /// for each ring whose copies are hidden behind its compute at `depth`
+    /// ([`crate::budget::hidden_choice`]): it streams raw and is never
+    /// encoded (an H100's enable at 16,896 tokens spent 75 s encoding 57
+    /// blocks that then streamed 1 % slower coded). `None` for a ring not
+    /// judged here (exposed copies, a gathered ring, compute the inputs
+    /// lack): it is encoded and decided after the decoder's measurement.
+    fn hidden_rings(
+        &self,
+        config: &OffloadConfig,
+        layout: &RingLayout,
+        depth: usize,
+    ) -> Vec<Option<(String, crate::budget::CompressionChoice)>> {
+        let judge = |spec: &crate::runtime::ring::RingSpec| {
+            let inputs = self.auto_inputs.as_ref()?;
+            if config.compression() != WeightCompression::Auto || spec.gathered {
+                return None;
+            }
+            let link = inputs.link_bytes_per_s.max(1.0);
+            let mut compute_s = Vec::new();
+            let mut copy_s = Vec::new();
+            for block in &spec.blocks {
+                let name = &block.unit.name;
+                compute_s.push(
+                    inputs
+                        .components
+                        .values()
+                        .find_map(|c| c.block_compute_s.get(name).copied())?,
+                );
+                copy_s.push(inputs.copy_latency_s + block.unit.bytes as f64 / link);
+            }
+            let resident = vec![false; compute_s.len()];
+            let shape = crate::budget::RingShape {
+                compute_s: &compute_s,
+                copy_s: &copy_s,
+                resident: &resident,
+                other_s: 0.0,
+                interference: inputs.copy_interference,
+            };
+            let choice = crate::budget::hidden_choice(&shape, depth)?;
+            let name = spec.blocks[0].unit.name.clone();
+            tracing::info!(
+                ring = %name,
+                none_s = choice.none_s,
+                "weight_compression = \"auto\": the ring of `{name}` streams uncoded, not encoded: its copies are hidden behind its compute at depth {depth} (predicted forward {:.4} s)",
+                choice.none_s
+            );
+            Some((name, choice))
+        };
+        layout.rings.iter().map(judge).collect()
+    }
+
+    /// `"auto"` after the masters are built: each ring with coded masters
+    /// streams coded or turns raw by the recurrence, from the decoder
+    /// measured on one of them; `hidden` holds, by ring, the choices
+    /// [`Self::hidden_rings`] made before encoding (those rings are raw),
+    /// recorded in ring order with the others.
     fn choose_compression(
         &self,
         st: &mut State<A>,
         skip: &BTreeSet<StorageId>,
+        mut hidden: Vec<Option<(String, crate::budget::CompressionChoice)>>,
     ) -> Result<(), OffloadError> {
         let inputs = self
             .auto_inputs
             .as_ref()
             .ok_or_else(|| OffloadError::Config(Box::new(crate::config::auto_without_inputs())))?;
+        // The inputs' measured figure (a planned backend's check request
+        // saved it), else the assumed one; one out of range names its key,
+        // whether or not a ring is coded.
+        let decode_k = crate::budget::checked_decode_interference(inputs)
+            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+        *crate::sync::lock(&self.choices) = hidden.iter().flatten().cloned().collect();
         // The decoder is measured on a coded master the device holds
         // (pinned or registered); where every coded master streams staged
         // (its pin refused), every ring stays coded, as below.
@@ -2300,15 +2365,15 @@ impl<A: Api> LayerwiseBackend<A> {
         }) else {
             return Ok(());
         };
-        // The inputs' measured figure (a planned backend's check request
-        // saved it), else the assumed one; one out of range names its key.
-        let decode_k = crate::budget::checked_decode_interference(inputs)
-            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
         let decode_bytes_per_s = self.measure_decode(st, r0, b0)?;
         let link = inputs.link_bytes_per_s.max(1.0);
         let h = &self.engine.handles;
         let mut choices = Vec::new();
         for r in 0..st.rings.len() {
+            if let Some(c) = hidden.get_mut(r).and_then(Option::take) {
+                choices.push(c);
+                continue;
+            }
             let ring = &st.rings[r];
             if ring.gathered || ring.blocks.iter().all(|m| m.coded.is_none()) {
                 continue;
