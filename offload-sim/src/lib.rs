@@ -17,6 +17,7 @@ pub mod collective;
 pub mod crossover;
 pub mod device;
 pub mod faults;
+pub mod fit;
 pub mod harness;
 pub mod job;
 pub mod multi;

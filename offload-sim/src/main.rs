@@ -153,11 +153,38 @@ enum Command {
     /// streams, the predicted step (the core's planner on the profile's
     /// link and the kernel model). Fails when the model does not fit.
     Plan(PlanCmdArgs),
+    /// Fit a profile's kernel model to a card's measured block compute: the
+    /// resident rows of an `offload-bench` JSON (DiT-only mode), whose
+    /// traced per-block compute gives each token count's mean block time.
+    /// Prints the fitted parameters and each point's error.
+    Fit(FitArgs),
+}
+
+#[derive(clap::Args)]
+struct FitArgs {
+    /// The `offload-bench --json` file (plain JSON, not gzipped).
+    #[arg(long)]
+    measured: PathBuf,
+    /// The profile whose other figures (link, memory) the fit keeps and
+    /// whose kernel parameters it starts from: h200, h100, rtx4090, l20.
+    #[arg(long, default_value = "h200")]
+    base: String,
+    /// Device memory bandwidth in GB/s instead of the base's (the floor of
+    /// one-row GEMMs and the bytes a block reads besides its GEMMs).
+    #[arg(long)]
+    hbm_gbps: Option<f64>,
+    /// The elementwise rate in GB/s instead of the JSON's measured
+    /// `elementwise_gbps` (else the base's).
+    #[arg(long)]
+    elementwise_gbps: Option<f64>,
+    /// Hold `kernel_latency_us` at this value (µs) instead of fitting it.
+    #[arg(long)]
+    kernel_latency_us: Option<f64>,
 }
 
 #[derive(clap::Args)]
 struct PlanCmdArgs {
-    /// Device profile: h200, rtx4090, l20.
+    /// Device profile: h200, h100, rtx4090, l20.
     #[arg(long)]
     gpu: String,
     /// Preset: flux1-dev, wan2.2-t2v-a14b, qwen-image, tiny (not with
@@ -233,7 +260,7 @@ struct RunArgs {
     /// Strategy to run (default: all); not with --config, which selects one.
     #[arg(long, value_enum, conflicts_with = "config")]
     strategy: Option<StrategyArg>,
-    /// Device profile: h200, rtx4090, l20.
+    /// Device profile: h200, h100, rtx4090, l20.
     #[arg(long, default_value = "h200")]
     gpu: String,
     /// Tokens per DiT forward, 1 to 1048576 (default: the preset's, e.g.
@@ -564,6 +591,77 @@ fn print(args: &RunArgs, out: &JobOutput) -> Result<()> {
     Ok(())
 }
 
+fn fit_cmd(args: FitArgs) -> Result<()> {
+    use offload_sim::DeviceProfile;
+    use offload_sim::fit;
+    let mut base = DeviceProfile::by_name(&args.base).ok_or_else(|| {
+        let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
+        anyhow::anyhow!("--base `{}`: allowed: {}", args.base, names.join(", "))
+    })?;
+    let text = std::fs::read_to_string(&args.measured)
+        .with_context(|| format!("--measured {}", args.measured.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--measured {}: not JSON", args.measured.display()))?;
+    let rate = |flag: &str, v: Option<f64>| -> Result<Option<f64>> {
+        match v {
+            Some(g) if !(g.is_finite() && g > 0.0 && g < 1e6) => {
+                anyhow::bail!("{flag} {g}: allowed: more than 0 and less than 10^6 GB/s")
+            }
+            v => Ok(v),
+        }
+    };
+    if let Some(g) = rate("--hbm-gbps", args.hbm_gbps)? {
+        base.hbm_gbps = g;
+    }
+    let measured_rate = json
+        .get("elementwise_gbps")
+        .and_then(serde_json::Value::as_f64)
+        .filter(|g| g.is_finite() && *g > 0.0);
+    if let Some(g) = rate("--elementwise-gbps", args.elementwise_gbps)?.or(measured_rate) {
+        base.elementwise_gbps = g;
+    }
+    let measured = fit::measured_from_bench(&json)
+        .with_context(|| format!("--measured {}", args.measured.display()))?;
+    let f = fit::fit(
+        &offload_sim::presets::flux1_dev(),
+        &base,
+        &measured,
+        args.kernel_latency_us,
+    )?;
+    let p = &f.profile;
+    println!(
+        "{} points from {} (device {}), fitted from {} (hbm {:.0} GB/s, elementwise {:.0} GB/s):",
+        f.points.len(),
+        args.measured.display(),
+        json.get("device").and_then(|d| d.as_str()).unwrap_or("?"),
+        args.base,
+        p.hbm_gbps,
+        p.elementwise_gbps
+    );
+    println!(
+        "compute_tflops {:.1}, gemm_half_rows {:.1}, attention_tflops {:.1}, kernel_latency_us {:.2}",
+        p.compute_tflops, p.gemm_half_rows, p.attention_tflops, p.kernel_latency_us
+    );
+    println!("| tokens | block list | measured ms | model ms | model / measured |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (m, s) in &f.points {
+        println!(
+            "| {} | {} | {:.3} | {:.3} | {:.3} |",
+            m.tokens,
+            m.list,
+            m.seconds * 1e3,
+            s * 1e3,
+            s / m.seconds
+        );
+    }
+    println!(
+        "rms log error {:.4}; worst point {:.1} %",
+        f.rms_log,
+        f.worst * 100.0
+    );
+    Ok(())
+}
+
 fn run_cmd(args: RunArgs, progress: &Progress) -> Result<()> {
     let job = job_args(&args)?;
     progress.start(std::io::stderr().is_terminal());
@@ -673,6 +771,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run_cmd(args, &progress),
         Command::Plan(args) => plan_cmd(args),
+        Command::Fit(args) => fit_cmd(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

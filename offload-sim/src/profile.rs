@@ -173,6 +173,44 @@ impl DeviceProfile {
         }
     }
 
+    /// NVIDIA H100 80GB HBM3 (SXM) on PCIe Gen5 x16, as measured on the
+    /// lent machines (driver 580.159.04, 2026-12-06) with the proxy's
+    /// fused attention (the H200 profile above was fitted to its
+    /// materialized attention).
+    ///
+    /// Kernel model: `offload-sim fit --measured crossover.json --base h200
+    /// --hbm-gbps 3350 --kernel-latency-us 6` on the resident step's traced
+    /// per-block compute of call G (`bench/results/h100-2026-12-06-h/`: 17
+    /// token counts from 1,024 to 16,896, double and single blocks):
+    /// `compute_tflops` 841, `gemm_half_rows` 644, `attention_tflops` 234,
+    /// every point within 2.9 % (rms of the log error 0.011;
+    /// `fit::tests::the_h100_profile_fits_its_measurements`). `hbm_gbps`
+    /// 3350 is the card's specification, `elementwise_gbps` 2876 the
+    /// proxy's traffic kernel measured in that call, the kernel latency
+    /// held at the H200's 6 µs (the points fit 1–6 µs alike).
+    /// `h2d_pinned_gbps` 55.3: a fresh pinned buffer measured 55.27–55.41
+    /// GB/s in calls G, J and K (the host masters 53.9–55.2).
+    /// `copy_interference` 0.013: beside copies the resident step ran
+    /// 1.008–1.018 of itself (call E, 8,192–16,896 tokens).
+    /// `host_fill_gbps` 45 and the group figures are the H200's (not
+    /// measured on an H100); its memory is the card's 81,559 MiB.
+    pub fn h100() -> Self {
+        Self {
+            name: "h100",
+            h2d_pinned_gbps: 55.3,
+            compute_tflops: 841.0,
+            hbm_gbps: 3350.0,
+            gemm_half_rows: 644.0,
+            attention_tflops: 234.0,
+            elementwise_gbps: 2876.0,
+            copy_interference: 0.013,
+            decode_gbps: DECODE_SHARE_OF_HBM * 3350.0,
+            // 81,559 MiB, as the card reports it.
+            memory_bytes: 81_559 << 20,
+            ..Self::h200()
+        }
+    }
+
     /// An RTX 4090-class card: 24 GiB on PCIe 4.
     ///
     /// Kernel model, estimates: `hbm_gbps` 1008 is the card's GDDR6X
@@ -298,7 +336,7 @@ impl DeviceProfile {
 
     /// Every profile.
     pub fn all() -> Vec<Self> {
-        vec![Self::h200(), Self::rtx4090(), Self::l20()]
+        vec![Self::h200(), Self::h100(), Self::rtx4090(), Self::l20()]
     }
 
     /// A lossless decode of `decoded_bytes` on the device, ns.

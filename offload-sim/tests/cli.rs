@@ -606,7 +606,7 @@ fn plan_bad_input_exits_non_zero_with_a_typed_error() {
     let rows: Vec<(Vec<&str>, &[&str])> = vec![
         (
             vec!["plan", "--gpu", "a100", "--model", "flux1-dev"],
-            &["--gpu `a100` is not allowed", "h200, rtx4090, l20"],
+            &["--gpu `a100` is not allowed", "h200, h100, rtx4090, l20"],
         ),
         (
             vec!["plan", "--gpu", "h200", "--model", "sdxl"],
@@ -798,4 +798,67 @@ fn weight_compression_in_the_jobs_configuration_codes_the_link() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+}
+
+/// `fit`: a bench JSON's resident rows fitted (the fitted figures and a
+/// row per point), and bad input as typed errors naming the flag.
+#[test]
+fn fit_reads_a_bench_json_and_refuses_bad_input_by_name() {
+    // Call G's H100 points at three token counts (BENCHMARKS.md).
+    let good = write(
+        "fit.json",
+        r#"{"device": "NVIDIA H100 80GB HBM3", "elementwise_gbps": 2876.5, "rows": [
+          {"run": "resident", "tokens": 1024, "timeline": {"block_compute_s": {"transformer_blocks": 0.001275129, "single_transformer_blocks": 0.0007812314}}},
+          {"run": "resident", "tokens": 8192, "timeline": {"block_compute_s": {"transformer_blocks": 0.007601263, "single_transformer_blocks": 0.006862522}}},
+          {"run": "resident", "tokens": 16896, "timeline": {"block_compute_s": {"transformer_blocks": 0.02272394, "single_transformer_blocks": 0.02186393}}}
+        ]}"#,
+    );
+    let path = good.to_str().unwrap();
+    let o = sim(&[
+        "fit",
+        "--measured",
+        path,
+        "--base",
+        "h100",
+        "--kernel-latency-us",
+        "6",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.contains("6 points") && out.contains("kernel_latency_us 6.00"),
+        "{out}"
+    );
+    assert_eq!(out.matches("| transformer_blocks |").count(), 3, "{out}");
+    let not_json = write("fit-bad.json", "{");
+    for (args, needles) in [
+        (
+            vec!["fit", "--measured", "/nonexistent/bench.json"],
+            &["--measured", "/nonexistent"][..],
+        ),
+        (
+            vec!["fit", "--measured", not_json.to_str().unwrap()],
+            &["not JSON"][..],
+        ),
+        (
+            vec!["fit", "--measured", path, "--base", "a100"],
+            &["--base `a100`", "h200, h100"][..],
+        ),
+        (
+            vec!["fit", "--measured", path, "--hbm-gbps=-3"],
+            &["--hbm-gbps", "allowed"][..],
+        ),
+        (
+            vec!["fit", "--measured", path, "--kernel-latency-us", "1000"],
+            &["kernel latency", "allowed"][..],
+        ),
+    ] {
+        let o = sim(&args);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{args:?}");
+        assert!(!err.contains("panicked"), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: {err}");
+        }
+    }
 }
