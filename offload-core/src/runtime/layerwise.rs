@@ -1355,8 +1355,14 @@ impl CodingTally {
         self.blocks == 0 && self.raw == 0
     }
 
+    /// One `info` line, where a codec is set and a block was coded or
+    /// left raw (not when `"auto"` left every ring raw before encoding:
+    /// its own lines say so).
     pub(crate) fn log(&self, codec: Option<&dyn Codec<impl Api>>) {
         let Some(codec) = codec else { return };
+        if self.is_empty() {
+            return;
+        }
         tracing::info!(
             blocks = self.blocks,
             in_place = self.in_place,
