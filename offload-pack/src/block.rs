@@ -265,7 +265,12 @@ fn round_trip(blob: &[u8], unit: &[u8], threads: usize) -> Result<(), BlockEncod
         }
         .into());
     }
-    let largest = view.entries().iter().map(|e| e.out_bytes).max().unwrap_or(0);
+    let largest = view
+        .entries()
+        .iter()
+        .map(|e| e.out_bytes)
+        .max()
+        .unwrap_or(0);
     let mut back = vec![0u8; largest as usize];
     // The entries tile the unit in order (checked by `parse`).
     for e in view.entries() {
@@ -273,7 +278,11 @@ fn round_trip(blob: &[u8], unit: &[u8], threads: usize) -> Result<(), BlockEncod
         let (start, len) = (e.out_offset as usize, e.out_bytes as usize);
         let back = &mut back[..len];
         Packed::parse(inner)?.decode_into(back, threads)?;
-        if let Some(at) = back.iter().zip(&unit[start..start + len]).position(|(a, b)| a != b) {
+        if let Some(at) = back
+            .iter()
+            .zip(&unit[start..start + len])
+            .position(|(a, b)| a != b)
+        {
             return Err(BlockEncodeError::RoundTrip {
                 at: (start + at) as u64,
                 bytes: unit.len() as u64,

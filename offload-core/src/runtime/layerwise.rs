@@ -1436,15 +1436,15 @@ pub(crate) fn coded_master<A: Api>(
 
 /// Each of `blocks`' compute in `inputs` (by path), for what `purpose`
 /// reads; a typed error naming the first block without one.
-fn ring_compute<A: Api>(
+fn ring_compute<'u>(
     inputs: &crate::budget::PlannerInputs,
-    blocks: &[Master<A>],
+    units: impl IntoIterator<Item = &'u Unit>,
     purpose: &str,
 ) -> Result<Vec<f64>, OffloadError> {
-    blocks
-        .iter()
-        .map(|m| {
-            let path = &m.unit.name;
+    units
+        .into_iter()
+        .map(|unit| {
+            let path = &unit.name;
             inputs
                 .components
                 .values()
@@ -2247,7 +2247,11 @@ impl<A: Api> LayerwiseBackend<A> {
             if ring.gathered || !staged.iter().any(|s| *s) {
                 continue;
             }
-            let compute_s = ring_compute(inputs, &ring.blocks, "the staged forecast reads")?;
+            let compute_s = ring_compute(
+                inputs,
+                ring.blocks.iter().map(|m| &m.unit),
+                "the staged forecast reads",
+            )?;
             let other_s = inputs
                 .components
                 .values()
@@ -2306,18 +2310,13 @@ impl<A: Api> LayerwiseBackend<A> {
                 return None;
             }
             let link = inputs.link_bytes_per_s.max(1.0);
-            let mut compute_s = Vec::new();
-            let mut copy_s = Vec::new();
-            for block in &spec.blocks {
-                let name = &block.unit.name;
-                compute_s.push(
-                    inputs
-                        .components
-                        .values()
-                        .find_map(|c| c.block_compute_s.get(name).copied())?,
-                );
-                copy_s.push(inputs.copy_latency_s + block.unit.bytes as f64 / link);
-            }
+            // A block the inputs lack is `choose_compression`'s typed error.
+            let compute_s = ring_compute(inputs, spec.blocks.iter().map(|b| &b.unit), "").ok()?;
+            let copy_s: Vec<f64> = spec
+                .blocks
+                .iter()
+                .map(|b| inputs.copy_latency_s + b.unit.bytes as f64 / link)
+                .collect();
             let resident = vec![false; compute_s.len()];
             let shape = crate::budget::RingShape {
                 compute_s: &compute_s,
@@ -2386,7 +2385,7 @@ impl<A: Api> LayerwiseBackend<A> {
             }
             let compute_s = ring_compute(
                 inputs,
-                &ring.blocks,
+                ring.blocks.iter().map(|m| &m.unit),
                 "weight_compression = \"auto\" decides from",
             )?;
             let copy = |bytes: u64| inputs.copy_latency_s + bytes as f64 / link;
