@@ -13,6 +13,14 @@
 use crate::presets::Preset;
 use crate::profile::DeviceProfile;
 
+/// Tokens per forward a point may name (the simulator's own range).
+pub const MAX_TOKENS: u64 = 1 << 20;
+/// The shortest and longest block compute a point may give, seconds: a
+/// microsecond (below any kernel launch) to an hour.
+pub const MIN_SECONDS: f64 = 1e-6;
+/// See [`MIN_SECONDS`].
+pub const MAX_SECONDS: f64 = 3600.0;
+
 /// One measured point: the mean compute of a block of one list at one
 /// token count.
 #[derive(Clone, Debug, PartialEq)]
@@ -51,7 +59,12 @@ pub fn measured_from_bench(json: &serde_json::Value) -> Result<Vec<Measured>, Fi
         let tokens = r
             .get("tokens")
             .and_then(|t| t.as_u64())
-            .ok_or_else(|| FitError::Input("a resident row without `tokens`".into()))?;
+            .filter(|t| (1..=MAX_TOKENS).contains(t))
+            .ok_or_else(|| {
+                FitError::Input(format!(
+                    "a resident row whose `tokens` is missing or outside 1..={MAX_TOKENS}"
+                ))
+            })?;
         let lists = r
             .pointer("/timeline/block_compute_s")
             .and_then(|v| v.as_object())
@@ -63,10 +76,10 @@ pub fn measured_from_bench(json: &serde_json::Value) -> Result<Vec<Measured>, Fi
         for (list, s) in lists {
             let seconds = s
                 .as_f64()
-                .filter(|s| s.is_finite() && *s > 0.0)
+                .filter(|s| (MIN_SECONDS..=MAX_SECONDS).contains(s))
                 .ok_or_else(|| {
                     FitError::Input(format!(
-                        "`{list}` at {tokens} tokens: {s} is not a positive number of seconds"
+                        "`{list}` at {tokens} tokens: {s} is not a positive number of seconds from {MIN_SECONDS} to {MAX_SECONDS}"
                     ))
                 })?;
             out.push(Measured {
@@ -111,7 +124,13 @@ fn model_s(preset: &Preset, profile: &DeviceProfile, m: &Measured) -> Result<f64
         .map(|(id, _)| id)
         .ok_or_else(|| FitError::Input(format!("the preset has no block list `{}`", m.list)))?;
     let work = preset.block_work(p, block, preset.split(m.tokens));
-    Ok(profile.work_ns(&work) as f64 / 1e9)
+    match profile.work_ns(&work) {
+        u64::MAX => Err(FitError::Input(format!(
+            "the model gives no finite time for `{}` at {} tokens on the base's memory rates (hbm {} GB/s, elementwise {} GB/s)",
+            m.list, m.tokens, profile.hbm_gbps, profile.elementwise_gbps
+        ))),
+        ns => Ok(ns as f64 / 1e9),
+    }
 }
 
 fn with(base: &DeviceProfile, x: &[f64; 4]) -> DeviceProfile {
@@ -142,7 +161,14 @@ pub fn fit(
         for m in measured {
             sum += (model_s(preset, &p, m)? / m.seconds).ln().powi(2);
         }
-        Ok(sum)
+        if sum.is_finite() {
+            Ok(sum)
+        } else {
+            Err(FitError::Input(format!(
+                "the model gives no finite time for these points on the base's memory rates (hbm {} GB/s, elementwise {} GB/s)",
+                base.hbm_gbps, base.elementwise_gbps
+            )))
+        }
     };
     // Bounds: wide enough for any card, tight enough that a parameter the
     // points cannot see stays finite.
@@ -278,6 +304,15 @@ mod tests {
         assert_eq!(held.profile.kernel_latency_us, 9.0);
         assert!(held.worst < 0.003, "{held:?}");
         assert!(fit(&preset, &truth, &measured, Some(-1.0)).is_err());
+        // Memory rates that leave no finite time: refused, not fitted.
+        let starved = DeviceProfile {
+            hbm_gbps: 1e-300,
+            ..truth.clone()
+        };
+        let e = fit(&preset, &starved, &measured, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no finite time"), "{e}");
     }
 
     /// The bench JSON's resident rows, and what is wrong with one that is
@@ -301,6 +336,18 @@ mod tests {
             (
                 serde_json::json!({"rows": [{"run": "resident", "tokens": 1, "timeline": {"block_compute_s": {"x": -1.0}}}]}),
                 "positive",
+            ),
+            (
+                serde_json::json!({"rows": [{"run": "resident", "tokens": 1, "timeline": {"block_compute_s": {"x": 1e-300}}}]}),
+                "positive",
+            ),
+            (
+                serde_json::json!({"rows": [{"run": "resident", "tokens": 0, "timeline": {"block_compute_s": {"x": 1.0}}}]}),
+                "outside 1..=",
+            ),
+            (
+                serde_json::json!({"rows": [{"run": "resident", "tokens": u64::MAX, "timeline": {"block_compute_s": {"x": 1.0}}}]}),
+                "outside 1..=",
             ),
         ] {
             let e = measured_from_bench(&bad).unwrap_err().to_string();

@@ -188,10 +188,14 @@ impl DeviceProfile {
     /// 3350 is the card's specification, `elementwise_gbps` 2876 the
     /// proxy's traffic kernel measured in that call, the kernel latency
     /// held at the H200's 6 µs (the points fit 1–6 µs alike).
-    /// `h2d_pinned_gbps` 55.3: a fresh pinned buffer measured 55.27–55.41
+    /// `h2d_pinned_gbps` 55.3: a fresh pinned buffer measured 54.57–55.41
     /// GB/s in calls G, J and K (the host masters 53.9–55.2).
-    /// `copy_interference` 0.013: beside copies the resident step ran
-    /// 1.008–1.018 of itself (call E, 8,192–16,896 tokens).
+    /// `copy_interference` 0.015 (the share of its overlap with copies a
+    /// kernel loses, as the H200's figure is defined): beside an unrelated
+    /// copy stream busy 40–52 % of the step, the resident step's traced
+    /// compute took 0.28–1.03 % longer (call E, 8,192–16,896 tokens,
+    /// `bench/results/h100-2026-12-06-f/beside/`), 0.007–0.020 of the
+    /// overlap; the midpoint.
     /// `host_fill_gbps` 45 and the group figures are the H200's (not
     /// measured on an H100); its memory is the card's 81,559 MiB.
     pub fn h100() -> Self {
@@ -203,7 +207,7 @@ impl DeviceProfile {
             gemm_half_rows: 644.0,
             attention_tflops: 234.0,
             elementwise_gbps: 2876.0,
-            copy_interference: 0.013,
+            copy_interference: 0.015,
             decode_gbps: DECODE_SHARE_OF_HBM * 3350.0,
             // 81,559 MiB, as the card reports it.
             memory_bytes: 81_559 << 20,

@@ -5,6 +5,7 @@
 //! is reported by the device's happens-before checker (INV-3) or changes
 //! the output (INV-8), beside a clean control under the same delays.
 
+use offload_core::budget::CompressionChoice;
 use offload_core::config::{OffloadConfig, WeightCompression};
 use offload_core::invariants::Invariant;
 use offload_core::runtime::PlantedBug;
@@ -164,6 +165,66 @@ fn auto_at(scale: f64) -> (Vec<(String, bool)>, RunOutcome) {
     auto_scaled(&|_| scale, 2, Some(5))
 }
 
+/// "auto" with every ring's choice kept whole (exposed or not), at
+/// `scale` times the estimated compute and a decode interference of `k`.
+fn auto_choices(scale: f64, k: f64) -> (Vec<CompressionChoice>, RunOutcome) {
+    let w = workload();
+    let mut inputs =
+        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
+    inputs.decode_interference = Some(k);
+    for c in inputs.components.values_mut() {
+        for v in c.block_compute_s.values_mut() {
+            *v *= scale;
+        }
+    }
+    let o = RunOptions {
+        planner: Some(inputs),
+        ..opts(&[], 2, Some(5))
+    };
+    let out = run(&w, &layerwise(WeightCompression::Auto), &o).unwrap();
+    let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &o).unwrap();
+    let mut rt = rig.runtime;
+    let mut backend = rig
+        .platform
+        .layerwise(layerwise(WeightCompression::Auto).config())
+        .unwrap();
+    use offload_core::OffloadBackend;
+    let model = rt.model_mut();
+    backend.enable(model).unwrap();
+    let choices = backend
+        .compression_choices()
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    backend.disable(model).unwrap();
+    (choices, out)
+}
+
+/// Every ring exposed but slower coded (half the estimated compute, the
+/// decode interference at its ceiling): the decoder is measured (four
+/// decodes), every ring turns raw, and the staging buffers go, so the run
+/// ends holding what an uncoded run holds. (The compute-bound case no
+/// longer reaches this path: its rings are never encoded.) Seen red with
+/// the staging buffers kept.
+#[test]
+fn auto_frees_its_staging_when_every_measured_ring_turns_raw() {
+    let (choices, out) = auto_choices(0.5, offload_core::budget::MAX_DECODE_INTERFERENCE);
+    assert!(
+        choices.len() == 2 && choices.iter().all(|c| c.exposed && !c.lossless),
+        "{choices:?}"
+    );
+    assert_eq!(outputs(&out), resident());
+    assert_eq!(all_violations(&out), vec![]);
+    assert_eq!(out.at_end.decodes, 4, "only the decoder's measurement");
+    let uncoded = run(
+        &workload(),
+        &layerwise(WeightCompression::None),
+        &opts(&[], 2, Some(5)),
+    )
+    .unwrap();
+    assert_eq!(out.at_end.device_bytes, uncoded.at_end.device_bytes);
+}
+
 /// "auto" with each component's block compute scaled by `scale(path)`.
 fn auto_scaled(
     scale: &dyn Fn(&str) -> f64,
@@ -294,6 +355,22 @@ fn a_coded_ring_and_a_raw_ring_share_their_slots_safely() {
                 vec![true, false],
                 "{choices:?}"
             );
+            if (depth, jitter) == (2, None) {
+                // The mirror: the first ring hidden (decided before
+                // encoding), the second coded; the choices stay in ring
+                // order.
+                let (mirror, out) = auto_scaled(
+                    &|path| if path == "transformer" { 1000.0 } else { 0.01 },
+                    depth,
+                    jitter,
+                );
+                assert_eq!(
+                    mirror.iter().map(|(_, l)| *l).collect::<Vec<_>>(),
+                    vec![false, true],
+                    "{mirror:?}"
+                );
+                assert_eq!(outputs(&out), want);
+            }
             assert_eq!(
                 all_violations(&out),
                 vec![],
