@@ -165,41 +165,6 @@ fn auto_at(scale: f64) -> (Vec<(String, bool)>, RunOutcome) {
     auto_scaled(&|_| scale, 2, Some(5))
 }
 
-/// "auto" with every ring's choice kept whole (exposed or not), at
-/// `scale` times the estimated compute and a decode interference of `k`.
-fn auto_choices(scale: f64, k: f64) -> (Vec<CompressionChoice>, RunOutcome) {
-    let w = workload();
-    let mut inputs =
-        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
-    inputs.decode_interference = Some(k);
-    for c in inputs.components.values_mut() {
-        for v in c.block_compute_s.values_mut() {
-            *v *= scale;
-        }
-    }
-    let o = RunOptions {
-        planner: Some(inputs),
-        ..opts(&[], 2, Some(5))
-    };
-    let out = run(&w, &layerwise(WeightCompression::Auto), &o).unwrap();
-    let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &o).unwrap();
-    let mut rt = rig.runtime;
-    let mut backend = rig
-        .platform
-        .layerwise(layerwise(WeightCompression::Auto).config())
-        .unwrap();
-    use offload_core::OffloadBackend;
-    let model = rt.model_mut();
-    backend.enable(model).unwrap();
-    let choices = backend
-        .compression_choices()
-        .into_iter()
-        .map(|(_, c)| c)
-        .collect();
-    backend.disable(model).unwrap();
-    (choices, out)
-}
-
 /// Every ring exposed but slower coded (half the estimated compute, the
 /// decode interference at its ceiling): the decoder is measured (four
 /// decodes), every ring turns raw, and the staging buffers go, so the run
@@ -208,7 +173,13 @@ fn auto_choices(scale: f64, k: f64) -> (Vec<CompressionChoice>, RunOutcome) {
 /// the staging buffers kept.
 #[test]
 fn auto_frees_its_staging_when_every_measured_ring_turns_raw() {
-    let (choices, out) = auto_choices(0.5, offload_core::budget::MAX_DECODE_INTERFERENCE);
+    let (choices, out) = auto_with(
+        &|_| 0.5,
+        Some(offload_core::budget::MAX_DECODE_INTERFERENCE),
+        2,
+        Some(5),
+    );
+    let choices: Vec<CompressionChoice> = choices.into_iter().map(|(_, c)| c).collect();
     assert!(
         choices.len() == 2 && choices.iter().all(|c| c.exposed && !c.lossless),
         "{choices:?}"
@@ -225,15 +196,34 @@ fn auto_frees_its_staging_when_every_measured_ring_turns_raw() {
     assert_eq!(out.at_end.device_bytes, uncoded.at_end.device_bytes);
 }
 
-/// "auto" with each component's block compute scaled by `scale(path)`.
+/// "auto" with each component's block compute scaled by `scale(path)`:
+/// which rings stream coded, and the run against resident.
 fn auto_scaled(
     scale: &dyn Fn(&str) -> f64,
     depth: usize,
     jitter: Option<u64>,
 ) -> (Vec<(String, bool)>, RunOutcome) {
+    let (choices, out) = auto_with(scale, None, depth, jitter);
+    (
+        choices.into_iter().map(|(n, c)| (n, c.lossless)).collect(),
+        out,
+    )
+}
+
+/// As [`auto_scaled`], with the inputs' decode interference where given,
+/// each ring's choice whole.
+fn auto_with(
+    scale: &dyn Fn(&str) -> f64,
+    decode_interference: Option<f64>,
+    depth: usize,
+    jitter: Option<u64>,
+) -> (Vec<(String, CompressionChoice)>, RunOutcome) {
     let w = workload();
     let profile = DeviceProfile::h200();
     let mut inputs = offload_sim::plan::estimated_inputs(&w.preset, &profile, w.tokens, 3);
+    if decode_interference.is_some() {
+        inputs.decode_interference = decode_interference;
+    }
     for (path, c) in inputs.components.iter_mut() {
         let k = scale(path);
         for v in c.block_compute_s.values_mut() {
@@ -255,11 +245,7 @@ fn auto_scaled(
     use offload_core::OffloadBackend;
     let model = rt.model_mut();
     backend.enable(model).unwrap();
-    let choices = backend
-        .compression_choices()
-        .into_iter()
-        .map(|(n, c)| (n, c.lossless))
-        .collect();
+    let choices = backend.compression_choices();
     backend.disable(model).unwrap();
     (choices, out)
 }
