@@ -2285,12 +2285,6 @@ impl<A: Api> LayerwiseBackend<A> {
         Ok(out)
     }
 
-    /// `weight_compression = "auto"` (CONTRACT §7b): with every streamed
-    /// block coded, measures one decode on the device, then per ring asks
-    /// the recurrence (`budget::choose_compression`, from the platform's
-    /// planner inputs: each block's compute, the link) whether it is faster
-    /// coded; a ring that is not streams its raw masters instead (the coded
-    /// ones freed), and with no coded ring left the staging buffers go.
     /// Under `weight_compression = "auto"` with planner inputs, the choice
     /// for each ring whose copies are hidden behind its compute at `depth`
     /// ([`crate::budget::hidden_choice`]): it streams raw and is never
@@ -2338,11 +2332,15 @@ impl<A: Api> LayerwiseBackend<A> {
         layout.rings.iter().map(judge).collect()
     }
 
-    /// `"auto"` after the masters are built: each ring with coded masters
-    /// streams coded or turns raw by the recurrence, from the decoder
-    /// measured on one of them; `hidden` holds, by ring, the choices
-    /// [`Self::hidden_rings`] made before encoding (those rings are raw),
-    /// recorded in ring order with the others.
+    /// `weight_compression = "auto"` (CONTRACT §7b) after the masters are
+    /// built: with every ring not left raw by [`Self::hidden_rings`] coded,
+    /// measures one decode on the device, then per ring asks the
+    /// recurrence (`budget::choose_compression`, from the platform's
+    /// planner inputs: each block's compute, the link) whether it is faster
+    /// coded; a ring that is not streams its raw masters instead (the coded
+    /// ones freed), and with no coded ring left the staging buffers go.
+    /// `hidden` holds, by ring, the choices made before encoding, recorded
+    /// in ring order with the others.
     fn choose_compression(
         &self,
         st: &mut State<A>,
