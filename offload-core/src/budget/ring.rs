@@ -778,9 +778,10 @@ pub fn choose_compression(
     // Coding pays only where the copies are exposed: the uncoded forward,
     // interference aside, outlasts its compute. Where it does not, the two
     // predictions differ only by how the interference models price fewer
-    // copied bytes against the decodes' kernels, a difference smaller than
-    // either model's error (an H100 at 16,896 tokens: predicted 0.1 %
-    // faster coded, measured 1 % slower), so the ring stays uncoded.
+    // copied bytes against the decodes' kernels, one of them an estimate
+    // unless measured (an H100 at 16,896 tokens: predicted 0.1 % faster
+    // coded, measured 1 % slower), so the ring stays uncoded: a veto, not
+    // a margin.
     let exposed = copies_exposed(shape, depth);
     Ok(CompressionChoice {
         lossless: exposed && lossless_s < none_s * (1.0 - TIE),
