@@ -717,8 +717,11 @@ fn workload(args: &JobArgs) -> Result<(Workload, DeviceProfile, u64), JobError> 
         )
     })?;
     let mut profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
-        let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
-        bad("--gpu", &args.gpu, format!("allowed: {}", names.join(", ")))
+        bad(
+            "--gpu",
+            &args.gpu,
+            format!("allowed: {}", DeviceProfile::names()),
+        )
     })?;
     if let Some(bytes) = args.device_memory_bytes {
         if bytes == 0 {

@@ -595,8 +595,11 @@ fn fit_cmd(args: FitArgs) -> Result<()> {
     use offload_sim::DeviceProfile;
     use offload_sim::fit;
     let mut base = DeviceProfile::by_name(&args.base).ok_or_else(|| {
-        let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
-        anyhow::anyhow!("--base `{}`: allowed: {}", args.base, names.join(", "))
+        anyhow::anyhow!(
+            "--base `{}`: allowed: {}",
+            args.base,
+            DeviceProfile::names()
+        )
     })?;
     let text = std::fs::read_to_string(&args.measured)
         .with_context(|| format!("--measured {}", args.measured.display()))?;

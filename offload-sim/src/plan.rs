@@ -243,8 +243,11 @@ pub fn capacity_with(args: &PlanArgs, inputs: PlannerInputs) -> Result<Capacity,
 
 fn capacity_from(args: &PlanArgs, given: Option<PlannerInputs>) -> Result<Capacity, JobError> {
     let mut profile = DeviceProfile::by_name(&args.gpu).ok_or_else(|| {
-        let names: Vec<&str> = DeviceProfile::all().iter().map(|p| p.name).collect();
-        bad("--gpu", &args.gpu, format!("allowed: {}", names.join(", ")))
+        bad(
+            "--gpu",
+            &args.gpu,
+            format!("allowed: {}", DeviceProfile::names()),
+        )
     })?;
     if let Some(gb) = args.device_memory_gb {
         if !(gb.is_finite() && gb > 0.0 && gb < 1e9) {

@@ -343,6 +343,13 @@ impl DeviceProfile {
         vec![Self::h200(), Self::h100(), Self::rtx4090(), Self::l20()]
     }
 
+    /// Every profile's name, comma-separated: what an error about an
+    /// unknown one allows.
+    pub fn names() -> String {
+        let names: Vec<&str> = Self::all().iter().map(|p| p.name).collect();
+        names.join(", ")
+    }
+
     /// A lossless decode of `decoded_bytes` on the device, ns.
     pub fn decode_ns(&self, decoded_bytes: u64) -> u64 {
         transfer_ns(decoded_bytes, self.decode_gbps, self.kernel_latency_us)

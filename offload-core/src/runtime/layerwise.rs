@@ -1462,6 +1462,19 @@ fn ring_compute<'u>(
         .collect()
 }
 
+/// Each block's copy of `bytes` over the inputs' link, its latency
+/// included: what the recurrence's `copy_s` reads.
+fn ring_copies(
+    inputs: &crate::budget::PlannerInputs,
+    bytes: impl IntoIterator<Item = u64>,
+) -> Vec<f64> {
+    let link = inputs.link_bytes_per_s.max(1.0);
+    bytes
+        .into_iter()
+        .map(|b| inputs.copy_latency_s + b as f64 / link)
+        .collect()
+}
+
 /// The hook on one block.
 struct BlockHook<A: Api> {
     engine: Arc<Engine<A>>,
@@ -2228,7 +2241,6 @@ impl<A: Api> LayerwiseBackend<A> {
                 allowed: "the platform's planner inputs (CorePlatform::with_planner), which the staged forecast reads each block's compute from".to_owned(),
             }))
         })?;
-        let link = inputs.link_bytes_per_s.max(1.0);
         let mut out = Vec::new();
         for ring in &st.rings {
             let staged_bytes: Vec<u64> = ring
@@ -2257,13 +2269,12 @@ impl<A: Api> LayerwiseBackend<A> {
                 .values()
                 .find(|c| c.block_compute_s.contains_key(&ring.blocks[0].unit.name))
                 .map_or(0.0, |c| c.own_compute_s);
-            let copy_s: Vec<f64> = ring
-                .blocks
-                .iter()
-                .map(|m| {
-                    inputs.copy_latency_s + m.coded.map_or(m.unit.bytes, |(b, _)| b) as f64 / link
-                })
-                .collect();
+            let copy_s = ring_copies(
+                inputs,
+                ring.blocks
+                    .iter()
+                    .map(|m| m.coded.map_or(m.unit.bytes, |(b, _)| b)),
+            );
             let resident = vec![false; ring.blocks.len()];
             let shape = crate::budget::RingShape {
                 compute_s: &compute_s,
@@ -2303,14 +2314,9 @@ impl<A: Api> LayerwiseBackend<A> {
             if config.compression() != WeightCompression::Auto || spec.gathered {
                 return None;
             }
-            let link = inputs.link_bytes_per_s.max(1.0);
             // A block the inputs lack is `choose_compression`'s typed error.
             let compute_s = ring_compute(inputs, spec.blocks.iter().map(|b| &b.unit), "").ok()?;
-            let copy_s: Vec<f64> = spec
-                .blocks
-                .iter()
-                .map(|b| inputs.copy_latency_s + b.unit.bytes as f64 / link)
-                .collect();
+            let copy_s = ring_copies(inputs, spec.blocks.iter().map(|b| b.unit.bytes));
             let resident = vec![false; compute_s.len()];
             let shape = crate::budget::RingShape {
                 compute_s: &compute_s,
@@ -2369,7 +2375,6 @@ impl<A: Api> LayerwiseBackend<A> {
             return Ok(());
         };
         let decode_bytes_per_s = self.measure_decode(st, r0, b0)?;
-        let link = inputs.link_bytes_per_s.max(1.0);
         let h = &self.engine.handles;
         let mut choices = Vec::new();
         for r in 0..st.rings.len() {
@@ -2386,13 +2391,13 @@ impl<A: Api> LayerwiseBackend<A> {
                 ring.blocks.iter().map(|m| &m.unit),
                 "weight_compression = \"auto\" decides from",
             )?;
-            let copy = |bytes: u64| inputs.copy_latency_s + bytes as f64 / link;
-            let copy_s: Vec<f64> = ring.blocks.iter().map(|m| copy(m.unit.bytes)).collect();
-            let coded_s: Vec<f64> = ring
-                .blocks
-                .iter()
-                .map(|m| copy(m.coded.map_or(m.unit.bytes, |(b, _)| b)))
-                .collect();
+            let copy_s = ring_copies(inputs, ring.blocks.iter().map(|m| m.unit.bytes));
+            let coded_s = ring_copies(
+                inputs,
+                ring.blocks
+                    .iter()
+                    .map(|m| m.coded.map_or(m.unit.bytes, |(b, _)| b)),
+            );
             let decode_s: Vec<f64> = ring
                 .blocks
                 .iter()
