@@ -263,11 +263,15 @@ fn auto_codes_the_rings_whose_copies_are_exposed_and_no_other() {
     // A thousand times the compute: every ring compute-bound, none coded,
     // none even encoded (its copies are hidden: decided before encoding),
     // so no decoder is measured and nothing is decoded.
-    let (slow, out) = auto_at(1000.0);
+    let ((slow, out), log) = offload_tests::capture_logs(|| auto_at(1000.0));
     assert!(
         !slow.is_empty() && slow.iter().all(|(_, l)| !*l),
         "{slow:?}"
     );
+    // Its log says why each ring is raw, and no tally of "0 blocks coded"
+    // (seen red with the tally logged when empty).
+    assert!(log.contains("streams uncoded, not encoded"), "{log}");
+    assert!(!log.contains("blocks coded ("), "{log}");
     assert_eq!(outputs(&out), want);
     assert_eq!(all_violations(&out), vec![]);
     assert_eq!(

@@ -2314,8 +2314,14 @@ impl<A: Api> LayerwiseBackend<A> {
             if config.compression() != WeightCompression::Auto || spec.gathered {
                 return None;
             }
-            // A block the inputs lack is `choose_compression`'s typed error.
-            let compute_s = ring_compute(inputs, spec.blocks.iter().map(|b| &b.unit), "").ok()?;
+            // A block the inputs lack is `choose_compression`'s typed error
+            // (the same purpose named): not judged here.
+            let compute_s = ring_compute(
+                inputs,
+                spec.blocks.iter().map(|b| &b.unit),
+                "weight_compression = \"auto\" decides from",
+            )
+            .ok()?;
             let copy_s = ring_copies(inputs, spec.blocks.iter().map(|b| b.unit.bytes));
             let resident = vec![false; compute_s.len()];
             let shape = crate::budget::RingShape {
