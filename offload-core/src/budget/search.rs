@@ -27,7 +27,7 @@ use serde::Serialize;
 use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
 use super::ring::{
     DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DECODE_INTERFERENCE, MAX_DEPTH, TIE,
-    forwards_s, hosted_ends,
+    forwards_s, hosted_ends, steady_s,
 };
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
@@ -322,6 +322,79 @@ impl PComp {
                 .iter()
                 .zip(&l.resident[s])
                 .any(|(b, r)| !r && b.coded.is_some())
+    }
+
+    /// Whether stack `s`'s uncoded copies are exposed under `l`: its
+    /// steady-state forward by the recurrence, uncoded and with copies
+    /// slowing no kernel (its staged blocks' fills priced where `inp`
+    /// carries the host's rate), outlasts the same forward with free copies
+    /// by more than the planner's tie (`budget::copies_exposed`, the
+    /// layerwise rule, with this planner's host stage).
+    fn stack_exposed(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &[String]) -> bool {
+        let (stack, r) = (&self.stacks[s], &l.resident[s]);
+        let compute: Vec<f64> = stack.iter().map(|b| b.compute_s).collect();
+        let copy: Vec<f64> = stack
+            .iter()
+            .map(|b| b.bytes as f64 / inp.link_bytes_per_s + inp.copy_latency_s)
+            .collect();
+        let other = if s == 0 { self.own_s } else { 0.0 };
+        let mask: Vec<bool> = stack
+            .iter()
+            .zip(r)
+            .map(|(b, res)| !res && staged.contains(&b.path))
+            .collect();
+        let fill: Vec<f64> = match inp.host_fill_bytes_per_s {
+            Some(rate) if mask.iter().any(|m| *m) => {
+                stack.iter().map(|b| b.bytes as f64 / rate).collect()
+            }
+            _ => Vec::new(),
+        };
+        let host = (!fill.is_empty()).then_some(HostStage {
+            staged: &mask,
+            fill_s: &fill,
+            buffers: HOST_STAGING_BUFFERS as usize,
+        });
+        let raw = hosted_ends(&compute, &copy, (None, host), r, l.depth, other, 0.0);
+        let free = hosted_ends(
+            &compute,
+            &vec![0.0; copy.len()],
+            (None, None),
+            r,
+            l.depth,
+            other,
+            0.0,
+        );
+        steady_s(&raw) > steady_s(&free) * (1.0 + TIE)
+    }
+
+    /// `"auto"`'s veto (CONTRACT §7b, as layerwise's): `l` with every
+    /// stack it codes whose uncoded copies are hidden ([`Self::stack_exposed`])
+    /// streaming uncoded instead, where that layout `fits` (the phase's
+    /// caps). A hidden stack's predicted coded gain can come only from the
+    /// interference models, one of them an estimate unless measured; a
+    /// stack coded so that the layout fits (its smaller host masters) stays
+    /// coded. Other modes: `l` as it is.
+    fn hidden_raw(
+        &self,
+        l: Local,
+        inp: &PlannerInputs,
+        staged: &[String],
+        fits: &dyn Fn(&Local) -> bool,
+    ) -> Local {
+        if self.mode != Code::Choose {
+            return l;
+        }
+        let hidden: Vec<usize> = (0..self.stacks.len())
+            .filter(|&s| self.codes(&l, s) && !self.stack_exposed(&l, s, inp, staged))
+            .collect();
+        if hidden.is_empty() {
+            return l;
+        }
+        let mut raw = l.clone();
+        for s in hidden {
+            raw.coded[s] = false;
+        }
+        if fits(&raw) { raw } else { l }
     }
 
     /// The streamed blocks that stream coded under `l`.
@@ -1480,32 +1553,36 @@ impl<'a> Request<'a> {
         let c = &self.comps[i];
         let inp = self.inputs;
         let mut best: Option<Solved> = None;
+        let fits = |l: &Local| {
+            let max_stream = self.bound.get().max_stream;
+            c.own(l) <= cap_own
+                && c.held(l) <= cap_held
+                && c.pinned_held(l, kept) <= cap_host
+                && c.streamed_host(l).all(|(_, n)| n <= max_stream)
+        };
         let consider_one = |l: Local, best: &mut Option<Solved>| {
             if !c.valid(&l, self.max_depth) {
                 return;
             }
-            let (own, held) = (c.own(&l), c.held(&l));
-            let held_copy = c.pinned_held(&l, kept);
-            let max_stream = self.bound.get().max_stream;
-            if own > cap_own
-                || held > cap_held
-                || held_copy > cap_host
-                || c.streamed_host(&l).any(|(_, n)| n > max_stream)
-            {
+            let l = c.hidden_raw(l, inp, &self.staged_hint.borrow(), &fits);
+            if !fits(&l) {
                 return;
             }
-            let time = c.time_hosted(&l, kept, inp, &self.staged_hint.borrow());
+            let (held, time) = (
+                c.held(&l),
+                c.time_hosted(&l, kept, inp, &self.staged_hint.borrow()),
+            );
             let is_better = match best {
                 None => true,
                 Some(b) => better((time, held, l.depth), (b.time, b.held, b.local.depth)),
             };
             if is_better {
                 *best = Some(Solved {
+                    own: c.own(&l),
+                    held_copy: c.pinned_held(&l, kept),
                     local: l,
                     time,
                     held,
-                    own,
-                    held_copy,
                 });
             }
         };
@@ -2686,15 +2763,27 @@ fn describe(
     {
         let mut all = l.clone();
         all.coded = vec![true; c.stacks.len()];
+        let staged = r.staged_paths(&best.phases);
+        // Every stack it could code has its copies hidden: the veto, not
+        // the times, left it raw (`PComp::hidden_raw`).
+        let hidden = (0..c.stacks.len())
+            .filter(|&s| c.codes(&all, s))
+            .all(|s| !c.stack_exposed(l, s, inp, &staged));
         reason.push_str(&format!(
-            "; weight_compression = \"auto\" streams it uncoded: coded it would take {} against {}{}",
-            secs(c.time_hosted(&all, kept, inp, &r.staged_paths(&best.phases))),
+            "; weight_compression = \"auto\" streams it uncoded: {}coded it would take {} against {}{}{}",
+            if hidden {
+                "its copies are hidden behind its compute, so coding could gain only what the interference models predict ("
+            } else {
+                ""
+            },
+            secs(c.time_hosted(&all, kept, inp, &staged)),
             secs(ph.time_s),
             if c.own(&all) > c.own(l) {
                 format!(" and {} more of decode staging", gb(c.staging(&all)))
             } else {
                 String::new()
-            }
+            },
+            if hidden { ")" } else { "" }
         ));
     }
     if let Some(rate) = inp.host_fill_bytes_per_s
