@@ -90,6 +90,14 @@ struct PBlock {
     coded_mem: u64,
 }
 
+/// One stack as the recurrence reads it uncoded ([`PComp::uncoded`]).
+struct Uncoded {
+    compute: Vec<f64>,
+    copy: Vec<f64>,
+    other: f64,
+    staged: Vec<bool>,
+}
+
 /// Which coded layouts a phase may take (`weight_compression`, CONTRACT
 /// §7b under a device budget).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -324,6 +332,27 @@ impl PComp {
                 .any(|(b, r)| !r && b.coded.is_some())
     }
 
+    /// Stack `s` under `l` as the recurrence reads it uncoded: each block's
+    /// compute and copy (its bytes over the link, the latency included),
+    /// the forward's own compute outside the blocks (on the first stack),
+    /// and which streamed blocks are staged (in `staged`).
+    fn uncoded(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &[String]) -> Uncoded {
+        let stack = &self.stacks[s];
+        Uncoded {
+            compute: stack.iter().map(|b| b.compute_s).collect(),
+            copy: stack
+                .iter()
+                .map(|b| b.bytes as f64 / inp.link_bytes_per_s + inp.copy_latency_s)
+                .collect(),
+            other: if s == 0 { self.own_s } else { 0.0 },
+            staged: stack
+                .iter()
+                .zip(&l.resident[s])
+                .map(|(b, res)| !res && staged.contains(&b.path))
+                .collect(),
+        }
+    }
+
     /// Whether stack `s`'s uncoded copies are exposed under `l`: its
     /// steady-state forward by the recurrence, uncoded and with copies
     /// slowing no kernel (its staged blocks' fills priced where `inp`
@@ -332,17 +361,12 @@ impl PComp {
     /// layerwise rule, with this planner's host stage).
     fn stack_exposed(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &[String]) -> bool {
         let (stack, r) = (&self.stacks[s], &l.resident[s]);
-        let compute: Vec<f64> = stack.iter().map(|b| b.compute_s).collect();
-        let copy: Vec<f64> = stack
-            .iter()
-            .map(|b| b.bytes as f64 / inp.link_bytes_per_s + inp.copy_latency_s)
-            .collect();
-        let other = if s == 0 { self.own_s } else { 0.0 };
-        let mask: Vec<bool> = stack
-            .iter()
-            .zip(r)
-            .map(|(b, res)| !res && staged.contains(&b.path))
-            .collect();
+        let Uncoded {
+            compute,
+            copy,
+            other,
+            staged: mask,
+        } = self.uncoded(l, s, inp, staged);
         let fill: Vec<f64> = match inp.host_fill_bytes_per_s {
             Some(rate) if mask.iter().any(|m| *m) => {
                 stack.iter().map(|b| b.bytes as f64 / rate).collect()
@@ -587,17 +611,12 @@ impl PComp {
                 .zip(&l.resident)
                 .enumerate()
                 .map(|(i, (s, r))| {
-                    let compute: Vec<f64> = s.iter().map(|b| b.compute_s).collect();
-                    let copy: Vec<f64> = s
-                        .iter()
-                        .map(|b| b.bytes as f64 / link + inp.copy_latency_s)
-                        .collect();
-                    let other = if i == 0 { self.own_s } else { 0.0 };
-                    let mask: Vec<bool> = s
-                        .iter()
-                        .zip(r)
-                        .map(|(b, res)| !res && staged.contains(&b.path))
-                        .collect();
+                    let Uncoded {
+                        compute,
+                        copy,
+                        other,
+                        staged: mask,
+                    } = self.uncoded(l, i, inp, staged);
                     // A coded stack: each coded block's copy moves its coded
                     // bytes, then its decode (at the decoder's rate) fills
                     // the slot.
