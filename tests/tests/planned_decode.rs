@@ -356,7 +356,12 @@ fn slow_link_inputs(scale: f64) -> PlannerInputs {
 }
 
 /// By the planner's own model, `"auto"` is never slower than `"none"` or
-/// `"lossless"` at any budget from the least to every weight, and where
+/// `"lossless"` at any budget from the least to every weight (on these
+/// inputs, whose copies are exposed wherever coding is predicted faster:
+/// where they are hidden the veto may leave `"auto"` slower than
+/// `"lossless"` by the model, as
+/// `auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts`
+/// shows), and where
 /// coding pays it is faster than `"none"` somewhere (seen red with the
 /// search run once, as configured: at the least budget `"auto"` came out
 /// slower than `"lossless"`, each phase's own best layout making a worse

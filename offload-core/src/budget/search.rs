@@ -1879,7 +1879,11 @@ impl<'a> Request<'a> {
         // a whole plan worse than every phase uncoded (or every streamed
         // stack coded) would: the search also runs as "none" and
         // "lossless" would, and the fastest plan of the three wins (so
-        // "auto" is never slower than either, by the planner's model).
+        // "auto" is never slower than "none" by the planner's model, nor
+        // than "lossless" except where the hidden-copies veto,
+        // `PComp::hidden_raw`, leaves a stack raw that the model prices
+        // faster coded: there it gives up only what the interference
+        // models predict).
         //
         // Where the inputs carry a measured decode interference, the coded
         // searches also run at the assumed one, and what they find is
