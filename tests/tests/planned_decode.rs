@@ -464,6 +464,56 @@ fn auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts() {
     }
 }
 
+/// The veto leaves a hidden stack coded where coding is what makes the
+/// layout fit, and only there: on the same compute-bound inputs as
+/// [`auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts`]
+/// (every phase's copies hidden), at host budgets from the least
+/// `"lossless"` plan's to below the least uncoded plan's, `"auto"` keeps
+/// the DiT coded (uncoded it does not fit the host) and streams the text
+/// encoder raw (it fits either way), a searched plan; with room for every
+/// weight it codes nothing. Seen red with `hidden_raw` ignoring whether the
+/// uncoded layout fits: no layout of the DiT fits, the search falls back to
+/// the least host's layouts, which code every stack (the text encoder's 2
+/// blocks too).
+#[test]
+fn auto_keeps_a_hidden_stack_coded_only_where_it_must_to_fit_the_host() {
+    let mut inputs = slow_link_inputs(1e3);
+    inputs.copy_interference = 0.5;
+    inputs.decode_interference = Some(0.0);
+    let device = middle();
+    let least = least_host(&inputs, device, WeightCompression::Lossless);
+    let least_raw = least_host(&inputs, device, WeightCompression::None);
+    assert!(
+        least < least_raw,
+        "{least} B coded against {least_raw} B raw"
+    );
+    let auto = |host: u64| {
+        plan_at(&inputs, device, host, WeightCompression::Auto)
+            .unwrap_or_else(|e| panic!("host {host} B: {e}"))
+    };
+    let coded = |p: &offload_core::budget::RequestPlan, path: &str| {
+        p.component(path)
+            .unwrap_or_else(|| panic!("no `{path}`"))
+            .coded_blocks
+            .len()
+    };
+    for host in [least, (least + least_raw) / 2, least_raw - 1] {
+        let p = auto(host);
+        assert!(
+            coded(&p, "transformer") > 0,
+            "host {host} B: the DiT fits only coded\n{p}"
+        );
+        assert_eq!(
+            coded(&p, "text_encoder"),
+            0,
+            "host {host} B: hidden and fits raw\n{p}"
+        );
+    }
+    let roomy = auto(workload().preset.weight_bytes() * 4);
+    let all: usize = roomy.components.iter().map(|c| c.coded_blocks.len()).sum();
+    assert_eq!(all, 0, "{roomy}");
+}
+
 /// The device's own pinned + registered peak.
 fn host_peak(o: &RunOutcome) -> u64 {
     o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
