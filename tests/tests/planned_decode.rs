@@ -398,6 +398,16 @@ fn auto_is_never_slower_than_none_or_lossless_by_the_planners_model() {
     }
 }
 
+/// [`slow_link_inputs`] at `scale` with copies slowing the kernels beside
+/// them by half and decodes by nothing: by the interference models alone a
+/// coded stream (fewer bytes copied beside the kernels) is faster.
+fn interference_favours_coding(scale: f64) -> PlannerInputs {
+    let mut inputs = slow_link_inputs(scale);
+    inputs.copy_interference = 0.5;
+    inputs.decode_interference = Some(0.0);
+    inputs
+}
+
 /// `"auto"` under a budget leaves a phase's stacks raw where their
 /// uncoded copies are hidden behind compute, even where the interference
 /// models predict coding faster (the layerwise rule, CONTRACT §7b): blocks
@@ -412,9 +422,7 @@ fn auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts() {
     let w = workload();
     let device = DeviceMemory::of(u64::MAX / 4);
     for (scale, exposed) in [(1e3, false), (1e-3, true)] {
-        let mut inputs = slow_link_inputs(scale);
-        inputs.copy_interference = 0.5;
-        inputs.decode_interference = Some(0.0);
+        let inputs = interference_favours_coding(scale);
         let budget = middle();
         let plan = |c: WeightCompression| {
             plan_within(
@@ -477,9 +485,7 @@ fn auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts() {
 /// blocks too).
 #[test]
 fn auto_keeps_a_hidden_stack_coded_only_where_it_must_to_fit_the_host() {
-    let mut inputs = slow_link_inputs(1e3);
-    inputs.copy_interference = 0.5;
-    inputs.decode_interference = Some(0.0);
+    let inputs = interference_favours_coding(1e3);
     let device = middle();
     let least = least_host(&inputs, device, WeightCompression::Lossless);
     let least_raw = least_host(&inputs, device, WeightCompression::None);

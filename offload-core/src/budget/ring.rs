@@ -703,19 +703,50 @@ pub fn copies_exposed(shape: &RingShape<'_>, depth: usize) -> bool {
     if shape.copy_s.len() != n || shape.resident.len() != n || n == 0 {
         return false;
     }
-    let step = |copy: &[f64]| {
-        let e = staged_ends(
-            shape.compute_s,
-            copy,
-            None,
-            shape.resident,
-            depth.clamp(1, MAX_DEPTH),
-            shape.other_s,
-            0.0,
-        );
-        e[FORWARDS - 1] - e[FORWARDS - 2]
-    };
-    step(shape.copy_s) > step(&vec![0.0; n]) * (1.0 + TIE)
+    hosted_copies_exposed(
+        shape.compute_s,
+        shape.copy_s,
+        None,
+        shape.resident,
+        depth,
+        shape.other_s,
+    )
+}
+
+/// [`copies_exposed`]'s rule with the host stage of staged masters (`host`,
+/// where given): the ring's steady-state forward by the recurrence, its
+/// copies (and fills) slowing no kernel, outlasts the same forward with
+/// free copies (and no fills) by more than the planner's tie. The one
+/// statement of the rule: layerwise's rings and the request planner's
+/// stacks (`"auto"`'s veto, CONTRACT §7b) both ask it.
+pub(crate) fn hosted_copies_exposed(
+    compute_s: &[f64],
+    copy_s: &[f64],
+    host: Option<HostStage<'_>>,
+    resident: &[bool],
+    depth: usize,
+    other_s: f64,
+) -> bool {
+    let depth = depth.clamp(1, MAX_DEPTH);
+    let raw = hosted_ends(
+        compute_s,
+        copy_s,
+        (None, host),
+        resident,
+        depth,
+        other_s,
+        0.0,
+    );
+    let free = hosted_ends(
+        compute_s,
+        &vec![0.0; copy_s.len()],
+        (None, None),
+        resident,
+        depth,
+        other_s,
+        0.0,
+    );
+    steady_s(&raw) > steady_s(&free) * (1.0 + TIE)
 }
 
 /// `weight_compression = "auto"` for one ring (CONTRACT §7b): coded when

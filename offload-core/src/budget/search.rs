@@ -27,7 +27,7 @@ use serde::Serialize;
 use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
 use super::ring::{
     DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DECODE_INTERFERENCE, MAX_DEPTH, TIE,
-    forwards_s, hosted_ends, steady_s,
+    forwards_s, hosted_copies_exposed, hosted_ends,
 };
 use super::types::{
     Alternative, BudgetError, BudgetSource, ComponentChoice, ComponentMode, ComponentPlan,
@@ -353,12 +353,9 @@ impl PComp {
         }
     }
 
-    /// Whether stack `s`'s uncoded copies are exposed under `l`: its
-    /// steady-state forward by the recurrence, uncoded and with copies
-    /// slowing no kernel (its staged blocks' fills priced where `inp`
-    /// carries the host's rate), outlasts the same forward with free copies
-    /// by more than the planner's tie (`budget::copies_exposed`, the
-    /// layerwise rule, with this planner's host stage).
+    /// Whether stack `s`'s uncoded copies are exposed under `l`
+    /// (`ring::hosted_copies_exposed`, layerwise's rule), its staged
+    /// blocks' fills priced where `inp` carries the host's rate.
     fn stack_exposed(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &[String]) -> bool {
         let (stack, r) = (&self.stacks[s], &l.resident[s]);
         let Uncoded {
@@ -378,17 +375,7 @@ impl PComp {
             fill_s: &fill,
             buffers: HOST_STAGING_BUFFERS as usize,
         });
-        let raw = hosted_ends(&compute, &copy, (None, host), r, l.depth, other, 0.0);
-        let free = hosted_ends(
-            &compute,
-            &vec![0.0; copy.len()],
-            (None, None),
-            r,
-            l.depth,
-            other,
-            0.0,
-        );
-        steady_s(&raw) > steady_s(&free) * (1.0 + TIE)
+        hosted_copies_exposed(&compute, &copy, host, r, l.depth, other)
     }
 
     /// `"auto"`'s veto (CONTRACT §7b, as layerwise's): `l` with every
