@@ -482,7 +482,11 @@ fn auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts() {
 /// weight it codes nothing. Seen red with `hidden_raw` ignoring whether the
 /// uncoded layout fits: no layout of the DiT fits, the search falls back to
 /// the least host's layouts, which code every stack (the text encoder's 2
-/// blocks too).
+/// blocks too). From the least uncoded plan's host budget up it codes
+/// nothing: seen red (7 DiT blocks coded at that budget, by 0.2 %) with a
+/// layout kept coded to fit ranked at its own time (`time_ranked` as
+/// `time_hosted`), which beat the uncoded layouts that fit there on the
+/// interference models alone.
 #[test]
 fn auto_keeps_a_hidden_stack_coded_only_where_it_must_to_fit_the_host() {
     let inputs = interference_favours_coding(1e3);
@@ -515,9 +519,86 @@ fn auto_keeps_a_hidden_stack_coded_only_where_it_must_to_fit_the_host() {
             "host {host} B: hidden and fits raw\n{p}"
         );
     }
-    let roomy = auto(workload().preset.weight_bytes() * 4);
-    let all: usize = roomy.components.iter().map(|c| c.coded_blocks.len()).sum();
-    assert_eq!(all, 0, "{roomy}");
+    let total = workload().preset.weight_bytes();
+    for host in [least_raw, least_raw + (total - least_raw) / 8, total * 4] {
+        let p = auto(host);
+        let all: usize = p.components.iter().map(|c| c.coded_blocks.len()).sum();
+        assert_eq!(all, 0, "host {host} B: an uncoded layout fits\n{p}");
+    }
+}
+
+/// The veto judges a stack's copies with its staged fills in the ring: on
+/// compute-bound inputs ([`interference_favours_coding`] at 1,000 times the
+/// kernel model's compute, where the link's copies hide), at the least
+/// host budget an uncoded plan fits, with the host's fill rate among the
+/// inputs at a tenth of what would keep each DiT block's fill within its
+/// compute, the staged blocks' fills are exposed: `"auto"` codes the DiT
+/// (a coded fill moves about 0.7 of the bytes), its staged blocks among its
+/// coded ones, and predicts a shorter request than `"none"`. The control,
+/// the same budget at the simulated host's fill rate (45 GB/s, hidden),
+/// codes nothing. Seen red with `stack_exposed` judging the link's copies
+/// alone (no host stage): the veto sends the exposed fills raw.
+#[test]
+fn auto_codes_a_stack_whose_staged_fills_are_exposed_though_its_link_copies_hide() {
+    let mut inputs = interference_favours_coding(1e3);
+    let p = &workload().preset.pipeline;
+    let part = offload_core::runtime::packing(p).unwrap();
+    let dit = &inputs.components["transformer"];
+    // The slowest fill rate at which every DiT block's fill would still
+    // hide behind its compute, over ten.
+    let rate = dit
+        .block_compute_s
+        .iter()
+        .map(|(b, c)| part.blocks[&p.module_id(b).unwrap()].bytes as f64 / c)
+        .fold(f64::INFINITY, f64::min)
+        / 10.0;
+    assert!(
+        inputs
+            .host_fill_bytes_per_s
+            .is_some_and(|r| r > rate * 10.0),
+        "the control's fills hide: {:?} against {rate} B/s",
+        inputs.host_fill_bytes_per_s
+    );
+    let device = middle();
+    let host = least_host(&inputs, device, WeightCompression::None);
+    let control = plan_at(&inputs, device, host, WeightCompression::Auto)
+        .unwrap_or_else(|e| panic!("hidden fills, host {host} B: {e}"));
+    let coded = |plan: &offload_core::budget::RequestPlan| {
+        plan.component("transformer")
+            .expect("the DiT")
+            .coded_blocks
+            .clone()
+    };
+    assert!(
+        coded(&control).is_empty(),
+        "hidden fills: nothing coded\n{control}"
+    );
+    inputs.host_fill_bytes_per_s = Some(rate);
+    let host = least_host(&inputs, device, WeightCompression::None);
+    let plan_of = |c: WeightCompression| {
+        plan_at(&inputs, device, host, c).unwrap_or_else(|e| panic!("{c}, host {host} B: {e}"))
+    };
+    let (none, auto) = (
+        plan_of(WeightCompression::None),
+        plan_of(WeightCompression::Auto),
+    );
+    let staged = &none.host.as_ref().expect("a host side").staged_blocks;
+    assert!(
+        staged.iter().any(|b| b.starts_with("transformer.")),
+        "the DiT stages blocks at the least uncoded host budget\n{none}"
+    );
+    let dit_coded = coded(&auto);
+    let auto_staged = &auto.host.as_ref().expect("a host side").staged_blocks;
+    assert!(
+        auto_staged.iter().any(|b| dit_coded.contains(b)),
+        "exposed fills: auto codes the DiT's staged blocks\n{auto}"
+    );
+    assert!(
+        auto.predicted_request_s < none.predicted_request_s * (1.0 - 1e-3),
+        "auto {} against none {}",
+        auto.predicted_request_s,
+        none.predicted_request_s
+    );
 }
 
 /// The device's own pinned + registered peak.

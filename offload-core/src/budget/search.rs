@@ -408,6 +408,33 @@ impl PComp {
         if fits(&raw) { raw } else { l }
     }
 
+    /// The time the search ranks `l` at: [`Self::time_hosted`], except
+    /// that under `"auto"` a layout that codes a stack whose uncoded copies
+    /// are hidden ([`Self::stack_exposed`]: one [`Self::hidden_raw`] kept
+    /// coded because its uncoded twin misses the phase's caps) is credited
+    /// no gain from coding it: it ranks at the slower of itself and that
+    /// twin. The veto's rule, carried past the one layout: otherwise such a
+    /// layout would beat a different uncoded layout that fits (another
+    /// residency or depth, or the `"none"` pass's plan) on what only the
+    /// interference models predict.
+    fn time_ranked(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
+        let time = self.time_hosted(l, kept, inp, staged);
+        if self.mode != Code::Choose {
+            return time;
+        }
+        let hidden: Vec<usize> = (0..self.stacks.len())
+            .filter(|&s| self.codes(l, s) && !self.stack_exposed(l, s, inp, staged))
+            .collect();
+        if hidden.is_empty() {
+            return time;
+        }
+        let mut raw = l.clone();
+        for s in hidden {
+            raw.coded[s] = false;
+        }
+        time.max(self.time_hosted(&raw, kept, inp, staged))
+    }
+
     /// The streamed blocks that stream coded under `l`.
     fn coded_blocks<'s>(&'s self, l: &'s Local) -> impl Iterator<Item = &'s PBlock> {
         (0..self.stacks.len())
@@ -1576,7 +1603,7 @@ impl<'a> Request<'a> {
             }
             let (held, time) = (
                 c.held(&l),
-                c.time_hosted(&l, kept, inp, &self.staged_hint.borrow()),
+                c.time_ranked(&l, kept, inp, &self.staged_hint.borrow()),
             );
             let is_better = match best {
                 None => true,
@@ -2171,7 +2198,7 @@ impl<'a> Request<'a> {
             out.push(PhaseEvaluation {
                 path: c.path.clone(),
                 peak,
-                time_s: c.time_hosted(l, *kept, self.inputs, &staged),
+                time_s: c.time_ranked(l, *kept, self.inputs, &staged),
             });
         }
         Evaluation {
@@ -3100,5 +3127,68 @@ mod tests {
         assert!(shown.contains("code: Always"), "{shown}");
         assert!(shown.contains("decode_k: 0.9,"), "{shown}");
         assert!(!shown.contains(&0.9f64.to_bits().to_string()), "{shown}");
+    }
+
+    /// `"auto"`'s veto judges every stack of a phase on its own: in a DiT
+    /// of two stacks over a 1 GB/s link, the first's 1 GB blocks compute
+    /// in 1 ms (copies exposed) and the second's in 10 s (hidden); with both
+    /// coded, the veto leaves the first coded and sends the second raw; kept
+    /// coded to fit, the layout ranks at no less than its twin with the
+    /// second stack raw, though copies slowing the kernels price it faster.
+    /// Seen red with only the first stack judged (both left coded), and
+    /// with `time_ranked` as `time_hosted`.
+    #[test]
+    fn the_veto_judges_each_stack_of_a_phase() {
+        let block = |s: usize, j: usize, compute_s: f64| PBlock {
+            path: format!("transformer.s{s}.{j}"),
+            bytes: 1 << 30,
+            mem: 1 << 30,
+            compute_s,
+            coded: Some(7 << 27),
+            coded_mem: 7 << 27,
+        };
+        let comp = PComp {
+            path: "transformer".to_owned(),
+            role: Role::Dit,
+            bytes: 6 << 30,
+            nonblock: 0,
+            nonblock_mem: 0,
+            stacks: vec![
+                (0..3).map(|j| block(0, j, 1e-3)).collect(),
+                (0..3).map(|j| block(1, j, 10.0)).collect(),
+            ],
+            forwards: 1.0,
+            own_s: 0.0,
+            act: 0,
+            mode: Code::Choose,
+            code: AtomicU8::new(Code::Choose as u8),
+            decode_k: AtomicU64::new(0.0f64.to_bits()),
+            unpinned: false,
+        };
+        let mut inp = PlannerInputs::new(1e9, 1);
+        inp.decode_bytes_per_s = Some(1e12);
+        // Copies slow the kernels beside them: coded (fewer bytes copied)
+        // is predicted faster, hidden or not.
+        inp.copy_interference = 0.5;
+        let l = Local {
+            resident: vec![vec![false; 3]; 2],
+            depth: 1,
+            coded: vec![true, true],
+        };
+        assert!(comp.stack_exposed(&l, 0, &inp, &[]));
+        assert!(!comp.stack_exposed(&l, 1, &inp, &[]));
+        let kept = comp.hidden_raw(l.clone(), &inp, &[], &|_| true);
+        assert_eq!(kept.coded, vec![true, false], "{kept:?}");
+        // Kept coded to fit (the twin never fits): ranked at no less than
+        // the twin with the hidden stack raw.
+        let fit = comp.hidden_raw(l.clone(), &inp, &[], &|_| false);
+        assert_eq!(fit.coded, vec![true, true]);
+        let twin = comp.time_hosted(&kept, false, &inp, &[]);
+        let own = comp.time_hosted(&fit, false, &inp, &[]);
+        assert!(own < twin, "coded predicted faster: {own} against {twin}");
+        let ranked = comp.time_ranked(&fit, false, &inp, &[]);
+        assert!(ranked >= twin, "ranked {ranked} against the twin's {twin}");
+        // Where nothing hidden is coded, ranked as priced.
+        assert_eq!(comp.time_ranked(&kept, false, &inp, &[]), twin);
     }
 }
