@@ -1049,6 +1049,32 @@ mod tests {
         assert_eq!(hidden_choice(&shape, 2), None);
     }
 
+    /// The hidden-copies rule's tie is the planner's thousandth: a
+    /// transfer-bound ring whose copies outlast its compute by 0.2 % is
+    /// exposed, one by 0.05 % hidden, with and without a host stage whose
+    /// fills are the part that outlasts it. Seen red with the tie at 0.5 %
+    /// and at 0.
+    #[test]
+    fn the_copies_are_exposed_past_a_thousandth() {
+        let n = 12;
+        let resident = vec![false; n];
+        let compute = vec![1.0; n];
+        let free = vec![0.0; n];
+        for over in [2e-3, 5e-4] {
+            let long = vec![1.0 + over; n];
+            let by_link = hosted_copies_exposed(&compute, &long, None, &resident, 2, 0.0);
+            let staged = vec![true; n];
+            let host = HostStage {
+                staged: &staged,
+                fill_s: &long,
+                buffers: 2,
+            };
+            let by_fills = hosted_copies_exposed(&compute, &free, Some(host), &resident, 2, 0.0);
+            let want = over > TIE;
+            assert_eq!((by_link, by_fills), (want, want), "over by {over}");
+        }
+    }
+
     #[test]
     fn the_decode_stage_gates_a_fill_on_its_slot_and_its_staging() {
         // A decode longer than everything else bounds the ring.
