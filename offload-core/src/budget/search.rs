@@ -395,17 +395,26 @@ impl PComp {
         if self.mode != Code::Choose {
             return l;
         }
+        match self.hidden_twin(&l, inp, staged) {
+            Some(raw) if fits(&raw) => raw,
+            _ => l,
+        }
+    }
+
+    /// `l` with every stack it codes whose uncoded copies are hidden
+    /// ([`Self::stack_exposed`]) uncoded; `None` where it codes none.
+    fn hidden_twin(&self, l: &Local, inp: &PlannerInputs, staged: &[String]) -> Option<Local> {
         let hidden: Vec<usize> = (0..self.stacks.len())
-            .filter(|&s| self.codes(&l, s) && !self.stack_exposed(&l, s, inp, staged))
+            .filter(|&s| self.codes(l, s) && !self.stack_exposed(l, s, inp, staged))
             .collect();
         if hidden.is_empty() {
-            return l;
+            return None;
         }
         let mut raw = l.clone();
         for s in hidden {
             raw.coded[s] = false;
         }
-        if fits(&raw) { raw } else { l }
+        Some(raw)
     }
 
     /// The time the search ranks `l` at: [`Self::time_hosted`], except
@@ -422,17 +431,10 @@ impl PComp {
         if self.mode != Code::Choose {
             return time;
         }
-        let hidden: Vec<usize> = (0..self.stacks.len())
-            .filter(|&s| self.codes(l, s) && !self.stack_exposed(l, s, inp, staged))
-            .collect();
-        if hidden.is_empty() {
-            return time;
+        match self.hidden_twin(l, inp, staged) {
+            Some(raw) => time.max(self.time_hosted(&raw, kept, inp, staged)),
+            None => time,
         }
-        let mut raw = l.clone();
-        for s in hidden {
-            raw.coded[s] = false;
-        }
-        time.max(self.time_hosted(&raw, kept, inp, staged))
     }
 
     /// The streamed blocks that stream coded under `l`.
