@@ -998,7 +998,11 @@ struct Row {
     /// prediction.
     lookahead: Option<budget::Lookahead>,
     streamed_bytes: u64,
+    /// The median of the timed steps.
     step_s: f64,
+    /// Each timed step, s, in the order run: whether a slow median is one
+    /// hiccup or every step slower (a link that moved) shows here.
+    step_times_s: Vec<f64>,
     /// `max(resident step, streamed / fresh pinned bandwidth)`.
     limit_s: f64,
     ratio: f64,
@@ -1742,6 +1746,7 @@ fn run() -> Result<()> {
                 repeat: spec.repeat,
                 lookahead: spec.lookahead.get(&tokens).copied(),
                 streamed_bytes: spec.streamed,
+                step_times_s: times.clone(),
                 step_s: median(&mut times).context("no timed steps")?,
                 limit_s: 0.0,
                 ratio: 0.0,
