@@ -486,7 +486,8 @@ fn auto_leaves_hidden_stacks_raw_whatever_the_interference_predicts() {
 /// nothing: seen red (7 DiT blocks coded at that budget, by 0.2 %) with a
 /// layout kept coded to fit ranked at its own time (`time_ranked` as
 /// `time_hosted`), which beat the uncoded layouts that fit there on the
-/// interference models alone.
+/// interference models alone. Where the DiT is kept coded to fit, its
+/// reason says so (red with the words left out).
 #[test]
 fn auto_keeps_a_hidden_stack_coded_only_where_it_must_to_fit_the_host() {
     let inputs = interference_favours_coding(1e3);
@@ -518,6 +519,8 @@ fn auto_keeps_a_hidden_stack_coded_only_where_it_must_to_fit_the_host() {
             0,
             "host {host} B: hidden and fits raw\n{p}"
         );
+        let why = &p.component("transformer").expect("the DiT").reason;
+        assert!(why.contains("kept coded to fit the host"), "{why}");
     }
     let total = workload().preset.weight_bytes();
     for host in [least_raw, least_raw + (total - least_raw) / 8, total * 4] {

@@ -2788,12 +2788,25 @@ fn describe(
             gb(c.staging(l))
         ));
         if c.mode == Code::Choose {
+            let staged = r.staged_paths(&best.phases);
             let mut raw = l.clone();
             raw.coded = vec![false; c.stacks.len()];
+            // A hidden stack kept coded to fit is priced at its uncoded
+            // twin's time (`PComp::time_ranked`): the model's own time of
+            // the coded layout is said beside it.
+            let modelled = c.time_hosted(l, kept, inp, &staged);
             reason.push_str(&format!(
-                "; uncoded the phase would take {} against {}",
-                secs(c.time_hosted(&raw, kept, inp, &r.staged_paths(&best.phases))),
-                secs(ph.time_s)
+                "; uncoded the phase would take {} against {}{}",
+                secs(c.time_hosted(&raw, kept, inp, &staged)),
+                secs(ph.time_s),
+                if modelled < ph.time_s {
+                    format!(
+                        " (a stack whose copies are hidden is kept coded to fit the host, credited no gain over uncoded: the model prices the coded layout at {})",
+                        secs(modelled)
+                    )
+                } else {
+                    String::new()
+                }
             ));
         }
     } else if c.mode == Code::Choose
