@@ -27,7 +27,8 @@
 //! decoder that trusts a parsed block reads and writes only inside it.
 
 use crate::format::{
-    Code, DecodeError, EncodeConfig, Packed, encode_bf16_as, encode_raw, plan_bf16,
+    Code, DecodeError, EncodeConfig, EncodeError, Layout, Packed, Plant, Stats, encode_into,
+    plan_bf16, verify_blob,
 };
 
 /// The block blob's magic.
@@ -186,60 +187,72 @@ pub fn encode_block(
             bf16: false,
         });
     }
-    // Each tensor's own round trip is left to the whole block's below
-    // (one decode of every byte, not two).
+    // Each span planned first (exact: its code and its blob's length), so
+    // the block's layout is known before anything is encoded and every
+    // tensor is encoded in place into the one blob: no tensor blob of its
+    // own and no copy of it (encoding at `enable` is bound by the host's
+    // memory, not by the coding: one 680 MB Flux block written once, not
+    // three times). Each tensor's own round trip is left to the whole
+    // block's below (one decode of every byte, not two).
     let tensor_cfg = EncodeConfig {
         verify: false,
         ..cfg.clone()
     };
-    let mut tensor_blobs = Vec::with_capacity(all.len());
-    let mut coded = 0usize;
+    let threads = cfg.threads();
+    let mut planned = Vec::with_capacity(all.len());
     for s in &all {
         let data = &unit[s.offset as usize..(s.offset + s.bytes) as usize];
-        let encoded = if s.bf16 && s.bytes.is_multiple_of(2) {
-            let err = |source| BlockEncodeError::Encode {
+        let stats = if s.bf16 && s.bytes.is_multiple_of(2) {
+            plan_bf16(data, &tensor_cfg).map_err(|source| BlockEncodeError::Encode {
                 offset: s.offset,
                 source,
-            };
-            let planned = plan_bf16(data, &tensor_cfg).map_err(err)?;
-            encode_bf16_as(data, planned.code, &tensor_cfg).map_err(err)?
+            })?
         } else {
-            encode_raw(data)
+            Stats {
+                code: Code::Raw,
+                decoded_bytes: s.bytes,
+                packed_bytes: Layout::raw_bytes(s.bytes),
+                escapes: 0,
+            }
         };
-        if encoded.stats.code != Code::Raw {
-            coded += 1;
-        }
-        tensor_blobs.push((s.offset, encoded));
+        planned.push(stats);
     }
-    let table_end = align64((BLOCK_HEADER_BYTES + ENTRY_BYTES * tensor_blobs.len()) as u64);
-    let total = table_end
-        + tensor_blobs
-            .iter()
-            .map(|(_, e)| e.blob.len() as u64)
-            .sum::<u64>();
+    let table_end = align64((BLOCK_HEADER_BYTES + ENTRY_BYTES * planned.len()) as u64);
+    let total = table_end + planned.iter().map(|p| p.packed_bytes).sum::<u64>();
     let mut blob = vec![0u8; total as usize];
     let mut work = 0u64;
     let mut cursor = table_end;
-    for (i, (out_offset, e)) in tensor_blobs.iter().enumerate() {
-        let items = work_items(e.stats.code, e.stats.decoded_bytes);
+    let mut coded = 0usize;
+    for (i, (s, p)) in all.iter().zip(&planned).enumerate() {
+        let data = &unit[s.offset as usize..(s.offset + s.bytes) as usize];
+        let end = cursor + p.packed_bytes;
+        encode_into(data, p, threads, &mut blob[cursor as usize..end as usize]).map_err(
+            |source| BlockEncodeError::Encode {
+                offset: s.offset,
+                source,
+            },
+        )?;
+        if p.code != Code::Raw {
+            coded += 1;
+        }
+        let items = work_items(p.code, p.decoded_bytes);
         let at = BLOCK_HEADER_BYTES + ENTRY_BYTES * i;
         put_u64(&mut blob, at, cursor);
-        put_u64(&mut blob, at + 8, *out_offset);
+        put_u64(&mut blob, at + 8, s.offset);
         put_u64(&mut blob, at + 16, work);
         put_u32(&mut blob, at + 24, items as u32);
-        blob[at + 28] = e.stats.code.id();
-        blob[cursor as usize..cursor as usize + e.blob.len()].copy_from_slice(&e.blob);
-        cursor += e.blob.len() as u64;
+        blob[at + 28] = p.code.id();
+        cursor = end;
         work += items;
     }
     blob[..4].copy_from_slice(&BLOCK_MAGIC);
     blob[4..6].copy_from_slice(&BLOCK_VERSION.to_le_bytes());
-    put_u32(&mut blob, 8, tensor_blobs.len() as u32);
+    put_u32(&mut blob, 8, planned.len() as u32);
     put_u64(&mut blob, 16, len);
     put_u64(&mut blob, 24, work);
     put_u64(&mut blob, 32, total);
     if cfg.verify {
-        round_trip(&blob, unit, cfg.threads())?;
+        round_trip_planted(&blob, unit, threads, cfg.plant())?;
     }
     Ok(EncodedBlock {
         blob,
@@ -250,13 +263,23 @@ pub fn encode_block(
 }
 
 /// Decodes `blob` and compares it with `unit`: the encoder's only check of
-/// what it wrote (each tensor's own is skipped). Tensor by tensor, through
-/// one buffer of the largest tensor's size rather than a second copy of
-/// the unit: encoding at `enable` holds that much less transient host
-/// memory (a Flux double block: its largest tensor, the 113 MB
-/// modulation, instead of 680 MB), which a host budget's headroom must
-/// otherwise cover.
+/// what it wrote (each tensor's own is skipped). Tensor by tensor, tile by
+/// tile into a small buffer per thread, the tiles of each tensor spread
+/// over `threads`, rather than into a second copy of the unit: encoding
+/// at `enable` holds that much less transient host memory (a Flux double
+/// block's 680 MB), which a host budget's headroom must otherwise cover,
+/// and touches no fresh page.
+#[cfg(test)]
 fn round_trip(blob: &[u8], unit: &[u8], threads: usize) -> Result<(), BlockEncodeError> {
+    round_trip_planted(blob, unit, threads, Plant::default())
+}
+
+fn round_trip_planted(
+    blob: &[u8],
+    unit: &[u8],
+    threads: usize,
+    plant: Plant,
+) -> Result<(), BlockEncodeError> {
     let view = BlockView::parse(blob)?;
     if view.decoded_bytes() != unit.len() as u64 {
         return Err(DecodeError::OutputSize {
@@ -265,28 +288,33 @@ fn round_trip(blob: &[u8], unit: &[u8], threads: usize) -> Result<(), BlockEncod
         }
         .into());
     }
-    let largest = view
-        .entries()
-        .iter()
-        .map(|e| e.out_bytes)
-        .max()
-        .unwrap_or(0);
-    let mut back = vec![0u8; largest as usize];
     // The entries tile the unit in order (checked by `parse`).
     for e in view.entries() {
         let inner = &blob[e.blob_offset as usize..(e.blob_offset + e.blob_bytes) as usize];
         let (start, len) = (e.out_offset as usize, e.out_bytes as usize);
-        let back = &mut back[..len];
-        Packed::parse(inner)?.decode_into(back, threads)?;
-        if let Some(at) = back
-            .iter()
-            .zip(&unit[start..start + len])
-            .position(|(a, b)| a != b)
-        {
-            return Err(BlockEncodeError::RoundTrip {
-                at: (start + at) as u64,
-                bytes: unit.len() as u64,
-            });
+        let want = &unit[start..start + len];
+        match verify_blob(want, inner, e.code, threads, plant) {
+            Ok(()) => {}
+            Err(EncodeError::RoundTrip {
+                weight,
+                input,
+                output,
+                ..
+            }) => {
+                // The first byte of the first weight that differs.
+                let byte = u64::from((input ^ output) & 0xff == 0);
+                return Err(BlockEncodeError::RoundTrip {
+                    at: start as u64 + 2 * weight + byte,
+                    bytes: unit.len() as u64,
+                });
+            }
+            Err(EncodeError::RoundTripDecode { source, .. }) => return Err(source.into()),
+            Err(source) => {
+                return Err(BlockEncodeError::Encode {
+                    offset: start as u64,
+                    source,
+                });
+            }
         }
     }
     Ok(())
@@ -649,6 +677,92 @@ mod tests {
         ));
     }
 
+    /// Each entry's blob, written in place into the block, equals the
+    /// tensor's own encoding (`encode_bf16` with the same configuration,
+    /// `encode_raw` for raw spans): the block is its tensors' blobs behind
+    /// its table, whatever the threads.
+    fn entries_are_their_tensors_own_blobs(unit: &[u8], b: &EncodedBlock, cfg: &EncodeConfig) {
+        let view = BlockView::parse(&b.blob).unwrap();
+        for e in view.entries() {
+            let data = &unit[e.out_offset as usize..(e.out_offset + e.out_bytes) as usize];
+            let own = match e.code {
+                Code::Raw => crate::format::encode_raw(data),
+                code => crate::format::encode_bf16_as(data, code, cfg).unwrap(),
+            };
+            let inner = &b.blob[e.blob_offset as usize..(e.blob_offset + e.blob_bytes) as usize];
+            assert!(
+                own.blob == inner,
+                "entry at {} differs from its tensor's own blob",
+                e.out_offset
+            );
+        }
+    }
+
+    #[test]
+    fn a_block_is_its_tensors_own_blobs_on_any_threads() {
+        // Three coded tensors of uneven tiles (escapes in every part of
+        // every thread split), a raw gap and a small raw tensor.
+        let mut unit = normal_bf16(37 * 4096 + 5, 11);
+        let second = unit.len() as u64 + 6;
+        unit.extend_from_slice(&[3u8; 6]);
+        unit.extend_from_slice(&normal_bf16(9 * 4096, 12));
+        let third = unit.len() as u64;
+        unit.extend_from_slice(&normal_bf16(70, 13));
+        let spans = [
+            Span {
+                offset: 0,
+                bytes: second - 6,
+                bf16: true,
+            },
+            Span {
+                offset: second,
+                bytes: 9 * 4096 * 2,
+                bf16: true,
+            },
+            Span {
+                offset: third,
+                bytes: 140,
+                bf16: true,
+            },
+        ];
+        let mut blobs = Vec::new();
+        for threads in [1, 2, 3, 7] {
+            let cfg = EncodeConfig {
+                threads,
+                ..EncodeConfig::default()
+            };
+            let b = encode_block(&unit, &spans, &cfg).unwrap();
+            assert_eq!(b.coded_spans, (2, 4));
+            entries_are_their_tensors_own_blobs(&unit, &b, &cfg);
+            blobs.push(b.blob);
+        }
+        assert!(
+            blobs.windows(2).all(|w| w[0] == w[1]),
+            "the blob depends on the threads"
+        );
+    }
+
+    #[cfg(feature = "planted-bugs")]
+    #[test]
+    fn the_block_round_trip_runs_the_decoder_a_planted_bug_is_in() {
+        // The host decoder's escape slot off by one: the block's own round
+        // trip must refuse what it would decode, naming the first byte.
+        let unit = normal_bf16(5 * 4096, 21);
+        let spans = [Span {
+            offset: 0,
+            bytes: unit.len() as u64,
+            bf16: true,
+        }];
+        let cfg = EncodeConfig {
+            planted: Some(crate::format::PlantedBug::EscapeSlotInclusive),
+            ..EncodeConfig::default()
+        };
+        let err = encode_block(&unit, &spans, &cfg).unwrap_err();
+        assert!(matches!(err, BlockEncodeError::RoundTrip { .. }), "{err}");
+        let clean = EncodeConfig::default();
+        encode_block(&unit, &spans, &clean).unwrap();
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         #[test]
@@ -670,6 +784,7 @@ mod tests {
             let b = encode_block(&data, &spans, &cfg).unwrap();
             let mut out = vec![0u8; data.len()];
             decode_block(&b.blob, &mut out, 1).unwrap();
+            entries_are_their_tensors_own_blobs(&data, &b, &cfg);
             prop_assert_eq!(out, data);
         }
 

@@ -626,16 +626,16 @@ pub fn pack_blocks(
         .map(|u| (u.name.clone(), layout_of(u), Some(fingerprint(u, weights))))
         .collect();
     let mut coded_bytes = 0;
+    // One buffer for every block's bytes, read over the fills' threads
+    // (a fresh one a block was touched page by page on one thread); a
+    // unit's storages lie back to back (`Unit::pack`), so every byte of it
+    // is this block's.
+    let mut bytes = Vec::new();
     let file_bytes = write_blocks(path, &names, |i| {
+        use offload_core::device::ByteSource;
         let u = units[i];
-        let mut bytes = vec![0u8; u.bytes as usize];
-        for e in &u.entries {
-            weights.read(
-                e.storage,
-                0,
-                &mut bytes[e.offset as usize..(e.offset + e.bytes) as usize],
-            );
-        }
+        bytes.resize(u.bytes as usize, 0);
+        offload_core::runtime::unit_bytes_parallel(weights, u).read_at(0, &mut bytes);
         let spans: Vec<crate::block::Span> = offload_core::runtime::codec_spans(u, &bf16)
             .into_iter()
             .map(|s| crate::block::Span {

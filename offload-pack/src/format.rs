@@ -189,6 +189,24 @@ pub enum EncodeError {
         /// Its weights.
         elems: u64,
     },
+    /// [`encode_into`] given a buffer of another length than the plan's
+    /// blob.
+    #[error("an output of {found} bytes for a packed tensor of {expected}")]
+    OutputLength {
+        /// The planned blob's length.
+        expected: u64,
+        /// The buffer's.
+        found: u64,
+    },
+    /// [`encode_into`] found another number of escapes than its plan
+    /// counted (a plan of other data, or a bug in this crate).
+    #[error("the encoding found {found} escapes where its plan counted {planned}")]
+    EscapesNotPlanned {
+        /// The plan's escapes.
+        planned: u64,
+        /// The encoding's.
+        found: u64,
+    },
     /// The host round trip failed to decode at all.
     #[error("round trip of a {code} packed tensor failed to decode: {source}")]
     RoundTripDecode {
@@ -789,7 +807,7 @@ impl Default for EncodeConfig {
 }
 
 impl EncodeConfig {
-    fn plant(&self) -> Plant {
+    pub(crate) fn plant(&self) -> Plant {
         Plant(
             #[cfg(feature = "planted-bugs")]
             self.planted,
@@ -1024,12 +1042,26 @@ pub fn encode_bf16_as(data: &[u8], code: Code, cfg: &EncodeConfig) -> Result<Enc
 /// Decodes `encoded` and compares it with `data`, naming the first weight
 /// that differs.
 fn verify(data: &[u8], encoded: &Encoded, threads: usize, plant: Plant) -> Result<(), EncodeError> {
-    let code = encoded.stats.code.label();
+    verify_blob(data, &encoded.blob, encoded.stats.code, threads, plant)
+}
+
+/// Decodes the tensor blob `blob`, written with `code`, and compares it
+/// with `data`, naming the first weight that differs: tile by tile into a
+/// small buffer per thread (no second copy of the tensor), the tiles
+/// spread over `threads`.
+pub(crate) fn verify_blob(
+    data: &[u8],
+    blob: &[u8],
+    code: Code,
+    threads: usize,
+    plant: Plant,
+) -> Result<(), EncodeError> {
+    let code = code.label();
     let decode_err = |source| EncodeError::RoundTripDecode {
         code: code.clone(),
         source,
     };
-    let packed = Packed::parse(&encoded.blob).map_err(decode_err)?;
+    let packed = Packed::parse(blob).map_err(decode_err)?;
     let first_difference = |out: &[u8], input: &[u8], base: usize| {
         let i = out
             .chunks_exact(2)
@@ -1045,7 +1077,7 @@ fn verify(data: &[u8], encoded: &Encoded, threads: usize, plant: Plant) -> Resul
     };
     check_output(packed.header().decoded_bytes, data.len()).map_err(decode_err)?;
     if packed.header().code == Code::Raw {
-        let out = &encoded.blob[HEADER_BYTES..HEADER_BYTES + data.len()];
+        let out = &blob[HEADER_BYTES..HEADER_BYTES + data.len()];
         return if out == data {
             Ok(())
         } else {
@@ -1142,30 +1174,18 @@ fn encode_tile(src: &[u8], lo: u8, sm: &mut [u8], codes: &mut [u8], esc: &mut Ve
     count
 }
 
-/// Encodes bf16 data with the window starting at `lo`, tiles spread over
-/// `threads` threads (no verification: [`encode_bf16`] does that).
-pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, EncodeError> {
-    if !data.len().is_multiple_of(2) {
-        return Err(EncodeError::OddLength { bytes: data.len() });
-    }
-    if lo > MAX_LO {
-        return Err(EncodeError::WindowOutOfRange { lo });
-    }
-    let elems = (data.len() / 2) as u64;
-    if elems > u64::from(u32::MAX) {
-        return Err(EncodeError::TooLarge { elems });
-    }
-    let bare = Layout::window3(elems, 0).expect("an in-memory tensor's layout fits");
-    let tiles = bare.n_tiles as usize;
-    // The sections before the escapes do not depend on them: encode into
-    // the blob itself (one allocation, no copy), grown for the escapes.
-    let mut blob = vec![0u8; bare.escapes.start as usize];
-    let (sm, codes) =
-        blob[HEADER_BYTES..bare.esc_index.start as usize].split_at_mut(tiles * TILE_ELEMS);
+/// Per part of a tensor's tiles (in order): its escapes and each tile's
+/// escape count.
+type TileParts = Vec<(Vec<u8>, Vec<u32>)>;
+
+/// Window-codes `data` at `lo` into a blob's sign+mantissa (`sm`) and bit
+/// plane (`codes`) sections, tiles spread over `threads` threads; each
+/// part's escapes and per-tile counts for [`write_window3_tail`].
+fn encode_tiles(data: &[u8], lo: u8, threads: usize, sm: &mut [u8], codes: &mut [u8]) -> TileParts {
+    let tiles = data.len().div_ceil(2 * TILE_ELEMS);
     // Eight tiles a thread at least: a spawn costs more than a tile.
     let threads = threads.clamp(1, (tiles / 8).max(1));
     let per = tiles.div_ceil(threads).max(1);
-    // Per chunk of tiles: its escapes, and each tile's count.
     let run = |src: &[u8], sm: &mut [u8], codes: &mut [u8]| {
         let mut esc = Vec::new();
         let mut counts = Vec::new();
@@ -1178,28 +1198,30 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
         }
         (esc, counts)
     };
-    let parts: Vec<(Vec<u8>, Vec<u32>)> = if threads == 1 {
-        vec![run(data, sm, codes)]
-    } else {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = data
-                .chunks(per * TILE_ELEMS * 2)
-                .zip(sm.chunks_mut(per * TILE_ELEMS))
-                .zip(codes.chunks_mut(per * TILE_CODE_BYTES))
-                .map(|((d, m), c)| s.spawn(move || run(d, m, c)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-                .collect()
-        })
-    };
-    let escapes: u64 = parts.iter().map(|(e, _)| e.len() as u64).sum();
-    let layout = Layout::window3(elems, escapes).expect("an in-memory tensor's layout fits");
-    blob.resize(layout.total_bytes as usize, 0);
+    if threads == 1 {
+        return vec![run(data, sm, codes)];
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = data
+            .chunks(per * TILE_ELEMS * 2)
+            .zip(sm.chunks_mut(per * TILE_ELEMS))
+            .zip(codes.chunks_mut(per * TILE_CODE_BYTES))
+            .map(|((d, m), c)| s.spawn(move || run(d, m, c)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
+}
+
+/// Writes a window3 blob's header, escape index and escapes (`blob` is
+/// the whole blob, `layout.total_bytes` long, its first two sections
+/// already written by [`encode_tiles`], which gave `parts`).
+fn write_window3_tail(blob: &mut [u8], layout: &Layout, lo: u8, parts: &TileParts) {
     Header {
         code: Code::Window3 { lo },
-        decoded_bytes: data.len() as u64,
+        decoded_bytes: 2 * layout.elems,
         n_tiles: layout.n_tiles,
         offsets: [
             layout.signman.start,
@@ -1209,12 +1231,12 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
         ],
         total_bytes: layout.total_bytes,
     }
-    .write(&mut blob);
+    .write(blob);
     let mut idx = layout.esc_index.start as usize;
     let mut esc_at = layout.escapes.start as usize;
     let mut cum = 0u32;
     blob[idx..idx + 4].copy_from_slice(&0u32.to_le_bytes());
-    for (esc, counts) in &parts {
+    for (esc, counts) in parts {
         for c in counts {
             cum += c;
             idx += 4;
@@ -1223,6 +1245,39 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
         blob[esc_at..esc_at + esc.len()].copy_from_slice(esc);
         esc_at += esc.len();
     }
+}
+
+/// Checks window3 arguments: even length, `lo` in range, at most
+/// `u32::MAX` weights; the weights.
+fn window3_weights(data: &[u8], lo: u8) -> Result<u64, EncodeError> {
+    if !data.len().is_multiple_of(2) {
+        return Err(EncodeError::OddLength { bytes: data.len() });
+    }
+    if lo > MAX_LO {
+        return Err(EncodeError::WindowOutOfRange { lo });
+    }
+    let elems = (data.len() / 2) as u64;
+    if elems > u64::from(u32::MAX) {
+        return Err(EncodeError::TooLarge { elems });
+    }
+    Ok(elems)
+}
+
+/// Encodes bf16 data with the window starting at `lo`, tiles spread over
+/// `threads` threads (no verification: [`encode_bf16`] does that).
+pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, EncodeError> {
+    let elems = window3_weights(data, lo)?;
+    let bare = Layout::window3(elems, 0).expect("an in-memory tensor's layout fits");
+    // The sections before the escapes do not depend on them: encode into
+    // the blob itself (one allocation, no copy), grown for the escapes.
+    let mut blob = vec![0u8; bare.escapes.start as usize];
+    let (sm, codes) = blob[HEADER_BYTES..bare.esc_index.start as usize]
+        .split_at_mut(bare.n_tiles as usize * TILE_ELEMS);
+    let parts = encode_tiles(data, lo, threads, sm, codes);
+    let escapes: u64 = parts.iter().map(|(e, _)| e.len() as u64).sum();
+    let layout = Layout::window3(elems, escapes).expect("an in-memory tensor's layout fits");
+    blob.resize(layout.total_bytes as usize, 0);
+    write_window3_tail(&mut blob, &layout, lo, &parts);
     Ok(Encoded {
         blob,
         stats: Stats {
@@ -1232,4 +1287,60 @@ pub fn encode_window3(data: &[u8], lo: u8, threads: usize) -> Result<Encoded, En
             escapes,
         },
     })
+}
+
+/// Encodes a tensor with the code and figures [`plan_bf16`] gave
+/// (`planned`) into `out`: zeroed, exactly `planned.packed_bytes` long
+/// (a block's blob writes each tensor in place, no blob of its own and no
+/// copy). `Err` where `out` has another length, and where the escapes the
+/// encoding found are not the plan's (then `out` holds no valid blob).
+pub fn encode_into(
+    data: &[u8],
+    planned: &Stats,
+    threads: usize,
+    out: &mut [u8],
+) -> Result<(), EncodeError> {
+    let length = |expected: u64| {
+        if out.len() as u64 == expected {
+            Ok(())
+        } else {
+            Err(EncodeError::OutputLength {
+                expected,
+                found: out.len() as u64,
+            })
+        }
+    };
+    match planned.code {
+        Code::Raw => {
+            length(Layout::raw_bytes(data.len() as u64))?;
+            Header {
+                code: Code::Raw,
+                decoded_bytes: data.len() as u64,
+                n_tiles: 0,
+                offsets: [HEADER_BYTES as u64, 0, 0, 0],
+                total_bytes: out.len() as u64,
+            }
+            .write(out);
+            out[HEADER_BYTES..HEADER_BYTES + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+        Code::Window3 { lo } => {
+            let elems = window3_weights(data, lo)?;
+            let layout =
+                Layout::window3(elems, planned.escapes).ok_or(EncodeError::TooLarge { elems })?;
+            length(layout.total_bytes)?;
+            let (sm, codes) = out[HEADER_BYTES..layout.esc_index.start as usize]
+                .split_at_mut(layout.n_tiles as usize * TILE_ELEMS);
+            let parts = encode_tiles(data, lo, threads, sm, codes);
+            let found: u64 = parts.iter().map(|(e, _)| e.len() as u64).sum();
+            if found != planned.escapes {
+                return Err(EncodeError::EscapesNotPlanned {
+                    planned: planned.escapes,
+                    found,
+                });
+            }
+            write_window3_tail(out, &layout, lo, &parts);
+            Ok(())
+        }
+    }
 }

@@ -508,6 +508,17 @@ impl crate::device::ByteSource for Reader<'_> {
     }
 }
 
+/// `bytes` as a source read by up to `threads` host threads, each a
+/// contiguous part written with streaming stores: a coded master copied
+/// into pinned memory at `enable`, which only the copy engine reads.
+pub(crate) fn parallel_slice(bytes: &[u8], threads: usize) -> impl crate::device::ByteSource + '_ {
+    ParallelBytes {
+        reader: Reader::Slice(bytes),
+        threads,
+        pool: None,
+    }
+}
+
 /// A read split over up to `threads` host threads, each a contiguous part
 /// (page-aligned).
 struct ParallelBytes<'a> {

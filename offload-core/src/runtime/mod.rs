@@ -54,4 +54,4 @@ pub use model_level::ModelLevelBackend;
 pub use planned::PlannedBackend;
 pub use platform::CorePlatform;
 pub use resident::ResidentBackend;
-pub use shared::{packing, packing_for, unit_bytes};
+pub use shared::{packing, packing_for, unit_bytes, unit_bytes_parallel};
