@@ -57,9 +57,10 @@ use crate::model::{ModuleId, StorageId};
 use crate::residency::{Residency, Transition};
 use crate::runtime::backend::{Backend, DeviceLocation, HostMasters, WeightSource};
 use crate::runtime::bugs::{Bugs, PlantedBug};
-use crate::runtime::filler::{ParallelUnitBytes, StagingRing, fill_threads};
+use crate::runtime::filler::StagingRing;
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
+use crate::runtime::read::{ParallelUnitBytes, fill_threads};
 use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
     CodedFrom, CodedMaster, Handles, HostMaster, Placement, Shared, StrategyState, bytes_of,

@@ -362,7 +362,7 @@ impl<A: Api> Handles<A> {
             }
         }
         let coded = match codec.encode(
-            &unit_bytes_parallel(&*self.weights, unit),
+            &crate::runtime::read::unit_bytes_parallel(&*self.weights, unit),
             unit.bytes,
             spans,
         ) {
@@ -391,7 +391,7 @@ impl<A: Api> Handles<A> {
         codec: &dyn Codec<A>,
     ) -> Result<crate::device::Coded, String> {
         codec.encode(
-            &unit_bytes_parallel(&*self.weights, unit),
+            &crate::runtime::read::unit_bytes_parallel(&*self.weights, unit),
             unit.bytes,
             spans,
         )
@@ -410,11 +410,11 @@ impl<A: Api> Handles<A> {
             Ok(mut host) => {
                 // Over the fills' threads, as the unit was read to encode
                 // it (`unit_bytes_parallel`).
-                let threads = crate::runtime::filler::fill_threads();
+                let threads = crate::runtime::read::fill_threads();
                 host.write_from(
                     0,
                     len,
-                    &crate::runtime::filler::parallel_slice(coded.region.bytes(), threads),
+                    &crate::runtime::read::parallel_slice(coded.region.bytes(), threads),
                 );
                 Ok(CodedMaster::Made(
                     self.counted(HostMaster::Pinned(host)),
@@ -807,65 +807,6 @@ struct StorageBytes<'a> {
 impl ByteSource for StorageBytes<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         self.weights.read(self.storage, self.base + position, dst);
-    }
-}
-
-/// `unit`'s bytes, packed as its entries lay them out, read from
-/// `weights` (what a codec encodes: [`crate::device::Codec::encode`]).
-pub fn unit_bytes<'a>(
-    weights: &'a dyn WeightSource,
-    unit: &'a Unit,
-) -> impl crate::device::ByteSource + 'a {
-    UnitBytes {
-        weights,
-        unit,
-        direct: false,
-    }
-}
-
-/// `unit`'s bytes as [`unit_bytes`] gives them, a large read split over
-/// the fills' threads ([`crate::runtime::filler::fill_threads`]), each a
-/// contiguous part: what a codec encoding a unit reads (at `enable`, and
-/// `offload-pack`'s coded-block files). Why: the encoder copies the unit
-/// into memory of its own before coding it, and one thread copying a Flux
-/// double block's 680 MB into fresh pages was a third of encoding it
-/// (0.49 s of 1.4 s on two cores).
-pub fn unit_bytes_parallel<'a>(
-    weights: &'a dyn WeightSource,
-    unit: &'a Unit,
-) -> impl crate::device::ByteSource + 'a {
-    crate::runtime::filler::ParallelUnitBytes {
-        weights,
-        unit,
-        threads: crate::runtime::filler::fill_threads(),
-        pool: None,
-        direct: false,
-    }
-}
-
-/// A unit's bytes, packed as its entries lay them out, read from the
-/// weight source.
-pub(crate) struct UnitBytes<'a> {
-    pub(crate) weights: &'a dyn WeightSource,
-    pub(crate) unit: &'a Unit,
-    /// Read with [`WeightSource::read_direct`] (nothing mapped in).
-    pub(crate) direct: bool,
-}
-
-impl ByteSource for UnitBytes<'_> {
-    fn read_at(&self, position: u64, dst: &mut [u8]) {
-        let end = position + dst.len() as u64;
-        for e in &self.unit.entries {
-            let (from, to) = (e.offset.max(position), (e.offset + e.bytes).min(end));
-            if from < to {
-                let out = &mut dst[(from - position) as usize..(to - position) as usize];
-                if self.direct {
-                    self.weights.read_direct(e.storage, from - e.offset, out);
-                } else {
-                    self.weights.read(e.storage, from - e.offset, out);
-                }
-            }
-        }
     }
 }
 
