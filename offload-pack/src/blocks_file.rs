@@ -627,9 +627,9 @@ pub fn pack_blocks(
         .collect();
     let mut coded_bytes = 0;
     // One buffer for every block's bytes, read over the fills' threads
-    // (a fresh one a block was touched page by page on one thread); a
-    // unit's storages lie back to back (`Unit::pack`), so every byte of it
-    // is this block's.
+    // (a fresh one a block was touched page by page on one thread); a byte
+    // no storage covers reads as zero (`unit_bytes_parallel`), never the
+    // last block's.
     let mut bytes = Vec::new();
     let file_bytes = write_blocks(path, &names, |i| {
         use offload_core::device::ByteSource;

@@ -30,7 +30,7 @@ pub fn unit_bytes<'a>(
 /// `offload-pack`'s coded-block files). Why: the encoder copies the unit
 /// into memory of its own before coding it, and one thread copying a Flux
 /// double block's 680 MB into fresh pages was a third of encoding it
-/// (0.49 s of 1.4 s on two cores).
+/// (0.48–0.51 s of 1.4 s on two cores; `bench/results/encode-2026-12-06-dev/`).
 pub fn unit_bytes_parallel<'a>(
     weights: &'a dyn WeightSource,
     unit: &'a Unit,
@@ -56,6 +56,22 @@ pub(crate) struct UnitBytes<'a> {
 impl ByteSource for UnitBytes<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         let end = position + dst.len() as u64;
+        // A byte no storage covers reads as zero, whatever `dst` held (a
+        // buffer reused across units, as `offload-pack` reuses one): units
+        // are laid back to back (`Unit::pack`), but `Unit` is public.
+        let covered: u64 = self
+            .unit
+            .entries
+            .iter()
+            .map(|e| {
+                (e.offset + e.bytes)
+                    .min(end)
+                    .saturating_sub(e.offset.max(position))
+            })
+            .sum();
+        if covered < dst.len() as u64 {
+            dst.fill(0);
+        }
         for e in &self.unit.entries {
             let (from, to) = (e.offset.max(position), (e.offset + e.bytes).min(end));
             if from < to {
@@ -214,4 +230,112 @@ impl crate::device::ByteSource for ParallelBytes<'_> {
 /// cores, at most 16.
 pub fn fill_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+}
+
+#[cfg(test)]
+#[cfg(not(loom))]
+mod tests {
+    use super::*;
+    use crate::model::{ModuleId, StorageId};
+    use crate::runtime::layout::Entry;
+
+    /// Storages of uneven sizes, each byte a function of its storage and
+    /// position.
+    struct Storages(Vec<Vec<u8>>);
+
+    impl WeightSource for Storages {
+        fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+            let s = &self.0[storage.index()];
+            let at = position as usize;
+            dst.copy_from_slice(&s[at..at + dst.len()]);
+        }
+    }
+
+    /// A unit read split over threads reads what one thread reads: a unit
+    /// of 13 MiB and a few bytes whose storages straddle every part's
+    /// boundary (parts of 4 MiB and more, page-aligned), at 2, 3 and 5
+    /// threads and through `unit_bytes_parallel`, whole and from an odd
+    /// position. Seen red with every part after the first read 2 bytes
+    /// off (the helper's plant D2, which the simulator's small units never
+    /// split far enough to see).
+    #[test]
+    fn a_unit_read_over_threads_reads_what_one_thread_reads() {
+        let sizes = [(3 << 20) + 5, 1, (5 << 20) + 4093, 4096, (4 << 20) + 7];
+        let storages = Storages(
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n).map(|i| ((i * 31 + k * 7) % 253) as u8).collect())
+                .collect(),
+        );
+        let mut offset = 0u64;
+        let entries = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let e = Entry {
+                    storage: StorageId(k as u32),
+                    offset,
+                    bytes: n as u64,
+                };
+                offset += n as u64;
+                e
+            })
+            .collect();
+        let unit = Unit {
+            name: "block".to_owned(),
+            module: ModuleId(0),
+            entries,
+            bytes: offset,
+        };
+        let mut want = vec![0u8; offset as usize];
+        unit_bytes(&storages, &unit).read_at(0, &mut want);
+        assert_eq!(&want[..5], &storages.0[0][..5]);
+        for threads in [2, 3, 5] {
+            for (position, len) in [(0usize, want.len()), (4097, want.len() - 4097 - 3)] {
+                let mut got = vec![0u8; len];
+                ParallelUnitBytes {
+                    weights: &storages,
+                    unit: &unit,
+                    threads,
+                    pool: None,
+                    direct: false,
+                }
+                .read_at(position as u64, &mut got);
+                assert!(
+                    got == want[position..position + len],
+                    "{threads} threads at {position}"
+                );
+            }
+        }
+        let mut got = vec![0u8; want.len()];
+        unit_bytes_parallel(&storages, &unit).read_at(0, &mut got);
+        assert!(got == want);
+        // A unit with a gap no storage covers, read into a buffer that held
+        // other bytes: the gap reads as zeros, on one thread and split.
+        // Seen red without the fill (the 0xee bytes stayed).
+        let mut gapped = unit.clone();
+        for e in &mut gapped.entries[2..] {
+            e.offset += 5000;
+        }
+        gapped.bytes += 5000;
+        let gap = unit.entries[2].offset as usize..unit.entries[2].offset as usize + 5000;
+        for threads in [1, 3] {
+            let mut got = vec![0xeeu8; gapped.bytes as usize];
+            ParallelUnitBytes {
+                weights: &storages,
+                unit: &gapped,
+                threads,
+                pool: None,
+                direct: false,
+            }
+            .read_at(0, &mut got);
+            assert!(
+                got[gap.clone()].iter().all(|&b| b == 0),
+                "{threads} threads"
+            );
+            assert!(got[..gap.start] == want[..gap.start]);
+            assert!(got[gap.end..] == want[gap.start..]);
+        }
+    }
 }
