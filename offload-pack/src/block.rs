@@ -27,8 +27,8 @@
 //! decoder that trusts a parsed block reads and writes only inside it.
 
 use crate::format::{
-    Code, DecodeError, EncodeConfig, EncodeError, HEADER_BYTES, Layout, Packed, Plant, Stats,
-    encode_into, plan_bf16, verify_blob,
+    Code, DecodeError, EncodeConfig, EncodeError, HEADER_BYTES, Packed, Plant, Stats, encode_into,
+    plan_bf16, verify_blob,
 };
 
 /// The block blob's magic.
@@ -208,12 +208,7 @@ pub fn encode_block(
                 source,
             })?
         } else {
-            Stats {
-                code: Code::Raw,
-                decoded_bytes: s.bytes,
-                packed_bytes: Layout::raw_bytes(s.bytes),
-                escapes: 0,
-            }
+            Stats::raw(s.bytes)
         };
         planned.push(stats);
     }

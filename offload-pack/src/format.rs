@@ -848,6 +848,16 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The figures of `decoded_bytes` of any tensor encoded raw.
+    pub fn raw(decoded_bytes: u64) -> Self {
+        Self {
+            code: Code::Raw,
+            decoded_bytes,
+            packed_bytes: Layout::raw_bytes(decoded_bytes),
+            escapes: 0,
+        }
+    }
+
     /// Packed bytes / decoded bytes (1 for an empty tensor).
     pub fn ratio(&self) -> f64 {
         if self.decoded_bytes == 0 {
@@ -923,12 +933,7 @@ pub fn best_window(hist: &[u64; 256]) -> (u8, u64) {
 /// is encoded.
 pub fn choose(hist: &[u64; 256], min_elems: usize) -> Stats {
     let elems: u64 = hist.iter().sum();
-    let raw = Stats {
-        code: Code::Raw,
-        decoded_bytes: 2 * elems,
-        packed_bytes: Layout::raw_bytes(2 * elems),
-        escapes: 0,
-    };
+    let raw = Stats::raw(2 * elems);
     if elems < min_elems as u64 || elems > u64::from(u32::MAX) {
         return raw;
     }
@@ -946,26 +951,10 @@ pub fn choose(hist: &[u64; 256], min_elems: usize) -> Stats {
 
 /// Encodes any tensor's bytes raw.
 pub fn encode_raw(data: &[u8]) -> Encoded {
-    let total = Layout::raw_bytes(data.len() as u64);
-    let mut blob = vec![0u8; total as usize];
-    Header {
-        code: Code::Raw,
-        decoded_bytes: data.len() as u64,
-        n_tiles: 0,
-        offsets: [HEADER_BYTES as u64, 0, 0, 0],
-        total_bytes: total,
-    }
-    .write(&mut blob);
-    blob[HEADER_BYTES..HEADER_BYTES + data.len()].copy_from_slice(data);
-    Encoded {
-        blob,
-        stats: Stats {
-            code: Code::Raw,
-            decoded_bytes: data.len() as u64,
-            packed_bytes: total,
-            escapes: 0,
-        },
-    }
+    let stats = Stats::raw(data.len() as u64);
+    let mut blob = vec![0u8; stats.packed_bytes as usize];
+    encode_into(data, &stats, 1, &mut blob).expect("a raw blob of its planned length");
+    Encoded { blob, stats }
 }
 
 /// The code the encoder uses for bf16 data under `cfg` (its `force`, else
@@ -977,12 +966,7 @@ pub fn plan_bf16(data: &[u8], cfg: &EncodeConfig) -> Result<Stats, EncodeError> 
     }
     let plant = cfg.plant();
     let elems = (data.len() / 2) as u64;
-    let raw = Stats {
-        code: Code::Raw,
-        decoded_bytes: data.len() as u64,
-        packed_bytes: Layout::raw_bytes(data.len() as u64),
-        escapes: 0,
-    };
+    let raw = Stats::raw(data.len() as u64);
     let hist = match cfg.force {
         Some(Code::Raw) => return Ok(raw),
         None if plant.is("always_raw") => return Ok(raw),

@@ -96,7 +96,7 @@ pub(crate) struct ParallelUnitBytes<'a> {
     pub(crate) weights: &'a dyn WeightSource,
     pub(crate) unit: &'a Unit,
     pub(crate) threads: usize,
-    /// Worker threads to split over ([`StagingRing::pool`]), else threads
+    /// Worker threads to split over (the staging ring's pool), else threads
     /// started for the read.
     pub(crate) pool: Option<&'a rayon::ThreadPool>,
     /// Read with [`WeightSource::read_direct`]: the pages are released
@@ -155,13 +155,14 @@ impl crate::device::ByteSource for Reader<'_> {
     }
 }
 
-/// `bytes` as a source read by up to `threads` host threads, each a
-/// contiguous part written with streaming stores: a coded master copied
-/// into pinned memory at `enable`, which only the copy engine reads.
-pub(crate) fn parallel_slice(bytes: &[u8], threads: usize) -> impl crate::device::ByteSource + '_ {
+/// `bytes` as a source read over the fills' threads ([`fill_threads`]),
+/// each a contiguous part written with streaming stores: a coded master
+/// copied into pinned memory at `enable`, which only the copy engine
+/// reads.
+pub(crate) fn parallel_slice(bytes: &[u8]) -> impl crate::device::ByteSource + '_ {
     ParallelBytes {
         reader: Reader::Slice(bytes),
-        threads,
+        threads: fill_threads(),
         pool: None,
     }
 }

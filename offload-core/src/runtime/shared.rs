@@ -361,11 +361,7 @@ impl<A: Api> Handles<A> {
                 return self.pinned_coded(unit, coded, CodedFrom::Copied);
             }
         }
-        let coded = match codec.encode(
-            &crate::runtime::read::unit_bytes_parallel(&*self.weights, unit),
-            unit.bytes,
-            spans,
-        ) {
+        let coded = match self.encode(unit, spans, codec) {
             Ok(coded) => coded,
             Err(reason) => {
                 tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
@@ -410,11 +406,10 @@ impl<A: Api> Handles<A> {
             Ok(mut host) => {
                 // Over the fills' threads, as the unit was read to encode
                 // it (`unit_bytes_parallel`).
-                let threads = crate::runtime::read::fill_threads();
                 host.write_from(
                     0,
                     len,
-                    &crate::runtime::read::parallel_slice(coded.region.bytes(), threads),
+                    &crate::runtime::read::parallel_slice(coded.region.bytes()),
                 );
                 Ok(CodedMaster::Made(
                     self.counted(HostMaster::Pinned(host)),
