@@ -440,9 +440,11 @@ impl Settings {
                 .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
         })?;
         let compressions = compressions(args)?;
+        // With `--copy-beside` the resident rows alone are a run (the
+        // interference probe: resident beside copies, no layerwise row).
         ensure!(
-            !(depths.is_empty() && args.no_planner),
-            "--depths names no depth and --no-planner leaves out the chooser's rows: no layerwise row would run; name a depth in 1..=8 or drop --no-planner"
+            !(depths.is_empty() && args.no_planner && !args.copy_beside),
+            "--depths names no depth and --no-planner leaves out the chooser's rows: no layerwise row would run; name a depth in 1..=8, drop --no-planner, or add --copy-beside for the resident rows alone"
         );
         Ok(Self {
             tokens,
@@ -2458,6 +2460,14 @@ mod tests {
                 &["--copy-beside", "--ranks", "2"],
                 Err("--copy-beside times one GPU's resident step"),
             ),
+            (
+                &["--depths", "", "--no-planner"],
+                Err("--depths names no depth and --no-planner"),
+            ),
+            (
+                &["--depths", "", "--no-planner", "--copy-beside"],
+                Ok(vec![4608, 16896]),
+            ),
         ];
         for (flags, expect) in rows {
             match (settings(flags), expect) {
@@ -2492,7 +2502,9 @@ mod tests {
     /// `"auto"` runs at the chooser's look-ahead as the uncoded rows do:
     /// with `--depths ""` (the crossover sweep's flags) it ran no row at
     /// all, silently. One row per token count and depth; `--depths ""`
-    /// with `--no-planner` is refused, since no layerwise row would run.
+    /// with `--no-planner` is refused, since no layerwise row would run,
+    /// unless `--copy-beside` asks for the resident rows alone
+    /// (`flags_are_checked_not_panicked_on`).
     #[test]
     fn auto_rows_run_at_the_choosers_look_ahead_and_each_depth() {
         use super::auto_rows;
