@@ -28,7 +28,7 @@
 
 use crate::format::{
     Code, DecodeError, EncodeConfig, EncodeError, HEADER_BYTES, Packed, Plant, Stats, encode_into,
-    plan_bf16, verify_blob,
+    exponent_histogram, plan_bf16_from, verify_blob,
 };
 
 /// The block blob's magic.
@@ -155,38 +155,7 @@ pub fn encode_block(
     cfg: &EncodeConfig,
 ) -> Result<EncodedBlock, BlockEncodeError> {
     let len = unit.len() as u64;
-    // The spans, gaps filled with raw spans.
-    let mut all = Vec::with_capacity(spans.len() * 2 + 1);
-    let mut at = 0u64;
-    for (index, s) in spans.iter().enumerate() {
-        let end = s.offset.checked_add(s.bytes);
-        if s.offset < at || end.is_none_or(|e| e > len) {
-            return Err(BlockEncodeError::BadSpan {
-                index,
-                offset: s.offset,
-                bytes: s.bytes,
-                unit: len,
-            });
-        }
-        if s.offset > at {
-            all.push(Span {
-                offset: at,
-                bytes: s.offset - at,
-                bf16: false,
-            });
-        }
-        if s.bytes > 0 {
-            all.push(*s);
-        }
-        at = s.offset + s.bytes;
-    }
-    if at < len {
-        all.push(Span {
-            offset: at,
-            bytes: len - at,
-            bf16: false,
-        });
-    }
+    let all = all_spans(len, spans)?;
     // Each span planned first (exact: its code and its blob's length), so
     // the block's layout is known before anything is encoded and every
     // tensor is encoded in place into the one blob: no tensor blob of its
@@ -194,26 +163,21 @@ pub fn encode_block(
     // memory, not by the coding: one 680 MB Flux block written once, not
     // three times). Each tensor's own round trip is left to the whole
     // block's below (one decode of every byte, not two).
-    let tensor_cfg = EncodeConfig {
-        verify: false,
-        ..cfg.clone()
-    };
+    let tensor_cfg = tensor_config(cfg);
     let threads = cfg.threads();
-    let mut planned = Vec::with_capacity(all.len());
-    for s in &all {
-        let data = &unit[s.offset as usize..(s.offset + s.bytes) as usize];
-        let stats = if s.bf16 && s.bytes.is_multiple_of(2) {
-            plan_bf16(data, &tensor_cfg).map_err(|source| BlockEncodeError::Encode {
-                offset: s.offset,
-                source,
-            })?
-        } else {
-            Stats::raw(s.bytes)
-        };
-        planned.push(stats);
-    }
-    let table_end = align64((BLOCK_HEADER_BYTES + ENTRY_BYTES * planned.len()) as u64);
-    let total = table_end + planned.iter().map(|p| p.packed_bytes).sum::<u64>();
+    let planned = all
+        .iter()
+        .map(|s| {
+            plan_span(s, &tensor_cfg, || {
+                Ok(exponent_histogram(
+                    &unit[s.offset as usize..(s.offset + s.bytes) as usize],
+                    threads,
+                ))
+            })
+        })
+        .collect::<Result<Vec<Stats>, BlockEncodeError>>()?;
+    let table_end = table_end(planned.len());
+    let total = blob_bytes(&planned);
     let mut blob = vec![0u8; total as usize];
     let mut work = 0u64;
     let mut cursor = table_end;
@@ -254,6 +218,155 @@ pub fn encode_block(
         work,
         decoded_bytes: len,
         coded_spans: (coded, all.len()),
+    })
+}
+
+/// A unit's spans with every byte no span covers as a raw span, in order;
+/// a span outside the unit or overlapping the one before it refused.
+fn all_spans(len: u64, spans: &[Span]) -> Result<Vec<Span>, BlockEncodeError> {
+    let mut all = Vec::with_capacity(spans.len() * 2 + 1);
+    let mut at = 0u64;
+    for (index, s) in spans.iter().enumerate() {
+        let end = s.offset.checked_add(s.bytes);
+        if s.offset < at || end.is_none_or(|e| e > len) {
+            return Err(BlockEncodeError::BadSpan {
+                index,
+                offset: s.offset,
+                bytes: s.bytes,
+                unit: len,
+            });
+        }
+        if s.offset > at {
+            all.push(Span {
+                offset: at,
+                bytes: s.offset - at,
+                bf16: false,
+            });
+        }
+        if s.bytes > 0 {
+            all.push(*s);
+        }
+        at = s.offset + s.bytes;
+    }
+    if at < len {
+        all.push(Span {
+            offset: at,
+            bytes: len - at,
+            bf16: false,
+        });
+    }
+    Ok(all)
+}
+
+/// The configuration each tensor of a block is planned and encoded under:
+/// the block's, with no round trip of its own (the whole block's covers
+/// it).
+fn tensor_config(cfg: &EncodeConfig) -> EncodeConfig {
+    EncodeConfig {
+        verify: false,
+        ..cfg.clone()
+    }
+}
+
+/// One span's plan: a bf16 span of whole weights by [`plan_bf16_from`]
+/// on the exponent histogram `hist` gives, anything else raw.
+fn plan_span(
+    s: &Span,
+    cfg: &EncodeConfig,
+    hist: impl FnOnce() -> Result<[u64; 256], EncodeError>,
+) -> Result<Stats, BlockEncodeError> {
+    if s.bf16 && s.bytes.is_multiple_of(2) {
+        plan_bf16_from(s.bytes, cfg, hist).map_err(|source| BlockEncodeError::Encode {
+            offset: s.offset,
+            source,
+        })
+    } else {
+        Ok(Stats::raw(s.bytes))
+    }
+}
+
+/// Where the first tensor blob starts behind a table of `entries`.
+fn table_end(entries: usize) -> u64 {
+    align64((BLOCK_HEADER_BYTES + ENTRY_BYTES * entries) as u64)
+}
+
+/// The block blob's length for its spans' plans, in order.
+fn blob_bytes(planned: &[Stats]) -> u64 {
+    table_end(planned.len()) + planned.iter().map(|p| p.packed_bytes).sum::<u64>()
+}
+
+/// What [`encode_block`] gives for a unit, known before encoding it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockPlan {
+    /// The blob's exact length.
+    pub blob_bytes: u64,
+    /// Its work items.
+    pub work: u64,
+}
+
+/// Bytes of a unit [`plan_block`] reads at once.
+const PLAN_CHUNK: u64 = 32 << 20;
+
+/// The exact length and work items of the blob [`encode_block`] would give
+/// for the `len` bytes `unit` reads (its tensors at `spans`), without
+/// encoding: a tensor's code and size are functions of its exponent
+/// histogram alone ([`plan_bf16_from`]), counted here from reads of at
+/// most 32 MiB into one buffer (raw spans are not read). A request plan
+/// prices every block's coded bytes this way and encodes only the blocks
+/// it streams coded (CONTRACT §7b); the two agree by construction (the
+/// same plan per span, the same layout), checked by
+/// `a_blocks_plan_is_what_its_encode_gives`.
+pub fn plan_block(
+    unit: &dyn offload_core::device::ByteSource,
+    len: u64,
+    spans: &[Span],
+    cfg: &EncodeConfig,
+) -> Result<BlockPlan, BlockEncodeError> {
+    plan_block_in(unit, len, spans, cfg, PLAN_CHUNK)
+}
+
+/// [`plan_block`] reading at most `chunk` bytes (even) at once.
+fn plan_block_in(
+    unit: &dyn offload_core::device::ByteSource,
+    len: u64,
+    spans: &[Span],
+    cfg: &EncodeConfig,
+    chunk: u64,
+) -> Result<BlockPlan, BlockEncodeError> {
+    debug_assert!(chunk >= 2 && chunk.is_multiple_of(2));
+    let all = all_spans(len, spans)?;
+    let tensor_cfg = tensor_config(cfg);
+    let threads = cfg.threads();
+    let largest = all
+        .iter()
+        .filter(|s| s.bf16)
+        .map(|s| s.bytes)
+        .max()
+        .unwrap_or(0);
+    let mut buf = vec![0u8; largest.min(chunk) as usize];
+    let mut planned = Vec::with_capacity(all.len());
+    for s in &all {
+        planned.push(plan_span(s, &tensor_cfg, || {
+            let mut hist = [0u64; 256];
+            let mut at = 0;
+            while at < s.bytes {
+                // Even: each piece holds whole weights.
+                let n = (s.bytes - at).min(chunk) as usize;
+                unit.read_at(s.offset + at, &mut buf[..n]);
+                for (h, x) in hist.iter_mut().zip(exponent_histogram(&buf[..n], threads)) {
+                    *h += x;
+                }
+                at += n as u64;
+            }
+            Ok(hist)
+        })?);
+    }
+    Ok(BlockPlan {
+        blob_bytes: blob_bytes(&planned),
+        work: planned
+            .iter()
+            .map(|p| work_items(p.code, p.decoded_bytes))
+            .sum(),
     })
 }
 
@@ -852,6 +965,72 @@ mod tests {
             decode_block(&b.blob, &mut out, 1).unwrap();
             entries_are_their_tensors_own_blobs(&data, &b, &cfg);
             prop_assert_eq!(out, data);
+        }
+
+        /// What `plan_block` says before encoding is what `encode_block`
+        /// gives: the blob's exact length and its work items, on units of
+        /// normal weights at random scales (which code) beside raw bytes,
+        /// gaps and odd spans, read in pieces of any even size, under the
+        /// chooser, a forced window, a forced raw code and the planted
+        /// choices (a request plan counts these bytes before any block is
+        /// encoded, CONTRACT §7b).
+        #[test]
+        fn a_blocks_plan_is_what_its_encode_gives(
+            parts in proptest::collection::vec((0u8..4, 1usize..6_000, any::<u64>(), 0u16..64), 0..6),
+            chunk in 1u64..10_000,
+            threads in 1usize..4,
+            how in 0u8..5,
+            lo in 0u8..=crate::format::MAX_LO,
+        ) {
+            let mut unit = Vec::new();
+            let mut spans = Vec::new();
+            for (kind, n, seed, gap) in parts {
+                unit.extend(std::iter::repeat_n(7u8, usize::from(gap)));
+                let offset = unit.len() as u64;
+                match kind {
+                    // Normal weights (most code), at a scale from the seed.
+                    0 | 1 => {
+                        let mut w = normal_bf16(n, seed);
+                        let shift = (seed % 5) as u16;
+                        for p in w.chunks_exact_mut(2) {
+                            let v = u16::from_le_bytes([p[0], p[1]]);
+                            let e = ((v >> 7) & 0xff).saturating_sub(shift) & 0xff;
+                            p.copy_from_slice(&((v & 0x807f) | (e << 7)).to_le_bytes());
+                        }
+                        unit.extend_from_slice(&w);
+                    }
+                    // Random bytes, marked bf16.
+                    2 => unit.extend((0..2 * n).map(|i| (seed >> (i % 57)) as u8 ^ i as u8)),
+                    // An odd-length span marked bf16 (it stays raw).
+                    _ => unit.extend(std::iter::repeat_n(3u8, 2 * n + 1)),
+                }
+                spans.push(Span { offset, bytes: unit.len() as u64 - offset, bf16: true });
+            }
+            unit.extend_from_slice(&[1, 2, 3]);
+            let cfg = EncodeConfig {
+                threads,
+                force: match how {
+                    1 => Some(Code::Window3 { lo }),
+                    2 => Some(Code::Raw),
+                    _ => None,
+                },
+                #[cfg(feature = "planted-bugs")]
+                planted: match how {
+                    3 => Some(crate::format::PlantedBug::WindowOffByOne),
+                    4 => Some(crate::format::PlantedBug::AlwaysRaw),
+                    _ => None,
+                },
+                ..EncodeConfig::default()
+            };
+            let plan = plan_block_in(&unit.as_slice(), unit.len() as u64, &spans, &cfg, chunk * 2);
+            match encode_block(&unit, &spans, &cfg) {
+                Ok(b) => prop_assert_eq!(
+                    plan.unwrap(),
+                    BlockPlan { blob_bytes: b.blob.len() as u64, work: b.work }
+                ),
+                // A forced window on a span outside it is refused by both.
+                Err(e) => prop_assert_eq!(plan.unwrap_err().to_string(), e.to_string()),
+            }
         }
 
         #[test]

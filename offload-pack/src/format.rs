@@ -961,16 +961,36 @@ pub fn encode_raw(data: &[u8]) -> Encoded {
 /// [`choose`] on the data's exponent histogram) and the exact figures of
 /// the blob it gives (length, escapes), before encoding anything.
 pub fn plan_bf16(data: &[u8], cfg: &EncodeConfig) -> Result<Stats, EncodeError> {
-    if !data.len().is_multiple_of(2) {
-        return Err(EncodeError::OddLength { bytes: data.len() });
+    plan_bf16_from(data.len() as u64, cfg, || {
+        Ok(exponent_histogram(data, cfg.threads()))
+    })
+}
+
+/// [`plan_bf16`] for `bytes` bytes of bf16 data whose exponent histogram
+/// `hist` gives (called only where the code depends on it): the plan is a
+/// function of the histogram alone, so a caller may count it from the data
+/// in pieces (`block::plan_block`) without holding the data whole.
+pub fn plan_bf16_from<E>(
+    bytes: u64,
+    cfg: &EncodeConfig,
+    hist: impl FnOnce() -> Result<[u64; 256], E>,
+) -> Result<Stats, E>
+where
+    E: From<EncodeError>,
+{
+    if !bytes.is_multiple_of(2) {
+        return Err(EncodeError::OddLength {
+            bytes: bytes as usize,
+        }
+        .into());
     }
     let plant = cfg.plant();
-    let elems = (data.len() / 2) as u64;
-    let raw = Stats::raw(data.len() as u64);
+    let elems = bytes / 2;
+    let raw = Stats::raw(bytes);
     let hist = match cfg.force {
         Some(Code::Raw) => return Ok(raw),
         None if plant.is("always_raw") => return Ok(raw),
-        _ => exponent_histogram(data, cfg.threads()),
+        _ => hist()?,
     };
     let lo = match cfg.force {
         Some(Code::Window3 { lo }) => lo,
@@ -983,10 +1003,10 @@ pub fn plan_bf16(data: &[u8], cfg: &EncodeConfig) -> Result<Stats, EncodeError> 
         },
     };
     if lo > MAX_LO {
-        return Err(EncodeError::WindowOutOfRange { lo });
+        return Err(EncodeError::WindowOutOfRange { lo }.into());
     }
     if elems > u64::from(u32::MAX) {
-        return Err(EncodeError::TooLarge { elems });
+        return Err(EncodeError::TooLarge { elems }.into());
     }
     let hits: u64 = hist[usize::from(lo)..usize::from(lo) + WINDOW].iter().sum();
     let layout = Layout::window3(elems, elems - hits).ok_or(EncodeError::TooLarge { elems })?;
