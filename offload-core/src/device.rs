@@ -535,6 +535,19 @@ pub trait Codec<A: Api>: Send + Sync {
     fn encode(&self, unit: &dyn ByteSource, len: u64, spans: &[CodecSpan])
     -> Result<Coded, String>;
 
+    /// The exact length of the blob [`Codec::encode`] gives for this unit,
+    /// found without encoding it where the code allows (`offload-pack`'s:
+    /// from each tensor's exponent histogram, `block::plan_block`). The
+    /// request planner prices every block's coded bytes with it at
+    /// `enable` and encodes only the blocks a plan streams coded (CONTRACT
+    /// §7b), so `encode` must then give a blob of exactly this length (one
+    /// of another length, or a refusal, fails `enable` typed: the plan
+    /// counted this one). `Err` with the reason where `encode` would
+    /// refuse the unit. The default encodes and measures.
+    fn coded_len(&self, unit: &dyn ByteSource, len: u64, spans: &[CodecSpan]) -> Result<u64, String> {
+        self.encode(unit, len, spans).map(|c| c.blob.len() as u64)
+    }
+
     /// Whether every decode so far found a whole coded block: `Err` (the
     /// backend's error, naming what it saw) where one did not (a damaged or
     /// stale blob), which it also clears. The host calls it only after

@@ -385,19 +385,36 @@ pub fn encode_unit(
     let n = usize::try_from(len).map_err(|_| format!("a unit of {len} bytes"))?;
     let mut bytes = vec![0u8; n];
     unit.read_at(0, &mut bytes);
-    let spans: Vec<Span> = spans
+    let block = encode_block(&bytes, &pack_spans(spans), cfg).map_err(|e| e.to_string())?;
+    Ok(Coded {
+        blob: block.blob,
+        work: block.work,
+    })
+}
+
+/// The exact length of the blob [`encode_unit`] gives, without encoding
+/// (`offload_pack::block::plan_block`: each tensor's exponent histogram,
+/// the unit read in pieces).
+pub fn coded_len_of_unit(
+    unit: &dyn ByteSource,
+    len: u64,
+    spans: &[CodecSpan],
+    cfg: &offload_pack::format::EncodeConfig,
+) -> Result<u64, String> {
+    offload_pack::block::plan_block(unit, len, &pack_spans(spans), cfg)
+        .map(|p| p.blob_bytes)
+        .map_err(|e| e.to_string())
+}
+
+fn pack_spans(spans: &[CodecSpan]) -> Vec<Span> {
+    spans
         .iter()
         .map(|s| Span {
             offset: s.offset,
             bytes: s.bytes,
             bf16: s.bf16,
         })
-        .collect();
-    let block = encode_block(&bytes, &spans, cfg).map_err(|e| e.to_string())?;
-    Ok(Coded {
-        blob: block.blob,
-        work: block.work,
-    })
+        .collect()
 }
 
 /// A decoder error as the device trait's error: a driver error as it is,
@@ -449,6 +466,15 @@ impl Codec<Cuda> for CudaCodec {
         spans: &[CodecSpan],
     ) -> Result<Coded, String> {
         encode_unit(unit, len, spans, &self.config)
+    }
+
+    fn coded_len(
+        &self,
+        unit: &dyn ByteSource,
+        len: u64,
+        spans: &[CodecSpan],
+    ) -> Result<u64, String> {
+        coded_len_of_unit(unit, len, spans, &self.config)
     }
 
     unsafe fn decode(

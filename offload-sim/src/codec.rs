@@ -185,6 +185,23 @@ impl Codec<Sim> for SimCodec {
         Ok(Coded { blob, work })
     }
 
+    /// Exact without a payload divisor (`offload-pack`'s `plan_block`, no
+    /// encode); with one, the sampled estimate the blob is sized by.
+    fn coded_len(
+        &self,
+        unit: &dyn ByteSource,
+        len: u64,
+        spans: &[CodecSpan],
+    ) -> Result<u64, String> {
+        let d = self.device.payload_divisor();
+        if d == 1 {
+            return block::plan_block(unit, len, &Self::spans(spans), &Self::config())
+                .map(|p| p.blob_bytes)
+                .map_err(|e| e.to_string());
+        }
+        Ok(Self::estimate(unit, len, spans).0.max(8 * d))
+    }
+
     /// `Err` when decodes since the last check found no whole coded block
     /// (the device's `decode_errors` grew), as a GPU decoder's error flag.
     fn check(&self) -> Result<(), SimError> {

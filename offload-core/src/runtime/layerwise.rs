@@ -1344,7 +1344,8 @@ pub(crate) struct CodingTally {
 }
 
 impl CodingTally {
-    /// Counts a block encoded earlier (its blob kept) and pinned now.
+    /// Counts a block encoded on the host (its blob kept from the decode
+    /// measurement, or encoded by the caller just now) and pinned now.
     pub(crate) fn encoded_before(&mut self, bytes: u64, coded: u64) {
         self.blocks += 1;
         self.decoded += bytes;

@@ -128,8 +128,10 @@ impl From<OffloadError> for CodedFail {
 
 /// A streamed block's coded form as enable learned it (CONTRACT §7b,
 /// `weight_compression` under a device budget): its coded bytes, which the
-/// planner prices, and, where enable encoded it (no coded-block file holds
-/// it), the blob, kept until the first plan's store is built.
+/// planner prices (a coded-block file's window, else the codec's exact
+/// [`Codec::coded_len`], nothing encoded), and, for the block the decoder
+/// was measured on where enable encoded it, the blob, kept until the
+/// first plan's store is built.
 struct CodedForm {
     bytes: u64,
     blob: Option<crate::runtime::backend::CodedRegion>,
@@ -163,6 +165,38 @@ fn coded_region<A: Api>(
         )),
         Ok(coded) => {
             tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
+            None
+        }
+        Err(reason) => {
+            tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
+            None
+        }
+    }
+}
+
+/// `unit`'s coded bytes (CONTRACT §7b) as [`coded_region`] would give
+/// them, with nothing encoded: a coded-block file's window's length
+/// (`true`), else the codec's exact [`Codec::coded_len`] (`false`); `None`
+/// (logged) where the codec refuses it or its blob would exceed
+/// `coded_bound` (it streams raw).
+fn coded_size<A: Api>(
+    h: &Handles<A>,
+    codec: &dyn Codec<A>,
+    unit: &Unit,
+    spans: &[crate::device::CodecSpan],
+) -> Option<(u64, bool)> {
+    let bound = crate::device::coded_bound(unit.bytes, spans.len());
+    if let Some(c) = codec.format().and_then(|format| {
+        h.weights
+            .take_coded(unit, format)
+            .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
+    }) {
+        return Some((c.region.bytes().len() as u64, true));
+    }
+    match h.coded_len(unit, spans, codec) {
+        Ok(len) if len <= bound => Some((len, false)),
+        Ok(len) => {
+            tracing::warn!(unit = %unit.name, "the {} codec would give `{}` {len} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, unit.bytes);
             None
         }
         Err(reason) => {
@@ -646,16 +680,35 @@ impl<A: Api> PlannedBackend<A> {
         };
         let h = &self.phases.handles;
         let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-        let blob = self
-            .coded_forms
-            .get_mut(&unit.name)
-            .and_then(|f| f.blob.take());
-        let (region, in_file) = match blob {
-            Some(region) => (region, false),
-            None => match coded_region(h, &*codec, unit, &spans) {
-                Some(found) => found,
-                None => return Ok(None),
-            },
+        let (blob, sized) = match self.coded_forms.get_mut(&unit.name) {
+            Some(f) => (f.blob.take(), Some(f.bytes)),
+            None => (None, None),
+        };
+        let found = match blob {
+            Some(region) => Some((region, false)),
+            None => coded_region(h, &*codec, unit, &spans),
+        };
+        // The plan counted the coded form's bytes (`coded_size`, nothing
+        // encoded then): a codec whose encode gives another length, or
+        // refuses what it sized, broke `Codec::coded_len`'s promise, and
+        // a master of another size would overrun what the plan counted.
+        let got = found.as_ref().map(|(r, _)| r.region.bytes().len() as u64);
+        if let Some(want) = sized
+            && got != Some(want)
+        {
+            return Err(CodedFail::Other(OffloadError::DeviceOp {
+                operation: format!("encoding `{}` with the {} codec", unit.name, codec.name()),
+                kind: DeviceErrorKind::Other,
+                shortfall_bytes: None,
+                cause: match got {
+                    Some(got) => format!("its blob took {got} bytes, where the codec's coded_len said {want} and the plan counted that"),
+                    None => format!("the codec refused it (logged above), where its coded_len said {want} bytes and the plan streams it coded"),
+                }
+                .into(),
+            }));
+        }
+        let Some((region, in_file)) = found else {
+            return Ok(None);
         };
         let (len, work) = (region.region.bytes().len() as u64, region.work);
         let staged_coded = |region: CodedRegion, why: budget::StageReason| {
@@ -722,23 +775,21 @@ impl<A: Api> PlannedBackend<A> {
         };
         let h = &self.phases.handles;
         let start = std::time::Instant::now();
-        let (mut in_file, mut encoded, mut refused) = (0usize, 0usize, 0usize);
+        let (mut in_file, mut sized, mut refused) = (0usize, 0usize, 0usize);
         let (mut bytes, mut coded_bytes) = (0u64, 0u64);
         let mut forms = BTreeMap::new();
         for (_, unit) in layout.blocks() {
             let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-            // A file's window is taken again when its master is made.
-            let form = coded_region(h, &*codec, unit, &spans).map(|(region, in_place)| {
-                let bytes = region.region.bytes().len() as u64;
+            // Sized, not encoded: a block is encoded only once a plan
+            // streams it coded (a file's window is taken again when its
+            // master is made).
+            let form = coded_size(h, &*codec, unit, &spans).map(|(bytes, in_place)| {
                 if in_place {
                     in_file += 1;
                 } else {
-                    encoded += 1;
+                    sized += 1;
                 }
-                CodedForm {
-                    bytes,
-                    blob: (!in_place).then_some(region),
-                }
+                CodedForm { bytes, blob: None }
             });
             match form {
                 Some(f) => {
@@ -751,17 +802,17 @@ impl<A: Api> PlannedBackend<A> {
         }
         tracing::info!(
             in_file,
-            encoded,
+            sized,
             refused,
             bytes,
             coded_bytes,
-            "planned offload, weight_compression = \"{}\": {} blocks have coded forms ({} in a coded-block file, {} encoded at enable on the host{}): {coded_bytes} of {bytes} bytes ({:.4}) in {:.2} s; {refused} stream raw",
+            "planned offload, weight_compression = \"{}\": {} blocks have coded forms ({} in a coded-block file, {} sized on the host{}): {coded_bytes} of {bytes} bytes ({:.4}) in {:.2} s; {refused} stream raw",
             self.config.compression(),
-            in_file + encoded,
+            in_file + sized,
             in_file,
-            encoded,
-            if encoded > 0 {
-                ", kept pageable until the plan pins those it streams coded"
+            sized,
+            if sized > 0 {
+                ", encoded once a plan streams them coded"
             } else {
                 ""
             },
@@ -806,7 +857,17 @@ impl<A: Api> PlannedBackend<A> {
         }
         let mut made = None;
         for (i, unit) in candidates.iter().enumerate() {
-            // Its blob is lent for the measurement and kept.
+            // Encoded now (its form was only sized), and its blob lent for
+            // the measurement and kept: a plan that streams it coded pins
+            // that blob rather than encoding it again.
+            if let Some(f) = self.coded_forms.get_mut(&unit.name)
+                && f.blob.is_none()
+            {
+                let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
+                if let Some((region, false)) = coded_region(&self.phases.handles, &*codec, unit, &spans) {
+                    f.blob = Some(region);
+                }
+            }
             let kept = self.coded_forms.get(&unit.name).and_then(|f| {
                 f.blob
                     .as_ref()

@@ -393,6 +393,21 @@ impl<A: Api> Handles<A> {
         )
     }
 
+    /// The exact length of the blob [`Self::encode`] would give for
+    /// `unit`, with nothing encoded ([`Codec::coded_len`]).
+    pub(crate) fn coded_len(
+        &self,
+        unit: &Unit,
+        spans: &[CodecSpan],
+        codec: &dyn Codec<A>,
+    ) -> Result<u64, String> {
+        codec.coded_len(
+            &crate::runtime::read::unit_bytes_parallel(&*self.weights, unit),
+            unit.bytes,
+            spans,
+        )
+    }
+
     /// `coded` copied into pinned memory of its exact size, or handed back
     /// where the device refuses the memory (not a lost device).
     pub(crate) fn pinned_coded(
