@@ -544,7 +544,12 @@ pub trait Codec<A: Api>: Send + Sync {
     /// of another length, or a refusal, fails `enable` typed: the plan
     /// counted this one). `Err` with the reason where `encode` would
     /// refuse the unit. The default encodes and measures.
-    fn coded_len(&self, unit: &dyn ByteSource, len: u64, spans: &[CodecSpan]) -> Result<u64, String> {
+    fn coded_len(
+        &self,
+        unit: &dyn ByteSource,
+        len: u64,
+        spans: &[CodecSpan],
+    ) -> Result<u64, String> {
         self.encode(unit, len, spans).map(|c| c.blob.len() as u64)
     }
 

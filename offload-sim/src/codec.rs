@@ -154,6 +154,7 @@ impl Codec<Sim> for SimCodec {
         len: u64,
         spans: &[CodecSpan],
     ) -> Result<Coded, String> {
+        self.device.note_encode(len);
         let d = self.device.payload_divisor();
         if d == 1 {
             let mut bytes = vec![0u8; len as usize];

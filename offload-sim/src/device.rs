@@ -497,6 +497,12 @@ pub struct SimStats {
     /// when the decode started were not a whole coded block): each wrote
     /// zeros, as a GPU decoder raises its error flag.
     pub decode_errors: u64,
+    /// Units this device's codec encoded on the host so far
+    /// (`SimCodec::encode`; sizing one, `Codec::coded_len`, encodes
+    /// nothing).
+    pub encodes: u64,
+    /// Bytes of the units those encodes read.
+    pub encoded_bytes: u64,
     /// Host synchronisations (of a stream or an event) so far.
     pub syncs: u64,
     /// Requests to pin host memory (pinned allocations, registrations).
@@ -1541,6 +1547,14 @@ impl SimDevice {
     pub fn stats(&self) -> SimStats {
         let st = self.state();
         st.stats.clone()
+    }
+
+    /// Counts one host encode of a unit of `bytes` by this device's codec
+    /// ([`SimStats::encodes`]).
+    pub(crate) fn note_encode(&self, bytes: u64) {
+        let mut st = self.state();
+        st.stats.encodes += 1;
+        st.stats.encoded_bytes += bytes;
     }
 
     /// Loses the device now: every later host synchronisation fails

@@ -1482,3 +1482,157 @@ fn no_check_request_for_a_sliver_of_decodes_beside_compute() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(check_request_wanted(&lossless), Ok(true), "{lossless}");
 }
+
+/// The planner sizes every block's coded form (`Codec::coded_len`, nothing
+/// encoded) and a block is encoded only where a plan streams it coded,
+/// plus the one the decoder is measured on (its blob kept for the plan):
+/// at the middle budget and at one holding everything, under `"lossless"`
+/// and `"auto"`, the device's count of host encodes is at most the plan's
+/// coded blocks plus that one, where enable used to encode every block
+/// with a coded form. Outputs stay the resident ones.
+#[test]
+fn a_plan_encodes_only_the_blocks_it_streams_coded() {
+    let want = resident();
+    let total = workload().preset.weight_bytes();
+    let mut fewer_seen = false;
+    for device in [middle(), total] {
+        for c in [WeightCompression::Lossless, WeightCompression::Auto] {
+            let mut o = opts(&[], None);
+            if c == WeightCompression::Auto {
+                o.planner = Some(estimated(&run_planned(
+                    total,
+                    WeightCompression::Lossless,
+                    &opts(&[], None),
+                )));
+            }
+            let out = run_planned(device, c, &o);
+            let plan = out.plan.as_ref().expect("a planned run has its plan");
+            assert_eq!(outputs(&out), want, "device {device}, {c}\n{plan}");
+            let inputs = estimated(&out);
+            let forms: usize = inputs
+                .components
+                .values()
+                .map(|c| c.coded_block_bytes.len())
+                .sum();
+            let coded: usize = plan.components.iter().map(|c| c.coded_blocks.len()).sum();
+            let encodes = out.at_end.encodes as usize;
+            assert!(
+                encodes <= coded + 1,
+                "device {device}, {c}: {encodes} encodes for {coded} blocks streamed coded ({forms} coded forms)\n{plan}"
+            );
+            if coded > 0 {
+                assert!(out.at_end.decodes > 0, "device {device}, {c}");
+            }
+            fewer_seen |= encodes < forms;
+        }
+    }
+    assert!(
+        fewer_seen,
+        "some plan streams fewer blocks coded than have forms"
+    );
+}
+
+/// A codec whose encode does not give the length its `coded_len` said, or
+/// refuses a unit it sized: the plan counted that length, so `enable`
+/// fails with a typed error naming the unit and the codec, with no rule
+/// broken and nothing left on the device.
+#[test]
+fn a_codec_whose_encode_breaks_its_size_fails_enable_typed() {
+    use offload_core::device::{ByteSource, Codec, CodecSpan, Coded};
+    use offload_sim::device::{Sim, SimDeviceBuffer, SimError, SimStream};
+    struct Lying {
+        inner: offload_sim::codec::SimCodec,
+        refuse: bool,
+    }
+    impl Codec<Sim> for Lying {
+        fn name(&self) -> &str {
+            "lying"
+        }
+        fn encode(
+            &self,
+            unit: &dyn ByteSource,
+            len: u64,
+            spans: &[CodecSpan],
+        ) -> Result<Coded, String> {
+            if self.refuse {
+                return Err("refused for the test".to_owned());
+            }
+            self.inner.encode(unit, len, spans)
+        }
+        fn coded_len(
+            &self,
+            unit: &dyn ByteSource,
+            len: u64,
+            spans: &[CodecSpan],
+        ) -> Result<u64, String> {
+            // Off by one tile of padding where it does not refuse.
+            let n = self.inner.coded_len(unit, len, spans)?;
+            Ok(if self.refuse { n } else { n - 64 })
+        }
+        fn check(&self) -> Result<(), SimError> {
+            self.inner.check()
+        }
+        unsafe fn decode(
+            &self,
+            stream: &SimStream,
+            src: &SimDeviceBuffer,
+            coded_bytes: u64,
+            work: u64,
+            dst: &SimDeviceBuffer,
+            decoded_bytes: u64,
+        ) -> Result<(), SimError> {
+            // SAFETY: the caller's contract, passed on unchanged.
+            unsafe {
+                self.inner
+                    .decode(stream, src, coded_bytes, work, dst, decoded_bytes)
+            }
+        }
+    }
+    let w = workload();
+    let cfg = config(middle(), WeightCompression::Lossless);
+    for refuse in [false, true] {
+        let o = opts(&[], None);
+        let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &o).unwrap();
+        let offload_sim::harness::Rig {
+            device,
+            runtime,
+            platform,
+            probe,
+        } = rig;
+        let lying = Lying {
+            inner: offload_sim::codec::SimCodec::new(&device),
+            refuse,
+        };
+        let mut rig = offload_sim::harness::Rig {
+            platform: platform.with_codec(std::sync::Arc::new(lying)),
+            device,
+            runtime,
+            probe,
+        };
+        rig.serve_workload(&w);
+        let failed = offload_sim::harness::drive(
+            rig,
+            &StrategyChoice::Config(cfg.clone()),
+            &cfg,
+            &o,
+            w.requests,
+            |rig| rig.request(&w),
+            |_| {},
+        )
+        .map(|_| ())
+        .expect_err("a codec breaking its coded_len fails enable");
+        let e = failed.error.to_string();
+        assert!(
+            e.contains("with the lying codec")
+                && e.contains("coded_len")
+                && e.contains(if refuse { "refused it" } else { "bytes, where" }),
+            "refuse {refuse}: {e}"
+        );
+        assert!(
+            matches!(failed.error, offload_core::OffloadError::DeviceOp { .. }),
+            "{:?}",
+            failed.error
+        );
+        assert_eq!(failed.violations, vec![], "refuse {refuse}: {e}");
+    }
+}

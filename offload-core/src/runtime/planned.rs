@@ -864,7 +864,9 @@ impl<A: Api> PlannedBackend<A> {
                 && f.blob.is_none()
             {
                 let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-                if let Some((region, false)) = coded_region(&self.phases.handles, &*codec, unit, &spans) {
+                if let Some((region, false)) =
+                    coded_region(&self.phases.handles, &*codec, unit, &spans)
+                {
                     f.blob = Some(region);
                 }
             }
