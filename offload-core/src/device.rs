@@ -546,7 +546,7 @@ pub trait Codec<A: Api>: Send + Sync {
     /// refuse the unit. The default encodes and measures.
     fn coded_len(
         &self,
-        unit: &dyn ByteSource,
+        unit: &(dyn ByteSource + Sync),
         len: u64,
         spans: &[CodecSpan],
     ) -> Result<u64, String> {

@@ -396,7 +396,7 @@ pub fn encode_unit(
 /// (`offload_pack::block::plan_block`: each tensor's exponent histogram,
 /// the unit read in pieces).
 pub fn coded_len_of_unit(
-    unit: &dyn ByteSource,
+    unit: &(dyn ByteSource + Sync),
     len: u64,
     spans: &[CodecSpan],
     cfg: &offload_pack::format::EncodeConfig,
@@ -470,7 +470,7 @@ impl Codec<Cuda> for CudaCodec {
 
     fn coded_len(
         &self,
-        unit: &dyn ByteSource,
+        unit: &(dyn ByteSource + Sync),
         len: u64,
         spans: &[CodecSpan],
     ) -> Result<u64, String> {

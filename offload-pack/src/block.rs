@@ -304,62 +304,113 @@ pub struct BlockPlan {
     pub work: u64,
 }
 
-/// Bytes of a unit [`plan_block`] reads at once.
-const PLAN_CHUNK: u64 = 32 << 20;
+/// Bytes of a unit each of [`plan_block`]'s threads reads at once (a
+/// piece stays in the core's cache while it is counted).
+const PLAN_CHUNK: u64 = 1 << 20;
+
+/// Below this many bytes of bf16 data a block is counted on the caller's
+/// thread alone.
+const PLAN_PARALLEL_MIN: u64 = 8 << 20;
 
 /// The exact length and work items of the blob [`encode_block`] would give
 /// for the `len` bytes `unit` reads (its tensors at `spans`), without
 /// encoding: a tensor's code and size are functions of its exponent
-/// histogram alone ([`plan_bf16_from`]), counted here from reads of at
-/// most 32 MiB into one buffer (raw spans are not read). A request plan
-/// prices every block's coded bytes this way and encodes only the blocks
-/// it streams coded (CONTRACT §7b); the two agree by construction (the
-/// same plan per span, the same layout), checked by
-/// `a_blocks_plan_is_what_its_encode_gives`.
+/// histogram alone ([`plan_bf16_from`]). The block's bf16 bytes are split
+/// into `cfg.threads()` contiguous parts, each thread reading its part in
+/// 1 MiB pieces into a buffer of its own and counting each piece (raw
+/// spans are not read), so the unit is read once, at the source's speed,
+/// and never held whole. A request plan prices every block's coded bytes
+/// this way and encodes only the blocks it streams coded (CONTRACT §7b);
+/// the two agree by construction (the same span list, per-span plan and
+/// layout), checked by `a_blocks_plan_is_what_its_encode_gives`.
 pub fn plan_block(
-    unit: &dyn offload_core::device::ByteSource,
+    unit: &(dyn offload_core::device::ByteSource + Sync),
     len: u64,
     spans: &[Span],
     cfg: &EncodeConfig,
 ) -> Result<BlockPlan, BlockEncodeError> {
-    plan_block_in(unit, len, spans, cfg, PLAN_CHUNK)
+    plan_block_in(unit, len, spans, cfg, PLAN_CHUNK, PLAN_PARALLEL_MIN)
 }
 
-/// [`plan_block`] reading at most `chunk` bytes (even) at once.
+/// [`plan_block`] reading at most `chunk` bytes (even) at once, on one
+/// thread where the block holds fewer than `parallel_min` bf16 bytes.
 fn plan_block_in(
-    unit: &dyn offload_core::device::ByteSource,
+    unit: &(dyn offload_core::device::ByteSource + Sync),
     len: u64,
     spans: &[Span],
     cfg: &EncodeConfig,
     chunk: u64,
+    parallel_min: u64,
 ) -> Result<BlockPlan, BlockEncodeError> {
     debug_assert!(chunk >= 2 && chunk.is_multiple_of(2));
     let all = all_spans(len, spans)?;
     let tensor_cfg = tensor_config(cfg);
-    let threads = cfg.threads();
-    let largest = all
+    // The spans a plan may count (bf16 of whole weights), laid end to end:
+    // each starts at an even offset of that concatenation.
+    let counted: Vec<&Span> = all
         .iter()
-        .filter(|s| s.bf16)
-        .map(|s| s.bytes)
-        .max()
-        .unwrap_or(0);
-    let mut buf = vec![0u8; largest.min(chunk) as usize];
-    let mut planned = Vec::with_capacity(all.len());
-    for s in &all {
-        planned.push(plan_span(s, &tensor_cfg, || {
-            let mut hist = [0u64; 256];
-            let mut at = 0;
-            while at < s.bytes {
-                // Even: each piece holds whole weights.
-                let n = (s.bytes - at).min(chunk) as usize;
-                unit.read_at(s.offset + at, &mut buf[..n]);
-                for (h, x) in hist.iter_mut().zip(exponent_histogram(&buf[..n], threads)) {
+        .filter(|s| s.bf16 && s.bytes.is_multiple_of(2) && s.bytes > 0)
+        .collect();
+    let total: u64 = counted.iter().map(|s| s.bytes).sum();
+    let threads = if total < parallel_min {
+        1
+    } else {
+        cfg.threads().max(1) as u64
+    };
+    // Thread t counts [t * per, (t + 1) * per) of the concatenation; `per`
+    // even, so every piece holds whole weights.
+    let per = total.div_ceil(threads).next_multiple_of(2).max(2);
+    let count = |t: u64| -> Vec<[u64; 256]> {
+        let (from, to) = (t * per, ((t + 1) * per).min(total));
+        let mut hists = vec![[0u64; 256]; counted.len()];
+        let mut buf = vec![0u8; chunk.min(to.saturating_sub(from)) as usize];
+        let mut base = 0u64;
+        for (i, s) in counted.iter().enumerate() {
+            let (lo, hi) = (from.max(base), to.min(base + s.bytes));
+            let mut at = lo;
+            while at < hi {
+                let n = (hi - at).min(chunk) as usize;
+                unit.read_at(s.offset + (at - base), &mut buf[..n]);
+                for (h, x) in hists[i].iter_mut().zip(exponent_histogram(&buf[..n], 1)) {
                     *h += x;
                 }
                 at += n as u64;
             }
-            Ok(hist)
-        })?);
+            base += s.bytes;
+        }
+        hists
+    };
+    let parts: Vec<Vec<[u64; 256]>> = if threads == 1 {
+        vec![count(0)]
+    } else {
+        std::thread::scope(|scope| {
+            let running: Vec<_> = (0..threads)
+                .map(|t| scope.spawn(move || count(t)))
+                .collect();
+            running
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        })
+    };
+    let mut hists = vec![[0u64; 256]; counted.len()];
+    for part in parts {
+        for (h, p) in hists.iter_mut().zip(part) {
+            for (a, b) in h.iter_mut().zip(p) {
+                *a += b;
+            }
+        }
+    }
+    let mut next = 0;
+    let mut planned = Vec::with_capacity(all.len());
+    for s in &all {
+        let hist = if s.bf16 && s.bytes.is_multiple_of(2) && s.bytes > 0 {
+            next += 1;
+            hists[next - 1]
+        } else {
+            [0u64; 256]
+        };
+        planned.push(plan_span(s, &tensor_cfg, || Ok(hist))?);
     }
     Ok(BlockPlan {
         blob_bytes: blob_bytes(&planned),
@@ -979,6 +1030,7 @@ mod tests {
             parts in proptest::collection::vec((0u8..4, 1usize..6_000, any::<u64>(), 0u16..64), 0..6),
             chunk in 1u64..10_000,
             threads in 1usize..4,
+            parallel_min in prop_oneof![Just(0u64), Just(u64::MAX)],
             how in 0u8..5,
             lo in 0u8..=crate::format::MAX_LO,
         ) {
@@ -1022,7 +1074,7 @@ mod tests {
                 },
                 ..EncodeConfig::default()
             };
-            let plan = plan_block_in(&unit.as_slice(), unit.len() as u64, &spans, &cfg, chunk * 2);
+            let plan = plan_block_in(&unit.as_slice(), unit.len() as u64, &spans, &cfg, chunk * 2, parallel_min);
             match encode_block(&unit, &spans, &cfg) {
                 Ok(b) => prop_assert_eq!(
                     plan.unwrap(),

@@ -190,7 +190,7 @@ impl Codec<Sim> for SimCodec {
     /// encode); with one, the sampled estimate the blob is sized by.
     fn coded_len(
         &self,
-        unit: &dyn ByteSource,
+        unit: &(dyn ByteSource + Sync),
         len: u64,
         spans: &[CodecSpan],
     ) -> Result<u64, String> {

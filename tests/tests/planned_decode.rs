@@ -1561,7 +1561,7 @@ fn a_codec_whose_encode_breaks_its_size_fails_enable_typed() {
         }
         fn coded_len(
             &self,
-            unit: &dyn ByteSource,
+            unit: &(dyn ByteSource + Sync),
             len: u64,
             spans: &[CodecSpan],
         ) -> Result<u64, String> {

@@ -401,8 +401,10 @@ impl<A: Api> Handles<A> {
         spans: &[CodecSpan],
         codec: &dyn Codec<A>,
     ) -> Result<u64, String> {
+        // One reader shared by the sizing's own threads (`plan_block`
+        // splits the unit over them), not a reader that splits each read.
         codec.coded_len(
-            &crate::runtime::read::unit_bytes_parallel(&*self.weights, unit),
+            &crate::runtime::read::unit_bytes(&*self.weights, unit),
             unit.bytes,
             spans,
         )
