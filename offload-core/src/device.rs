@@ -536,21 +536,24 @@ pub trait Codec<A: Api>: Send + Sync {
     -> Result<Coded, String>;
 
     /// The exact length of the blob [`Codec::encode`] gives for this unit,
-    /// found without encoding it where the code allows (`offload-pack`'s:
-    /// from each tensor's exponent histogram, `block::plan_block`). The
-    /// request planner prices every block's coded bytes with it at
-    /// `enable` and encodes only the blocks a plan streams coded (CONTRACT
-    /// §7b), so `encode` must then give a blob of exactly this length (one
-    /// of another length, or a refusal, fails `enable` typed: the plan
-    /// counted this one). `Err` with the reason where `encode` would
-    /// refuse the unit. The default encodes and measures.
+    /// found without encoding it (`offload-pack`'s: from each tensor's
+    /// exponent histogram, `block::plan_block`). The request planner
+    /// prices every block's coded bytes with it at `enable` and encodes
+    /// only the blocks a plan streams coded (CONTRACT §7b), so `encode`
+    /// must then give a blob of exactly this length (one of another
+    /// length, or a refusal, is a typed error: the planner priced this
+    /// one). `Err` with the reason where `encode` would refuse the unit.
+    /// `Ok(None)`, the default: this codec sizes a block only by encoding
+    /// it (the planner then encodes every block at `enable` and keeps the
+    /// blobs until its plan is in force).
     fn coded_len(
         &self,
         unit: &(dyn ByteSource + Sync),
         len: u64,
         spans: &[CodecSpan],
-    ) -> Result<u64, String> {
-        self.encode(unit, len, spans).map(|c| c.blob.len() as u64)
+    ) -> Result<Option<u64>, String> {
+        let _ = (unit, len, spans);
+        Ok(None)
     }
 
     /// Whether every decode so far found a whole coded block: `Err` (the

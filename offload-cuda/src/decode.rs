@@ -473,8 +473,8 @@ impl Codec<Cuda> for CudaCodec {
         unit: &(dyn ByteSource + Sync),
         len: u64,
         spans: &[CodecSpan],
-    ) -> Result<u64, String> {
-        coded_len_of_unit(unit, len, spans, &self.config)
+    ) -> Result<Option<u64>, String> {
+        coded_len_of_unit(unit, len, spans, &self.config).map(Some)
     }
 
     unsafe fn decode(

@@ -992,6 +992,11 @@ where
         None if plant.is("always_raw") => return Ok(raw),
         _ => hist()?,
     };
+    debug_assert_eq!(
+        hist.iter().sum::<u64>(),
+        elems,
+        "an exponent histogram counts every weight once"
+    );
     let lo = match cfg.force {
         Some(Code::Window3 { lo }) => lo,
         _ => match choose(&hist, cfg.min_elems) {

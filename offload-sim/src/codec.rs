@@ -193,14 +193,14 @@ impl Codec<Sim> for SimCodec {
         unit: &(dyn ByteSource + Sync),
         len: u64,
         spans: &[CodecSpan],
-    ) -> Result<u64, String> {
+    ) -> Result<Option<u64>, String> {
         let d = self.device.payload_divisor();
         if d == 1 {
             return block::plan_block(unit, len, &Self::spans(spans), &Self::config())
-                .map(|p| p.blob_bytes)
+                .map(|p| Some(p.blob_bytes))
                 .map_err(|e| e.to_string());
         }
-        Ok(Self::estimate(unit, len, spans).0.max(8 * d))
+        Ok(Some(Self::estimate(unit, len, spans).0.max(8 * d)))
     }
 
     /// `Err` when decodes since the last check found no whole coded block

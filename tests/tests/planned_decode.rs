@@ -1483,70 +1483,34 @@ fn no_check_request_for_a_sliver_of_decodes_beside_compute() {
     assert_eq!(check_request_wanted(&lossless), Ok(true), "{lossless}");
 }
 
-/// The planner sizes every block's coded form (`Codec::coded_len`, nothing
-/// encoded) and a block is encoded only where a plan streams it coded,
-/// plus the one the decoder is measured on (its blob kept for the plan):
-/// at the middle budget and at one holding everything, under `"lossless"`
-/// and `"auto"`, the device's count of host encodes is at most the plan's
-/// coded blocks plus that one, where enable used to encode every block
-/// with a coded form. Outputs stay the resident ones.
-#[test]
-fn a_plan_encodes_only_the_blocks_it_streams_coded() {
-    let want = resident();
-    let total = workload().preset.weight_bytes();
-    let mut fewer_seen = false;
-    for device in [middle(), total] {
-        for c in [WeightCompression::Lossless, WeightCompression::Auto] {
-            let mut o = opts(&[], None);
-            if c == WeightCompression::Auto {
-                o.planner = Some(estimated(&run_planned(
-                    total,
-                    WeightCompression::Lossless,
-                    &opts(&[], None),
-                )));
+/// A simulated codec wrapped: `Lying` sizes a block 64 bytes short of
+/// what its encode gives, or (`refuse`) refuses every encode of a block it
+/// sized; `EncodeOnly` keeps `Codec::coded_len`'s default (it sizes a
+/// block only by encoding it). Every encode counted by the device.
+mod wrapped {
+    use offload_core::device::{ByteSource, Codec, CodecSpan, Coded};
+    use offload_sim::codec::SimCodec;
+    use offload_sim::device::{Sim, SimDeviceBuffer, SimError, SimStream};
+
+    pub(super) enum Wrapped {
+        Lying { inner: SimCodec, refuse: bool },
+        EncodeOnly(SimCodec),
+    }
+
+    impl Wrapped {
+        fn inner(&self) -> &SimCodec {
+            match self {
+                Self::Lying { inner, .. } | Self::EncodeOnly(inner) => inner,
             }
-            let out = run_planned(device, c, &o);
-            let plan = out.plan.as_ref().expect("a planned run has its plan");
-            assert_eq!(outputs(&out), want, "device {device}, {c}\n{plan}");
-            let inputs = estimated(&out);
-            let forms: usize = inputs
-                .components
-                .values()
-                .map(|c| c.coded_block_bytes.len())
-                .sum();
-            let coded: usize = plan.components.iter().map(|c| c.coded_blocks.len()).sum();
-            let encodes = out.at_end.encodes as usize;
-            assert!(
-                encodes <= coded + 1,
-                "device {device}, {c}: {encodes} encodes for {coded} blocks streamed coded ({forms} coded forms)\n{plan}"
-            );
-            if coded > 0 {
-                assert!(out.at_end.decodes > 0, "device {device}, {c}");
-            }
-            fewer_seen |= encodes < forms;
         }
     }
-    assert!(
-        fewer_seen,
-        "some plan streams fewer blocks coded than have forms"
-    );
-}
 
-/// A codec whose encode does not give the length its `coded_len` said, or
-/// refuses a unit it sized: the plan counted that length, so `enable`
-/// fails with a typed error naming the unit and the codec, with no rule
-/// broken and nothing left on the device.
-#[test]
-fn a_codec_whose_encode_breaks_its_size_fails_enable_typed() {
-    use offload_core::device::{ByteSource, Codec, CodecSpan, Coded};
-    use offload_sim::device::{Sim, SimDeviceBuffer, SimError, SimStream};
-    struct Lying {
-        inner: offload_sim::codec::SimCodec,
-        refuse: bool,
-    }
-    impl Codec<Sim> for Lying {
+    impl Codec<Sim> for Wrapped {
         fn name(&self) -> &str {
-            "lying"
+            match self {
+                Self::Lying { .. } => "lying",
+                Self::EncodeOnly(_) => "encode-only",
+            }
         }
         fn encode(
             &self,
@@ -1554,23 +1518,29 @@ fn a_codec_whose_encode_breaks_its_size_fails_enable_typed() {
             len: u64,
             spans: &[CodecSpan],
         ) -> Result<Coded, String> {
-            if self.refuse {
+            if let Self::Lying { refuse: true, .. } = self {
                 return Err("refused for the test".to_owned());
             }
-            self.inner.encode(unit, len, spans)
+            self.inner().encode(unit, len, spans)
         }
         fn coded_len(
             &self,
             unit: &(dyn ByteSource + Sync),
             len: u64,
             spans: &[CodecSpan],
-        ) -> Result<u64, String> {
-            // Off by one tile of padding where it does not refuse.
-            let n = self.inner.coded_len(unit, len, spans)?;
-            Ok(if self.refuse { n } else { n - 64 })
+        ) -> Result<Option<u64>, String> {
+            match self {
+                Self::Lying { inner, refuse } => {
+                    let n = inner
+                        .coded_len(unit, len, spans)?
+                        .expect("the simulator sizes");
+                    Ok(Some(if *refuse { n } else { n - 64 }))
+                }
+                Self::EncodeOnly(_) => Ok(None),
+            }
         }
         fn check(&self) -> Result<(), SimError> {
-            self.inner.check()
+            self.inner().check()
         }
         unsafe fn decode(
             &self,
@@ -1583,56 +1553,175 @@ fn a_codec_whose_encode_breaks_its_size_fails_enable_typed() {
         ) -> Result<(), SimError> {
             // SAFETY: the caller's contract, passed on unchanged.
             unsafe {
-                self.inner
+                self.inner()
                     .decode(stream, src, coded_bytes, work, dst, decoded_bytes)
             }
         }
     }
+}
+
+/// The workload run under `cfg` with the codec `make` builds on the rig's
+/// device in place of the simulator's own.
+fn run_with_codec(
+    cfg: &OffloadConfig,
+    o: &RunOptions,
+    make: impl FnOnce(&offload_sim::device::SimDevice) -> wrapped::Wrapped,
+) -> Result<RunOutcome, offload_sim::harness::RunFailure> {
     let w = workload();
-    let cfg = config(middle(), WeightCompression::Lossless);
-    for refuse in [false, true] {
-        let o = opts(&[], None);
-        let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), &o).unwrap();
-        let offload_sim::harness::Rig {
-            device,
-            runtime,
-            platform,
-            probe,
-        } = rig;
-        let lying = Lying {
-            inner: offload_sim::codec::SimCodec::new(&device),
-            refuse,
-        };
-        let mut rig = offload_sim::harness::Rig {
-            platform: platform.with_codec(std::sync::Arc::new(lying)),
-            device,
-            runtime,
-            probe,
-        };
-        rig.serve_workload(&w);
-        let failed = offload_sim::harness::drive(
-            rig,
-            &StrategyChoice::Config(cfg.clone()),
-            &cfg,
-            &o,
-            w.requests,
-            |rig| rig.request(&w),
-            |_| {},
-        )
-        .map(|_| ())
-        .expect_err("a codec breaking its coded_len fails enable");
-        let e = failed.error.to_string();
-        assert!(
-            e.contains("with the lying codec")
-                && e.contains("coded_len")
-                && e.contains(if refuse { "refused it" } else { "bytes, where" }),
-            "refuse {refuse}: {e}"
-        );
-        assert!(
-            matches!(failed.error, offload_core::OffloadError::DeviceOp { .. }),
-            "{:?}",
-            failed.error
-        );
-        assert_eq!(failed.violations, vec![], "refuse {refuse}: {e}");
+    let rig = offload_sim::harness::Rig::new(w.preset.pipeline.clone(), o).unwrap();
+    let offload_sim::harness::Rig {
+        device,
+        runtime,
+        platform,
+        probe,
+    } = rig;
+    let codec = make(&device);
+    let mut rig = offload_sim::harness::Rig {
+        platform: platform.with_codec(std::sync::Arc::new(codec)),
+        device,
+        runtime,
+        probe,
+    };
+    rig.serve_workload(&w);
+    offload_sim::harness::drive(
+        rig,
+        &StrategyChoice::Config(cfg.clone()),
+        cfg,
+        o,
+        w.requests,
+        |rig| rig.request(&w),
+        |_| {},
+    )
+}
+
+/// The planner sizes every block's coded form (`Codec::coded_len`, nothing
+/// encoded) and a block is encoded only where a plan streams it coded,
+/// plus the one the decoder is measured on (its blob kept for the plan):
+/// at the middle budget and at one holding everything, under `"lossless"`
+/// and `"auto"`, the device's count of host encodes is at most the plan's
+/// coded blocks plus that one, where enable used to encode every block
+/// with a coded form. Outputs stay the resident ones.
+#[test]
+fn a_plan_encodes_only_the_blocks_it_streams_coded() {
+    let want = resident();
+    let total = workload().preset.weight_bytes();
+    let given = estimated(&run_planned(
+        total,
+        WeightCompression::Lossless,
+        &opts(&[], None),
+    ));
+    let mut fewer_seen = false;
+    for device in [middle(), total] {
+        for (c, measured) in [
+            (WeightCompression::Lossless, true),
+            (WeightCompression::Lossless, false),
+            (WeightCompression::Auto, false),
+        ] {
+            let mut o = opts(&[], None);
+            if !measured {
+                o.planner = Some(given.clone());
+            }
+            let out = run_planned(device, c, &o);
+            let plan = out.plan.as_ref().expect("a planned run has its plan");
+            let what = format!("device {device}, {c}, decoder measured: {measured}");
+            assert_eq!(outputs(&out), want, "{what}\n{plan}");
+            let inputs = estimated(&out);
+            let forms: usize = inputs
+                .components
+                .values()
+                .map(|c| c.coded_block_bytes.len())
+                .sum();
+            let coded: usize = plan.components.iter().map(|c| c.coded_blocks.len()).sum();
+            let encodes = out.at_end.encodes as usize;
+            let say = format!(
+                "{what}: {encodes} encodes for {coded} blocks streamed coded ({forms} coded forms)\n{plan}"
+            );
+            // Given the decoder's rate nothing is measured: exactly the
+            // blocks streamed coded. Measured: one more where the measured
+            // block streams raw or stays resident, none where every block
+            // streams coded (its blob is the one pinned).
+            if !measured || coded == forms {
+                assert_eq!(encodes, coded, "{say}");
+            } else {
+                assert!(encodes <= coded + 1, "{say}");
+            }
+            if coded > 0 {
+                assert!(out.at_end.decodes > 0, "{what}");
+            }
+            fewer_seen |= encodes < forms;
+        }
     }
+    assert!(
+        fewer_seen,
+        "some plan streams fewer blocks coded than have forms"
+    );
+}
+
+/// A codec whose encode does not give the length its `coded_len` said, or
+/// refuses a unit it sized: the planner priced that length, so the backend
+/// fails with a typed error naming the unit and the codec, with no rule
+/// broken and nothing left on the device: at the decoder's measurement
+/// (the first block encoded), and, where given inputs carry the decoder's
+/// rate (nothing measured), when the plan's store encodes the blocks it
+/// streams coded.
+#[test]
+fn a_codec_whose_encode_breaks_its_size_fails_enable_typed() {
+    let cfg = config(middle(), WeightCompression::Lossless);
+    let given = estimated(&run_planned(
+        workload().preset.weight_bytes(),
+        WeightCompression::Lossless,
+        &opts(&[], None),
+    ));
+    assert!(given.decode_bytes_per_s.is_some());
+    for refuse in [false, true] {
+        for measured in [true, false] {
+            let mut o = opts(&[], None);
+            if !measured {
+                o.planner = Some(given.clone());
+            }
+            let failed = run_with_codec(&cfg, &o, |d| wrapped::Wrapped::Lying {
+                inner: offload_sim::codec::SimCodec::new(d),
+                refuse,
+            })
+            .map(|_| ())
+            .expect_err("a codec breaking its coded_len fails");
+            let e = failed.error.to_string();
+            assert!(
+                e.contains("with the lying codec")
+                    && e.contains("coded_len")
+                    && e.contains(if refuse { "refused it" } else { "bytes, where" }),
+                "refuse {refuse}, measured {measured}: {e}"
+            );
+            assert!(
+                matches!(failed.error, offload_core::OffloadError::DeviceOp { .. }),
+                "{:?}",
+                failed.error
+            );
+            assert_eq!(failed.violations, vec![], "refuse {refuse}: {e}");
+        }
+    }
+}
+
+/// A codec that sizes a block only by encoding it (`Codec::coded_len`'s
+/// default) is encoded once per block, at `enable`, its blobs kept for the
+/// plan's store (not encoded again there): as many host encodes as coded
+/// forms, the resident output, the plan's coded blocks streamed coded.
+#[test]
+fn a_codec_that_sizes_only_by_encoding_encodes_each_block_once() {
+    let want = resident();
+    let cfg = config(middle(), WeightCompression::Lossless);
+    let out = run_with_codec(&cfg, &opts(&[], None), |d| {
+        wrapped::Wrapped::EncodeOnly(offload_sim::codec::SimCodec::new(d))
+    })
+    .unwrap_or_else(|f| panic!("{}", f.error));
+    let plan = out.plan.as_ref().expect("a planned run has its plan");
+    assert_eq!(outputs(&out), want, "{plan}");
+    let forms: usize = estimated(&out)
+        .components
+        .values()
+        .map(|c| c.coded_block_bytes.len())
+        .sum();
+    let coded: usize = plan.components.iter().map(|c| c.coded_blocks.len()).sum();
+    assert!(coded > 0 && out.at_end.decodes > 0, "{plan}");
+    assert_eq!(out.at_end.encodes as usize, forms, "{plan}");
 }

@@ -1352,6 +1352,11 @@ impl CodingTally {
         self.coded += coded;
     }
 
+    /// Adds the seconds an encode took (the caller timed it).
+    pub(crate) fn add_seconds(&mut self, seconds: f64) {
+        self.seconds += seconds;
+    }
+
     /// Whether it counted anything.
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks == 0 && self.raw == 0

@@ -129,80 +129,122 @@ impl From<OffloadError> for CodedFail {
 /// A streamed block's coded form as enable learned it (CONTRACT §7b,
 /// `weight_compression` under a device budget): its coded bytes, which the
 /// planner prices (a coded-block file's window, else the codec's exact
-/// [`Codec::coded_len`], nothing encoded), and, for the block the decoder
-/// was measured on where enable encoded it, the blob, kept until the
-/// first plan's store is built.
+/// [`Codec::coded_len`], nothing encoded), and the blob where enable
+/// encoded it (the block the decoder was measured on, or every block of
+/// a codec that sizes only by encoding), kept until the first plan's
+/// store is built.
 struct CodedForm {
     bytes: u64,
     blob: Option<crate::runtime::backend::CodedRegion>,
+    /// Its bytes are a coded-block file's window (taken again when its
+    /// master is made).
+    in_file: bool,
 }
 
-/// `unit`'s coded bytes (CONTRACT §7b): the weight source's own (a
-/// coded-block file's window, `true`), else encoded now by `codec`
-/// (`false`); `None` (logged) where the codec refuses it or its blob would
-/// exceed `coded_bound` (it streams raw).
-fn coded_region<A: Api>(
+/// The coded bytes a coded-block file holds of `unit` in `codec`'s format
+/// (CONTRACT §7b), where they fit its bound.
+fn file_region<A: Api>(
     h: &Handles<A>,
     codec: &dyn Codec<A>,
     unit: &Unit,
     spans: &[crate::device::CodecSpan],
-) -> Option<(crate::runtime::backend::CodedRegion, bool)> {
+) -> Option<crate::runtime::backend::CodedRegion> {
     let bound = crate::device::coded_bound(unit.bytes, spans.len());
-    if let Some(c) = codec.format().and_then(|format| {
+    codec.format().and_then(|format| {
         h.weights
             .take_coded(unit, format)
             .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
-    }) {
-        return Some((c, true));
+    })
+}
+
+/// `unit` encoded now by `codec`, or the reason it has no coded form: the
+/// codec refused it, or its blob exceeds `coded_bound`.
+fn encoded_region<A: Api>(
+    h: &Handles<A>,
+    codec: &dyn Codec<A>,
+    unit: &Unit,
+    spans: &[crate::device::CodecSpan],
+) -> Result<crate::runtime::backend::CodedRegion, String> {
+    let bound = crate::device::coded_bound(unit.bytes, spans.len());
+    let coded = h.encode(unit, spans, codec)?;
+    if coded.blob.len() as u64 > bound {
+        return Err(format!(
+            "it gave {} bytes, above the bound of {bound} for {} bytes",
+            coded.blob.len(),
+            unit.bytes
+        ));
     }
-    match h.encode(unit, spans, codec) {
-        Ok(coded) if coded.blob.len() as u64 <= bound => Some((
-            crate::runtime::backend::CodedRegion {
-                work: coded.work,
-                region: Box::new(coded.blob),
-            },
-            false,
+    Ok(crate::runtime::backend::CodedRegion {
+        work: coded.work,
+        region: Box::new(coded.blob),
+    })
+}
+
+/// `unit`'s coded form (CONTRACT §7b): a coded-block file's window (its
+/// length), else the codec's exact [`Codec::coded_len`] (nothing
+/// encoded), else, for a codec that sizes only by encoding, its blob
+/// encoded now and kept; `None` (logged: it streams raw) where the codec
+/// refuses it or its blob would exceed `coded_bound`.
+fn coded_form<A: Api>(
+    h: &Handles<A>,
+    codec: &dyn Codec<A>,
+    unit: &Unit,
+    spans: &[crate::device::CodecSpan],
+) -> Option<CodedForm> {
+    let bound = crate::device::coded_bound(unit.bytes, spans.len());
+    if let Some(c) = file_region(h, codec, unit, spans) {
+        return Some(CodedForm {
+            bytes: c.region.bytes().len() as u64,
+            blob: None,
+            in_file: true,
+        });
+    }
+    let found = match h.coded_len(unit, spans, codec) {
+        Ok(Some(len)) if len <= bound => Ok(CodedForm {
+            bytes: len,
+            blob: None,
+            in_file: false,
+        }),
+        Ok(Some(len)) => Err(format!(
+            "it would give {len} bytes, above the bound of {bound} for {} bytes",
+            unit.bytes
         )),
-        Ok(coded) => {
-            tracing::warn!(unit = %unit.name, "the {} codec gave `{}` {} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, coded.blob.len(), unit.bytes);
-            None
-        }
-        Err(reason) => {
+        Ok(None) => encoded_region(h, codec, unit, spans).map(|region| CodedForm {
+            bytes: region.region.bytes().len() as u64,
+            blob: Some(region),
+            in_file: false,
+        }),
+        Err(reason) => Err(reason),
+    };
+    found
+        .map_err(|reason| {
             tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
-            None
-        }
-    }
+        })
+        .ok()
 }
 
-/// `unit`'s coded bytes (CONTRACT §7b) as [`coded_region`] would give
-/// them, with nothing encoded: a coded-block file's window's length
-/// (`true`), else the codec's exact [`Codec::coded_len`] (`false`); `None`
-/// (logged) where the codec refuses it or its blob would exceed
-/// `coded_bound` (it streams raw).
-fn coded_size<A: Api>(
-    h: &Handles<A>,
+/// The typed error of an encode that broke its coded form: the blob took
+/// `got` bytes (or the codec refused, `Err`) where its form said `want`,
+/// the length the planner priced the block at.
+fn broke_its_size<A: Api>(
     codec: &dyn Codec<A>,
     unit: &Unit,
-    spans: &[crate::device::CodecSpan],
-) -> Option<(u64, bool)> {
-    let bound = crate::device::coded_bound(unit.bytes, spans.len());
-    if let Some(c) = codec.format().and_then(|format| {
-        h.weights
-            .take_coded(unit, format)
-            .filter(|c| c.region.bytes().len() as u64 <= bound.min(unit.bytes))
-    }) {
-        return Some((c.region.bytes().len() as u64, true));
-    }
-    match h.coded_len(unit, spans, codec) {
-        Ok(len) if len <= bound => Some((len, false)),
-        Ok(len) => {
-            tracing::warn!(unit = %unit.name, "the {} codec would give `{}` {len} bytes, above the bound of {bound} for {} bytes; it streams raw", codec.name(), unit.name, unit.bytes);
-            None
+    want: u64,
+    got: Result<u64, String>,
+) -> OffloadError {
+    OffloadError::DeviceOp {
+        operation: format!("encoding `{}` with the {} codec", unit.name, codec.name()),
+        kind: DeviceErrorKind::Other,
+        shortfall_bytes: None,
+        cause: match got {
+            Ok(got) => format!(
+                "its blob took {got} bytes, where the codec's coded_len said {want} (the planner prices a block at its coded_len)"
+            ),
+            Err(reason) => format!(
+                "the codec refused it ({reason}) after its coded_len sized it at {want} bytes (the planner prices a block at its coded_len)"
+            ),
         }
-        Err(reason) => {
-            tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
-            None
-        }
+        .into(),
     }
 }
 
@@ -685,30 +727,43 @@ impl<A: Api> PlannedBackend<A> {
             None => (None, None),
         };
         let found = match blob {
-            Some(region) => Some((region, false)),
-            None => coded_region(h, &*codec, unit, &spans),
-        };
-        // The plan counted the coded form's bytes (`coded_size`, nothing
-        // encoded then): a codec whose encode gives another length, or
-        // refuses what it sized, broke `Codec::coded_len`'s promise, and
-        // a master of another size would overrun what the plan counted.
-        let got = found.as_ref().map(|(r, _)| r.region.bytes().len() as u64);
-        if let Some(want) = sized
-            && got != Some(want)
-        {
-            return Err(CodedFail::Other(OffloadError::DeviceOp {
-                operation: format!("encoding `{}` with the {} codec", unit.name, codec.name()),
-                kind: DeviceErrorKind::Other,
-                shortfall_bytes: None,
-                cause: match got {
-                    Some(got) => format!("its blob took {got} bytes, where the codec's coded_len said {want} and the plan counted that"),
-                    None => format!("the codec refused it (logged above), where its coded_len said {want} bytes and the plan streams it coded"),
+            Some(region) => Ok((region, false)),
+            None => match file_region(h, &*codec, unit, &spans) {
+                Some(region) => Ok((region, true)),
+                None => {
+                    let start = std::time::Instant::now();
+                    let encoded = encoded_region(h, &*codec, unit, &spans);
+                    tally.add_seconds(start.elapsed().as_secs_f64());
+                    encoded.map(|region| (region, false))
                 }
-                .into(),
-            }));
-        }
-        let Some((region, in_file)) = found else {
-            return Ok(None);
+            },
+        };
+        // The planner priced the block at its coded form's bytes (nothing
+        // encoded then): an encode of another length, or a refusal of a
+        // block the codec sized, broke `Codec::coded_len`'s promise, and a
+        // master of another size would overrun what the plan counted.
+        let (region, in_file) = match (found, sized) {
+            (Ok(found), Some(want)) if found.0.region.bytes().len() as u64 != want => {
+                return Err(CodedFail::Other(broke_its_size(
+                    &*codec,
+                    unit,
+                    want,
+                    Ok(found.0.region.bytes().len() as u64),
+                )));
+            }
+            (Err(reason), Some(want)) => {
+                return Err(CodedFail::Other(broke_its_size(
+                    &*codec,
+                    unit,
+                    want,
+                    Err(reason),
+                )));
+            }
+            (Err(reason), None) => {
+                tracing::warn!(unit = %unit.name, "the {} codec refused `{}` ({reason}); it streams raw", codec.name(), unit.name);
+                return Ok(None);
+            }
+            (Ok(found), _) => found,
         };
         let (len, work) = (region.region.bytes().len() as u64, region.work);
         let staged_coded = |region: CodedRegion, why: budget::StageReason| {
@@ -776,20 +831,22 @@ impl<A: Api> PlannedBackend<A> {
         let h = &self.phases.handles;
         let start = std::time::Instant::now();
         let (mut in_file, mut sized, mut refused) = (0usize, 0usize, 0usize);
+        let mut encoded = 0usize;
         let (mut bytes, mut coded_bytes) = (0u64, 0u64);
         let mut forms = BTreeMap::new();
         for (_, unit) in layout.blocks() {
             let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-            // Sized, not encoded: a block is encoded only once a plan
-            // streams it coded (a file's window is taken again when its
-            // master is made).
-            let form = coded_size(h, &*codec, unit, &spans).map(|(bytes, in_place)| {
-                if in_place {
+            // Sized, not encoded, where the codec can: a block is encoded
+            // only once a plan streams it coded (a file's window is taken
+            // again when its master is made).
+            let form = coded_form(h, &*codec, unit, &spans).inspect(|f| {
+                if f.in_file {
                     in_file += 1;
+                } else if f.blob.is_some() {
+                    encoded += 1;
                 } else {
                     sized += 1;
                 }
-                CodedForm { bytes, blob: None }
             });
             match form {
                 Some(f) => {
@@ -803,16 +860,23 @@ impl<A: Api> PlannedBackend<A> {
         tracing::info!(
             in_file,
             sized,
+            encoded,
             refused,
             bytes,
             coded_bytes,
-            "planned offload, weight_compression = \"{}\": {} blocks have coded forms ({} in a coded-block file, {} sized on the host{}): {coded_bytes} of {bytes} bytes ({:.4}) in {:.2} s; {refused} stream raw",
+            "planned offload, weight_compression = \"{}\": {} blocks have coded forms ({} in a coded-block file, {} sized on the host{}, {} encoded on the host{}): {coded_bytes} of {bytes} bytes ({:.4}) in {:.2} s; {refused} stream raw",
             self.config.compression(),
-            in_file + sized,
+            in_file + sized + encoded,
             in_file,
             sized,
             if sized > 0 {
-                ", encoded once a plan streams them coded"
+                " (encoded once a plan streams them coded)"
+            } else {
+                ""
+            },
+            encoded,
+            if encoded > 0 {
+                " (the codec sizes a block only by encoding it; kept pageable until the plan pins those it streams coded)"
             } else {
                 ""
             },
@@ -862,12 +926,21 @@ impl<A: Api> PlannedBackend<A> {
             // that blob rather than encoding it again.
             if let Some(f) = self.coded_forms.get_mut(&unit.name)
                 && f.blob.is_none()
+                && !f.in_file
             {
                 let spans = crate::runtime::layout::codec_spans(unit, &layout.bf16);
-                if let Some((region, false)) =
-                    coded_region(&self.phases.handles, &*codec, unit, &spans)
-                {
-                    f.blob = Some(region);
+                match encoded_region(&self.phases.handles, &*codec, unit, &spans) {
+                    Ok(region) if region.region.bytes().len() as u64 == f.bytes => {
+                        f.blob = Some(region);
+                    }
+                    got => {
+                        return Err(broke_its_size(
+                            &*codec,
+                            unit,
+                            f.bytes,
+                            got.map(|r| r.region.bytes().len() as u64),
+                        ));
+                    }
                 }
             }
             let kept = self.coded_forms.get(&unit.name).and_then(|f| {

@@ -400,7 +400,7 @@ impl<A: Api> Handles<A> {
         unit: &Unit,
         spans: &[CodecSpan],
         codec: &dyn Codec<A>,
-    ) -> Result<u64, String> {
+    ) -> Result<Option<u64>, String> {
         // One reader shared by the sizing's own threads (`plan_block`
         // splits the unit over them), not a reader that splits each read.
         codec.coded_len(
