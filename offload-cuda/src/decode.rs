@@ -407,14 +407,7 @@ pub fn coded_len_of_unit(
 }
 
 fn pack_spans(spans: &[CodecSpan]) -> Vec<Span> {
-    spans
-        .iter()
-        .map(|s| Span {
-            offset: s.offset,
-            bytes: s.bytes,
-            bf16: s.bf16,
-        })
-        .collect()
+    spans.iter().map(Span::from).collect()
 }
 
 /// A decoder error as the device trait's error: a driver error as it is,

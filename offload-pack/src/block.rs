@@ -53,6 +53,17 @@ pub struct Span {
     pub bf16: bool,
 }
 
+impl From<&offload_core::device::CodecSpan> for Span {
+    /// A tensor as a device's codec is handed it (`Codec::encode`).
+    fn from(s: &offload_core::device::CodecSpan) -> Self {
+        Self {
+            offset: s.offset,
+            bytes: s.bytes,
+            bf16: s.bf16,
+        }
+    }
+}
+
 /// A coded block and its figures.
 #[derive(Clone, Debug)]
 pub struct EncodedBlock {

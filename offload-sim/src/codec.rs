@@ -64,14 +64,7 @@ impl SimCodec {
     }
 
     fn spans(spans: &[CodecSpan]) -> Vec<Span> {
-        spans
-            .iter()
-            .map(|s| Span {
-                offset: s.offset,
-                bytes: s.bytes,
-                bf16: s.bf16,
-            })
-            .collect()
+        spans.iter().map(Span::from).collect()
     }
 
     /// The coded size and work items of `unit` estimated from a sample of
