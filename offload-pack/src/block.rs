@@ -279,14 +279,20 @@ fn tensor_config(cfg: &EncodeConfig) -> EncodeConfig {
     }
 }
 
-/// One span's plan: a bf16 span of whole weights by [`plan_bf16_from`]
+/// Whether a span's plan reads its exponent histogram: bf16 of whole
+/// weights (anything else is raw).
+fn is_counted(s: &Span) -> bool {
+    s.bf16 && s.bytes.is_multiple_of(2)
+}
+
+/// One span's plan: a counted span ([`is_counted`]) by [`plan_bf16_from`]
 /// on the exponent histogram `hist` gives, anything else raw.
 fn plan_span(
     s: &Span,
     cfg: &EncodeConfig,
     hist: impl FnOnce() -> Result<[u64; 256], EncodeError>,
 ) -> Result<Stats, BlockEncodeError> {
-    if s.bf16 && s.bytes.is_multiple_of(2) {
+    if is_counted(s) {
         plan_bf16_from(s.bytes, cfg, hist).map_err(|source| BlockEncodeError::Encode {
             offset: s.offset,
             source,
@@ -304,6 +310,13 @@ fn table_end(entries: usize) -> u64 {
 /// The block blob's length for its spans' plans, in order.
 fn blob_bytes(planned: &[Stats]) -> u64 {
     table_end(planned.len()) + planned.iter().map(|p| p.packed_bytes).sum::<u64>()
+}
+
+/// Adds the counts of `from` to `into`.
+fn add_histogram(into: &mut [u64; 256], from: &[u64; 256]) {
+    for (a, b) in into.iter_mut().zip(from) {
+        *a += b;
+    }
 }
 
 /// What [`encode_block`] gives for a unit, known before encoding it.
@@ -356,12 +369,9 @@ fn plan_block_in(
     debug_assert!(chunk >= 2 && chunk.is_multiple_of(2));
     let all = all_spans(len, spans)?;
     let tensor_cfg = tensor_config(cfg);
-    // The spans a plan may count (bf16 of whole weights), laid end to end:
-    // each starts at an even offset of that concatenation.
-    let counted: Vec<&Span> = all
-        .iter()
-        .filter(|s| s.bf16 && s.bytes.is_multiple_of(2) && s.bytes > 0)
-        .collect();
+    // The counted spans laid end to end: each starts at an even offset of
+    // that concatenation (`all_spans` gives no empty span).
+    let counted: Vec<&Span> = all.iter().filter(|s| is_counted(s)).collect();
     let total: u64 = counted.iter().map(|s| s.bytes).sum();
     let threads = if total < parallel_min {
         1
@@ -382,9 +392,7 @@ fn plan_block_in(
             while at < hi {
                 let n = (hi - at).min(chunk) as usize;
                 unit.read_at(s.offset + (at - base), &mut buf[..n]);
-                for (h, x) in hists[i].iter_mut().zip(exponent_histogram(&buf[..n], 1)) {
-                    *h += x;
-                }
+                add_histogram(&mut hists[i], &exponent_histogram(&buf[..n], 1));
                 at += n as u64;
             }
             base += s.bytes;
@@ -406,22 +414,18 @@ fn plan_block_in(
     };
     let mut hists = vec![[0u64; 256]; counted.len()];
     for part in parts {
-        for (h, p) in hists.iter_mut().zip(part) {
-            for (a, b) in h.iter_mut().zip(p) {
-                *a += b;
-            }
+        for (h, p) in hists.iter_mut().zip(&part) {
+            add_histogram(h, p);
         }
     }
-    let mut next = 0;
+    // In span order: the counted spans take their histograms in turn.
+    let mut hists = hists.into_iter();
     let mut planned = Vec::with_capacity(all.len());
     for s in &all {
-        let hist = if s.bf16 && s.bytes.is_multiple_of(2) && s.bytes > 0 {
-            next += 1;
-            hists[next - 1]
-        } else {
-            [0u64; 256]
-        };
-        planned.push(plan_span(s, &tensor_cfg, || Ok(hist))?);
+        let hist = if is_counted(s) { hists.next() } else { None };
+        planned.push(plan_span(s, &tensor_cfg, || {
+            Ok(hist.expect("a histogram per counted span"))
+        })?);
     }
     Ok(BlockPlan {
         blob_bytes: blob_bytes(&planned),
