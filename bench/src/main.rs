@@ -206,6 +206,13 @@ pub(crate) struct Args {
     /// staged path's own limit (the host copy rate, measured in this run).
     #[arg(long, value_delimiter = ',')]
     host_budgets: Vec<String>,
+    /// With `--host-budgets`: each staged row once per staging ring size,
+    /// comma-separated (`512MiB,1400MiB`; the process setting
+    /// `offload_core::budget::host::set_staging_ring_bytes`, set before
+    /// each such row's enable): two whole blocks where both fit, else eight
+    /// parts of an eighth (CONTRACT §7c). Empty: the library's default.
+    #[arg(long, value_delimiter = ',')]
+    staging_rings: Vec<String>,
     /// How the loader's bytes are copied into staging buffers and pinned
     /// masters: `streaming` (`offload_core::copy::copy_streaming`, the
     /// library's weight sources' copy: non-temporal stores) or `plain`
@@ -363,6 +370,8 @@ pub(crate) struct Settings {
     /// The law of the loaded bf16 weights.
     pub(crate) law: Law,
     compressions: Vec<Compression>,
+    /// `--staging-rings`, bytes (empty: the library's default ring).
+    staging_rings: Vec<u64>,
 }
 
 /// A comma-separated list of `flag`, each parsed by `parse`; empty items
@@ -440,6 +449,19 @@ impl Settings {
                 .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
         })?;
         let compressions = compressions(args)?;
+        ensure!(
+            args.staging_rings.is_empty() || !args.host_budgets.is_empty(),
+            "--staging-rings sizes the staging ring of the staged rows: with --host-budgets only"
+        );
+        let staging_rings = args
+            .staging_rings
+            .iter()
+            .map(|t| {
+                offload_core::bytes::ByteSize::parse(t)
+                    .map(offload_core::bytes::ByteSize::bytes)
+                    .map_err(|e| anyhow::anyhow!("--staging-rings: {e}"))
+            })
+            .collect::<Result<Vec<u64>>>()?;
         // With `--copy-beside` the resident rows alone are a run (the
         // interference probe: resident beside copies, no layerwise row).
         ensure!(
@@ -453,6 +475,7 @@ impl Settings {
             depths,
             law: args.law.law(),
             compressions,
+            staging_rings,
         })
     }
 }
@@ -1956,38 +1979,58 @@ fn run() -> Result<()> {
                 .filter(|c| *c == Compression::Lossless),
         )
         .collect();
+    // The staging ring sizes the staged rows run at (`None`: the default).
+    let staging_rings: Vec<Option<u64>> = if settings.staging_rings.is_empty() {
+        vec![None]
+    } else {
+        settings.staging_rings.iter().copied().map(Some).collect()
+    };
     for repeat in 0..args.repeats {
-        for &h in &host_rows {
-            for &d in &settings.depths {
-                for &compression in &staged_compressions {
-                    let coded = compression != Compression::None;
-                    let config = if coded {
-                        OffloadConfig {
-                            weight_compression: Some(compression.config()),
-                            ..h.config(&layerwise)
+        for &ring in &staging_rings {
+            for &h in &host_rows {
+                for &d in &settings.depths {
+                    for &compression in &staged_compressions {
+                        let coded = compression != Compression::None;
+                        let config = if coded {
+                            OffloadConfig {
+                                weight_compression: Some(compression.config()),
+                                ..h.config(&layerwise)
+                            }
+                        } else {
+                            h.config(&layerwise)
+                        };
+                        for (file, weights) in sources.iter().filter(|(f, _)| !coded || !*f) {
+                            let inner = layerwise_over(config.clone(), d, None, weights.clone());
+                            let make: Box<MakeBackend<'_>> = match ring {
+                                None => inner,
+                                Some(bytes) => Box::new(move || {
+                                    offload_core::budget::host::set_staging_ring_bytes(bytes);
+                                    inner()
+                                }),
+                            };
+                            specs.push(Spec {
+                                name: format!(
+                                    "layerwise depth {d}{}{} {}{}{suffix}",
+                                    if *file { " file" } else { "" },
+                                    if coded { " lossless" } else { "" },
+                                    h.name(),
+                                    ring.map_or_else(String::new, |b| format!(
+                                        " ring {}",
+                                        offload_core::bytes::ByteSize::new(b)
+                                    ))
+                                ),
+                                repeat,
+                                lookahead: BTreeMap::new(),
+                                proxy: &proxy,
+                                depth: d,
+                                streamed: streamed_all,
+                                tokens: settings.tokens.clone(),
+                                compression,
+                                make,
+                                file: *file,
+                                beside: false,
+                            });
                         }
-                    } else {
-                        h.config(&layerwise)
-                    };
-                    for (file, weights) in sources.iter().filter(|(f, _)| !coded || !*f) {
-                        specs.push(Spec {
-                            name: format!(
-                                "layerwise depth {d}{}{} {}{suffix}",
-                                if *file { " file" } else { "" },
-                                if coded { " lossless" } else { "" },
-                                h.name()
-                            ),
-                            repeat,
-                            lookahead: BTreeMap::new(),
-                            proxy: &proxy,
-                            depth: d,
-                            streamed: streamed_all,
-                            tokens: settings.tokens.clone(),
-                            compression,
-                            make: layerwise_over(config.clone(), d, None, weights.clone()),
-                            file: *file,
-                            beside: false,
-                        });
                     }
                 }
             }
@@ -2466,6 +2509,25 @@ mod tests {
             ),
             (
                 &["--depths", "", "--no-planner", "--copy-beside"],
+                Ok(vec![4608, 16896]),
+            ),
+            (
+                &["--staging-rings", "512MiB"],
+                Err(
+                    "--staging-rings sizes the staging ring of the staged rows: with --host-budgets only",
+                ),
+            ),
+            (
+                &["--host-budgets", "8GiB", "--staging-rings", "512MiB,0"],
+                Err("--staging-rings: "),
+            ),
+            (
+                &[
+                    "--host-budgets",
+                    "8GiB",
+                    "--staging-rings",
+                    "512MiB,1400MiB",
+                ],
                 Ok(vec![4608, 16896]),
             ),
         ];

@@ -1624,7 +1624,8 @@ fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
     if under_sanitizer() {
         return;
     }
-    let (bug, seed, how) = planted_staging_reuse_is_caught(&rig, staged, 30_000);
+    let (bug, seed, how) =
+        planted_staging_bug_is_caught(&rig, staged, PlantedBug::HostStagingReuseBeforeCopy, 30_000);
     println!(
         "planted {}: caught on seed {seed} after {} runs ({how}: slow copies keep the copy from staging buffer j pending while the host refills it); clean control equals resident",
         bug.name(),
@@ -1632,17 +1633,135 @@ fn staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
     );
 }
 
-/// The planted `HostStagingReuseBeforeCopy` under `strategy` (a staged
-/// one) with slow copies, weights `base + seed`: the first seed on which
-/// the output differs from resident or the run fails, and how; then its
-/// clean control (the same weights and perturbation, no bug) must equal
-/// resident. Panics where no seed catches it.
-fn planted_staging_reuse_is_caught(
+/// Sets the process's staging ring size for one test, and the default
+/// back when dropped (the suite runs one test at a time: `cargo xtask
+/// gpu-test` and the device calls pass `--test-threads 1`).
+struct RingSize;
+
+impl RingSize {
+    fn set(bytes: u64) -> Self {
+        offload_core::budget::host::set_staging_ring_bytes(bytes);
+        Self
+    }
+}
+
+impl Drop for RingSize {
+    fn drop(&mut self) {
+        offload_core::budget::host::set_staging_ring_bytes(
+            offload_core::budget::host::STAGING_RING_BYTES,
+        );
+    }
+}
+
+/// Every master staged through a ring of parts (CONTRACT §7c) on the GPU:
+/// a 16 MiB ring of eight 2 MiB buffers against 24 MiB blocks (twelve
+/// parts each, more than the ring holds), raw and coded: bit-identical to
+/// resident unperturbed and under perturbation at depth 1 and 2, the
+/// page-locked peak offload-cuda counts within the ring and one upload
+/// buffer (less than one whole block's two buffers); and the planted
+/// `HostStagingReuseBeforeCopy` (a buffer refilled before the copy of its
+/// last part) and `StagedReadyAfterFirstPart` (compute reads the slot while
+/// later parts land) change the output under slow copies, beside clean
+/// controls.
+#[test]
+fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
+    let Some(g) = gpu() else { return };
+    let _ring = RingSize::set(16 << 20);
+    let rig = Rig::trained(&g.device, pipeline(), Law::Normal);
+    rig.warm_up();
+    let p = &rig.pipeline;
+    let resident = measured_run(&rig, Strategy::Resident);
+    let staged = Strategy::Staged { depth: 1 };
+    let coded = Strategy::StagedLossless { depth: 1 };
+    // The coded-block file first (its encode pins nothing).
+    drop(rig.platform_for(coded, 42, &[]));
+    let b = memory_bounds(p, &staged.config(), 1).unwrap();
+    let largest = blocks_of(p, p.module_id("transformer").unwrap())
+        .into_iter()
+        .map(|m| p.subtree_bytes(m))
+        .max()
+        .unwrap_or(0);
+    assert!(
+        b.host_staging_bytes < largest,
+        "a ring of parts ({} B) smaller than the largest block ({largest} B)",
+        b.host_staging_bytes
+    );
+    for strategy in [staged, coded] {
+        rig.settle();
+        let locked_before = offload_cuda::host_locked();
+        offload_cuda::reset_host_locked_peak();
+        let out = measured_run(&rig, strategy);
+        let locked = offload_cuda::host_locked();
+        let held =
+            locked.peak_bytes - (locked_before.pinned_bytes + locked_before.registered_bytes);
+        println!(
+            "{strategy:?} in parts: page-locked peak {held} B beyond the rig's (ring {} B + upload {} B; largest block {largest} B)",
+            b.host_staging_bytes,
+            b.staging_bytes - b.host_staging_bytes,
+        );
+        assert_eq!(
+            out.outputs, resident.outputs,
+            "{strategy:?} in parts vs resident"
+        );
+        if strategy == coded {
+            assert_eq!(rig.codec().take_error().unwrap(), 0, "decoder flag");
+        }
+        assert!(
+            held <= b.staging_bytes,
+            "{strategy:?}: page-locked peak {held} B > ring + upload {} B",
+            b.staging_bytes
+        );
+    }
+    let seeds = if under_sanitizer() { 1 } else { 3 };
+    for seed in 0..seeds {
+        let weights = 9700 + seed;
+        let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
+        for depth in [1, 2] {
+            for strategy in [
+                Strategy::Staged { depth },
+                Strategy::StagedLossless { depth },
+            ] {
+                let got = timing_run(&rig, strategy, weights, &[], Some(wide(seed)));
+                assert_eq!(
+                    got,
+                    Ok(expected.clone()),
+                    "{strategy:?} in parts, perturbation seed {seed}"
+                );
+            }
+            assert_eq!(rig.codec().take_error().unwrap(), 0, "decoder flag");
+        }
+    }
+    println!(
+        "perturbed: staged layerwise in parts, raw and coded, depth 1 and 2 equal resident on {seeds} seeds"
+    );
+    if under_sanitizer() {
+        return;
+    }
+    for (bug, base) in [
+        (PlantedBug::HostStagingReuseBeforeCopy, 32_000),
+        (PlantedBug::StagedReadyAfterFirstPart, 33_000),
+    ] {
+        let (bug, seed, how) = planted_staging_bug_is_caught(&rig, staged, bug, base);
+        println!(
+            "planted {} in parts: caught on seed {seed} after {} runs ({how}); clean control equals resident",
+            bug.name(),
+            seed + 1
+        );
+    }
+}
+
+/// A planted staging bug (`HostStagingReuseBeforeCopy`,
+/// `StagedReadyAfterFirstPart`) under `strategy` (a staged one) with slow
+/// copies, weights `base + seed`: the first seed on which the output
+/// differs from resident or the run fails, and how; then its clean control
+/// (the same weights and perturbation, no bug) must equal resident.
+/// Panics where no seed catches it.
+fn planted_staging_bug_is_caught(
     rig: &Rig,
     strategy: Strategy,
+    bug: PlantedBug,
     base: u64,
 ) -> (PlantedBug, u64, String) {
-    let bug = PlantedBug::HostStagingReuseBeforeCopy;
     let weights = |seed: u64| base + seed;
     let mut caught = None;
     for seed in 0..PLANTED_SEEDS {
@@ -1751,7 +1870,8 @@ fn coded_staged_layerwise_is_bit_identical_and_pins_only_its_ring_on_the_gpu() {
     if under_sanitizer() {
         return;
     }
-    let (bug, seed, how) = planted_staging_reuse_is_caught(&rig, staged, 31_000);
+    let (bug, seed, how) =
+        planted_staging_bug_is_caught(&rig, staged, PlantedBug::HostStagingReuseBeforeCopy, 31_000);
     println!(
         "planted {} on the coded staged path: caught on seed {seed} after {} runs ({how}); clean control equals resident",
         bug.name(),

@@ -9,9 +9,87 @@
 
 use crate::bytes::{ByteSize, HostBudget};
 
-/// Staging buffers a staged ring streams through: the host fills one while
-/// the copy engine reads the other.
+/// Staging buffers a staged ring of small blocks streams through: the host
+/// fills one while the copy engine reads the other.
 pub const HOST_STAGING_BUFFERS: u64 = 2;
+
+/// The most bytes a staging ring holds together by default (CONTRACT §7c):
+/// two whole blocks where both fit, else [`STAGING_PARTS`] buffers of an
+/// eighth of it each ([`staging_layout`]).
+pub const STAGING_RING_BYTES: u64 = 512 << 20;
+
+/// Buffers a staging ring of parts holds.
+pub const STAGING_PARTS: u64 = 8;
+
+static RING_BYTES: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(STAGING_RING_BYTES);
+
+/// Sets the most bytes a staging ring holds in this process (the default
+/// is [`STAGING_RING_BYTES`]), for every plan and engine made after it: a
+/// benchmark's comparison of layouts, a test's small blocks. At least
+/// [`STAGING_PARTS`] bytes.
+pub fn set_staging_ring_bytes(bytes: u64) {
+    RING_BYTES.store(
+        bytes.max(STAGING_PARTS),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+/// The most bytes a staging ring holds in this process
+/// ([`set_staging_ring_bytes`]).
+pub fn staging_ring_limit() -> u64 {
+    RING_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The staging ring a host plan reserves (CONTRACT §7c): `buffers` pinned
+/// buffers of `part_bytes` each, which every staged block passes through
+/// in parts of at most `part_bytes`, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingLayout {
+    /// Bytes of each staging buffer.
+    pub part_bytes: u64,
+    /// Staging buffers.
+    pub buffers: u64,
+}
+
+impl StagingLayout {
+    /// The ring's pinned bytes.
+    pub fn bytes(&self) -> u64 {
+        self.part_bytes.saturating_mul(self.buffers)
+    }
+}
+
+/// The staging ring for staged blocks of at most `largest` bytes: two
+/// whole-block buffers where both fit the process's ring
+/// ([`staging_ring_limit`]), else [`STAGING_PARTS`] buffers of an eighth
+/// of it, through which a larger block passes in parts. Empty (0 bytes)
+/// where nothing is staged.
+pub fn staging_layout(largest: u64) -> StagingLayout {
+    if largest == 0 {
+        return StagingLayout {
+            part_bytes: 0,
+            buffers: 0,
+        };
+    }
+    let limit = staging_ring_limit();
+    if HOST_STAGING_BUFFERS.saturating_mul(largest) <= limit {
+        return StagingLayout {
+            part_bytes: largest,
+            buffers: HOST_STAGING_BUFFERS,
+        };
+    }
+    StagingLayout {
+        // Rounded up: a ring never shrinks as its largest block grows.
+        part_bytes: limit.div_ceil(STAGING_PARTS),
+        buffers: STAGING_PARTS,
+    }
+}
+
+/// The staging ring's pinned bytes for staged blocks of at most `largest`
+/// bytes ([`staging_layout`]).
+pub fn staging_ring_bytes(largest: u64) -> u64 {
+    staging_layout(largest).bytes()
+}
 
 /// The most pinned bytes a buffer made only for uploads takes (an upload
 /// runs through it in chunks): layerwise's refused uploads, and the
@@ -260,8 +338,8 @@ pub struct HostPlan {
     pub pinned_bytes: u64,
     /// Bytes of the staged masters (pageable).
     pub staged_bytes: u64,
-    /// The staging ring's pinned bytes ([`HOST_STAGING_BUFFERS`] of the
-    /// largest staged block; 0 when nothing is staged).
+    /// The staging ring's pinned bytes ([`staging_layout`] of the largest
+    /// staged block; 0 when nothing is staged).
     pub staging_bytes: u64,
     /// Page-locked bytes the plan holds at most: pinned masters, the
     /// staging ring and `transient` (a resident unit's upload buffer).
@@ -295,15 +373,16 @@ pub fn release_after(budget: u64, staged: u64, peak: u64) -> bool {
 /// The host budget is below what the least plan needs.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "host budget of {budget} is below the least any plan of these blocks needs, {least} ({buffers} staging buffers of the largest block, {largest}, plus {transient} for the largest resident unit's upload): raise host_budget to at least {least}"
+    "host budget of {budget} is below the least any plan of these blocks needs, {least} (a staging ring of {ring} for the largest block, {largest}, plus {transient} for the largest resident unit's upload): raise host_budget to at least {least}"
 )]
 pub struct HostBudgetTooSmall {
     /// The budget.
     pub budget: ByteSize,
     /// The least.
     pub least: ByteSize,
-    /// The staging buffers.
-    pub buffers: u64,
+    /// The staging ring's pinned bytes ([`staging_layout`] of the largest
+    /// streamed block).
+    pub ring: ByteSize,
     /// The largest streamed block.
     pub largest: ByteSize,
     /// The transient upload buffer.
@@ -350,7 +429,7 @@ pub fn plan_host(
     let sum = |f: fn(&HostBlock) -> u64| blocks.iter().fold(0u64, |a, b| a.saturating_add(f(b)));
     let total = sum(|b| b.pinned);
     let largest = blocks.iter().map(|b| b.staged).max().unwrap_or(0);
-    let ring = HOST_STAGING_BUFFERS.saturating_mul(largest);
+    let ring = staging_ring_bytes(largest);
     let least = ring.saturating_add(transient);
     let plan = |staged: Vec<Option<StageReason>>| {
         let (mut staged_bytes, mut pinned_bytes, mut largest_staged) = (0u64, 0u64, 0u64);
@@ -362,7 +441,7 @@ pub fn plan_host(
                 pinned_bytes = pinned_bytes.saturating_add(b.pinned);
             }
         }
-        let staging_bytes = HOST_STAGING_BUFFERS.saturating_mul(largest_staged);
+        let staging_bytes = staging_ring_bytes(largest_staged);
         HostPlan {
             staged,
             pinned_bytes,
@@ -378,7 +457,7 @@ pub fn plan_host(
     let too_small = |budget: u64| HostBudgetTooSmall {
         budget: ByteSize::new(budget),
         least: ByteSize::new(least),
-        buffers: HOST_STAGING_BUFFERS,
+        ring: ByteSize::new(ring),
         largest: ByteSize::new(largest),
         transient: ByteSize::new(transient),
     };
@@ -445,15 +524,13 @@ pub struct BuiltBlock {
 /// of its streamed blocks.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the host masters as the device allowed them take {peak} page-locked (pinned masters, {buffers} staging buffers of the largest staged block and the upload buffer), over the host budget of {budget}, with every streamed block that can stage staged: the device refused pins the plan counted on (the log names them); raise host_budget to at least {peak} or free host memory"
+    "the host masters as the device allowed them take {peak} page-locked (pinned masters, the staging ring of the largest staged block and the upload buffer), over the host budget of {budget}, with every streamed block that can stage staged: the device refused pins the plan counted on (the log names them); raise host_budget to at least {peak} or free host memory"
 )]
 pub struct RestageDoesNotFit {
     /// The budget.
     pub budget: ByteSize,
     /// The least page-locked peak staging reaches.
     pub peak: ByteSize,
-    /// The staging buffers.
-    pub buffers: u64,
 }
 
 /// The bytes of the largest staged block of `blocks` (what each staging
@@ -489,7 +566,7 @@ pub fn built_peak(fixed: u64, blocks: &[BuiltBlock]) -> u64 {
     let ring = largest_staged(blocks);
     fixed
         .saturating_add(pinned)
-        .saturating_add(HOST_STAGING_BUFFERS.saturating_mul(ring))
+        .saturating_add(staging_ring_bytes(ring))
 }
 
 /// Whether a store built as `blocks` beside `fixed`, with the blocks of
@@ -590,7 +667,6 @@ pub fn restage_within(
     Err(RestageDoesNotFit {
         budget: ByteSize::new(budget),
         peak: ByteSize::new(least),
-        buffers: HOST_STAGING_BUFFERS,
     })
 }
 
@@ -651,7 +727,6 @@ mod tests {
             Err(RestageDoesNotFit {
                 budget: ByteSize::new(110),
                 peak: ByteSize::new(130),
-                buffers: HOST_STAGING_BUFFERS,
             })
         );
     }

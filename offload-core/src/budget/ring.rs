@@ -87,13 +87,16 @@ pub struct DecodeStage<'a> {
 /// The host stage of a ring whose masters are partly staged (CONTRACT
 /// §7c): which blocks stream staged, and each one's host fill into a
 /// pinned staging buffer, seconds (its bytes over the host's fill rate, as
-/// the warm-up measures it). The schedule is the filler thread's: one fill
-/// at a time, in ring order; staged block q's fill starts once the fill
-/// before it has ended (it is queued when that block's copy is issued)
-/// and once the copy out of its buffer, staged block q − 2's, has ended
-/// (two staging buffers); q's copy starts after its fill; and the hook
-/// that issues q's copy (the pre-forward `depth` blocks before) waits for
-/// its fill, so that block's kernels launch no earlier.
+/// the warm-up measures it). The schedule is the filler thread's, part by
+/// part (a block within a staging buffer is one part): one fill at a
+/// time, in ring order; part q's fill starts once the fill before it has
+/// ended and once the copy out of its buffer, part q − `buffers`'s, has
+/// ended; its copy starts after its fill, the copy before it and (its
+/// block's first) the slot's last use. A raw block's last parts are
+/// issued by the hook after the one that prefetched it, so a block's
+/// kernels launch once the fills of the blocks prefetched before its
+/// pre-forward are in; a coded block's are all issued by the prefetching
+/// hook (its decode follows), so that block's kernels wait for its fills.
 #[derive(Clone, Copy, Debug)]
 pub struct HostStage<'a> {
     /// Whether each block (forward order) streams staged.
@@ -101,12 +104,34 @@ pub struct HostStage<'a> {
     /// Host fill of each block, seconds (entries of blocks not staged
     /// unused).
     pub fill_s: &'a [f64],
-    /// Staging buffers the fills cycle through (two; one where the device
-    /// refused the second, so each fill waits for the copy before it).
+    /// Staging buffers the fills cycle through, each of `part_bytes`
+    /// ([`crate::budget::host::staging_layout`]; one where the device
+    /// refused the rest, so each fill waits for the copy before it).
     pub buffers: usize,
+    /// Each block's staged bytes (entries of blocks not staged unused).
+    pub bytes: &'a [u64],
+    /// The most bytes one staging buffer holds: a staged block larger
+    /// than it is filled and copied in parts of it, in order, each part's
+    /// copy after its own fill (the last part the rest).
+    pub part_bytes: u64,
 }
 
 impl HostStage<'_> {
+    /// The share of block `block`'s bytes each of its parts holds, in
+    /// order (one part of 1.0 for a block within a staging buffer).
+    fn part_fractions(&self, block: usize) -> impl Iterator<Item = f64> + use<> {
+        let bytes = self.bytes.get(block).copied().unwrap_or(0);
+        let part = self.part_bytes.max(1);
+        let parts = bytes.div_ceil(part).max(1);
+        (0..parts).map(move |p| {
+            if bytes == 0 {
+                1.0
+            } else {
+                (bytes - p * part).min(part) as f64 / bytes as f64
+            }
+        })
+    }
+
     /// The host's fills of one forward together, seconds: what no
     /// schedule of a staged ring beats beside its compute and its copies.
     pub fn fills_s(&self) -> f64 {
@@ -175,45 +200,53 @@ impl Fills {
                 0.0
             };
             let block = streamed[k % m];
-            // The host stage: after the fill before it and after the copy
-            // out of its staging buffer (`buffers` staged fills back).
+            // What the copy into its destination waits for besides the
+            // copy before it: the slot's last use, or (coded) the decode
+            // that last read the device staging buffer (two of them).
+            let gate = match decode {
+                None => slot_free,
+                Some(_) if k >= 2 => self.decodes[k - 2].1,
+                Some(_) => 0.0,
+            };
+            // The host stage: each part's fill after the fill before it and
+            // after the copy out of its staging buffer (`buffers` staged
+            // parts back); each part's copy after its fill.
             let staged = host.is_some_and(|h| h.staged[block]);
-            let hosted = match host {
+            let (start, hosted) = match host {
                 Some(h) if staged => {
-                    let q = self.staged_copies.len();
                     let buffers = h.buffers.max(1);
-                    let buffer_free = if q >= buffers {
-                        self.staged_copies[q - buffers].1
-                    } else {
-                        0.0
-                    };
-                    self.t_host = self.t_host.max(buffer_free) + h.fill_s[block];
-                    self.t_host
+                    let mut first = None;
+                    for frac in h.part_fractions(block) {
+                        let q = self.staged_copies.len();
+                        let buffer_free = if q >= buffers {
+                            self.staged_copies[q - buffers].1
+                        } else {
+                            0.0
+                        };
+                        self.t_host = self.t_host.max(buffer_free) + h.fill_s[block] * frac;
+                        let start = self.t_copy.max(gate).max(self.t_host);
+                        self.t_copy = start + copy_s[block] * frac;
+                        self.staged_copies.push((start, self.t_copy));
+                        first.get_or_insert(start);
+                    }
+                    (first.unwrap_or(self.t_copy), self.t_host)
                 }
-                _ => 0.0,
+                _ => {
+                    let start = self.t_copy.max(gate);
+                    self.t_copy = start + copy_s[block];
+                    (start, 0.0)
+                }
             };
             self.hosted.push(hosted);
+            self.copies.push((start, self.t_copy));
             match decode {
-                None => {
-                    let start = self.t_copy.max(slot_free).max(hosted);
-                    self.t_copy = start + copy_s[block];
-                    self.copies.push((start, self.t_copy));
-                    self.filled.push(self.t_copy);
-                }
+                None => self.filled.push(self.t_copy),
                 Some(d) => {
-                    let staging_free = if k >= 2 { self.decodes[k - 2].1 } else { 0.0 };
-                    let start = self.t_copy.max(staging_free).max(hosted);
-                    self.t_copy = start + copy_s[block];
-                    self.copies.push((start, self.t_copy));
                     let d_start = self.t_copy.max(slot_free).max(self.t_decode);
                     self.t_decode = d_start + d.decode_s[block];
                     self.decodes.push((d_start, self.t_decode));
                     self.filled.push(self.t_decode);
                 }
-            }
-            if staged {
-                let copy = *self.copies.last().expect("pushed above");
-                self.staged_copies.push(copy);
             }
         }
         self.filled[g]
@@ -305,8 +338,23 @@ pub fn hosted_ends(
                 let ahead = done.len() + usize::from(!resident[i]) + depth - 1;
                 fills.fill(ahead, &done, &streamed, copy_s, stages);
                 if stages.1.is_some() {
-                    for k in issued..=ahead {
-                        start = start.max(fills.hosted[k]);
+                    if decode.is_some() {
+                        // A coded staged block's parts are all issued at its
+                        // prefetch: that hook waits for their fills.
+                        for k in issued..=ahead {
+                            start = start.max(fills.hosted[k]);
+                        }
+                    } else {
+                        // A raw one's parts are issued as they fill, the
+                        // rest at the next hook (after this block's kernels
+                        // are enqueued): this block launches once the fills
+                        // of the blocks prefetched before it are in.
+                        for k in issued.saturating_sub(1)..ahead {
+                            start = start.max(fills.hosted[k]);
+                        }
+                        if !resident[i] {
+                            start = start.max(fills.hosted[done.len()]);
+                        }
                     }
                 }
                 issued = issued.max(ahead + 1);
@@ -566,6 +614,8 @@ pub struct StagedForecast {
     pub depth: usize,
     /// The host staging buffers it was forecast with.
     pub buffers: usize,
+    /// Bytes of each staging buffer (a larger block goes in parts).
+    pub part_bytes: u64,
     /// The steady-state forward, seconds.
     pub forward_s: f64,
     /// Compute of one forward, seconds.
@@ -599,7 +649,7 @@ pub fn forecast_staged(
     staged: &[bool],
     staged_bytes: &[u64],
     fill_bytes_per_s: f64,
-    (depth, buffers): (usize, usize),
+    (depth, buffers, part_bytes): (usize, usize, u64),
 ) -> Result<StagedForecast, BudgetError> {
     let n = shape.compute_s.len();
     if staged.len() != n || staged_bytes.len() != n {
@@ -620,11 +670,11 @@ pub fn forecast_staged(
             allowed: "a finite number of bytes per second above 0".to_owned(),
         });
     }
-    if !(1..=2).contains(&buffers) {
+    if buffers == 0 || part_bytes == 0 {
         return Err(BudgetError::Input {
-            input: "host staging buffers".to_owned(),
-            value: buffers.to_string(),
-            allowed: "1 or 2".to_owned(),
+            input: "host staging ring".to_owned(),
+            value: format!("{buffers} buffers of {part_bytes} bytes"),
+            allowed: "at least one buffer of at least one byte".to_owned(),
         });
     }
     choose_lookahead(shape, 1, depth.clamp(1, MAX_DEPTH), None)?;
@@ -643,6 +693,8 @@ pub fn forecast_staged(
         staged,
         fill_s: &fill_s,
         buffers,
+        bytes: staged_bytes,
+        part_bytes,
     };
     let ends = hosted_ends(
         shape.compute_s,
@@ -663,6 +715,7 @@ pub fn forecast_staged(
         fill_bytes_per_s,
         depth,
         buffers,
+        part_bytes,
         forward_s: steady_s(&ends),
         compute_s: shape.compute_s.iter().sum::<f64>() + shape.other_s,
         link_s: (0..n)
@@ -856,6 +909,86 @@ pub fn hidden_choice(shape: &RingShape<'_>, depth: usize) -> Option<CompressionC
 mod tests {
     use super::*;
 
+    /// A staged block in parts (CONTRACT §7c): a block within a buffer is
+    /// one part, the whole-block schedule; in parts its copy overlaps its
+    /// own fills (filled in 1.0 and copied in 0.5 s, in four parts it is in
+    /// at 1.125 s, not 1.5); and a ring of fewer buffers than the block's
+    /// parts makes a fill wait for the copy out of the buffer it refills
+    /// (copies slower than fills: the last part's fill ends at 1.25 s with
+    /// two buffers, at 0.5 s with eight). Seen red (2026-12-07) with the
+    /// buffers' reuse ignored in parts, and with every part charged the
+    /// whole block's fill.
+    #[test]
+    fn a_block_in_parts_overlaps_its_fills_within_the_ring() {
+        let run = |fill: f64, copy: f64, (bytes, part_bytes, buffers): (u64, u64, usize)| {
+            let staged = [true, true];
+            let fill_s = [fill, fill];
+            let sizes = [bytes, bytes];
+            let host = HostStage {
+                staged: &staged,
+                fill_s: &fill_s,
+                buffers,
+                bytes: &sizes,
+                part_bytes,
+            };
+            let mut f = Fills::new(1, 4);
+            let ready = f.fill(0, &[], &[0, 1], &[copy, copy], (None, Some(host)));
+            (ready, f.hosted[0])
+        };
+        let close =
+            |a: (f64, f64), b: (f64, f64)| (a.0 - b.0).abs() < 1e-12 && (a.1 - b.1).abs() < 1e-12;
+        // One part: whole blocks, whatever the part size beyond the block.
+        assert!(close(run(1.0, 0.5, (4, 4, 2)), (1.5, 1.0)));
+        assert!(close(run(1.0, 0.5, (4, 1 << 20, 2)), (1.5, 1.0)));
+        // Four parts, room for all: each part's copy after its own fill.
+        let four = run(1.0, 0.5, (4, 1, 8));
+        assert!(close(four, (1.125, 1.0)), "{four:?}");
+        // Uneven parts (3 + 1 bytes): the first copies 0.375 s from 0.75,
+        // the last (a quarter) after it, from 1.125.
+        let uneven = run(1.0, 0.5, (4, 3, 8));
+        assert!(close(uneven, (1.25, 1.0)), "{uneven:?}");
+        // Copies slower than fills, two buffers: the fills wait.
+        let two = run(0.5, 2.0, (4, 1, 2));
+        assert!(close(two, (2.125, 1.25)), "{two:?}");
+        let eight = run(0.5, 2.0, (4, 1, 8));
+        assert!(close(eight, (2.125, 0.5)), "{eight:?}");
+    }
+
+    /// A compute-bound ring of raw staged blocks in parts, through a ring
+    /// of buffers smaller than a block: the parts a prefetch could not
+    /// issue wait for the next hook, so no hook waits for a fill that
+    /// waits (through the copies of the block's first parts) for compute it
+    /// has yet to issue, and the ring runs at its compute. Seen red
+    /// (2026-12-07) with the prefetching hook waiting for all its block's
+    /// fills (the forward 1.42× its compute at depth 1).
+    #[test]
+    fn a_prefetch_in_parts_leaves_compute_bound_kernels_unwaited() {
+        let n = 8;
+        let staged = vec![true; n];
+        let fill_s = vec![0.6; n];
+        let bytes = vec![4; n];
+        let host = HostStage {
+            staged: &staged,
+            fill_s: &fill_s,
+            buffers: 2,
+            bytes: &bytes,
+            part_bytes: 1,
+        };
+        for depth in [1, 2, 3] {
+            let ends = hosted_ends(
+                &vec![1.0; n],
+                &vec![0.5; n],
+                (None, Some(host)),
+                &vec![false; n],
+                depth,
+                0.0,
+                0.0,
+            );
+            let ratio = steady_s(&ends) / n as f64;
+            assert!(ratio < 1.0 + 1e-9, "depth {depth}: {ratio}");
+        }
+    }
+
     /// The host stage of staged masters: free fills change no steady state; a
     /// ring of staged blocks whose fills outlast their copies and compute
     /// runs at the host's fills; two staging buffers keep fills at most
@@ -872,6 +1005,7 @@ mod tests {
                 let copy_s = vec![copy; n];
                 let fill_s = vec![fill; n];
                 let resident = vec![false; n];
+                let bytes = vec![1; n];
                 hosted_ends(
                     &compute_s,
                     &copy_s,
@@ -881,6 +1015,8 @@ mod tests {
                             staged,
                             fill_s: &fill_s,
                             buffers,
+                            bytes: &bytes,
+                            part_bytes: 1,
                         }),
                     ),
                     &resident,
@@ -1068,6 +1204,8 @@ mod tests {
                 staged: &staged,
                 fill_s: &long,
                 buffers: 2,
+                bytes: &[],
+                part_bytes: 1,
             };
             let by_fills = hosted_copies_exposed(&compute, &free, Some(host), &resident, 2, 0.0);
             assert_eq!((by_link, by_fills), (want, want), "over by {over}");

@@ -24,7 +24,7 @@ use rayon::prelude::*;
 
 use serde::Serialize;
 
-use super::host::{HOST_STAGING_BUFFERS, HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host};
+use super::host::{HostBlock, HostLimits, UPLOAD_STAGING_BYTES, plan_host, staging_ring_bytes};
 use super::ring::{
     DECODE_INTERFERENCE, DecodeStage, HostStage, MAX_DECODE_INTERFERENCE, MAX_DEPTH, TIE,
     forwards_s, hosted_copies_exposed, hosted_ends,
@@ -370,11 +370,8 @@ impl PComp {
             }
             _ => Vec::new(),
         };
-        let host = (!fill.is_empty()).then_some(HostStage {
-            staged: &mask,
-            fill_s: &fill,
-            buffers: HOST_STAGING_BUFFERS as usize,
-        });
+        let bytes: Vec<u64> = stack.iter().map(|b| b.bytes).collect();
+        let host = (!fill.is_empty()).then(|| host_stage(&mask, &fill, &bytes));
         hosted_copies_exposed(&compute, &copy, host, r, l.depth, other)
     }
 
@@ -607,8 +604,8 @@ impl PComp {
 
     /// [`Self::time`] with the blocks of `staged` (paths) streaming staged:
     /// where the inputs carry the host's fill rate, each stack with a
-    /// staged block runs the recurrence's host stage (two staging buffers,
-    /// one fill at a time, [`super::ring::HostStage`]).
+    /// staged block runs the recurrence's host stage (the staging ring's
+    /// buffers, one fill at a time, [`super::ring::HostStage`]).
     fn time_hosted(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
         let link = inp.link_bytes_per_s;
         let bring = self.bring_in_s(l, kept, inp);
@@ -666,25 +663,23 @@ impl PComp {
                         decode_s: &decode_s,
                         interference: self.decode_k(),
                     });
+                    let staged_bytes: Vec<u64> = s
+                        .iter()
+                        .map(|b| {
+                            if coded {
+                                b.coded.unwrap_or(b.bytes)
+                            } else {
+                                b.bytes
+                            }
+                        })
+                        .collect();
                     let fill: Vec<f64> = match inp.host_fill_bytes_per_s {
-                        Some(rate) if mask.iter().any(|m| *m) => s
-                            .iter()
-                            .map(|b| {
-                                let bytes = if coded {
-                                    b.coded.unwrap_or(b.bytes)
-                                } else {
-                                    b.bytes
-                                };
-                                bytes as f64 / rate
-                            })
-                            .collect(),
+                        Some(rate) if mask.iter().any(|m| *m) => {
+                            staged_bytes.iter().map(|&b| b as f64 / rate).collect()
+                        }
                         _ => Vec::new(),
                     };
-                    let host = (!fill.is_empty()).then_some(HostStage {
-                        staged: &mask,
-                        fill_s: &fill,
-                        buffers: HOST_STAGING_BUFFERS as usize,
-                    });
+                    let host = (!fill.is_empty()).then(|| host_stage(&mask, &fill, &staged_bytes));
                     let ends = hosted_ends(
                         &compute,
                         &copy,
@@ -1149,7 +1144,7 @@ impl<'a> Request<'a> {
             let head = limits
                 .budget
                 .saturating_sub(self.transient())
-                .checked_sub(HOST_STAGING_BUFFERS.saturating_mul(r));
+                .checked_sub(staging_ring_bytes(r));
             if let Some(head) = head {
                 out.push(HostBound {
                     head,
@@ -1318,8 +1313,7 @@ impl<'a> Request<'a> {
                 // A ring of two of the largest streamed block (the search's
                 // passes plan within it; a plan that pins every weight is
                 // the other way, below).
-                let staging = HOST_STAGING_BUFFERS
-                    .saturating_mul(streamed.iter().copied().max().unwrap_or(0));
+                let staging = staging_ring_bytes(streamed.iter().copied().max().unwrap_or(0));
                 let least = held.saturating_add(staging).saturating_add(transient);
                 if best.as_ref().is_none_or(|b| least < b.0.0) {
                     best = Some(((least, held, staging, transient), phases));
@@ -1350,7 +1344,7 @@ impl<'a> Request<'a> {
                 .flat_map(|(c, (l, _))| c.streamed_host(l).map(|(_, n)| n))
                 .max()
                 .unwrap_or(0);
-            let staging = HOST_STAGING_BUFFERS.saturating_mul(largest);
+            let staging = staging_ring_bytes(largest);
             let least = held
                 .saturating_add(staging)
                 .saturating_add(self.transient());
@@ -1393,8 +1387,7 @@ impl<'a> Request<'a> {
                 let (budget_bytes, source) = match &self.host {
                     Some(limits) => (limits.budget, limits.source.clone()),
                     None => (
-                        HOST_STAGING_BUFFERS
-                            .saturating_mul(self.block_sizes().first().copied().unwrap_or(0))
+                        staging_ring_bytes(self.block_sizes().first().copied().unwrap_or(0))
                             .saturating_add(transient),
                         "pin_cpu_memory = false, no host_budget: no master page-locked, at most a staging ring of two of the largest block and the upload buffer".to_owned(),
                     ),
@@ -3113,6 +3106,27 @@ pub fn smallest_footprint_within(
         .map(|(i, (l, k))| r.choice(i, l, *k))
         .collect();
     Ok((choices, minimum, host))
+}
+
+/// The host stage of a stack whose `staged` blocks fill in `fill_s` from
+/// `bytes` each, through the staging ring its largest staged block takes
+/// ([`super::host::staging_layout`]).
+fn host_stage<'a>(staged: &'a [bool], fill_s: &'a [f64], bytes: &'a [u64]) -> HostStage<'a> {
+    let largest = bytes
+        .iter()
+        .zip(staged)
+        .filter(|(_, s)| **s)
+        .map(|(b, _)| *b)
+        .max()
+        .unwrap_or(0);
+    let layout = super::host::staging_layout(largest);
+    HostStage {
+        staged,
+        fill_s,
+        buffers: layout.buffers as usize,
+        bytes,
+        part_bytes: layout.part_bytes,
+    }
 }
 
 #[cfg(test)]

@@ -151,8 +151,9 @@ pub fn memory_bounds(
             // `pin_cpu_memory = false`, or where the device refuses a pin
             // (`MemoryBounds::with_refused_pins`).
             if strategy == OffloadStrategy::Layerwise {
-                ring_bytes = crate::budget::host::HOST_STAGING_BUFFERS
-                    * layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0);
+                ring_bytes = crate::budget::host::staging_ring_bytes(
+                    layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0),
+                );
                 if config.host_budget.is_some() || !plan.selection.pin_memory {
                     host_staging_bytes = ring_bytes;
                 }
@@ -335,7 +336,8 @@ pub struct PlanBounds {
     /// budget the host staging ring (`host_staging_bytes`).
     pub staging_bytes: u64,
     /// Under a `host_budget` (CONTRACT §7c): the most a host staging ring
-    /// takes, two pinned buffers of the largest block (the warm-up's
+    /// takes, `budget::host::staging_ring_bytes` of the largest block
+    /// (two whole blocks, or a ring of parts; the warm-up's
     /// footprint and the plan may stage different blocks; a staged master
     /// holds no pinned copy). 0 without one.
     pub host_staging_bytes: u64,
@@ -486,8 +488,9 @@ pub fn plan_bounds(
     // The ring a staged master streams through: declared under a host
     // budget; without one only where the device refused a pin
     // (`MemoryBounds::with_refused_pins`).
-    let ring = crate::budget::host::HOST_STAGING_BUFFERS
-        * part.blocks.values().map(|u| u.bytes).max().unwrap_or(0);
+    let ring = crate::budget::host::staging_ring_bytes(
+        part.blocks.values().map(|u| u.bytes).max().unwrap_or(0),
+    );
     let host_staging = if plan.host.is_some() { ring } else { 0 };
     let staging = outside.iter().map(|u| u.bytes).max().unwrap_or(0) + host_staging;
     Ok(PlanBounds {

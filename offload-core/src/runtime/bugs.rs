@@ -115,6 +115,10 @@ pub enum PlantedBug {
     /// staging buffer without waiting for the copy that last read it, so
     /// the copy may carry the next block's bytes into the slot.
     HostStagingReuseBeforeCopy,
+    /// INV-3 (staging transport in parts, CONTRACT §7c): a staged block's
+    /// slot `ready` is recorded after its first part's copy instead of its
+    /// last, so compute may read the slot while its later parts land.
+    StagedReadyAfterFirstPart,
     /// INV-8 (distributed layerwise, CONTRACT §8): a rank's shard registered
     /// in place ([`crate::runtime::WeightSource::take_shard_region`]) is
     /// asked for one bf16 element (2 bytes) past where the shard starts, so
@@ -167,7 +171,7 @@ pub enum PlantedBug {
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 46] = [
+    pub const ALL: [PlantedBug; 47] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -204,6 +208,7 @@ impl PlantedBug {
         PlantedBug::StagingReuseBeforeDecode,
         PlantedBug::DecodeIntoSlotInUse,
         PlantedBug::HostStagingReuseBeforeCopy,
+        PlantedBug::StagedReadyAfterFirstPart,
         PlantedBug::ShardWindowWrongOffset,
         PlantedBug::HostPlanCodedUnderAuto,
         PlantedBug::PlannedPinsStagedBlocks,

@@ -22,14 +22,30 @@ use crate::runtime::layout::Unit;
 use crate::runtime::read::{ParallelBytes, Reader, UnitBytes};
 use crate::runtime::shared::dev_err;
 
+/// What a staging buffer holds: part `.2` of block `.1` of ring `.0` (a
+/// staged block larger than a buffer passes through in parts of it).
+pub(crate) type Tag = (usize, usize, u64);
+
+/// What one fill copies: bytes `range` (offset, length) of `unit`'s bytes,
+/// or of its `coded` bytes, tagged `tag`; `last`: the unit's last part.
+pub(crate) struct Part<'a> {
+    pub(crate) tag: Tag,
+    pub(crate) unit: &'a Unit,
+    pub(crate) coded: Option<&'a std::sync::Arc<dyn crate::device::HostRegion>>,
+    pub(crate) range: (u64, u64),
+    pub(crate) last: bool,
+}
+
 /// One pinned staging buffer.
 pub(crate) struct Stage<A: Api> {
     pub(crate) buffer: A::HostBuffer,
     /// Recorded on the copy stream after each copy out of the buffer.
     pub(crate) copied: A::Event,
-    /// The (ring, block) whose bytes the buffer holds, once no fill is
-    /// pending.
-    pub(crate) holds: Option<(usize, usize)>,
+    /// The part whose bytes the buffer holds, once no fill is pending.
+    pub(crate) holds: Option<Tag>,
+    /// A copy out of it has been issued (its `copied` recorded) since it
+    /// was last filled: it may be refilled.
+    pub(crate) spent: bool,
     /// A fill of it is queued or running.
     pending: bool,
     /// Why its last fill failed.
@@ -41,11 +57,15 @@ struct Cell<A: Api> {
     done: Condvar,
 }
 
-/// One fill: `unit`'s bytes (or its coded bytes, `coded`) into stage
-/// `stage`, tagged `tag`.
+/// One fill: bytes `range` of `unit`'s bytes (or of its coded bytes,
+/// `coded`) into stage `stage`, tagged `tag`.
 struct Job {
     stage: usize,
-    tag: (usize, usize),
+    tag: Tag,
+    /// Offset and length within the unit's (or its coded) bytes.
+    range: (u64, u64),
+    /// The unit's last part: its pages are released after it.
+    last: bool,
     unit: Unit,
     coded: Option<std::sync::Arc<dyn crate::device::HostRegion>>,
     /// Only the planted `HostStagingReuseBeforeCopy` sets it.
@@ -121,6 +141,7 @@ impl<A: Api> StagingRing<A> {
                         buffer,
                         copied,
                         holds: None,
+                        spent: false,
                         pending: false,
                         error: None,
                     }),
@@ -184,6 +205,14 @@ impl<A: Api> StagingRing<A> {
         self.context.pool.as_ref()
     }
 
+    /// Bytes of one staging buffer (each is as large): a staged block
+    /// larger than it passes through in parts of it.
+    pub(crate) fn part_bytes(&self) -> u64 {
+        self.cells
+            .first()
+            .map_or(0, |c| lock(&c.stage).buffer.len_bytes())
+    }
+
     /// Bytes of each staging buffer together.
     pub(crate) fn bytes(&self) -> u64 {
         self.cells
@@ -198,23 +227,46 @@ impl<A: Api> StagingRing<A> {
     }
 
     /// The stage holding `tag` (filled, or a fill pending), if any.
-    pub(crate) fn holding(&self, tag: (usize, usize)) -> Option<usize> {
+    pub(crate) fn holding(&self, tag: Tag) -> Option<usize> {
         self.cells
             .iter()
             .position(|c| lock(&c.stage).holds == Some(tag))
     }
 
-    /// Fills stage `j` with `unit` (tagged `tag`): queued for the filler
-    /// thread, or run here when there is none and `now`. A fill queued
-    /// ahead without a thread is dropped (the block is filled when needed).
+    /// Whether stage `j`'s fill has ended (its bytes are in, or its error
+    /// is): [`Self::with_filled`] would not wait.
+    pub(crate) fn is_filled(&self, j: usize) -> bool {
+        !lock(&self.cells[j].stage).pending
+    }
+
+    /// Whether stage `j` may be filled now without losing bytes a copy
+    /// has yet to read: no fill pending, and empty or copied out of since
+    /// its last fill.
+    pub(crate) fn is_free(&self, j: usize) -> bool {
+        let stage = lock(&self.cells[j].stage);
+        !stage.pending && (stage.holds.is_none() || stage.spent)
+    }
+
+    /// Whether fills run on a thread of their own (else a fill queued
+    /// ahead is dropped).
+    pub(crate) fn fills_ahead(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    /// Fills stage `j` with bytes `range` of `unit` (tagged `tag`; `last`:
+    /// the unit's last part): queued for the filler thread, or run here
+    /// when there is none and `now`. A fill queued ahead without a thread
+    /// is dropped (the part is filled when needed).
     pub(crate) fn fill(
         &self,
         j: usize,
-        (tag, unit, coded): (
-            (usize, usize),
-            &Unit,
-            Option<&std::sync::Arc<dyn crate::device::HostRegion>>,
-        ),
+        Part {
+            tag,
+            unit,
+            coded,
+            range,
+            last,
+        }: Part<'_>,
         (skip_wait, release): (bool, bool),
         next: Option<&Unit>,
         now: bool,
@@ -231,12 +283,15 @@ impl<A: Api> StagingRing<A> {
                 stage = wait(&cell.done, stage);
             }
             stage.holds = Some(tag);
+            stage.spent = false;
             stage.pending = true;
             stage.error = None;
         }
         let job = Job {
             stage: j,
             tag,
+            range,
+            last,
             unit: unit.clone(),
             coded: coded.cloned(),
             skip_wait,
@@ -389,10 +444,10 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
 /// buffer, then its pages released and the next unit read ahead where the
 /// job asks.
 fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
-    let (len, kind, reader) = match &job.coded {
+    let (offset, len) = job.range;
+    let (kind, reader) = match &job.coded {
         // Pages released after the read: read so that none is mapped in.
         Some(coded) if job.release => (
-            coded.bytes().len() as u64,
             "stage coded",
             Reader::CodedDirect {
                 weights: &*context.weights,
@@ -400,13 +455,8 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
                 coded: coded.bytes(),
             },
         ),
-        Some(coded) => (
-            coded.bytes().len() as u64,
-            "stage coded",
-            Reader::Slice(coded.bytes()),
-        ),
+        Some(coded) => ("stage coded", Reader::Slice(coded.bytes())),
         None => (
-            job.unit.bytes,
             "stage",
             Reader::Unit(UnitBytes {
                 weights: &*context.weights,
@@ -420,15 +470,18 @@ fn fill_stage<A: Api>(stage: &mut Stage<A>, context: &Context<A>, job: &Job) {
     stage.buffer.write_from(
         0,
         len,
-        &ParallelBytes {
-            reader,
-            threads: context.threads,
-            pool: context.pool.as_ref(),
-        },
+        &crate::runtime::read::Offset(
+            &ParallelBytes {
+                reader,
+                threads: context.threads,
+                pool: context.pool.as_ref(),
+            },
+            offset,
+        ),
     );
-    // The unit's pages dropped once read (a coded block's window, or its
-    // bytes' pages), the next staged unit read ahead.
-    if job.release {
+    // The unit's pages dropped once its last part is read (a coded block's
+    // window, or its bytes' pages), the next staged unit read ahead.
+    if job.release && job.last {
         context.weights.release(&job.unit);
         if let Some(next) = &job.next {
             context.weights.prefetch(next);

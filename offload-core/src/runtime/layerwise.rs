@@ -60,7 +60,7 @@ use crate::runtime::bugs::{Bugs, PlantedBug};
 use crate::runtime::filler::StagingRing;
 use crate::runtime::hooks::{ForwardCtx, Model};
 use crate::runtime::layout::Unit;
-use crate::runtime::read::{ParallelUnitBytes, fill_threads};
+use crate::runtime::read::{Offset, ParallelUnitBytes, fill_threads};
 use crate::runtime::ring::{RingLayout, Shard};
 use crate::runtime::shared::{
     CodedFrom, CodedMaster, Handles, HostMaster, Placement, Shared, StrategyState, bytes_of,
@@ -123,15 +123,35 @@ struct Decoding<A: Api> {
 }
 
 /// What a staging engine adds (CONTRACT §7c): the pinned host buffers a
-/// staged master passes through on its way to a slot, and their filler.
+/// staged master passes through on its way to a slot, in parts of one
+/// buffer each, and their filler.
 struct HostStaging<A: Api> {
     ring: StagingRing<A>,
-    /// The stage the last staged copy read.
-    last: usize,
+    /// The stage the next fill goes into: fills go round the ring in the
+    /// order their parts are copied.
+    next: usize,
     /// Whether each staged block's pages are released after it is read
     /// ([`WeightSource::release`]: the staged masters exceed the host
     /// budget's room, so a mapped checkpoint must not stay resident).
     release: bool,
+    /// A raw staged block whose parts are not all copied yet.
+    pending: Option<PendingStage>,
+}
+
+/// A raw staged block whose copy into slot `k` was issued part by part as
+/// its fills landed, with parts from `part` on still to issue. The copy
+/// stream already waits for the slot's last use; the rest are issued
+/// (waiting for their fills) and the slot's `ready` recorded before
+/// anything else is enqueued on the copy stream or reads the slot
+/// ([`settle`]), so the hook that prefetched it never waits for a fill
+/// that waits for compute it has yet to issue.
+#[derive(Clone, Copy, Debug)]
+struct PendingStage {
+    ring: usize,
+    block: usize,
+    source: usize,
+    k: usize,
+    part: u64,
 }
 
 struct State<A: Api> {
@@ -484,19 +504,21 @@ impl Transport {
                 }
                 if !stale {
                     let _span = transfer_span(name, coded_bytes, "copy", "h2d coded").entered();
-                    let copy = |source: crate::device::HostSource<'_, A>| {
+                    let copy = |source: crate::device::HostSource<'_, A>, at: u64, len: u64| {
                         // SAFETY: the source (the master, or the host
-                        // staging buffer it was staged into) holds exactly
-                        // `coded_bytes` (its coded blob) and the device
-                        // staging buffer the largest; the copy stream waits
-                        // above for the decode that last read the device
-                        // buffer, and the decode reading it waits for
-                        // `copied` (next); a master is freed only after
+                        // staging buffer a part of it was staged into)
+                        // holds `len` bytes of the coded blob from `at`
+                        // (all `coded_bytes` of it from 0, or one part),
+                        // and the device staging buffer the largest blob;
+                        // the copy stream waits above for the decode that
+                        // last read the device buffer, and the decode
+                        // reading it waits for `copied` (recorded after the
+                        // last part); a master is freed only after
                         // draining, a host staging buffer refilled only
                         // after its own `copied`.
                         unsafe {
                             h.device
-                                .copy_h2d(&h.copy, source, 0, &buffer.buffer, 0, coded_bytes)
+                                .copy_h2d(&h.copy, source, 0, &buffer.buffer, at, len)
                         }
                         .map_err(|e| {
                             dev_err(format!("copy_h2d of the coded `{}`", master.unit.name), e)
@@ -504,17 +526,27 @@ impl Transport {
                     };
                     if matches!(*master.host, HostMaster::Staged(_)) {
                         // A coded master left pageable (CONTRACT §7c):
-                        // through a host staging buffer, whose next fill
-                        // waits for the copy out of it.
+                        // through the host staging buffers in parts, each
+                        // part's stage refilled only after its `copied`;
+                        // every part issued here (its decode follows).
                         let blocks = &st.rings[ring].blocks;
-                        with_staged(
+                        let staging = st
+                            .host_staging
+                            .as_mut()
+                            .expect("a ring with a staged master has host staging");
+                        issue_parts(
                             engine,
-                            &mut st.host_staging,
+                            staging,
                             blocks,
                             (ring, source),
-                            false,
-                            |stage| {
-                                copy(crate::device::HostSource::Pinned(&stage.buffer))?;
+                            0,
+                            true,
+                            |stage, offset, len| {
+                                copy(
+                                    crate::device::HostSource::Pinned(&stage.buffer),
+                                    offset,
+                                    len,
+                                )?;
                                 h.device
                                     .record_event(&stage.copied, &h.copy)
                                     .map_err(|e| dev_err("record_event(host staging copied)", e))
@@ -525,6 +557,8 @@ impl Transport {
                             master
                                 .host
                                 .copy_source(&format!("copy_h2d of the coded `{name}`"))?,
+                            0,
+                            coded_bytes,
                         )?;
                     }
                 }
@@ -590,99 +624,292 @@ impl Transport {
                     .map_err(|e| dev_err("record_event(staging consumed)", e))
             }
             Transport::Stage => {
-                let blocks = &st.rings[ring].blocks;
-                with_staged(
-                    engine,
-                    &mut st.host_staging,
-                    blocks,
-                    (ring, source),
-                    stale,
-                    |stage| {
-                        let source =
-                            (!stale).then_some(crate::device::HostSource::Pinned(&stage.buffer));
-                        // The next fill of this buffer waits for `copied`,
-                        // recorded right after the copy.
-                        copy_to_slot(
-                            source,
-                            "h2d staged",
-                            &format!("copy_h2d of the staged `{name}`"),
-                            Some(&stage.copied),
-                        )
-                    },
-                )
+                if stale {
+                    return copy_to_slot(None, "h2d staged", "", None);
+                }
+                // The copy stream waits once for the slot's last use (and,
+                // where rings decode, its previous fill); the parts follow
+                // in order as their fills land, the rest before anything
+                // else uses the copy stream or the slot (`settle`).
+                wait(&h.copy, "copy")?;
+                if h.decode.is_some() {
+                    h.device
+                        .stream_wait_event(&h.copy, &slot.ready)
+                        .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+                }
+                let staging = st
+                    .host_staging
+                    .as_mut()
+                    .expect("a ring with a staged master has host staging");
+                staging.pending = Some(PendingStage {
+                    ring,
+                    block,
+                    source,
+                    k,
+                    part: 0,
+                });
+                issue_pending(engine, st, false)
             }
         }
     }
 }
 
-/// The staged master of `blocks[source]` (of ring `ring`) lent in a
-/// pinned staging buffer to `f`, which copies out of it and records the
-/// buffer's `copied` right after (CONTRACT §7c): the buffer the filler
-/// filled ahead, or one filled now (the stage after the last one copied
-/// out of; nothing when `stale`, a planted bug's); then the next staged
-/// block of the ring is queued into the other buffer, filled while this
-/// copy runs (with a filler thread). A raw staged block's copy goes to its
-/// slot (the staging transport); a coded one's to its device staging
-/// buffer, before its decode (the decode transport).
-fn with_staged<A: Api, T>(
+/// The bytes a staging buffer takes of `master` (its coded bytes for a
+/// coded one); 0 for a master that is not staged.
+fn staged_len<A: Api>(master: &Master<A>) -> u64 {
+    match &*master.host {
+        HostMaster::Staged(s) => s.bytes,
+        _ => 0,
+    }
+}
+
+/// The parts a staged master of `len` bytes passes through staging
+/// buffers of `part_bytes` in (one at least).
+fn parts_of(len: u64, part_bytes: u64) -> u64 {
+    len.div_ceil(part_bytes.max(1)).max(1)
+}
+
+/// Offset and length of part `p` of `len` bytes in parts of `part_bytes`.
+fn part_range(len: u64, part_bytes: u64, p: u64) -> (u64, u64) {
+    let offset = (p * part_bytes).min(len);
+    (offset, part_bytes.min(len - offset))
+}
+
+/// The parts after part `part` of staged block `source`, in the order the
+/// ring copies them (the rest of its own, then each staged block after it
+/// in ring order, round to the one before it), at most `most`.
+fn parts_after<A: Api>(
+    blocks: &[Master<A>],
+    (source, part): (usize, u64),
+    part_bytes: u64,
+    most: usize,
+) -> Vec<(usize, u64)> {
+    let own = parts_of(staged_len(&blocks[source]), part_bytes);
+    let n = blocks.len();
+    let later = (1..n)
+        .map(|d| (source + d) % n)
+        .filter(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)))
+        .flat_map(|b| (0..parts_of(staged_len(&blocks[b]), part_bytes)).map(move |p| (b, p)));
+    (part + 1..own)
+        .map(|p| (source, p))
+        .chain(later)
+        .take(most)
+        .collect()
+}
+
+/// Fills stage `j` with part `part` of staged block `block` of ring
+/// `ring`: queued for the filler thread, or run now where `now`.
+fn queue_part<A: Api>(
+    staging: &HostStaging<A>,
+    blocks: &[Master<A>],
+    (ring, block, part): (usize, usize, u64),
+    j: usize,
+    skip_wait: bool,
+    now: bool,
+) {
+    let HostMaster::Staged(s) = &*blocks[block].host else {
+        return;
+    };
+    let part_bytes = staging.ring.part_bytes();
+    let parts = parts_of(s.bytes, part_bytes);
+    let last = part + 1 == parts;
+    // The next staged unit, read ahead once this one's last part is in.
+    let n = blocks.len();
+    let next = (1..n)
+        .map(|d| (block + d) % n)
+        .find(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)))
+        .map(|b| &blocks[b].unit);
+    staging.ring.fill(
+        j,
+        crate::runtime::filler::Part {
+            tag: (ring, block, part),
+            unit: &blocks[block].unit,
+            coded: s.coded.as_ref(),
+            range: part_range(s.bytes, part_bytes, part),
+            last,
+        },
+        (skip_wait, staging.release),
+        next,
+        now,
+    );
+}
+
+/// Queues fills of the parts the ring copies after part `after` into the
+/// stages that are free (copied out of since their fill, or empty), in
+/// order round the ring, skipping parts a stage already holds: the filler
+/// runs ahead of the copies by up to the whole ring. Nothing without a
+/// filler thread (each part is then filled when its copy needs it).
+fn top_up<A: Api>(
+    staging: &mut HostStaging<A>,
+    blocks: &[Master<A>],
+    (ring, after): (usize, (usize, u64)),
+    skip_wait: bool,
+) {
+    if !staging.ring.fills_ahead() {
+        return;
+    }
+    let n = staging.ring.len();
+    for (b, p) in parts_after(blocks, after, staging.ring.part_bytes(), n) {
+        if staging.ring.holding((ring, b, p)).is_some() {
+            continue;
+        }
+        let w = staging.next;
+        if !staging.ring.is_free(w) {
+            break;
+        }
+        queue_part(staging, blocks, (ring, b, p), w, skip_wait, false);
+        staging.next = (w + 1) % n;
+    }
+}
+
+/// Issues the copies of staged block `source`'s parts from `from` on, in
+/// order, each through `copy(stage, offset, len)` out of the stage its
+/// fill went into (which must record the stage's `copied` right after the
+/// copy: the stage's next fill waits for it), queueing the following
+/// parts' fills as stages free up (CONTRACT §7c). Where `blocking`, waits
+/// for each part's fill (filling it now where no stage holds it); else
+/// stops at the first part not yet filled. Returns the next part to issue,
+/// `None` once every part is issued.
+fn issue_parts<A: Api>(
     engine: &Engine<A>,
-    staging: &mut Option<HostStaging<A>>,
+    staging: &mut HostStaging<A>,
     blocks: &[Master<A>],
     (ring, source): (usize, usize),
-    stale: bool,
-    f: impl FnOnce(&mut crate::runtime::filler::Stage<A>) -> Result<T, OffloadError>,
-) -> Result<T, OffloadError> {
-    let staging = staging
-        .as_mut()
-        .expect("a ring with a staged master has host staging");
+    from: u64,
+    blocking: bool,
+    mut copy: impl FnMut(&mut crate::runtime::filler::Stage<A>, u64, u64) -> Result<(), OffloadError>,
+) -> Result<Option<u64>, OffloadError> {
     let skip_wait = engine.bug(PlantedBug::HostStagingReuseBeforeCopy);
-    let release = staging.release;
-    let coded = |b: usize| match &*blocks[b].host {
-        HostMaster::Staged(s) => s.coded.clone(),
-        _ => None,
-    };
-    // The staged blocks after `source` in ring order.
-    let mut after = (1..blocks.len())
-        .map(|d| (source + d) % blocks.len())
-        .filter(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)));
-    let (next, next_of_next) = (after.next(), after.next());
+    let part_bytes = staging.ring.part_bytes();
+    let len = staged_len(&blocks[source]);
     let n = staging.ring.len();
-    let tag = (ring, source);
-    // The filler may have filled it ahead; otherwise now, into the stage
-    // after the last one copied out of.
-    let j = match staging.ring.holding(tag) {
-        Some(j) => j,
-        None => {
-            let j = (staging.last + 1) % n;
-            if !stale {
-                staging.ring.fill(
-                    j,
-                    (tag, &blocks[source].unit, coded(source).as_ref()),
-                    (skip_wait, release),
-                    next.map(|b| &blocks[b].unit),
-                    true,
-                );
+    for p in from..parts_of(len, part_bytes) {
+        let tag = (ring, source, p);
+        let j = match staging.ring.holding(tag) {
+            Some(j) if blocking || staging.ring.is_filled(j) => j,
+            Some(_) => return Ok(Some(p)),
+            None if blocking => {
+                let j = staging.next;
+                queue_part(staging, blocks, tag, j, skip_wait, true);
+                staging.next = (j + 1) % n;
+                j
             }
-            j
-        }
-    };
-    staging.last = j;
-    let out = staging.ring.with_filled(j, f)?;
-    // The next staged block, filled ahead into the other stage while this
-    // one's copy runs (with a filler thread).
-    if let Some(b) = next
-        && n > 1
-        && staging.ring.holding((ring, b)).is_none()
-    {
-        staging.ring.fill(
-            (j + 1) % n,
-            ((ring, b), &blocks[b].unit, coded(b).as_ref()),
-            (skip_wait, release),
-            next_of_next.map(|b| &blocks[b].unit),
-            false,
-        );
+            None => {
+                let w = staging.next;
+                if staging.ring.fills_ahead() && staging.ring.is_free(w) {
+                    queue_part(staging, blocks, tag, w, skip_wait, false);
+                    staging.next = (w + 1) % n;
+                }
+                return Ok(Some(p));
+            }
+        };
+        let (offset, part_len) = part_range(len, part_bytes, p);
+        staging.ring.with_filled(j, |stage| {
+            copy(stage, offset, part_len)?;
+            stage.spent = true;
+            Ok(())
+        })?;
+        top_up(staging, blocks, (ring, (source, p)), skip_wait);
     }
-    Ok(out)
+    Ok(None)
+}
+
+/// Issues the parts of the pending raw staged block (if any) that are
+/// filled, or all of them where `blocking`; once all are, records its
+/// slot's `ready` after them and clears it. On an error it is cleared too
+/// ([`settle`] forgets the slot's block).
+fn issue_pending<A: Api>(
+    engine: &Engine<A>,
+    st: &mut State<A>,
+    blocking: bool,
+) -> Result<(), OffloadError> {
+    let h = &engine.handles;
+    let Some(staging) = st.host_staging.as_mut() else {
+        return Ok(());
+    };
+    let Some(pending) = staging.pending.take() else {
+        return Ok(());
+    };
+    let blocks = &st.rings[pending.ring].blocks;
+    let slot = &st.slots[pending.k];
+    let timer = &st.timer;
+    let name = &blocks[pending.block].unit.name;
+    let early_ready = engine.bug(PlantedBug::StagedReadyAfterFirstPart);
+    let next = issue_parts(
+        engine,
+        staging,
+        blocks,
+        (pending.ring, pending.source),
+        pending.part,
+        blocking,
+        |stage, offset, len| {
+            if let Some(t) = timer {
+                t.mark(&h.copy, Mark::CopyStart { bytes: len })?;
+            }
+            let _span = transfer_span(name, len, "copy", "h2d staged").entered();
+            // SAFETY: the stage holds this part (`len` bytes, filled before
+            // the lend) and the slot the largest block (≥ `offset + len`);
+            // the copy stream waited for the slot's last use before the
+            // block's first part, so nothing reads the slot while it is
+            // written, and compute waits for `ready`, recorded after the
+            // last part; the stage is refilled only after `copied`,
+            // recorded next.
+            unsafe {
+                h.device.copy_h2d(
+                    &h.copy,
+                    crate::device::HostSource::Pinned(&stage.buffer),
+                    0,
+                    &slot.buffer,
+                    offset,
+                    len,
+                )
+            }
+            .map_err(|e| dev_err(format!("copy_h2d of the staged `{name}`"), e))?;
+            h.device
+                .record_event(&stage.copied, &h.copy)
+                .map_err(|e| dev_err("record_event(host staging copied)", e))?;
+            if let Some(t) = timer {
+                t.mark(&h.copy, Mark::CopyEnd)?;
+            }
+            if early_ready && offset == 0 {
+                h.device
+                    .record_event(&slot.ready, &h.copy)
+                    .map_err(|e| dev_err("record_event(ready)", e))?;
+            }
+            Ok(())
+        },
+    )?;
+    match next {
+        Some(part) => {
+            staging.pending = Some(PendingStage { part, ..pending });
+            Ok(())
+        }
+        None if early_ready => Ok(()),
+        None => h
+            .device
+            .record_event(&slot.ready, &h.copy)
+            .map_err(|e| dev_err("record_event(ready)", e)),
+    }
+}
+
+/// Issues every part of the pending raw staged block, waiting for their
+/// fills, and records its slot's `ready`: called before anything else is
+/// enqueued on the copy stream or waits for a slot (every hook, fill and
+/// pool change). On an error the slot forgets the block (it holds part of
+/// it), which is discarded, and the error returned.
+fn settle<A: Api>(engine: &Engine<A>, st: &mut State<A>) -> Result<(), OffloadError> {
+    let Some(p) = st.host_staging.as_ref().and_then(|s| s.pending) else {
+        return Ok(());
+    };
+    issue_pending(engine, st, true).inspect_err(|_| {
+        if st.table.stamp(p.k) == Some((p.ring, p.block)) {
+            if st.in_flight(p.ring, p.block) {
+                let unit = st.rings[p.ring].blocks[p.block].unit.clone();
+                let _ = st.placement.transition(&unit, Transition::Discard);
+            }
+            st.table.evict_unchecked(p.k, p.ring, p.block);
+        }
+    })
 }
 
 /// Fills block `block` of `ring` into a slot through the ring's transport;
@@ -694,6 +921,9 @@ fn fill<A: Api>(
     block: usize,
     kind: FillKind,
 ) -> Result<usize, OffloadError> {
+    // A staged block's parts still to copy go first: the copy stream is in
+    // order, and the slot this fill takes may be the one they write.
+    settle(engine, st)?;
     let (k, previous) = choose(engine, st, ring, block)?;
     // The slot's previous content is gone: a prefetch nobody consumed
     // is discarded.
@@ -730,6 +960,11 @@ fn fill<A: Api>(
     }
     st.table.filled(k, ring, block);
     st.filled_into[ring][block] = Some(k);
+    // Only a prefetch leaves a staged block's parts to the next hook: any
+    // other fill is read (or handed back) right after it.
+    if !matches!(kind, FillKind::Prefetch { .. }) {
+        settle(engine, st)?;
+    }
     Ok(k)
 }
 
@@ -929,9 +1164,10 @@ fn host_plan(
     Ok(plan)
 }
 
-/// The staging ring of `rings`, where any master is staged: two pinned
-/// buffers of the largest staged block, each staged block's pages released
-/// after its read where `release`.
+/// The staging ring of `rings`, where any master is staged: the pinned
+/// buffers [`crate::budget::host::staging_layout`] gives for the largest
+/// staged block (two whole blocks, or parts), each staged block's pages
+/// released after its read where `release`.
 fn host_staging_of<A: Api>(
     h: &Handles<A>,
     rings: &[Ring<A>],
@@ -948,11 +1184,12 @@ fn host_staging_of<A: Api>(
     let Some(bytes) = largest_staged else {
         return Ok(None);
     };
-    let buffers = crate::budget::host::HOST_STAGING_BUFFERS as usize;
+    let layout = crate::budget::host::staging_layout(bytes);
     Ok(Some(HostStaging {
-        ring: staging_ring(h, bytes, buffers)?,
-        last: buffers - 1,
+        ring: staging_ring(h, layout.part_bytes, layout.buffers as usize)?,
+        next: 0,
         release,
+        pending: None,
     }))
 }
 
@@ -1270,15 +1507,6 @@ pub(crate) fn upload_staged<A: Api>(
     }
 }
 
-/// A byte source read from `.1` on.
-struct Offset<'a>(&'a dyn crate::device::ByteSource, u64);
-
-impl crate::device::ByteSource for Offset<'_> {
-    fn read_at(&self, position: u64, dst: &mut [u8]) {
-        self.0.read_at(self.1 + position, dst);
-    }
-}
-
 /// The pinned or registered master of `unit`, or a staged one where the
 /// device refuses to pin it (out of memory, a platform that refuses):
 /// the block then streams through the staging ring (CONTRACT §7c). A lost
@@ -1496,6 +1724,9 @@ impl<A: Api> BlockHook<A> {
         let h = &engine.handles;
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
+        // The parts of a staged block prefetched at the last hook, before
+        // this block's compute may wait for any slot.
+        settle(engine, st)?;
         let (r, i) = (self.ring, self.block);
         let unit = st.rings[r].blocks[i].unit.clone();
         let stamped = st.table.holding(r, i);
@@ -1560,6 +1791,10 @@ impl<A: Api> BlockHook<A> {
         let h = &engine.handles;
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
+        // The parts of a staged block the pre-forward prefetched: issued
+        // now, once this block's kernels are enqueued (the copies they wait
+        // for have work queued behind them).
+        settle(engine, st)?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
         match st.table.release(self.ring, self.block) {
             Some(k) => {
@@ -2234,11 +2469,13 @@ impl<A: Api> LayerwiseBackend<A> {
         let Some(st) = guard.as_ref() else {
             return Ok(Vec::new());
         };
-        let Some((rate, buffers)) = st
-            .host_staging
-            .as_ref()
-            .and_then(|s| Some((s.ring.tally().bytes_per_s()?, s.ring.len())))
-        else {
+        let Some((rate, buffers, part_bytes)) = st.host_staging.as_ref().and_then(|s| {
+            Some((
+                s.ring.tally().bytes_per_s()?,
+                s.ring.len(),
+                s.ring.part_bytes(),
+            ))
+        }) else {
             return Ok(Vec::new());
         };
         let inputs = inputs.or(self.auto_inputs.as_ref()).ok_or_else(|| {
@@ -2295,7 +2532,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 &staged,
                 &staged_bytes,
                 rate,
-                (st.depth, buffers),
+                (st.depth, buffers, part_bytes),
             )
             .map_err(|e| OffloadError::Budget(Box::new(e)))?;
             out.push((ring.blocks[0].unit.name.clone(), forecast));
@@ -3125,7 +3362,7 @@ impl<A: Api> RingEngine<A> {
     /// slots yet), with fills timed by `timer` while a warm-up measures,
     /// and returns the block hooks to install. Where a master is staged
     /// (CONTRACT §7c), the host staging ring of layerwise is made for them
-    /// (two pinned buffers of the largest), each staged block's pages
+    /// (`budget::host::staging_layout` of the largest), each staged block's pages
     /// released after its read where `release`. On error the state holds
     /// what was built, for [`Self::release`].
     pub(crate) fn build(
@@ -3238,6 +3475,7 @@ impl<A: Api> RingEngine<A> {
         let st = guard
             .as_mut()
             .ok_or_else(|| disabled(OffloadStrategy::Planned))?;
+        settle(engine, st)?;
         st.depth = depth.max(1);
         if pool_is(st, pool) {
             return Ok(());

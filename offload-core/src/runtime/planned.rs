@@ -1591,7 +1591,7 @@ impl<A: Api> PlannedBackend<A> {
             })
             .max();
         let built = largest.map_or(0, |b| {
-            tables(b.saturating_mul(crate::budget::host::HOST_STAGING_BUFFERS))
+            tables(crate::budget::host::staging_ring_bytes(b))
                 + tables(b.min(crate::budget::host::UPLOAD_STAGING_BYTES))
         });
         planned.max(built)

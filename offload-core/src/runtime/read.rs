@@ -233,6 +233,15 @@ pub fn fill_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
 }
 
+/// A byte source read from `.1` on.
+pub(crate) struct Offset<'a>(pub(crate) &'a dyn crate::device::ByteSource, pub(crate) u64);
+
+impl crate::device::ByteSource for Offset<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        self.0.read_at(self.1 + position, dst);
+    }
+}
+
 #[cfg(test)]
 #[cfg(not(loom))]
 mod tests {
