@@ -457,9 +457,14 @@ impl Settings {
             .staging_rings
             .iter()
             .map(|t| {
-                offload_core::bytes::ByteSize::parse(t)
+                let bytes = offload_core::bytes::ByteSize::parse(t)
                     .map(offload_core::bytes::ByteSize::bytes)
-                    .map_err(|e| anyhow::anyhow!("--staging-rings: {e}"))
+                    .map_err(|e| anyhow::anyhow!("--staging-rings: {e}"))?;
+                ensure!(
+                    bytes >= 1 << 20,
+                    "--staging-rings: `{t}` is below 1 MiB (eight parts of at least 128 KiB); give a size such as 512MiB"
+                );
+                Ok(bytes)
             })
             .collect::<Result<Vec<u64>>>()?;
         // With `--copy-beside` the resident rows alone are a run (the
@@ -2520,6 +2525,10 @@ mod tests {
             (
                 &["--host-budgets", "8GiB", "--staging-rings", "512MiB,0"],
                 Err("--staging-rings: "),
+            ),
+            (
+                &["--host-budgets", "8GiB", "--staging-rings", "512"],
+                Err("--staging-rings: `512` is below 1 MiB"),
             ),
             (
                 &[

@@ -159,3 +159,57 @@ pub fn out_of_memory(bytes: u64) -> offload_core::OffloadError {
         },
     )
 }
+
+/// `{"device_budget": device}` with `host_budget` = `host` bytes where
+/// given (CONTRACT §7c).
+pub fn budgets(device: u64, host: Option<u64>) -> OffloadConfig {
+    OffloadConfig {
+        host_budget: host.map(|b| offload_core::bytes::HostBudget::Bytes(ByteSize::new(b))),
+        ..budget_config(device)
+    }
+}
+
+/// A host budget of `bytes`, as `host_budget = "<bytes>B"` gives.
+pub fn limits(bytes: u64) -> offload_core::budget::HostLimits {
+    offload_core::budget::HostLimits {
+        budget: bytes,
+        source: format!("host_budget = \"{bytes}B\""),
+        readings: None,
+    }
+}
+
+/// The least device budget the planner accepts for `w` (from its typed
+/// error).
+pub fn least_device(w: &offload_sim::harness::Workload, inputs: &PlannerInputs) -> u64 {
+    let device = DeviceMemory::of(u64::MAX / 4);
+    match plan_within(&w.preset.pipeline, &budgets(1, None), inputs, device, None) {
+        Err(BudgetError::DoesNotFit { minimum, .. }) => minimum,
+        other => panic!("a 1-byte device budget: {other:?}"),
+    }
+}
+
+/// The least host budget a warm-up of `w` accepts (it keeps nothing; from
+/// its typed error).
+pub fn warmup_least_host(w: &offload_sim::harness::Workload) -> u64 {
+    let limits = Some(limits(1));
+    let config = budgets(1, Some(1));
+    match offload_core::budget::smallest_footprint_within(&w.preset.pipeline, &config, limits) {
+        Err(BudgetError::WarmupHostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget: {other:?}"),
+    }
+}
+
+/// The least host budget the planner accepts for `w` within a device
+/// budget of `device_budget` (from its typed error).
+pub fn least_host(
+    w: &offload_sim::harness::Workload,
+    inputs: &PlannerInputs,
+    device_budget: u64,
+) -> u64 {
+    let device = DeviceMemory::of(u64::MAX / 4);
+    let config = budgets(device_budget, Some(1));
+    match plan_within(&w.preset.pipeline, &config, inputs, device, Some(limits(1))) {
+        Err(BudgetError::HostDoesNotFit { least, .. }) => least,
+        other => panic!("a 1-byte host budget: {other:?}"),
+    }
+}

@@ -1654,8 +1654,9 @@ impl Drop for RingSize {
 }
 
 /// Every master staged through a ring of parts (CONTRACT §7c) on the GPU:
-/// a 16 MiB ring of eight 2 MiB buffers against 24 MiB blocks (twelve
-/// parts each, more than the ring holds), raw and coded: bit-identical to
+/// a 4 MiB ring of eight 512 KiB buffers against blocks of up to 6 MiB
+/// (thirteen parts raw, about nine coded: more than the ring holds), raw
+/// and coded: bit-identical to
 /// resident unperturbed and under perturbation at depth 1 and 2, the
 /// page-locked peak offload-cuda counts within the ring and one upload
 /// buffer (less than one whole block's two buffers); and the planted
@@ -1666,7 +1667,7 @@ impl Drop for RingSize {
 #[test]
 fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
     let Some(g) = gpu() else { return };
-    let _ring = RingSize::set(16 << 20);
+    let _ring = RingSize::set(4 << 20);
     let rig = Rig::trained(&g.device, pipeline(), Law::Normal);
     rig.warm_up();
     let p = &rig.pipeline;

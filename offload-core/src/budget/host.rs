@@ -24,13 +24,17 @@ pub const STAGING_PARTS: u64 = 8;
 static RING_BYTES: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(STAGING_RING_BYTES);
 
+/// The least a staging ring may be set to ([`set_staging_ring_bytes`]):
+/// parts of 8 KiB.
+pub const MIN_STAGING_RING_BYTES: u64 = 64 << 10;
+
 /// Sets the most bytes a staging ring holds in this process (the default
 /// is [`STAGING_RING_BYTES`]), for every plan and engine made after it: a
 /// benchmark's comparison of layouts, a test's small blocks. At least
-/// [`STAGING_PARTS`] bytes.
+/// [`MIN_STAGING_RING_BYTES`] (less is raised to it).
 pub fn set_staging_ring_bytes(bytes: u64) {
     RING_BYTES.store(
-        bytes.max(STAGING_PARTS),
+        bytes.max(MIN_STAGING_RING_BYTES),
         std::sync::atomic::Ordering::Relaxed,
     );
 }
@@ -595,7 +599,8 @@ pub fn built_release(budget: u64, fixed: u64, blocks: &[BuiltBlock], more: &[usi
 /// A plan fits its budget with the masters it asked for; where the device
 /// refused some of those pins, each refused block stages and may need a
 /// staging ring the plan did not count (a plan that pinned every block has
-/// none: a refused block of `b` bytes then takes `2b` where its master
+/// none: a refused block of `b` bytes then takes its ring,
+/// `staging_ring_bytes(b)` (`2b` within 512 MiB), where its master
 /// would have taken `b`). Exact: the ring is the least that lets a set fit
 /// (staging every stageable block no larger than a ring only lowers the
 /// peak, so a ring fits if and only if that set fits), and within it the
@@ -624,6 +629,19 @@ pub fn restage_within(
     rings.push(ring);
     rings.sort_unstable();
     rings.dedup();
+    // Rings of equal pinned bytes (every block above half the process's
+    // ring takes the same ring of parts): the largest of each, whose
+    // choice of blocks is a superset at the same cost.
+    let rings: Vec<u64> = rings
+        .iter()
+        .enumerate()
+        .filter(|&(i, &r)| {
+            rings
+                .get(i + 1)
+                .is_none_or(|&n| staging_ring_bytes(n) != staging_ring_bytes(r))
+        })
+        .map(|(_, &r)| r)
+        .collect();
     let stage = |set: &[usize]| {
         let mut next = blocks.to_vec();
         for &i in set {
@@ -648,7 +666,7 @@ pub fn restage_within(
         // the largest of its own size before every other (some block must
         // make the ring; each other lowers the peak by its pinned bytes).
         within.sort_by_key(|&i| std::cmp::Reverse(blocks[i].pinned));
-        if r > ring
+        if staging_ring_bytes(r) > staging_ring_bytes(ring)
             && let Some(k) = within.iter().position(|&i| blocks[i].staged == r)
         {
             let first = within.remove(k);
@@ -729,6 +747,26 @@ mod tests {
                 peak: ByteSize::new(130),
             })
         );
+    }
+
+    /// Where every block above half the ring takes the same ring of parts,
+    /// the fewest blocks are still staged: the one large block, not three
+    /// small ones that free as much at the same ring (the review's case,
+    /// 2026-12-07; seen red with the candidate rings tried smallest
+    /// first, which returned three 260 MiB blocks).
+    #[test]
+    fn a_ring_of_parts_restages_the_fewest_blocks() {
+        const MIB: u64 = 1 << 20;
+        let mut blocks = vec![built(260 * MIB, false); 10];
+        blocks.push(built(600 * MIB, false));
+        let ring = staging_ring_bytes(600 * MIB);
+        assert_eq!(ring, staging_ring_bytes(260 * MIB), "one ring of parts");
+        let budget = 3200 * MIB - 600 * MIB + ring;
+        let more = restage_within(budget, 0, &blocks).unwrap();
+        assert_eq!(more, vec![10], "the 600 MiB block alone");
+        let mut after = blocks.clone();
+        after[10] = built(600 * MIB, true);
+        assert!(built_peak(0, &after) <= budget);
     }
 
     struct Fixed(HostReadings);

@@ -353,6 +353,32 @@ impl PComp {
         }
     }
 
+    /// The largest block of `staged` (paths) that streams under `l`, at
+    /// the bytes its staging buffers hold (coded where its stack codes):
+    /// what sizes the one staging ring of this component's stacks.
+    fn largest_staged(&self, l: &Local, staged: &[String]) -> u64 {
+        self.stacks
+            .iter()
+            .zip(&l.resident)
+            .enumerate()
+            .flat_map(|(i, (stack, resident))| {
+                let coded = self.codes(l, i);
+                stack
+                    .iter()
+                    .zip(resident)
+                    .filter(|(b, r)| !**r && staged.contains(&b.path))
+                    .map(move |(b, _)| {
+                        if coded {
+                            b.coded.unwrap_or(b.bytes)
+                        } else {
+                            b.bytes
+                        }
+                    })
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Whether stack `s`'s uncoded copies are exposed under `l`
     /// (`ring::hosted_copies_exposed`, layerwise's rule), its staged
     /// blocks' fills priced where `inp` carries the host's rate.
@@ -371,7 +397,8 @@ impl PComp {
             _ => Vec::new(),
         };
         let bytes: Vec<u64> = stack.iter().map(|b| b.bytes).collect();
-        let host = (!fill.is_empty()).then(|| host_stage(&mask, &fill, &bytes));
+        let largest = self.largest_staged(l, staged);
+        let host = (!fill.is_empty()).then(|| host_stage(&mask, &fill, &bytes, largest));
         hosted_copies_exposed(&compute, &copy, host, r, l.depth, other)
     }
 
@@ -608,6 +635,7 @@ impl PComp {
     /// buffers, one fill at a time, [`super::ring::HostStage`]).
     fn time_hosted(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
         let link = inp.link_bytes_per_s;
+        let largest = self.largest_staged(l, staged);
         let bring = self.bring_in_s(l, kept, inp);
         let fwd = if !self.streams(l) {
             self.forwards
@@ -679,7 +707,8 @@ impl PComp {
                         }
                         _ => Vec::new(),
                     };
-                    let host = (!fill.is_empty()).then(|| host_stage(&mask, &fill, &staged_bytes));
+                    let host = (!fill.is_empty())
+                        .then(|| host_stage(&mask, &fill, &staged_bytes, largest));
                     let ends = hosted_ends(
                         &compute,
                         &copy,
@@ -1310,7 +1339,7 @@ impl<'a> Request<'a> {
                     .zip(&phases)
                     .flat_map(|(c, (l, _))| c.streamed_host(l).map(|(_, n)| n))
                     .collect();
-                // A ring of two of the largest streamed block (the search's
+                // The staging ring of the largest streamed block (the search's
                 // passes plan within it; a plan that pins every weight is
                 // the other way, below).
                 let staging = staging_ring_bytes(streamed.iter().copied().max().unwrap_or(0));
@@ -1382,14 +1411,14 @@ impl<'a> Request<'a> {
                 let release_after_read = p.release_after_read();
                 // Without a host budget, `pin_cpu_memory = false`'s side is
                 // bounded by what any of its plans (the warm-up's too)
-                // page-locks: a ring of two of the largest block and the
+                // page-locks: the staging ring of the largest block and the
                 // upload buffer.
                 let (budget_bytes, source) = match &self.host {
                     Some(limits) => (limits.budget, limits.source.clone()),
                     None => (
                         staging_ring_bytes(self.block_sizes().first().copied().unwrap_or(0))
                             .saturating_add(transient),
-                        "pin_cpu_memory = false, no host_budget: no master page-locked, at most a staging ring of two of the largest block and the upload buffer".to_owned(),
+                        "pin_cpu_memory = false, no host_budget: no master page-locked, at most the staging ring of the largest block (two of it within 512 MiB, else 512 MiB of parts) and the upload buffer".to_owned(),
                     ),
                 };
                 Ok(HostSide {
@@ -3109,16 +3138,15 @@ pub fn smallest_footprint_within(
 }
 
 /// The host stage of a stack whose `staged` blocks fill in `fill_s` from
-/// `bytes` each, through the staging ring its largest staged block takes
-/// ([`super::host::staging_layout`]).
-fn host_stage<'a>(staged: &'a [bool], fill_s: &'a [f64], bytes: &'a [u64]) -> HostStage<'a> {
-    let largest = bytes
-        .iter()
-        .zip(staged)
-        .filter(|(_, s)| **s)
-        .map(|(b, _)| *b)
-        .max()
-        .unwrap_or(0);
+/// `bytes` each, through the staging ring the component's `largest` staged
+/// block takes ([`super::host::staging_layout`]: one ring for all its
+/// stacks, as the engine holds).
+fn host_stage<'a>(
+    staged: &'a [bool],
+    fill_s: &'a [f64],
+    bytes: &'a [u64],
+    largest: u64,
+) -> HostStage<'a> {
     let layout = super::host::staging_layout(largest);
     HostStage {
         staged,

@@ -646,7 +646,7 @@ pub enum BudgetError {
     },
     /// The host budget is below the least any plan needs.
     #[error(
-        "`host_budget` = {budget} does not fit: the least any plan of this pipeline needs is {} page-locked: {} of held sets pinned (each component's weights outside its blocks, and any block held so that the staging ring stays small) + {} of staging buffers (two of the largest block streamed) + {} for enable's uploads (the largest unit outside the components, or a kept set's staged upload in chunks); allowed: host_budget ≥ {}",
+        "`host_budget` = {budget} does not fit: the least any plan of this pipeline needs is {} page-locked: {} of held sets pinned (each component's weights outside its blocks, and any block held so that the staging ring stays small) + {} of staging buffers (the ring of the largest block streamed: two of it within 512 MiB, else 512 MiB of parts) + {} for enable's uploads (the largest unit outside the components, or a kept set's staged upload in chunks); allowed: host_budget ≥ {}",
         .budget.in_unit_of_at_least(*.least),
         .budget.in_unit_of(*.held),
         .budget.in_unit_of(*.staging),

@@ -36,16 +36,24 @@ pub(crate) struct Part<'a> {
     pub(crate) last: bool,
 }
 
-/// One pinned staging buffer.
+/// One pinned staging buffer, locked by the filler for the whole of a fill
+/// and lent to the engine for a copy out of it.
 pub(crate) struct Stage<A: Api> {
     pub(crate) buffer: A::HostBuffer,
     /// Recorded on the copy stream after each copy out of the buffer.
     pub(crate) copied: A::Event,
+}
+
+/// What a staging buffer holds, behind a lock of its own that no fill
+/// holds while it copies: the hook's thread reads it without waiting for
+/// a fill in progress.
+#[derive(Default)]
+struct Meta {
     /// The part whose bytes the buffer holds, once no fill is pending.
-    pub(crate) holds: Option<Tag>,
+    holds: Option<Tag>,
     /// A copy out of it has been issued (its `copied` recorded) since it
     /// was last filled: it may be refilled.
-    pub(crate) spent: bool,
+    spent: bool,
     /// A fill of it is queued or running.
     pending: bool,
     /// Why its last fill failed.
@@ -54,6 +62,8 @@ pub(crate) struct Stage<A: Api> {
 
 struct Cell<A: Api> {
     stage: Mutex<Stage<A>>,
+    meta: Mutex<Meta>,
+    /// Signalled (with `meta`) when a fill ends.
     done: Condvar,
 }
 
@@ -118,6 +128,10 @@ impl FillTally {
 /// The staging buffers and their filler.
 pub(crate) struct StagingRing<A: Api> {
     cells: Arc<Vec<Cell<A>>>,
+    /// Bytes of each buffer (all alike).
+    part_bytes: u64,
+    /// Bytes of the buffers together.
+    bytes: u64,
     context: Arc<Context<A>>,
     queue: Arc<(Mutex<Queue>, Condvar)>,
     worker: Option<std::thread::JoinHandle<()>>,
@@ -133,18 +147,14 @@ impl<A: Api> StagingRing<A> {
         threads: usize,
     ) -> Self {
         let background = device.host_worker_threads() && !cfg!(loom);
+        let part_bytes = stages.first().map_or(0, |(b, _)| b.len_bytes());
+        let bytes = stages.iter().map(|(b, _)| b.len_bytes()).sum();
         let cells: Arc<Vec<Cell<A>>> = Arc::new(
             stages
                 .into_iter()
                 .map(|(buffer, copied)| Cell {
-                    stage: Mutex::new(Stage {
-                        buffer,
-                        copied,
-                        holds: None,
-                        spent: false,
-                        pending: false,
-                        error: None,
-                    }),
+                    stage: Mutex::new(Stage { buffer, copied }),
+                    meta: Mutex::new(Meta::default()),
                     done: Condvar::new(),
                 })
                 .collect(),
@@ -188,6 +198,8 @@ impl<A: Api> StagingRing<A> {
         };
         Self {
             cells,
+            part_bytes,
+            bytes,
             context,
             queue,
             worker,
@@ -208,17 +220,12 @@ impl<A: Api> StagingRing<A> {
     /// Bytes of one staging buffer (each is as large): a staged block
     /// larger than it passes through in parts of it.
     pub(crate) fn part_bytes(&self) -> u64 {
-        self.cells
-            .first()
-            .map_or(0, |c| lock(&c.stage).buffer.len_bytes())
+        self.part_bytes
     }
 
     /// Bytes of each staging buffer together.
     pub(crate) fn bytes(&self) -> u64 {
-        self.cells
-            .iter()
-            .map(|c| lock(&c.stage).buffer.len_bytes())
-            .sum()
+        self.bytes
     }
 
     /// The fills run so far, timed.
@@ -230,21 +237,27 @@ impl<A: Api> StagingRing<A> {
     pub(crate) fn holding(&self, tag: Tag) -> Option<usize> {
         self.cells
             .iter()
-            .position(|c| lock(&c.stage).holds == Some(tag))
+            .position(|c| lock(&c.meta).holds == Some(tag))
     }
 
     /// Whether stage `j`'s fill has ended (its bytes are in, or its error
     /// is): [`Self::with_filled`] would not wait.
     pub(crate) fn is_filled(&self, j: usize) -> bool {
-        !lock(&self.cells[j].stage).pending
+        !lock(&self.cells[j].meta).pending
     }
 
     /// Whether stage `j` may be filled now without losing bytes a copy
     /// has yet to read: no fill pending, and empty or copied out of since
     /// its last fill.
     pub(crate) fn is_free(&self, j: usize) -> bool {
-        let stage = lock(&self.cells[j].stage);
-        !stage.pending && (stage.holds.is_none() || stage.spent)
+        let meta = lock(&self.cells[j].meta);
+        !meta.pending && (meta.holds.is_none() || meta.spent)
+    }
+
+    /// Stage `j` holds nothing a fill put there any more (an upload
+    /// wrote it).
+    pub(crate) fn forget(&self, j: usize) {
+        lock(&self.cells[j].meta).holds = None;
     }
 
     /// Whether fills run on a thread of their own (else a fill queued
@@ -278,14 +291,14 @@ impl<A: Api> StagingRing<A> {
             // One fill of a stage at a time: a queued one finishes first
             // (else its end would mark the next one's bytes filled).
             let cell = &self.cells[j];
-            let mut stage = lock(&cell.stage);
-            while stage.pending {
-                stage = wait(&cell.done, stage);
+            let mut meta = lock(&cell.meta);
+            while meta.pending {
+                meta = wait(&cell.done, meta);
             }
-            stage.holds = Some(tag);
-            stage.spent = false;
-            stage.pending = true;
-            stage.error = None;
+            meta.holds = Some(tag);
+            meta.spent = false;
+            meta.pending = true;
+            meta.error = None;
         }
         let job = Job {
             stage: j,
@@ -307,27 +320,35 @@ impl<A: Api> StagingRing<A> {
         }
     }
 
-    /// Waits for stage `j`'s fill, then lends the stage (locked) to `f`.
+    /// Waits for stage `j`'s fill, then lends the stage (locked) to `f`,
+    /// which copies out of it and records its `copied`; once `f` succeeds
+    /// the stage is spent (it may be refilled). Only the engine's thread
+    /// queues fills, so none can start on `j` between the wait and the
+    /// lend.
     pub(crate) fn with_filled<T>(
         &self,
         j: usize,
         f: impl FnOnce(&mut Stage<A>) -> Result<T, OffloadError>,
     ) -> Result<T, OffloadError> {
         let cell = &self.cells[j];
-        let mut stage = lock(&cell.stage);
-        while stage.pending {
-            stage = wait(&cell.done, stage);
+        {
+            let mut meta = lock(&cell.meta);
+            while meta.pending {
+                meta = wait(&cell.done, meta);
+            }
+            if let Some(e) = meta.error.take() {
+                meta.holds = None;
+                return Err(OffloadError::DeviceOp {
+                    operation: "the staging fill".to_owned(),
+                    kind: crate::device::DeviceErrorKind::Other,
+                    shortfall_bytes: None,
+                    cause: e.into(),
+                });
+            }
         }
-        if let Some(e) = stage.error.take() {
-            stage.holds = None;
-            return Err(OffloadError::DeviceOp {
-                operation: "the staging fill".to_owned(),
-                kind: crate::device::DeviceErrorKind::Other,
-                shortfall_bytes: None,
-                cause: e.into(),
-            });
-        }
-        f(&mut stage)
+        let out = f(&mut lock(&cell.stage))?;
+        lock(&cell.meta).spent = true;
+        Ok(out)
     }
 
     /// Stops the filler thread (its queued fills run first) and gives the
@@ -426,17 +447,20 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
         }))
         .map_err(|_| format!("the staging fill of `{}` panicked", job.unit.name))
     });
+    // The buffer first: a waiter woken below may lend it at once.
+    drop(stage);
+    let mut meta = lock(&cell.meta);
     match waited {
         Ok(()) => {
-            stage.holds = Some(job.tag);
+            meta.holds = Some(job.tag);
         }
         Err(e) => {
-            stage.holds = None;
-            stage.error = Some(e);
+            meta.holds = None;
+            meta.error = Some(e);
         }
     }
-    stage.pending = false;
-    drop(stage);
+    meta.pending = false;
+    drop(meta);
     cell.done.notify_all();
 }
 

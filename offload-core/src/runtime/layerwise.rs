@@ -804,11 +804,9 @@ fn issue_parts<A: Api>(
             }
         };
         let (offset, part_len) = part_range(len, part_bytes, p);
-        staging.ring.with_filled(j, |stage| {
-            copy(stage, offset, part_len)?;
-            stage.spent = true;
-            Ok(())
-        })?;
+        staging
+            .ring
+            .with_filled(j, |stage| copy(stage, offset, part_len))?;
         top_up(staging, blocks, (ring, (source, p)), skip_wait);
     }
     Ok(None)
@@ -1441,8 +1439,6 @@ pub(crate) fn upload_staged<A: Api>(
     h.device.name_buffer(&buffer, &unit.name);
     let threads = fill_threads();
     let copy = |stage: &mut crate::runtime::filler::Stage<A>| -> Result<(), OffloadError> {
-        // Its bytes are replaced: no staged block is held there any more.
-        stage.holds = None;
         let chunk = stage.buffer.len_bytes().max(1);
         let mut at = 0;
         while at < unit.bytes {
@@ -1489,7 +1485,10 @@ pub(crate) fn upload_staged<A: Api>(
             .synchronize_stream(&h.copy)
             .map_err(|e| dev_err("synchronize_stream(copy)", e))
     };
-    match staging.with_filled(0, copy) {
+    let copied = staging.with_filled(0, copy);
+    // Its bytes are replaced: no staged part is held there any more.
+    staging.forget(0);
+    match copied {
         Ok(()) => Ok(buffer),
         Err(e) => {
             if h.device.synchronize_stream(&h.copy).is_ok() {
@@ -1791,27 +1790,30 @@ impl<A: Api> BlockHook<A> {
         let h = &engine.handles;
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
-        // The parts of a staged block the pre-forward prefetched: issued
-        // now, once this block's kernels are enqueued (the copies they wait
-        // for have work queued behind them).
-        settle(engine, st)?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
-        match st.table.release(self.ring, self.block) {
+        let released = match st.table.release(self.ring, self.block) {
             Some(k) => {
                 if !engine.bug(PlantedBug::LastUseBeforeCompute) {
                     h.device
                         .record_event(&st.slots[k].last_use, &h.compute)
                         .map_err(|e| dev_err("record_event(last use)", e))?;
                 }
+                true
             }
             // Planted: a static slot choice refilled the slot under this
             // block; it no longer holds it, and its last use goes unrecorded.
-            None if engine.bug(PlantedBug::StaticSlot) => {}
-            None => return Ok(()),
+            None if engine.bug(PlantedBug::StaticSlot) => true,
+            None => false,
+        };
+        if released {
+            st.placement.unplace(&unit);
+            st.placement.transition(&unit, Transition::Release)?;
         }
-        st.placement.unplace(&unit);
-        st.placement.transition(&unit, Transition::Release)?;
-        Ok(())
+        // The parts of a staged block the pre-forward prefetched: issued
+        // now, once this block's kernels are enqueued (the copies they wait
+        // for have work queued behind them), and after this block is
+        // released, so that a failed part leaves it released.
+        settle(engine, st)
     }
 
     /// A failed hook of a multi-rank gathering backend leaves this rank's
