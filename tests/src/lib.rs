@@ -81,6 +81,26 @@ pub fn trained_opts(
     }
 }
 
+/// Layerwise offload with `pin_cpu_memory` = `pin` and `host_budget` =
+/// `budget` bytes where given (staged masters, CONTRACT §7c).
+pub fn staged_layerwise(
+    pin: Option<bool>,
+    budget: Option<u64>,
+) -> offload_sim::harness::StrategyChoice {
+    use offload_core::bytes::{ByteSize, HostBudget};
+    offload_sim::harness::StrategyChoice::Config(offload_core::OffloadConfig {
+        enable_layerwise_offload: true,
+        pin_cpu_memory: pin,
+        host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
+        ..offload_core::OffloadConfig::default()
+    })
+}
+
+/// The simulated device's own pinned + registered peak of a run.
+pub fn host_peak(o: &offload_sim::harness::RunOutcome) -> u64 {
+    o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
+}
+
 /// Each request's output of a run.
 pub fn outputs(o: &offload_sim::harness::RunOutcome) -> Vec<u64> {
     o.requests.iter().map(|r| r.output).collect()

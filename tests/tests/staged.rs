@@ -23,24 +23,12 @@ fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>) -> RunOptions {
     offload_tests::trained_opts(bugs, depth, jitter)
 }
 
-fn layerwise(pin: Option<bool>, budget: Option<u64>) -> StrategyChoice {
-    StrategyChoice::Config(OffloadConfig {
-        enable_layerwise_offload: true,
-        pin_cpu_memory: pin,
-        host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
-        ..OffloadConfig::default()
-    })
-}
+use offload_tests::{host_peak, staged_layerwise as layerwise};
 
 use offload_tests::{all_violations, outputs};
 
 fn resident() -> Vec<u64> {
     outputs(&run(&workload(), &StrategyChoice::Resident, &opts(&[], 1, None)).unwrap())
-}
-
-/// The device's own pinned + registered peak.
-fn host_peak(o: &RunOutcome) -> u64 {
-    o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
 }
 
 /// One copy of the streamed blocks and the largest resident unit, from a

@@ -12,10 +12,9 @@
 //! this binary (its own process) sets the same.
 
 use offload_core::budget::host::{STAGING_PARTS, set_staging_ring_bytes, staging_layout};
-use offload_core::config::OffloadConfig;
 use offload_core::invariants::Invariant;
 use offload_core::runtime::PlantedBug;
-use offload_sim::harness::{RunOptions, RunOutcome, StrategyChoice, Workload, run};
+use offload_sim::harness::{RunOptions, StrategyChoice, Workload, run};
 use offload_tests::{all_violations, outputs};
 
 /// The ring: 8 buffers of 20 KiB, against blocks of 66–230 KB (the largest
@@ -33,15 +32,7 @@ fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>, threads: bool) -
     }
 }
 
-fn layerwise(pin: Option<bool>, budget: Option<u64>) -> StrategyChoice {
-    use offload_core::bytes::{ByteSize, HostBudget};
-    StrategyChoice::Config(OffloadConfig {
-        enable_layerwise_offload: true,
-        pin_cpu_memory: pin,
-        host_budget: budget.map(|b| HostBudget::Bytes(ByteSize::new(b))),
-        ..OffloadConfig::default()
-    })
-}
+use offload_tests::{host_peak, staged_layerwise as layerwise};
 
 fn resident() -> Vec<u64> {
     outputs(
@@ -52,11 +43,6 @@ fn resident() -> Vec<u64> {
         )
         .unwrap(),
     )
-}
-
-/// The device's own pinned + registered peak.
-fn host_peak(o: &RunOutcome) -> u64 {
-    o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes
 }
 
 /// The streamed bytes, the ring of parts and the largest resident unit's
