@@ -86,12 +86,22 @@ fn main() {
             interference: inputs.copy_interference,
         };
         let limit = shape.limit_s();
-        for gib in [4u64, 8, 12] {
-            print!("| {tokens} | {gib} GiB |");
+        // 0: every master staged (`pin_cpu_memory = false`).
+        for gib in [0u64, 4, 8, 12] {
+            if gib == 0 {
+                print!("| {tokens} | every master staged |");
+            } else {
+                print!("| {tokens} | {gib} GiB |");
+            }
             for (_, ring) in &rings {
                 host::set_staging_ring_bytes(*ring);
-                let plan = plan_host(&host_blocks, transient, Some(gib << 30), true)
-                    .expect("the budget fits the least plan");
+                let plan = plan_host(
+                    &host_blocks,
+                    transient,
+                    (gib > 0).then_some(gib << 30),
+                    gib > 0,
+                )
+                .expect("the budget fits the least plan");
                 let staged: Vec<bool> = plan.staged.iter().map(Option::is_some).collect();
                 let staged_bytes: Vec<u64> = bytes
                     .iter()
