@@ -108,7 +108,8 @@ fn main() {
                     .zip(&staged)
                     .map(|(&b, &s)| if s { b } else { 0 })
                     .collect();
-                let layout = host::staging_layout(staged_bytes.iter().copied().max().unwrap_or(0));
+                let layout =
+                    host::staging_layout(staged_bytes.iter().copied().max().unwrap_or(0), gib > 0);
                 let f = forecast_staged(
                     &shape,
                     &staged,

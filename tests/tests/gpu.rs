@@ -1654,9 +1654,10 @@ impl Drop for RingSize {
 }
 
 /// Every master staged through a ring of parts (CONTRACT §7c) on the GPU:
-/// a 4 MiB ring of eight 512 KiB buffers against blocks of up to 6 MiB
-/// (thirteen parts raw, about nine coded: more than the ring holds), raw
-/// and coded: bit-identical to
+/// the process's ring set to 4 MiB, so blocks of up to 6 MiB pass through
+/// 512 KiB buffers (thirteen parts raw, about nine coded; with every
+/// master staged and no host budget the ring holds two blocks' worth, 24
+/// buffers), raw and coded: bit-identical to
 /// resident unperturbed and under perturbation at depth 1 and 2, the
 /// page-locked peak offload-cuda counts within the ring and one upload
 /// buffer (less than one whole block's two buffers); and the planted
@@ -1682,9 +1683,12 @@ fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
         .map(|m| p.subtree_bytes(m))
         .max()
         .unwrap_or(0);
+    let layout = offload_core::budget::host::staging_layout(largest, false);
     assert!(
-        b.host_staging_bytes < largest,
-        "a ring of parts ({} B) smaller than the largest block ({largest} B)",
+        layout.part_bytes < largest && b.host_staging_bytes == layout.bytes(),
+        "a ring of parts ({} buffers of {} B, counted {} B) for blocks of up to {largest} B",
+        layout.buffers,
+        layout.part_bytes,
         b.host_staging_bytes
     );
     for strategy in [staged, coded] {

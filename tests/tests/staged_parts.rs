@@ -45,10 +45,14 @@ fn resident() -> Vec<u64> {
     )
 }
 
-/// The streamed bytes, the ring of parts and the largest resident unit's
-/// upload buffer, from a plain layerwise run's bounds; checks the ring is
-/// one of parts, smaller than the largest block.
-fn sizes() -> (u64, u64, u64) {
+/// The largest streamed block of the workload.
+const LARGEST: u64 = 230_288;
+
+/// The streamed bytes, the two rings of parts (without a host budget: two
+/// of the largest block's worth; under one: eight buffers, smaller than
+/// the largest block) and the largest resident unit's upload buffer, from
+/// a plain layerwise run's bounds.
+fn sizes() -> (u64, (u64, u64), u64) {
     set_staging_ring_bytes(RING);
     let o = run(
         &workload(),
@@ -57,39 +61,46 @@ fn sizes() -> (u64, u64, u64) {
     )
     .unwrap();
     let b = o.bounds;
-    let ring = b.staging_ring_bytes;
-    // Eight buffers of an eighth of the ring, which the bound counts: the
-    // largest block's two whole buffers would not fit it.
-    let layout = staging_layout(230_288);
-    assert_eq!(layout.buffers, STAGING_PARTS);
-    assert_eq!(layout.part_bytes, RING / STAGING_PARTS);
-    assert_eq!(ring, RING, "the bound counts the ring of parts");
+    let free = staging_layout(LARGEST, false);
+    let budgeted = staging_layout(LARGEST, true);
+    assert_eq!(free.part_bytes, RING / STAGING_PARTS);
+    assert_eq!(free.buffers, (2 * LARGEST).div_ceil(RING / STAGING_PARTS));
+    assert_eq!(budgeted.part_bytes, RING / STAGING_PARTS);
+    assert_eq!(budgeted.buffers, STAGING_PARTS);
+    assert_eq!(
+        b.staging_ring_bytes,
+        free.bytes(),
+        "the bound counts the ring of parts"
+    );
     assert!(
-        ring < 230_288,
-        "a ring smaller than the largest block ({ring})"
+        budgeted.bytes() < LARGEST,
+        "under a budget, a ring smaller than the largest block ({})",
+        budgeted.bytes()
     );
     (
         b.offloaded_bytes,
-        ring,
+        (free.bytes(), budgeted.bytes()),
         b.staging_bytes - b.host_staging_bytes,
     )
 }
 
-/// Every master staged, and half of them under a host budget, at depths
-/// 1–3, with and without jitter, the filler on the hook's thread and on
-/// its own: bit-identical, no violation, and never more page-locked than
-/// the ring of parts and one upload buffer (every master staged) or the
-/// budget. Seen red (2026-12-07) with on-demand fills left pending (the
-/// block's compute waited for a `ready` its parts had yet to record: the
-/// second request's output differed).
+/// Every master staged (the ring of two blocks' worth of parts), every
+/// master staged under a host budget at the least plan (eight parts,
+/// smaller than a block), and half of them under a budget, at depths 1–3,
+/// with and without jitter, the filler on the hook's thread and on its
+/// own: bit-identical, no violation, and never more page-locked than the
+/// ring and one upload buffer or the budget. Seen red (2026-12-07) with
+/// on-demand fills left pending (the block's compute waited for a `ready`
+/// its parts had yet to record: the second request's output differed).
 #[test]
 fn a_ring_of_parts_is_bit_identical_and_pins_only_the_ring() {
-    let (streamed, ring, transient) = sizes();
+    let (streamed, (free, budgeted), transient) = sizes();
     let want = resident();
-    let half = ring + transient + streamed / 2;
+    let least = budgeted + transient;
+    let half = least + streamed / 2;
     for threads in [false, true] {
         for depth in [1, 2, 3] {
-            for (pin, budget) in [(Some(false), None), (None, Some(half))] {
+            for (pin, budget) in [(Some(false), None), (None, Some(least)), (None, Some(half))] {
                 for jitter in [None, Some(3)] {
                     let o = run(
                         &workload(),
@@ -106,7 +117,7 @@ fn a_ring_of_parts_is_bit_identical_and_pins_only_the_ring() {
                         "{at}: {:#?}",
                         all_violations(&o)
                     );
-                    let bound = budget.unwrap_or(ring + transient);
+                    let bound = budget.unwrap_or(free + transient);
                     assert!(
                         host_peak(&o) <= bound,
                         "{at}: pinned peak {} > {bound}",
@@ -120,15 +131,22 @@ fn a_ring_of_parts_is_bit_identical_and_pins_only_the_ring() {
 
 /// Whether `bug`, planted, is reported by the device's checker (a
 /// violation of `invariant`) in some run of every master staged through
-/// the ring of parts.
-fn caught(bug: PlantedBug, invariant: Invariant, threads: bool) -> bool {
-    set_staging_ring_bytes(RING);
+/// the ring of parts: without a host budget (two blocks' worth of parts),
+/// or (`budgeted`) under one at the least plan (eight parts, fewer than a
+/// block's).
+fn caught(bug: PlantedBug, invariant: Invariant, threads: bool, budgeted: bool) -> bool {
+    let (_, (_, ring), transient) = sizes();
+    let (pin, budget) = if budgeted {
+        (None, Some(ring + transient))
+    } else {
+        (Some(false), None)
+    };
     let mut seen = false;
     for depth in [1, 2, 3] {
         for jitter in [None, Some(1), Some(2)] {
             let o = run(
                 &workload(),
-                &layerwise(Some(false), None),
+                &layerwise(pin, budget),
                 &opts(&[bug], depth, jitter, threads),
             )
             .unwrap();
@@ -143,14 +161,17 @@ fn caught(bug: PlantedBug, invariant: Invariant, threads: bool) -> bool {
 #[test]
 fn planted_ready_after_the_first_part_is_caught() {
     for threads in [false, true] {
-        assert!(
-            caught(
-                PlantedBug::StagedReadyAfterFirstPart,
-                Invariant::NoEarlyFree,
-                threads
-            ),
-            "threads {threads}: StagedReadyAfterFirstPart never seen"
-        );
+        for budgeted in [false, true] {
+            assert!(
+                caught(
+                    PlantedBug::StagedReadyAfterFirstPart,
+                    Invariant::NoEarlyFree,
+                    threads,
+                    budgeted
+                ),
+                "threads {threads}, budgeted {budgeted}: StagedReadyAfterFirstPart never seen"
+            );
+        }
     }
 }
 
@@ -158,14 +179,17 @@ fn planted_ready_after_the_first_part_is_caught() {
 #[test]
 fn planted_part_reuse_before_its_copy_is_caught() {
     for threads in [false, true] {
-        assert!(
-            caught(
-                PlantedBug::HostStagingReuseBeforeCopy,
-                Invariant::NoEarlyFree,
-                threads
-            ),
-            "threads {threads}: HostStagingReuseBeforeCopy never seen"
-        );
+        for budgeted in [false, true] {
+            assert!(
+                caught(
+                    PlantedBug::HostStagingReuseBeforeCopy,
+                    Invariant::NoEarlyFree,
+                    threads,
+                    budgeted
+                ),
+                "threads {threads}, budgeted {budgeted}: HostStagingReuseBeforeCopy never seen"
+            );
+        }
     }
 }
 

@@ -13,9 +13,9 @@ use crate::bytes::{ByteSize, HostBudget};
 /// fills one while the copy engine reads the other.
 pub const HOST_STAGING_BUFFERS: u64 = 2;
 
-/// The most bytes a staging ring holds together by default (CONTRACT §7c):
-/// two whole blocks where both fit, else [`STAGING_PARTS`] buffers of an
-/// eighth of it each ([`staging_layout`]).
+/// The most bytes a staging ring holds together under a host budget by
+/// default (CONTRACT §7c): two whole blocks where both fit, else
+/// [`STAGING_PARTS`] buffers of an eighth of it each ([`staging_layout`]).
 pub const STAGING_RING_BYTES: u64 = 512 << 20;
 
 /// Buffers a staging ring of parts holds.
@@ -65,10 +65,15 @@ impl StagingLayout {
 
 /// The staging ring for staged blocks of at most `largest` bytes: two
 /// whole-block buffers where both fit the process's ring
-/// ([`staging_ring_limit`]), else [`STAGING_PARTS`] buffers of an eighth
-/// of it, through which a larger block passes in parts. Empty (0 bytes)
-/// where nothing is staged.
-pub fn staging_layout(largest: u64) -> StagingLayout {
+/// ([`staging_ring_limit`]); else buffers of an eighth of it, through
+/// which a larger block passes in parts: [`STAGING_PARTS`] of them where a
+/// host budget is planned (`budgeted`: the ring's bytes are the budget's,
+/// and a small ring leaves more masters pinned), and without one as many
+/// as two of the largest block take (no budget to spend them on, and a
+/// ring smaller than two blocks ties the fills to the compute that frees
+/// the slots: `offload-sim --example staging_rings`, every master staged).
+/// Empty (0 bytes) where nothing is staged.
+pub fn staging_layout(largest: u64, budgeted: bool) -> StagingLayout {
     if largest == 0 {
         return StagingLayout {
             part_bytes: 0,
@@ -82,17 +87,26 @@ pub fn staging_layout(largest: u64) -> StagingLayout {
             buffers: HOST_STAGING_BUFFERS,
         };
     }
+    // Rounded up: a ring never shrinks as its largest block grows.
+    let part_bytes = limit.div_ceil(STAGING_PARTS);
+    let buffers = if budgeted {
+        STAGING_PARTS
+    } else {
+        HOST_STAGING_BUFFERS
+            .saturating_mul(largest)
+            .div_ceil(part_bytes)
+            .max(STAGING_PARTS)
+    };
     StagingLayout {
-        // Rounded up: a ring never shrinks as its largest block grows.
-        part_bytes: limit.div_ceil(STAGING_PARTS),
-        buffers: STAGING_PARTS,
+        part_bytes,
+        buffers,
     }
 }
 
 /// The staging ring's pinned bytes for staged blocks of at most `largest`
 /// bytes ([`staging_layout`]).
-pub fn staging_ring_bytes(largest: u64) -> u64 {
-    staging_layout(largest).bytes()
+pub fn staging_ring_bytes(largest: u64, budgeted: bool) -> u64 {
+    staging_layout(largest, budgeted).bytes()
 }
 
 /// The most pinned bytes a buffer made only for uploads takes (an upload
@@ -433,7 +447,7 @@ pub fn plan_host(
     let sum = |f: fn(&HostBlock) -> u64| blocks.iter().fold(0u64, |a, b| a.saturating_add(f(b)));
     let total = sum(|b| b.pinned);
     let largest = blocks.iter().map(|b| b.staged).max().unwrap_or(0);
-    let ring = staging_ring_bytes(largest);
+    let ring = staging_ring_bytes(largest, budget.is_some());
     let least = ring.saturating_add(transient);
     let plan = |staged: Vec<Option<StageReason>>| {
         let (mut staged_bytes, mut pinned_bytes, mut largest_staged) = (0u64, 0u64, 0u64);
@@ -445,7 +459,7 @@ pub fn plan_host(
                 pinned_bytes = pinned_bytes.saturating_add(b.pinned);
             }
         }
-        let staging_bytes = staging_ring_bytes(largest_staged);
+        let staging_bytes = staging_ring_bytes(largest_staged, budget.is_some());
         HostPlan {
             staged,
             pinned_bytes,
@@ -560,8 +574,8 @@ impl RestageDoesNotFit {
 }
 
 /// The page-locked peak of `blocks` beside `fixed` (the masters that are
-/// not streamed blocks, and the upload buffer): their pinned bytes and a
-/// staging ring of the largest staged block.
+/// not streamed blocks, and the upload buffer) under a host budget: their
+/// pinned bytes and the staging ring of the largest staged block.
 pub fn built_peak(fixed: u64, blocks: &[BuiltBlock]) -> u64 {
     let pinned = blocks
         .iter()
@@ -570,7 +584,7 @@ pub fn built_peak(fixed: u64, blocks: &[BuiltBlock]) -> u64 {
     let ring = largest_staged(blocks);
     fixed
         .saturating_add(pinned)
-        .saturating_add(staging_ring_bytes(ring))
+        .saturating_add(staging_ring_bytes(ring, true))
 }
 
 /// Whether a store built as `blocks` beside `fixed`, with the blocks of
@@ -600,7 +614,7 @@ pub fn built_release(budget: u64, fixed: u64, blocks: &[BuiltBlock], more: &[usi
 /// refused some of those pins, each refused block stages and may need a
 /// staging ring the plan did not count (a plan that pinned every block has
 /// none: a refused block of `b` bytes then takes its ring,
-/// `staging_ring_bytes(b)` (`2b` within 512 MiB), where its master
+/// `staging_ring_bytes(b, true)` (`2b` within 512 MiB), where its master
 /// would have taken `b`). Exact: the ring is the least that lets a set fit
 /// (staging every stageable block no larger than a ring only lowers the
 /// peak, so a ring fits if and only if that set fits), and within it the
@@ -638,7 +652,7 @@ pub fn restage_within(
         .filter(|&(i, &r)| {
             rings
                 .get(i + 1)
-                .is_none_or(|&n| staging_ring_bytes(n) != staging_ring_bytes(r))
+                .is_none_or(|&n| staging_ring_bytes(n, true) != staging_ring_bytes(r, true))
         })
         .map(|(_, &r)| r)
         .collect();
@@ -666,7 +680,7 @@ pub fn restage_within(
         // the largest of its own size before every other (some block must
         // make the ring; each other lowers the peak by its pinned bytes).
         within.sort_by_key(|&i| std::cmp::Reverse(blocks[i].pinned));
-        if staging_ring_bytes(r) > staging_ring_bytes(ring)
+        if staging_ring_bytes(r, true) > staging_ring_bytes(ring, true)
             && let Some(k) = within.iter().position(|&i| blocks[i].staged == r)
         {
             let first = within.remove(k);
@@ -759,8 +773,12 @@ mod tests {
         const MIB: u64 = 1 << 20;
         let mut blocks = vec![built(260 * MIB, false); 10];
         blocks.push(built(600 * MIB, false));
-        let ring = staging_ring_bytes(600 * MIB);
-        assert_eq!(ring, staging_ring_bytes(260 * MIB), "one ring of parts");
+        let ring = staging_ring_bytes(600 * MIB, true);
+        assert_eq!(
+            ring,
+            staging_ring_bytes(260 * MIB, true),
+            "one ring of parts"
+        );
         let budget = 3200 * MIB - 600 * MIB + ring;
         let more = restage_within(budget, 0, &blocks).unwrap();
         assert_eq!(more, vec![10], "the 600 MiB block alone");

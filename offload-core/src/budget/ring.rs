@@ -212,10 +212,9 @@ impl Fills {
             // after the copy out of its staging buffer (`buffers` staged
             // parts back); each part's copy after its fill.
             let staged = host.is_some_and(|h| h.staged[block]);
-            let (start, hosted) = match host {
+            let hosted = match host {
                 Some(h) if staged => {
                     let buffers = h.buffers.max(1);
-                    let mut first = None;
                     for frac in h.part_fractions(block) {
                         let q = self.staged_copies.len();
                         let buffer_free = if q >= buffers {
@@ -227,18 +226,20 @@ impl Fills {
                         let start = self.t_copy.max(gate).max(self.t_host);
                         self.t_copy = start + copy_s[block] * frac;
                         self.staged_copies.push((start, self.t_copy));
-                        first.get_or_insert(start);
+                        // Each part's own window: between parts the copy
+                        // engine waits for the host, slowing no kernel.
+                        self.copies.push((start, self.t_copy));
                     }
-                    (first.unwrap_or(self.t_copy), self.t_host)
+                    self.t_host
                 }
                 _ => {
                     let start = self.t_copy.max(gate);
                     self.t_copy = start + copy_s[block];
-                    (start, 0.0)
+                    self.copies.push((start, self.t_copy));
+                    0.0
                 }
             };
             self.hosted.push(hosted);
-            self.copies.push((start, self.t_copy));
             match decode {
                 None => self.filled.push(self.t_copy),
                 Some(d) => {
@@ -316,8 +317,17 @@ pub fn hosted_ends(
     // plan about 0.17 ms of 8.7 ms of decode overlap a forward), where a
     // GPU would slow them. Windows are in order and never overlap each
     // other (one copy stream, one decode stream).
+    // A staged block's copy is one window per part: as many more recent
+    // windows as the most parts a block takes.
+    let most_parts = stages.1.map_or(1, |h| {
+        (0..n)
+            .filter(|&i| h.staged.get(i).copied().unwrap_or(false))
+            .map(|i| h.part_fractions(i).count())
+            .max()
+            .unwrap_or(1)
+    });
     let overlap = |windows: &[(f64, f64)], start: f64, compute: f64| {
-        overlap_s(windows, depth + 3, start, compute)
+        overlap_s(windows, (depth + 3) * most_parts, start, compute)
     };
     let decode_k = decode.map_or(0.0, |d| d.interference);
     // Fills issued so far (by the pre-forwards before this block).

@@ -156,6 +156,9 @@ struct PComp {
     /// `pin_cpu_memory = false`: no master is pinned; a swapped held set
     /// is brought in from pageable memory through the upload buffer.
     unpinned: bool,
+    /// A `host_budget` is planned within: the staging ring is the
+    /// budget's size ([`super::host::staging_layout`]).
+    budgeted: bool,
 }
 
 /// How one component's phase runs: which blocks are resident, the depth,
@@ -210,6 +213,7 @@ impl std::fmt::Debug for PComp {
             code: _,
             decode_k: _,
             unpinned,
+            budgeted,
         } = self;
         f.debug_struct("PComp")
             .field("path", path)
@@ -225,6 +229,7 @@ impl std::fmt::Debug for PComp {
             .field("code", &self.code())
             .field("decode_k", &self.decode_k())
             .field("unpinned", unpinned)
+            .field("budgeted", budgeted)
             .finish()
     }
 }
@@ -398,7 +403,8 @@ impl PComp {
         };
         let bytes: Vec<u64> = stack.iter().map(|b| b.bytes).collect();
         let largest = self.largest_staged(l, staged);
-        let host = (!fill.is_empty()).then(|| host_stage(&mask, &fill, &bytes, largest));
+        let host =
+            (!fill.is_empty()).then(|| host_stage(&mask, &fill, &bytes, (largest, self.budgeted)));
         hosted_copies_exposed(&compute, &copy, host, r, l.depth, other)
     }
 
@@ -708,7 +714,7 @@ impl PComp {
                         _ => Vec::new(),
                     };
                     let host = (!fill.is_empty())
-                        .then(|| host_stage(&mask, &fill, &staged_bytes, largest));
+                        .then(|| host_stage(&mask, &fill, &staged_bytes, (largest, self.budgeted)));
                     let ends = hosted_ends(
                         &compute,
                         &copy,
@@ -1072,6 +1078,7 @@ impl<'a> Request<'a> {
                 code: AtomicU8::new(code as u8),
                 decode_k: AtomicU64::new(decode_interference(inputs).to_bits()),
                 unpinned,
+                budgeted: config.host_budget.is_some(),
             });
         }
         if let Some(unknown) = inputs
@@ -1173,7 +1180,7 @@ impl<'a> Request<'a> {
             let head = limits
                 .budget
                 .saturating_sub(self.transient())
-                .checked_sub(staging_ring_bytes(r));
+                .checked_sub(staging_ring_bytes(r, true));
             if let Some(head) = head {
                 out.push(HostBound {
                     head,
@@ -1342,7 +1349,7 @@ impl<'a> Request<'a> {
                 // The staging ring of the largest streamed block (the search's
                 // passes plan within it; a plan that pins every weight is
                 // the other way, below).
-                let staging = staging_ring_bytes(streamed.iter().copied().max().unwrap_or(0));
+                let staging = staging_ring_bytes(streamed.iter().copied().max().unwrap_or(0), true);
                 let least = held.saturating_add(staging).saturating_add(transient);
                 if best.as_ref().is_none_or(|b| least < b.0.0) {
                     best = Some(((least, held, staging, transient), phases));
@@ -1373,7 +1380,7 @@ impl<'a> Request<'a> {
                 .flat_map(|(c, (l, _))| c.streamed_host(l).map(|(_, n)| n))
                 .max()
                 .unwrap_or(0);
-            let staging = staging_ring_bytes(largest);
+            let staging = staging_ring_bytes(largest, true);
             let least = held
                 .saturating_add(staging)
                 .saturating_add(self.transient());
@@ -1416,9 +1423,9 @@ impl<'a> Request<'a> {
                 let (budget_bytes, source) = match &self.host {
                     Some(limits) => (limits.budget, limits.source.clone()),
                     None => (
-                        staging_ring_bytes(self.block_sizes().first().copied().unwrap_or(0))
+                        staging_ring_bytes(self.block_sizes().first().copied().unwrap_or(0), false)
                             .saturating_add(transient),
-                        "pin_cpu_memory = false, no host_budget: no master page-locked, at most the staging ring of the largest block (two of it within 512 MiB, else 512 MiB of parts) and the upload buffer".to_owned(),
+                        "pin_cpu_memory = false, no host_budget: no master page-locked, at most the staging ring of the largest block (two of it, in parts where that exceeds 512 MiB) and the upload buffer".to_owned(),
                     ),
                 };
                 Ok(HostSide {
@@ -3145,9 +3152,9 @@ fn host_stage<'a>(
     staged: &'a [bool],
     fill_s: &'a [f64],
     bytes: &'a [u64],
-    largest: u64,
+    (largest, budgeted): (u64, bool),
 ) -> HostStage<'a> {
-    let layout = super::host::staging_layout(largest);
+    let layout = super::host::staging_layout(largest, budgeted);
     HostStage {
         staged,
         fill_s,
@@ -3179,6 +3186,7 @@ mod tests {
             code: AtomicU8::new(Code::Always as u8),
             decode_k: AtomicU64::new(0.9f64.to_bits()),
             unpinned: false,
+            budgeted: false,
         };
         let shown = format!("{comp:?}");
         assert!(shown.contains("code: Always"), "{shown}");
@@ -3221,6 +3229,7 @@ mod tests {
             code: AtomicU8::new(Code::Choose as u8),
             decode_k: AtomicU64::new(0.0f64.to_bits()),
             unpinned: false,
+            budgeted: false,
         };
         let mut inp = PlannerInputs::new(1e9, 1);
         inp.decode_bytes_per_s = Some(1e12);

@@ -153,6 +153,7 @@ pub fn memory_bounds(
             if strategy == OffloadStrategy::Layerwise {
                 ring_bytes = crate::budget::host::staging_ring_bytes(
                     layout.blocks().map(|b| b.unit.bytes).max().unwrap_or(0),
+                    config.host_budget.is_some(),
                 );
                 if config.host_budget.is_some() || !plan.selection.pin_memory {
                     host_staging_bytes = ring_bytes;
@@ -490,6 +491,7 @@ pub fn plan_bounds(
     // (`MemoryBounds::with_refused_pins`).
     let ring = crate::budget::host::staging_ring_bytes(
         part.blocks.values().map(|u| u.bytes).max().unwrap_or(0),
+        config.host_budget.is_some(),
     );
     let host_staging = if plan.host.is_some() { ring } else { 0 };
     let staging = outside.iter().map(|u| u.bytes).max().unwrap_or(0) + host_staging;

@@ -1164,12 +1164,13 @@ fn host_plan(
 
 /// The staging ring of `rings`, where any master is staged: the pinned
 /// buffers [`crate::budget::host::staging_layout`] gives for the largest
-/// staged block (two whole blocks, or parts), each staged block's pages
+/// staged block (two whole blocks, or parts: eight under a host budget,
+/// `budgeted`, else two blocks' worth), each staged block's pages
 /// released after its read where `release`.
 fn host_staging_of<A: Api>(
     h: &Handles<A>,
     rings: &[Ring<A>],
-    release: bool,
+    (release, budgeted): (bool, bool),
 ) -> Result<Option<HostStaging<A>>, OffloadError> {
     let largest_staged = rings
         .iter()
@@ -1182,7 +1183,7 @@ fn host_staging_of<A: Api>(
     let Some(bytes) = largest_staged else {
         return Ok(None);
     };
-    let layout = crate::budget::host::staging_layout(bytes);
+    let layout = crate::budget::host::staging_layout(bytes, budgeted);
     Ok(Some(HostStaging {
         ring: staging_ring(h, layout.part_bytes, layout.buffers as usize)?,
         next: 0,
@@ -2306,7 +2307,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 crate::bytes::ByteSize::new(copied_bytes)
             );
         }
-        st.host_staging = host_staging_of(h, &st.rings, release)?;
+        st.host_staging = host_staging_of(h, &st.rings, (release, config.host_budget.is_some()))?;
         // A ring of one small buffer made for the uploads alone, where
         // pinning one is refused and no master stages: freed once they
         // are done.
@@ -3373,7 +3374,7 @@ impl<A: Api> RingEngine<A> {
         layout: &RingLayout,
         master_of: &dyn Fn(&Unit) -> Option<StoredMaster<A>>,
         timer: Option<Arc<Timer<A>>>,
-        release: bool,
+        (release, budgeted): (bool, bool),
     ) -> Result<Vec<BlockHookOf>, OffloadError> {
         let mut st = State {
             placement: Placement::new(pipeline, OffloadStrategy::Planned),
@@ -3428,7 +3429,8 @@ impl<A: Api> RingEngine<A> {
                     });
                 }
             }
-            st.host_staging = host_staging_of(&self.engine.handles, &st.rings, release)?;
+            st.host_staging =
+                host_staging_of(&self.engine.handles, &st.rings, (release, budgeted))?;
             Ok(())
         };
         let result = build();

@@ -1220,9 +1220,13 @@ impl<A: Api> PlannedBackend<A> {
                 .host_side
                 .as_ref()
                 .is_some_and(|h| h.release_after_read);
-        let block_hooks =
-            self.ring
-                .build(&model.pipeline, &rings, &master_of, timer.clone(), release)?;
+        let block_hooks = self.ring.build(
+            &model.pipeline,
+            &rings,
+            &master_of,
+            timer.clone(),
+            (release, self.config.host_budget.is_some()),
+        )?;
         // The phase state: held sets of components not kept swap; kept
         // sets and everything outside the components stay.
         let mut groups = Vec::new();
@@ -1591,8 +1595,10 @@ impl<A: Api> PlannedBackend<A> {
             })
             .max();
         let built = largest.map_or(0, |b| {
-            tables(crate::budget::host::staging_ring_bytes(b))
-                + tables(b.min(crate::budget::host::UPLOAD_STAGING_BYTES))
+            tables(crate::budget::host::staging_ring_bytes(
+                b,
+                self.config.host_budget.is_some(),
+            )) + tables(b.min(crate::budget::host::UPLOAD_STAGING_BYTES))
         });
         planned.max(built)
     }
