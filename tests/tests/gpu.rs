@@ -1656,11 +1656,11 @@ impl Drop for RingSize {
 /// Every master staged through a ring of parts (CONTRACT §7c) on the GPU:
 /// the process's ring set to 4 MiB, so blocks of up to 6 MiB pass through
 /// 512 KiB buffers (thirteen parts raw, about nine coded; with every
-/// master staged and no host budget the ring holds two blocks' worth, 24
+/// master staged and no host budget the ring holds two blocks' worth, 25
 /// buffers), raw and coded: bit-identical to
 /// resident unperturbed and under perturbation at depth 1 and 2, the
 /// page-locked peak offload-cuda counts within the ring and one upload
-/// buffer (less than one whole block's two buffers); and the planted
+/// buffer; and the planted
 /// `HostStagingReuseBeforeCopy` (a buffer refilled before the copy of its
 /// last part) and `StagedReadyAfterFirstPart` (compute reads the slot while
 /// later parts land) change the output under slow copies, beside clean

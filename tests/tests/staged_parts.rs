@@ -245,9 +245,12 @@ fn a_planned_host_budget_streams_its_staged_blocks_in_parts() {
                 host_peak(&o)
             );
             if side.staged_bytes > 0 {
-                assert_eq!(
-                    side.staging_bytes, RING,
-                    "{at}: the plan counts the ring of parts"
+                // The ring of the largest staged block: eight parts, or
+                // two whole ones where the largest staged is small.
+                assert!(
+                    side.staging_bytes <= RING,
+                    "{at}: the plan's ring {} over the ring of parts",
+                    side.staging_bytes
                 );
                 staged_runs += 1;
             }

@@ -166,8 +166,9 @@ struct Fills {
 }
 
 impl Fills {
-    /// Room for `fills` fills (no reallocation while the recurrence runs:
-    /// the planner's search runs it a million times a plan).
+    /// Room for `fills` fills (no reallocation while the recurrence runs,
+    /// the planner's search runs it a million times a plan, except where a
+    /// staged block's parts push more copy windows than fills).
     fn new(depth: usize, fills: usize) -> Self {
         Self {
             depth,

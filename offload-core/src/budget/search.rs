@@ -1193,8 +1193,8 @@ impl<'a> Request<'a> {
 
     /// The least host budget any plan needs, its parts (held, staging,
     /// upload buffer) and its phases: over every largest streamed block
-    /// size (and nothing streamed), the held sets at their least beside a
-    /// staging ring of two of it.
+    /// size (and nothing streamed), the held sets at their least beside its
+    /// staging ring under a budget (`staging_ring_bytes(size, true)`).
     /// [`Self::least_host`]'s figures, computed once per request.
     fn least_host_cached(&self) -> LeastHost {
         *self.least_host_figures.get_or_init(|| self.least_host().0)
