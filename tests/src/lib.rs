@@ -96,6 +96,23 @@ pub fn staged_layerwise(
     })
 }
 
+/// A run of staged masters as it must be (CONTRACT §7c): outputs `want`,
+/// no checker violation, and the device's own pinned + registered peak
+/// within `bound`; `at` names the case in each failure.
+pub fn assert_staged_run(o: &offload_sim::harness::RunOutcome, want: &[u64], bound: u64, at: &str) {
+    assert_eq!(outputs(o), want, "{at}");
+    assert!(
+        all_violations(o).is_empty(),
+        "{at}: {:#?}",
+        all_violations(o)
+    );
+    assert!(
+        host_peak(o) <= bound,
+        "{at}: the device's page-locked peak {} is over {bound}",
+        host_peak(o)
+    );
+}
+
 /// The simulated device's own pinned + registered peak of a run.
 pub fn host_peak(o: &offload_sim::harness::RunOutcome) -> u64 {
     o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes

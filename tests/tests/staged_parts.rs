@@ -32,7 +32,7 @@ fn opts(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>, threads: bool) -
     }
 }
 
-use offload_tests::{host_peak, staged_layerwise as layerwise};
+use offload_tests::staged_layerwise as layerwise;
 
 fn resident() -> Vec<u64> {
     outputs(
@@ -111,18 +111,8 @@ fn a_ring_of_parts_is_bit_identical_and_pins_only_the_ring() {
                     let at = format!(
                         "threads {threads}, depth {depth}, {pin:?}/{budget:?}, jitter {jitter:?}"
                     );
-                    assert_eq!(outputs(&o), want, "{at}");
-                    assert!(
-                        all_violations(&o).is_empty(),
-                        "{at}: {:#?}",
-                        all_violations(&o)
-                    );
                     let bound = budget.unwrap_or(free + transient);
-                    assert!(
-                        host_peak(&o) <= bound,
-                        "{at}: pinned peak {} > {bound}",
-                        host_peak(&o)
-                    );
+                    offload_tests::assert_staged_run(&o, &want, bound, &at);
                 }
             }
         }
@@ -233,17 +223,7 @@ fn a_planned_host_budget_streams_its_staged_blocks_in_parts() {
                 .as_ref()
                 .and_then(|p| p.host.clone())
                 .expect("a host budget is planned");
-            assert_eq!(outputs(&o), want, "{at}");
-            assert!(
-                all_violations(&o).is_empty(),
-                "{at}: {:#?}",
-                all_violations(&o)
-            );
-            assert!(
-                host_peak(&o) <= host,
-                "{at}: pinned peak {} over the budget",
-                host_peak(&o)
-            );
+            offload_tests::assert_staged_run(&o, &want, host, &at);
             if side.staged_bytes > 0 {
                 // The ring of the largest staged block: eight parts, or
                 // two whole ones where the largest staged is small.
