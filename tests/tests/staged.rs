@@ -249,7 +249,7 @@ fn refuse_each_pin(
             Ok(o) => {
                 offload_tests::assert_staged_run(
                     &o,
-                    &want,
+                    want,
                     host,
                     &format!("fault plan {k} refused"),
                 );
