@@ -113,6 +113,120 @@ pub fn assert_staged_run(o: &offload_sim::harness::RunOutcome, want: &[u64], bou
     );
 }
 
+/// A weight source whose reads fail (panic) once armed, from its
+/// `fail_at`-th read after the arming on: a checkpoint on a network disk
+/// that fails under a reader that unwraps, at the start of a staged fill
+/// (`fail_at` 0) or in the middle of a block in parts.
+pub struct FailsAtRead {
+    inner: offload_sim::presets::TrainedWeights,
+    armed: std::sync::atomic::AtomicBool,
+    reads: std::sync::atomic::AtomicU64,
+    fail_at: u64,
+}
+
+impl FailsAtRead {
+    /// Over `pipeline`'s trained-looking weights (seed 0), disarmed.
+    pub fn new(pipeline: &Pipeline, fail_at: u64) -> Self {
+        Self {
+            inner: offload_sim::presets::TrainedWeights::new(0, pipeline),
+            armed: false.into(),
+            reads: 0.into(),
+            fail_at,
+        }
+    }
+
+    /// Arms it (its reads counted from here) or disarms it.
+    pub fn arm(&self, armed: bool) {
+        use std::sync::atomic::Ordering;
+        self.reads.store(0, Ordering::SeqCst);
+        self.armed.store(armed, Ordering::SeqCst);
+    }
+}
+
+impl offload_core::runtime::WeightSource for FailsAtRead {
+    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
+        use std::sync::atomic::Ordering;
+        if self.armed.load(Ordering::SeqCst) {
+            let n = self.reads.fetch_add(1, Ordering::SeqCst);
+            assert!(n < self.fail_at, "the weight source failed at read {n}");
+        }
+        self.inner.read(storage, position, dst);
+    }
+}
+
+/// What [`failing_fill_run`] saw: the armed request's error (`None`: it
+/// succeeded) and, where a disarmed request followed, its outputs and
+/// violation count.
+pub type FailedRun = (Option<String>, Option<(Vec<u64>, usize)>);
+
+/// One armed request over a [`FailsAtRead`] failing at `fail_at` (and,
+/// where `then_disarmed`, one more request disarmed) of the workload, run
+/// options and strategy `make` gives, on a thread of its own with a 120 s
+/// deadline, so that a hang is a failure and not a stuck CI. `Err` names
+/// what went wrong around the requests: a panic that unwound out of them,
+/// or a failed disarmed request. Panics where no answer comes in time.
+pub fn failing_fill_run(
+    make: impl FnOnce() -> (
+        offload_sim::harness::Workload,
+        offload_sim::harness::RunOptions,
+        offload_sim::harness::StrategyChoice,
+    ) + Send
+    + 'static,
+    fail_at: u64,
+    then_disarmed: bool,
+) -> Result<FailedRun, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (w, o, choice) = make();
+        let pipeline = w.preset.pipeline.clone();
+        let source = Arc::new(FailsAtRead::new(&pipeline, fail_at));
+        let rig = offload_sim::harness::Rig::with_weights(
+            pipeline,
+            &o,
+            Arc::clone(&source) as Arc<dyn offload_core::runtime::WeightSource>,
+        )
+        .expect("the rig builds");
+        let offload_sim::harness::StrategyChoice::Config(config) = &choice else {
+            panic!("a failing fill runs under a configuration")
+        };
+        let mut first = None;
+        // (The expected panic's message is printed: the panic hook is
+        // process-wide, and other tests' messages need it.)
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            offload_sim::harness::drive(
+                rig,
+                &choice,
+                config,
+                &o,
+                1,
+                |rig| {
+                    source.arm(true);
+                    let armed = rig.request(&w);
+                    if !then_disarmed {
+                        return armed;
+                    }
+                    first = Some(armed.err().map(|e| e.to_string()));
+                    source.arm(false);
+                    rig.request(&w)
+                },
+                |_| {},
+            )
+        }));
+        let _ = tx.send(match r {
+            Err(_) => Err("a panic unwound out of the request".to_owned()),
+            Ok(Ok(_)) if !then_disarmed => Ok((None, None)),
+            Ok(Ok(o)) => Ok((
+                first.flatten(),
+                Some((outputs(&o), all_violations(&o).len())),
+            )),
+            Ok(Err(f)) if !then_disarmed => Ok((Some(f.error.to_string()), None)),
+            Ok(Err(f)) => Err(format!("the run failed: {}", f.error)),
+        });
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(120))
+        .unwrap_or_else(|_| panic!("no answer in 120 s (a hang)"))
+}
+
 /// The simulated device's own pinned + registered peak of a run.
 pub fn host_peak(o: &offload_sim::harness::RunOutcome) -> u64 {
     o.at_end.pinned_peak_bytes + o.at_end.registered_peak_bytes

@@ -594,23 +594,6 @@ fn the_threaded_filler_is_bit_identical_and_its_planted_reuse_is_caught() {
     assert!(caught > 0, "{bug:?} with the threaded filler: never seen");
 }
 
-/// A weight source whose reads panic once armed (a checkpoint on a
-/// network disk that fails under a reader that unwraps, say).
-struct PanicsWhenArmed {
-    inner: offload_sim::presets::TrainedWeights,
-    armed: std::sync::atomic::AtomicBool,
-}
-
-impl offload_core::runtime::WeightSource for PanicsWhenArmed {
-    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
-        assert!(
-            !self.armed.load(std::sync::atomic::Ordering::SeqCst),
-            "the weight source failed"
-        );
-        self.inner.read(storage, position, dst);
-    }
-}
-
 /// A staging fill that panics (inside the weight source, on the filler's
 /// thread or the hook's) never hangs the ring nor unwinds through it: the
 /// request fails with a typed error naming the block whose fill panicked,
@@ -621,64 +604,20 @@ impl offload_core::runtime::WeightSource for PanicsWhenArmed {
 /// unwinds through the stage's lock and the ring's drop).
 #[test]
 fn a_staging_fill_that_panics_fails_the_request_typed_and_never_hangs() {
-    use std::sync::Arc;
-    use std::sync::atomic::Ordering;
     for threads in [false, true] {
         for depth in [1, 2] {
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::spawn(move || {
-                let w = workload();
-                let pipeline = w.preset.pipeline.clone();
+            let at = format!("threads {threads}, depth {depth}");
+            let make = move || {
                 let o = RunOptions {
                     host_threads: threads,
                     ..opts(&[], depth, None)
                 };
-                let source = Arc::new(PanicsWhenArmed {
-                    inner: offload_sim::presets::TrainedWeights::new(0, &pipeline),
-                    armed: false.into(),
-                });
-                let rig = offload_sim::harness::Rig::with_weights(
-                    pipeline,
-                    &o,
-                    Arc::clone(&source) as Arc<dyn offload_core::runtime::WeightSource>,
-                )
-                .unwrap();
-                let choice = layerwise(Some(false), None);
-                let StrategyChoice::Config(config) = &choice else {
-                    unreachable!()
-                };
-                // (The expected panic's message is printed: the panic hook
-                // is process-wide, and other tests' messages need it.)
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    offload_sim::harness::drive(
-                        rig,
-                        &choice,
-                        config,
-                        &o,
-                        1,
-                        |rig| {
-                            source.armed.store(true, Ordering::SeqCst);
-                            rig.request(&w)
-                        },
-                        |_| {},
-                    )
-                }));
-                let _ = tx.send(match r {
-                    Err(_) => Err("the panic unwound out of the request".to_owned()),
-                    Ok(Ok(_)) => Err("the request succeeded".to_owned()),
-                    Ok(Err(f)) => Ok(f.error.to_string()),
-                });
-            });
-            let got = rx
-                .recv_timeout(std::time::Duration::from_secs(120))
-                .unwrap_or_else(|_| {
-                    panic!("threads {threads}, depth {depth}: no answer in 120 s (a hang)")
-                });
-            let e = got.unwrap_or_else(|e| panic!("threads {threads}, depth {depth}: {e}"));
-            assert!(
-                e.contains("panicked") && e.contains("blocks."),
-                "threads {threads}, depth {depth}: {e}"
-            );
+                (workload(), o, layerwise(Some(false), None))
+            };
+            let (first, _) = offload_tests::failing_fill_run(make, 0, false)
+                .unwrap_or_else(|e| panic!("{at}: {e}"));
+            let e = first.unwrap_or_else(|| panic!("{at}: the request succeeded"));
+            assert!(e.contains("panicked") && e.contains("blocks."), "{at}: {e}");
         }
     }
 }

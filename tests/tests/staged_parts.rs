@@ -15,7 +15,7 @@ use offload_core::budget::host::{STAGING_PARTS, set_staging_ring_bytes, staging_
 use offload_core::invariants::Invariant;
 use offload_core::runtime::PlantedBug;
 use offload_sim::harness::{RunOptions, StrategyChoice, Workload, run};
-use offload_tests::{all_violations, outputs};
+use offload_tests::outputs;
 
 /// The ring: 8 buffers of 20 KiB, against blocks of 66–230 KB (the largest
 /// takes 12 parts, more than the ring holds).
@@ -239,27 +239,6 @@ fn a_planned_host_budget_streams_its_staged_blocks_in_parts() {
     assert!(staged_runs > 0, "no plan staged a block");
 }
 
-/// A weight source whose `fail_at`-th read (counted from when it is
-/// armed) and every later one panic: a fill fails in the middle of a block
-/// in parts.
-struct FailsAtRead {
-    inner: offload_sim::presets::TrainedWeights,
-    armed: std::sync::atomic::AtomicBool,
-    reads: std::sync::atomic::AtomicU64,
-    fail_at: u64,
-}
-
-impl offload_core::runtime::WeightSource for FailsAtRead {
-    fn read(&self, storage: offload_core::model::StorageId, position: u64, dst: &mut [u8]) {
-        use std::sync::atomic::Ordering;
-        if self.armed.load(Ordering::SeqCst) {
-            let n = self.reads.fetch_add(1, Ordering::SeqCst);
-            assert!(n < self.fail_at, "the weight source failed at read {n}");
-        }
-        self.inner.read(storage, position, dst);
-    }
-}
-
 /// A part's fill that fails in the middle of a block (the weight source
 /// panics from its 1st, 5th or 20th read of the request on), inline and on
 /// the filler's thread, at depths 1 and 2: the request fails with a typed
@@ -272,64 +251,20 @@ impl offload_core::runtime::WeightSource for FailsAtRead {
 /// transition, the block still placed).
 #[test]
 fn a_part_whose_fill_fails_fails_the_request_typed_and_the_next_runs() {
-    use std::sync::Arc;
-    use std::sync::atomic::Ordering;
     set_staging_ring_bytes(RING);
     let want = resident();
     for threads in [false, true] {
         for depth in [1, 2] {
             for fail_at in [0u64, 4, 19] {
                 let at = format!("threads {threads}, depth {depth}, read {fail_at}");
-                let (tx, rx) = std::sync::mpsc::channel();
-                std::thread::spawn(move || {
-                    let w = workload();
-                    let pipeline = w.preset.pipeline.clone();
+                let make = move || {
                     let o = opts(&[], depth, None, threads);
-                    let source = Arc::new(FailsAtRead {
-                        inner: offload_sim::presets::TrainedWeights::new(0, &pipeline),
-                        armed: false.into(),
-                        reads: 0.into(),
-                        fail_at,
-                    });
-                    let rig = offload_sim::harness::Rig::with_weights(
-                        pipeline,
-                        &o,
-                        Arc::clone(&source) as Arc<dyn offload_core::runtime::WeightSource>,
-                    )
-                    .unwrap();
-                    let choice = layerwise(Some(false), None);
-                    let StrategyChoice::Config(config) = &choice else {
-                        unreachable!()
-                    };
-                    let mut first = None;
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        offload_sim::harness::drive(
-                            rig,
-                            &choice,
-                            config,
-                            &o,
-                            1,
-                            |rig| {
-                                source.armed.store(true, Ordering::SeqCst);
-                                first = Some(rig.request(&w).err().map(|e| e.to_string()));
-                                // The next request runs disarmed.
-                                source.armed.store(false, Ordering::SeqCst);
-                                rig.request(&w)
-                            },
-                            |_| {},
-                        )
-                    }));
-                    let _ = tx.send(match r {
-                        Err(_) => Err("a panic unwound out of the request".to_owned()),
-                        Ok(Err(f)) => Err(format!("the run failed: {}", f.error)),
-                        Ok(Ok(o)) => Ok((first.flatten(), outputs(&o), all_violations(&o).len())),
-                    });
-                });
-                let got = rx
-                    .recv_timeout(std::time::Duration::from_secs(120))
-                    .unwrap_or_else(|_| panic!("{at}: no answer in 120 s (a hang)"));
-                let (first, outs, violations) = got.unwrap_or_else(|e| panic!("{at}: {e}"));
+                    (workload(), o, layerwise(Some(false), None))
+                };
+                let (first, after) = offload_tests::failing_fill_run(make, fail_at, true)
+                    .unwrap_or_else(|e| panic!("{at}: {e}"));
                 let e = first.unwrap_or_else(|| panic!("{at}: the armed request succeeded"));
+                let (outs, violations) = after.expect("a disarmed request followed");
                 assert!(e.contains("panicked"), "{at}: {e}");
                 assert_eq!(violations, 0, "{at}: violations after the failed request");
                 assert_eq!(outs.last(), want.last(), "{at}: the next request");

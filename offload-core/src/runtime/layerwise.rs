@@ -675,6 +675,15 @@ fn part_range(len: u64, part_bytes: u64, p: u64) -> (u64, u64) {
     (offset, part_bytes.min(len - offset))
 }
 
+/// The staged blocks after block `b` in ring order, round to the one
+/// before it.
+fn staged_after<A: Api>(blocks: &[Master<A>], b: usize) -> impl Iterator<Item = usize> + '_ {
+    let n = blocks.len();
+    (1..n)
+        .map(move |d| (b + d) % n)
+        .filter(|&i| matches!(*blocks[i].host, HostMaster::Staged(_)))
+}
+
 /// The parts after part `part` of staged block `source`, in the order the
 /// ring copies them (the rest of its own, then each staged block after it
 /// in ring order, round to the one before it), at most `most`.
@@ -685,10 +694,7 @@ fn parts_after<A: Api>(
     most: usize,
 ) -> Vec<(usize, u64)> {
     let own = parts_of(staged_len(&blocks[source]), part_bytes);
-    let n = blocks.len();
-    let later = (1..n)
-        .map(|d| (source + d) % n)
-        .filter(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)))
+    let later = staged_after(blocks, source)
         .flat_map(|b| (0..parts_of(staged_len(&blocks[b]), part_bytes)).map(move |p| (b, p)));
     (part + 1..own)
         .map(|p| (source, p))
@@ -714,11 +720,7 @@ fn queue_part<A: Api>(
     let parts = parts_of(s.bytes, part_bytes);
     let last = part + 1 == parts;
     // The next staged unit, read ahead once this one's last part is in.
-    let n = blocks.len();
-    let next = (1..n)
-        .map(|d| (block + d) % n)
-        .find(|&b| matches!(*blocks[b].host, HostMaster::Staged(_)))
-        .map(|b| &blocks[b].unit);
+    let next = staged_after(blocks, block).next().map(|b| &blocks[b].unit);
     staging.ring.fill(
         j,
         crate::runtime::filler::Part {
