@@ -341,7 +341,7 @@ impl PComp {
     /// compute and copy (its bytes over the link, the latency included),
     /// the forward's own compute outside the blocks (on the first stack),
     /// and which streamed blocks are staged (in `staged`).
-    fn uncoded(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &[String]) -> Uncoded {
+    fn uncoded(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &Staged) -> Uncoded {
         let stack = &self.stacks[s];
         Uncoded {
             compute: stack.iter().map(|b| b.compute_s).collect(),
@@ -361,7 +361,7 @@ impl PComp {
     /// The largest block of `staged` (paths) that streams under `l`, at
     /// the bytes its staging buffers hold (coded where its stack codes):
     /// what sizes the one staging ring of this component's stacks.
-    fn largest_staged(&self, l: &Local, staged: &[String]) -> u64 {
+    fn largest_staged(&self, l: &Local, staged: &Staged) -> u64 {
         self.stacks
             .iter()
             .zip(&l.resident)
@@ -387,7 +387,7 @@ impl PComp {
     /// Whether stack `s`'s uncoded copies are exposed under `l`
     /// (`ring::hosted_copies_exposed`, layerwise's rule), its staged
     /// blocks' fills priced where `inp` carries the host's rate.
-    fn stack_exposed(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &[String]) -> bool {
+    fn stack_exposed(&self, l: &Local, s: usize, inp: &PlannerInputs, staged: &Staged) -> bool {
         let (stack, r) = (&self.stacks[s], &l.resident[s]);
         let Uncoded {
             compute,
@@ -419,7 +419,7 @@ impl PComp {
         &self,
         l: Local,
         inp: &PlannerInputs,
-        staged: &[String],
+        staged: &Staged,
         fits: &dyn Fn(&Local) -> bool,
     ) -> Local {
         if self.mode != Code::Choose {
@@ -433,7 +433,7 @@ impl PComp {
 
     /// `l` with every stack it codes whose uncoded copies are hidden
     /// ([`Self::stack_exposed`]) uncoded; `None` where it codes none.
-    fn hidden_twin(&self, l: &Local, inp: &PlannerInputs, staged: &[String]) -> Option<Local> {
+    fn hidden_twin(&self, l: &Local, inp: &PlannerInputs, staged: &Staged) -> Option<Local> {
         let hidden: Vec<usize> = (0..self.stacks.len())
             .filter(|&s| self.codes(l, s) && !self.stack_exposed(l, s, inp, staged))
             .collect();
@@ -456,7 +456,7 @@ impl PComp {
     /// layout would beat a different uncoded layout that fits (another
     /// residency or depth, or the `"none"` pass's plan) on what only the
     /// interference models predict.
-    fn time_ranked(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
+    fn time_ranked(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &Staged) -> f64 {
         let time = self.time_hosted(l, kept, inp, staged);
         if self.mode != Code::Choose {
             return time;
@@ -632,14 +632,14 @@ impl PComp {
     /// The phase's time per request: its bring-in (unless kept), then its
     /// forwards, each stack's from the ring recurrence.
     fn time(&self, l: &Local, kept: bool, inp: &PlannerInputs) -> f64 {
-        self.time_hosted(l, kept, inp, &[])
+        self.time_hosted(l, kept, inp, &Staged::nothing())
     }
 
     /// [`Self::time`] with the blocks of `staged` (paths) streaming staged:
     /// where the inputs carry the host's fill rate, each stack with a
     /// staged block runs the recurrence's host stage (the staging ring's
     /// buffers, one fill at a time, [`super::ring::HostStage`]).
-    fn time_hosted(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &[String]) -> f64 {
+    fn time_hosted(&self, l: &Local, kept: bool, inp: &PlannerInputs, staged: &Staged) -> f64 {
         let link = inp.link_bytes_per_s;
         let largest = self.largest_staged(l, staged);
         let bring = self.bring_in_s(l, kept, inp);
@@ -769,7 +769,7 @@ impl PComp {
         &self,
         inp: &PlannerInputs,
         max_depth: usize,
-        hint: &[String],
+        hint: &Staged,
         (sigma, depth, coded): (u64, usize, bool),
         kept: bool,
         caps: (u64, u64, u64),
@@ -856,6 +856,36 @@ fn better(a: (f64, u64, usize), b: (f64, u64, usize)) -> bool {
         || (a.0 <= b.0 * (1.0 + TIE) && (a.1 > b.1 || (a.1 == b.1 && a.2 < b.2)))
 }
 
+/// The streamed blocks a layout prices as staged (CONTRACT §7c): their
+/// fills at the host's rate, through the staging ring.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Staged {
+    /// These blocks (paths): a host plan's staged blocks.
+    Paths(Vec<String>),
+    /// Every streamed block (`pin_cpu_memory = false`: no master pinned).
+    Every,
+}
+
+impl Staged {
+    /// No block staged.
+    fn nothing() -> Self {
+        Self::Paths(Vec::new())
+    }
+
+    /// Whether block `path`, if it streams, is staged.
+    fn contains(&self, path: &str) -> bool {
+        match self {
+            Self::Paths(paths) => paths.iter().any(|p| p == path),
+            Self::Every => true,
+        }
+    }
+
+    /// Whether no block is staged.
+    fn is_empty(&self) -> bool {
+        matches!(self, Self::Paths(paths) if paths.is_empty())
+    }
+}
+
 /// Passes of the search with each phase's layout priced at the staged
 /// blocks of the previous pass's best plan ([`Request::search`]).
 const STAGED_HINT_PASSES: usize = 3;
@@ -884,10 +914,11 @@ struct Request<'a> {
     /// The device budget planned for, once known: the least host budget is
     /// the least of the plans within it.
     device_budget: Option<u64>,
-    /// The streamed blocks (paths) each phase's own layout prices as
-    /// staged while it is solved: those an earlier pass's best plan
-    /// staged ([`Self::search`]); empty on the first pass.
-    staged_hint: std::cell::RefCell<Vec<String>>,
+    /// The streamed blocks each phase's own layout prices as staged while
+    /// it is solved: those an earlier pass's best plan staged
+    /// ([`Self::search`]); none on the first pass; every streamed block
+    /// on `pin_cpu_memory = false`'s last.
+    staged_hint: std::cell::RefCell<Staged>,
     /// `pin_cpu_memory = false`: every master pageable, a host side
     /// planned with or without a host budget (every streamed block staged,
     /// no held set pinned).
@@ -1111,7 +1142,7 @@ impl<'a> Request<'a> {
             .map(|u| u.bytes)
             .max()
             .unwrap_or(0);
-        Ok(Self {
+        let request = Self {
             comps,
             outside,
             mapping: inputs.mapping_bytes,
@@ -1123,9 +1154,10 @@ impl<'a> Request<'a> {
             bound: std::cell::Cell::new(HostBound::NONE),
             least_host_figures: std::cell::OnceCell::new(),
             device_budget: None,
-            staged_hint: std::cell::RefCell::default(),
+            staged_hint: std::cell::RefCell::new(Staged::nothing()),
             unpinned,
-        })
+        };
+        Ok(request)
     }
 
     /// Each phase at its least host footprint when no block larger than
@@ -1494,18 +1526,20 @@ impl<'a> Request<'a> {
     /// empty without a host budget, without the host's fill rate among
     /// the inputs (they are then priced at the link), or where the phases
     /// do not fit it.
-    fn staged_paths(&self, phases: &[(Local, bool)]) -> Vec<String> {
+    fn staged_paths(&self, phases: &[(Local, bool)]) -> Staged {
         if self.inputs.host_fill_bytes_per_s.is_none() {
-            return Vec::new();
+            return Staged::nothing();
         }
         match self.host_plan(phases) {
-            Some((_, streamed, Ok(p))) => streamed
-                .iter()
-                .zip(&p.staged)
-                .filter(|(_, s)| s.is_some())
-                .map(|(b, _)| b.path.clone())
-                .collect(),
-            _ => Vec::new(),
+            Some((_, streamed, Ok(p))) => Staged::Paths(
+                streamed
+                    .iter()
+                    .zip(&p.staged)
+                    .filter(|(_, s)| s.is_some())
+                    .map(|(b, _)| b.path.clone())
+                    .collect(),
+            ),
+            _ => Staged::nothing(),
         }
     }
 
@@ -1745,7 +1779,7 @@ impl<'a> Request<'a> {
                 }
             }
             // Priced on rayon's threads, compared in order.
-            let hint: &[String] = &hint;
+            let hint: &Staged = &hint;
             let times: Vec<f64> = trials
                 .par_iter()
                 .map(|trial| c.time_hosted(trial, kept, inp, hint))
@@ -1951,7 +1985,7 @@ impl<'a> Request<'a> {
             &[]
         };
         let mut best: Option<Solution> = None;
-        let mut hint = Vec::new();
+        let mut hint = Staged::nothing();
         for (i, &k) in figures.iter().enumerate() {
             for c in &self.comps {
                 c.set_decode_k(k);
@@ -1962,7 +1996,7 @@ impl<'a> Request<'a> {
                 let s = self.search_once(budget);
                 (s, self.staged_hint.borrow().clone())
             };
-            let found: Vec<(Option<Solution>, Vec<String>)> = if codes.is_empty() {
+            let found: Vec<(Option<Solution>, Staged)> = if codes.is_empty() {
                 vec![once(None)]
             } else {
                 // Uncoded, the figure changes nothing: searched once.
@@ -2006,11 +2040,10 @@ impl<'a> Request<'a> {
     /// One search ([`Self::search`]) with the coded layouts as set now.
     fn search_once(&self, budget: u64) -> Option<Solution> {
         let mut best: Option<Solution> = None;
-        let mut hints: Vec<Vec<String>> = Vec::new();
-        // The best plan's staged blocks (where fills are priced), as of
-        // the last pass.
-        let mut hint = Vec::new();
-        for pass in 0..STAGED_HINT_PASSES {
+        // One pass: every host bound, each phase's layouts priced at
+        // `staged`; whether it found a faster plan.
+        let pass = |staged: &Staged, best: &mut Option<Solution>| {
+            self.staged_hint.borrow_mut().clone_from(staged);
             let mut improved = false;
             for bound in self.host_bounds() {
                 self.bound.set(bound);
@@ -2018,29 +2051,83 @@ impl<'a> Request<'a> {
                 if let Some(s) = s
                     && best.as_ref().is_none_or(|b| s.time < b.time * (1.0 - 1e-9))
                 {
-                    best = Some(s);
+                    *best = Some(s);
                     improved = true;
                 }
             }
-            // Where staged fills are priced, each phase's layout is solved
-            // again with the best plan's staged blocks priced as staged
-            // (the whole plans stay compared as before): while that finds
-            // a faster plan, a new staged set, and something staged.
-            hint = match &best {
-                Some(b) if self.inputs.host_fill_bytes_per_s.is_some() => {
-                    self.staged_paths(&b.phases)
-                }
-                _ => Vec::new(),
-            };
-            if (pass > 0 && !improved) || hint.is_empty() || hints.contains(&hint) {
+            improved
+        };
+        let priced = self.inputs.host_fill_bytes_per_s.is_some();
+        // The best plan's staged blocks (where fills are priced).
+        let staged_of = |best: &Option<Solution>| match best {
+            Some(b) if priced => self.staged_paths(&b.phases),
+            _ => Staged::nothing(),
+        };
+        // Where staged fills are priced, each phase's layout is solved
+        // again with the best plan's staged blocks priced as staged (the
+        // whole plans stay compared as before): while that finds a faster
+        // plan, a new staged set, and something staged.
+        let mut hints: Vec<Staged> = Vec::new();
+        let mut at = Staged::nothing();
+        for p in 0..STAGED_HINT_PASSES {
+            let improved = pass(&at, &mut best);
+            let next = staged_of(&best);
+            if (p > 0 && !improved) || next.is_empty() || hints.contains(&next) || next == at {
                 break;
             }
-            hints.push(hint.clone());
-            self.staged_hint.borrow_mut().clone_from(&hint);
+            hints.push(next.clone());
+            at = next;
         }
-        *self.staged_hint.borrow_mut() = hint;
+        // `pin_cpu_memory = false` stages whatever streams: one more pass
+        // prices every layout at its own fills. The passes above price a
+        // layout's blocks outside the hint at the link, which the fills
+        // never reach (Flux.1-dev at 16 GiB was planned at 5.988 s where
+        // a layout they passed over is 5.551 s); each finds plans the
+        // other misses, and the faster is kept.
+        if self.unpinned && priced {
+            pass(&Staged::Every, &mut best);
+        }
+        if let Some(b) = &mut best {
+            self.settle_depths(budget, b);
+        }
+        *self.staged_hint.borrow_mut() = staged_of(&best);
         self.bound.set(HostBound::NONE);
         best
+    }
+
+    /// `s` with each streaming phase at the look-ahead that makes the
+    /// whole plan fastest within both budgets, its residency as it is.
+    /// Each phase's search lays its residency out for one depth at a time
+    /// (a greedy start per depth) and may price it at a hint, not at the
+    /// plan's own staged blocks: the residency it keeps can run faster at
+    /// another depth (Flux.1-dev unpinned at 30 GiB and 10,752 tokens:
+    /// 11.833 s at depth 2, 11.818 s at depth 1). Priced whole, as every
+    /// plan is compared.
+    fn settle_depths(&self, budget: u64, s: &mut Solution) {
+        for c in 0..s.phases.len() {
+            let comp = &self.comps[c];
+            for depth in 1..=self.max_depth {
+                let (l, _) = &s.phases[c];
+                if !comp.streams(l) || l.depth == depth {
+                    continue;
+                }
+                let mut phases = s.phases.clone();
+                phases[c].0.depth = depth;
+                if !comp.valid(&phases[c].0, self.max_depth) {
+                    continue;
+                }
+                let e = self.evaluate(&phases);
+                if e.peak_bytes <= budget
+                    && self.host_fits(&phases)
+                    && e.request_s < s.time * (1.0 - 1e-9)
+                {
+                    *s = Solution {
+                        phases,
+                        time: e.request_s,
+                    };
+                }
+            }
+        }
     }
 
     /// Components that may be kept: all, or those with the most forwards.
@@ -2636,7 +2723,7 @@ pub(super) fn plan_request(
         None => None,
     };
     let alternatives = r.alternatives_within_host(budget);
-    r.staged_hint.borrow_mut().clear();
+    r.staged_hint.borrow_mut().clone_from(&Staged::nothing());
     let alternatives = alternatives
         .into_iter()
         .map(|(name, s)| Alternative {
@@ -3007,7 +3094,7 @@ fn past_limit(
     l: &Local,
     kept: bool,
     time_s: f64,
-    staged: &[String],
+    staged: &Staged,
     bound_s: f64,
 ) -> Option<PastLimit> {
     if !c.streams(l) || time_s <= bound_s * (1.0 + PAST_LIMIT_SAID) {
@@ -3168,6 +3255,114 @@ fn host_stage<'a>(
 mod tests {
     use super::*;
 
+    /// A Flux-shaped DiT, scaled (1 byte for 1 MB): 19 double blocks of
+    /// 680 bytes and 38 single blocks of 284, compute 3.3 and 2.1 ms, a
+    /// link of 55 kB/s and the host's fills at 45, 28 steps.
+    fn flux_shaped(scale: f64) -> (crate::model::Pipeline, PlannerInputs) {
+        use crate::model::{DType, PipelineBuilder};
+        let mut b = PipelineBuilder::new("FluxShaped");
+        {
+            let mut t = b.module("transformer");
+            t.parameter("embed.weight", DType::Bf16, &[64]);
+            t.list("double", 19, |_, l| {
+                l.parameter("w", DType::Bf16, &[340]);
+            });
+            t.list("single", 38, |_, l| {
+                l.parameter("w", DType::Bf16, &[142]);
+            });
+            t.block_containers(&["double", "single"]);
+        }
+        b.declare_components(crate::ComponentDeclaration {
+            dit: vec!["transformer".into()],
+            encoder: vec![],
+            vae: vec![],
+            resident: vec![],
+        });
+        let p = b.build().unwrap();
+        let mut dit = ComponentInputs::new(1.0, true, 100);
+        dit.own_compute_s = 1e-3;
+        for i in 0..19 {
+            dit.block_compute_s
+                .insert(format!("transformer.double.{i}"), 3.3e-3 * scale);
+        }
+        for i in 0..38 {
+            dit.block_compute_s
+                .insert(format!("transformer.single.{i}"), 2.1e-3 * scale);
+        }
+        let mut inputs = PlannerInputs::new(55e3, 28).component("transformer", dit);
+        inputs.allocation_granule_bytes = 1;
+        inputs.copy_latency_s = 0.0;
+        inputs.host_fill_bytes_per_s = Some(45e3);
+        (p, inputs)
+    }
+
+    /// `pin_cpu_memory = false` (CONTRACT §7c) stages whatever streams:
+    /// the search keeps a plan no slower than one pass of it with every
+    /// streamed block priced staged (the pass this test runs itself, with
+    /// every block's path as the hint), and no slower than itself at any
+    /// other look-ahead, at every device budget from the least to the
+    /// whole DiT. Seen red with that pass left out of `search_once` (its
+    /// passes priced a layout's blocks outside the last plan's staged set
+    /// at the link: up to 6 % slower), and with `settle_depths` left out
+    /// (a plan at depth 2 faster at depth 1).
+    #[test]
+    fn an_unpinned_search_is_no_slower_than_its_pass_at_every_block_staged() {
+        let (mut worse, mut deeper) = (Vec::new(), Vec::new());
+        for scale in [1.0, 2.0, 3.0, 4.0] {
+            let (p, inputs) = flux_shaped(scale);
+            let every: Vec<String> = (0..19)
+                .map(|i| format!("transformer.double.{i}"))
+                .chain((0..38).map(|i| format!("transformer.single.{i}")))
+                .collect();
+            let total: u64 = p.storages().map(|(_, s)| s.bytes).sum::<u64>() + 200;
+            for k in 1..=24u64 {
+                let budget = total * k / 24;
+                let config = OffloadConfig {
+                    device_budget: Some(crate::bytes::ByteSize::new(budget).into()),
+                    pin_cpu_memory: Some(false),
+                    ..OffloadConfig::default()
+                };
+                let mut r = Request::new(&p, &config, &inputs).unwrap();
+                r.device_budget = Some(budget);
+                if budget < r.minimum().bytes {
+                    continue;
+                }
+                let best = r.search(budget).unwrap();
+                let planned = best.time;
+                // The plan at each other look-ahead, its residency as it is.
+                for depth in 1..=r.max_depth {
+                    let mut phases = best.phases.clone();
+                    if phases[0].0.depth == 0 || phases[0].0.depth == depth {
+                        continue;
+                    }
+                    phases[0].0.depth = depth;
+                    let e = r.evaluate(&phases);
+                    if e.peak_bytes <= budget && e.request_s < planned * (1.0 - 1e-9) {
+                        deeper.push((scale, budget, planned, depth, e.request_s));
+                    }
+                }
+                r.staged_hint.replace(Staged::Paths(every.clone()));
+                let pass = r
+                    .host_bounds()
+                    .into_iter()
+                    .filter_map(|b| {
+                        r.bound.set(b);
+                        r.search_within(budget)
+                    })
+                    .map(|s| s.time)
+                    .fold(f64::INFINITY, f64::min);
+                if planned > pass * (1.0 + 1e-9) {
+                    worse.push((scale, budget, planned, pass));
+                }
+            }
+        }
+        assert!(worse.is_empty(), "(budget, planned, the pass): {worse:?}");
+        assert!(
+            deeper.is_empty(),
+            "(budget, planned, depth, at that depth): {deeper:?}"
+        );
+    }
+
     /// A phase's `Debug` shows its search-time settings as the values they
     /// hold, not as an atomic's raw bits.
     #[test]
@@ -3241,20 +3436,23 @@ mod tests {
             depth: 1,
             coded: vec![true, true],
         };
-        assert!(comp.stack_exposed(&l, 0, &inp, &[]));
-        assert!(!comp.stack_exposed(&l, 1, &inp, &[]));
-        let kept = comp.hidden_raw(l.clone(), &inp, &[], &|_| true);
+        assert!(comp.stack_exposed(&l, 0, &inp, &Staged::nothing()));
+        assert!(!comp.stack_exposed(&l, 1, &inp, &Staged::nothing()));
+        let kept = comp.hidden_raw(l.clone(), &inp, &Staged::nothing(), &|_| true);
         assert_eq!(kept.coded, vec![true, false], "{kept:?}");
         // Kept coded to fit (the twin never fits): ranked at no less than
         // the twin with the hidden stack raw.
-        let fit = comp.hidden_raw(l.clone(), &inp, &[], &|_| false);
+        let fit = comp.hidden_raw(l.clone(), &inp, &Staged::nothing(), &|_| false);
         assert_eq!(fit.coded, vec![true, true]);
-        let twin = comp.time_hosted(&kept, false, &inp, &[]);
-        let own = comp.time_hosted(&fit, false, &inp, &[]);
+        let twin = comp.time_hosted(&kept, false, &inp, &Staged::nothing());
+        let own = comp.time_hosted(&fit, false, &inp, &Staged::nothing());
         assert!(own < twin, "coded predicted faster: {own} against {twin}");
-        let ranked = comp.time_ranked(&fit, false, &inp, &[]);
+        let ranked = comp.time_ranked(&fit, false, &inp, &Staged::nothing());
         assert!(ranked >= twin, "ranked {ranked} against the twin's {twin}");
         // Where nothing hidden is coded, ranked as priced.
-        assert_eq!(comp.time_ranked(&kept, false, &inp, &[]), twin);
+        assert_eq!(
+            comp.time_ranked(&kept, false, &inp, &Staged::nothing()),
+            twin
+        );
     }
 }
