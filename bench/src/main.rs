@@ -1102,12 +1102,24 @@ struct Row {
     /// `file` rows: the peak of the process's resident file-backed pages
     /// (`RssFile`) from before the enable to the last step.
     rss_file_peak_bytes: Option<u64>,
+    /// `file` rows: the share of the block bytes read from the file since
+    /// the enable that were read with `pread` (released blocks), the rest
+    /// through the mapping: which reader's rates its limits use.
+    file_pread_share: Option<f64>,
+    /// `file` rows: the file's read rate from the page cache, alone, by
+    /// the row's reader, GB/s.
+    file_read_gbps: Option<f64>,
     /// `file` rows: the file's own limit, max(resident step, pinned bytes
-    /// / bandwidth + staged bytes / the file's read rate from the page
-    /// cache).
+    /// / bandwidth + staged bytes / `file_read_gbps`).
     file_limit_s: Option<f64>,
     /// `step_s / file_limit_s`.
     step_over_file_limit: Option<f64>,
+    /// `file` rows: the same limit at the file's staged stream (the row's
+    /// reader pipelined with the DMA through two pinned buffers, no
+    /// compute: the read and the DMA share the host's memory).
+    file_stream_limit_s: Option<f64>,
+    /// `step_s / file_stream_limit_s`.
+    step_over_file_stream_limit: Option<f64>,
     /// Staged rows: the ring engine's own forecast of the step
     /// (`Backend::staged_forecast`: the recurrence with the host stage, at
     /// the fill rate its fills ran at over the warm-up and timed steps, from
@@ -1492,7 +1504,7 @@ fn run() -> Result<()> {
         let g = staged::fill_rate(
             &device,
             &block_refs,
-            &|u: &Unit| staged::loaded_bytes(&loaded, u),
+            &|u: &Unit| Ok(staged::over(staged::loaded_bytes(&loaded, u)?)),
             3,
         )?;
         eprintln!("pageable → pinned host copy (the staging fill): {g:.2} GB/s");
@@ -1502,7 +1514,7 @@ fn run() -> Result<()> {
         None
     } else {
         let g = staged::staged_stream_bandwidth(&device, &stream, &block_refs, &|u: &Unit| {
-            staged::loaded_bytes(&loaded, u)
+            Ok(staged::over(staged::loaded_bytes(&loaded, u)?))
         })?;
         eprintln!("staged stream (host copy + DMA, two buffers, no compute): {g:.2} GB/s");
         Some(g)
@@ -1514,14 +1526,17 @@ fn run() -> Result<()> {
                 &block_refs,
                 Arc::clone(&loaded),
             )?);
-            f.drop_cache()?;
-            let cold = f.read_rate(&device, &block_refs)?;
-            let warm = f.read_rate(&device, &block_refs)?;
+            let r = f.rates(&device, &stream, &block_refs)?;
             eprintln!(
-                "masters file {:.2} GB read through its mapping by the fill threads: {cold:.2} GB/s from the disk (page cache dropped), {warm:.2} GB/s from the page cache",
-                f.len() as f64 / 1e9
+                "masters file {:.2} GB read by the fill threads: {:.2} GB/s from the disk (page cache dropped, through the mapping); from the page cache {:.2} GB/s through the mapping, {:.2} GB/s with pread; beside the DMA (two pinned buffers, no compute) {:.2} GB/s through the mapping, {:.2} GB/s with pread",
+                f.len() as f64 / 1e9,
+                r.cold,
+                r.mapped,
+                r.pread,
+                r.mapped_stream,
+                r.pread_stream
             );
-            Some((f, cold, warm))
+            Some((f, r))
         }
         _ => None,
     };
@@ -1657,11 +1672,12 @@ fn run() -> Result<()> {
         offload_cuda::reset_host_locked_peak();
         let mut sampler = None;
         if spec.file
-            && let Some((f, _, _)) = &file_masters
+            && let Some((f, _)) = &file_masters
         {
             f.drop_cache()?;
             sampler = Some(staged::RssSampler::start());
         }
+        let reads_before = file_masters.as_ref().map(|(f, _)| f.reads());
         let t = Instant::now();
         rt.enable((spec.make)()?).map_err(|(e, _)| e)?;
         device.synchronize_stream(&stream)?;
@@ -1809,8 +1825,20 @@ fn run() -> Result<()> {
                 staged_limit_s: None,
                 step_over_staged_limit: None,
                 rss_file_peak_bytes: sampler.take().map(staged::RssSampler::finish),
+                file_pread_share: spec
+                    .file
+                    .then(|| {
+                        let ((d0, m0), (d1, m1)) =
+                            (reads_before?, file_masters.as_ref()?.0.reads());
+                        let (d, m) = (d1 - d0, m1 - m0);
+                        (d + m > 0).then(|| d as f64 / (d + m) as f64)
+                    })
+                    .flatten(),
+                file_read_gbps: None,
                 file_limit_s: None,
                 step_over_file_limit: None,
+                file_stream_limit_s: None,
+                step_over_file_stream_limit: None,
                 forecast_s: (!forecast.is_empty())
                     .then(|| forecast.iter().map(|(_, f)| f.forward_s).sum()),
                 forecast_fill_gbps: forecast.first().map(|(_, f)| f.fill_bytes_per_s / 1e9),
@@ -1968,7 +1996,7 @@ fn run() -> Result<()> {
     }
     // The staged rows: over the loaded weights, and from the masters file.
     let mut sources: Vec<(bool, Option<Arc<dyn WeightSource>>)> = vec![(false, None)];
-    if let Some((f, _, _)) = &file_masters {
+    if let Some((f, _)) = &file_masters {
         sources.push((true, Some(Arc::clone(f) as Arc<dyn WeightSource>)));
     }
     // With `--weight-compression lossless` the staged rows run coded too
@@ -2077,12 +2105,25 @@ fn run() -> Result<()> {
             r.staged_limit_s = Some(limit);
             r.step_over_staged_limit = Some(r.step_s / limit);
         }
-        if let (Some((_, _, warm)), true) = (&file_masters, r.rss_file_peak_bytes.is_some()) {
+        // A file row's limits, at the rates of the reader it used (`pread`
+        // where most of its block bytes were read so: blocks released
+        // after their read): the file read alone, and the file's staged
+        // stream (its read beside the DMA, sharing the host's memory).
+        if let (Some((_, rates)), Some(share)) = (&file_masters, r.file_pread_share) {
+            let (read, stream) = if share >= 0.5 {
+                (rates.pread, rates.pread_stream)
+            } else {
+                (rates.mapped, rates.mapped_stream)
+            };
             let pinned = streamed - r.staged_bytes as f64;
-            let limit =
-                resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (warm * 1e9));
-            r.file_limit_s = Some(limit);
-            r.step_over_file_limit = Some(r.step_s / limit);
+            let limit_at = |g: f64| {
+                resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (g * 1e9))
+            };
+            r.file_read_gbps = Some(read);
+            r.file_limit_s = Some(limit_at(read));
+            r.step_over_file_limit = Some(r.step_s / limit_at(read));
+            r.file_stream_limit_s = Some(limit_at(stream));
+            r.step_over_file_stream_limit = Some(r.step_s / limit_at(stream));
         }
         r.predicted_s = if r.depth == 0 {
             *resident_step
@@ -2227,6 +2268,9 @@ fn run() -> Result<()> {
         "transparent_hugepage": thp,
         "weight_bytes": weight_bytes,
         "streamed_bytes": streamed_all,
+        "staging_fill_gbps": host_gbps,
+        "staged_stream_gbps": stream_gbps,
+        "masters_file_gbps": file_masters.as_ref().map(|(_, r)| *r),
         "activation_bytes": activation_bytes,
         "planted": plant_name,
         "law": settings.law.name(),
@@ -2244,7 +2288,7 @@ fn run() -> Result<()> {
         &rows,
         host_gbps,
         stream_gbps,
-        file_masters.as_ref().map(|(_, c, w)| (*c, *w)),
+        file_masters.as_ref().map(|(_, r)| *r),
     );
     let differing = rows.iter().filter(|r| !r.output_equals_resident).count();
     match &plant_name {
@@ -2316,7 +2360,7 @@ fn print_staged_summary(
     rows: &[Row],
     host_gbps: Option<f64>,
     stream_gbps: Option<f64>,
-    file: Option<(f64, f64)>,
+    file: Option<staged::FileRates>,
 ) {
     let Some(g) = host_gbps else { return };
     println!(
@@ -2327,8 +2371,9 @@ fn print_staged_summary(
             "streaming"
         },
         stream_gbps.unwrap_or(0.0),
-        file.map_or(String::new(), |(c, w)| format!(
-            "; masters file read {c:.2} GB/s from the disk, {w:.2} GB/s from the page cache"
+        file.map_or(String::new(), |r| format!(
+            "; masters file read {:.2} GB/s from the disk; from the page cache {:.2} GB/s through the mapping, {:.2} with pread; beside the DMA {:.2} through the mapping, {:.2} with pread",
+            r.cold, r.mapped, r.pread, r.mapped_stream, r.pread_stream
         ))
     );
     println!(
@@ -2370,19 +2415,23 @@ fn print_staged_summary(
         return;
     }
     println!(
-        "\n| file run | tokens | resident file pages peak GB | page-locked peak GB | step s | file limit s | step / file limit | output == resident |"
+        "\n| file run | tokens | read with pread | resident file pages peak GB | page-locked peak GB | step s | file read GB/s | file limit s | step / file limit | file stream limit s | step / file stream limit | output == resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in files {
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {} |",
+            "| {} | {} | {:.0} % | {:.2} | {:.2} | {:.4} | {:.2} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
             r.run,
             r.tokens,
+            r.file_pread_share.unwrap_or(0.0) * 100.0,
             r.rss_file_peak_bytes.unwrap_or(0) as f64 / 1e9,
             r.host_locked_peak_bytes as f64 / 1e9,
             r.step_s,
+            r.file_read_gbps.unwrap_or(0.0),
             r.file_limit_s.unwrap_or(0.0),
             r.step_over_file_limit.unwrap_or(0.0),
+            r.file_stream_limit_s.unwrap_or(0.0),
+            r.step_over_file_stream_limit.unwrap_or(0.0),
             r.output_equals_resident
         );
     }

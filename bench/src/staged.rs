@@ -45,24 +45,37 @@ pub(crate) fn loaded_bytes<'a>(loaded: &'a Loaded, u: &Unit) -> Result<&'a [u8]>
         .with_context(|| format!("no loaded memory for `{}`", u.name))
 }
 
-/// The staging fill alone, GB/s: each block's bytes (`bytes_of`) copied by
-/// the fill's host threads into one pinned buffer, back to back; the
-/// median of `passes` passes (one pass for a read that must stay cold).
-pub(crate) fn fill_rate<'a>(
+/// How the staged rows' measurements read a block: a source of its bytes
+/// for a pinned buffer's `write_from` (the fill's threads over loaded
+/// memory, a mapping, or `pread`s of a file).
+pub(crate) type Source<'a> = dyn Fn(&Unit) -> Result<Box<dyn ByteSource + 'a>> + 'a;
+
+/// A source over `bytes`, copied as the staging fill copies (its threads,
+/// its copy).
+pub(crate) fn over<'a>(bytes: &'a [u8]) -> Box<dyn ByteSource + 'a> {
+    Box::new(Parallel(
+        bytes,
+        offload_core::runtime::staging_fill_threads(),
+    ))
+}
+
+/// The staging fill alone, GB/s: each block's bytes (`source`) read into
+/// one pinned buffer, back to back; the median of `passes` passes (one
+/// pass for a read that must stay cold).
+pub(crate) fn fill_rate(
     device: &CudaDevice,
     blocks: &[&Unit],
-    bytes_of: &dyn Fn(&Unit) -> Result<&'a [u8]>,
+    source: &Source<'_>,
     passes: usize,
 ) -> Result<f64> {
     let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
-    let threads = offload_core::runtime::staging_fill_threads();
     let mut pinned = device.alloc_pinned(largest)?;
     let total: u64 = blocks.iter().map(|u| u.bytes).sum();
     let mut times = Vec::new();
     for _ in 0..passes.max(1) {
         let t = Instant::now();
         for u in blocks {
-            pinned.write_from(0, u.bytes, &Parallel(bytes_of(u)?, threads));
+            pinned.write_from(0, u.bytes, &*source(u)?);
         }
         times.push(t.elapsed().as_secs_f64());
     }
@@ -72,20 +85,18 @@ pub(crate) fn fill_rate<'a>(
     Ok(total as f64 / times[times.len() / 2] / 1e9)
 }
 
-/// The staged path alone, GB/s: each block's bytes (`bytes_of`) copied by
-/// the staging fill's host threads into one of two pinned buffers (after
-/// the DMA that last read it), then DMA'd to one device buffer, back to
-/// back, no compute: the rate the link and the host memory together allow
-/// a staged stream (the host copy and the DMA share the host's memory
-/// bandwidth). The median of three passes.
-pub(crate) fn staged_stream_bandwidth<'a>(
+/// The staged path alone, GB/s: each block's bytes (`source`) read into
+/// one of two pinned buffers (after the DMA that last read it), then DMA'd
+/// to one device buffer, back to back, no compute: the rate the link and
+/// the host memory together allow a staged stream (the host's read and the
+/// DMA share the host's memory bandwidth). The median of three passes.
+pub(crate) fn staged_stream_bandwidth(
     device: &CudaDevice,
     stream: &CudaStream,
     blocks: &[&Unit],
-    bytes_of: &dyn Fn(&Unit) -> Result<&'a [u8]>,
+    source: &Source<'_>,
 ) -> Result<f64> {
     let largest = blocks.iter().map(|u| u.bytes).max().context("no blocks")?;
-    let threads = offload_core::runtime::staging_fill_threads();
     let mut pinned = vec![device.alloc_pinned(largest)?, device.alloc_pinned(largest)?];
     let copied = [device.create_event()?, device.create_event()?];
     let dev = device.alloc_device(largest)?;
@@ -97,8 +108,7 @@ pub(crate) fn staged_stream_bandwidth<'a>(
         for (i, u) in blocks.iter().enumerate() {
             let b = i % 2;
             device.synchronize_event(&copied[b])?;
-            let src = bytes_of(u)?;
-            pinned[b].write_from(0, u.bytes, &Parallel(src, threads));
+            pinned[b].write_from(0, u.bytes, &*source(u)?);
             // SAFETY: the pinned buffer holds `u.bytes` (the largest), as
             // does the device buffer; the host rewrites the pinned buffer
             // only after `copied[b]` (recorded next); nothing is freed
@@ -122,6 +132,50 @@ pub(crate) fn staged_stream_bandwidth<'a>(
     Ok(total as f64 / times[1] / 1e9)
 }
 
+/// `len` bytes of `file` from `at`, read with `pread` by up to `threads`
+/// scoped threads in contiguous page-aligned parts: how the staging fill
+/// reads a released block (`WeightSource::read_direct` over its threads).
+struct Pread<'a> {
+    file: &'a File,
+    at: u64,
+    threads: usize,
+}
+
+impl ByteSource for Pread<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        use std::os::unix::fs::FileExt;
+        let per = dst.len().div_ceil(self.threads).next_multiple_of(4096).max(4096);
+        let (file, at) = (self.file, self.at + position);
+        std::thread::scope(|s| {
+            for (i, d) in dst.chunks_mut(per).enumerate() {
+                s.spawn(move || {
+                    file.read_exact_at(d, at + (i * per) as u64)
+                        .expect("pread of the masters file")
+                });
+            }
+        });
+    }
+}
+
+/// A masters file's read rates, GB/s, each measured as the `file` rows
+/// read it: through the mapping (pages kept) or with `pread` (a block
+/// released after its read, the budget rows of a file larger than the
+/// budget).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub(crate) struct FileRates {
+    /// Through the mapping, the page cache dropped first: the disk.
+    pub(crate) cold: f64,
+    /// Through the mapping from the page cache, alone.
+    pub(crate) mapped: f64,
+    /// `pread` from the page cache, alone.
+    pub(crate) pread: f64,
+    /// Through the mapping from the page cache into two pinned buffers
+    /// pipelined with their DMA (the file's staged stream).
+    pub(crate) mapped_stream: f64,
+    /// `pread` from the page cache, pipelined with the DMA.
+    pub(crate) pread_stream: f64,
+}
+
 /// The streamed blocks in one file, mapped read-only: the weight source of
 /// the `file` rows (blocks from the mapping, everything else from the
 /// loaded weights). It lends no region, so that pinned blocks are copies
@@ -132,6 +186,10 @@ pub(crate) struct FileMasters {
     /// Each block unit's first byte in the file.
     offsets: BTreeMap<String, u64>,
     loaded: Arc<Loaded>,
+    /// Bytes of blocks read with `pread` ([`WeightSource::read_direct`])
+    /// and through the mapping, so far: which reader a row used.
+    direct_bytes: AtomicU64,
+    mapped_bytes: AtomicU64,
 }
 
 impl FileMasters {
@@ -172,6 +230,8 @@ impl FileMasters {
             map,
             offsets,
             loaded,
+            direct_bytes: AtomicU64::new(0),
+            mapped_bytes: AtomicU64::new(0),
         })
     }
 
@@ -199,18 +259,44 @@ impl FileMasters {
         Ok(())
     }
 
-    /// The file read through the mapping by the staging fill's threads into
-    /// one pinned buffer, a block at a time, GB/s.
-    pub(crate) fn read_rate(&self, device: &CudaDevice, blocks: &[&Unit]) -> Result<f64> {
-        fill_rate(
-            device,
-            blocks,
-            &|u: &Unit| {
-                let at = self.offsets[&u.name] as usize;
-                Ok(&self.map[at..at + u.bytes as usize])
-            },
-            1,
+    /// Block bytes read so far with `pread` and through the mapping.
+    pub(crate) fn reads(&self) -> (u64, u64) {
+        (
+            self.direct_bytes.load(Ordering::Relaxed),
+            self.mapped_bytes.load(Ordering::Relaxed),
         )
+    }
+
+    /// The file's read rates ([`FileRates`]): through the mapping from the
+    /// disk (page cache dropped first), then from the page cache through
+    /// the mapping and with `pread`, alone and pipelined with the DMA.
+    pub(crate) fn rates(
+        &self,
+        device: &CudaDevice,
+        stream: &CudaStream,
+        blocks: &[&Unit],
+    ) -> Result<FileRates> {
+        let mapped = |u: &Unit| -> Result<Box<dyn ByteSource + '_>> {
+            let at = self.offsets[&u.name] as usize;
+            Ok(over(&self.map[at..at + u.bytes as usize]))
+        };
+        let threads = offload_core::runtime::staging_fill_threads();
+        let pread = |u: &Unit| -> Result<Box<dyn ByteSource + '_>> {
+            Ok(Box::new(Pread {
+                file: &self.file,
+                at: self.offsets[&u.name],
+                threads,
+            }))
+        };
+        self.drop_cache()?;
+        let cold = fill_rate(device, blocks, &mapped, 1)?;
+        Ok(FileRates {
+            cold,
+            mapped: fill_rate(device, blocks, &mapped, 3)?,
+            pread: fill_rate(device, blocks, &pread, 3)?,
+            mapped_stream: staged_stream_bandwidth(device, stream, blocks, &mapped)?,
+            pread_stream: staged_stream_bandwidth(device, stream, blocks, &pread)?,
+        })
     }
 
     fn range(&self, unit: &Unit) -> Option<(usize, usize)> {
@@ -225,6 +311,8 @@ impl WeightSource for FileMasters {
         let (unit, offset) = &self.loaded.at[&storage];
         match self.offsets.get(unit) {
             Some(&at) => {
+                self.mapped_bytes
+                    .fetch_add(dst.len() as u64, Ordering::Relaxed);
                 let start = (at + offset + position) as usize;
                 crate::fill_copy(dst, &self.map[start..start + dst.len()]);
             }
@@ -236,7 +324,10 @@ impl WeightSource for FileMasters {
         use std::os::unix::fs::FileExt;
         let (unit, offset) = &self.loaded.at[&storage];
         match self.offsets.get(unit) {
-            Some(&at) if self.file.read_exact_at(dst, at + offset + position).is_ok() => {}
+            Some(&at) if self.file.read_exact_at(dst, at + offset + position).is_ok() => {
+                self.direct_bytes
+                    .fetch_add(dst.len() as u64, Ordering::Relaxed);
+            }
             _ => self.read(storage, position, dst),
         }
     }
