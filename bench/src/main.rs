@@ -224,9 +224,18 @@ pub(crate) struct Args {
     /// with its masters from the file (`file` rows): the file's page cache
     /// dropped before each such enable, pinned blocks read from it, staged
     /// ones read through the mapping (pages released after each read when
-    /// the budget binds), the process's resident file pages sampled.
+    /// the budget binds: read with `pread` then, unless `--file-reads
+    /// mapped`), the process's resident file pages sampled.
     #[arg(long)]
     masters_file: Option<std::path::PathBuf>,
+    /// How the `file` rows read the blocks whose pages are released after
+    /// each read: `pread` (what `offload-safetensors` does: nothing
+    /// mapped in) or `mapped` (through the mapping with the fill's
+    /// streaming copy, the pages faulted in and released after).
+    /// Several (`pread,mapped`) run each file row once per way, in one
+    /// process.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "pread")]
+    file_reads: Vec<staged::FileReads>,
     /// How the proxy computes attention, in every mode: `flash` (a fused
     /// FlashAttention-2-style kernel, the scores kept on the SM, as the
     /// models' runtimes run it) or `materialized` (cuBLAS batched GEMMs
@@ -1106,6 +1115,9 @@ struct Row {
     /// the enable that were read with `pread` (released blocks), the rest
     /// through the mapping: which reader's rates its limits use.
     file_pread_share: Option<f64>,
+    /// `file` rows: the share of those bytes whose pages were released
+    /// after their read.
+    file_released_share: Option<f64>,
     /// `file` rows: the file's read rate from the page cache, alone, by
     /// the row's reader, GB/s.
     file_read_gbps: Option<f64>,
@@ -1528,12 +1540,14 @@ fn run() -> Result<()> {
             )?);
             let r = f.rates(&device, &stream, &block_refs)?;
             eprintln!(
-                "masters file {:.2} GB read by the fill threads: {:.2} GB/s from the disk (page cache dropped, through the mapping); from the page cache {:.2} GB/s through the mapping, {:.2} GB/s with pread; beside the DMA (two pinned buffers, no compute) {:.2} GB/s through the mapping, {:.2} GB/s with pread",
+                "masters file {:.2} GB read by the fill threads: {:.2} GB/s from the disk (page cache dropped, through the mapping); from the page cache {:.2} GB/s through the mapping ({:.2} with each block's pages released after its read), {:.2} GB/s with pread; beside the DMA (two pinned buffers, no compute) {:.2} GB/s through the mapping ({:.2} released), {:.2} GB/s with pread",
                 f.len() as f64 / 1e9,
                 r.cold,
                 r.mapped,
+                r.mapped_released,
                 r.pread,
                 r.mapped_stream,
+                r.mapped_released_stream,
                 r.pread_stream
             );
             Some((f, r))
@@ -1828,10 +1842,19 @@ fn run() -> Result<()> {
                 file_pread_share: spec
                     .file
                     .then(|| {
-                        let ((d0, m0), (d1, m1)) =
+                        let ((d0, m0, _), (d1, m1, _)) =
                             (reads_before?, file_masters.as_ref()?.0.reads());
                         let (d, m) = (d1 - d0, m1 - m0);
                         (d + m > 0).then(|| d as f64 / (d + m) as f64)
+                    })
+                    .flatten(),
+                file_released_share: spec
+                    .file
+                    .then(|| {
+                        let ((d0, m0, r0), (d1, m1, r1)) =
+                            (reads_before?, file_masters.as_ref()?.0.reads());
+                        let read = (d1 - d0) + (m1 - m0);
+                        (read > 0).then(|| (r1 - r0) as f64 / read as f64)
                     })
                     .flatten(),
                 file_read_gbps: None,
@@ -1995,9 +2018,13 @@ fn run() -> Result<()> {
         }
     }
     // The staged rows: over the loaded weights, and from the masters file.
-    let mut sources: Vec<(bool, Option<Arc<dyn WeightSource>>)> = vec![(false, None)];
+    // A file row per `--file-reads` way (`None`: the loaded weights).
+    type Source = (Option<staged::FileReads>, Option<Arc<dyn WeightSource>>);
+    let mut sources: Vec<Source> = vec![(None, None)];
     if let Some((f, _)) = &file_masters {
-        sources.push((true, Some(Arc::clone(f) as Arc<dyn WeightSource>)));
+        for &way in &args.file_reads {
+            sources.push((Some(way), Some(Arc::clone(f) as Arc<dyn WeightSource>)));
+        }
     }
     // With `--weight-compression lossless` the staged rows run coded too
     // (CONTRACT §7b with §7c: the blocks beyond the budget stage their
@@ -2032,8 +2059,17 @@ fn run() -> Result<()> {
                         } else {
                             h.config(&layerwise)
                         };
-                        for (file, weights) in sources.iter().filter(|(f, _)| !coded || !*f) {
-                            let inner = layerwise_over(config.clone(), d, None, weights.clone());
+                        for (reads, weights) in sources.iter().filter(|(f, _)| !coded || f.is_none()) {
+                            let file = reads.is_some();
+                            let layerwise = layerwise_over(config.clone(), d, None, weights.clone());
+                            let masters = file_masters.as_ref().map(|(f, _)| Arc::clone(f));
+                            let reads = *reads;
+                            let inner: Box<MakeBackend<'_>> = Box::new(move || {
+                                if let (Some(f), Some(way)) = (&masters, reads) {
+                                    f.set_reads(way);
+                                }
+                                layerwise()
+                            });
                             let make: Box<MakeBackend<'_>> = match ring {
                                 None => inner,
                                 Some(bytes) => Box::new(move || {
@@ -2044,7 +2080,11 @@ fn run() -> Result<()> {
                             specs.push(Spec {
                                 name: format!(
                                     "layerwise depth {d}{}{} {}{}{suffix}",
-                                    if *file { " file" } else { "" },
+                                    match reads {
+                                        None => "",
+                                        Some(staged::FileReads::Pread) => " file",
+                                        Some(staged::FileReads::Mapped) => " file mapped",
+                                    },
                                     if coded { " lossless" } else { "" },
                                     h.name(),
                                     ring.map_or_else(String::new, |b| format!(
@@ -2060,7 +2100,7 @@ fn run() -> Result<()> {
                                 tokens: settings.tokens.clone(),
                                 compression,
                                 make,
-                                file: *file,
+                                file,
                                 beside: false,
                             });
                         }
@@ -2112,6 +2152,8 @@ fn run() -> Result<()> {
         if let (Some((_, rates)), Some(share)) = (&file_masters, r.file_pread_share) {
             let (read, stream) = if share >= 0.5 {
                 (rates.pread, rates.pread_stream)
+            } else if r.file_released_share.unwrap_or(0.0) >= 0.5 {
+                (rates.mapped_released, rates.mapped_released_stream)
             } else {
                 (rates.mapped, rates.mapped_stream)
             };
@@ -2372,8 +2414,8 @@ fn print_staged_summary(
         },
         stream_gbps.unwrap_or(0.0),
         file.map_or(String::new(), |r| format!(
-            "; masters file read {:.2} GB/s from the disk; from the page cache {:.2} GB/s through the mapping, {:.2} with pread; beside the DMA {:.2} through the mapping, {:.2} with pread",
-            r.cold, r.mapped, r.pread, r.mapped_stream, r.pread_stream
+            "; masters file read {:.2} GB/s from the disk; from the page cache {:.2} GB/s through the mapping ({:.2} released after each block), {:.2} with pread; beside the DMA {:.2} through the mapping ({:.2} released), {:.2} with pread",
+            r.cold, r.mapped, r.mapped_released, r.pread, r.mapped_stream, r.mapped_released_stream, r.pread_stream
         ))
     );
     println!(
@@ -2415,15 +2457,16 @@ fn print_staged_summary(
         return;
     }
     println!(
-        "\n| file run | tokens | read with pread | resident file pages peak GB | page-locked peak GB | step s | file read GB/s | file limit s | step / file limit | file stream limit s | step / file stream limit | output == resident |"
+        "\n| file run | tokens | read with pread | released | resident file pages peak GB | page-locked peak GB | step s | file read GB/s | file limit s | step / file limit | file stream limit s | step / file stream limit | output == resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in files {
         println!(
-            "| {} | {} | {:.0} % | {:.2} | {:.2} | {:.4} | {:.2} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
+            "| {} | {} | {:.0} % | {:.0} % | {:.2} | {:.2} | {:.4} | {:.2} | {:.4} | {:.3} | {:.4} | {:.3} | {} |",
             r.run,
             r.tokens,
             r.file_pread_share.unwrap_or(0.0) * 100.0,
+            r.file_released_share.unwrap_or(0.0) * 100.0,
             r.rss_file_peak_bytes.unwrap_or(0) as f64 / 1e9,
             r.host_locked_peak_bytes as f64 / 1e9,
             r.step_s,

@@ -157,6 +157,19 @@ impl ByteSource for Pread<'_> {
     }
 }
 
+/// `inner`'s bytes, then `after` (a block's pages released once read).
+struct Then<'a> {
+    inner: Box<dyn ByteSource + 'a>,
+    after: Box<dyn Fn() + 'a>,
+}
+
+impl ByteSource for Then<'_> {
+    fn read_at(&self, position: u64, dst: &mut [u8]) {
+        self.inner.read_at(position, dst);
+        (self.after)();
+    }
+}
+
 /// A masters file's read rates, GB/s, each measured as the `file` rows
 /// read it: through the mapping (pages kept) or with `pread` (a block
 /// released after its read, the budget rows of a file larger than the
@@ -169,11 +182,25 @@ pub(crate) struct FileRates {
     pub(crate) mapped: f64,
     /// `pread` from the page cache, alone.
     pub(crate) pread: f64,
+    /// Through the mapping from the page cache, each block's pages
+    /// released after its read (faulted in again by the next), alone.
+    pub(crate) mapped_released: f64,
     /// Through the mapping from the page cache into two pinned buffers
     /// pipelined with their DMA (the file's staged stream).
     pub(crate) mapped_stream: f64,
+    /// The same, each block's pages released after its read.
+    pub(crate) mapped_released_stream: f64,
     /// `pread` from the page cache, pipelined with the DMA.
     pub(crate) pread_stream: f64,
+}
+
+/// `--file-reads` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum FileReads {
+    /// `pread` into the staging buffer.
+    Pread,
+    /// Through the mapping.
+    Mapped,
 }
 
 /// The streamed blocks in one file, mapped read-only: the weight source of
@@ -190,6 +217,11 @@ pub(crate) struct FileMasters {
     /// and through the mapping, so far: which reader a row used.
     direct_bytes: AtomicU64,
     mapped_bytes: AtomicU64,
+    /// Bytes of blocks whose pages were released after their read.
+    released_bytes: AtomicU64,
+    /// Released blocks are read through the mapping, not with `pread`
+    /// ([`Self::set_reads`]).
+    mapped_reads: AtomicBool,
 }
 
 impl FileMasters {
@@ -232,7 +264,15 @@ impl FileMasters {
             loaded,
             direct_bytes: AtomicU64::new(0),
             mapped_bytes: AtomicU64::new(0),
+            released_bytes: AtomicU64::new(0),
+            mapped_reads: AtomicBool::new(false),
         })
+    }
+
+    /// How the blocks released after their read are read from now on.
+    pub(crate) fn set_reads(&self, way: FileReads) {
+        self.mapped_reads
+            .store(way == FileReads::Mapped, Ordering::Relaxed);
     }
 
     /// Bytes of the file.
@@ -259,11 +299,13 @@ impl FileMasters {
         Ok(())
     }
 
-    /// Block bytes read so far with `pread` and through the mapping.
-    pub(crate) fn reads(&self) -> (u64, u64) {
+    /// Block bytes read so far with `pread`, through the mapping, and
+    /// released after their read.
+    pub(crate) fn reads(&self) -> (u64, u64, u64) {
         (
             self.direct_bytes.load(Ordering::Relaxed),
             self.mapped_bytes.load(Ordering::Relaxed),
+            self.released_bytes.load(Ordering::Relaxed),
         )
     }
 
@@ -288,15 +330,40 @@ impl FileMasters {
                 threads,
             }))
         };
+        let released = |u: &Unit| -> Result<Box<dyn ByteSource + '_>> {
+            let unit = u.clone();
+            Ok(Box::new(Then {
+                inner: mapped(u)?,
+                after: Box::new(move || self.drop_pages(&unit)),
+            }))
+        };
         self.drop_cache()?;
         let cold = fill_rate(device, blocks, &mapped, 1)?;
-        Ok(FileRates {
+        let rates = FileRates {
             cold,
             mapped: fill_rate(device, blocks, &mapped, 3)?,
+            mapped_released: fill_rate(device, blocks, &released, 3)?,
             pread: fill_rate(device, blocks, &pread, 3)?,
             mapped_stream: staged_stream_bandwidth(device, stream, blocks, &mapped)?,
+            mapped_released_stream: staged_stream_bandwidth(device, stream, blocks, &released)?,
             pread_stream: staged_stream_bandwidth(device, stream, blocks, &pread)?,
-        })
+        };
+        self.released_bytes.store(0, Ordering::Relaxed);
+        Ok(rates)
+    }
+
+    /// Drops `unit`'s pages from this process (`madvise(MADV_DONTNEED)`),
+    /// counted in [`Self::reads`].
+    fn drop_pages(&self, unit: &Unit) {
+        if let Some((at, len)) = self.range(unit) {
+            self.released_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            // SAFETY: a read-only file mapping: dropped pages are read
+            // again from the page cache or the file.
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at, len)
+            };
+        }
     }
 
     fn range(&self, unit: &Unit) -> Option<(usize, usize)> {
@@ -323,6 +390,9 @@ impl WeightSource for FileMasters {
     fn read_direct(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
         use std::os::unix::fs::FileExt;
         let (unit, offset) = &self.loaded.at[&storage];
+        if self.mapped_reads.load(Ordering::Relaxed) {
+            return self.read(storage, position, dst);
+        }
         match self.offsets.get(unit) {
             Some(&at) if self.file.read_exact_at(dst, at + offset + position).is_ok() => {
                 self.direct_bytes
@@ -339,14 +409,7 @@ impl WeightSource for FileMasters {
     }
 
     fn release(&self, unit: &Unit) {
-        if let Some((at, len)) = self.range(unit) {
-            // SAFETY: a read-only file mapping: dropped pages are read
-            // again from the page cache or the file.
-            let _ = unsafe {
-                self.map
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at, len)
-            };
-        }
+        self.drop_pages(unit);
     }
 
     fn wants_restore(&self) -> bool {
