@@ -167,6 +167,17 @@ pub(crate) fn parallel_slice(bytes: &[u8]) -> impl crate::device::ByteSource + '
     }
 }
 
+/// The least bytes a read split over threads it starts gives each (below
+/// twice this a read stays on one thread): starting a thread costs tens of
+/// microseconds.
+pub(crate) const SPAWNED_PER_THREAD: usize = 4 << 20;
+
+/// The same over a staging ring's worker pool, whose workers are woken,
+/// not started: a ring of parts fills a part at a time, and a 4 MiB part
+/// on one thread filled at 9 GB/s on an H100's host, where 16 workers copy
+/// 50–60 GB/s (BENCHMARKS, "Small staging rings").
+pub(crate) const POOLED_PER_THREAD: usize = 256 << 10;
+
 /// A read split over up to `threads` host threads, each a contiguous part
 /// (page-aligned).
 pub(crate) struct ParallelBytes<'a> {
@@ -177,10 +188,13 @@ pub(crate) struct ParallelBytes<'a> {
 
 impl crate::device::ByteSource for ParallelBytes<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
-        /// Below this a read stays on one thread.
-        const PER_THREAD: usize = 4 << 20;
         let reader = &self.reader;
-        let threads = self.threads.min(dst.len() / PER_THREAD).max(1);
+        let per_thread = if self.pool.is_some() {
+            POOLED_PER_THREAD
+        } else {
+            SPAWNED_PER_THREAD
+        };
+        let threads = self.threads.min(dst.len() / per_thread).max(1);
         if threads == 1 || cfg!(loom) {
             reader.read_at(position, dst);
             return;
