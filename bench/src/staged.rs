@@ -132,11 +132,14 @@ pub(crate) fn staged_stream_bandwidth(
     Ok(total as f64 / times[1] / 1e9)
 }
 
-/// `len` bytes of `file` from `at`, read with `pread` by up to `threads`
-/// scoped threads in contiguous page-aligned parts: how the staging fill
-/// reads a released block (`WeightSource::read_direct` over its threads).
+/// Bytes of `file` from `at`, read with `pread` by up to `threads` scoped
+/// threads in contiguous page-aligned parts: how the staging fill reads a
+/// released block (`WeightSource::read_direct` over its threads); a part
+/// whose read fails is copied from the file's mapping `map`, as
+/// [`FileMasters::read_direct`] falls back.
 struct Pread<'a> {
     file: &'a File,
+    map: &'a [u8],
     at: u64,
     threads: usize,
 }
@@ -145,12 +148,15 @@ impl ByteSource for Pread<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         use std::os::unix::fs::FileExt;
         let per = dst.len().div_ceil(self.threads).next_multiple_of(4096).max(4096);
-        let (file, at) = (self.file, self.at + position);
+        let (file, map, at) = (self.file, self.map, self.at + position);
         std::thread::scope(|s| {
             for (i, d) in dst.chunks_mut(per).enumerate() {
                 s.spawn(move || {
-                    file.read_exact_at(d, at + (i * per) as u64)
-                        .expect("pread of the masters file")
+                    let from = at + (i * per) as u64;
+                    if file.read_exact_at(d, from).is_err() {
+                        let from = from as usize;
+                        crate::fill_copy(d, &map[from..from + d.len()]);
+                    }
                 });
             }
         });
@@ -326,6 +332,7 @@ impl FileMasters {
         let pread = |u: &Unit| -> Result<Box<dyn ByteSource + '_>> {
             Ok(Box::new(Pread {
                 file: &self.file,
+                map: &self.map,
                 at: self.offsets[&u.name],
                 threads,
             }))
