@@ -2059,9 +2059,12 @@ fn run() -> Result<()> {
                         } else {
                             h.config(&layerwise)
                         };
-                        for (reads, weights) in sources.iter().filter(|(f, _)| !coded || f.is_none()) {
+                        for (reads, weights) in
+                            sources.iter().filter(|(f, _)| !coded || f.is_none())
+                        {
                             let file = reads.is_some();
-                            let layerwise = layerwise_over(config.clone(), d, None, weights.clone());
+                            let layerwise =
+                                layerwise_over(config.clone(), d, None, weights.clone());
                             let masters = file_masters.as_ref().map(|(f, _)| Arc::clone(f));
                             let reads = *reads;
                             let inner: Box<MakeBackend<'_>> = Box::new(move || {
@@ -2158,9 +2161,8 @@ fn run() -> Result<()> {
                 (rates.mapped, rates.mapped_stream)
             };
             let pinned = streamed - r.staged_bytes as f64;
-            let limit_at = |g: f64| {
-                resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (g * 1e9))
-            };
+            let limit_at =
+                |g: f64| resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (g * 1e9));
             r.file_read_gbps = Some(read);
             r.file_limit_s = Some(limit_at(read));
             r.step_over_file_limit = Some(r.step_s / limit_at(read));

@@ -147,7 +147,11 @@ struct Pread<'a> {
 impl ByteSource for Pread<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         use std::os::unix::fs::FileExt;
-        let per = dst.len().div_ceil(self.threads).next_multiple_of(4096).max(4096);
+        let per = dst
+            .len()
+            .div_ceil(self.threads)
+            .next_multiple_of(4096)
+            .max(4096);
         let (file, map, at) = (self.file, self.map, self.at + position);
         std::thread::scope(|s| {
             for (i, d) in dst.chunks_mut(per).enumerate() {

@@ -635,6 +635,9 @@ mod tests {
         .read_at(0, &mut got);
         assert!(got.iter().all(|&b| b == 1));
         let seen = lock(&threads.0).len();
-        assert!(seen >= 2, "a 4 MiB part read on {seen} thread(s) of a pool of 4");
+        assert!(
+            seen >= 2,
+            "a 4 MiB part read on {seen} thread(s) of a pool of 4"
+        );
     }
 }
