@@ -1134,7 +1134,7 @@ struct Row {
     step_over_file_stream_limit: Option<f64>,
     /// Staged rows: the ring engine's own forecast of the step
     /// (`Backend::staged_forecast`: the recurrence with the host stage, at
-    /// the fill rate its fills ran at over the warm-up and timed steps, from
+    /// the fill rate its fills ran at over their last pass, from
     /// this token count's traced compute), s.
     forecast_s: Option<f64>,
     /// The host fill rate the forecast used (measured by the engine), GB/s.

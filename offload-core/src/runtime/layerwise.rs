@@ -1186,8 +1186,18 @@ fn host_staging_of<A: Api>(
         return Ok(None);
     };
     let layout = crate::budget::host::staging_layout(bytes, budgeted);
+    let ring = staging_ring(h, layout.part_bytes, layout.buffers as usize)?;
+    // The fill rate forecasts read is the last pass's: one pass fills
+    // every staged block once.
+    ring.set_fill_window(
+        rings
+            .iter()
+            .flat_map(|r| &r.blocks)
+            .map(|m| staged_len(m))
+            .sum(),
+    );
     Ok(Some(HostStaging {
-        ring: staging_ring(h, layout.part_bytes, layout.buffers as usize)?,
+        ring,
         next: 0,
         release,
         pending: None,
@@ -2457,8 +2467,9 @@ impl<A: Api> LayerwiseBackend<A> {
     /// What the ring engine forecasts of a step of each ring with staged
     /// masters (CONTRACT §7c), by its first block's path: the recurrence
     /// with the host stage ([`crate::budget::forecast_staged`]), each staged
-    /// block filled at the rate this engine's own fills ran at so far
-    /// (timed on the host, beside the copies and compute), from the
+    /// block filled at the rate this engine's own fills ran at over their
+    /// last pass (`filler::FillLog`; timed on the host, beside the copies
+    /// and compute), from the
     /// platform's planner inputs (each block's compute, the link, the copy
     /// latency and interference) at this engine's depth. A coded block's
     /// copy counts its coded bytes; its decode is not counted. Empty while
@@ -3440,9 +3451,10 @@ impl<A: Api> RingEngine<A> {
         result.map(|()| hooks)
     }
 
-    /// The rate this engine's host fills of staged masters ran at so far
-    /// (bytes per second, timed on the host beside the copies and
-    /// compute), where it has filled any.
+    /// The rate this engine's host fills of staged masters ran at over
+    /// their last pass (bytes per second, timed on the host beside the
+    /// copies and compute; at a planned `enable`, the warm-up's), where it
+    /// has filled any.
     pub(crate) fn host_fill_rate(&self) -> Option<f64> {
         let guard = self.engine.lock();
         guard
