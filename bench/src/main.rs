@@ -1111,9 +1111,10 @@ struct Row {
     /// `file` rows: the peak of the process's resident file-backed pages
     /// (`RssFile`) from before the enable to the last step.
     rss_file_peak_bytes: Option<u64>,
-    /// `file` rows: the share of the block bytes read from the file since
-    /// the enable that were read with `pread` (released blocks), the rest
-    /// through the mapping: which reader's rates its limits use.
+    /// `file` rows: the share of the block bytes read from the file after
+    /// the enable (the staged blocks' fills) that were read with `pread`
+    /// (released blocks), the rest through the mapping: which reader's
+    /// rates its limits use.
     file_pread_share: Option<f64>,
     /// `file` rows: the share of those bytes whose pages were released
     /// after their read.
@@ -1691,11 +1692,13 @@ fn run() -> Result<()> {
             f.drop_cache()?;
             sampler = Some(staged::RssSampler::start());
         }
-        let reads_before = file_masters.as_ref().map(|(f, _)| f.reads());
         let t = Instant::now();
         rt.enable((spec.make)()?).map_err(|(e, _)| e)?;
         device.synchronize_stream(&stream)?;
         let enable_s = t.elapsed().as_secs_f64();
+        // Counted from after the enable: the staged blocks' reads, not the
+        // pinned ones' copies at the enable.
+        let reads_before = file_masters.as_ref().map(|(f, _)| f.reads());
         let host_weight_bytes = rt.backend().map_or(0, |b| b.host_weight_bytes());
         let staged_bytes = rt.backend().map_or(0, |b| b.host_masters().staged_bytes);
         let coded = codec

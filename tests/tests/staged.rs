@@ -1647,3 +1647,89 @@ fn the_page_tables_of_a_refused_pins_staging_are_counted() {
         "{runs} runs, {staged} with a pin refused, the plant over in {over}"
     );
 }
+
+/// The staged forecast's fill rate is the ring's last pass's, as the
+/// engine sets its window (CONTRACT §7c): every master staged, the weight
+/// source slow on the first request (each read sleeps, a checkpoint read
+/// from a cold disk) and fast after, the second request's forecast fills
+/// at more than six times the first's, where a rate averaged over every
+/// fill would rise at most twofold. Seen red (2026-12-07, found by review)
+/// with the engine setting no window (`host_staging_of`).
+#[test]
+fn the_staged_forecast_fills_at_the_last_pass_s_rate() {
+    use offload_core::model::StorageId;
+    use offload_core::runtime::WeightSource;
+    use offload_sim::DeviceProfile;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct SlowFirst {
+        inner: Arc<dyn WeightSource>,
+        slow: AtomicBool,
+    }
+    impl WeightSource for SlowFirst {
+        fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+            if self.slow.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(25));
+            }
+            self.inner.read(storage, position, dst);
+        }
+    }
+    let w = workload();
+    let inputs =
+        offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
+    let o = RunOptions {
+        planner: Some(inputs),
+        ..opts(&[], 2, None)
+    };
+    let source = Arc::new(SlowFirst {
+        inner: Arc::new(offload_sim::presets::TrainedWeights::new(
+            o.seed,
+            &w.preset.pipeline,
+        )),
+        slow: AtomicBool::new(true),
+    });
+    let choice = layerwise(Some(false), None);
+    let StrategyChoice::Config(config) = &choice else {
+        unreachable!()
+    };
+    let rig = offload_sim::harness::Rig::with_weights(
+        w.preset.pipeline.clone(),
+        &o,
+        Arc::clone(&source) as Arc<dyn WeightSource>,
+    )
+    .unwrap();
+    let mut rates: Vec<f64> = Vec::new();
+    let out = offload_sim::harness::drive(
+        rig,
+        &choice,
+        config,
+        &o,
+        2,
+        |rig| {
+            let m = rig.request(&w)?;
+            let f = rig
+                .runtime
+                .backend()
+                .expect("enabled")
+                .staged_forecast(None)?;
+            rates.push(
+                f.iter()
+                    .map(|(_, f)| f.fill_bytes_per_s)
+                    .fold(f64::MAX, f64::min),
+            );
+            // The disk is cold for the first request only.
+            source.slow.store(false, Ordering::Relaxed);
+            Ok(m)
+        },
+        |_| {},
+    )
+    .unwrap_or_else(|f| panic!("{}", f.error));
+    assert!(all_violations(&out).is_empty());
+    assert_eq!(rates.len(), 2);
+    assert!(
+        rates[1] > 6.0 * rates[0],
+        "the second request's fills at {:.3e} B/s against the first's {:.3e}: not the last pass's rate",
+        rates[1],
+        rates[0]
+    );
+}

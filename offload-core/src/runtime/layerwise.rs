@@ -1187,14 +1187,16 @@ fn host_staging_of<A: Api>(
     };
     let layout = crate::budget::host::staging_layout(bytes, budgeted);
     let ring = staging_ring(h, layout.part_bytes, layout.buffers as usize)?;
-    // The fill rate forecasts read is the last pass's: one pass fills
-    // every staged block once.
+    // The fill rate forecasts read is the last pass's: a pass of a ring
+    // fills each of its staged blocks once. The largest ring's pass, so
+    // that a ring run once a request beside one run every step leaves no
+    // cold first fills in the window.
     ring.set_fill_window(
         rings
             .iter()
-            .flat_map(|r| &r.blocks)
-            .map(|m| staged_len(m))
-            .sum(),
+            .map(|r| r.blocks.iter().map(|m| staged_len(m)).sum::<u64>())
+            .max()
+            .unwrap_or(0),
     );
     Ok(Some(HostStaging {
         ring,
