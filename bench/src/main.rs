@@ -1802,6 +1802,18 @@ fn run() -> Result<()> {
                 format!("{}-{tokens}", slug(&spec.name)),
                 timeline::to_trace(&spans),
             );
+            // A file row's block bytes read since its enable: the shares
+            // read with `pread` and released after their read.
+            let file_shares = spec
+                .file
+                .then(|| {
+                    let ((d0, m0, r0), (d1, m1, r1)) =
+                        (reads_before?, file_masters.as_ref()?.0.reads());
+                    let (direct, read) = (d1 - d0, (d1 - d0) + (m1 - m0));
+                    (read > 0)
+                        .then(|| (direct as f64 / read as f64, (r1 - r0) as f64 / read as f64))
+                })
+                .flatten();
             rows.push(Row {
                 run: spec.name.clone(),
                 tokens,
@@ -1842,24 +1854,8 @@ fn run() -> Result<()> {
                 staged_limit_s: None,
                 step_over_staged_limit: None,
                 rss_file_peak_bytes: sampler.take().map(staged::RssSampler::finish),
-                file_pread_share: spec
-                    .file
-                    .then(|| {
-                        let ((d0, m0, _), (d1, m1, _)) =
-                            (reads_before?, file_masters.as_ref()?.0.reads());
-                        let (d, m) = (d1 - d0, m1 - m0);
-                        (d + m > 0).then(|| d as f64 / (d + m) as f64)
-                    })
-                    .flatten(),
-                file_released_share: spec
-                    .file
-                    .then(|| {
-                        let ((d0, m0, r0), (d1, m1, r1)) =
-                            (reads_before?, file_masters.as_ref()?.0.reads());
-                        let read = (d1 - d0) + (m1 - m0);
-                        (read > 0).then(|| (r1 - r0) as f64 / read as f64)
-                    })
-                    .flatten(),
+                file_pread_share: file_shares.map(|(pread, _)| pread),
+                file_released_share: file_shares.map(|(_, released)| released),
                 file_read_gbps: None,
                 file_limit_s: None,
                 step_over_file_limit: None,

@@ -27,13 +27,23 @@ pub(crate) struct Parallel<'a>(pub(crate) &'a [u8], pub(crate) usize);
 impl ByteSource for Parallel<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         let src = &self.0[position as usize..position as usize + dst.len()];
-        let per = dst.len().div_ceil(self.1).next_multiple_of(4096).max(4096);
-        std::thread::scope(|s| {
-            for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
-                s.spawn(move || crate::fill_copy(d, c));
-            }
+        split(dst, self.1, |at, d| {
+            crate::fill_copy(d, &src[at..at + d.len()])
         });
     }
+}
+
+/// `dst` in contiguous page-aligned parts, one for each of up to `threads`
+/// scoped threads, each part passed with its offset in `dst` to `read`
+/// (as the staging filler splits a fill).
+fn split(dst: &mut [u8], threads: usize, read: impl Fn(usize, &mut [u8]) + Sync) {
+    let per = dst.len().div_ceil(threads).next_multiple_of(4096).max(4096);
+    let read = &read;
+    std::thread::scope(|s| {
+        for (i, d) in dst.chunks_mut(per).enumerate() {
+            s.spawn(move || read(i * per, d));
+        }
+    });
 }
 
 /// A loaded unit's bytes, as the staged rows' measurements read them.
@@ -147,21 +157,12 @@ struct Pread<'a> {
 impl ByteSource for Pread<'_> {
     fn read_at(&self, position: u64, dst: &mut [u8]) {
         use std::os::unix::fs::FileExt;
-        let per = dst
-            .len()
-            .div_ceil(self.threads)
-            .next_multiple_of(4096)
-            .max(4096);
-        let (file, map, at) = (self.file, self.map, self.at + position);
-        std::thread::scope(|s| {
-            for (i, d) in dst.chunks_mut(per).enumerate() {
-                s.spawn(move || {
-                    let from = at + (i * per) as u64;
-                    if file.read_exact_at(d, from).is_err() {
-                        let from = from as usize;
-                        crate::fill_copy(d, &map[from..from + d.len()]);
-                    }
-                });
+        let at = self.at + position;
+        split(dst, self.threads, |offset, d| {
+            let from = at + offset as u64;
+            if self.file.read_exact_at(d, from).is_err() {
+                let from = from as usize;
+                crate::fill_copy(d, &self.map[from..from + d.len()]);
             }
         });
     }
@@ -473,5 +474,46 @@ impl RssSampler {
             let _ = t.join();
         }
         self.peak.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The measurements' split read copies what one slice copy does, at
+    /// offsets and lengths off the page, the last part short, through the
+    /// loaded-bytes source and through `pread` of a file (its fallback to
+    /// the mapping included: a range past the file's end reads the map).
+    #[test]
+    fn split_reads_read_what_one_copy_reads() {
+        let source: Vec<u8> = (0..(9u32 << 20) + 123)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let path = std::env::temp_dir().join(format!("offload-split-{}", std::process::id()));
+        std::fs::write(&path, &source[..source.len() - 4096]).unwrap();
+        let file = File::open(&path).unwrap();
+        for (position, len) in [
+            (0usize, source.len()),
+            (4097, (5 << 20) + 3),
+            (source.len() - 5000, 5000),
+        ] {
+            let want = &source[position..position + len];
+            for threads in [1, 3, 16] {
+                let mut got = vec![0u8; len];
+                Parallel(&source, threads).read_at(position as u64, &mut got);
+                assert!(got == want, "loaded, {threads} threads at {position}");
+                let mut got = vec![0u8; len];
+                Pread {
+                    file: &file,
+                    map: &source,
+                    at: 0,
+                    threads,
+                }
+                .read_at(position as u64, &mut got);
+                assert!(got == want, "pread, {threads} threads at {position}");
+            }
+        }
+        let _ = std::fs::remove_file(&path);
     }
 }
