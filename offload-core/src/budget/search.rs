@@ -2740,7 +2740,7 @@ pub(super) fn plan_request(
         None => None,
     };
     let alternatives = r.alternatives_within_host(budget);
-    r.staged_hint.borrow_mut().clone_from(&Staged::nothing());
+    r.staged_hint.replace(Staged::nothing());
     let alternatives = alternatives
         .into_iter()
         .map(|(name, s)| Alternative {
