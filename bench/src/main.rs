@@ -124,8 +124,9 @@ pub(crate) struct Args {
     /// layerwise benchmark.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     ranks: u32,
-    /// Prefetch depths to run layerwise at, comma-separated, each in 1..=8
-    /// (the depth the ring recurrence chooses is run besides).
+    /// Prefetch depths to run layerwise at, comma-separated, each in the
+    /// `prefetch_depth` key's 1..=16 (the depth the ring recurrence chooses
+    /// is run besides).
     #[arg(long, default_value = "1,2")]
     depths: String,
     /// Write each row's traced step here as a Perfetto trace.
@@ -454,8 +455,18 @@ impl Settings {
         let depths = list("--depths", &args.depths, |s| {
             s.parse::<usize>()
                 .ok()
-                .filter(|d| (1..=8).contains(d))
-                .ok_or_else(|| format!("`{s}` is not a depth; allowed: 1..=8"))
+                .filter(|d| {
+                    u32::try_from(*d)
+                        .is_ok_and(|d| offload_core::config::PREFETCH_DEPTHS.contains(&d))
+                })
+                .ok_or_else(|| {
+                    let r = offload_core::config::PREFETCH_DEPTHS;
+                    format!(
+                        "`{s}` is not a depth; allowed: {}..={} (the `prefetch_depth` key's range)",
+                        r.start(),
+                        r.end()
+                    )
+                })
         })?;
         let compressions = compressions(args)?;
         ensure!(
@@ -480,7 +491,7 @@ impl Settings {
         // interference probe: resident beside copies, no layerwise row).
         ensure!(
             !(depths.is_empty() && args.no_planner && !args.copy_beside),
-            "--depths names no depth and --no-planner leaves out the chooser's rows: no layerwise row would run; name a depth in 1..=8, drop --no-planner, or add --copy-beside for the resident rows alone"
+            "--depths names no depth and --no-planner leaves out the chooser's rows: no layerwise row would run; name a depth in 1..=16, drop --no-planner, or add --copy-beside for the resident rows alone"
         );
         Ok(Self {
             tokens,

@@ -362,6 +362,15 @@ pub trait Device<A: Api>: Send + Sync {
         true
     }
 
+    /// The host wrote `bytes` into a pinned staging buffer (a staging
+    /// fill, CONTRACT §7c). Nothing on a real device, whose host keeps its
+    /// own time; a simulated host whose work runs on the caller's thread
+    /// charges its clock at its fill rate, so the time the engine's thread
+    /// spends filling delays what that thread issues next.
+    fn host_filled(&self, bytes: u64) {
+        let _ = bytes;
+    }
+
     /// A new stream whose work the device schedules ahead of other
     /// streams' pending work where it can (the decode stream of CONTRACT
     /// §7b: a short decode that compute waits for should not queue behind

@@ -2019,6 +2019,22 @@ impl Device<Sim> for SimDevice {
         self.state().host_threads
     }
 
+    /// A staging fill on the caller's thread takes the host `bytes` at the
+    /// profile's `host_fill_gbps` (bytes per ns): the one host clock moves
+    /// on by it. With [`SimConfig::host_threads`] the filler is a thread of
+    /// its own, whose time this clock does not keep: nothing.
+    fn host_filled(&self, bytes: u64) {
+        let mut st = self.state();
+        let gbps = st.profile.host_fill_gbps;
+        if st.host_threads || !gbps.is_finite() || gbps <= 0.0 {
+            return;
+        }
+        let ns = (bytes as f64 / gbps).min(u64::MAX as f64) as u64;
+        st.host_now_ns = st.host_now_ns.saturating_add(ns);
+        let now = st.host_now_ns;
+        st.settle(now);
+    }
+
     fn create_stream(&self) -> Result<SimStream, SimError> {
         let mut st = self.state();
         st.host_tick();

@@ -919,16 +919,17 @@ mod tests {
     /// the host's fill rate (not only the whole plans compared): on Flux
     /// at 4,608 tokens the plan is never slower, priced alike, than the
     /// layout the link-priced search chose, and under a 16 GiB device
-    /// budget and a 2 GiB host budget, where the fills bind, more than 5 %
-    /// faster (a shallower ring whose slot holds another resident block),
-    /// and at an 8 GiB host budget faster too (5.454 against 5.507 s when
-    /// run).
+    /// budget and a 2 GiB host budget, where the fills bind, more than 1 %
+    /// faster (5.909 against 6.167 s when run on 2026-12-07, once a hook
+    /// no longer waited for a later block's fills; 5 % before), and at an
+    /// 8 GiB host budget faster too (5.352 against 5.375 s; 5.454 against
+    /// 5.507 before).
     /// Seen red (2026-12-04) with one pass of the search (the layouts
     /// solved at the link): 6.448 s against 6.448 s.
     #[test]
     fn each_phase_is_laid_out_at_the_hosts_fill_rate() {
         let pipeline = Preset::by_name("flux1-dev").unwrap().pipeline;
-        for (device, host, gain) in [("16GiB", 2u64 << 30, 0.95), ("16GiB", 8 << 30, 0.999)] {
+        for (device, host, gain) in [("16GiB", 2u64 << 30, 0.99), ("16GiB", 8 << 30, 0.999)] {
             let args = PlanArgs {
                 budget: Some(device.to_owned()),
                 tokens: Some(4608),
@@ -950,6 +951,10 @@ mod tests {
                 .evaluate(&linked.outcome.as_ref().unwrap().choices())
                 .unwrap()
                 .request_s;
+            eprintln!(
+                "{device} / {host} B: {} s against {layout} s",
+                priced.predicted_request_s
+            );
             assert!(
                 priced.predicted_request_s <= layout * gain * (1.0 + 1e-9),
                 "{device} / {host} B: the plan {} s against the link-laid-out plan priced alike {layout} s",

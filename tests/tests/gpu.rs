@@ -1662,9 +1662,11 @@ impl Drop for RingSize {
 /// page-locked peak offload-cuda counts within the ring and one upload
 /// buffer; and the planted
 /// `HostStagingReuseBeforeCopy` (a buffer refilled before the copy of its
-/// last part) and `StagedReadyAfterFirstPart` (compute reads the slot while
-/// later parts land) change the output under slow copies, beside clean
-/// controls.
+/// last part), `StagedReadyAfterFirstPart` (compute reads the slot while
+/// later parts land) and `StagedReadyUnrecorded` (compute waits for a slot
+/// whose queued parts are not issued yet) change the output under slow
+/// copies, beside clean controls. Depth 4 queues several prefetches
+/// behind one another.
 #[test]
 fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
     let Some(g) = gpu() else { return };
@@ -1721,7 +1723,7 @@ fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
     for seed in 0..seeds {
         let weights = 9700 + seed;
         let expected = timing_run(&rig, Strategy::Resident, weights, &[], None).unwrap();
-        for depth in [1, 2] {
+        for depth in [1, 2, 4] {
             for strategy in [
                 Strategy::Staged { depth },
                 Strategy::StagedLossless { depth },
@@ -1737,7 +1739,7 @@ fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
         }
     }
     println!(
-        "perturbed: staged layerwise in parts, raw and coded, depth 1 and 2 equal resident on {seeds} seeds"
+        "perturbed: staged layerwise in parts, raw and coded, depths 1, 2 and 4 equal resident on {seeds} seeds"
     );
     if under_sanitizer() {
         return;
@@ -1745,6 +1747,7 @@ fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
     for (bug, base) in [
         (PlantedBug::HostStagingReuseBeforeCopy, 32_000),
         (PlantedBug::StagedReadyAfterFirstPart, 33_000),
+        (PlantedBug::StagedReadyUnrecorded, 34_000),
     ] {
         let (bug, seed, how) = planted_staging_bug_is_caught(&rig, staged, bug, base);
         println!(
@@ -1756,7 +1759,7 @@ fn staged_layerwise_in_parts_is_bit_identical_on_the_gpu() {
 }
 
 /// A planted staging bug (`HostStagingReuseBeforeCopy`,
-/// `StagedReadyAfterFirstPart`) under `strategy` (a staged one) with slow
+/// `StagedReadyAfterFirstPart`, `StagedReadyUnrecorded`) under `strategy` (a staged one) with slow
 /// copies, weights `base + seed`: the first seed on which the output
 /// differs from resident or the run fails, and how; then its clean control
 /// (the same weights and perturbation, no bug) must equal resident.

@@ -172,6 +172,26 @@ fn planted_ready_after_the_first_part_is_caught() {
     }
 }
 
+/// A block's pre-forward that lets compute wait for its slot's `ready`
+/// before its queued staged parts are issued (the `ready` not yet
+/// recorded): compute reads the slot before the block lands.
+#[test]
+fn planted_wait_on_an_unrecorded_ready_is_caught() {
+    for threads in [false, true] {
+        for budgeted in [false, true] {
+            assert!(
+                caught(
+                    PlantedBug::StagedReadyUnrecorded,
+                    Invariant::NoEarlyFree,
+                    threads,
+                    budgeted
+                ),
+                "threads {threads}, budgeted {budgeted}: StagedReadyUnrecorded never seen"
+            );
+        }
+    }
+}
+
 /// A buffer of the ring refilled before the copy that read its last part.
 #[test]
 fn planted_part_reuse_before_its_copy_is_caught() {

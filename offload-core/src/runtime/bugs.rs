@@ -119,6 +119,11 @@ pub enum PlantedBug {
     /// slot `ready` is recorded after its first part's copy instead of its
     /// last, so compute may read the slot while its later parts land.
     StagedReadyAfterFirstPart,
+    /// INV-3 (staging transport, CONTRACT §7c): a block's pre-forward does
+    /// not issue its queued staged fill before compute waits for the
+    /// slot's `ready`, so compute waits for the slot's previous `ready`
+    /// and reads it before (or while) the block's parts land.
+    StagedReadyUnrecorded,
     /// INV-8 (distributed layerwise, CONTRACT §8): a rank's shard registered
     /// in place ([`crate::runtime::WeightSource::take_shard_region`]) is
     /// asked for one bf16 element (2 bytes) past where the shard starts, so
@@ -171,7 +176,7 @@ pub enum PlantedBug {
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 47] = [
+    pub const ALL: [PlantedBug; 48] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -209,6 +214,7 @@ impl PlantedBug {
         PlantedBug::DecodeIntoSlotInUse,
         PlantedBug::HostStagingReuseBeforeCopy,
         PlantedBug::StagedReadyAfterFirstPart,
+        PlantedBug::StagedReadyUnrecorded,
         PlantedBug::ShardWindowWrongOffset,
         PlantedBug::HostPlanCodedUnderAuto,
         PlantedBug::PlannedPinsStagedBlocks,

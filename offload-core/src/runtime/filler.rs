@@ -525,6 +525,9 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
         }))
         .map_err(|_| format!("the staging fill of `{}` panicked", job.unit.name))
     });
+    if waited.is_ok() {
+        context.device.host_filled(job.range.1);
+    }
     // The buffer first: a waiter woken below may lend it at once.
     drop(stage);
     let mut meta = lock(&cell.meta);

@@ -41,7 +41,7 @@
 //! backend's hook poisons it; failure cleanup runs no collective.
 
 use crate::sync::Arc;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
 use offload_hooks::{BoxError, Forwarded, ModelHook, PreForward};
 
@@ -134,24 +134,38 @@ struct HostStaging<A: Api> {
     /// ([`WeightSource::release`]: the staged masters exceed the host
     /// budget's room, so a mapped checkpoint must not stay resident).
     release: bool,
-    /// A raw staged block whose parts are not all copied yet.
-    pending: Option<PendingStage>,
+    /// Fills of raw blocks (staged, or pinned behind a staged one) the copy
+    /// stream takes in this order, not all issued yet: only the front one
+    /// may have issued anything ([`pump`]).
+    queue: VecDeque<Queued>,
 }
 
-/// A raw staged block whose copy into slot `k` was issued part by part as
-/// its fills landed, with parts from `part` on still to issue. The copy
-/// stream already waits for the slot's last use; the rest are issued
-/// (waiting for their fills) and the slot's `ready` recorded before
-/// anything else is enqueued on the copy stream or reads the slot
-/// ([`settle`]), so the hook that prefetched it never waits for a fill
-/// that waits for compute it has yet to issue.
+/// A prefetch of block `block` of ring `ring` (the bytes of `source`) into
+/// slot `k`, queued behind the staged blocks the copy stream takes first
+/// (CONTRACT §7c): a raw staged block, its parts issued in order as their
+/// fills land, or a pinned block, issued whole once the blocks before it
+/// are. The hook's thread waits for it only where compute needs it (the
+/// block's own pre-forward, a fill that takes its slot, the ring's last
+/// post-forward, a pool change); anywhere else it issues what is filled
+/// and goes on, so a block whose fill outlasts the compute before it
+/// holds back no kernels of the blocks before it.
 #[derive(Clone, Copy, Debug)]
-struct PendingStage {
+struct Queued {
     ring: usize,
     block: usize,
     source: usize,
     k: usize,
-    part: u64,
+    /// Whether the copy stream waits for the slot's last use (false only
+    /// where a planted bug asks).
+    wait_last_use: bool,
+    /// The prefetch's kind (a pinned one is issued through
+    /// [`Transport::transfer`] with it).
+    kind: FillKind,
+    /// `None`: a pinned block. `Some(None)`: a staged block nothing of
+    /// which is issued yet (the copy stream's wait for its slot comes with
+    /// its first part); `Some(Some(p))`: its parts from `p` on still to
+    /// issue.
+    staged: Option<Option<u64>>,
 }
 
 struct State<A: Api> {
@@ -627,28 +641,25 @@ impl Transport {
                 if stale {
                     return copy_to_slot(None, "h2d staged", "", None);
                 }
-                // The copy stream waits once for the slot's last use (and,
-                // where rings decode, its previous fill); the parts follow
-                // in order as their fills land, the rest before anything
-                // else uses the copy stream or the slot (`settle`).
-                wait(&h.copy, "copy")?;
-                if h.decode.is_some() {
-                    h.device
-                        .stream_wait_event(&h.copy, &slot.ready)
-                        .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
-                }
+                // Queued behind the blocks the copy stream takes first; the
+                // caller pumps the queue once the slot holds the block. The
+                // copy stream's wait for the slot's last use (and, where
+                // rings decode, its previous fill) comes with the first part
+                // ([`pump`]).
                 let staging = st
                     .host_staging
                     .as_mut()
                     .expect("a ring with a staged master has host staging");
-                staging.pending = Some(PendingStage {
+                staging.queue.push_back(Queued {
                     ring,
                     block,
                     source,
                     k,
-                    part: 0,
+                    wait_last_use,
+                    kind,
+                    staged: Some(None),
                 });
-                issue_pending(engine, st, false)
+                Ok(())
             }
         }
     }
@@ -814,33 +825,52 @@ fn issue_parts<A: Api>(
     Ok(None)
 }
 
-/// Issues the parts of the pending raw staged block (if any) that are
-/// filled, or all of them where `blocking`; once all are, records its
-/// slot's `ready` after them and clears it. On an error it is cleared too
-/// ([`settle`] forgets the slot's block).
-fn issue_pending<A: Api>(
+/// Issues the front of the queue's staged block (`front`, its parts from
+/// `part` on; `None`: nothing of it yet, so first the copy stream's wait
+/// for its slot): the parts that are filled, or all of them where
+/// `blocking`. Once all are, records its slot's `ready` after them and
+/// pops it; returns whether it did.
+fn issue_staged<A: Api>(
     engine: &Engine<A>,
     st: &mut State<A>,
+    front: Queued,
+    part: Option<u64>,
     blocking: bool,
-) -> Result<(), OffloadError> {
+) -> Result<bool, OffloadError> {
     let h = &engine.handles;
+    let slot = &st.slots[front.k];
     let Some(staging) = st.host_staging.as_mut() else {
-        return Ok(());
+        return Ok(true);
     };
-    let Some(pending) = staging.pending.take() else {
-        return Ok(());
+    let from = match part {
+        Some(p) => p,
+        None => {
+            if front.wait_last_use {
+                h.device
+                    .stream_wait_event(&h.copy, &slot.last_use)
+                    .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
+            }
+            if h.decode.is_some() {
+                h.device
+                    .stream_wait_event(&h.copy, &slot.ready)
+                    .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+            }
+            if let Some(q) = staging.queue.front_mut() {
+                q.staged = Some(Some(0));
+            }
+            0
+        }
     };
-    let blocks = &st.rings[pending.ring].blocks;
-    let slot = &st.slots[pending.k];
+    let blocks = &st.rings[front.ring].blocks;
     let timer = &st.timer;
-    let name = &blocks[pending.block].unit.name;
+    let name = &blocks[front.block].unit.name;
     let early_ready = engine.bug(PlantedBug::StagedReadyAfterFirstPart);
     let next = issue_parts(
         engine,
         staging,
         blocks,
-        (pending.ring, pending.source),
-        pending.part,
+        (front.ring, front.source),
+        from,
         blocking,
         |stage, offset, len| {
             if let Some(t) = timer {
@@ -852,8 +882,9 @@ fn issue_pending<A: Api>(
             // the copy stream waited for the slot's last use before the
             // block's first part, so nothing reads the slot while it is
             // written, and compute waits for `ready`, recorded after the
-            // last part; the stage is refilled only after `copied`,
-            // recorded next.
+            // last part (the hook that reads the block pumps the queue
+            // through it first); the stage is refilled only after
+            // `copied`, recorded next.
             unsafe {
                 h.device.copy_h2d(
                     &h.copy,
@@ -879,37 +910,111 @@ fn issue_pending<A: Api>(
             Ok(())
         },
     )?;
-    match next {
-        Some(part) => {
-            staging.pending = Some(PendingStage { part, ..pending });
-            Ok(())
+    if let Some(part) = next {
+        if let Some(q) = staging.queue.front_mut() {
+            q.staged = Some(Some(part));
         }
-        None if early_ready => Ok(()),
-        None => h
-            .device
+        return Ok(false);
+    }
+    if !early_ready {
+        h.device
             .record_event(&slot.ready, &h.copy)
-            .map_err(|e| dev_err("record_event(ready)", e)),
+            .map_err(|e| dev_err("record_event(ready)", e))?;
+    }
+    staging.queue.pop_front();
+    Ok(true)
+}
+
+/// Issues the queue's fills in order (CONTRACT §7c): the first `through`
+/// entries whole, waiting for their staged parts' fills, then whatever
+/// is filled of the rest, stopping at the first part that is not. A
+/// pinned entry is issued whole once it is at the front.
+fn pump_queue<A: Api>(
+    engine: &Engine<A>,
+    st: &mut State<A>,
+    mut through: usize,
+) -> Result<(), OffloadError> {
+    loop {
+        let Some(front) = st
+            .host_staging
+            .as_ref()
+            .and_then(|s| s.queue.front().copied())
+        else {
+            return Ok(());
+        };
+        let blocking = through > 0;
+        let done = match front.staged {
+            None => {
+                Transport::Copy.transfer(
+                    engine,
+                    st,
+                    (front.ring, front.block, front.source),
+                    front.k,
+                    (front.kind, front.wait_last_use),
+                )?;
+                if let Some(s) = st.host_staging.as_mut() {
+                    s.queue.pop_front();
+                }
+                true
+            }
+            Some(part) => issue_staged(engine, st, front, part, blocking)?,
+        };
+        if !done {
+            return Ok(());
+        }
+        through = through.saturating_sub(1);
     }
 }
 
-/// Issues every part of the pending raw staged block, waiting for their
-/// fills, and records its slot's `ready`: called before anything else is
-/// enqueued on the copy stream or waits for a slot (every hook, fill and
-/// pool change). On an error the slot forgets the block (it holds part of
-/// it), which is discarded, and the error returned.
-fn settle<A: Api>(engine: &Engine<A>, st: &mut State<A>) -> Result<(), OffloadError> {
-    let Some(p) = st.host_staging.as_ref().and_then(|s| s.pending) else {
-        return Ok(());
-    };
-    issue_pending(engine, st, true).inspect_err(|_| {
-        if st.table.stamp(p.k) == Some((p.ring, p.block)) {
-            if st.in_flight(p.ring, p.block) {
-                let unit = st.rings[p.ring].blocks[p.block].unit.clone();
-                let _ = st.placement.transition(&unit, Transition::Discard);
+/// [`pump_queue`]; on an error every queued block's slot forgets it (the
+/// front one's holds part of it; none behind it will be issued), each is
+/// discarded, and the error returned.
+fn pump<A: Api>(engine: &Engine<A>, st: &mut State<A>, through: usize) -> Result<(), OffloadError> {
+    pump_queue(engine, st, through).inspect_err(|_| {
+        let queued: Vec<Queued> = st
+            .host_staging
+            .as_mut()
+            .map(|s| s.queue.drain(..).collect())
+            .unwrap_or_default();
+        for p in queued {
+            if st.table.stamp(p.k) == Some((p.ring, p.block)) {
+                if st.in_flight(p.ring, p.block) {
+                    let unit = st.rings[p.ring].blocks[p.block].unit.clone();
+                    let _ = st.placement.transition(&unit, Transition::Discard);
+                }
+                st.table.evict_unchecked(p.k, p.ring, p.block);
             }
-            st.table.evict_unchecked(p.k, p.ring, p.block);
         }
     })
+}
+
+/// The place in the queue of the entry `matches` picks, if any.
+fn queued_at<A: Api>(st: &State<A>, matches: impl Fn(&Queued) -> bool) -> Option<usize> {
+    st.host_staging
+        .as_ref()
+        .and_then(|s| s.queue.iter().position(matches))
+}
+
+/// Issues every queued fill, waiting for their fills, and records their
+/// slots' `ready`: called before anything that is not queued is enqueued
+/// on the copy stream, and wherever every block must be in (on-demand
+/// fills, a ring's last post-forward, a pool change). On an error see
+/// [`pump`].
+fn settle<A: Api>(engine: &Engine<A>, st: &mut State<A>) -> Result<(), OffloadError> {
+    pump(engine, st, usize::MAX)
+}
+
+/// Issues the queue through the entry `matches` picks, waiting for its
+/// fills (and those before it), and whatever is filled after it: what
+/// compute needs before it reads that entry's slot, or before another
+/// fill takes it.
+fn settle_through<A: Api>(
+    engine: &Engine<A>,
+    st: &mut State<A>,
+    matches: impl Fn(&Queued) -> bool,
+) -> Result<(), OffloadError> {
+    let through = queued_at(st, matches).map_or(0, |at| at + 1);
+    pump(engine, st, through)
 }
 
 /// Fills block `block` of `ring` into a slot through the ring's transport;
@@ -921,23 +1026,6 @@ fn fill<A: Api>(
     block: usize,
     kind: FillKind,
 ) -> Result<usize, OffloadError> {
-    // A staged block's parts still to copy go first: the copy stream is in
-    // order, and the slot this fill takes may be the one they write.
-    settle(engine, st)?;
-    let (k, previous) = choose(engine, st, ring, block)?;
-    // The slot's previous content is gone: a prefetch nobody consumed
-    // is discarded.
-    if let Some((r, b)) = previous
-        && st.in_flight(r, b)
-        && !engine.bug(PlantedBug::IgnoreRingStamp)
-    {
-        let old = st.rings[r].blocks[b].unit.clone();
-        st.placement.transition(&old, Transition::Discard)?;
-    }
-    let skip_wait = engine.bug(PlantedBug::SkipLastUseWait)
-        || (kind == FillKind::OnDemand && engine.bug(PlantedBug::OnDemandSkipLastUseWait))
-        || (kind == (FillKind::Prefetch { wrap: true })
-            && engine.bug(PlantedBug::WrapAroundSkipLastUseWait));
     let source = if engine.bug(PlantedBug::WrongMaster) {
         (block + 1) % st.rings[ring].blocks.len()
     } else {
@@ -953,16 +1041,66 @@ fn fill<A: Api>(
     } else {
         Transport::Copy
     };
-    transport.transfer(engine, st, (ring, block, source), k, (kind, !skip_wait))?;
+    let prefetch = matches!(kind, FillKind::Prefetch { .. });
+    // A raw prefetch joins the queue behind the staged blocks the copy
+    // stream takes first (a pinned one only where something is queued),
+    // so the hook goes on without waiting for their fills; whatever is
+    // queued for the slot it takes goes first. Anything else issues after
+    // every queued block: the copy stream is in order.
+    let queue = prefetch
+        && matches!(transport, Transport::Stage | Transport::Copy)
+        && !engine.bug(PlantedBug::StaticSlot)
+        && st.host_staging.is_some();
+    if queue {
+        if let Some(k) = st.victim(ring) {
+            settle_through(engine, st, |q| q.k == k)?;
+        }
+    } else {
+        settle(engine, st)?;
+    }
+    let (k, previous) = choose(engine, st, ring, block)?;
+    // The slot's previous content is gone: a prefetch nobody consumed
+    // is discarded.
+    if let Some((r, b)) = previous
+        && st.in_flight(r, b)
+        && !engine.bug(PlantedBug::IgnoreRingStamp)
+    {
+        let old = st.rings[r].blocks[b].unit.clone();
+        st.placement.transition(&old, Transition::Discard)?;
+    }
+    let skip_wait = engine.bug(PlantedBug::SkipLastUseWait)
+        || (kind == FillKind::OnDemand && engine.bug(PlantedBug::OnDemandSkipLastUseWait))
+        || (kind == (FillKind::Prefetch { wrap: true })
+            && engine.bug(PlantedBug::WrapAroundSkipLastUseWait));
+    let queued = st
+        .host_staging
+        .as_ref()
+        .is_some_and(|s| !s.queue.is_empty());
+    match (transport, st.host_staging.as_mut()) {
+        (Transport::Copy, Some(staging)) if queue && queued => {
+            staging.queue.push_back(Queued {
+                ring,
+                block,
+                source,
+                k,
+                wait_last_use: !skip_wait,
+                kind,
+                staged: None,
+            });
+        }
+        _ => transport.transfer(engine, st, (ring, block, source), k, (kind, !skip_wait))?,
+    }
     let unit = st.rings[ring].blocks[block].unit.clone();
     if !(st.in_flight(ring, block) && engine.bug(PlantedBug::IgnoreRingStamp)) {
         st.placement.transition(&unit, Transition::IssueCopy)?;
     }
     st.table.filled(k, ring, block);
     st.filled_into[ring][block] = Some(k);
-    // Only a prefetch leaves a staged block's parts to the next hook: any
+    // A prefetch issues what is filled and leaves the rest queued; any
     // other fill is read (or handed back) right after it.
-    if !matches!(kind, FillKind::Prefetch { .. }) {
+    if prefetch {
+        pump(engine, st, 0)?;
+    } else {
         settle(engine, st)?;
     }
     Ok(k)
@@ -1202,7 +1340,7 @@ fn host_staging_of<A: Api>(
         ring,
         next: 0,
         release,
-        pending: None,
+        queue: VecDeque::new(),
     }))
 }
 
@@ -1738,10 +1876,15 @@ impl<A: Api> BlockHook<A> {
         let h = &engine.handles;
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
-        // The parts of a staged block prefetched at the last hook, before
-        // this block's compute may wait for any slot.
-        settle(engine, st)?;
         let (r, i) = (self.ring, self.block);
+        // This block's queued fill (and those before it) in whole before
+        // its compute waits for its slot's `ready`; what is filled of the
+        // rest (a planted bug issues only that).
+        if engine.bug(PlantedBug::StagedReadyUnrecorded) {
+            pump(engine, st, 0)?;
+        } else {
+            settle_through(engine, st, |q| (q.ring, q.block) == (r, i))?;
+        }
         let unit = st.rings[r].blocks[i].unit.clone();
         let stamped = st.table.holding(r, i);
         let k = match (stamped, st.in_flight(r, i)) {
@@ -1806,12 +1949,14 @@ impl<A: Api> BlockHook<A> {
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
+        let mut used = None;
         let released = match st.table.release(self.ring, self.block) {
             Some(k) => {
                 if !engine.bug(PlantedBug::LastUseBeforeCompute) {
                     h.device
                         .record_event(&st.slots[k].last_use, &h.compute)
                         .map_err(|e| dev_err("record_event(last use)", e))?;
+                    used = Some(k);
                 }
                 true
             }
@@ -1824,11 +1969,32 @@ impl<A: Api> BlockHook<A> {
             st.placement.unplace(&unit);
             st.placement.transition(&unit, Transition::Release)?;
         }
-        // The parts of a staged block the pre-forward prefetched: issued
-        // now, once this block's kernels are enqueued (the copies they wait
-        // for have work queued behind them), and after this block is
-        // released, so that a failed part leaves it released.
-        settle(engine, st)
+        // The queued fills: what is filled is issued now, once this block's
+        // kernels are enqueued, and after this block is released, so that
+        // a failed part leaves it released. The rest wait for a later hook;
+        // but the ring's last block is where the caller may wait for the
+        // forward, which no hook follows until the next one starts: there
+        // the queue is issued block by block while this block's kernels
+        // run (the next pass's first blocks copy beside them), and what is
+        // left once they have is left to the next forward's hooks (waiting
+        // for it all would idle the device for the fills of a deep
+        // look-ahead).
+        if let Some(k) = used
+            && self.block + 1 == st.rings[self.ring].blocks.len()
+        {
+            while st
+                .host_staging
+                .as_ref()
+                .is_some_and(|s| !s.queue.is_empty())
+                && !h
+                    .device
+                    .event_done(&st.slots[k].last_use)
+                    .map_err(|e| dev_err("event_done(last use)", e))?
+            {
+                pump(engine, st, 1)?;
+            }
+        }
+        pump(engine, st, 0)
     }
 
     /// A failed hook of a multi-rank gathering backend leaves this rank's
