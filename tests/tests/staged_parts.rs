@@ -2,7 +2,8 @@
 //! a staging ring smaller than two of the largest block (here smaller than
 //! one) streams every staged block in parts of one buffer, each part's copy
 //! after its own fill and each buffer refilled only after the copy that
-//! read it; a prefetched block's last parts are issued at the next hook.
+//! read it; a prefetched block is queued and its last parts issued by a
+//! later hook (at the latest its own pre-forward).
 //! Bit-identical to resident with no checker violation and the device's
 //! own pinned peak within the ring of parts, with the filler on the hook's
 //! thread and on its own; the planted bugs of the part transport are seen.

@@ -975,9 +975,9 @@ mod tests {
 
     /// A compute-bound ring of raw staged blocks in parts, through a ring
     /// of buffers smaller than a block: the parts a prefetch could not
-    /// issue wait for the next hook, so no hook waits for a fill that
-    /// waits (through the copies of the block's first parts) for compute it
-    /// has yet to issue, and the ring runs at its compute. Seen red
+    /// issue stay queued for a later hook, so no hook waits for a fill
+    /// that waits (through the copies of the block's first parts) for
+    /// compute it has yet to issue, and the ring runs at its compute. Seen red
     /// (2026-12-07) with the prefetching hook waiting for all its block's
     /// fills (the forward 1.42× its compute at depth 1).
     #[test]
