@@ -154,23 +154,24 @@ fn caught(bug: PlantedBug, invariant: Invariant, threads: bool, budgeted: bool) 
     false
 }
 
+/// [`caught`] as NoEarlyFree with the filler inline and on its own thread,
+/// with and without a host budget; panics naming the case where not.
+fn caught_everywhere(bug: PlantedBug) {
+    for threads in [false, true] {
+        for budgeted in [false, true] {
+            assert!(
+                caught(bug, Invariant::NoEarlyFree, threads, budgeted),
+                "threads {threads}, budgeted {budgeted}: {bug:?} never seen"
+            );
+        }
+    }
+}
+
 /// A slot's `ready` recorded after a staged block's first part instead of
 /// its last: compute reads the slot while its later parts land.
 #[test]
 fn planted_ready_after_the_first_part_is_caught() {
-    for threads in [false, true] {
-        for budgeted in [false, true] {
-            assert!(
-                caught(
-                    PlantedBug::StagedReadyAfterFirstPart,
-                    Invariant::NoEarlyFree,
-                    threads,
-                    budgeted
-                ),
-                "threads {threads}, budgeted {budgeted}: StagedReadyAfterFirstPart never seen"
-            );
-        }
-    }
+    caught_everywhere(PlantedBug::StagedReadyAfterFirstPart);
 }
 
 /// A block's pre-forward that lets compute wait for its slot's `ready`
@@ -178,37 +179,13 @@ fn planted_ready_after_the_first_part_is_caught() {
 /// recorded): compute reads the slot before the block lands.
 #[test]
 fn planted_wait_on_an_unrecorded_ready_is_caught() {
-    for threads in [false, true] {
-        for budgeted in [false, true] {
-            assert!(
-                caught(
-                    PlantedBug::StagedReadyUnrecorded,
-                    Invariant::NoEarlyFree,
-                    threads,
-                    budgeted
-                ),
-                "threads {threads}, budgeted {budgeted}: StagedReadyUnrecorded never seen"
-            );
-        }
-    }
+    caught_everywhere(PlantedBug::StagedReadyUnrecorded);
 }
 
 /// A buffer of the ring refilled before the copy that read its last part.
 #[test]
 fn planted_part_reuse_before_its_copy_is_caught() {
-    for threads in [false, true] {
-        for budgeted in [false, true] {
-            assert!(
-                caught(
-                    PlantedBug::HostStagingReuseBeforeCopy,
-                    Invariant::NoEarlyFree,
-                    threads,
-                    budgeted
-                ),
-                "threads {threads}, budgeted {budgeted}: HostStagingReuseBeforeCopy never seen"
-            );
-        }
-    }
+    caught_everywhere(PlantedBug::HostStagingReuseBeforeCopy);
 }
 
 /// The request planner under a device and a host budget (CONTRACT §7a with
