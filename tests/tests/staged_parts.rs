@@ -245,22 +245,25 @@ fn a_planned_host_budget_streams_its_staged_blocks_in_parts() {
 }
 
 /// A part's fill that fails in the middle of a block (the weight source
-/// panics from its 1st, 5th or 20th read of the request on), inline and on
-/// the filler's thread, at depths 1 and 2: the request fails with a typed
-/// error naming the fill, never hangs nor unwinds, and the pending block's
-/// slot is forgotten (CONTRACT §7c): the next request, the source
-/// disarmed, is bit-identical to resident with no violation. Seen red
-/// (2026-12-07) with the failed block's slot kept (the next request's
-/// output differed) and with the post-forward settling before it released
-/// its own block (the next request failed: an illegal residency
-/// transition, the block still placed).
+/// panics from its 1st, 5th, 20th, 41st or 81st read of the request on),
+/// inline and on the filler's thread, at depths 1 to 6 (several
+/// prefetches queued behind the failing one): the request fails with a
+/// typed error naming the fill, never hangs nor unwinds, and the slots of
+/// the failing block and of every block queued behind it are forgotten
+/// (CONTRACT §7c): the next request, the source disarmed, is
+/// bit-identical to resident with no violation. Seen red (2026-12-07)
+/// with the failed block's slot kept (the next request's output
+/// differed), with the post-forward settling before it released its own
+/// block (the next request failed: an illegal residency transition, the
+/// block still placed), and by review with only the front of the queue
+/// forgotten (depth 3, read 80: the next request's output differed).
 #[test]
 fn a_part_whose_fill_fails_fails_the_request_typed_and_the_next_runs() {
     set_staging_ring_bytes(RING);
     let want = resident();
     for threads in [false, true] {
-        for depth in [1, 2] {
-            for fail_at in [0u64, 4, 19] {
+        for depth in [1, 2, 3, 4, 6] {
+            for fail_at in [0u64, 4, 19, 40, 80] {
                 let at = format!("threads {threads}, depth {depth}, read {fail_at}");
                 let make = move || {
                     let o = opts(&[], depth, None, threads);

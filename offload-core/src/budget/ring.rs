@@ -94,9 +94,8 @@ pub struct DecodeStage<'a> {
 /// ended; its copy starts after its fill, the copy before it and (its
 /// block's first) the slot's last use. A raw block's prefetch is queued
 /// and its parts issued as they fill; only its own pre-forward waits for
-/// them (and the forward's last post-forward for every fill it issued), so
-/// a block's kernels launch once its own fills are in, never waiting for
-/// a later block's; a coded block's are all issued by the prefetching
+/// them, so a block's kernels launch once its own fills are in, never
+/// waiting for a later block's; a coded block's are all issued by the prefetching
 /// hook (its decode follows), so that block's kernels wait for its fills.
 #[derive(Clone, Copy, Debug)]
 pub struct HostStage<'a> {
@@ -360,17 +359,7 @@ pub fn hosted_ends(
                         // A raw one is queued: its parts are issued as
                         // they fill, and only the hook of the block itself
                         // waits for them (its fill is in before its copy,
-                        // above), except the forward's last hook, which
-                        // waits for every fill issued: the next forward's
-                        // first block launches after them.
-                        if i == 0 {
-                            for k in (0..issued).rev() {
-                                if fills.hosted[k] > 0.0 {
-                                    start = start.max(fills.hosted[k]);
-                                    break;
-                                }
-                            }
-                        }
+                        // above).
                         if !resident[i] {
                             start = start.max(fills.hosted[done.len()]);
                         }
