@@ -145,8 +145,8 @@ struct HostStaging<A: Api> {
 /// (CONTRACT §7c): a raw staged block, its parts issued in order as their
 /// fills land, or a pinned block, issued whole once the blocks before it
 /// are. The hook's thread waits for it only where compute needs it (the
-/// block's own pre-forward, a fill that takes its slot, the ring's last
-/// post-forward, a pool change); anywhere else it issues what is filled
+/// block's own pre-forward) or everything must be issued (a fill that is
+/// not a prefetch, a pool change); anywhere else it issues what is filled
 /// and goes on, so a block whose fill outlasts the compute before it
 /// holds back no kernels of the blocks before it.
 #[derive(Clone, Copy, Debug)]
@@ -997,17 +997,15 @@ fn queued_at<A: Api>(st: &State<A>, matches: impl Fn(&Queued) -> bool) -> Option
 
 /// Issues every queued fill, waiting for their fills, and records their
 /// slots' `ready`: called before anything that is not queued is enqueued
-/// on the copy stream, and wherever every block must be in (on-demand
-/// fills, a ring's last post-forward, a pool change). On an error see
-/// [`pump`].
+/// on the copy stream, and wherever every block must be in (fills that
+/// are not prefetches, a pool change). On an error see [`pump`].
 fn settle<A: Api>(engine: &Engine<A>, st: &mut State<A>) -> Result<(), OffloadError> {
     pump(engine, st, usize::MAX)
 }
 
 /// Issues the queue through the entry `matches` picks, waiting for its
 /// fills (and those before it), and whatever is filled after it: what
-/// compute needs before it reads that entry's slot, or before another
-/// fill takes it.
+/// compute needs before it waits for that entry's slot's `ready`.
 fn settle_through<A: Api>(
     engine: &Engine<A>,
     st: &mut State<A>,
