@@ -359,12 +359,7 @@ impl Transport {
                             what: &str,
                             copied: Option<&A::Event>|
          -> Result<(), OffloadError> {
-            wait(&h.copy, "copy")?;
-            if h.decode.is_some() {
-                h.device
-                    .stream_wait_event(&h.copy, &slot.ready)
-                    .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
-            }
+            copy_waits_for_slot(h, slot, wait_last_use)?;
             if let Some(t) = timer {
                 t.mark(&h.copy, Mark::CopyStart { bytes })?;
             }
@@ -665,6 +660,28 @@ impl Transport {
     }
 }
 
+/// The copy stream's waits before a copy into `slot`: its last use (unless
+/// `wait_last_use` is false, which only planted bugs ask for) and, where
+/// rings decode, its previous fill (a decode on the decode stream, of a
+/// prefetch this fill evicts).
+fn copy_waits_for_slot<A: Api>(
+    h: &Handles<A>,
+    slot: &Slot<A>,
+    wait_last_use: bool,
+) -> Result<(), OffloadError> {
+    if wait_last_use {
+        h.device
+            .stream_wait_event(&h.copy, &slot.last_use)
+            .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
+    }
+    if h.decode.is_some() {
+        h.device
+            .stream_wait_event(&h.copy, &slot.ready)
+            .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
+    }
+    Ok(())
+}
+
 /// The bytes a staging buffer takes of `master` (its coded bytes for a
 /// coded one); 0 for a master that is not staged.
 fn staged_len<A: Api>(master: &Master<A>) -> u64 {
@@ -845,16 +862,7 @@ fn issue_staged<A: Api>(
     let from = match part {
         Some(p) => p,
         None => {
-            if front.wait_last_use {
-                h.device
-                    .stream_wait_event(&h.copy, &slot.last_use)
-                    .map_err(|e| dev_err("stream_wait_event(copy, last use)", e))?;
-            }
-            if h.decode.is_some() {
-                h.device
-                    .stream_wait_event(&h.copy, &slot.ready)
-                    .map_err(|e| dev_err("stream_wait_event(copy, previous fill)", e))?;
-            }
+            copy_waits_for_slot(h, slot, front.wait_last_use)?;
             if let Some(q) = staging.queue.front_mut() {
                 q.staged = Some(Some(0));
             }
