@@ -8,7 +8,7 @@
 //! every fill, wrap-around and slot reuse the deeper look-ahead issues.
 
 use offload_core::OffloadConfig;
-use offload_core::budget::{self, BudgetError, Lookahead, RingShape};
+use offload_core::budget::{self, BudgetError, Lookahead, RingShape, StagedRing};
 use offload_core::lifecycle::OffloadError;
 use offload_core::runtime::PlantedBug;
 
@@ -131,6 +131,81 @@ pub fn lookahead(
     })
 }
 
+/// The look-ahead the staged chooser
+/// ([`offload_core::budget::choose_staged_lookahead`]) picks for `preset`'s
+/// DiT at `tokens`, deepest `max_depth`: with every master staged where
+/// `host_budget` is `None` (`pin_cpu_memory = false`), else with the blocks
+/// the host plan stages beyond a budget of that many bytes
+/// (`budget::plan_host`, as the engine plans them, the DiT's own tensors
+/// as the transient upload), each filled at `profile`'s `host_fill_gbps`
+/// through the staging ring the engine makes for them
+/// (`budget::host::staging_layout`).
+pub fn staged_lookahead(
+    preset: &Preset,
+    profile: &DeviceProfile,
+    tokens: u64,
+    host_budget: Option<u64>,
+    max_depth: usize,
+) -> Result<Lookahead, SweepError> {
+    let no_dit = || SweepError::NoDit {
+        preset: preset.name,
+    };
+    let (compute, copy, other, slot_bytes) =
+        ring_inputs(preset, profile, tokens).ok_or_else(no_dit)?;
+    let p = &preset.pipeline;
+    let dit = preset
+        .dits
+        .first()
+        .and_then(|d| p.module_id(d))
+        .ok_or_else(no_dit)?;
+    let bytes: Vec<u64> = blocks_of(p, dit)
+        .iter()
+        .map(|b| p.subtree_bytes(*b))
+        .collect();
+    let chooser = |source: BudgetError| SweepError::Lookahead {
+        tokens,
+        source: Box::new(source),
+    };
+    let staged: Vec<bool> = match host_budget {
+        None => vec![true; bytes.len()],
+        Some(budget) => {
+            let blocks: Vec<budget::HostBlock> =
+                bytes.iter().map(|b| budget::HostBlock::raw(*b)).collect();
+            let transient = p.subtree_bytes(dit) - bytes.iter().sum::<u64>();
+            let plan = budget::plan_host(&blocks, transient, Some(budget), true).map_err(|e| {
+                chooser(BudgetError::Input {
+                    input: "host_budget".to_owned(),
+                    value: budget.to_string(),
+                    allowed: e.to_string(),
+                })
+            })?;
+            plan.staged.iter().map(Option::is_some).collect()
+        }
+    };
+    let resident = vec![false; compute.len()];
+    let shape = RingShape {
+        compute_s: &compute,
+        copy_s: &copy,
+        resident: &resident,
+        other_s: other,
+        interference: profile.copy_interference,
+    };
+    let largest_staged = (0..bytes.len())
+        .filter(|&i| staged[i])
+        .map(|i| bytes[i])
+        .max()
+        .unwrap_or(0);
+    let ring = budget::host::staging_layout(largest_staged, host_budget.is_some());
+    let host = StagedRing {
+        staged: &staged,
+        staged_bytes: &bytes,
+        fill_bytes_per_s: profile.host_fill_gbps * 1e9,
+        buffers: usize::try_from(ring.buffers).unwrap_or(usize::MAX).max(1),
+        part_bytes: ring.part_bytes.max(1),
+    };
+    budget::choose_staged_lookahead(&shape, host, slot_bytes, max_depth, None).map_err(chooser)
+}
+
 /// Default layerwise at `tokens` on `profile`, at the chooser's look-ahead
 /// (deepest `max_depth`), with `bugs` planted: the steady-state step from
 /// two runs (`steps` and `2 × steps` denoising steps, one request each
@@ -180,7 +255,8 @@ pub struct StagedRow {
     pub compute_ms: f64,
     /// The streamed bytes over the link, ms.
     pub transfer_ms: f64,
-    /// The streamed bytes at the host's fill rate, ms.
+    /// The bytes the engine filled on the host at the profile's fill
+    /// rate, ms.
     pub fills_ms: f64,
     /// What the device's checkers saw broken.
     pub violations: Vec<String>,
@@ -195,18 +271,30 @@ impl StagedRow {
     }
 }
 
-/// [`StagedRow`] at `tokens` and `depth`.
+/// [`StagedRow`] at `tokens` and `depth`: every master staged where
+/// `host_budget` is `None`, else the masters beyond a host budget of that
+/// many bytes (`host_budget`, CONTRACT §7c). Its fills are the bytes the
+/// engine filled on the device's host (`SimStats::host_filled_bytes`).
 pub fn staged_point(
     preset: &Preset,
     profile: &DeviceProfile,
     tokens: u64,
-    depth: usize,
+    (depth, host_budget): (usize, Option<u64>),
     bugs: &[PlantedBug],
 ) -> Result<StagedRow, SweepError> {
-    let config = OffloadConfig {
-        enable_layerwise_offload: true,
-        pin_cpu_memory: Some(false),
-        ..OffloadConfig::default()
+    let config = match host_budget {
+        None => OffloadConfig {
+            enable_layerwise_offload: true,
+            pin_cpu_memory: Some(false),
+            ..OffloadConfig::default()
+        },
+        Some(bytes) => OffloadConfig {
+            enable_layerwise_offload: true,
+            host_budget: Some(offload_core::bytes::HostBudget::Bytes(
+                offload_core::bytes::ByteSize::new(bytes),
+            )),
+            ..OffloadConfig::default()
+        },
     };
     let m = measure(preset, profile, tokens, (depth, bugs), config)?;
     Ok(StagedRow {
@@ -215,7 +303,7 @@ pub fn staged_point(
         step_ms: m.step_ms,
         compute_ms: m.compute_ms,
         transfer_ms: m.transfer_ms,
-        fills_ms: m.block_bytes as f64 / (profile.host_fill_gbps * 1e9) * 1e3,
+        fills_ms: m.filled_bytes as f64 / (profile.host_fill_gbps * 1e9) * 1e3,
         violations: m.violations,
         output_matches: m.output_matches,
     })
@@ -226,7 +314,8 @@ struct Measured {
     step_ms: f64,
     compute_ms: f64,
     transfer_ms: f64,
-    block_bytes: u64,
+    /// Bytes filled into host staging buffers per step.
+    filled_bytes: u64,
     violations: Vec<String>,
     output_matches: bool,
 }
@@ -292,7 +381,11 @@ fn measure(
         step_ms,
         compute_ms: per_step(last.dit_compute_ns),
         transfer_ms: block_bytes as f64 / (profile.h2d_pinned_gbps * 1e9) * 1e3,
-        block_bytes,
+        filled_bytes: long
+            .at_end
+            .host_filled_bytes
+            .saturating_sub(short.at_end.host_filled_bytes)
+            / STEPS as u64,
         violations,
         output_matches,
     })
@@ -381,7 +474,7 @@ mod tests {
         let i = profile.copy_interference;
         let mut failed = Vec::new();
         for t in (9..=16u64).map(|k| k * 1024) {
-            let r = staged_point(&preset, &profile, t, 12, &[]).expect("runs");
+            let r = staged_point(&preset, &profile, t, (12, None), &[]).expect("runs");
             let floor = (r.compute_ms + i / (1.0 + i) * r.transfer_ms)
                 .max(r.fills_ms)
                 .max(r.transfer_ms);
@@ -403,6 +496,57 @@ mod tests {
         assert!(
             failed.is_empty(),
             "staged step / floor above 1.02 (tokens, ratio): {failed:?}"
+        );
+    }
+
+    /// Staged rings at the look-ahead the staged chooser picks
+    /// ([`staged_lookahead`]: the recurrence with the host stage), from
+    /// 4,096 to 16,384 tokens, every master staged and the masters beyond
+    /// an 8 GiB host budget, the host filling at the profile's 45 GB/s and
+    /// at 35 (an H100's fills beside the DMA ran 41–46): every step within
+    /// 1.02 of the staged path's floor, bit-identical, nothing the
+    /// checkers see. Where the staged fills bind (every master staged at
+    /// 35 GB/s, 13,312 tokens and up) the pinned chooser's depth is too
+    /// shallow. Seen red (2026-12-07) with the pinned chooser's depth
+    /// ([`lookahead`]): 1.056–1.096 at 14,336–16,384 tokens.
+    #[test]
+    fn the_staged_choosers_look_ahead_reaches_the_floor() {
+        let preset = flux_dit();
+        let mut failed = Vec::new();
+        for (budget, fill_gbps) in [
+            (None, 45.0),
+            (None, 35.0),
+            (Some(8u64 << 30), 45.0),
+            (Some(8 << 30), 35.0),
+        ] {
+            let profile = DeviceProfile {
+                host_fill_gbps: fill_gbps,
+                ..DeviceProfile::h200()
+            };
+            let i = profile.copy_interference;
+            for t in (4..=16u64).map(|k| k * 1024) {
+                let l = staged_lookahead(&preset, &profile, t, budget, MAX_DEPTH).expect("chooses");
+                let r = staged_point(&preset, &profile, t, (l.depth, budget), &[]).expect("runs");
+                let floor = (r.compute_ms + i / (1.0 + i) * r.transfer_ms)
+                    .max(r.fills_ms)
+                    .max(r.transfer_ms);
+                eprintln!(
+                    "budget {budget:?} fills {fill_gbps} GB/s tokens {t:>6}  depth {:>2}  step {:>7.2} ms  floor {:>7.2}  step/floor {:.4}",
+                    l.depth,
+                    r.step_ms,
+                    floor,
+                    r.step_ms / floor
+                );
+                assert!(r.violations.is_empty(), "{t} tokens: {:?}", r.violations);
+                assert!(r.output_matches, "{t} tokens: output differs from resident");
+                if r.step_ms / floor > 1.02 {
+                    failed.push((budget, fill_gbps, t, l.depth, r.step_ms / floor));
+                }
+            }
+        }
+        assert!(
+            failed.is_empty(),
+            "staged step / floor above 1.02 (budget, fill GB/s, tokens, depth, ratio): {failed:?}"
         );
     }
 

@@ -511,6 +511,9 @@ pub struct SimStats {
     /// allocation failure (a layerwise block whose pin is refused streams
     /// staged, CONTRACT §7c).
     pub pins_refused: u64,
+    /// Bytes the engine filled into host staging buffers
+    /// (`Device::host_filled`), on any thread.
+    pub host_filled_bytes: u64,
 }
 
 /// One host allocation (pinned or registered) and its bytes, as the device
@@ -2025,6 +2028,7 @@ impl Device<Sim> for SimDevice {
     /// its own, whose time this clock does not keep: nothing.
     fn host_filled(&self, bytes: u64) {
         let mut st = self.state();
+        st.stats.host_filled_bytes = st.stats.host_filled_bytes.saturating_add(bytes);
         let gbps = st.profile.host_fill_gbps;
         if st.host_threads || !gbps.is_finite() || gbps <= 0.0 {
             return;

@@ -40,9 +40,9 @@ use crate::plan::PlanError;
 pub use host::{HostBlock, HostLimits, HostPlan, StageReason, host_limits, plan_host};
 pub use ring::{
     CompressionChoice, DECODE_INTERFERENCE, DecodeStage, HostStage, Lookahead,
-    MAX_DECODE_INTERFERENCE, RingShape, StagedForecast, choose_compression, choose_lookahead,
-    copies_exposed, forecast_staged, forward_ends, forwards_s, hidden_choice, hosted_ends,
-    predict_step, staged_ends, steady_s,
+    MAX_DECODE_INTERFERENCE, RingShape, StagedForecast, StagedRing, choose_compression,
+    choose_lookahead, choose_staged_lookahead, copies_exposed, forecast_staged, forward_ends,
+    forwards_s, hidden_choice, hosted_ends, predict_step, staged_ends, steady_s,
 };
 pub use search::{
     Evaluation, Evaluator, PAST_LIMIT_PART_SAID, PhaseEvaluation, Stack,

@@ -488,7 +488,8 @@ pub struct Lookahead {
     pub slot_memory_bytes: u64,
     /// The recurrence's steady-state forward at this depth, seconds.
     pub predicted_step_s: f64,
-    /// `max(compute, streamed copies)`, seconds.
+    /// `max(compute, streamed copies)`, seconds; with staged masters
+    /// ([`choose_staged_lookahead`]) the host's fills too.
     pub limit_s: f64,
 }
 
@@ -552,24 +553,7 @@ pub fn choose_lookahead(
             "a finite number from 0 to 1",
         );
     }
-    if !(1..=MAX_DEPTH).contains(&max_depth) {
-        return bad("max_depth", max_depth.to_string(), "1 to 64");
-    }
-    let depths = match max_slot_memory_bytes {
-        None => max_depth,
-        Some(cap) => {
-            let fit = usize::try_from(cap / slot_bytes.max(1)).unwrap_or(usize::MAX);
-            if fit < 2 {
-                return bad(
-                    "max_slot_memory_bytes",
-                    cap.to_string(),
-                    "at least two slots of the largest streamed block",
-                );
-            }
-            max_depth.min(fit - 1)
-        }
-    };
-    let limit_s = shape.limit_s();
+    let depths = allowed_depths(slot_bytes, max_depth, max_slot_memory_bytes)?;
     let predicted: Vec<f64> = (1..=depths)
         .map(|d| {
             predict_step(
@@ -582,6 +566,48 @@ pub fn choose_lookahead(
             )
         })
         .collect();
+    Ok(knee(&predicted, slot_bytes, shape.limit_s()))
+}
+
+/// The deepest look-ahead a chooser may price: `max_depth` (1 to 64), and
+/// where `max_slot_memory_bytes` is given, one fewer than the slots of
+/// `slot_bytes` it holds (at least two). Typed errors otherwise.
+fn allowed_depths(
+    slot_bytes: u64,
+    max_depth: usize,
+    max_slot_memory_bytes: Option<u64>,
+) -> Result<usize, BudgetError> {
+    let bad = |input: &str, value: String, allowed: &str| {
+        Err(BudgetError::Input {
+            input: input.to_owned(),
+            value,
+            allowed: allowed.to_owned(),
+        })
+    };
+    if !(1..=MAX_DEPTH).contains(&max_depth) {
+        return bad("max_depth", max_depth.to_string(), "1 to 64");
+    }
+    match max_slot_memory_bytes {
+        None => Ok(max_depth),
+        Some(cap) => {
+            let fit = usize::try_from(cap / slot_bytes.max(1)).unwrap_or(usize::MAX);
+            if fit < 2 {
+                return bad(
+                    "max_slot_memory_bytes",
+                    cap.to_string(),
+                    "at least two slots of the largest streamed block",
+                );
+            }
+            Ok(max_depth.min(fit - 1))
+        }
+    }
+}
+
+/// The chooser's rule over `predicted[d − 1]`, the recurrence's forward at
+/// each depth d from 1: one deeper than the knee, the shallowest depth as
+/// short as the best (within [`TIE`]), where allowed.
+fn knee(predicted: &[f64], slot_bytes: u64, limit_s: f64) -> Lookahead {
+    let depths = predicted.len().max(1);
     let best = predicted.iter().copied().fold(f64::INFINITY, f64::min);
     // The knee: the shallowest depth as short as the best. One slot more
     // than the knee, where allowed: the recurrence knows no jitter, and a
@@ -593,16 +619,16 @@ pub fn choose_lookahead(
         .position(|t| *t <= best * (1.0 + TIE))
         .unwrap_or(0);
     let i = (knee + 1).min(depths - 1);
-    let predicted_step_s = predicted[i];
+    let predicted_step_s = predicted.get(i).copied().unwrap_or(f64::NAN);
     let depth = i + 1;
-    Ok(Lookahead {
+    Lookahead {
         depth,
         slots: depth + 1,
         slot_bytes,
         slot_memory_bytes: (depth as u64 + 1).saturating_mul(slot_bytes),
         predicted_step_s,
         limit_s,
-    })
+    }
 }
 
 /// What the recurrence forecasts of one ring whose masters are partly
@@ -685,7 +711,8 @@ pub fn forecast_staged(
             allowed: "at least one buffer of at least one byte".to_owned(),
         });
     }
-    choose_lookahead(shape, 1, depth.clamp(1, MAX_DEPTH), None)?;
+    // The shape's own checks (its depth plays no part in them).
+    choose_lookahead(shape, 1, 1, None)?;
     // The look-ahead the recurrence runs (a ring of m streamed blocks looks
     // at most m − 1 ahead).
     let streamed_n = shape.resident.iter().filter(|r| !**r).count();
@@ -732,6 +759,62 @@ pub fn forecast_staged(
             .sum(),
         fills_s: host.fills_s(),
     })
+}
+
+/// The host stage of a ring with staged masters (CONTRACT §7c) as
+/// [`choose_staged_lookahead`] sees it: which blocks stream staged and
+/// their staged bytes, the host's fill rate, and the staging ring (its
+/// buffers and their bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct StagedRing<'a> {
+    /// Per block (forward order): whether it streams staged.
+    pub staged: &'a [bool],
+    /// Per block: the bytes its fill copies (coded bytes for a coded block).
+    pub staged_bytes: &'a [u64],
+    /// The host's fill rate, bytes per second.
+    pub fill_bytes_per_s: f64,
+    /// The host staging ring's buffers.
+    pub buffers: usize,
+    /// Bytes of each staging buffer (a larger block goes in parts).
+    pub part_bytes: u64,
+}
+
+/// [`choose_lookahead`] for a ring whose masters are partly or wholly
+/// staged: the same rule (one deeper than the shallowest depth whose
+/// steady-state forward is as short as any allowed, within a thousandth)
+/// over the forward [`forecast_staged`] gives at each depth, so the host's
+/// fills count as the copies do. Where a staged block's fill outlasts the
+/// compute before it (Flux's double blocks at the crossover), the host must
+/// run its fills ahead through the compute-bound stretch, and the depth
+/// that lets it is deeper than the pinned ring's (on an H100 at 10,752
+/// tokens, 8 GiB of 23.67 GB pinned: depth 2 ran 1.108 of the limit, depth
+/// 8 1.010–1.017). The `limit_s` it returns is the staged path's:
+/// `max(compute, streamed copies, the host's fills)`. Typed errors as
+/// [`choose_lookahead`]'s and [`forecast_staged`]'s.
+pub fn choose_staged_lookahead(
+    shape: &RingShape<'_>,
+    host: StagedRing<'_>,
+    slot_bytes: u64,
+    max_depth: usize,
+    max_slot_memory_bytes: Option<u64>,
+) -> Result<Lookahead, BudgetError> {
+    let depths = allowed_depths(slot_bytes, max_depth, max_slot_memory_bytes)?;
+    let forecast = |d: usize| {
+        forecast_staged(
+            shape,
+            host.staged,
+            host.staged_bytes,
+            host.fill_bytes_per_s,
+            (d, host.buffers, host.part_bytes),
+        )
+    };
+    let first = forecast(1)?;
+    let limit_s = first.compute_s.max(first.link_s).max(first.fills_s);
+    let mut predicted = vec![first.forward_s];
+    for d in 2..=depths {
+        predicted.push(forecast(d)?.forward_s);
+    }
+    Ok(knee(&predicted, slot_bytes, limit_s))
 }
 
 /// What [`choose_compression`] chose for one ring: whether it streams
@@ -1399,6 +1482,147 @@ mod tests {
         // A memory cap bounds the depth.
         let capped = choose_lookahead(&shape, 100, 16, Some(350)).unwrap();
         assert_eq!((capped.depth, capped.slot_memory_bytes), (2, 300));
+    }
+
+    /// A ring whose pinned copies hide behind compute at any look-ahead
+    /// (Flux's blocks a little past the crossover, ms: double blocks of 13
+    /// ms compute and 12.4 ms copy, single blocks of 10 and 5.2) but whose
+    /// staged fills do not (the host fills 45 GB/s: 15.1 ms for a double
+    /// block). The pinned chooser stops at depth 2; the staged chooser runs
+    /// the fills ahead through the single blocks into the double ones, to
+    /// within the tie of the staged path's limit, where the pinned
+    /// chooser's depth is over 2 % above it. Red with the staged chooser
+    /// pricing the pinned ring (the host stage left out).
+    #[test]
+    fn the_staged_chooser_runs_the_fills_ahead() {
+        let mut compute = vec![13.0e-3; 19];
+        compute.extend([10.0e-3; 38]);
+        let mut copy = vec![12.4e-3; 19];
+        copy.extend([5.2e-3; 38]);
+        let mut bytes = vec![680_000_000u64; 19];
+        bytes.extend([283_000_000u64; 38]);
+        let n = compute.len();
+        let resident = vec![false; n];
+        let shape = RingShape {
+            compute_s: &compute,
+            copy_s: &copy,
+            resident: &resident,
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        let staged = vec![true; n];
+        let host = StagedRing {
+            staged: &staged,
+            staged_bytes: &bytes,
+            fill_bytes_per_s: 45e9,
+            buffers: 8,
+            part_bytes: 64 << 20,
+        };
+        let pinned = choose_lookahead(&shape, 700_000_000, 16, None).unwrap();
+        assert!(pinned.depth <= 3, "{pinned:?}");
+        let l = choose_staged_lookahead(&shape, host, 700_000_000, 16, None).unwrap();
+        let at = |depth: usize| {
+            forecast_staged(&shape, &staged, &bytes, 45e9, (depth, 8, 64 << 20))
+                .unwrap()
+                .forward_s
+        };
+        eprintln!(
+            "pinned {pinned:?}\nstaged {l:?}\nat the pinned depth: {:.4} s",
+            at(pinned.depth)
+        );
+        assert!(l.depth > pinned.depth, "{l:?}");
+        assert!((l.predicted_step_s - at(l.depth)).abs() < 1e-12, "{l:?}");
+        assert!(l.predicted_step_s <= l.limit_s * (1.0 + 2e-3), "{l:?}");
+        // The pinned chooser's depth leaves the staged ring 2 % over.
+        assert!(
+            at(pinned.depth) > l.limit_s * 1.02,
+            "depth {}: {}",
+            pinned.depth,
+            at(pinned.depth)
+        );
+        // The limit is the staged path's, max(compute, copies, fills):
+        // compute here.
+        let fills: f64 = bytes.iter().map(|b| *b as f64 / 45e9).sum();
+        let sum = |v: &[f64]| v.iter().sum::<f64>();
+        assert!(fills < sum(&compute) && sum(&copy) < sum(&compute));
+        assert!((l.limit_s - sum(&compute)).abs() < 1e-12, "{l:?}");
+        let slow = StagedRing {
+            fill_bytes_per_s: 30e9,
+            ..host
+        };
+        let bound = choose_staged_lookahead(&shape, slow, 700_000_000, 16, None).unwrap();
+        assert!((bound.limit_s - fills * 1.5).abs() < 1e-9, "{bound:?}");
+        // A memory cap bounds it as it bounds the pinned chooser.
+        let capped = choose_staged_lookahead(&shape, host, 100, 16, Some(350)).unwrap();
+        assert_eq!((capped.depth, capped.slot_memory_bytes), (2, 300));
+        // Nothing staged: the pinned chooser's depth.
+        let none = vec![false; n];
+        let unstaged = StagedRing {
+            staged: &none,
+            ..host
+        };
+        let same = choose_staged_lookahead(&shape, unstaged, 700_000_000, 16, None).unwrap();
+        assert_eq!(same.depth, pinned.depth, "{same:?}");
+    }
+
+    #[test]
+    fn unusable_staged_chooser_inputs_are_typed_errors() {
+        let compute = [1.0; 3];
+        let shape = RingShape {
+            compute_s: &compute,
+            copy_s: &[1.0; 3],
+            resident: &[false; 3],
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        let host = StagedRing {
+            staged: &[true; 3],
+            staged_bytes: &[1; 3],
+            fill_bytes_per_s: 1.0,
+            buffers: 2,
+            part_bytes: 1,
+        };
+        let input = |r: Result<Lookahead, BudgetError>| match r {
+            Err(BudgetError::Input { input, .. }) => input,
+            other => panic!("expected an input error, got {other:?}"),
+        };
+        let short = StagedRing {
+            staged: &[true; 2],
+            ..host
+        };
+        assert_eq!(
+            input(choose_staged_lookahead(&shape, short, 1, 4, None)),
+            "staged ring shape"
+        );
+        let slow = StagedRing {
+            fill_bytes_per_s: 0.0,
+            ..host
+        };
+        assert_eq!(
+            input(choose_staged_lookahead(&shape, slow, 1, 4, None)),
+            "host fill rate"
+        );
+        let empty = StagedRing { buffers: 0, ..host };
+        assert_eq!(
+            input(choose_staged_lookahead(&shape, empty, 1, 4, None)),
+            "host staging ring"
+        );
+        assert_eq!(
+            input(choose_staged_lookahead(&shape, host, 1, 0, None)),
+            "max_depth"
+        );
+        assert_eq!(
+            input(choose_staged_lookahead(&shape, host, 10, 4, Some(19))),
+            "max_slot_memory_bytes"
+        );
+        let bad = RingShape {
+            interference: 2.0,
+            ..shape
+        };
+        assert_eq!(
+            input(choose_staged_lookahead(&bad, host, 1, 4, None)),
+            "copy_interference"
+        );
     }
 
     #[test]

@@ -226,6 +226,19 @@ pub trait Backend<A: Api>: OffloadBackend {
         Ok(Vec::new())
     }
 
+    /// The look-ahead the recurrence chooses for each ring with staged
+    /// masters, by the ring's first block: layerwise's
+    /// [`crate::runtime::LayerwiseBackend::staged_lookahead`]; empty for
+    /// every other backend.
+    fn staged_lookahead(
+        &self,
+        inputs: Option<&PlannerInputs>,
+        max_depth: usize,
+    ) -> Result<Vec<(String, crate::budget::Lookahead)>, OffloadError> {
+        let _ = (inputs, max_depth);
+        Ok(Vec::new())
+    }
+
     /// Device bytes this backend holds for weights now.
     fn device_weight_bytes(&self) -> u64;
 

@@ -2634,6 +2634,54 @@ impl<A: Api> LayerwiseBackend<A> {
         &self,
         inputs: Option<&crate::budget::PlannerInputs>,
     ) -> Result<Vec<(String, crate::budget::StagedForecast)>, OffloadError> {
+        self.each_staged_ring(inputs, |shape, host, depth, _| {
+            crate::budget::forecast_staged(
+                shape,
+                host.staged,
+                host.staged_bytes,
+                host.fill_bytes_per_s,
+                (depth, host.buffers, host.part_bytes),
+            )
+        })
+    }
+
+    /// The look-ahead the recurrence chooses for each ring with staged
+    /// masters, by its first block's path
+    /// ([`crate::budget::choose_staged_lookahead`], depths 1 to
+    /// `max_depth`, slots of the ring's largest block): from the same
+    /// inputs as [`Self::staged_forecast`] (the platform's planner inputs
+    /// or `inputs`, the host's fill rate its own fills ran at over their
+    /// last pass). Where a staged block's fill outlasts the compute before
+    /// it, the host must run its fills ahead and this depth is deeper than
+    /// a pinned ring's; a caller passes it as `prefetch_depth`. Empty and
+    /// typed errors as [`Self::staged_forecast`]'s, and a `max_depth`
+    /// outside 1 to 64.
+    pub fn staged_lookahead(
+        &self,
+        inputs: Option<&crate::budget::PlannerInputs>,
+        max_depth: usize,
+    ) -> Result<Vec<(String, crate::budget::Lookahead)>, OffloadError> {
+        self.each_staged_ring(inputs, |shape, host, _, slot_bytes| {
+            crate::budget::choose_staged_lookahead(shape, host, slot_bytes, max_depth, None)
+        })
+    }
+
+    /// `f` over each ring with staged masters (not gathered), by its first
+    /// block's path: its shape from the planner inputs (`inputs`, else the
+    /// platform's), its host stage at the rate this engine's fills ran at
+    /// over their last pass, this engine's depth and the ring's largest
+    /// block. Empty while disabled, where nothing is staged, or before the
+    /// first staged fill.
+    fn each_staged_ring<T>(
+        &self,
+        inputs: Option<&crate::budget::PlannerInputs>,
+        f: impl Fn(
+            &crate::budget::RingShape<'_>,
+            crate::budget::StagedRing<'_>,
+            usize,
+            u64,
+        ) -> Result<T, crate::budget::BudgetError>,
+    ) -> Result<Vec<(String, T)>, OffloadError> {
         let guard = self.engine.lock();
         let Some(st) = guard.as_ref() else {
             return Ok(Vec::new());
@@ -2696,15 +2744,17 @@ impl<A: Api> LayerwiseBackend<A> {
                 other_s,
                 interference: inputs.copy_interference,
             };
-            let forecast = crate::budget::forecast_staged(
-                &shape,
-                &staged,
-                &staged_bytes,
-                rate,
-                (st.depth, buffers, part_bytes),
-            )
-            .map_err(|e| OffloadError::Budget(Box::new(e)))?;
-            out.push((ring.blocks[0].unit.name.clone(), forecast));
+            let host = crate::budget::StagedRing {
+                staged: &staged,
+                staged_bytes: &staged_bytes,
+                fill_bytes_per_s: rate,
+                buffers,
+                part_bytes,
+            };
+            let slot_bytes = ring.blocks.iter().map(|m| m.unit.bytes).max().unwrap_or(0);
+            let value = f(&shape, host, st.depth, slot_bytes)
+                .map_err(|e| OffloadError::Budget(Box::new(e)))?;
+            out.push((ring.blocks[0].unit.name.clone(), value));
         }
         Ok(out)
     }
@@ -3283,6 +3333,14 @@ impl<A: Api> Backend<A> for LayerwiseBackend<A> {
         inputs: Option<&crate::budget::PlannerInputs>,
     ) -> Result<Vec<(String, crate::budget::StagedForecast)>, OffloadError> {
         LayerwiseBackend::staged_forecast(self, inputs)
+    }
+
+    fn staged_lookahead(
+        &self,
+        inputs: Option<&crate::budget::PlannerInputs>,
+        max_depth: usize,
+    ) -> Result<Vec<(String, crate::budget::Lookahead)>, OffloadError> {
+        LayerwiseBackend::staged_lookahead(self, inputs, max_depth)
     }
 }
 
