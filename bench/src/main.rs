@@ -214,6 +214,13 @@ pub(crate) struct Args {
     /// parts of an eighth (CONTRACT §7c). Empty: the library's default.
     #[arg(long, value_delimiter = ',')]
     staging_rings: Vec<String>,
+    /// With `--host-budgets`: each staged row whose ring the staged
+    /// chooser (`LayerwiseBackend::staged_lookahead`: the recurrence with
+    /// the host stage, at the fill rate the row's own fills ran at, from
+    /// this token count's traced compute) would run at another depth runs
+    /// once more at that depth (`staged chooser` rows).
+    #[arg(long)]
+    staged_chooser: bool,
     /// How the loader's bytes are copied into staging buffers and pinned
     /// masters: `streaming` (`offload_core::copy::copy_streaming`, the
     /// library's weight sources' copy: non-temporal stores) or `plain`
@@ -472,6 +479,10 @@ impl Settings {
         ensure!(
             args.staging_rings.is_empty() || !args.host_budgets.is_empty(),
             "--staging-rings sizes the staging ring of the staged rows: with --host-budgets only"
+        );
+        ensure!(
+            !args.staged_chooser || !args.host_budgets.is_empty(),
+            "--staged-chooser runs staged rows again at the staged chooser's depth: with --host-budgets only"
         );
         let staging_rings = args
             .staging_rings
@@ -1153,6 +1164,10 @@ struct Row {
     forecast_fill_gbps: Option<f64>,
     /// The bound the forecast sits on (compute, the link, the host's fills).
     forecast_bound: Option<String>,
+    /// Staged rows: the look-ahead the staged chooser picks for the ring
+    /// (`Backend::staged_lookahead`, depths 1 to 16, from the same inputs
+    /// as the forecast) and its forecast there.
+    staged_chooser: Option<budget::Lookahead>,
 }
 
 /// One run: a backend and the token counts it runs.
@@ -1745,9 +1760,12 @@ fn run() -> Result<()> {
             }
             // The engine's forecast of a staged step, from its own fill rate.
             let inputs = forecast_inputs.borrow().get(&tokens).cloned();
-            let forecast = match (rt.backend(), inputs, staged_bytes > 0) {
-                (Some(b), Some(inputs), true) => b.staged_forecast(Some(&inputs))?,
-                _ => Vec::new(),
+            let (forecast, chooser) = match (rt.backend(), inputs, staged_bytes > 0) {
+                (Some(b), Some(inputs), true) => (
+                    b.staged_forecast(Some(&inputs))?,
+                    b.staged_lookahead(Some(&inputs), MAX_PLANNED_DEPTH)?,
+                ),
+                _ => (Vec::new(), Vec::new()),
             };
             // The allocator's high-water mark, less what was in use before
             // enable (the proxy's scratch): device bytes held for weights.
@@ -1876,6 +1894,7 @@ fn run() -> Result<()> {
                     .then(|| forecast.iter().map(|(_, f)| f.forward_s).sum()),
                 forecast_fill_gbps: forecast.first().map(|(_, f)| f.fill_bytes_per_s / 1e9),
                 forecast_bound: forecast.first().map(|(_, f)| f.bound().to_owned()),
+                staged_chooser: chooser.first().map(|(_, l)| *l),
             });
             if let Some(c) = &mut copier {
                 c.check()?;
@@ -2055,6 +2074,12 @@ fn run() -> Result<()> {
     } else {
         settings.staging_rings.iter().copied().map(Some).collect()
     };
+    // Each staged spec's backend and name at any depth, by its name: what a
+    // `--staged-chooser` row runs again at the chooser's depth.
+    type Remake<'a> = Box<dyn Fn(usize) -> Box<MakeBackend<'a>> + 'a>;
+    type Named<'a> = Box<dyn Fn(usize) -> String + 'a>;
+    let mut templates: BTreeMap<String, (Named<'_>, Remake<'_>, bool)> = BTreeMap::new();
+    let over = &layerwise_over;
     for repeat in 0..args.repeats {
         for &ring in &staging_rings {
             for &h in &host_rows {
@@ -2073,26 +2098,30 @@ fn run() -> Result<()> {
                             sources.iter().filter(|(f, _)| !coded || f.is_none())
                         {
                             let file = reads.is_some();
-                            let layerwise =
-                                layerwise_over(config.clone(), d, None, weights.clone());
                             let masters = file_masters.as_ref().map(|(f, _)| Arc::clone(f));
                             let reads = *reads;
-                            let inner: Box<MakeBackend<'_>> = Box::new(move || {
-                                if let (Some(f), Some(way)) = (&masters, reads) {
-                                    f.set_reads(way);
+                            let (config, weights) = (config.clone(), weights.clone());
+                            let remake: Remake<'_> = Box::new(move |depth: usize| {
+                                let layerwise = over(config.clone(), depth, None, weights.clone());
+                                let masters = masters.clone();
+                                let inner: Box<MakeBackend<'_>> = Box::new(move || {
+                                    if let (Some(f), Some(way)) = (&masters, reads) {
+                                        f.set_reads(way);
+                                    }
+                                    layerwise()
+                                });
+                                match ring {
+                                    None => inner,
+                                    Some(bytes) => Box::new(move || {
+                                        offload_core::budget::host::set_staging_ring_bytes(bytes);
+                                        inner()
+                                    }),
                                 }
-                                layerwise()
                             });
-                            let make: Box<MakeBackend<'_>> = match ring {
-                                None => inner,
-                                Some(bytes) => Box::new(move || {
-                                    offload_core::budget::host::set_staging_ring_bytes(bytes);
-                                    inner()
-                                }),
-                            };
-                            specs.push(Spec {
-                                name: format!(
-                                    "layerwise depth {d}{}{} {}{}{suffix}",
+                            let suffix = suffix.clone();
+                            let name = move |depth: usize| {
+                                format!(
+                                    "layerwise depth {depth}{}{} {}{}{suffix}",
                                     match reads {
                                         None => "",
                                         Some(staged::FileReads::Pread) => " file",
@@ -2104,7 +2133,10 @@ fn run() -> Result<()> {
                                         " ring {}",
                                         offload_core::bytes::ByteSize::new(b)
                                     ))
-                                ),
+                                )
+                            };
+                            specs.push(Spec {
+                                name: name(d),
                                 repeat,
                                 lookahead: BTreeMap::new(),
                                 proxy: &proxy,
@@ -2112,10 +2144,11 @@ fn run() -> Result<()> {
                                 streamed: streamed_all,
                                 tokens: settings.tokens.clone(),
                                 compression,
-                                make,
+                                make: remake(d),
                                 file,
                                 beside: false,
                             });
+                            templates.insert(name(d), (Box::new(name), remake, file));
                         }
                     }
                 }
@@ -2124,6 +2157,37 @@ fn run() -> Result<()> {
     }
     for spec in &specs {
         run(spec, &mut rows)?;
+    }
+    if args.staged_chooser {
+        // Each staged row whose chooser would run another depth, once more
+        // at that depth, in the order the rows ran.
+        let again: Vec<Spec<'_>> = rows
+            .iter()
+            .filter_map(|r| {
+                let (name, remake, file) = templates.get(&r.run)?;
+                let l = r.staged_chooser?;
+                (l.depth != r.depth).then(|| Spec {
+                    name: format!("{} staged chooser", name(l.depth)),
+                    repeat: r.repeat,
+                    lookahead: BTreeMap::new(),
+                    proxy: &proxy,
+                    depth: l.depth,
+                    streamed: streamed_all,
+                    tokens: vec![r.tokens],
+                    compression: if r.weight_compression == "none" {
+                        Compression::None
+                    } else {
+                        Compression::Lossless
+                    },
+                    make: remake(l.depth),
+                    file: *file,
+                    beside: false,
+                })
+            })
+            .collect();
+        for spec in &again {
+            run(spec, &mut rows)?;
+        }
     }
     for r in &mut rows {
         let (resident_step, resident_output, _) = resident
@@ -2431,9 +2495,11 @@ fn print_staged_summary(
         ))
     );
     println!(
-        "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | forecast s (fill GB/s, bound) | step / forecast | output == resident |"
+        "| run | tokens | staged GB | pinned + registered GB (backend) | page-locked peak GB (device) | step s | pinned limit s | step / pinned limit | staged limit s | step / staged limit | forecast s (fill GB/s, bound) | step / forecast | staged chooser: depth (forecast s) | output == resident |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
     // Coded rows too: their staged GB are coded bytes, their own limit
     // not computed (0).
     for r in rows
@@ -2444,8 +2510,11 @@ fn print_staged_summary(
             (Some(f), Some(g), Some(b)) => format!("{f:.4} ({g:.2}, {b})"),
             _ => "–".to_owned(),
         };
+        let chooser = r.staged_chooser.map_or("–".to_owned(), |l| {
+            format!("{} ({:.4})", l.depth, l.predicted_step_s)
+        });
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {forecast} | {} | {} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.4} | {:.4} | {:.3} | {:.4} | {:.3} | {forecast} | {} | {chooser} | {} |",
             r.run,
             r.tokens,
             r.staged_bytes as f64 / 1e9,
@@ -2629,6 +2698,16 @@ mod tests {
             (
                 &["--host-budgets", "8GiB", "--staging-rings", "512MiB,0"],
                 Err("--staging-rings: "),
+            ),
+            (
+                &["--staged-chooser"],
+                Err(
+                    "--staged-chooser runs staged rows again at the staged chooser's depth: with --host-budgets only",
+                ),
+            ),
+            (
+                &["--staged-chooser", "--host-budgets", "8GiB"],
+                Ok(vec![4608, 16896]),
             ),
             (
                 &["--host-budgets", "8GiB", "--staging-rings", "512"],
