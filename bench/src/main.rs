@@ -2160,13 +2160,19 @@ fn run() -> Result<()> {
     }
     if args.staged_chooser {
         // Each staged row whose chooser would run another depth, once more
-        // at that depth, in the order the rows ran.
+        // at that depth, in the order the rows ran: once per (row, depth,
+        // tokens, repeat), and not where `--depths` already ran it.
+        let mut ran: std::collections::BTreeSet<(String, u32, u64)> = rows
+            .iter()
+            .map(|r| (r.run.clone(), r.repeat, r.tokens))
+            .collect();
         let again: Vec<Spec<'_>> = rows
             .iter()
             .filter_map(|r| {
                 let (name, remake, file) = templates.get(&r.run)?;
                 let l = r.staged_chooser?;
-                (l.depth != r.depth).then(|| Spec {
+                let key = (name(l.depth), r.repeat, r.tokens);
+                (l.depth != r.depth && ran.insert(key)).then(|| Spec {
                     name: format!("{} staged chooser", name(l.depth)),
                     repeat: r.repeat,
                     lookahead: BTreeMap::new(),

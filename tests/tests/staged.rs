@@ -644,6 +644,8 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
     let inputs =
         offload_sim::plan::estimated_inputs(&w.preset, &DeviceProfile::h200(), w.tokens, 3);
     type Seen = Vec<Result<Vec<(String, StagedForecast)>, String>>;
+    type Chosen = Vec<Result<Vec<(String, offload_core::budget::Lookahead)>, String>>;
+    let chosen: std::cell::RefCell<[Chosen; 3]> = Default::default();
     let forecasts = |pin: Option<bool>,
                      planner: Option<offload_core::budget::PlannerInputs>,
                      faults: FaultPlan| {
@@ -670,6 +672,10 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
                 let b = rig.runtime.backend().expect("enabled");
                 seen.push(b.staged_forecast(None).map_err(|e| e.to_string()));
                 given.push(b.staged_forecast(Some(&inputs)).map_err(|e| e.to_string()));
+                let mut c = chosen.borrow_mut();
+                for (k, depth) in [2, 16, 0].into_iter().enumerate() {
+                    c[k].push(b.staged_lookahead(None, depth).map_err(|e| e.to_string()));
+                }
                 Ok(m)
             },
             |_| {},
@@ -680,6 +686,39 @@ fn the_staged_forecast_reads_the_fills_the_engine_ran() {
     };
     let (seen, given) = forecasts(Some(false), Some(inputs.clone()), FaultPlan::none());
     assert_eq!(seen.len(), w.requests);
+    // The staged look-ahead (`Backend::staged_lookahead`) reads the same
+    // rings and inputs: up to depth 2 its rule picks depth 2, whose
+    // forward is the forecast's at the engine's depth 2, and its limit is
+    // the staged path's. Up to 16 a depth in range; a max_depth of 0 is a
+    // typed error naming it.
+    let [upto2, upto16, zero] = chosen.take();
+    for ((f, l2), l16) in seen.iter().zip(&upto2).zip(&upto16) {
+        let (f, l2, l16) = (
+            f.as_ref().unwrap(),
+            l2.as_ref().unwrap(),
+            l16.as_ref().unwrap(),
+        );
+        assert_eq!(
+            f.iter().map(|(r, _)| r).collect::<Vec<_>>(),
+            l2.iter().map(|(r, _)| r).collect::<Vec<_>>()
+        );
+        for (((ring, f), (_, l)), (_, deep)) in f.iter().zip(l2).zip(l16) {
+            assert_eq!((l.depth, l.slots), (2, 3), "{ring}: {l:?}");
+            assert!(l.slot_bytes > 0, "{ring}: {l:?}");
+            assert!(
+                (l.predicted_step_s - f.forward_s).abs() <= 1e-12 * f.forward_s,
+                "{ring}: {l:?} against {f:?}"
+            );
+            let limit = f.compute_s.max(f.link_s).max(f.fills_s);
+            assert!((l.limit_s - limit).abs() <= 1e-12 * limit, "{ring}: {l:?}");
+            assert!((1..=16).contains(&deep.depth), "{ring}: {deep:?}");
+            assert_eq!(deep.limit_s, l.limit_s, "{ring}");
+        }
+    }
+    for e in &zero {
+        let e = e.as_ref().unwrap_err();
+        assert!(e.contains("max_depth"), "{e}");
+    }
     for (f, g) in seen.iter().zip(&given) {
         let f = f.as_ref().unwrap();
         assert_eq!(f, g.as_ref().unwrap(), "the platform's inputs are these");

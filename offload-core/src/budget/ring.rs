@@ -757,7 +757,12 @@ pub fn forecast_staged(
             .filter(|&i| streamed(i))
             .map(|i| shape.copy_s[i])
             .sum(),
-        fills_s: host.fills_s(),
+        // The fills of the streamed staged blocks (a resident block is
+        // never filled, whatever its flag).
+        fills_s: (0..n)
+            .filter(|&i| staged[i] && streamed(i))
+            .map(|i| fill_s[i])
+            .sum(),
     })
 }
 
@@ -786,9 +791,11 @@ pub struct StagedRing<'a> {
 /// fills count as the copies do. Where a staged block's fill outlasts the
 /// compute before it (Flux's double blocks at the crossover), the host must
 /// run its fills ahead through the compute-bound stretch, and the depth
-/// that lets it is deeper than the pinned ring's (on an H100 at 10,752
-/// tokens, 8 GiB of 23.67 GB pinned: depth 2 ran 1.108 of the limit, depth
-/// 8 1.010–1.017). The `limit_s` it returns is the staged path's:
+/// that lets it can be deeper than the pinned ring's (on the simulator,
+/// every master staged filling at 35 GB/s, the pinned chooser's depth ran
+/// 1.08–1.12 of the limit at 14,336–16,384 tokens; an H100 at 10,752
+/// tokens under an 8 GiB host budget ran 1.108 at depth 2 and 1.010–1.017
+/// at depth 8). The `limit_s` it returns is the staged path's:
 /// `max(compute, streamed copies, the host's fills)`. Typed errors as
 /// [`choose_lookahead`]'s and [`forecast_staged`]'s.
 pub fn choose_staged_lookahead(
@@ -1484,15 +1491,16 @@ mod tests {
         assert_eq!((capped.depth, capped.slot_memory_bytes), (2, 300));
     }
 
-    /// A ring whose pinned copies hide behind compute at any look-ahead
-    /// (Flux's blocks a little past the crossover, ms: double blocks of 13
-    /// ms compute and 12.4 ms copy, single blocks of 10 and 5.2) but whose
+    /// A ring whose pinned copies hide behind compute from depth 3 (Flux's
+    /// blocks a little past the crossover, ms: double blocks of 13 ms
+    /// compute and 12.4 ms copy, single blocks of 10 and 5.2) but whose
     /// staged fills do not (the host fills 45 GB/s: 15.1 ms for a double
-    /// block). The pinned chooser stops at depth 2; the staged chooser runs
+    /// block). The pinned chooser stops at depth 3; the staged chooser runs
     /// the fills ahead through the single blocks into the double ones, to
-    /// within the tie of the staged path's limit, where the pinned
-    /// chooser's depth is over 2 % above it. Red with the staged chooser
-    /// pricing the pinned ring (the host stage left out).
+    /// within the tie of the staged path's limit, one slot beyond its knee,
+    /// where the pinned chooser's depth is 2.25 % above it. Red with the
+    /// staged chooser pricing the pinned ring (the host stage left out),
+    /// and with the knee itself chosen.
     #[test]
     fn the_staged_chooser_runs_the_fills_ahead() {
         let mut compute = vec![13.0e-3; 19];
@@ -1532,7 +1540,12 @@ mod tests {
         );
         assert!(l.depth > pinned.depth, "{l:?}");
         assert!((l.predicted_step_s - at(l.depth)).abs() < 1e-12, "{l:?}");
-        assert!(l.predicted_step_s <= l.limit_s * (1.0 + 2e-3), "{l:?}");
+        assert!(l.predicted_step_s <= l.limit_s * (1.0 + TIE), "{l:?}");
+        // One beyond the knee: the depth before it is as short as the best,
+        // the one before that is not.
+        let best = (1..=16).map(at).fold(f64::INFINITY, f64::min);
+        assert!(at(l.depth - 1) <= best * (1.0 + TIE), "{l:?}");
+        assert!(at(l.depth - 2) > best * (1.0 + TIE), "{l:?}");
         // The pinned chooser's depth leaves the staged ring 2 % over.
         assert!(
             at(pinned.depth) > l.limit_s * 1.02,
@@ -1552,6 +1565,25 @@ mod tests {
         };
         let bound = choose_staged_lookahead(&shape, slow, 700_000_000, 16, None).unwrap();
         assert!((bound.limit_s - fills * 1.5).abs() < 1e-9, "{bound:?}");
+        // And the link where it binds (copies doubled: 0.63 s of them).
+        let slow_copy: Vec<f64> = copy.iter().map(|c| c * 2.0).collect();
+        let linked = RingShape {
+            copy_s: &slow_copy,
+            ..shape
+        };
+        let link = choose_staged_lookahead(&linked, host, 700_000_000, 16, None).unwrap();
+        assert!(sum(&slow_copy) > sum(&compute).max(fills));
+        assert!((link.limit_s - sum(&slow_copy)).abs() < 1e-12, "{link:?}");
+        // A block flagged staged but resident is never filled.
+        let mut kept = resident.clone();
+        kept[0] = true;
+        let kept_shape = RingShape {
+            resident: &kept,
+            ..shape
+        };
+        let one_less = choose_staged_lookahead(&kept_shape, slow, 700_000_000, 16, None).unwrap();
+        let kept_fills = (fills - bytes[0] as f64 / 45e9) * 1.5;
+        assert!((one_less.limit_s - kept_fills).abs() < 1e-9, "{one_less:?}");
         // A memory cap bounds it as it bounds the pinned chooser.
         let capped = choose_staged_lookahead(&shape, host, 100, 16, Some(350)).unwrap();
         assert_eq!((capped.depth, capped.slot_memory_bytes), (2, 300));

@@ -2653,14 +2653,23 @@ impl<A: Api> LayerwiseBackend<A> {
     /// or `inputs`, the host's fill rate its own fills ran at over their
     /// last pass). Where a staged block's fill outlasts the compute before
     /// it, the host must run its fills ahead and this depth is deeper than
-    /// a pinned ring's; a caller passes it as `prefetch_depth`. Empty and
-    /// typed errors as [`Self::staged_forecast`]'s, and a `max_depth`
-    /// outside 1 to 64.
+    /// a pinned ring's; a caller passes it as `prefetch_depth`. A typed
+    /// error for a `max_depth` outside 1 to 64 (checked first); else empty
+    /// and typed errors as [`Self::staged_forecast`]'s.
     pub fn staged_lookahead(
         &self,
         inputs: Option<&crate::budget::PlannerInputs>,
         max_depth: usize,
     ) -> Result<Vec<(String, crate::budget::Lookahead)>, OffloadError> {
+        if !(1..=64).contains(&max_depth) {
+            return Err(OffloadError::Budget(Box::new(
+                crate::budget::BudgetError::Input {
+                    input: "max_depth".to_owned(),
+                    value: max_depth.to_string(),
+                    allowed: "1 to 64".to_owned(),
+                },
+            )));
+        }
         self.each_staged_ring(inputs, |shape, host, _, slot_bytes| {
             crate::budget::choose_staged_lookahead(shape, host, slot_bytes, max_depth, None)
         })
