@@ -103,6 +103,24 @@ pub fn ring_inputs(
     Some((compute, copy, other, bytes.into_iter().max().unwrap_or(0)))
 }
 
+/// The ring shape of [`ring_inputs`]' compute and copies with `resident`
+/// (every block streamed where all false) on `profile`.
+fn streamed<'a>(
+    compute: &'a [f64],
+    copy: &'a [f64],
+    resident: &'a [bool],
+    other: f64,
+    profile: &DeviceProfile,
+) -> RingShape<'a> {
+    RingShape {
+        compute_s: compute,
+        copy_s: copy,
+        resident,
+        other_s: other,
+        interference: profile.copy_interference,
+    }
+}
+
 /// The look-ahead the chooser picks for `preset` at `tokens` (every block
 /// streamed, no memory cap: default layerwise), deepest `max_depth`.
 pub fn lookahead(
@@ -116,13 +134,7 @@ pub fn lookahead(
             preset: preset.name,
         })?;
     let resident = vec![false; compute.len()];
-    let shape = RingShape {
-        compute_s: &compute,
-        copy_s: &copy,
-        resident: &resident,
-        other_s: other,
-        interference: profile.copy_interference,
-    };
+    let shape = streamed(&compute, &copy, &resident, other, profile);
     budget::choose_lookahead(&shape, slot_bytes, max_depth, None).map_err(|source| {
         SweepError::Lookahead {
             tokens,
@@ -206,13 +218,7 @@ pub fn staged_lookahead(
         source: Box::new(source),
     };
     let resident = vec![false; compute.len()];
-    let shape = RingShape {
-        compute_s: &compute,
-        copy_s: &copy,
-        resident: &resident,
-        other_s: other,
-        interference: profile.copy_interference,
-    };
+    let shape = streamed(&compute, &copy, &resident, other, profile);
     let largest_staged = (0..bytes.len())
         .filter(|&i| staged[i])
         .map(|i| bytes[i])

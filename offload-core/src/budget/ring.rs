@@ -513,13 +513,6 @@ pub fn choose_lookahead(
     max_depth: usize,
     max_slot_memory_bytes: Option<u64>,
 ) -> Result<Lookahead, BudgetError> {
-    let bad = |input: &str, value: String, allowed: &str| {
-        Err(BudgetError::Input {
-            input: input.to_owned(),
-            value,
-            allowed: allowed.to_owned(),
-        })
-    };
     let n = shape.compute_s.len();
     if shape.copy_s.len() != n || shape.resident.len() != n {
         return bad(
@@ -569,6 +562,15 @@ pub fn choose_lookahead(
     Ok(knee(&predicted, slot_bytes, shape.limit_s()))
 }
 
+/// A chooser's typed error: `input` was `value`; `allowed` is what it takes.
+fn bad<T>(input: &str, value: String, allowed: &str) -> Result<T, BudgetError> {
+    Err(BudgetError::Input {
+        input: input.to_owned(),
+        value,
+        allowed: allowed.to_owned(),
+    })
+}
+
 /// The deepest look-ahead a chooser may price: `max_depth` (1 to 64), and
 /// where `max_slot_memory_bytes` is given, one fewer than the slots of
 /// `slot_bytes` it holds (at least two). Typed errors otherwise.
@@ -577,13 +579,6 @@ fn allowed_depths(
     max_depth: usize,
     max_slot_memory_bytes: Option<u64>,
 ) -> Result<usize, BudgetError> {
-    let bad = |input: &str, value: String, allowed: &str| {
-        Err(BudgetError::Input {
-            input: input.to_owned(),
-            value,
-            allowed: allowed.to_owned(),
-        })
-    };
     if !(1..=MAX_DEPTH).contains(&max_depth) {
         return bad("max_depth", max_depth.to_string(), "1 to 64");
     }
@@ -1618,43 +1613,55 @@ mod tests {
             Err(BudgetError::Input { input, .. }) => input,
             other => panic!("expected an input error, got {other:?}"),
         };
-        let short = StagedRing {
-            staged: &[true; 2],
-            ..host
-        };
-        assert_eq!(
-            input(choose_staged_lookahead(&shape, short, 1, 4, None)),
-            "staged ring shape"
-        );
-        let slow = StagedRing {
-            fill_bytes_per_s: 0.0,
-            ..host
-        };
-        assert_eq!(
-            input(choose_staged_lookahead(&shape, slow, 1, 4, None)),
-            "host fill rate"
-        );
-        let empty = StagedRing { buffers: 0, ..host };
-        assert_eq!(
-            input(choose_staged_lookahead(&shape, empty, 1, 4, None)),
-            "host staging ring"
-        );
-        assert_eq!(
-            input(choose_staged_lookahead(&shape, host, 1, 0, None)),
-            "max_depth"
-        );
-        assert_eq!(
-            input(choose_staged_lookahead(&shape, host, 10, 4, Some(19))),
-            "max_slot_memory_bytes"
-        );
-        let bad = RingShape {
+        let bad_shape = RingShape {
             interference: 2.0,
             ..shape
         };
-        assert_eq!(
-            input(choose_staged_lookahead(&bad, host, 1, 4, None)),
-            "copy_interference"
-        );
+        // (shape, host stage, slot bytes, max depth, memory cap, the input
+        // the error names)
+        let cases = [
+            (
+                &shape,
+                StagedRing {
+                    staged: &[true; 2],
+                    ..host
+                },
+                1,
+                4,
+                None,
+                "staged ring shape",
+            ),
+            (
+                &shape,
+                StagedRing {
+                    fill_bytes_per_s: 0.0,
+                    ..host
+                },
+                1,
+                4,
+                None,
+                "host fill rate",
+            ),
+            (
+                &shape,
+                StagedRing { buffers: 0, ..host },
+                1,
+                4,
+                None,
+                "host staging ring",
+            ),
+            (&shape, host, 1, 0, None, "max_depth"),
+            (&shape, host, 10, 4, Some(19), "max_slot_memory_bytes"),
+            (&bad_shape, host, 1, 4, None, "copy_interference"),
+        ];
+        for (shape, host, slot_bytes, max_depth, cap, named) in cases {
+            assert_eq!(
+                input(choose_staged_lookahead(
+                    shape, host, slot_bytes, max_depth, cap
+                )),
+                named
+            );
+        }
     }
 
     #[test]
