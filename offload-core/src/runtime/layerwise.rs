@@ -2652,8 +2652,8 @@ impl<A: Api> LayerwiseBackend<A> {
     /// inputs as [`Self::staged_forecast`] (the platform's planner inputs
     /// or `inputs`, the host's fill rate its own fills ran at over their
     /// last pass). Where a staged block's fill outlasts the compute before
-    /// it, the host must run its fills ahead and this depth is deeper than
-    /// a pinned ring's; a caller passes it as `prefetch_depth`. A typed
+    /// it, the host must run its fills ahead and this depth can be deeper
+    /// than a pinned ring's; a caller passes it as `prefetch_depth`. A typed
     /// error for a `max_depth` outside 1 to 64 (checked first); else empty
     /// and typed errors as [`Self::staged_forecast`]'s.
     pub fn staged_lookahead(
