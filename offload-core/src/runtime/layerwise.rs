@@ -1953,12 +1953,14 @@ impl<A: Api> BlockHook<A> {
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
         let unit = st.rings[self.ring].blocks[self.block].unit.clone();
+        let mut used = None;
         let released = match st.table.release(self.ring, self.block) {
             Some(k) => {
                 if !engine.bug(PlantedBug::LastUseBeforeCompute) {
                     h.device
                         .record_event(&st.slots[k].last_use, &h.compute)
                         .map_err(|e| dev_err("record_event(last use)", e))?;
+                    used = Some(k);
                 }
                 true
             }
@@ -1973,12 +1975,42 @@ impl<A: Api> BlockHook<A> {
         }
         // The queued fills: what is filled is issued now, once this block's
         // kernels are enqueued, and after this block is released, so that
-        // a failed part leaves it released. The rest wait for a later hook,
-        // the ring's last block's too: waiting there for the whole queue
-        // (the next pass's first blocks) idled the simulated device for a
-        // deep look-ahead's fills (1.06 at 12,288 tokens, depth 12), and
-        // issuing it block by block while this block's kernels ran cost
-        // 1.3-1.4 % at 13,312-15,360 tokens (the host lost its lead).
+        // a failed part leaves it released. The rest wait for a later hook;
+        // but the ring's last block is where the caller may wait for the
+        // forward (a step's end), which no hook follows until the next one
+        // starts: there, where fills run on the filler's own thread, the
+        // queue is issued block by block as they land while this block's
+        // kernels run (the next pass's first blocks copy beside them), and
+        // what is left once they have is left to the next forward's hooks
+        // (waiting for it all idled the simulated device for a deep
+        // look-ahead's fills: 1.06 at 12,288 tokens, depth 12). Without
+        // this loop (e2d0e9b to a579936) an H100 at 10,752 tokens and 8 GiB
+        // ran 1.116-1.129 of the limit at depths 4 and 8, with compute idle
+        // 58 ms a step, against 1.010-1.017 at depth 8 with it (e7a0a0e).
+        // Where the hook's thread fills itself (the simulator's one host
+        // clock), a fill here is host time taken from the next forward: it
+        // cost 1.3-1.4 % at 13,312-15,360 tokens and up to 3.5 % at 8 GiB
+        // with fills at 35 GB/s, so there the queue waits for later hooks.
+        let threaded = st
+            .host_staging
+            .as_ref()
+            .is_some_and(|s| s.ring.fills_ahead());
+        if let Some(k) = used
+            && threaded
+            && self.block + 1 == st.rings[self.ring].blocks.len()
+        {
+            while st
+                .host_staging
+                .as_ref()
+                .is_some_and(|s| !s.queue.is_empty())
+                && !h
+                    .device
+                    .event_done(&st.slots[k].last_use)
+                    .map_err(|e| dev_err("event_done(last use)", e))?
+            {
+                pump(engine, st, 1)?;
+            }
+        }
         pump(engine, st, 0)
     }
 
