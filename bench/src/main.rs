@@ -2078,7 +2078,8 @@ fn run() -> Result<()> {
     // `--staged-chooser` row runs again at the chooser's depth.
     type Remake<'a> = Box<dyn Fn(usize) -> Box<MakeBackend<'a>> + 'a>;
     type Named<'a> = Box<dyn Fn(usize) -> String + 'a>;
-    let mut templates: BTreeMap<String, (Named<'_>, Remake<'_>, bool)> = BTreeMap::new();
+    let mut templates: BTreeMap<String, (Named<'_>, Remake<'_>, bool, Compression)> =
+        BTreeMap::new();
     let over = &layerwise_over;
     for repeat in 0..args.repeats {
         for &ring in &staging_rings {
@@ -2148,7 +2149,7 @@ fn run() -> Result<()> {
                                 file,
                                 beside: false,
                             });
-                            templates.insert(name(d), (Box::new(name), remake, file));
+                            templates.insert(name(d), (Box::new(name), remake, file, compression));
                         }
                     }
                 }
@@ -2169,7 +2170,7 @@ fn run() -> Result<()> {
         let again: Vec<Spec<'_>> = rows
             .iter()
             .filter_map(|r| {
-                let (name, remake, file) = templates.get(&r.run)?;
+                let (name, remake, file, compression) = templates.get(&r.run)?;
                 let l = r.staged_chooser?;
                 let key = (name(l.depth), r.repeat, r.tokens);
                 (l.depth != r.depth && ran.insert(key)).then(|| Spec {
@@ -2180,11 +2181,7 @@ fn run() -> Result<()> {
                     depth: l.depth,
                     streamed: streamed_all,
                     tokens: vec![r.tokens],
-                    compression: if r.weight_compression == "none" {
-                        Compression::None
-                    } else {
-                        Compression::Lossless
-                    },
+                    compression: *compression,
                     make: remake(l.depth),
                     file: *file,
                     beside: false,

@@ -38,6 +38,7 @@ pub use crate::measurements::{ComponentInputs, InputSource, PlannerInputs};
 use crate::model::Pipeline;
 use crate::plan::PlanError;
 pub use host::{HostBlock, HostLimits, HostPlan, StageReason, host_limits, plan_host};
+pub(crate) use ring::check_max_depth;
 pub use ring::{
     CompressionChoice, DECODE_INTERFERENCE, DecodeStage, HostStage, Lookahead,
     MAX_DECODE_INTERFERENCE, RingShape, StagedForecast, StagedRing, choose_compression,

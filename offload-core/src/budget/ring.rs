@@ -131,17 +131,6 @@ impl HostStage<'_> {
             }
         })
     }
-
-    /// The host's fills of one forward together, seconds: what no
-    /// schedule of a staged ring beats beside its compute and its copies.
-    pub fn fills_s(&self) -> f64 {
-        self.staged
-            .iter()
-            .zip(self.fill_s)
-            .filter(|(s, _)| **s)
-            .map(|(_, f)| f)
-            .sum()
-    }
 }
 
 /// The fills of [`staged_ends`], computed lazily in order: fill k needs
@@ -571,6 +560,14 @@ fn bad<T>(input: &str, value: String, allowed: &str) -> Result<T, BudgetError> {
     })
 }
 
+/// A chooser's `max_depth`: 1 to 64, else a typed error naming it.
+pub(crate) fn check_max_depth(max_depth: usize) -> Result<(), BudgetError> {
+    if !(1..=MAX_DEPTH).contains(&max_depth) {
+        return bad("max_depth", max_depth.to_string(), "1 to 64");
+    }
+    Ok(())
+}
+
 /// The deepest look-ahead a chooser may price: `max_depth` (1 to 64), and
 /// where `max_slot_memory_bytes` is given, one fewer than the slots of
 /// `slot_bytes` it holds (at least two). Typed errors otherwise.
@@ -579,9 +576,7 @@ fn allowed_depths(
     max_depth: usize,
     max_slot_memory_bytes: Option<u64>,
 ) -> Result<usize, BudgetError> {
-    if !(1..=MAX_DEPTH).contains(&max_depth) {
-        return bad("max_depth", max_depth.to_string(), "1 to 64");
-    }
+    check_max_depth(max_depth)?;
     match max_slot_memory_bytes {
         None => Ok(max_depth),
         Some(cap) => {
@@ -779,6 +774,23 @@ pub struct StagedRing<'a> {
     pub part_bytes: u64,
 }
 
+impl StagedRing<'_> {
+    /// [`forecast_staged`] of `shape` with this host stage at `depth`.
+    pub fn forecast(
+        &self,
+        shape: &RingShape<'_>,
+        depth: usize,
+    ) -> Result<StagedForecast, BudgetError> {
+        forecast_staged(
+            shape,
+            self.staged,
+            self.staged_bytes,
+            self.fill_bytes_per_s,
+            (depth, self.buffers, self.part_bytes),
+        )
+    }
+}
+
 /// [`choose_lookahead`] for a ring whose masters are partly or wholly
 /// staged: the same rule (one deeper than the shallowest depth whose
 /// steady-state forward is as short as any allowed, within a thousandth)
@@ -801,20 +813,11 @@ pub fn choose_staged_lookahead(
     max_slot_memory_bytes: Option<u64>,
 ) -> Result<Lookahead, BudgetError> {
     let depths = allowed_depths(slot_bytes, max_depth, max_slot_memory_bytes)?;
-    let forecast = |d: usize| {
-        forecast_staged(
-            shape,
-            host.staged,
-            host.staged_bytes,
-            host.fill_bytes_per_s,
-            (d, host.buffers, host.part_bytes),
-        )
-    };
-    let first = forecast(1)?;
+    let first = host.forecast(shape, 1)?;
     let limit_s = first.compute_s.max(first.link_s).max(first.fills_s);
     let mut predicted = vec![first.forward_s];
     for d in 2..=depths {
-        predicted.push(forecast(d)?.forward_s);
+        predicted.push(host.forecast(shape, d)?.forward_s);
     }
     Ok(knee(&predicted, slot_bytes, limit_s))
 }

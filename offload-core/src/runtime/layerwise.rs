@@ -145,9 +145,11 @@ struct HostStaging<A: Api> {
 /// (CONTRACT §7c): a raw staged block, its parts issued in order as their
 /// fills land, or a pinned block, issued whole once the blocks before it
 /// are. The hook's thread waits for it only where compute needs it (the
-/// block's own pre-forward) or everything must be issued (a fill that is
-/// not a prefetch, a pool change); anywhere else it issues what is filled
-/// and goes on, so a block whose fill outlasts the compute before it
+/// block's own pre-forward), where everything must be issued (a fill that
+/// is not a prefetch, a pool change), and, where fills run on the filler's
+/// thread, in the ring's last post-forward while that block's kernels run
+/// (the caller may wait at a step's end); anywhere else it issues what is
+/// filled and goes on, so a block whose fill outlasts the compute before it
 /// holds back no kernels of the blocks before it.
 #[derive(Clone, Copy, Debug)]
 struct Queued {
@@ -2666,15 +2668,7 @@ impl<A: Api> LayerwiseBackend<A> {
         &self,
         inputs: Option<&crate::budget::PlannerInputs>,
     ) -> Result<Vec<(String, crate::budget::StagedForecast)>, OffloadError> {
-        self.each_staged_ring(inputs, |shape, host, depth, _| {
-            crate::budget::forecast_staged(
-                shape,
-                host.staged,
-                host.staged_bytes,
-                host.fill_bytes_per_s,
-                (depth, host.buffers, host.part_bytes),
-            )
-        })
+        self.each_staged_ring(inputs, |shape, host, depth, _| host.forecast(shape, depth))
     }
 
     /// The look-ahead the recurrence chooses for each ring with staged
@@ -2693,15 +2687,7 @@ impl<A: Api> LayerwiseBackend<A> {
         inputs: Option<&crate::budget::PlannerInputs>,
         max_depth: usize,
     ) -> Result<Vec<(String, crate::budget::Lookahead)>, OffloadError> {
-        if !(1..=64).contains(&max_depth) {
-            return Err(OffloadError::Budget(Box::new(
-                crate::budget::BudgetError::Input {
-                    input: "max_depth".to_owned(),
-                    value: max_depth.to_string(),
-                    allowed: "1 to 64".to_owned(),
-                },
-            )));
-        }
+        crate::budget::check_max_depth(max_depth).map_err(|e| OffloadError::Budget(Box::new(e)))?;
         self.each_staged_ring(inputs, |shape, host, _, slot_bytes| {
             crate::budget::choose_staged_lookahead(shape, host, slot_bytes, max_depth, None)
         })
