@@ -7,8 +7,10 @@
 //! fill landed changes the output.
 //!
 //! The harness synchronises only where a runtime would, through the same
-//! device API: once per request, to read its output back. Phases are timed
-//! with events, never by draining the device.
+//! device API: once per request, to read its output back, and, where
+//! [`RunOptions::step_sync`] asks (a caller that times each step, as
+//! `offload-bench` does), after each denoising step. Phases are timed with
+//! events, never by draining the device.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -103,6 +105,13 @@ pub struct RunOptions {
     /// [`SimConfig::host_threads`]: host work (the staging filler) on
     /// threads of its own.
     pub host_threads: bool,
+    /// The caller waits for each denoising step's output (synchronises the
+    /// compute stream after each DiT forward) before it starts the next,
+    /// as a benchmark timing each step does (`offload-bench`): no hook runs
+    /// between a step's last block and that wait. Off by default (a
+    /// runtime that reads only the request's output, which is synchronised
+    /// once).
+    pub step_sync: bool,
 }
 
 impl RunOptions {
@@ -130,6 +139,7 @@ impl RunOptions {
             planner: None,
             trained_weights: false,
             host_threads: false,
+            step_sync: false,
         }
     }
 }
@@ -460,7 +470,7 @@ pub fn request(
     probe: &Probe,
     w: &Workload,
 ) -> Result<RequestMeasure, OffloadError> {
-    request_inner(rt, device, probe, w, true, || Ok(()))
+    request_inner(rt, device, probe, w, (true, false), || Ok(()))
 }
 
 /// One request on `rig` as one rank of a group runs it: the encoders only
@@ -472,7 +482,14 @@ pub fn request_with(
     encodes: bool,
     exchange: impl FnOnce() -> Result<(), OffloadError>,
 ) -> Result<RequestMeasure, OffloadError> {
-    request_inner(&rig.runtime, &rig.device, &rig.probe, w, encodes, exchange)
+    request_inner(
+        &rig.runtime,
+        &rig.device,
+        &rig.probe,
+        w,
+        (encodes, rig.step_sync),
+        exchange,
+    )
 }
 
 fn request_inner(
@@ -480,7 +497,7 @@ fn request_inner(
     device: &SimDevice,
     probe: &Probe,
     w: &Workload,
-    encodes: bool,
+    (encodes, step_sync): (bool, bool),
     exchange: impl FnOnce() -> Result<(), OffloadError>,
 ) -> Result<RequestMeasure, OffloadError> {
     let preset = &w.preset;
@@ -547,6 +564,11 @@ fn request_inner(
         m.block_bytes += done.block_bytes;
         m.dit_flops += done.flops;
         m.dit_compute_ns += done.compute_ns;
+        if step_sync {
+            device
+                .synchronize_stream(compute)
+                .map_err(|e| dev_err("synchronize_stream(compute) after a step", e))?;
+        }
     }
     device
         .record_event(&probe.end, compute)
@@ -720,6 +742,8 @@ pub struct Rig {
     pub platform: CorePlatform<Sim>,
     /// The runtime's output and timing events.
     pub probe: Probe,
+    /// [`RunOptions::step_sync`]: [`Rig::request`] waits for each step.
+    pub step_sync: bool,
 }
 
 /// The payload bytes a simulated device keeps by default: at most this much
@@ -825,6 +849,7 @@ impl Rig {
             runtime,
             platform,
             probe,
+            step_sync: opts.step_sync,
         })
     }
 
@@ -838,7 +863,7 @@ impl Rig {
 
     /// One request on this rig's runtime.
     pub fn request(&self, w: &Workload) -> Result<RequestMeasure, OffloadError> {
-        request(&self.runtime, &self.device, &self.probe, w)
+        request_with(self, w, true, || Ok(()))
     }
 
     /// Registers `w`'s request as the runtime's ([`Runtime::set_request`]:

@@ -1574,6 +1574,7 @@ fn run_with_codec(
         runtime,
         platform,
         probe,
+        step_sync,
     } = rig;
     let codec = make(&device);
     let mut rig = offload_sim::harness::Rig {
@@ -1581,6 +1582,7 @@ fn run_with_codec(
         device,
         runtime,
         probe,
+        step_sync,
     };
     rig.serve_workload(&w);
     offload_sim::harness::drive(

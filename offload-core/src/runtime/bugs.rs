@@ -172,11 +172,16 @@ pub enum PlantedBug {
     /// prices each decode's cost to the kernels beside it at the assumed
     /// `DECODE_INTERFERENCE`, whatever this device's is.
     DecodeInterferenceAssumed,
+    /// The staged look-ahead's timing (layerwise, CONTRACT §7c): the
+    /// ring's last post-forward leaves the queue to the next forward's
+    /// hooks even where the caller was seen waiting at a step's end, so
+    /// the next pass's first staged blocks copy only after that wait.
+    StepEndLeavesQueue,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 48] = [
+    pub const ALL: [PlantedBug; 49] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -225,6 +230,7 @@ impl PlantedBug {
         PlantedBug::SlackSampledNotChunked,
         PlantedBug::StagingTablesUncounted,
         PlantedBug::DecodeInterferenceAssumed,
+        PlantedBug::StepEndLeavesQueue,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

@@ -138,6 +138,16 @@ struct HostStaging<A: Api> {
     /// stream takes in this order, not all issued yet: only the front one
     /// may have issued anything ([`pump`]).
     queue: VecDeque<Queued>,
+    /// Per ring, the slot its last block was read from in the pass that
+    /// just ended, until the ring's next first pre-forward reads it.
+    pass_end: Vec<Option<usize>>,
+    /// Per ring, whether its last pass's end was waited for: at its first
+    /// pre-forward the last block's kernels had finished (its slot's
+    /// `last_use` was done), so no hook ran while they did (the caller
+    /// synchronised at the step's end, or its host work between the
+    /// steps outlasted them). The ring's last post-forward then issues the
+    /// queue while that block's kernels run.
+    end_waited: Vec<bool>,
 }
 
 /// A prefetch of block `block` of ring `ring` (the bytes of `source`) into
@@ -146,9 +156,9 @@ struct HostStaging<A: Api> {
 /// fills land, or a pinned block, issued whole once the blocks before it
 /// are. The hook's thread waits for it only where compute needs it (the
 /// block's own pre-forward), where everything must be issued (a fill that
-/// is not a prefetch, a pool change), and, where fills run on the filler's
-/// thread, in the ring's last post-forward while that block's kernels run
-/// (the caller may wait at a step's end); anywhere else it issues what is
+/// is not a prefetch, a pool change), and, where the caller was seen
+/// waiting at the last step's end, in the ring's last post-forward while
+/// that block's kernels run; anywhere else it issues what is
 /// filled and goes on, so a block whose fill outlasts the compute before it
 /// holds back no kernels of the blocks before it.
 #[derive(Clone, Copy, Debug)]
@@ -1347,6 +1357,8 @@ fn host_staging_of<A: Api>(
         next: 0,
         release,
         queue: VecDeque::new(),
+        pass_end: vec![None; rings.len()],
+        end_waited: vec![false; rings.len()],
     }))
 }
 
@@ -1868,6 +1880,33 @@ fn ring_copies(
         .collect()
 }
 
+/// At ring `r`'s first pre-forward, whether its last pass's end was waited
+/// for ([`HostStaging::end_waited`]): its last block's kernels finished
+/// before this hook ran. Judged before this hook's own work (a fill here
+/// would pass the time); a slot another ring used since reads as not
+/// waited for.
+fn observe_pass_end<A: Api>(
+    h: &Handles<A>,
+    st: &mut State<A>,
+    r: usize,
+) -> Result<(), OffloadError> {
+    let Some(k) = st
+        .host_staging
+        .as_mut()
+        .and_then(|s| s.pass_end.get_mut(r).and_then(Option::take))
+    else {
+        return Ok(());
+    };
+    let waited = h
+        .device
+        .event_done(&st.slots[k].last_use)
+        .map_err(|e| dev_err("event_done(last use)", e))?;
+    if let Some(s) = st.host_staging.as_mut() {
+        s.end_waited[r] = waited;
+    }
+    Ok(())
+}
+
 /// The hook on one block.
 struct BlockHook<A: Api> {
     engine: Arc<Engine<A>>,
@@ -1883,6 +1922,9 @@ impl<A: Api> BlockHook<A> {
         let mut guard = engine.lock();
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
         let (r, i) = (self.ring, self.block);
+        if i == 0 {
+            observe_pass_end(h, st, r)?;
+        }
         // This block's queued fill (and those before it) in whole before
         // its compute waits for its slot's `ready`; what is filled of the
         // rest (a planted bug issues only that).
@@ -1979,38 +2021,42 @@ impl<A: Api> BlockHook<A> {
         // kernels are enqueued, and after this block is released, so that
         // a failed part leaves it released. The rest wait for a later hook;
         // but the ring's last block is where the caller may wait for the
-        // forward (a step's end), which no hook follows until the next one
-        // starts: there, where fills run on the filler's own thread, the
-        // queue is issued block by block as they land while this block's
-        // kernels run (the next pass's first blocks copy beside them), and
+        // forward (a step's end), and then no hook runs until the next
+        // forward starts. Where the last pass's end was seen to be waited
+        // for ([`HostStaging::end_waited`]), the queue is issued block by
+        // block as the fills land while this block's kernels run (the next
+        // pass's first blocks copy beside them; on the simulator's one host
+        // clock the fills run here, in host time the wait would idle), and
         // what is left once they have is left to the next forward's hooks
         // (waiting for it all idled the simulated device for a deep
-        // look-ahead's fills: 1.06 at 12,288 tokens, depth 12). Without
-        // this loop (e2d0e9b to a579936) an H100 at 10,752 tokens and 8 GiB
-        // ran 1.116-1.129 of the limit at depths 4 and 8, with compute idle
-        // 58 ms a step, against 1.010-1.017 at depth 8 with it (e7a0a0e).
-        // Where the hook's thread fills itself (the simulator's one host
-        // clock), a fill here is host time taken from the next forward: it
-        // cost 1.3-1.4 % at 13,312-15,360 tokens and up to 3.5 % at 8 GiB
-        // with fills at 35 GB/s, so there the queue waits for later hooks.
-        let threaded = st
-            .host_staging
-            .as_ref()
-            .is_some_and(|s| s.ring.fills_ahead());
+        // look-ahead's fills: 1.06 at 12,288 tokens, depth 12). Where the
+        // caller does not wait, the next forward's hooks issue the queue
+        // as soon: a fill here would be host time taken from them (on the
+        // simulator 1.3-1.4 % at 13,312-15,360 tokens, up to 3.5 % at
+        // 8 GiB with fills at 35 GB/s), and on a filler thread the hook's
+        // thread would spin while the host could issue kernels. Without
+        // this loop a caller that waits (offload-bench) lost the deep
+        // look-ahead's gain: an H100 at 10,752 tokens and 8 GiB ran
+        // 1.116-1.129 of the limit at depths 4 and 8 with compute idle
+        // 58 ms a step (a579936), and the simulator with a step-end wait
+        // 1.068 at depths 2-8.
         if let Some(k) = used
-            && threaded
             && self.block + 1 == st.rings[self.ring].blocks.len()
+            && let Some(s) = st.host_staging.as_mut()
         {
-            while st
-                .host_staging
-                .as_ref()
-                .is_some_and(|s| !s.queue.is_empty())
-                && !h
-                    .device
-                    .event_done(&st.slots[k].last_use)
-                    .map_err(|e| dev_err("event_done(last use)", e))?
-            {
-                pump(engine, st, 1)?;
+            s.pass_end[self.ring] = Some(k);
+            if s.end_waited[self.ring] && !engine.bug(PlantedBug::StepEndLeavesQueue) {
+                while st
+                    .host_staging
+                    .as_ref()
+                    .is_some_and(|s| !s.queue.is_empty())
+                    && !h
+                        .device
+                        .event_done(&st.slots[k].last_use)
+                        .map_err(|e| dev_err("event_done(last use)", e))?
+                {
+                    pump(engine, st, 1)?;
+                }
             }
         }
         pump(engine, st, 0)
