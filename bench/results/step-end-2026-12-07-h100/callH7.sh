@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Call H7 (2026-12-07, twenty-second session; built at the commit in
+# .bundle/BUILD; offload-bench-planted: the same with planted-bugs): the
+# last post-forward's loop, A/B on one machine, alternating: 10,752 tokens,
+# 8 GiB, depths 8 and 12, clean then planted StepEndLeavesQueue, twice.
+set -u
+R=$(cd "$(dirname "$0")/.." && pwd)
+cd "$R"
+O=${OUT:-/tmp/outH7}
+mkdir -p "$O"
+. bench/lib.sh
+cuda_libs
+T0=$(date +%s)
+{ nvidia-smi --query-gpu=name,driver_version,power.limit,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader; date -u +%FT%TZ; cat .bundle/BUILD; nproc; grep -E 'MemTotal|MemAvailable' /proc/meminfo; } | tee "$O/env.txt"
+for round in 1 2; do
+  for v in clean planted; do
+    if [ $v = clean ]; then B=.bundle/offload-bench; P=""; else B=.bundle/offload-bench-planted; P="--plant step-end-leaves-queue"; fi
+    t0=$(date +%s)
+    timeout ${RUN_S:-140} $B --tokens 10752 --depths ${DEPTHS:-8,12} --steps 3 --warmup 2 \
+      --no-planner --no-simulate --host-budgets 8GiB $P \
+      --repeats 1 --json "$O/$v$round.json" >"$O/$v$round.log" 2>"$O/$v$round.err"
+    echo "$v $round rc $? in $(( $(date +%s) - t0 )) s"
+  done
+done
+gzip -f "$O"/*.json 2>/dev/null
+for f in "$O"/clean1.log "$O"/planted1.log "$O"/clean2.log "$O"/planted2.log; do
+  echo "== $(basename $f)"; grep -E "pageable" "$f" | cut -c1-200
+  sed -n '/^Staged masters/,$p' "$f" | grep host_budget | cut -d'|' -f2,7,9,11
+  sed -n '/^| run .*compute busy/,/^$/p' "$f" | grep host_budget | cut -d'|' -f2,5
+done
+echo "total $(( $(date +%s) - T0 )) s"
