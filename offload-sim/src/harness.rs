@@ -464,6 +464,8 @@ fn dev_err(operation: &str, e: crate::device::SimError) -> OffloadError {
 /// steps), VAEs; then the output is read back, the request's one host
 /// synchronisation (on the compute stream, as a runtime reading its output
 /// does). The denoising phase is timed with events on the compute stream.
+/// It never waits at a step's end: a rig's [`RunOptions::step_sync`] is
+/// read by [`Rig::request`] and [`request_with`].
 pub fn request(
     rt: &Runtime<Sim>,
     device: &SimDevice,

@@ -138,15 +138,17 @@ struct HostStaging<A: Api> {
     /// stream takes in this order, not all issued yet: only the front one
     /// may have issued anything ([`pump`]).
     queue: VecDeque<Queued>,
-    /// Per ring, the slot its last block was read from in the pass that
-    /// just ended, until the ring's next first pre-forward reads it.
-    pass_end: Vec<Option<usize>>,
-    /// Per ring, whether its last pass's end was waited for: at its first
-    /// pre-forward the last block's kernels had finished (its slot's
-    /// `last_use` was done), so no hook ran while they did (the caller
-    /// synchronised at the step's end, or its host work between the
-    /// steps outlasted them). The ring's last post-forward then issues the
-    /// queue while that block's kernels run.
+    /// The ring whose pass ended last and the slot its last block was
+    /// read from, until the next hook (some ring's first pre-forward)
+    /// reads it: no hook of this engine runs between the two.
+    pass_end: Option<(usize, usize)>,
+    /// Per ring, whether its last pass's end was waited for: at the next
+    /// hook (some ring's first pre-forward) the ring's last block's
+    /// kernels had finished (its slot's `last_use` was done), so no hook
+    /// ran while they did (the caller synchronised at the step's end, or
+    /// its host work between the forwards outlasted them). The ring's
+    /// last post-forward then issues the queue while that block's kernels
+    /// run.
     end_waited: Vec<bool>,
 }
 
@@ -561,7 +563,7 @@ impl Transport {
                             blocks,
                             (ring, source),
                             0,
-                            true,
+                            u64::MAX,
                             |stage, offset, len| {
                                 copy(
                                     crate::device::HostSource::Pinned(&stage.buffer),
@@ -808,17 +810,18 @@ fn top_up<A: Api>(
 /// order, each through `copy(stage, offset, len)` out of the stage its
 /// fill went into (which must record the stage's `copied` right after the
 /// copy: the stage's next fill waits for it), queueing the following
-/// parts' fills as stages free up (CONTRACT §7c). Where `blocking`, waits
-/// for each part's fill (filling it now where no stage holds it); else
-/// stops at the first part not yet filled. Returns the next part to issue,
-/// `None` once every part is issued.
+/// parts' fills as stages free up (CONTRACT §7c). For its first
+/// `blocking` parts (`u64::MAX`: all) it waits for each part's fill
+/// (filling it now where no stage holds it); after them it stops at the
+/// first part not yet filled. Returns the next part to issue, `None` once
+/// every part is issued.
 fn issue_parts<A: Api>(
     engine: &Engine<A>,
     staging: &mut HostStaging<A>,
     blocks: &[Master<A>],
     (ring, source): (usize, usize),
     from: u64,
-    blocking: bool,
+    blocking: u64,
     mut copy: impl FnMut(&mut crate::runtime::filler::Stage<A>, u64, u64) -> Result<(), OffloadError>,
 ) -> Result<Option<u64>, OffloadError> {
     let skip_wait = engine.bug(PlantedBug::HostStagingReuseBeforeCopy);
@@ -826,6 +829,7 @@ fn issue_parts<A: Api>(
     let len = staged_len(&blocks[source]);
     let n = staging.ring.len();
     for p in from..parts_of(len, part_bytes) {
+        let blocking = p - from < blocking;
         let tag = (ring, source, p);
         let j = match staging.ring.holding(tag) {
             Some(j) if blocking || staging.ring.is_filled(j) => j,
@@ -856,15 +860,15 @@ fn issue_parts<A: Api>(
 
 /// Issues the front of the queue's staged block (`front`, its parts from
 /// `part` on; `None`: nothing of it yet, so first the copy stream's wait
-/// for its slot): the parts that are filled, or all of them where
-/// `blocking`. Once all are, records its slot's `ready` after them and
-/// pops it; returns whether it did.
+/// for its slot): its first `blocking` parts waiting for their fills
+/// (`u64::MAX`: all), then those that are filled. Once all are, records
+/// its slot's `ready` after them and pops it; returns whether it did.
 fn issue_staged<A: Api>(
     engine: &Engine<A>,
     st: &mut State<A>,
     front: Queued,
     part: Option<u64>,
-    blocking: bool,
+    blocking: u64,
 ) -> Result<bool, OffloadError> {
     let h = &engine.handles;
     let slot = &st.slots[front.k];
@@ -962,7 +966,7 @@ fn pump_queue<A: Api>(
         else {
             return Ok(());
         };
-        let blocking = through > 0;
+        let blocking = if through > 0 { u64::MAX } else { 0 };
         let done = match front.staged {
             None => {
                 Transport::Copy.transfer(
@@ -990,7 +994,39 @@ fn pump_queue<A: Api>(
 /// front one's holds part of it; none behind it will be issued), each is
 /// discarded, and the error returned.
 fn pump<A: Api>(engine: &Engine<A>, st: &mut State<A>, through: usize) -> Result<(), OffloadError> {
-    pump_queue(engine, st, through).inspect_err(|_| {
+    let issued = pump_queue(engine, st, through);
+    forget_queue_on_error(st, issued)
+}
+
+/// One part of the queue's front entry, waiting for its fill (a pinned
+/// entry whole), then what is filled after it: the last post-forward's
+/// step, so that it returns at most one part's fill after the kernels it
+/// runs beside. On an error see [`pump`].
+fn pump_part<A: Api>(engine: &Engine<A>, st: &mut State<A>) -> Result<(), OffloadError> {
+    let issued = match st
+        .host_staging
+        .as_ref()
+        .and_then(|s| s.queue.front().copied())
+    {
+        Some(
+            front @ Queued {
+                staged: Some(part), ..
+            },
+        ) => issue_staged(engine, st, front, part, 1).and_then(|_| pump_queue(engine, st, 0)),
+        Some(_) => pump_queue(engine, st, 1),
+        None => Ok(()),
+    };
+    forget_queue_on_error(st, issued)
+}
+
+/// On an error every queued block's slot forgets it (the front one's
+/// holds part of it; none behind it will be issued), each is discarded,
+/// and the error returned.
+fn forget_queue_on_error<A: Api>(
+    st: &mut State<A>,
+    issued: Result<(), OffloadError>,
+) -> Result<(), OffloadError> {
+    issued.inspect_err(|_| {
         let queued: Vec<Queued> = st
             .host_staging
             .as_mut()
@@ -1357,7 +1393,7 @@ fn host_staging_of<A: Api>(
         next: 0,
         release,
         queue: VecDeque::new(),
-        pass_end: vec![None; rings.len()],
+        pass_end: None,
         end_waited: vec![false; rings.len()],
     }))
 }
@@ -1880,29 +1916,43 @@ fn ring_copies(
         .collect()
 }
 
-/// At ring `r`'s first pre-forward, whether its last pass's end was waited
-/// for ([`HostStaging::end_waited`]): its last block's kernels finished
-/// before this hook ran. Judged before this hook's own work (a fill here
-/// would pass the time); a slot another ring used since reads as not
-/// waited for.
-fn observe_pass_end<A: Api>(
-    h: &Handles<A>,
-    st: &mut State<A>,
-    r: usize,
-) -> Result<(), OffloadError> {
-    let Some(k) = st
-        .host_staging
-        .as_mut()
-        .and_then(|s| s.pass_end.get_mut(r).and_then(Option::take))
-    else {
+/// At a ring's first pre-forward (the first hook after any ring's pass
+/// ended), whether the pass that ended last was waited for
+/// ([`HostStaging::end_waited`]): its last block's kernels finished before
+/// this hook ran. Judged before this hook's own work (a fill here would
+/// pass the time). Where the last post-forward's loop ran until they had
+/// finished, this reads as waited whatever the caller did: such a loop
+/// ends at most one part's fill after them.
+fn observe_pass_end<A: Api>(h: &Handles<A>, st: &mut State<A>) -> Result<(), OffloadError> {
+    let Some((r, k)) = st.host_staging.as_mut().and_then(|s| s.pass_end.take()) else {
+        return Ok(());
+    };
+    let Some(slot) = st.slots.get(k) else {
         return Ok(());
     };
     let waited = h
         .device
-        .event_done(&st.slots[k].last_use)
+        .event_done(&slot.last_use)
         .map_err(|e| dev_err("event_done(last use)", e))?;
-    if let Some(s) = st.host_staging.as_mut() {
-        s.end_waited[r] = waited;
+    if let Some(w) = st
+        .host_staging
+        .as_mut()
+        .and_then(|s| s.end_waited.get_mut(r))
+    {
+        if *w != waited {
+            tracing::debug!(
+                ring = r,
+                waited,
+                "the ring's last pass's end was {}waited for: its last post-forward {} the staged queue while its last block computes",
+                if waited { "" } else { "not " },
+                if waited {
+                    "issues"
+                } else {
+                    "leaves the next forward's hooks"
+                }
+            );
+        }
+        *w = waited;
     }
     Ok(())
 }
@@ -1923,7 +1973,7 @@ impl<A: Api> BlockHook<A> {
         let st = guard.as_mut().ok_or_else(|| disabled(engine.strategy))?;
         let (r, i) = (self.ring, self.block);
         if i == 0 {
-            observe_pass_end(h, st, r)?;
+            observe_pass_end(h, st)?;
         }
         // This block's queued fill (and those before it) in whole before
         // its compute waits for its slot's `ready`; what is filled of the
@@ -2044,7 +2094,7 @@ impl<A: Api> BlockHook<A> {
             && self.block + 1 == st.rings[self.ring].blocks.len()
             && let Some(s) = st.host_staging.as_mut()
         {
-            s.pass_end[self.ring] = Some(k);
+            s.pass_end = Some((self.ring, k));
             if s.end_waited[self.ring] && !engine.bug(PlantedBug::StepEndLeavesQueue) {
                 while st
                     .host_staging
@@ -2055,7 +2105,7 @@ impl<A: Api> BlockHook<A> {
                         .event_done(&st.slots[k].last_use)
                         .map_err(|e| dev_err("event_done(last use)", e))?
                 {
-                    pump(engine, st, 1)?;
+                    pump_part(engine, st)?;
                 }
             }
         }
