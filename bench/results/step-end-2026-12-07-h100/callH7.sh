@@ -2,7 +2,8 @@
 # Call H7 (2026-12-07, twenty-second session; built at the commit in
 # .bundle/BUILD; offload-bench-planted: the same with planted-bugs): the
 # last post-forward's loop, A/B on one machine, alternating: 10,752 tokens,
-# 8 GiB, depths 8 and 12, clean then planted StepEndLeavesQueue, twice.
+# 8 GiB, depths 8 and 12, clean then planted StepEndLeavesQueue, twice;
+# then the GPU suite (SUITE_S, 1 skips it).
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd)
 cd "$R"
@@ -29,3 +30,10 @@ for f in "$O"/clean1.log "$O"/planted1.log "$O"/clean2.log "$O"/planted2.log; do
   sed -n '/^| run .*compute busy/,/^$/p' "$f" | grep host_budget | cut -d'|' -f2,5
 done
 echo "total $(( $(date +%s) - T0 )) s"
+if [ "${SUITE_S:-100}" -gt 1 ]; then
+  t0=$(date +%s)
+  timeout ${SUITE_S:-100} .bundle/gpu-tests --test-threads 1 --nocapture >"$O/suite.log" 2>&1
+  echo "suite rc $? in $(( $(date +%s) - t0 )) s"
+  grep -E "^test result|FAILED|panicked|^planted .* in parts" "$O/suite.log" | head -8
+  gzip -f "$O/suite.log"
+fi
