@@ -2073,8 +2073,8 @@ impl<A: Api> BlockHook<A> {
         // but the ring's last block is where the caller may wait for the
         // forward (a step's end), and then no hook runs until the next
         // forward starts. Where the last pass's end was seen to be waited
-        // for ([`HostStaging::end_waited`]), the queue is issued block by
-        // block as the fills land while this block's kernels run (the next
+        // for ([`HostStaging::end_waited`]), the queue is issued part by
+        // part as the fills land while this block's kernels run (the next
         // pass's first blocks copy beside them; on the simulator's one host
         // clock the fills run here, in host time the wait would idle), and
         // what is left once they have is left to the next forward's hooks
@@ -2088,8 +2088,9 @@ impl<A: Api> BlockHook<A> {
         // this loop a caller that waits (offload-bench) lost the deep
         // look-ahead's gain: an H100 at 10,752 tokens and 8 GiB ran
         // 1.116-1.129 of the limit at depths 4 and 8 with compute idle
-        // 58 ms a step (a579936), and the simulator with a step-end wait
-        // 1.068 at depths 2-8.
+        // 58 ms a step (a579936; 1.019-1.031 at depth 8 with it, 771b845),
+        // and the simulator with a step-end wait up to 1.198 (planted
+        // `StepEndLeavesQueue` in offload-sim's step-end sweep).
         if let Some(k) = used
             && self.block + 1 == st.rings[self.ring].blocks.len()
             && let Some(s) = st.host_staging.as_mut()
