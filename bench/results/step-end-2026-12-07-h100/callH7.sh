@@ -13,7 +13,7 @@ mkdir -p "$O"
 cuda_libs
 T0=$(date +%s)
 { nvidia-smi --query-gpu=name,driver_version,power.limit,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader; date -u +%FT%TZ; cat .bundle/BUILD; nproc; grep -E 'MemTotal|MemAvailable' /proc/meminfo; } | tee "$O/env.txt"
-for round in 1 2; do
+for round in $(seq 1 ${ROUNDS:-2}); do
   for v in clean planted; do
     if [ $v = clean ]; then B=.bundle/offload-bench; P=""; else B=.bundle/offload-bench-planted; P="--plant step-end-leaves-queue"; fi
     t0=$(date +%s)
@@ -24,7 +24,7 @@ for round in 1 2; do
   done
 done
 gzip -f "$O"/*.json 2>/dev/null
-for f in "$O"/clean1.log "$O"/planted1.log "$O"/clean2.log "$O"/planted2.log; do
+for f in "$O"/clean*.log "$O"/planted*.log; do
   echo "== $(basename $f)"; grep -E "pageable" "$f" | cut -c1-200
   sed -n '/^Staged masters/,$p' "$f" | grep host_budget | cut -d'|' -f2,7,9,11
   sed -n '/^| run .*compute busy/,/^$/p' "$f" | grep host_budget | cut -d'|' -f2,5
