@@ -561,6 +561,49 @@ mod tests {
         );
     }
 
+    /// The staged bytes each step fills at `budget` (every master staged
+    /// where `None`), and all the DiT's block bytes.
+    fn staged_total(preset: &Preset, budget: Option<u64>) -> (u64, u64) {
+        let (bytes, staged) = staged_blocks(preset, 4096, budget).expect("plans");
+        let filled = (0..bytes.len())
+            .filter(|&i| staged[i])
+            .map(|i| bytes[i])
+            .sum();
+        (filled, bytes.iter().sum())
+    }
+
+    /// The staged point at `tokens` at the staged chooser's depth, printed,
+    /// with what every such point must hold: no violations, the resident
+    /// output, and each step filling `staged_bytes` (each staged block
+    /// once).
+    fn chooser_point(
+        preset: &Preset,
+        profile: &DeviceProfile,
+        (tokens, budget, staged_bytes): (u64, Option<u64>, u64),
+        bugs: &[PlantedBug],
+        step_sync: bool,
+    ) -> StagedRow {
+        let l = staged_lookahead(preset, profile, tokens, budget, MAX_DEPTH).expect("chooses");
+        let r = staged_point_as(preset, profile, tokens, (l.depth, budget), bugs, step_sync)
+            .expect("runs");
+        eprintln!(
+            "{bugs:?} budget {budget:?} fills {} GB/s {}",
+            profile.host_fill_gbps,
+            line(&r)
+        );
+        assert!(
+            r.violations.is_empty(),
+            "{tokens} tokens: {:?}",
+            r.violations
+        );
+        assert!(
+            r.output_matches,
+            "{tokens} tokens: output differs from resident"
+        );
+        assert_eq!(r.filled_bytes, staged_bytes, "{budget:?}, {tokens} tokens");
+        r
+    }
+
     /// One staged point as the sweeps print it.
     fn line(r: &StagedRow) -> String {
         format!(
@@ -603,21 +646,12 @@ mod tests {
                 host_fill_gbps: fill_gbps,
                 ..DeviceProfile::h200()
             };
-            let (bytes, staged) = staged_blocks(&preset, 4096, budget).expect("plans");
-            let staged_bytes: u64 = (0..bytes.len())
-                .filter(|&i| staged[i])
-                .map(|i| bytes[i])
-                .sum();
-            assert!(staged_bytes > 0 && (budget.is_none() || staged_bytes < bytes.iter().sum()));
+            let (staged_bytes, all) = staged_total(&preset, budget);
+            assert!(staged_bytes > 0 && (budget.is_none() || staged_bytes < all));
             for t in (4..=16u64).map(|k| k * 1024) {
-                let l = staged_lookahead(&preset, &profile, t, budget, MAX_DEPTH).expect("chooses");
-                let r = staged_point(&preset, &profile, t, (l.depth, budget), &[]).expect("runs");
-                eprintln!("budget {budget:?} fills {fill_gbps} GB/s {}", line(&r));
-                assert!(r.violations.is_empty(), "{t} tokens: {:?}", r.violations);
-                assert!(r.output_matches, "{t} tokens: output differs from resident");
-                assert_eq!(r.filled_bytes, staged_bytes, "{budget:?}, {t} tokens");
+                let r = chooser_point(&preset, &profile, (t, budget, staged_bytes), &[], false);
                 if r.ratio() > 1.02 {
-                    failed.push((budget, fill_gbps, t, l.depth, r.ratio()));
+                    failed.push((budget, fill_gbps, t, r.depth, r.ratio()));
                 }
             }
         }
@@ -648,23 +682,9 @@ mod tests {
                     host_fill_gbps: fill_gbps,
                     ..DeviceProfile::h100()
                 };
-                let (bytes, staged) = staged_blocks(&preset, 4096, budget).expect("plans");
-                let staged_bytes: u64 = (0..bytes.len())
-                    .filter(|&i| staged[i])
-                    .map(|i| bytes[i])
-                    .sum();
+                let (staged_bytes, _) = staged_total(&preset, budget);
                 for t in (2..=8u64).map(|k| k * 2048) {
-                    let l =
-                        staged_lookahead(&preset, &profile, t, budget, MAX_DEPTH).expect("chooses");
-                    let r = staged_point_as(&preset, &profile, t, (l.depth, budget), bugs, true)
-                        .expect("runs");
-                    eprintln!(
-                        "{bugs:?} budget {budget:?} fills {fill_gbps} GB/s {}",
-                        line(&r)
-                    );
-                    assert!(r.violations.is_empty(), "{t} tokens: {:?}", r.violations);
-                    assert!(r.output_matches, "{t} tokens: output differs from resident");
-                    assert_eq!(r.filled_bytes, staged_bytes, "{budget:?}, {t} tokens");
+                    let r = chooser_point(&preset, &profile, (t, budget, staged_bytes), bugs, true);
                     if r.ratio() > worst.0 {
                         worst = (r.ratio(), t, budget, fill_gbps);
                     }
