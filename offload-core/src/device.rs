@@ -68,6 +68,11 @@ pub enum DeviceErrorKind {
     Other,
 }
 
+/// How long [`Device::host_pause`] pauses the host, µs: a poll's period,
+/// short beside a block's kernels (milliseconds) and a staging part's
+/// fill (about 1.5 ms for 64 MiB).
+pub const HOST_PAUSE_US: u64 = 20;
+
 /// A backend error: it names the operation and says which kind it is.
 pub trait DeviceError: StdError + Send + Sync + 'static {
     /// The kind.
@@ -369,6 +374,15 @@ pub trait Device<A: Api>: Send + Sync {
     /// spends filling delays what that thread issues next.
     fn host_filled(&self, bytes: u64) {
         let _ = bytes;
+    }
+
+    /// The host pauses between polls of events (the last post-forward's
+    /// loop, CONTRACT §7c, while it waits for a staging buffer or for the
+    /// kernels it runs beside, whichever comes first): a sleep of
+    /// [`HOST_PAUSE_US`] on a real device (the default); a simulated host
+    /// moves its clock on by as much, so that every poll ends.
+    fn host_pause(&self) {
+        std::thread::sleep(std::time::Duration::from_micros(HOST_PAUSE_US));
     }
 
     /// A new stream whose work the device schedules ahead of other

@@ -661,53 +661,88 @@ mod tests {
         );
     }
 
+    /// The step-end sweep's points: every 1,024 tokens from 1,024 to
+    /// 16,896 and two counts between.
+    fn step_end_tokens() -> impl Iterator<Item = u64> {
+        token_counts().chain([5_000, 11_000])
+    }
+
+    /// The worst staged step / limit of a caller that waits at each step's
+    /// end, with `bugs` planted, over [`step_end_tokens`] at the staged
+    /// chooser's depth on each of `configs` (profile, host budget: `None`
+    /// stages every master, fill rate GB/s): the ratio, its tokens and
+    /// configuration.
+    fn step_end_worst(
+        configs: &[(DeviceProfile, Option<u64>, f64)],
+        bugs: &[PlantedBug],
+    ) -> (f64, u64, String) {
+        let preset = flux_dit();
+        let mut worst = (0.0f64, 0u64, String::new());
+        for (base, budget, fill_gbps) in configs {
+            let profile = DeviceProfile {
+                host_fill_gbps: *fill_gbps,
+                ..base.clone()
+            };
+            let (staged_bytes, _) = staged_total(&preset, *budget);
+            for t in step_end_tokens() {
+                let r = chooser_point(&preset, &profile, (t, *budget, staged_bytes), bugs, true);
+                if r.ratio() > worst.0 {
+                    let at = format!("{} {budget:?} fills {fill_gbps} GB/s", profile.name);
+                    worst = (r.ratio(), t, at);
+                }
+            }
+        }
+        worst
+    }
+
     /// A caller that waits at each step's end (`offload-bench` times each
     /// step so) runs no hook while the ring's last block computes: the
     /// last post-forward, having seen the last step's end waited for,
     /// issues the queue there (the next pass's first staged blocks, filled
-    /// in host time the wait would idle), and the staged chooser's depth
-    /// stays within 1.02 of `max(compute, copies, fills)` from 4,096 to
-    /// 16,384 tokens at 8 GiB and with every master staged, each step
-    /// filling each staged block once (worst 1.0085). With the
+    /// in host time the wait would idle) while those kernels run, waiting
+    /// for a staging buffer only as long as they do. The staged chooser's
+    /// depth stays within 1.02 of `max(compute, copies, fills)` at every
+    /// 1,024 tokens from 1,024 to 16,896 (and 5,000 and 11,000): on the
+    /// `h100` profile at 8 GiB (fills at 45 GB/s) and with every master
+    /// staged (35), and on the `h200` profile at 16 GiB (45), each step
+    /// filling each staged block once (worst 1.0090). Seen red: with the
     /// queue left to the next forward's hooks (planted
-    /// `StepEndLeavesQueue`, the engine of e2d0e9b to a579936), those
-    /// blocks fill and copy after the wait, beside nothing: red.
+    /// `StepEndLeavesQueue`, the engine of e2d0e9b to a579936) those
+    /// blocks fill and copy after the wait, beside nothing (up to 1.20);
+    /// with the loop waiting for a staging buffer behind the copy stream's
+    /// backlog (planted `StepEndWaitsOnCopies`, the engine of 5cdbaba) the
+    /// wait outlasts the last block and the next step's launches wait for
+    /// it: 1.050 at 11,264 tokens on the `h200` profile at 16 GiB.
     #[test]
     fn a_caller_waiting_at_each_steps_end_keeps_the_staged_floor() {
-        let preset = flux_dit();
-        let run = |bugs: &[PlantedBug]| {
-            let mut worst = (0.0f64, 0u64, None, 0.0);
-            for (budget, fill_gbps) in [(Some(8u64 << 30), 45.0), (None, 35.0)] {
-                let profile = DeviceProfile {
-                    host_fill_gbps: fill_gbps,
-                    ..DeviceProfile::h100()
-                };
-                let (staged_bytes, _) = staged_total(&preset, budget);
-                for t in (2..=8u64).map(|k| k * 2048) {
-                    let r = chooser_point(&preset, &profile, (t, budget, staged_bytes), bugs, true);
-                    if r.ratio() > worst.0 {
-                        worst = (r.ratio(), t, budget, fill_gbps);
-                    }
-                }
-            }
-            worst
-        };
-        let clean = run(&[]);
+        let configs = [
+            (DeviceProfile::h100(), Some(8u64 << 30), 45.0),
+            (DeviceProfile::h100(), None, 35.0),
+            (DeviceProfile::h200(), Some(16 << 30), 45.0),
+        ];
+        let clean = step_end_worst(&configs, &[]);
         assert!(
             clean.0 <= 1.02,
-            "a waiting caller's staged step / limit {:.4} at {} tokens ({:?}, fills {} GB/s)",
+            "a waiting caller's staged step / limit {:.4} at {} tokens ({})",
             clean.0,
             clean.1,
-            clean.2,
-            clean.3
+            clean.2
         );
         #[cfg(feature = "planted-bugs")]
         {
-            let planted = run(&[PlantedBug::StepEndLeavesQueue]);
+            let planted = step_end_worst(&configs, &[PlantedBug::StepEndLeavesQueue]);
             assert!(
                 planted.0 > 1.04,
                 "with the queue left to the next forward the worst point is {:.4}, not above 1.04",
                 planted.0
+            );
+            let planted = step_end_worst(&configs[2..], &[PlantedBug::StepEndWaitsOnCopies]);
+            assert!(
+                planted.0 > 1.03,
+                "with the loop waiting behind the copy stream the worst point is {:.4} at {} tokens ({}), not above 1.03",
+                planted.0,
+                planted.1,
+                planted.2
             );
         }
     }

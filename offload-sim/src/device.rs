@@ -2039,6 +2039,17 @@ impl Device<Sim> for SimDevice {
         st.settle(now);
     }
 
+    /// The simulated host's one clock moves on by
+    /// [`offload_core::device::HOST_PAUSE_US`].
+    fn host_pause(&self) {
+        let mut st = self.state();
+        st.host_now_ns = st
+            .host_now_ns
+            .saturating_add(offload_core::device::HOST_PAUSE_US * 1_000);
+        let now = st.host_now_ns;
+        st.settle(now);
+    }
+
     fn create_stream(&self) -> Result<SimStream, SimError> {
         let mut st = self.state();
         st.host_tick();

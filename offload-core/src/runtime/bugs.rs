@@ -177,11 +177,18 @@ pub enum PlantedBug {
     /// hooks even where the caller was seen waiting at a step's end, so
     /// the next pass's first staged blocks copy only after that wait.
     StepEndLeavesQueue,
+    /// The staged look-ahead's timing (layerwise, CONTRACT §7c): the
+    /// ring's last post-forward issues the queue's next part even where
+    /// the host would first wait for the copy stream's backlog (a staging
+    /// buffer whose last copy is queued behind other blocks' copies), so
+    /// the wait outlasts the last block's kernels and the next step's
+    /// launches wait for it.
+    StepEndWaitsOnCopies,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 49] = [
+    pub const ALL: [PlantedBug; 50] = [
         PlantedBug::SkipLastUseWait,
         PlantedBug::SkipReadyWait,
         PlantedBug::FreeWithoutDrain,
@@ -231,6 +238,7 @@ impl PlantedBug {
         PlantedBug::StagingTablesUncounted,
         PlantedBug::DecodeInterferenceAssumed,
         PlantedBug::StepEndLeavesQueue,
+        PlantedBug::StepEndWaitsOnCopies,
     ];
 
     /// The bug's name on command lines (`skip-last-use-wait`).

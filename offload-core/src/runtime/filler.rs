@@ -56,6 +56,10 @@ struct Meta {
     spent: bool,
     /// A fill of it is queued or running.
     pending: bool,
+    /// Its pending fill has waited for the copy that last read the buffer
+    /// and is copying bytes in: it ends in host time, not the copy
+    /// stream's ([`StagingRing::lands_without_copy_wait`]).
+    filling: bool,
     /// Why its last fill failed.
     error: Option<String>,
 }
@@ -332,6 +336,39 @@ impl<A: Api> StagingRing<A> {
         !meta.pending && (meta.holds.is_none() || meta.spent)
     }
 
+    /// Whether part `tag` can be had without the host waiting for the copy
+    /// stream: a stage holds it filled, or its fill has waited for the
+    /// buffer's last copy and is copying bytes in; or no stage holds it
+    /// and stage `next` (where it would be filled) is free and the copy
+    /// that last read it has completed (a query, no wait). A stage whose
+    /// fill is queued behind others, or whose buffer a fill holds, reads
+    /// `false`. The last post-forward's loop asks this before each part:
+    /// a wait for the copy stream's backlog there would outlast the
+    /// kernels it runs beside (CONTRACT §7c).
+    pub(crate) fn lands_without_copy_wait(&self, tag: Tag, next: usize) -> bool {
+        if let Some(j) = self.holding(tag) {
+            let meta = lock(&self.cells[j].meta);
+            return !meta.pending || meta.filling;
+        }
+        let Some(cell) = self.cells.get(next) else {
+            return false;
+        };
+        {
+            let meta = lock(&cell.meta);
+            if meta.pending || !(meta.holds.is_none() || meta.spent) {
+                return false;
+            }
+        }
+        match cell.stage.try_lock() {
+            Ok(stage) => self
+                .context
+                .device
+                .event_done(&stage.copied)
+                .unwrap_or(false),
+            Err(_) => false,
+        }
+    }
+
     /// Stage `j` holds nothing a fill put there any more (an upload
     /// wrote it).
     pub(crate) fn forget(&self, j: usize) {
@@ -516,6 +553,9 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
             .synchronize_event(&stage.copied)
             .map_err(|e| dev_err("synchronize_event(host staging copied)", e).to_string())
     };
+    if waited.is_ok() {
+        lock(&cell.meta).filling = true;
+    }
     // A panic inside the fill (a weight source's, a thread that could not
     // start) must not leave the stage pending for ever: it becomes the
     // fill's error, and waiters are woken below.
@@ -541,6 +581,7 @@ fn run<A: Api>(cells: &[Cell<A>], context: &Context<A>, job: Job) {
         }
     }
     meta.pending = false;
+    meta.filling = false;
     drop(meta);
     cell.done.notify_all();
 }
