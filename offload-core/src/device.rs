@@ -379,8 +379,11 @@ pub trait Device<A: Api>: Send + Sync {
     /// The host pauses between polls of events (the last post-forward's
     /// loop, CONTRACT §7c, while it waits for a staging buffer or for the
     /// kernels it runs beside, whichever comes first): a sleep of
-    /// [`HOST_PAUSE_US`] on a real device (the default); a simulated host
-    /// moves its clock on by as much, so that every poll ends.
+    /// [`HOST_PAUSE_US`] on a real device (the default; the OS may sleep
+    /// longer). A device whose clock moves only with the host's calls
+    /// must move it on here (the simulator moves its host clock by
+    /// [`HOST_PAUSE_US`]): the loop polls with nothing else between its
+    /// pauses, and stops after about a second of them.
     fn host_pause(&self) {
         std::thread::sleep(std::time::Duration::from_micros(HOST_PAUSE_US));
     }

@@ -708,7 +708,7 @@ mod tests {
     /// filling each staged block once (worst 1.0090). Seen red: with the
     /// queue left to the next forward's hooks (planted
     /// `StepEndLeavesQueue`, the engine of e2d0e9b to a579936) those
-    /// blocks fill and copy after the wait, beside nothing (up to 1.20);
+    /// blocks fill and copy after the wait, beside nothing (1.20-1.22);
     /// with the loop waiting for a staging buffer behind the copy stream's
     /// backlog (planted `StepEndWaitsOnCopies`, the engine of 5cdbaba) the
     /// wait outlasts the last block and the next step's launches wait for

@@ -544,7 +544,10 @@ fn planted_staging_reuse_before_copy_is_caught_and_its_control_is_clean() {
 /// The filler on a thread of its own (as on a GPU: the simulator's
 /// `host_threads`), filling the next staged block while the engine copies
 /// the current one: bit-identical to resident with no violation, for every
-/// master staged and under a budget, at depths 1–3; and the planted
+/// master staged and under a budget, at depths 1–3, with a caller that
+/// goes on issuing and with one that waits at each step's end (the ring's
+/// last post-forward then issues the queue, polling the filler's stages,
+/// CONTRACT §7c); and the planted
 /// `HostStagingReuseBeforeCopy` (the filler does not wait for the copy that
 /// last read its buffer) is seen by the checker or the output.
 #[test]
@@ -560,14 +563,21 @@ fn the_threaded_filler_is_bit_identical_and_its_planted_reuse_is_caught() {
             (Some(false), None),
             (None, Some(ring + transient + streamed / 2)),
         ] {
-            for jitter in [None, Some(5)] {
+            for (jitter, step_sync) in [(None, false), (Some(5), false), (None, true)] {
                 let o = run(
                     &workload(),
                     &layerwise(pin, budget),
-                    &threaded(&[], depth, jitter),
+                    &RunOptions {
+                        step_sync,
+                        ..threaded(&[], depth, jitter)
+                    },
                 )
                 .unwrap();
-                assert_eq!(outputs(&o), want, "depth {depth}, {pin:?}/{budget:?}");
+                assert_eq!(
+                    outputs(&o),
+                    want,
+                    "depth {depth}, {pin:?}/{budget:?}, step sync {step_sync}"
+                );
                 assert!(all_violations(&o).is_empty(), "{:#?}", all_violations(&o));
             }
         }

@@ -338,17 +338,24 @@ impl<A: Api> StagingRing<A> {
 
     /// Whether part `tag` can be had without the host waiting for the copy
     /// stream: a stage holds it filled, or its fill has waited for the
-    /// buffer's last copy and is copying bytes in; or no stage holds it
-    /// and stage `next` (where it would be filled) is free and the copy
-    /// that last read it has completed (a query, no wait). A stage whose
-    /// fill is queued behind others, or whose buffer a fill holds, reads
-    /// `false`. The last post-forward's loop asks this before each part:
-    /// a wait for the copy stream's backlog there would outlast the
-    /// kernels it runs beside (CONTRACT §7c).
+    /// buffer's last copy and is copying bytes in; or no stage holds it,
+    /// no fill queued on the filler thread is still to wait for a copy
+    /// (a fill queued now would run after it), and stage `next` (where it
+    /// would be filled) is free and the copy that last read it has
+    /// completed (a query, no wait). A stage whose fill is queued behind
+    /// others reads `false`. The last post-forward's loop asks this before
+    /// each part: a wait for the copy stream's backlog there would outlast
+    /// the kernels it runs beside (CONTRACT §7c).
     pub(crate) fn lands_without_copy_wait(&self, tag: Tag, next: usize) -> bool {
         if let Some(j) = self.holding(tag) {
             let meta = lock(&self.cells[j].meta);
             return !meta.pending || meta.filling;
+        }
+        if self.cells.iter().any(|c| {
+            let meta = lock(&c.meta);
+            meta.pending && !meta.filling
+        }) {
+            return false;
         }
         let Some(cell) = self.cells.get(next) else {
             return false;
@@ -359,14 +366,15 @@ impl<A: Api> StagingRing<A> {
                 return false;
             }
         }
-        match cell.stage.try_lock() {
-            Ok(stage) => self
-                .context
-                .device
-                .event_done(&stage.copied)
-                .unwrap_or(false),
-            Err(_) => false,
-        }
+        let stage = match cell.stage.try_lock() {
+            Ok(stage) => stage,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        self.context
+            .device
+            .event_done(&stage.copied)
+            .unwrap_or(false)
     }
 
     /// Stage `j` holds nothing a fill put there any more (an upload
