@@ -12,8 +12,8 @@
 
 use offload_core::runtime::PlantedBug;
 use offload_sim::DeviceProfile;
-use offload_sim::crossover::{staged_lookahead, staged_point_as};
-use offload_sim::presets::{Preset, flux1_dev, flux1_dev_dit};
+use offload_sim::crossover::staged_chooser_point;
+use offload_sim::presets::flux1_dev_dit_preset;
 
 fn main() {
     let mut sync = true;
@@ -43,12 +43,7 @@ fn main() {
         eprintln!("--plant needs --features planted-bugs");
         std::process::exit(2);
     }
-    let preset = Preset {
-        pipeline: flux1_dev_dit(),
-        encoders: Vec::new(),
-        vaes: Vec::new(),
-        ..flux1_dev()
-    };
+    let preset = flux1_dev_dit_preset();
     let tokens: Vec<u64> = (1..=16u64)
         .map(|k| k * 1024)
         .chain([16_896, 5_000, 7_000, 11_000, 13_000])
@@ -75,9 +70,8 @@ fn main() {
                 };
                 let mut worst = (0.0f64, 0u64, 0usize);
                 for &t in &tokens {
-                    let point = staged_lookahead(&preset, &profile, t, budget, 16).and_then(|l| {
-                        staged_point_as(&preset, &profile, t, (l.depth, budget), &bugs, sync)
-                    });
+                    let point =
+                        staged_chooser_point(&preset, &profile, (t, budget, 16), &bugs, sync);
                     let r = match point {
                         Ok(r) => r,
                         Err(e) => {

@@ -235,6 +235,26 @@ pub fn staged_lookahead(
     budget::choose_staged_lookahead(&shape, host, slot_bytes, max_depth, None).map_err(chooser)
 }
 
+/// [`staged_point_as`] at the look-ahead the staged chooser picks
+/// ([`staged_lookahead`], deepest `max_depth`).
+pub fn staged_chooser_point(
+    preset: &Preset,
+    profile: &DeviceProfile,
+    (tokens, host_budget, max_depth): (u64, Option<u64>, usize),
+    bugs: &[PlantedBug],
+    step_sync: bool,
+) -> Result<StagedRow, SweepError> {
+    let l = staged_lookahead(preset, profile, tokens, host_budget, max_depth)?;
+    staged_point_as(
+        preset,
+        profile,
+        tokens,
+        (l.depth, host_budget),
+        bugs,
+        step_sync,
+    )
+}
+
 /// Default layerwise at `tokens` on `profile`, at the chooser's look-ahead
 /// (deepest `max_depth`), with `bugs` planted: the steady-state step from
 /// two runs (`steps` and `2 × steps` denoising steps, one request each
@@ -456,18 +476,7 @@ fn measure(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::presets::{flux1_dev, flux1_dev_dit};
-
-    /// Flux.1-dev's DiT alone (its blocks, shapes and kernel model; no
-    /// encoders or VAE to run between the steps).
-    fn flux_dit() -> Preset {
-        Preset {
-            pipeline: flux1_dev_dit(),
-            encoders: Vec::new(),
-            vaes: Vec::new(),
-            ..flux1_dev()
-        }
-    }
+    use crate::presets::flux1_dev_dit_preset;
 
     /// The deepest look-ahead the sweep allows: the `prefetch_depth` key's
     /// range (1 to 16). Today's main capped the benchmark's choice at 4.
@@ -487,7 +496,7 @@ mod tests {
     /// both ratios are printed.)
     #[test]
     fn default_layerwise_reaches_its_floor_at_every_token_count() {
-        let preset = flux_dit();
+        let preset = flux1_dev_dit_preset();
         let profile = DeviceProfile::h200();
         let mut failed = Vec::new();
         for t in token_counts() {
@@ -531,7 +540,7 @@ mod tests {
     /// for every queued fill (1.06 at 12,288, 1.04 at 13,312).
     #[test]
     fn every_master_staged_runs_its_fills_ahead_at_the_crossover() {
-        let preset = flux_dit();
+        let preset = flux1_dev_dit_preset();
         let profile = DeviceProfile::h200();
         let i = profile.copy_interference;
         let mut failed = Vec::new();
@@ -583,9 +592,14 @@ mod tests {
         bugs: &[PlantedBug],
         step_sync: bool,
     ) -> StagedRow {
-        let l = staged_lookahead(preset, profile, tokens, budget, MAX_DEPTH).expect("chooses");
-        let r = staged_point_as(preset, profile, tokens, (l.depth, budget), bugs, step_sync)
-            .expect("runs");
+        let r = staged_chooser_point(
+            preset,
+            profile,
+            (tokens, budget, MAX_DEPTH),
+            bugs,
+            step_sync,
+        )
+        .expect("runs");
         eprintln!(
             "{bugs:?} budget {budget:?} fills {} GB/s {}",
             profile.host_fill_gbps,
@@ -634,7 +648,7 @@ mod tests {
     /// bytes read from the two-step run alone.
     #[test]
     fn the_staged_choosers_look_ahead_reaches_the_floor() {
-        let preset = flux_dit();
+        let preset = flux1_dev_dit_preset();
         let mut failed = Vec::new();
         for (budget, fill_gbps) in [
             (None, 45.0),
@@ -676,7 +690,7 @@ mod tests {
         configs: &[(DeviceProfile, Option<u64>, f64)],
         bugs: &[PlantedBug],
     ) -> (f64, u64, String) {
-        let preset = flux_dit();
+        let preset = flux1_dev_dit_preset();
         let mut worst = (0.0f64, 0u64, String::new());
         for (base, budget, fill_gbps) in configs {
             let profile = DeviceProfile {
@@ -755,7 +769,7 @@ mod tests {
     #[cfg(feature = "planted-bugs")]
     #[test]
     fn a_wrapped_prefetch_that_skips_the_last_use_is_caught_at_depth() {
-        let preset = flux_dit();
+        let preset = flux1_dev_dit_preset();
         let profile = DeviceProfile::h200();
         let tokens = 10_240;
         let clean = sweep_point(&preset, &profile, tokens, MAX_DEPTH, &[]).expect("runs");

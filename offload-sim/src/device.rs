@@ -694,6 +694,14 @@ impl State {
         self.op_clocks.len() - 1
     }
 
+    /// The host spends `ns` on work of its own (a staging fill, a pause):
+    /// its clock moves on by it and what has landed by then lands.
+    fn host_spend(&mut self, ns: u64) {
+        self.host_now_ns = self.host_now_ns.saturating_add(ns);
+        let now = self.host_now_ns;
+        self.settle(now);
+    }
+
     /// Applies every pending data effect whose time has come by `until`,
     /// in time order (ties in enqueue order).
     fn settle(&mut self, until: u64) {
@@ -2034,20 +2042,14 @@ impl Device<Sim> for SimDevice {
             return;
         }
         let ns = (bytes as f64 / gbps).min(u64::MAX as f64) as u64;
-        st.host_now_ns = st.host_now_ns.saturating_add(ns);
-        let now = st.host_now_ns;
-        st.settle(now);
+        st.host_spend(ns);
     }
 
     /// The simulated host's one clock moves on by
     /// [`offload_core::device::HOST_PAUSE_US`].
     fn host_pause(&self) {
-        let mut st = self.state();
-        st.host_now_ns = st
-            .host_now_ns
-            .saturating_add(offload_core::device::HOST_PAUSE_US * 1_000);
-        let now = st.host_now_ns;
-        st.settle(now);
+        self.state()
+            .host_spend(offload_core::device::HOST_PAUSE_US * 1_000);
     }
 
     fn create_stream(&self) -> Result<SimStream, SimError> {

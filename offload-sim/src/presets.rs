@@ -752,6 +752,18 @@ pub fn flux1_dev_dit() -> Pipeline {
     b.build().expect("flux transformer builds")
 }
 
+/// Flux.1-dev's DiT alone as a preset: [`flux1_dev`]'s costs and kernel
+/// model on [`flux1_dev_dit`], no encoders or VAE to run between the
+/// steps (the crossover sweeps' model).
+pub fn flux1_dev_dit_preset() -> Preset {
+    Preset {
+        pipeline: flux1_dev_dit(),
+        encoders: Vec::new(),
+        vaes: Vec::new(),
+        ..flux1_dev()
+    }
+}
+
 fn wan_transformer(b: &mut PipelineBuilder, path: &str) {
     let (d, ff) = (5120u64, 13824u64);
     let mut t = b.module(path);

@@ -360,11 +360,8 @@ impl<A: Api> StagingRing<A> {
         let Some(cell) = self.cells.get(next) else {
             return false;
         };
-        {
-            let meta = lock(&cell.meta);
-            if meta.pending || !(meta.holds.is_none() || meta.spent) {
-                return false;
-            }
+        if !self.is_free(next) {
+            return false;
         }
         let stage = match cell.stage.try_lock() {
             Ok(stage) => stage,
