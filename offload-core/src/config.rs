@@ -420,6 +420,40 @@ pub struct OffloadConfig {
     /// ring of pinned staging buffers. Layerwise offload only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_budget: Option<crate::bytes::HostBudget>,
+    /// How a staged master's bytes reach the link (CONTRACT §7c):
+    /// `"fill"` (the default: host threads copy it into a pinned staging
+    /// buffer, which the copy engine reads) or `"in_place"` (the device
+    /// reads it where it lies, a read-only window of a mapped checkpoint,
+    /// with no host copy: each byte crosses the host's memory once instead
+    /// of three times; the window's pages stay in the page cache, never
+    /// page-locked). `"in_place"` needs a device that reads pageable
+    /// memory (`Device::reads_pageable`: CUDA with HMM or ATS), else
+    /// `enable` fails with a typed error; a staged block that is not such a
+    /// window (the heap's, a coded block, one whose pages a budget releases
+    /// after each read) still streams through the staging ring, logged.
+    /// Layerwise offload and the request planner only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged_reads: Option<StagedReads>,
+}
+
+/// The values `staged_reads` takes (CONTRACT §7c).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StagedReads {
+    /// Host threads copy each staged master into pinned staging buffers.
+    #[default]
+    Fill,
+    /// The device reads each staged master where it lies.
+    InPlace,
+}
+
+impl std::fmt::Display for StagedReads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StagedReads::Fill => "fill",
+            StagedReads::InPlace => "in_place",
+        })
+    }
 }
 
 /// The values `weight_compression` takes.
@@ -490,9 +524,25 @@ fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<()
     }
 }
 
-/// Checks `host_budget` against the strategy selected: layerwise offload
-/// and the request planner stage masters (CONTRACT §7c).
+/// Checks `host_budget` and `staged_reads` against the strategy
+/// selected: layerwise offload and the request planner stage masters
+/// (CONTRACT §7c).
 fn check_host_budget(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
+    if let Some(reads) = config.staged_reads
+        && !matches!(
+            selection.strategy,
+            OffloadStrategy::Layerwise | OffloadStrategy::Planned
+        )
+    {
+        return Err(invalid(
+            "staged_reads",
+            format!("\"{reads}\""),
+            format!(
+                "with layerwise offload (enable_layerwise_offload = true) or a device_budget (the request planner) only; this configuration selects {}, which stages no master; remove staged_reads",
+                selection.strategy
+            ),
+        ));
+    }
     let Some(budget) = config.host_budget else {
         return Ok(());
     };

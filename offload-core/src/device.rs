@@ -205,12 +205,32 @@ pub struct MemoryInfo {
 }
 
 /// A host-side copy source.
-#[derive(Debug)]
 pub enum HostSource<'a, A: Api> {
     /// A pinned allocation.
     Pinned(&'a A::HostBuffer),
     /// Memory registered in place.
     Registered(&'a A::Registration),
+    /// Pageable memory the device reads where it lies, neither pinned nor
+    /// registered (CONTRACT §7c, in-place reads): a read-only window of a
+    /// mapped checkpoint, only on a device whose
+    /// [`Device::reads_pageable`] is true (elsewhere the copy is a typed
+    /// error). The caller keeps the region alive, unchanged, until an event
+    /// recorded after the copy completes; a backend may keep a weak handle
+    /// to check that it did.
+    Pageable(&'a std::sync::Arc<dyn HostRegion>),
+}
+
+impl<A: Api> fmt::Debug for HostSource<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostSource::Pinned(b) => f.debug_tuple("Pinned").field(b).finish(),
+            HostSource::Registered(r) => f.debug_tuple("Registered").field(r).finish(),
+            HostSource::Pageable(p) => f
+                .debug_struct("Pageable")
+                .field("bytes", &p.bytes().len())
+                .finish(),
+        }
+    }
 }
 
 /// A failed registration: the error and the memory, given back.
@@ -357,6 +377,15 @@ pub trait Device<A: Api>: Send + Sync {
 
     /// Creates a non-blocking stream.
     fn create_stream(&self) -> Result<A::Stream, A::Error>;
+
+    /// Whether copies may read pageable host memory where it lies
+    /// ([`HostSource::Pageable`]): the device itself loads the bytes
+    /// across the link (CUDA's pageable memory access: HMM with the open
+    /// kernel modules, or ATS), so a staged master needs no host copy into
+    /// a pinned staging buffer (CONTRACT §7c). `false` (the default).
+    fn reads_pageable(&self) -> bool {
+        false
+    }
 
     /// Whether a strategy may run host work (the staging fill, CONTRACT
     /// §7c) on a thread of its own beside the caller's. `true` (the

@@ -32,7 +32,7 @@ mod timeline;
 pub use perturb::Perturbation;
 pub use timeline::{SpanId, TimelineSpan};
 
-use std::ffi::c_void;
+use std::ffi::{CStr, c_void};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -43,7 +43,7 @@ use offload_core::device::{
     HostSource, MemoryInfo, RegisterError, Registration,
 };
 
-use perturb::{Perturber, SpinKernel};
+use perturb::{Perturber, PtxKernel};
 
 /// Whether a CUDA driver with at least one device can be used here.
 pub fn driver_present() -> bool {
@@ -175,7 +175,9 @@ pub struct CudaContext {
     dev: sys::CUdevice,
     raw: sys::CUcontext,
     memory: sys::CUstream,
-    spin: OnceLock<SpinKernel>,
+    spin: OnceLock<PtxKernel>,
+    /// The in-place pageable read (`pageable.ptx`), loaded on first use.
+    pageable: OnceLock<PtxKernel>,
 }
 
 // SAFETY: the context and stream are driver handles usable from any thread
@@ -208,6 +210,7 @@ impl CudaContext {
             raw,
             memory: std::ptr::null_mut(),
             spin: OnceLock::new(),
+            pageable: OnceLock::new(),
         };
         ctx.bind()?;
         ctx.memory = wrap(
@@ -239,18 +242,24 @@ impl CudaContext {
         })
     }
 
-    /// The spin kernel, loaded into this context on first use.
-    fn spin_kernel(&self) -> Result<&SpinKernel, CudaError> {
-        if let Some(k) = self.spin.get() {
+    /// `name` of `ptx`, loaded into this context on first use and kept in
+    /// `cell`.
+    fn kernel<'a>(
+        &self,
+        cell: &'a OnceLock<PtxKernel>,
+        ptx: &CStr,
+        name: &CStr,
+    ) -> Result<&'a PtxKernel, CudaError> {
+        if let Some(k) = cell.get() {
             return Ok(k);
         }
         self.bind()?;
         // SAFETY: the context is current (bound just above).
-        let loaded = wrap(unsafe { SpinKernel::load() }, || {
-            "cuModuleLoadData(spin)".to_owned()
+        let loaded = wrap(unsafe { PtxKernel::load(ptx, name) }, || {
+            format!("cuModuleLoadData({})", name.to_string_lossy())
         })?;
         let (module, function) = (loaded.module, loaded.function);
-        let kept = self.spin.get_or_init(|| SpinKernel { module, function });
+        let kept = cell.get_or_init(|| PtxKernel { module, function });
         if kept.module != module {
             // Another thread loaded it first: ours is used by nothing.
             // SAFETY: loaded above into the current context, never launched.
@@ -261,12 +270,12 @@ impl CudaContext {
 
     /// Enqueues the spin kernel for `ns` nanoseconds on `stream`.
     fn spin(&self, stream: sys::CUstream, ns: u64) -> Result<(), CudaError> {
-        let kernel = self.spin_kernel()?;
+        let kernel = self.kernel(&self.spin, perturb::SPIN_PTX, c"spin")?;
         self.bind()?;
         // SAFETY: the context is current, `stream` is one of its live
         // streams (callers pass their own), and the module stays loaded
         // until this context is dropped, after synchronising.
-        wrap(unsafe { kernel.launch(stream, ns) }, || {
+        wrap(unsafe { kernel.launch_spin(stream, ns) }, || {
             format!("cuLaunchKernel(spin, {ns} ns)")
         })
     }
@@ -284,7 +293,7 @@ impl Drop for CudaContext {
         // the module's launches and the stream's work have drained; the
         // primary context was retained once, in `retain`.
         unsafe {
-            if let Some(k) = self.spin.get() {
+            for k in [self.spin.get(), self.pageable.get()].into_iter().flatten() {
                 let _ = result::module::unload(k.module);
             }
             if !self.memory.is_null() {
@@ -750,7 +759,24 @@ pub struct CudaDevice {
     /// The chunk the stream-ordered pool maps device memory in (measured
     /// at creation; [`ASSUMED_POOL_CHUNK`] where it could not be).
     pool_chunk: u64,
+    /// The device loads pageable host memory itself
+    /// (`CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`: HMM or ATS), read at
+    /// creation: [`Device::reads_pageable`].
+    pageable_access: bool,
 }
+
+/// `pageable.ptx`, NUL-terminated for `cuModuleLoadData`.
+const PAGEABLE_PTX: &CStr =
+    match CStr::from_bytes_with_nul(concat!(include_str!("pageable.ptx"), "\0").as_bytes()) {
+        Ok(ptx) => ptx,
+        Err(_) => panic!("pageable.ptx contains a NUL byte"),
+    };
+
+/// Thread blocks of 1,024 threads an in-place pageable read launches
+/// ([`HostSource::Pageable`]): enough loads in flight to cover the link's
+/// latency, on a few of the device's multiprocessors (two blocks each), so
+/// that compute beside it keeps the rest.
+pub const PAGEABLE_READ_BLOCKS: u32 = 32;
 
 /// The pool chunk counted where it cannot be measured: what the default
 /// pool of an H100 with driver 580 maps (`bench/pool_probe.py`).
@@ -853,6 +879,14 @@ impl CudaDevice {
                 ASSUMED_POOL_CHUNK
             }
         };
+        // SAFETY: `ctx.dev` came from cuDeviceGet.
+        let pageable_access = unsafe {
+            result::device::get_attribute(
+                ctx.dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS,
+            )
+        }
+        .is_ok_and(|v| v == 1);
         Ok(Self {
             ctx,
             name,
@@ -860,6 +894,7 @@ impl CudaDevice {
             timeline: timeline::Recorder::default(),
             shared: Arc::default(),
             pool_chunk,
+            pageable_access,
         })
     }
 
@@ -1014,7 +1049,8 @@ impl CudaDevice {
     /// operation.
     pub fn set_perturbation(&self, perturbation: Option<Perturbation>) -> Result<(), CudaError> {
         if perturbation.is_some() {
-            self.ctx.spin_kernel()?;
+            self.ctx
+                .kernel(&self.ctx.spin, perturb::SPIN_PTX, c"spin")?;
         }
         *self.perturber() = perturbation.map(Perturber::new);
         Ok(())
@@ -1289,6 +1325,10 @@ impl Device<Cuda> for CudaDevice {
         })
     }
 
+    fn reads_pageable(&self) -> bool {
+        self.pageable_access
+    }
+
     fn create_stream(&self) -> Result<CudaStream, CudaError> {
         self.bind()?;
         let raw = wrap(
@@ -1455,11 +1495,16 @@ impl Device<Cuda> for CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
-        // The source address: a pinned buffer's, or the one captured when
-        // the memory was registered (never the region's again).
+        // The source address: a pinned buffer's, the one captured when
+        // the memory was registered (never the region's again), or a
+        // pageable region's own.
         let (base, len, kind) = match &src {
             HostSource::Pinned(b) => (b.ptr.cast_const(), b.len, "pinned"),
             HostSource::Registered(r) => (r.ptr, r.len as u64, "registered"),
+            HostSource::Pageable(p) => {
+                let bytes = p.bytes();
+                (bytes.as_ptr(), bytes.len() as u64, "pageable")
+            }
         };
         if !in_bounds(src_offset, bytes, len) || !in_bounds(dst_offset, bytes, dst.len) {
             return Err(invalid(
@@ -1470,11 +1515,60 @@ impl Device<Cuda> for CudaDevice {
                 ),
             ));
         }
+        if matches!(src, HostSource::Pageable(_)) && !self.pageable_access {
+            return Err(invalid(
+                sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED,
+                format!(
+                    "reading {bytes} bytes of pageable memory in place: this device does not load pageable memory (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0: HMM needs the open kernel modules on Linux 6.1.24 or later, or ATS); stage it through pinned memory (staged_reads = \"fill\")"
+                ),
+            ));
+        }
+        let pageable = if matches!(src, HostSource::Pageable(_)) {
+            Some(
+                self.ctx
+                    .kernel(&self.ctx.pageable, PAGEABLE_PTX, c"read_pageable")?,
+            )
+        } else {
+            None
+        };
         self.bind()?;
         self.perturb_raw(stream.raw)?;
         let span = self.timeline.begin(&self.ctx, stream.raw, || {
             timeline::h2d_name(bytes, kind, dst.ptr, dst_offset)
         })?;
+        if let Some(kernel) = pageable {
+            let mut src_ptr = base as u64 + src_offset;
+            let mut dst_ptr = dst.ptr + dst_offset;
+            let mut n = bytes;
+            let mut params: [*mut c_void; 3] = [
+                (&raw mut src_ptr).cast(),
+                (&raw mut dst_ptr).cast(),
+                (&raw mut n).cast(),
+            ];
+            // SAFETY: `read_pageable(u64 src, u64 dst, u64 n)` takes three
+            // u64s, which `params` points to (copied at launch); both
+            // ranges are in bounds (checked above) and the kernel reads no
+            // aligned word outside the source's (pageable.ptx); the device
+            // loads pageable memory (checked above); the caller keeps the
+            // region mapped and unchanged, and the destination untouched,
+            // until an event recorded after this read completes; the module
+            // stays loaded until the context drops, after draining.
+            let launched = unsafe {
+                result::launch_kernel(
+                    kernel.function,
+                    (PAGEABLE_READ_BLOCKS, 1, 1),
+                    (1024, 1, 1),
+                    0,
+                    stream.raw,
+                    &mut params,
+                )
+            };
+            let ended = self.timeline.end(&self.ctx, stream.raw, span);
+            wrap(launched, || {
+                format!("cuLaunchKernel(read_pageable, {bytes} bytes)")
+            })?;
+            return ended;
+        }
         // SAFETY: both ranges are in bounds (checked above; `base` is
         // non-null since `len >= bytes > 0`); the caller guarantees that
         // neither side is freed, and the destination not otherwise touched,

@@ -97,30 +97,31 @@ pub(crate) const SPIN_PTX: &CStr =
         Err(_) => panic!("spin.ptx contains a NUL byte"),
     };
 
-/// The loaded spin kernel of one context.
+/// A kernel of a PTX module loaded into one context (the spin kernel, the
+/// in-place pageable read), unloaded by its context's drop.
 #[derive(Debug)]
-pub(crate) struct SpinKernel {
+pub(crate) struct PtxKernel {
     pub(crate) module: sys::CUmodule,
     pub(crate) function: sys::CUfunction,
 }
 
 // SAFETY: module and function handles may be used from any thread with
 // their context current (every user binds it first).
-unsafe impl Send for SpinKernel {}
+unsafe impl Send for PtxKernel {}
 // SAFETY: as above; launching concurrently is synchronised by the driver.
-unsafe impl Sync for SpinKernel {}
+unsafe impl Sync for PtxKernel {}
 
-impl SpinKernel {
-    /// Loads the module into the current context.
+impl PtxKernel {
+    /// Loads `ptx` into the current context and finds `name` in it.
     ///
     /// # Safety
     ///
     /// The context the kernel is meant for must be current on this thread.
-    pub(crate) unsafe fn load() -> Result<Self, result::DriverError> {
-        // SAFETY: SPIN_PTX is a NUL-terminated PTX module.
-        let module = unsafe { result::module::load_data(SPIN_PTX.as_ptr().cast()) }?;
+    pub(crate) unsafe fn load(ptx: &CStr, name: &CStr) -> Result<Self, result::DriverError> {
+        // SAFETY: `ptx` is a NUL-terminated PTX module.
+        let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }?;
         // SAFETY: the module was just loaded and is not unloaded yet.
-        match unsafe { result::module::get_function(module, c"spin".to_owned()) } {
+        match unsafe { result::module::get_function(module, name.to_owned()) } {
             Ok(function) => Ok(Self { module, function }),
             Err(e) => {
                 // SAFETY: loaded above, used by nothing.
@@ -134,9 +135,9 @@ impl SpinKernel {
     ///
     /// # Safety
     ///
-    /// The kernel's context must be current, `stream` a live stream of it,
-    /// and the module loaded until the launch completes.
-    pub(crate) unsafe fn launch(
+    /// The kernel must be the spin kernel, its context current, `stream` a
+    /// live stream of it, and the module loaded until the launch completes.
+    pub(crate) unsafe fn launch_spin(
         &self,
         stream: sys::CUstream,
         ns: u64,

@@ -314,6 +314,8 @@ enum Loc {
     Device(u64),
     Pinned(u64),
     Registered(u64),
+    /// A pageable region read in place, by its address.
+    Pageable(usize),
 }
 
 /// Decode windows kept for the interference a kernel sees: more than a
@@ -441,6 +443,22 @@ struct HostMem {
     mem: Vec<u8>,
 }
 
+/// A pageable region a copy reads where it lies: the caller's, held
+/// weakly, so that a copy that runs after the caller dropped it is seen.
+struct PageableMem {
+    region: std::sync::Weak<dyn HostRegion>,
+    mem: Vec<u8>,
+}
+
+impl std::fmt::Debug for PageableMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageableMem")
+            .field("live", &(self.region.strong_count() > 0))
+            .field("kept", &self.mem.len())
+            .finish()
+    }
+}
+
 /// Counters the harness reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SimStats {
@@ -532,6 +550,12 @@ struct State {
     divisor: u64,
     /// [`SimConfig::host_threads`].
     host_threads: bool,
+    /// [`SimConfig::pageable_reads`].
+    pageable_reads: bool,
+    /// Pageable regions copies read in place, by address: a weak handle
+    /// (the caller owns the region) and its kept bytes, taken at the first
+    /// copy (the region is read-only).
+    pageable: BTreeMap<usize, PageableMem>,
     host_now_ns: u64,
     host_clock: VectorClock,
     streams: Vec<StreamState>,
@@ -680,6 +704,40 @@ impl State {
         }
     }
 
+    /// A pageable region as a copy source (`HostSource::Pageable`): its
+    /// name, length and location, its kept bytes taken at its first copy;
+    /// a typed error where this device does not read pageable memory.
+    fn pageable_source(
+        &mut self,
+        region: &std::sync::Arc<dyn HostRegion>,
+    ) -> Result<(String, u64, Loc), SimError> {
+        let bytes = region.bytes();
+        let (at, len) = (bytes.as_ptr() as usize, bytes.len() as u64);
+        let name = format!("pageable@{at:#x}");
+        if !self.pageable_reads {
+            return Err(self.err(
+                format!("h2d {name}"),
+                DeviceErrorKind::Other,
+                "this device does not read pageable memory (SimConfig::pageable_reads is off): copy from pinned or registered memory".to_owned(),
+            ));
+        }
+        let d = self.divisor as usize;
+        let fresh = self
+            .pageable
+            .get(&at)
+            .is_none_or(|p| p.mem.len() != bytes.len().div_ceil(d) || p.region.strong_count() == 0);
+        if fresh {
+            self.pageable.insert(
+                at,
+                PageableMem {
+                    region: std::sync::Arc::downgrade(region),
+                    mem: bytes.iter().step_by(d).copied().collect(),
+                },
+            );
+        }
+        Ok((name, len, Loc::Pageable(at)))
+    }
+
     fn record_violation(&mut self, invariant: Invariant, detail: String) {
         self.violations.push(Violation { invariant, detail });
     }
@@ -729,6 +787,20 @@ impl State {
                 dst_offset,
                 bytes,
             } => {
+                // A pageable source its owner dropped before the copy ran:
+                // the device would have read unmapped memory.
+                if let Loc::Pageable(at) = src
+                    && let Some(p) = self.pageable.get(&at)
+                    && p.region.strong_count() == 0
+                {
+                    self.record_violation(
+                        Invariant::NoEarlyFree,
+                        format!(
+                            "a copy read pageable memory at {at:#x} ({bytes} bytes from {src_offset}) after its owner dropped it"
+                        ),
+                    );
+                    self.pageable.remove(&at);
+                }
                 // Freed memory reads as zeros (the checker has reported the
                 // use after free); a freed destination swallows the bytes.
                 let from = kept(src_offset, src_offset + bytes, d);
@@ -825,6 +897,7 @@ impl State {
             Loc::Device(id) => self.device.get(&id)?.mem.as_deref(),
             Loc::Pinned(id) => Some(&self.pinned.get(&id)?.mem),
             Loc::Registered(id) => Some(&self.registered.get(&id)?.mem),
+            Loc::Pageable(at) => Some(&self.pageable.get(&at)?.mem),
         }
     }
 
@@ -833,6 +906,8 @@ impl State {
             Loc::Device(id) => self.device.get_mut(&id)?.mem.as_deref_mut(),
             Loc::Pinned(id) => Some(&mut self.pinned.get_mut(&id)?.mem),
             Loc::Registered(id) => Some(&mut self.registered.get_mut(&id)?.mem),
+            // Read-only: copies only read it.
+            Loc::Pageable(_) => None,
         }
     }
 
@@ -1351,6 +1426,13 @@ pub struct SimConfig {
     /// filler thread's accesses are checked like the caller's (one host
     /// clock), and timings depend on the scheduler.
     pub host_threads: bool,
+    /// Whether copies may read pageable host memory where it lies
+    /// ([`Device::reads_pageable`], `HostSource::Pageable`): a GPU with
+    /// pageable memory access (HMM, ATS). Such a copy runs on the copy
+    /// engine at the profile's host→device rate, takes no host time, and
+    /// is checked: a region dropped before its copy ran is an INV-3
+    /// violation. Off by default (such a copy is then a typed error).
+    pub pageable_reads: bool,
 }
 
 impl SimConfig {
@@ -1364,6 +1446,7 @@ impl SimConfig {
             faults: FaultPlan::none(),
             jitter: None,
             host_threads: false,
+            pageable_reads: false,
         }
     }
 
@@ -1404,6 +1487,8 @@ impl SimDevice {
                 profile: config.profile,
                 divisor: config.payload_divisor,
                 host_threads: config.host_threads,
+                pageable_reads: config.pageable_reads,
+                pageable: BTreeMap::new(),
                 host_now_ns: 0,
                 host_clock: VectorClock::new(1),
                 streams: vec![default_stream],
@@ -2030,6 +2115,10 @@ impl Device<Sim> for SimDevice {
         self.state().host_threads
     }
 
+    fn reads_pageable(&self) -> bool {
+        self.state().pageable_reads
+    }
+
     /// A staging fill on the caller's thread takes the host `bytes` at the
     /// profile's `host_fill_gbps` (bytes per ns): the one host clock moves
     /// on by it. With [`SimConfig::host_threads`] the filler is a thread of
@@ -2153,6 +2242,7 @@ impl Device<Sim> for SimDevice {
         let (name, len, loc) = match &src {
             HostSource::Pinned(b) => (host_name(b.id), b.len, Loc::Pinned(b.id)),
             HostSource::Registered(r) => (registered_name(r.id), r.len, Loc::Registered(r.id)),
+            HostSource::Pageable(region) => st.pageable_source(region)?,
         };
         let source = End {
             name,

@@ -112,6 +112,10 @@ pub struct RunOptions {
     /// runtime that reads only the request's output, which is synchronised
     /// once).
     pub step_sync: bool,
+    /// [`SimConfig::pageable_reads`]: the device reads pageable memory in
+    /// place (`staged_reads = "in_place"`, CONTRACT §7c), and the weights
+    /// come as windows it can read ([`crate::presets::MappedWindows`]).
+    pub pageable_reads: bool,
 }
 
 impl RunOptions {
@@ -123,6 +127,7 @@ impl RunOptions {
             faults: self.faults,
             jitter: self.jitter,
             host_threads: self.host_threads,
+            pageable_reads: self.pageable_reads,
         }
     }
 
@@ -140,6 +145,7 @@ impl RunOptions {
             trained_weights: false,
             host_threads: false,
             step_sync: false,
+            pageable_reads: false,
         }
     }
 }
@@ -796,6 +802,11 @@ impl Rig {
             Arc::new(crate::presets::TrainedWeights::new(opts.seed, &pipeline))
         } else {
             Arc::new(SyntheticWeights { seed: opts.seed })
+        };
+        let weights: Arc<dyn WeightSource> = if opts.pageable_reads {
+            Arc::new(crate::presets::MappedWindows::new(weights))
+        } else {
+            weights
         };
         Self::with_weights(pipeline, opts, weights)
     }

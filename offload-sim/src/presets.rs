@@ -1057,6 +1057,48 @@ impl WeightSource for SyntheticWeights {
     }
 }
 
+/// A weight source whose every unit is also a window the device may read
+/// in place ([`WeightSource::pageable_window`]): what a mapped checkpoint
+/// gives `staged_reads = "in_place"` (CONTRACT §7c), on the simulator. Each
+/// window is a fresh buffer of the unit's bytes, packed as the unit lays
+/// them out and owned by the master that takes it alone, so a copy that
+/// reads it after that master dropped it is seen by the device
+/// ([`crate::SimConfig::pageable_reads`]).
+pub struct MappedWindows {
+    inner: std::sync::Arc<dyn WeightSource>,
+}
+
+impl MappedWindows {
+    /// `inner`'s bytes, with windows.
+    pub fn new(inner: std::sync::Arc<dyn WeightSource>) -> Self {
+        Self { inner }
+    }
+}
+
+impl WeightSource for MappedWindows {
+    fn read(&self, storage: StorageId, position: u64, dst: &mut [u8]) {
+        self.inner.read(storage, position, dst);
+    }
+
+    fn pageable_window(
+        &self,
+        unit: &offload_core::runtime::Unit,
+    ) -> Option<std::sync::Arc<dyn offload_core::device::HostRegion>> {
+        let mut bytes = vec![0u8; usize::try_from(unit.bytes).ok()?];
+        for e in &unit.entries {
+            let at = usize::try_from(e.offset).ok()?;
+            let len = usize::try_from(e.bytes).ok()?;
+            self.inner
+                .read(e.storage, 0, bytes.get_mut(at..at.checked_add(len)?)?);
+        }
+        Some(std::sync::Arc::new(bytes))
+    }
+
+    fn wants_restore(&self) -> bool {
+        self.inner.wants_restore()
+    }
+}
+
 /// Weights that look trained, deterministic: each bf16 storage's values
 /// are N(0, 1/fan-in) (fan-in: the second dimension of its first 2-D
 /// tensor, else the last), as initialised weights are and trained ones

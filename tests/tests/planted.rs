@@ -276,7 +276,17 @@ fn in_flight(
         faults,
         ..opts(bugs)
     };
-    let mut rig = Rig::new(tiny().pipeline, &o).unwrap();
+    in_flight_with(choice, &o, end)
+}
+
+/// [`in_flight`] with `o`; the device drained after `end`, so that a copy
+/// still queued then runs (and is checked).
+fn in_flight_with(
+    choice: &StrategyChoice,
+    o: &RunOptions,
+    end: impl FnOnce(Rig),
+) -> (Vec<Violation>, usize) {
+    let mut rig = Rig::new(tiny().pipeline, o).unwrap();
     let backend = rig.backend(choice).unwrap();
     rig.runtime.enable(backend).map_err(|(e, _)| e).unwrap();
     let out = &rig.probe.output;
@@ -295,6 +305,7 @@ fn in_flight(
         .unwrap();
     let device = rig.device.clone();
     end(rig);
+    device.synchronize_all();
     let leaks = device.check_released();
     (device.violations(), leaks)
 }
@@ -313,6 +324,32 @@ fn inv3_disable_without_draining() {
         disable,
     );
     caught(&v, Invariant::NoEarlyFree, "free_pinned");
+}
+
+/// Masters read in place (`staged_reads = "in_place"`, CONTRACT §7c): a
+/// disable that frees without draining drops a pageable master while the
+/// prefetch that reads it is queued, and the device sees the copy read
+/// memory its owner dropped (INV-3, the simulator's own check of
+/// `HostSource::Pageable`); a disable that drains leaves none.
+#[test]
+fn inv3_disable_without_draining_drops_a_window_read_in_place() {
+    let choice = StrategyChoice::Config(OffloadConfig {
+        enable_layerwise_offload: true,
+        pin_cpu_memory: Some(false),
+        staged_reads: Some(offload_core::config::StagedReads::InPlace),
+        ..OffloadConfig::default()
+    });
+    let disable = |mut rig: Rig| {
+        rig.runtime.disable().unwrap();
+    };
+    let with = |bugs: &[PlantedBug]| RunOptions {
+        pageable_reads: true,
+        ..opts(bugs)
+    };
+    let (v, leaks) = in_flight_with(&choice, &with(&[]), disable);
+    assert!(v.is_empty() && leaks == 0, "{v:#?}");
+    let (v, _) = in_flight_with(&choice, &with(&[PlantedBug::FreeWithoutDrain]), disable);
+    caught(&v, Invariant::NoEarlyFree, "pageable memory");
 }
 
 /// Dropping an enabled runtime (a `?` past it) drains before freeing: no

@@ -1782,3 +1782,149 @@ fn the_staged_forecast_fills_at_the_last_pass_s_rate() {
         rates[0]
     );
 }
+
+/// `staged_reads = "in_place"` (CONTRACT §7c).
+fn in_place(pin: Option<bool>, budget: Option<u64>) -> StrategyChoice {
+    let StrategyChoice::Config(mut c) = layerwise(pin, budget) else {
+        unreachable!("staged_layerwise is a configuration")
+    };
+    c.staged_reads = Some(offload_core::config::StagedReads::InPlace);
+    StrategyChoice::Config(c)
+}
+
+fn reading_pageable(bugs: &[PlantedBug], depth: usize, jitter: Option<u64>) -> RunOptions {
+    RunOptions {
+        pageable_reads: true,
+        ..opts(bugs, depth, jitter)
+    }
+}
+
+/// Staged masters read in place by a device that reads pageable memory
+/// (`staged_reads = "in_place"`, the weights as mapped windows): every
+/// master staged and under a budget, at depths 1–3 with and without
+/// jitter, the outputs equal resident with no violation, no staging ring
+/// is pinned (the page-locked peak stays below one ring: only the upload
+/// buffer and the budget's pinned blocks), every staged block is named in
+/// the log as read in place, and the device copied what a fully pinned
+/// run copies (its own count of host→device bytes).
+#[test]
+fn in_place_reads_are_bit_identical_and_pin_no_staging_ring() {
+    let want = resident();
+    let (streamed, ring, transient) = sizes();
+    for (pin, budget) in [
+        (Some(false), None),
+        (None, Some(streamed / 2 + ring + transient)),
+    ] {
+        for depth in [1, 2, 3] {
+            for jitter in [None, Some(1), Some(2)] {
+                let at =
+                    format!("pin {pin:?}, budget {budget:?}, depth {depth}, jitter {jitter:?}");
+                let (o, log) = capture_logs(|| {
+                    run(
+                        &workload(),
+                        &in_place(pin, budget),
+                        &reading_pageable(&[], depth, jitter),
+                    )
+                    .unwrap()
+                });
+                let fill = run(
+                    &workload(),
+                    &layerwise(pin, budget),
+                    &opts(&[], depth, jitter),
+                )
+                .unwrap();
+                assert_eq!(outputs(&o), want, "{at}");
+                assert!(
+                    all_violations(&o).is_empty(),
+                    "{at}: {:#?}",
+                    all_violations(&o)
+                );
+                let pinned_masters = budget.map_or(0, |b| b - ring - transient);
+                assert!(
+                    host_peak(&o) <= pinned_masters + transient,
+                    "{at}: page-locked peak {} holds a staging ring ({ring}): over {} of pinned masters and the upload",
+                    host_peak(&o),
+                    pinned_masters + transient
+                );
+                assert!(
+                    host_peak(&o) < host_peak(&fill),
+                    "{at}: in place {} ≥ filled {}",
+                    host_peak(&o),
+                    host_peak(&fill)
+                );
+                assert!(
+                    log.contains("streams staged, read in place by the device"),
+                    "{at}: {log}"
+                );
+                assert!(!log.contains("through the staging ring"), "{at}: {log}");
+                // No staging ring, no queue: the copies a fully pinned run
+                // issues, byte for byte.
+                let pinned = run(
+                    &workload(),
+                    &layerwise(None, None),
+                    &opts(&[], depth, jitter),
+                )
+                .unwrap();
+                assert_eq!(
+                    (o.at_end.h2d_bytes, o.at_end.copies),
+                    (pinned.at_end.h2d_bytes, pinned.at_end.copies),
+                    "{at}: bytes and copies over the link"
+                );
+            }
+        }
+    }
+}
+
+/// `"in_place"` on a device that does not read pageable memory fails
+/// `enable` with a typed error naming the key and what is allowed, and a
+/// source without windows streams through the staging ring, logged.
+#[test]
+fn in_place_reads_without_a_device_that_reads_pageable_memory_are_typed() {
+    let e = run(
+        &workload(),
+        &in_place(Some(false), None),
+        &opts(&[], 1, None),
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("staged_reads") && text.contains("\"fill\" on this device"),
+        "{text}"
+    );
+    // The device reads pageable memory but the weights come as no window
+    // (the heap's): every block through the staging ring, each logged.
+    let want = resident();
+    let w = workload();
+    let o = reading_pageable(&[], 2, None);
+    let (done, log) = capture_logs(|| {
+        let weights: std::sync::Arc<dyn offload_core::runtime::WeightSource> = std::sync::Arc::new(
+            offload_sim::presets::TrainedWeights::new(o.seed, &w.preset.pipeline),
+        );
+        let mut rig =
+            offload_sim::harness::Rig::with_weights(w.preset.pipeline.clone(), &o, weights)
+                .unwrap();
+        rig.serve_workload(&w);
+        let choice = in_place(Some(false), None);
+        offload_sim::harness::drive(
+            rig,
+            &choice,
+            &choice.config(),
+            &o,
+            w.requests,
+            |rig| rig.request(&w),
+            |_| {},
+        )
+        .unwrap()
+    });
+    assert_eq!(outputs(&done), want);
+    assert!(
+        all_violations(&done).is_empty(),
+        "{:#?}",
+        all_violations(&done)
+    );
+    assert!(
+        log.contains("streams staged through the staging ring"),
+        "{log}"
+    );
+    assert!(!log.contains("streams staged, read in place"), "{log}");
+}

@@ -119,6 +119,21 @@ pub trait WeightSource: Send + Sync {
         false
     }
 
+    /// `unit`'s bytes, packed exactly as [`Unit::entries`] lays them out,
+    /// as memory the device may read where it lies (`staged_reads =
+    /// "in_place"`, CONTRACT §7c): a read-only window of a mapped file, never
+    /// registered, never written, mapped for as long as the returned handle
+    /// lives, whose pages this source does not release while it does.
+    /// `None` (the default), or where no such window exists: the unit
+    /// streams through the staging ring.
+    fn pageable_window(
+        &self,
+        unit: &Unit,
+    ) -> Option<std::sync::Arc<dyn crate::device::HostRegion>> {
+        let _ = unit;
+        None
+    }
+
     /// A staged unit's bytes (CONTRACT §7c) will be read soon (the next
     /// staged block in ring order): a source backed by a mapped file may
     /// start reading them ahead (`madvise(MADV_WILLNEED)`). Default:
@@ -179,6 +194,12 @@ pub struct HostMasters {
     pub staged_units: u64,
     /// Their bytes (not pinned: what the staging saves).
     pub staged_bytes: u64,
+    /// Of the staged units, those the device reads where they lie (a
+    /// read-only window of a mapped checkpoint, on a device that reads
+    /// pageable memory: `staged_reads`, CONTRACT §7c), with no host copy.
+    pub read_in_place_units: u64,
+    /// Their bytes.
+    pub read_in_place_bytes: u64,
 }
 
 /// Where one storage's bytes are readable by device kernels now.

@@ -1575,6 +1575,12 @@ struct StagedTally {
     may_stage: bool,
     /// The host plan releases staged blocks' pages after each read.
     release: bool,
+    /// `staged_reads = "in_place"`, on a device that reads pageable
+    /// memory: a raw staged block that is a window of the weight source's
+    /// mapping is read there by the device.
+    in_place: bool,
+    /// Of `units`, those read in place.
+    read_in_place: usize,
 }
 
 impl StagedTally {
@@ -1585,15 +1591,36 @@ impl StagedTally {
                 staged_bytes = self.bytes,
                 coded_units = self.coded_units,
                 refused = self.refused,
-                "{} streamed blocks ({} bytes, {} of them coded) stay in pageable memory and stream through pinned staging buffers ({} refused by the device; planned: {} pinned, {} staged)",
+                read_in_place = self.read_in_place,
+                "{} streamed blocks ({} bytes, {} of them coded) stay in pageable memory, {} read in place by the device and the rest streamed through pinned staging buffers ({} refused by the device; planned: {} pinned, {} staged)",
                 self.units,
                 self.bytes,
                 self.coded_units,
+                self.read_in_place,
                 self.refused,
                 plan.pinned_bytes,
                 plan.staged_bytes
             );
         }
+    }
+}
+
+/// Whether `staged_reads = "in_place"` (CONTRACT §7c) holds here; a typed
+/// error where the device cannot read pageable memory.
+pub(crate) fn in_place_reads<A: Api>(
+    config: &OffloadConfig,
+    device: &A::Device,
+) -> Result<bool, OffloadError> {
+    match config.staged_reads.unwrap_or_default() {
+        crate::config::StagedReads::Fill => Ok(false),
+        crate::config::StagedReads::InPlace if device.reads_pageable() => Ok(true),
+        crate::config::StagedReads::InPlace => Err(OffloadError::Config(Box::new(
+            crate::config::ConfigError::Invalid {
+                key: "staged_reads".to_owned(),
+                value: "\"in_place\"".to_owned(),
+                allowed: "\"fill\" on this device: it does not read pageable memory where it lies (Device::reads_pageable; CUDA needs pageable memory access: HMM with the open kernel modules, or ATS)".to_owned(),
+            },
+        ))),
     }
 }
 
@@ -1621,6 +1648,22 @@ fn staged_of<A: Api>(
         .map_or(unit.bytes, |c| c.bytes().len() as u64);
     tally.units += 1;
     tally.bytes += bytes;
+    if tally.in_place && coded.is_none() {
+        match h
+            .weights
+            .pageable_window(unit)
+            .filter(|w| w.bytes().len() as u64 == unit.bytes)
+        {
+            Some(window) => {
+                tally.read_in_place += 1;
+                tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged, read in place by the device ({why})", unit.name);
+                return h.counted(HostMaster::Pageable(window));
+            }
+            None => {
+                tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged through the staging ring ({why}): the weight source holds it in no mapped window the device could read in place", unit.name);
+            }
+        }
+    }
     tally.coded_units += usize::from(coded.is_some());
     if coded.is_some() {
         tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged, coded ({bytes} of {} bytes; {why})", unit.name, unit.bytes);
@@ -2412,6 +2455,8 @@ impl<A: Api> LayerwiseBackend<A> {
         log_warnings(&plan.warnings);
         let layout = RingLayout::new(&plan, &partition, engine.group, engine.rank);
         let h = &engine.handles;
+        // Before anything is made: a device that cannot read in place.
+        let in_place = in_place_reads::<A>(config, &*h.device)?;
         let skip = if engine.bug(PlantedBug::SkipNonPersistent) {
             non_persistent(&model.pipeline)
         } else {
@@ -2488,6 +2533,7 @@ impl<A: Api> LayerwiseBackend<A> {
             budget_set: config.host_budget.is_some(),
             may_stage: engine.strategy == OffloadStrategy::Layerwise,
             release,
+            in_place,
             ..StagedTally::default()
         };
         let masters_before = h.host_masters();

@@ -21,11 +21,14 @@ use crate::runtime::layout::{Partition, Unit, partition};
 
 /// One host master: pinned memory we filled, the loader's memory
 /// registered in place, or (CONTRACT §7c) the loader's pageable memory left
-/// where it is, streamed through pinned staging buffers.
+/// where it is, streamed through pinned staging buffers (`Staged`) or read
+/// by the device where it lies (`Pageable`: a read-only window of a mapped
+/// checkpoint, on a device that reads pageable memory).
 pub(crate) enum HostMaster<A: Api> {
     Pinned(A::HostBuffer),
     Registered(A::Registration),
     Staged(Staged),
+    Pageable(std::sync::Arc<dyn crate::device::HostRegion>),
 }
 
 /// A master left in pageable memory (the weight source's: its mapped file
@@ -53,13 +56,14 @@ impl std::fmt::Debug for Staged {
 
 impl<A: Api> HostMaster<A> {
     /// Its pinned or registered bytes: what it holds of page-locked host
-    /// memory (0 for a staged master, whose bytes stay pageable).
+    /// memory (0 for a staged or pageable master, whose bytes stay
+    /// pageable).
     pub(crate) fn len_bytes(&self) -> u64 {
         use crate::device::Registration;
         match self {
             HostMaster::Pinned(b) => b.len_bytes(),
             HostMaster::Registered(r) => r.len_bytes(),
-            HostMaster::Staged(_) => 0,
+            HostMaster::Staged(_) | HostMaster::Pageable(_) => 0,
         }
     }
 
@@ -70,6 +74,7 @@ impl<A: Api> HostMaster<A> {
         match self {
             HostMaster::Pinned(b) => Ok(HostSource::Pinned(b)),
             HostMaster::Registered(r) => Ok(HostSource::Registered(r)),
+            HostMaster::Pageable(p) => Ok(HostSource::Pageable(p)),
             HostMaster::Staged(_) => Err(OffloadError::DeviceOp {
                 operation: what.to_owned(),
                 kind: crate::device::DeviceErrorKind::Other,
@@ -601,18 +606,27 @@ impl<A: Api> Handles<A> {
         let (units, bytes) = match master {
             HostMaster::Pinned(_) => (&mut m.copied_units, &mut m.copied_bytes),
             HostMaster::Registered(_) => (&mut m.in_place_units, &mut m.in_place_bytes),
-            HostMaster::Staged(_) => (&mut m.staged_units, &mut m.staged_bytes),
+            HostMaster::Staged(_) | HostMaster::Pageable(_) => {
+                (&mut m.staged_units, &mut m.staged_bytes)
+            }
         };
         let len = match master {
             HostMaster::Staged(s) => s.bytes,
+            HostMaster::Pageable(p) => p.bytes().len() as u64,
             _ => master.len_bytes(),
         };
-        if made {
-            *units += 1;
-            *bytes += len;
-        } else {
-            *units = units.saturating_sub(1);
-            *bytes = bytes.saturating_sub(len);
+        let tally = |units: &mut u64, bytes: &mut u64| {
+            if made {
+                *units += 1;
+                *bytes += len;
+            } else {
+                *units = units.saturating_sub(1);
+                *bytes = bytes.saturating_sub(len);
+            }
+        };
+        tally(units, bytes);
+        if matches!(master, HostMaster::Pageable(_)) {
+            tally(&mut m.read_in_place_units, &mut m.read_in_place_bytes);
         }
     }
 
@@ -670,8 +684,9 @@ impl<A: Api> Handles<A> {
                 let region = unsafe { self.device.unregister_host(r) };
                 region.map(drop).map_err(|e| dev_err("unregister_host", e))
             }
-            // Nothing pinned: its bytes stay with the weight source.
-            HostMaster::Staged(_) => Ok(()),
+            // Nothing pinned: its bytes stay with the weight source (a
+            // pageable master drops its handle on the source's mapping).
+            HostMaster::Staged(_) | HostMaster::Pageable(_) => Ok(()),
         }
     }
 
