@@ -18,6 +18,9 @@
 #   this coded-block file (written first from the loaded weights, about a
 #   minute on 16 cores): within the budget registered in place, beyond it
 #   staged coded (CONTRACT §7b with §7c); default COMPRESSION=none
+#   FILE_READS=pread,in-place: how the file rows read their staged
+#   blocks (default pread; in-place: staged_reads = "in_place", the GPU
+#   reads the mapping where it lies, on a GPU with pageable memory access)
 #   FILL_COPY=plain: the loader's bytes copied with copy_from_slice, not
 #   the streaming stores the library's weight sources use (the A/B)
 set -uo pipefail
@@ -46,6 +49,7 @@ cuda_libs
   --weight-compression "${COMPRESSION:-none}" --repeats "${REPEATS:-1}" \
   ${CODED_BLOCKS:+--coded-blocks "$CODED_BLOCKS"} \
   ${FILL_COPY:+--fill-copy "$FILL_COPY"} \
+  ${FILE_READS:+--file-reads "$FILE_READS"} \
   >"$OUT/staged.log" 2>"$OUT/staged.err"
 rc=$?
 tail -n 5 "$OUT/staged.err"

@@ -239,9 +239,11 @@ pub(crate) struct Args {
     /// How the `file` rows read the blocks whose pages are released after
     /// each read: `pread` (what `offload-safetensors` does: nothing
     /// mapped in) or `mapped` (through the mapping with the fill's
-    /// streaming copy, the pages faulted in and released after).
-    /// Several (`pread,mapped`) run each file row once per way, in one
-    /// process.
+    /// streaming copy, the pages faulted in and released after), or
+    /// `in-place` (`staged_reads = "in_place"`: no fill, the GPU reads the
+    /// staged blocks where they lie in the mapping; a GPU with pageable
+    /// memory access only). Several (`pread,mapped`) run each file row
+    /// once per way, in one process.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "pread")]
     file_reads: Vec<staged::FileReads>,
     /// How the proxy computes attention, in every mode: `flash` (a fused
@@ -2101,7 +2103,15 @@ fn run() -> Result<()> {
                             let file = reads.is_some();
                             let masters = file_masters.as_ref().map(|(f, _)| Arc::clone(f));
                             let reads = *reads;
-                            let (config, weights) = (config.clone(), weights.clone());
+                            let config = if reads == Some(staged::FileReads::InPlace) {
+                                OffloadConfig {
+                                    staged_reads: Some(offload_core::config::StagedReads::InPlace),
+                                    ..config.clone()
+                                }
+                            } else {
+                                config.clone()
+                            };
+                            let (config, weights) = (config, weights.clone());
                             let remake: Remake<'_> = Box::new(move |depth: usize| {
                                 let layerwise = over(config.clone(), depth, None, weights.clone());
                                 let masters = masters.clone();
@@ -2127,6 +2137,7 @@ fn run() -> Result<()> {
                                         None => "",
                                         Some(staged::FileReads::Pread) => " file",
                                         Some(staged::FileReads::Mapped) => " file mapped",
+                                        Some(staged::FileReads::InPlace) => " file in-place",
                                     },
                                     if coded { " lossless" } else { "" },
                                     h.name(),

@@ -212,15 +212,22 @@ pub(crate) enum FileReads {
     Pread,
     /// Through the mapping.
     Mapped,
+    /// Read by the device where they lie, in the mapping
+    /// (`staged_reads = "in_place"`, CONTRACT §7c): no fill; the staged
+    /// blocks' pages stay mapped. Needs a GPU that reads pageable memory
+    /// (HMM or ATS); elsewhere the row's enable fails typed.
+    InPlace,
 }
 
 /// The streamed blocks in one file, mapped read-only: the weight source of
 /// the `file` rows (blocks from the mapping, everything else from the
-/// loaded weights). It lends no region, so that pinned blocks are copies
-/// read from the file and staged ones are read through the mapping.
+/// loaded weights). It lends no region to register, so that pinned blocks
+/// are copies read from the file and staged ones are read through the
+/// mapping; it lends each block's window of the mapping to be read in
+/// place by the device (`in-place` rows).
 pub(crate) struct FileMasters {
     file: File,
-    map: memmap2::Mmap,
+    map: Arc<memmap2::Mmap>,
     /// Each block unit's first byte in the file.
     offsets: BTreeMap<String, u64>,
     loaded: Arc<Loaded>,
@@ -270,7 +277,7 @@ impl FileMasters {
         let map = unsafe { memmap2::Mmap::map(&file) }?;
         Ok(Self {
             file,
-            map,
+            map: Arc::new(map),
             offsets,
             loaded,
             direct_bytes: AtomicU64::new(0),
@@ -412,6 +419,12 @@ impl WeightSource for FileMasters {
             }
             _ => self.read(storage, position, dst),
         }
+    }
+
+    fn pageable_window(&self, unit: &Unit) -> Option<Arc<dyn offload_core::device::HostRegion>> {
+        let (at, len) = self.range(unit)?;
+        offload_safetensors::MappedWindow::new(Arc::clone(&self.map), at..at + len)
+            .map(|w| Arc::new(w) as Arc<dyn offload_core::device::HostRegion>)
     }
 
     fn prefetch(&self, unit: &Unit) {

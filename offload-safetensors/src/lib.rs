@@ -1062,6 +1062,19 @@ impl WeightSource for SafetensorsSource {
         }
     }
 
+    /// The unit's window of its file's mapping, for the device to read in
+    /// place (`staged_reads = "in_place"`, CONTRACT §7c): the same window
+    /// [`WeightSource::take_region`] registers, never registered here.
+    fn pageable_window(&self, unit: &Unit) -> Option<Arc<dyn HostRegion>> {
+        match self.window(unit) {
+            Ok(w) => Some(Arc::new(w)),
+            Err(why) => {
+                tracing::debug!(unit = %unit.name, "`{}` is not one window of the checkpoint ({why}): it cannot be read in place", unit.name);
+                None
+            }
+        }
+    }
+
     /// One rank's shard of a gathered block (CONTRACT §8) as a window of
     /// its file's mapping, registered in place (the backend registers each
     /// file's mapping once, read-only, for all its windows, as for whole
