@@ -429,9 +429,10 @@ pub struct OffloadConfig {
     /// page-locked). `"in_place"` needs a device that reads pageable
     /// memory (`Device::reads_pageable`: CUDA with HMM or ATS), else
     /// `enable` fails with a typed error; a staged block that is not such a
-    /// window (the heap's, a coded block, one whose pages a budget releases
-    /// after each read) still streams through the staging ring, logged.
-    /// Layerwise offload and the request planner only.
+    /// window (the heap's, a coded block) still streams through the staging
+    /// ring, logged. `"in_place"` with layerwise offload only (a typed error
+    /// elsewhere: the request planner's and model-level offload's staged
+    /// masters stream through the staging ring).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staged_reads: Option<StagedReads>,
 }
@@ -529,16 +530,14 @@ fn check_compression(config: &OffloadConfig, selection: &Selection) -> Result<()
 /// (CONTRACT §7c).
 fn check_host_budget(config: &OffloadConfig, selection: &Selection) -> Result<(), ConfigError> {
     if let Some(reads) = config.staged_reads
-        && !matches!(
-            selection.strategy,
-            OffloadStrategy::Layerwise | OffloadStrategy::Planned
-        )
+        && reads != StagedReads::Fill
+        && selection.strategy != OffloadStrategy::Layerwise
     {
         return Err(invalid(
             "staged_reads",
             format!("\"{reads}\""),
             format!(
-                "with layerwise offload (enable_layerwise_offload = true) or a device_budget (the request planner) only; this configuration selects {}, which stages no master; remove staged_reads",
+                "\"in_place\" with layerwise offload (enable_layerwise_offload = true) only; this configuration selects {}, whose staged masters stream through the staging ring: \"fill\", or remove staged_reads",
                 selection.strategy
             ),
         ));

@@ -1928,3 +1928,44 @@ fn in_place_reads_without_a_device_that_reads_pageable_memory_are_typed() {
     );
     assert!(!log.contains("streams staged, read in place"), "{log}");
 }
+
+/// `staged_reads` is read from JSON and TOML; `"in_place"` outside
+/// layerwise offload is refused naming where it works, `"fill"` is
+/// accepted everywhere, and a value that is neither names both.
+#[test]
+fn staged_reads_is_checked_where_it_is_read() {
+    use offload_core::config::StagedReads;
+    for json in [
+        r#"{"enable_cpu_offload": true, "staged_reads": "in_place"}"#,
+        r#"{"enable_distributed_layerwise_offload": true, "staged_reads": "in_place"}"#,
+        r#"{"device_budget": "16GiB", "staged_reads": "in_place"}"#,
+    ] {
+        let c = OffloadConfig::from_json_str(json).unwrap();
+        let e = c.select().unwrap_err().to_string();
+        assert!(
+            e.contains("staged_reads")
+                && e.contains("with layerwise offload (enable_layerwise_offload = true) only"),
+            "{json}: {e}"
+        );
+    }
+    for json in [
+        r#"{"enable_layerwise_offload": true, "staged_reads": "in_place"}"#,
+        r#"{"device_budget": "16GiB", "staged_reads": "fill"}"#,
+    ] {
+        let c = OffloadConfig::from_json_str(json).unwrap();
+        assert!(c.select().is_ok(), "{json}: {:?}", c.select());
+    }
+    for bad in [r#""inplace""#, r#""dma""#, r#""IN_PLACE""#] {
+        let json = format!(r#"{{"enable_layerwise_offload": true, "staged_reads": {bad}}}"#);
+        let e = OffloadConfig::from_json_str(&json).unwrap_err().to_string();
+        assert!(
+            e.contains("staged_reads") && e.contains("fill") && e.contains("in_place"),
+            "{bad}: {e}"
+        );
+    }
+    let toml = OffloadConfig::from_toml_str(
+        "enable_layerwise_offload = true\nstaged_reads = \"in_place\"\n",
+    )
+    .unwrap();
+    assert_eq!(toml.staged_reads, Some(StagedReads::InPlace));
+}
