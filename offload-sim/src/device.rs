@@ -314,8 +314,8 @@ enum Loc {
     Device(u64),
     Pinned(u64),
     Registered(u64),
-    /// A pageable region read in place, by its address.
-    Pageable(usize),
+    /// A pageable region read in place, by its id.
+    Pageable(u64),
 }
 
 /// Decode windows kept for the interference a kernel sees: more than a
@@ -552,10 +552,14 @@ struct State {
     host_threads: bool,
     /// [`SimConfig::pageable_reads`].
     pageable_reads: bool,
-    /// Pageable regions copies read in place, by address: a weak handle
-    /// (the caller owns the region) and its kept bytes, taken at the first
-    /// copy (the region is read-only).
-    pageable: BTreeMap<usize, PageableMem>,
+    /// Pageable regions copies read in place, by id: a weak handle (the
+    /// caller owns the region) and its kept bytes, taken at the first copy
+    /// (the region is read-only). A copy names the region by id, so one
+    /// queued before its region was dropped still sees it dropped when a
+    /// new region takes the same address.
+    pageable: BTreeMap<u64, PageableMem>,
+    /// The id of the live region at each address.
+    pageable_at: BTreeMap<usize, u64>,
     host_now_ns: u64,
     host_clock: VectorClock,
     streams: Vec<StreamState>,
@@ -722,20 +726,43 @@ impl State {
             ));
         }
         let d = self.divisor as usize;
-        let fresh = self
-            .pageable
-            .get(&at)
-            .is_none_or(|p| p.mem.len() != bytes.len().div_ceil(d) || p.region.strong_count() == 0);
-        if fresh {
-            self.pageable.insert(
-                at,
-                PageableMem {
-                    region: std::sync::Arc::downgrade(region),
-                    mem: bytes.iter().step_by(d).copied().collect(),
-                },
-            );
-        }
-        Ok((name, len, Loc::Pageable(at)))
+        let live = self.pageable_at.get(&at).copied().filter(|id| {
+            self.pageable.get(id).is_some_and(|p| {
+                std::sync::Weak::ptr_eq(&p.region, &std::sync::Arc::downgrade(region))
+            })
+        });
+        let id = match live {
+            Some(id) => id,
+            None => {
+                // A new region (or a new one at a dropped one's address):
+                // copies queued for the old one keep its entry; dropped
+                // regions no queued copy reads are forgotten.
+                let queued: std::collections::BTreeSet<u64> = self
+                    .pending
+                    .values()
+                    .filter_map(|e| match e {
+                        Effect::Copy {
+                            src: Loc::Pageable(id),
+                            ..
+                        } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                self.pageable
+                    .retain(|id, p| p.region.strong_count() > 0 || queued.contains(id));
+                let id = self.new_id();
+                self.pageable.insert(
+                    id,
+                    PageableMem {
+                        region: std::sync::Arc::downgrade(region),
+                        mem: bytes.iter().step_by(d).copied().collect(),
+                    },
+                );
+                self.pageable_at.insert(at, id);
+                id
+            }
+        };
+        Ok((name, len, Loc::Pageable(id)))
     }
 
     fn record_violation(&mut self, invariant: Invariant, detail: String) {
@@ -789,17 +816,16 @@ impl State {
             } => {
                 // A pageable source its owner dropped before the copy ran:
                 // the device would have read unmapped memory.
-                if let Loc::Pageable(at) = src
-                    && let Some(p) = self.pageable.get(&at)
+                if let Loc::Pageable(id) = src
+                    && let Some(p) = self.pageable.get(&id)
                     && p.region.strong_count() == 0
                 {
                     self.record_violation(
                         Invariant::NoEarlyFree,
                         format!(
-                            "a copy read pageable memory at {at:#x} ({bytes} bytes from {src_offset}) after its owner dropped it"
+                            "a copy read pageable memory (region #{id}, {bytes} bytes from {src_offset}) after its owner dropped it"
                         ),
                     );
-                    self.pageable.remove(&at);
                 }
                 // Freed memory reads as zeros (the checker has reported the
                 // use after free); a freed destination swallows the bytes.
@@ -1489,6 +1515,7 @@ impl SimDevice {
                 host_threads: config.host_threads,
                 pageable_reads: config.pageable_reads,
                 pageable: BTreeMap::new(),
+                pageable_at: BTreeMap::new(),
                 host_now_ns: 0,
                 host_clock: VectorClock::new(1),
                 streams: vec![default_stream],

@@ -804,7 +804,10 @@ impl Rig {
             Arc::new(SyntheticWeights { seed: opts.seed })
         };
         let weights: Arc<dyn WeightSource> = if opts.pageable_reads {
-            Arc::new(crate::presets::MappedWindows::new(weights))
+            Arc::new(crate::presets::MappedWindows::new(
+                weights,
+                opts.payload_divisor,
+            ))
         } else {
             weights
         };

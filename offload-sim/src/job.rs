@@ -1129,9 +1129,9 @@ pub fn run_job(args: &JobArgs, progress: &mut dyn FnMut(Stage<'_>)) -> Result<Jo
         .any(|c| c.config().compression() != offload_core::config::WeightCompression::None);
     // `staged_reads = "in_place"` plans for a GPU that reads pageable
     // memory, its weights a mapped checkpoint's windows (CONTRACT §7c).
-    let pageable_reads = choices.iter().any(|c| {
-        c.config().staged_reads == Some(offload_core::config::StagedReads::InPlace)
-    });
+    let pageable_reads = choices
+        .iter()
+        .any(|c| c.config().staged_reads == Some(offload_core::config::StagedReads::InPlace));
     let opts = RunOptions {
         trained_weights,
         pageable_reads,

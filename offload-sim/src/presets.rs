@@ -1059,19 +1059,42 @@ impl WeightSource for SyntheticWeights {
 
 /// A weight source whose every unit is also a window the device may read
 /// in place ([`WeightSource::pageable_window`]): what a mapped checkpoint
-/// gives `staged_reads = "in_place"` (CONTRACT §7c), on the simulator. Each
-/// window is a fresh buffer of the unit's bytes, packed as the unit lays
-/// them out and owned by the master that takes it alone, so a copy that
-/// reads it after that master dropped it is seen by the device
-/// ([`crate::SimConfig::pageable_reads`]).
+/// gives `staged_reads = "in_place"` (CONTRACT §7c), on the simulator.
+/// Each window is fresh anonymous memory of the unit's size, owned by the
+/// master that takes it alone (so a copy that reads it after that master
+/// dropped it is seen by the device, [`crate::SimConfig::pageable_reads`]),
+/// holding the unit's bytes as the unit lays them out at every position
+/// the device keeps (one in `divisor`, the run's payload divisor): its
+/// other pages are never touched, so a Flux-sized window costs the host
+/// what the device keeps of it.
 pub struct MappedWindows {
     inner: std::sync::Arc<dyn WeightSource>,
+    divisor: u64,
 }
 
 impl MappedWindows {
-    /// `inner`'s bytes, with windows.
-    pub fn new(inner: std::sync::Arc<dyn WeightSource>) -> Self {
-        Self { inner }
+    /// `inner`'s bytes, with windows holding every `divisor`-th byte.
+    pub fn new(inner: std::sync::Arc<dyn WeightSource>, divisor: u64) -> Self {
+        Self {
+            inner,
+            divisor: divisor.max(1),
+        }
+    }
+}
+
+/// Anonymous memory lent as a read-only window.
+struct SparseWindow(memmap2::MmapMut);
+
+// SAFETY: the mapping is owned here, written only before it is lent (in
+// `pageable_window`), never remapped or unmapped while this value lives:
+// `bytes` returns the same slice on every call.
+unsafe impl offload_core::device::HostRegion for SparseWindow {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn read_only(&self) -> bool {
+        true
     }
 }
 
@@ -1084,14 +1107,19 @@ impl WeightSource for MappedWindows {
         &self,
         unit: &offload_core::runtime::Unit,
     ) -> Option<std::sync::Arc<dyn offload_core::device::HostRegion>> {
-        let mut bytes = vec![0u8; usize::try_from(unit.bytes).ok()?];
+        let len = usize::try_from(unit.bytes).ok()?.max(1);
+        let mut map = memmap2::MmapMut::map_anon(len).ok()?;
         for e in &unit.entries {
-            let at = usize::try_from(e.offset).ok()?;
-            let len = usize::try_from(e.bytes).ok()?;
-            self.inner
-                .read(e.storage, 0, bytes.get_mut(at..at.checked_add(len)?)?);
+            // The kept positions inside this entry.
+            let mut p = e.offset.next_multiple_of(self.divisor);
+            while p < e.offset + e.bytes {
+                let at = usize::try_from(p).ok()?;
+                self.inner
+                    .read(e.storage, p - e.offset, map.get_mut(at..at + 1)?);
+                p += self.divisor;
+            }
         }
-        Some(std::sync::Arc::new(bytes))
+        Some(std::sync::Arc::new(SparseWindow(map)))
     }
 
     fn wants_restore(&self) -> bool {
