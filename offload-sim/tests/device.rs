@@ -442,12 +442,23 @@ fn pageable_reads_land_and_a_region_dropped_under_a_queued_copy_is_seen() {
     back.read_into(0, &mut out);
     assert_eq!(&out[..], a.bytes());
     assert!(d.violations().is_empty(), "{:?}", d.violations());
-    // Queued, then dropped; a region of the same size (often at the same
-    // address) copied from next.
-    // SAFETY: deliberately broken: `a` is dropped before the copy runs.
-    unsafe { d.copy_h2d(&s, HostSource::Pageable(&a), 0, &dev, 0, len as u64) }.unwrap();
+    // Queued, then dropped; a second region over the same memory (the same
+    // address: two windows of one mapping) copied from next.
+    struct Window(Arc<Vec<u8>>);
+    // SAFETY: the Vec behind the Arc is never written or moved.
+    unsafe impl offload_core::device::HostRegion for Window {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+    }
+    let memory = Arc::new(vec![3u8; len]);
+    let first: Region = Arc::new(Window(Arc::clone(&memory)));
+    // SAFETY: deliberately broken: `first` is dropped before the copy runs.
+    unsafe { d.copy_h2d(&s, HostSource::Pageable(&first), 0, &dev, 0, len as u64) }.unwrap();
     drop(a);
-    let b: Region = Arc::new(vec![3u8; len]);
+    drop(first);
+    let b: Region = Arc::new(Window(Arc::clone(&memory)));
+    assert_eq!(b.bytes().as_ptr(), memory.as_ptr(), "the same address");
     // SAFETY: in bounds; `b` outlives the copy.
     unsafe { d.copy_h2d(&s, HostSource::Pageable(&b), 0, &dev, 0, len as u64) }.unwrap();
     d.synchronize_all();

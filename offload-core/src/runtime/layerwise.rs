@@ -1652,7 +1652,9 @@ fn staged_of<A: Api>(
         match h
             .weights
             .pageable_window(unit)
-            .filter(|w| w.bytes().len() as u64 == unit.bytes)
+            // A read-only file window only: an anonymous page the device
+            // touches may migrate to device memory no budget counts.
+            .filter(|w| w.read_only() && w.bytes().len() as u64 == unit.bytes)
         {
             Some(window) => {
                 tally.read_in_place += 1;
@@ -2664,6 +2666,13 @@ impl<A: Api> LayerwiseBackend<A> {
             }
         }
         staged_log.log(&host_plan);
+        if staged_log.read_in_place > 0 && staged_log.release {
+            tracing::warn!(
+                read_in_place = staged_log.read_in_place,
+                "staged_reads = \"in_place\": the {} blocks read in place keep their pages mapped, though the host budget releases staged pages after each read (a checkpoint larger than the budget): resident memory then holds them; staged_reads = \"fill\" bounds it",
+                staged_log.read_in_place
+            );
+        }
         if layout.gathers() {
             // CONTRACT §8: this rank's masters (its shards of gathered
             // blocks, whole blocks of rank-local rings), registered in place
