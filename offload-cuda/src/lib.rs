@@ -772,6 +772,49 @@ const PAGEABLE_PTX: &CStr =
         Err(_) => panic!("pageable.ptx contains a NUL byte"),
     };
 
+/// Launches `read_pageable(src, dst, n)` on `stream`.
+///
+/// # Safety
+///
+/// The kernel's context is current and `stream` one of its live streams;
+/// `src..src + n` is memory the device can load (pinned, or pageable on a
+/// device that reads it) and `dst..dst + n` device memory, both kept, the
+/// source unchanged and the destination untouched, until an event
+/// recorded after the launch completes; the module stays loaded until
+/// then (its context drops only after draining).
+unsafe fn launch_read(
+    kernel: &PtxKernel,
+    stream: sys::CUstream,
+    src: u64,
+    dst: u64,
+    n: u64,
+) -> Result<(), CudaError> {
+    let (mut src, mut dst, mut n) = (src, dst, n);
+    let mut params: [*mut c_void; 3] = [
+        (&raw mut src).cast(),
+        (&raw mut dst).cast(),
+        (&raw mut n).cast(),
+    ];
+    // SAFETY: `read_pageable(u64 src, u64 dst, u64 n)` takes three u64s,
+    // which `params` points to (copied at launch); the kernel reads no
+    // aligned word outside the source's and writes only `dst..dst + n`
+    // (pageable.ptx, bench/pageable_kernel_model.py); the rest is the
+    // caller's.
+    let launched = unsafe {
+        result::launch_kernel(
+            kernel.function,
+            (PAGEABLE_READ_BLOCKS, 1, 1),
+            (1024, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    };
+    wrap(launched, || {
+        format!("cuLaunchKernel(read_pageable, {n} bytes)")
+    })
+}
+
 /// Thread blocks of 1,024 threads an in-place pageable read launches
 /// ([`HostSource::Pageable`]): enough loads in flight to cover the link's
 /// latency, on a few of the device's multiprocessors (two blocks each), so
@@ -896,6 +939,55 @@ impl CudaDevice {
             pool_chunk,
             pageable_access,
         })
+    }
+
+    /// The in-place read kernel that [`HostSource::Pageable`] launches
+    /// (`pageable.ptx`), over pinned memory, which every CUDA GPU loads
+    /// through unified addressing: `bytes` from `src_offset` of `src` to
+    /// `dst_offset` of `dst` on `stream`. What checks the kernel on a GPU
+    /// without pageable memory access (the GPU suite).
+    ///
+    /// # Safety
+    ///
+    /// As [`Device::copy_h2d`]: neither side freed, the source unchanged
+    /// and the destination untouched, until an event recorded after this
+    /// read completes.
+    pub unsafe fn read_pinned_by_kernel(
+        &self,
+        stream: &CudaStream,
+        src: &PinnedBuffer,
+        src_offset: u64,
+        dst: &CudaBuffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        if !in_bounds(src_offset, bytes, src.len) || !in_bounds(dst_offset, bytes, dst.len) {
+            return Err(invalid(
+                sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE,
+                format!(
+                    "read_pageable: {bytes} bytes from {src_offset} of a {}-byte pinned source to {dst_offset} of a {}-byte buffer",
+                    src.len, dst.len
+                ),
+            ));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let kernel = self
+            .ctx
+            .kernel(&self.ctx.pageable, PAGEABLE_PTX, c"read_pageable")?;
+        self.bind()?;
+        // SAFETY: in bounds (checked above); pinned memory is loadable by
+        // the device at its host address; the rest is the caller's.
+        unsafe {
+            launch_read(
+                kernel,
+                stream.raw,
+                src.ptr as u64 + src_offset,
+                dst.ptr + dst_offset,
+                bytes,
+            )
+        }
     }
 
     /// The chunk the stream-ordered pool maps device memory in
@@ -1537,36 +1629,21 @@ impl Device<Cuda> for CudaDevice {
             timeline::h2d_name(bytes, kind, dst.ptr, dst_offset)
         })?;
         if let Some(kernel) = pageable {
-            let mut src_ptr = base as u64 + src_offset;
-            let mut dst_ptr = dst.ptr + dst_offset;
-            let mut n = bytes;
-            let mut params: [*mut c_void; 3] = [
-                (&raw mut src_ptr).cast(),
-                (&raw mut dst_ptr).cast(),
-                (&raw mut n).cast(),
-            ];
-            // SAFETY: `read_pageable(u64 src, u64 dst, u64 n)` takes three
-            // u64s, which `params` points to (copied at launch); both
-            // ranges are in bounds (checked above) and the kernel reads no
-            // aligned word outside the source's (pageable.ptx); the device
-            // loads pageable memory (checked above); the caller keeps the
-            // region mapped and unchanged, and the destination untouched,
-            // until an event recorded after this read completes; the module
-            // stays loaded until the context drops, after draining.
+            // SAFETY: both ranges are in bounds (checked above) and the
+            // device loads pageable memory (checked above); the caller
+            // keeps the region mapped and unchanged, and the destination
+            // untouched, until an event recorded after this read completes.
             let launched = unsafe {
-                result::launch_kernel(
-                    kernel.function,
-                    (PAGEABLE_READ_BLOCKS, 1, 1),
-                    (1024, 1, 1),
-                    0,
+                launch_read(
+                    kernel,
                     stream.raw,
-                    &mut params,
+                    base as u64 + src_offset,
+                    dst.ptr + dst_offset,
+                    bytes,
                 )
             };
             let ended = self.timeline.end(&self.ctx, stream.raw, span);
-            wrap(launched, || {
-                format!("cuLaunchKernel(read_pageable, {bytes} bytes)")
-            })?;
+            launched?;
             return ended;
         }
         // SAFETY: both ranges are in bounds (checked above; `base` is

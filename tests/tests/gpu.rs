@@ -2942,14 +2942,15 @@ fn unpinned_planned_is_bit_identical_and_pins_only_its_buffers_on_the_gpu() {
     println!("planted {} at device {device} B: caught", bug.name());
 }
 
-/// In-place reads of pageable memory (`HostSource::Pageable`, CONTRACT
-/// §7c `staged_reads = "in_place"`): on a GPU that reads pageable memory,
-/// every source and destination alignment mod 16 (and past it), lengths
-/// around the kernel's 16-byte body and 4-byte tail, and one long read,
-/// each equal to the bytes read back; a neighbour's bytes outside the
-/// destination range are untouched. On a GPU that does not, the copy is a
-/// typed error naming the attribute, and the test says it skipped the
-/// reads.
+/// In-place reads (`HostSource::Pageable`, CONTRACT §7c
+/// `staged_reads = "in_place"`): the read kernel (`pageable.ptx`) over
+/// pinned memory on every GPU (`CudaDevice::read_pinned_by_kernel`), and
+/// over pageable memory on a GPU that reads it: every source and
+/// destination alignment mod 16 (and past it), lengths around the
+/// kernel's 16-byte body and 4-byte tail, and one long read, each equal to
+/// the bytes read back, nothing outside the destination range written. On
+/// a GPU that does not read pageable memory the pageable copy is a typed
+/// error naming the attribute, and the test says it skipped those reads.
 #[test]
 fn in_place_reads_of_pageable_memory_land_byte_for_byte() {
     let Some(g) = gpu() else { return };
@@ -2958,37 +2959,42 @@ fn in_place_reads_of_pageable_memory_land_byte_for_byte() {
     let total: usize = (1 << 20) + 4099;
     let data: Vec<u8> = (0..total).map(|i| (i * 131 + 7 + i / 251) as u8).collect();
     let region: Arc<dyn offload_core::device::HostRegion> = Arc::new(data.clone());
+    let mut pinned = d.alloc_pinned(total as u64).unwrap();
+    pinned.write_from(0, total as u64, &data);
     let dev = d.alloc_device(total as u64 + 64).unwrap();
-    if !d.reads_pageable() {
+    let mut back = d.alloc_pinned(total as u64 + 64).unwrap();
+    let mut guard_host = d.alloc_pinned(total as u64 + 64).unwrap();
+    guard_host.write_from(0, total as u64 + 64, &vec![0xA5u8; total + 64]);
+    let pageable = d.reads_pageable();
+    if !pageable {
         // SAFETY: refused before anything is enqueued.
         let e =
             unsafe { d.copy_h2d(&s, HostSource::Pageable(&region), 0, &dev, 0, 64) }.unwrap_err();
         assert!(e.to_string().contains("PAGEABLE_MEMORY_ACCESS"), "{e}");
         println!(
-            "skipping in-place reads: this GPU does not read pageable memory (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0); the typed error was checked"
+            "skipping in-place reads of pageable memory: this GPU does not read it (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0); the typed error was checked, the kernel runs over pinned memory"
         );
-        return;
     }
-    let mut back = d.alloc_pinned(total as u64 + 64).unwrap();
-    let guard = vec![0xA5u8; total + 64];
-    let mut guard_host = d.alloc_pinned(total as u64 + 64).unwrap();
-    guard_host.write_from(0, total as u64 + 64, &guard);
     let mut checked = 0;
-    for len in [0usize, 1, 3, 15, 16, 17, 19, 20, 21, 35, 36, 37, 100, 4097] {
-        for src_off in 0..18usize {
-            for dst_off in 0..18usize {
-                // SAFETY: ranges in bounds; the stream is drained below
-                // before the buffers are reused; `region` outlives it.
-                unsafe {
-                    d.copy_h2d(
+    for from_pinned in [true, false] {
+        if !from_pinned && !pageable {
+            continue;
+        }
+        // `len` bytes from `src_off` to `dst_off` by the read kernel.
+        let read = |src_off: usize, dst_off: usize, len: usize| {
+            // SAFETY: ranges in bounds; the caller drains the stream before
+            // the buffers are reused; `region` and `pinned` outlive it.
+            unsafe {
+                if from_pinned {
+                    d.read_pinned_by_kernel(
                         &s,
-                        HostSource::Pinned(&guard_host),
-                        0,
+                        &pinned,
+                        src_off as u64,
                         &dev,
-                        0,
-                        total as u64 + 64,
+                        dst_off as u64,
+                        len as u64,
                     )
-                    .unwrap();
+                } else {
                     d.copy_h2d(
                         &s,
                         HostSource::Pageable(&region),
@@ -2997,42 +3003,58 @@ fn in_place_reads_of_pageable_memory_land_byte_for_byte() {
                         dst_off as u64,
                         len as u64,
                     )
-                    .unwrap();
-                    d.copy_d2h(&s, &dev, 0, &mut back, 0, 64 + len as u64)
-                        .unwrap();
                 }
-                d.synchronize_stream(&s).unwrap();
-                let mut out = vec![0u8; 64 + len];
-                back.read_into(0, &mut out);
-                assert_eq!(
-                    &out[dst_off..dst_off + len],
-                    &data[src_off..src_off + len],
-                    "len {len}, source +{src_off}, destination +{dst_off}"
-                );
-                assert!(
-                    out[..dst_off]
-                        .iter()
-                        .chain(&out[dst_off + len..])
-                        .all(|&b| b == 0xA5),
-                    "len {len}, source +{src_off}, destination +{dst_off}: bytes outside the range written"
-                );
-                checked += 1;
+            }
+            .unwrap();
+        };
+        let what = if from_pinned { "pinned" } else { "pageable" };
+        for len in [0usize, 1, 3, 15, 16, 17, 19, 20, 21, 35, 36, 37, 100, 4097] {
+            for src_off in 0..18usize {
+                for dst_off in 0..18usize {
+                    // SAFETY: in bounds; drained below before reuse.
+                    unsafe {
+                        d.copy_h2d(
+                            &s,
+                            HostSource::Pinned(&guard_host),
+                            0,
+                            &dev,
+                            0,
+                            total as u64 + 64,
+                        )
+                        .unwrap();
+                    }
+                    read(src_off, dst_off, len);
+                    // SAFETY: same stream, after the read.
+                    unsafe { d.copy_d2h(&s, &dev, 0, &mut back, 0, 64 + len as u64) }.unwrap();
+                    d.synchronize_stream(&s).unwrap();
+                    let mut out = vec![0u8; 64 + len];
+                    back.read_into(0, &mut out);
+                    assert_eq!(
+                        &out[dst_off..dst_off + len],
+                        &data[src_off..src_off + len],
+                        "{what}: len {len}, source +{src_off}, destination +{dst_off}"
+                    );
+                    assert!(
+                        out[..dst_off]
+                            .iter()
+                            .chain(&out[dst_off + len..])
+                            .all(|&b| b == 0xA5),
+                        "{what}: len {len}, source +{src_off}, destination +{dst_off}: bytes outside the range written"
+                    );
+                    checked += 1;
+                }
             }
         }
+        // One long read to the source's last byte, odd on both sides.
+        let len = total - 13;
+        read(13, 5, len);
+        // SAFETY: same stream, after the read.
+        unsafe { d.copy_d2h(&s, &dev, 5, &mut back, 0, len as u64) }.unwrap();
+        d.synchronize_stream(&s).unwrap();
+        let mut out = vec![0u8; len];
+        back.read_into(0, &mut out);
+        assert!(out == data[13..], "{what}: the long read differs");
+        checked += 1;
     }
-    // One long read to the region's last byte, odd on both sides.
-    let len = total - 13;
-    // SAFETY: as above.
-    unsafe {
-        d.copy_h2d(&s, HostSource::Pageable(&region), 13, &dev, 5, len as u64)
-            .unwrap();
-        d.copy_d2h(&s, &dev, 5, &mut back, 0, len as u64).unwrap();
-    }
-    d.synchronize_stream(&s).unwrap();
-    let mut out = vec![0u8; len];
-    back.read_into(0, &mut out);
-    assert!(out == data[13..], "the long read differs");
-    println!(
-        "in-place reads: {checked} aligned and unaligned reads and one of {len} bytes, byte for byte"
-    );
+    println!("in-place read kernel: {checked} reads byte for byte (pageable memory: {pageable})");
 }
