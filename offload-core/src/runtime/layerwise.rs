@@ -2525,6 +2525,19 @@ impl<A: Api> LayerwiseBackend<A> {
                         staged: len,
                     }
                 }
+                // Read in place where staged: no staging ring for it.
+                _ if in_place
+                    && block.shard.is_none()
+                    && skip.is_empty()
+                    && h.weights.pageable_window(&block.unit).is_some_and(|w| {
+                        w.read_only() && w.bytes().len() as u64 == block.unit.bytes
+                    }) =>
+                {
+                    crate::budget::HostBlock {
+                        pinned: block.unit.bytes,
+                        staged: 0,
+                    }
+                }
                 _ => crate::budget::HostBlock::raw(block.unit.bytes),
             })
             .collect();
