@@ -10,13 +10,14 @@ import random
 
 
 def read_pageable(src, dst, n, mem):
-    out, reads = {}, []
+    out, reads, writes = {}, [], []
     head = min((16 - (dst & 15)) & 15, n)
     m = 0 if n < head + 20 else (n - head - 4) // 16
     body_end = head + 16 * m
     for j in range(head + (n - body_end)):
         b = j if j < head else body_end + (j - head)
         out[dst + b] = mem[src + b]
+        writes.append(dst + b)
         reads.append(src + b)
     s0 = src + head
     shift = (s0 & 3) * 8
@@ -24,6 +25,7 @@ def read_pageable(src, dst, n, mem):
         if (s0 & 15) == 0:
             for k in range(16):
                 out[dst + head + 16 * i + k] = mem[s0 + 16 * i + k]
+                writes.append(dst + head + 16 * i + k)
                 reads.append(s0 + 16 * i + k)
         else:
             a = (s0 + 16 * i) & ~3
@@ -33,7 +35,8 @@ def read_pageable(src, dst, n, mem):
                 v = (((w[t + 1] << 32) | w[t]) >> shift) & 0xFFFFFFFF
                 for q in range(4):
                     out[dst + head + 16 * i + 4 * t + q] = (v >> (8 * q)) & 255
-    return out, reads
+                    writes.append(dst + head + 16 * i + 4 * t + q)
+    return out, reads, writes
 
 
 def main():
@@ -43,8 +46,8 @@ def main():
         src = 1000 + rng.randint(0, 31)
         dst = 5000 + rng.randint(0, 31)
         mem = {i: rng.randint(0, 255) for i in range(src - 8, src + n + 8)}
-        out, reads = read_pageable(src, dst, n, mem)
-        assert sorted(out) == list(range(dst, dst + n)), (src, dst, n)
+        out, reads, writes = read_pageable(src, dst, n, mem)
+        assert sorted(writes) == list(range(dst, dst + n)), (src, dst, n)
         assert all(out[dst + i] == mem[src + i] for i in range(n)), (src, dst, n)
         lo, hi = src & ~3, (src + n + 3) & ~3
         assert all(lo <= x < hi for x in reads), (src, dst, n)

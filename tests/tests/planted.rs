@@ -330,7 +330,8 @@ fn inv3_disable_without_draining() {
 /// disable that frees without draining drops a pageable master while the
 /// prefetch that reads it is queued, and the device sees the copy read
 /// memory its owner dropped (INV-3, the simulator's own check of
-/// `HostSource::Pageable`); a disable that drains leaves none.
+/// `HostSource::Pageable`), as does a drop of the enabled runtime that
+/// does not drain; a disable or drop that drains leaves none.
 #[test]
 fn inv3_disable_without_draining_drops_a_window_read_in_place() {
     let choice = StrategyChoice::Config(OffloadConfig {
@@ -349,6 +350,11 @@ fn inv3_disable_without_draining_drops_a_window_read_in_place() {
     let (v, leaks) = in_flight_with(&choice, &with(&[]), disable);
     assert!(v.is_empty() && leaks == 0, "{v:#?}");
     let (v, _) = in_flight_with(&choice, &with(&[PlantedBug::FreeWithoutDrain]), disable);
+    caught(&v, Invariant::NoEarlyFree, "pageable memory");
+    // Dropping the enabled runtime: drained, none; without the drain, seen.
+    let (v, leaks) = in_flight_with(&choice, &with(&[]), drop);
+    assert!(v.is_empty() && leaks == 0, "{v:#?}");
+    let (v, _) = in_flight_with(&choice, &with(&[PlantedBug::DropWithoutDrain]), drop);
     caught(&v, Invariant::NoEarlyFree, "pageable memory");
 }
 
