@@ -13,7 +13,10 @@ def declare(signatures):
         getattr(cu, f).argtypes = args
 
 
-declare({"cuCtxSetCurrent": [C.c_void_p]})
+declare({
+    "cuCtxSetCurrent": [C.c_void_p],
+    "cuEventElapsedTime": [C.POINTER(C.c_float), C.c_void_p, C.c_void_p],
+})
 
 
 def ok(rc, what):
@@ -35,3 +38,17 @@ def init():
     name = C.create_string_buffer(128)
     cu.cuDeviceGetName(name, 128, dev)
     return dev, ctx, name.value.decode()
+
+
+def event():
+    """A new timing event."""
+    e = C.c_void_p()
+    ok(cu.cuEventCreate(C.byref(e), 0), "cuEventCreate")
+    return e
+
+
+def ms(a, b):
+    """Milliseconds from event `a` to event `b`."""
+    t = C.c_float()
+    ok(cu.cuEventElapsedTime(C.byref(t), a, b), "cuEventElapsedTime")
+    return t.value

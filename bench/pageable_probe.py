@@ -35,7 +35,7 @@ import subprocess
 import threading
 import time
 
-from cuda_driver import cu, declare, init, ok
+from cuda_driver import cu, declare, event, init, ms, ok
 
 declare({
     "cuMemcpyHtoDAsync_v2": [C.c_uint64, C.c_void_p, C.c_size_t, C.c_void_p],
@@ -117,18 +117,6 @@ END:
   ret;
 }
 """
-
-
-def event():
-    e = C.c_void_p()
-    ok(cu.cuEventCreate(C.byref(e), 0), "cuEventCreate")
-    return e
-
-
-def ms(a, b):
-    t = C.c_float()
-    ok(cu.cuEventElapsedTime(C.byref(t), a, b), "cuEventElapsedTime")
-    return t.value
 
 
 def attr(dev, n):

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from cuda_driver import cu, declare, init, ok
+from cuda_driver import cu, declare, event, init, ms, ok
 
 declare({
     "cuMemHostRegister_v2": [C.c_void_p, C.c_size_t, C.c_uint],
@@ -36,18 +36,6 @@ declare({
 })
 
 READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
-
-
-def event():
-    e = C.c_void_p()
-    ok(cu.cuEventCreate(C.byref(e), 0), "cuEventCreate")
-    return e
-
-
-def ms(a, b):
-    t = C.c_float()
-    ok(cu.cuEventElapsedTime(C.byref(t), a, b), "cuEventElapsedTime")
-    return t.value
 
 
 def touch(buf, n):
