@@ -1624,6 +1624,19 @@ pub(crate) fn in_place_reads<A: Api>(
     }
 }
 
+/// The window of `unit` the device may read in place, where the weight
+/// source lends one: a read-only file window of exactly the unit's bytes
+/// (an anonymous page the device touches may migrate to device memory no
+/// budget counts).
+fn in_place_window<A: Api>(
+    h: &Handles<A>,
+    unit: &Unit,
+) -> Option<std::sync::Arc<dyn crate::device::HostRegion>> {
+    h.weights
+        .pageable_window(unit)
+        .filter(|w| w.read_only() && w.bytes().len() as u64 == unit.bytes)
+}
+
 /// A staged master of `unit` (counted, logged with `why`).
 fn staged_master<A: Api>(
     h: &Handles<A>,
@@ -1649,13 +1662,7 @@ fn staged_of<A: Api>(
     tally.units += 1;
     tally.bytes += bytes;
     if tally.in_place && coded.is_none() {
-        match h
-            .weights
-            .pageable_window(unit)
-            // A read-only file window only: an anonymous page the device
-            // touches may migrate to device memory no budget counts.
-            .filter(|w| w.read_only() && w.bytes().len() as u64 == unit.bytes)
-        {
+        match in_place_window(h, unit) {
             Some(window) => {
                 tally.read_in_place += 1;
                 tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged, read in place by the device ({why})", unit.name);
@@ -2529,9 +2536,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 _ if in_place
                     && block.shard.is_none()
                     && skip.is_empty()
-                    && h.weights.pageable_window(&block.unit).is_some_and(|w| {
-                        w.read_only() && w.bytes().len() as u64 == block.unit.bytes
-                    }) =>
+                    && in_place_window(h, &block.unit).is_some() =>
                 {
                     crate::budget::HostBlock {
                         pinned: block.unit.bytes,
