@@ -1,5 +1,5 @@
 """The CUDA driver API through ctypes, shared by the bench's probes
-(`pool_probe.py`, `register_on_the_fly.py`): the library, typed entry
+(`pool_probe.py`, `register_on_the_fly.py`, `pageable_probe.py`): the library, typed entry
 points, errors by name, and the primary context of device 0."""
 
 import ctypes as C
@@ -13,9 +13,16 @@ def declare(signatures):
         getattr(cu, f).argtypes = args
 
 
+# The entry points every probe uses: context, copies, events, streams.
 declare({
     "cuCtxSetCurrent": [C.c_void_p],
+    "cuMemcpyHtoDAsync_v2": [C.c_uint64, C.c_void_p, C.c_size_t, C.c_void_p],
+    "cuMemAllocHost_v2": [C.POINTER(C.c_void_p), C.c_size_t],
+    "cuMemAlloc_v2": [C.POINTER(C.c_uint64), C.c_size_t],
+    "cuEventRecord": [C.c_void_p, C.c_void_p],
+    "cuEventSynchronize": [C.c_void_p],
     "cuEventElapsedTime": [C.POINTER(C.c_float), C.c_void_p, C.c_void_p],
+    "cuStreamSynchronize": [C.c_void_p],
 })
 
 

@@ -38,13 +38,6 @@ import time
 from cuda_driver import cu, declare, event, init, ms, ok
 
 declare({
-    "cuMemcpyHtoDAsync_v2": [C.c_uint64, C.c_void_p, C.c_size_t, C.c_void_p],
-    "cuMemAllocHost_v2": [C.POINTER(C.c_void_p), C.c_size_t],
-    "cuMemAlloc_v2": [C.POINTER(C.c_uint64), C.c_size_t],
-    "cuEventRecord": [C.c_void_p, C.c_void_p],
-    "cuEventSynchronize": [C.c_void_p],
-    "cuEventElapsedTime": [C.POINTER(C.c_float), C.c_void_p, C.c_void_p],
-    "cuStreamSynchronize": [C.c_void_p],
     "cuDeviceGetAttribute": [C.POINTER(C.c_int), C.c_int, C.c_int],
     "cuModuleLoadData": [C.POINTER(C.c_void_p), C.c_char_p],
     "cuModuleGetFunction": [C.POINTER(C.c_void_p), C.c_void_p, C.c_char_p],

@@ -36,8 +36,6 @@ declare({
     "cuMemPoolCreate": [C.POINTER(C.c_void_p), C.c_void_p],
     "cuMemPoolDestroy": [C.c_void_p],
     "cuDeviceGetDefaultMemPool": [C.POINTER(C.c_void_p), C.c_int],
-    "cuStreamSynchronize": [C.c_void_p],
-    "cuCtxSetCurrent": [C.c_void_p],
     "cuMemGetInfo_v2": [C.POINTER(C.c_size_t), C.POINTER(C.c_size_t)],
     "cuMemHostAlloc": [C.POINTER(C.c_void_p), C.c_size_t, C.c_uint],
     "cuMemFreeHost": [C.c_void_p],

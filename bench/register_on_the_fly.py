@@ -25,14 +25,6 @@ from cuda_driver import cu, declare, event, init, ms, ok
 declare({
     "cuMemHostRegister_v2": [C.c_void_p, C.c_size_t, C.c_uint],
     "cuMemHostUnregister": [C.c_void_p],
-    "cuMemcpyHtoDAsync_v2": [C.c_uint64, C.c_void_p, C.c_size_t, C.c_void_p],
-    "cuMemAllocHost_v2": [C.POINTER(C.c_void_p), C.c_size_t],
-    "cuMemAlloc_v2": [C.POINTER(C.c_uint64), C.c_size_t],
-    "cuEventRecord": [C.c_void_p, C.c_void_p],
-    "cuEventSynchronize": [C.c_void_p],
-    "cuEventElapsedTime": [C.POINTER(C.c_float), C.c_void_p, C.c_void_p],
-    "cuStreamSynchronize": [C.c_void_p],
-    "cuCtxSetCurrent": [C.c_void_p],
 })
 
 READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
