@@ -558,8 +558,6 @@ struct State {
     /// queued before its region was dropped still sees it dropped when a
     /// new region takes the same address.
     pageable: BTreeMap<u64, PageableMem>,
-    /// The id of the live region at each address.
-    pageable_at: BTreeMap<usize, u64>,
     host_now_ns: u64,
     host_clock: VectorClock,
     streams: Vec<StreamState>,
@@ -726,11 +724,14 @@ impl State {
             ));
         }
         let d = self.divisor as usize;
-        let live = self.pageable_at.get(&at).copied().filter(|id| {
-            self.pageable.get(id).is_some_and(|p| {
-                std::sync::Weak::ptr_eq(&p.region, &std::sync::Arc::downgrade(region))
-            })
-        });
+        // The region's own allocation (a dropped one's stays allocated
+        // while its weak handle lives, so no new region shares it).
+        let weak = std::sync::Arc::downgrade(region);
+        let live = self
+            .pageable
+            .iter()
+            .find(|(_, p)| std::sync::Weak::ptr_eq(&p.region, &weak))
+            .map(|(&id, _)| id);
         let id = match live {
             Some(id) => id,
             None => {
@@ -754,11 +755,10 @@ impl State {
                 self.pageable.insert(
                     id,
                     PageableMem {
-                        region: std::sync::Arc::downgrade(region),
+                        region: weak,
                         mem: bytes.iter().step_by(d).copied().collect(),
                     },
                 );
-                self.pageable_at.insert(at, id);
                 id
             }
         };
@@ -923,7 +923,7 @@ impl State {
             Loc::Device(id) => self.device.get(&id)?.mem.as_deref(),
             Loc::Pinned(id) => Some(&self.pinned.get(&id)?.mem),
             Loc::Registered(id) => Some(&self.registered.get(&id)?.mem),
-            Loc::Pageable(at) => Some(&self.pageable.get(&at)?.mem),
+            Loc::Pageable(id) => Some(&self.pageable.get(&id)?.mem),
         }
     }
 
@@ -1515,7 +1515,6 @@ impl SimDevice {
                 host_threads: config.host_threads,
                 pageable_reads: config.pageable_reads,
                 pageable: BTreeMap::new(),
-                pageable_at: BTreeMap::new(),
                 host_now_ns: 0,
                 host_clock: VectorClock::new(1),
                 streams: vec![default_stream],
