@@ -1607,21 +1607,23 @@ impl Device<Cuda> for CudaDevice {
                 ),
             ));
         }
-        if matches!(src, HostSource::Pageable(_)) && !self.pageable_access {
-            return Err(invalid(
-                sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED,
-                format!(
-                    "reading {bytes} bytes of pageable memory in place: this device does not load pageable memory (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0: HMM needs the open kernel modules on Linux 6.1.24 or later, or ATS); stage it through pinned memory (staged_reads = \"fill\")"
-                ),
-            ));
-        }
-        let pageable = if matches!(src, HostSource::Pageable(_)) {
-            Some(
-                self.ctx
-                    .kernel(&self.ctx.pageable, PAGEABLE_PTX, c"read_pageable")?,
-            )
-        } else {
-            None
+        // A pageable source is read by the kernel, where the device loads
+        // pageable memory at all.
+        let pageable = match src {
+            HostSource::Pageable(_) if !self.pageable_access => {
+                return Err(invalid(
+                    sys::cudaError_enum::CUDA_ERROR_NOT_SUPPORTED,
+                    format!(
+                        "reading {bytes} bytes of pageable memory in place: this device does not load pageable memory (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0: HMM needs the open kernel modules on Linux 6.1.24 or later, or ATS); stage it through pinned memory (staged_reads = \"fill\")"
+                    ),
+                ));
+            }
+            HostSource::Pageable(_) => Some(self.ctx.kernel(
+                &self.ctx.pageable,
+                PAGEABLE_PTX,
+                c"read_pageable",
+            )?),
+            HostSource::Pinned(_) | HostSource::Registered(_) => None,
         };
         self.bind()?;
         self.perturb_raw(stream.raw)?;
