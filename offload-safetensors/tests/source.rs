@@ -620,8 +620,8 @@ fn blocks_declared_in_forward_order_are_windows_of_a_file_in_name_order() {
             copied_bytes: 0,
             staged_units: 0,
             staged_bytes: 0,
-            read_in_place_units: 0,
-            read_in_place_bytes: 0,
+            pageable_read_units: 0,
+            pageable_read_bytes: 0,
         },
         "every streamed block a window of the mapping, none copied"
     );
@@ -678,8 +678,8 @@ fn a_block_split_across_shards_is_copied_with_a_warning_naming_it() {
             copied_bytes: split,
             staged_units: 0,
             staged_bytes: 0,
-            read_in_place_units: 0,
-            read_in_place_bytes: 0,
+            pageable_read_units: 0,
+            pageable_read_bytes: 0,
         },
         "block 1 spans both shards: its master is the one copy"
     );

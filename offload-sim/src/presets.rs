@@ -1070,6 +1070,7 @@ impl WeightSource for SyntheticWeights {
 pub struct MappedWindows {
     inner: std::sync::Arc<dyn WeightSource>,
     divisor: u64,
+    asks: std::sync::atomic::AtomicU64,
 }
 
 impl MappedWindows {
@@ -1078,7 +1079,14 @@ impl MappedWindows {
         Self {
             inner,
             divisor: divisor.max(1),
+            asks: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// How many windows were asked for so far (each ask fills a fresh
+    /// one: what an `enable` costs the host).
+    pub fn asks(&self) -> u64 {
+        self.asks.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -1107,6 +1115,7 @@ impl WeightSource for MappedWindows {
         &self,
         unit: &offload_core::runtime::Unit,
     ) -> Option<std::sync::Arc<dyn offload_core::device::HostRegion>> {
+        self.asks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let len = usize::try_from(unit.bytes).ok()?.max(1);
         let mut map = memmap2::MmapMut::map_anon(len).ok()?;
         for e in &unit.entries {

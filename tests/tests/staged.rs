@@ -1913,6 +1913,69 @@ fn in_place_reads_are_bit_identical_and_pin_no_staging_ring() {
     assert!(host_peak(&o) <= below, "{} over {below}", host_peak(&o));
 }
 
+/// Under `"in_place"` the weight source is asked for each block's window
+/// once at `enable` (the host plan's answer is the one the staged master
+/// reads): every master staged and under a budget, the windows the
+/// source filled are exactly the blocks the plan looked at, and every
+/// staged block still reads in place. Red where the master asks again
+/// (the simulator's windows are filled on each ask: twice the work).
+#[test]
+fn in_place_windows_are_asked_for_once_at_enable() {
+    let want = resident();
+    let (streamed, ring, transient) = sizes();
+    let w = workload();
+    let o = reading_pageable(&[], 2, None);
+    for (pin, budget) in [
+        (Some(false), None),
+        (None, Some(streamed / 2 + ring + transient)),
+    ] {
+        let at = format!("pin {pin:?}, budget {budget:?}");
+        let windows = std::sync::Arc::new(offload_sim::presets::MappedWindows::new(
+            std::sync::Arc::new(offload_sim::presets::TrainedWeights::new(
+                o.seed,
+                &w.preset.pipeline,
+            )),
+            o.payload_divisor,
+        ));
+        let (done, log) = capture_logs(|| {
+            let mut rig = offload_sim::harness::Rig::with_weights(
+                w.preset.pipeline.clone(),
+                &o,
+                windows.clone(),
+            )
+            .unwrap();
+            rig.serve_workload(&w);
+            let choice = in_place(pin, budget);
+            offload_sim::harness::drive(
+                rig,
+                &choice,
+                &choice.config(),
+                &o,
+                w.requests,
+                |rig| rig.request(&w),
+                |_| {},
+            )
+            .unwrap()
+        });
+        assert_eq!(outputs(&done), want, "{at}");
+        assert!(all_violations(&done).is_empty(), "{at}");
+        let in_place = log.matches("streams staged, read in place").count() as u64;
+        let StrategyChoice::Config(filled) = layerwise(pin, budget) else {
+            unreachable!("staged_layerwise is a configuration")
+        };
+        let blocks = streamed_units(&w, filled, &opts(&[], 2, None)).len() as u64;
+        assert!(in_place > 0, "{at}: {log}");
+        // The plan asks once for each streamed block (a pinned one too: it
+        // sizes the plan before the budget picks).
+        assert_eq!(
+            windows.asks(),
+            blocks,
+            "{at}: {} windows filled for {blocks} streamed blocks, {in_place} read in place",
+            windows.asks()
+        );
+    }
+}
+
 /// `"in_place"` on a device that does not read pageable memory fails
 /// `enable` with a typed error naming the key and what is allowed, and a
 /// source without windows streams through the staging ring, logged.

@@ -104,8 +104,8 @@ fn layerwise_streams_every_block_from_the_file_and_computes_the_resident_output(
             copied_bytes: 0,
             staged_units: 0,
             staged_bytes: 0,
-            read_in_place_units: 0,
-            read_in_place_bytes: 0,
+            pageable_read_units: 0,
+            pageable_read_bytes: 0,
         },
         "every streamed block a window of the checkpoint: no byte copied to pinned memory"
     );

@@ -180,7 +180,9 @@ pub trait WeightSource: Send + Sync {
 /// frees them, so after `enable` it is what `enable` made.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostMasters {
-    /// Units registered in place.
+    /// Units registered in place (page-locked where they lie; a staged
+    /// unit the device reads where it lies is never locked:
+    /// `pageable_read_units`).
     pub in_place_units: u64,
     /// Their bytes.
     pub in_place_bytes: u64,
@@ -197,9 +199,9 @@ pub struct HostMasters {
     /// Of the staged units, those the device reads where they lie (a
     /// read-only window of a mapped checkpoint, on a device that reads
     /// pageable memory: `staged_reads`, CONTRACT §7c), with no host copy.
-    pub read_in_place_units: u64,
+    pub pageable_read_units: u64,
     /// Their bytes.
-    pub read_in_place_bytes: u64,
+    pub pageable_read_bytes: u64,
 }
 
 /// Where one storage's bytes are readable by device kernels now.

@@ -1489,7 +1489,13 @@ fn restage_rings<A: Api>(
         // SAFETY: no engine is built yet: no copy reads the master.
         unsafe {
             h.restage(&mut m.host, &m.unit.name, || {
-                staged_master(h, &m.unit, crate::budget::StageReason::Restaged, tally)
+                staged_master(
+                    h,
+                    &m.unit,
+                    None,
+                    crate::budget::StageReason::Restaged,
+                    tally,
+                )
             })
         }?;
     }
@@ -1637,22 +1643,34 @@ fn in_place_window<A: Api>(
         .filter(|w| w.read_only() && w.bytes().len() as u64 == unit.bytes)
 }
 
-/// A staged master of `unit` (counted, logged with `why`).
+/// The window the host plan took for a block it stages under
+/// `staged_reads = "in_place"` (CONTRACT §7c): `Some` holds its answer
+/// (`None` inside where the source lent no window), so the weight source
+/// is asked once per block at `enable`; `None` where the plan did not ask
+/// (a block staged after it: refused, restaged, or coded first).
+type PlannedWindow = Option<Option<std::sync::Arc<dyn crate::device::HostRegion>>>;
+
+/// A staged master of `unit` (counted, logged with `why`), read in place
+/// from `window` where the plan took one.
 fn staged_master<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
+    window: PlannedWindow,
     why: crate::budget::StageReason,
     tally: &mut StagedTally,
 ) -> HostMaster<A> {
-    staged_of(h, unit, None, why, tally)
+    staged_of(h, unit, None, window, why, tally)
 }
 
 /// A staged master of `unit`'s bytes, or of its coded bytes `coded`
-/// (counted, logged with `why`).
+/// (counted, logged with `why`); under `staged_reads = "in_place"` read
+/// where it lies from the plan's `window`, or from the source's where the
+/// plan took none.
 fn staged_of<A: Api>(
     h: &Handles<A>,
     unit: &Unit,
     coded: Option<std::sync::Arc<dyn crate::device::HostRegion>>,
+    window: PlannedWindow,
     why: crate::budget::StageReason,
     tally: &mut StagedTally,
 ) -> HostMaster<A> {
@@ -1662,7 +1680,11 @@ fn staged_of<A: Api>(
     tally.units += 1;
     tally.bytes += bytes;
     if tally.in_place && coded.is_none() {
-        match in_place_window(h, unit) {
+        let window = match window {
+            Some(planned) => planned,
+            _ => in_place_window(h, unit),
+        };
+        match window {
             Some(window) => {
                 tally.read_in_place += 1;
                 tracing::info!(unit = %unit.name, bytes, reason = %why, "`{}` streams staged, read in place by the device ({why})", unit.name);
@@ -1706,7 +1728,7 @@ fn staged_coded_master<A: Api>(
     }
     let region: std::sync::Arc<dyn crate::device::HostRegion> = coded.region.into();
     Some((
-        staged_of(h, unit, Some(region), why, tally),
+        staged_of(h, unit, Some(region), None, why, tally),
         (len, coded.work),
     ))
 }
@@ -1828,6 +1850,7 @@ fn pinned_or_staged<A: Api>(
             Ok(staged_master(
                 h,
                 unit,
+                None,
                 crate::budget::StageReason::Refused,
                 tally,
             ))
@@ -2521,11 +2544,25 @@ impl<A: Api> LayerwiseBackend<A> {
             })
             .collect();
         let lossless = config.compression() == crate::config::WeightCompression::Lossless;
+        let coded_first = |offer: &Option<crate::runtime::backend::CodedRegion>| {
+            offer.is_some() && (lossless || engine.bug(PlantedBug::HostPlanCodedUnderAuto))
+        };
+        // The window each block would be read in place from where staged,
+        // asked once here: the plan sizes by it, the staged master takes it.
+        let mut windows: Vec<PlannedWindow> = layout
+            .blocks()
+            .zip(&offers)
+            .map(|(block, offer)| {
+                (in_place && !coded_first(offer) && block.shard.is_none() && skip.is_empty())
+                    .then(|| in_place_window(h, &block.unit))
+            })
+            .collect();
         let sized: Vec<crate::budget::HostBlock> = layout
             .blocks()
             .zip(&offers)
-            .map(|(block, offer)| match offer {
-                Some(c) if lossless || engine.bug(PlantedBug::HostPlanCodedUnderAuto) => {
+            .zip(&windows)
+            .map(|((block, offer), window)| match (offer, window) {
+                (Some(c), _) if coded_first(offer) => {
                     let len = c.region.bytes().len() as u64;
                     crate::budget::HostBlock {
                         pinned: len,
@@ -2533,16 +2570,10 @@ impl<A: Api> LayerwiseBackend<A> {
                     }
                 }
                 // Read in place where staged: no staging ring for it.
-                _ if in_place
-                    && block.shard.is_none()
-                    && skip.is_empty()
-                    && in_place_window(h, &block.unit).is_some() =>
-                {
-                    crate::budget::HostBlock {
-                        pinned: block.unit.bytes,
-                        staged: 0,
-                    }
-                }
+                (_, Some(Some(_))) => crate::budget::HostBlock {
+                    pinned: block.unit.bytes,
+                    staged: 0,
+                },
                 _ => crate::budget::HostBlock::raw(block.unit.bytes),
             })
             .collect();
@@ -2558,6 +2589,7 @@ impl<A: Api> LayerwiseBackend<A> {
         };
         let masters_before = h.host_masters();
         let mut offers_at = offers.drain(..);
+        let mut windows_at = windows.drain(..);
         let hidden = self.hidden_rings(config, &layout, st.depth);
         for (spec, hidden) in layout.rings.iter().zip(hidden.iter().map(Option::is_some)) {
             st.rings.push(Ring {
@@ -2570,6 +2602,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 let unit = block.unit.clone();
                 let planned = staged_at.next().flatten();
                 let offer = offers_at.next().flatten();
+                let window = windows_at.next().flatten();
                 let (host, coded) = match (&block.shard, &self.codec, planned) {
                     // `"auto"` measures and converts pinned or registered
                     // coded masters at enable: its staged blocks stage raw.
@@ -2580,10 +2613,12 @@ impl<A: Api> LayerwiseBackend<A> {
                     {
                         match staged_coded_master(h, &unit, offer, why, &mut staged_log) {
                             Some((master, coded)) => (master, Some(coded)),
-                            None => (staged_master(h, &unit, why, &mut staged_log), None),
+                            None => (staged_master(h, &unit, window, why, &mut staged_log), None),
                         }
                     }
-                    (None, _, Some(why)) => (staged_master(h, &unit, why, &mut staged_log), None),
+                    (None, _, Some(why)) => {
+                        (staged_master(h, &unit, window, why, &mut staged_log), None)
+                    }
                     (Some(shard), _, _) => (
                         h.shard_master(
                             &unit,
@@ -2625,7 +2660,9 @@ impl<A: Api> LayerwiseBackend<A> {
                                     &mut staged_log,
                                 ) {
                                     Some((master, coded)) => (master, Some(coded)),
-                                    None => (staged_master(h, &unit, why, &mut staged_log), None),
+                                    None => {
+                                        (staged_master(h, &unit, None, why, &mut staged_log), None)
+                                    }
                                 }
                             }
                             CodedMaster::PinRefused { error, .. } => return Err(error),

@@ -626,7 +626,7 @@ impl<A: Api> Handles<A> {
         };
         tally(units, bytes);
         if matches!(master, HostMaster::Pageable(_)) {
-            tally(&mut m.read_in_place_units, &mut m.read_in_place_bytes);
+            tally(&mut m.pageable_read_units, &mut m.pageable_read_bytes);
         }
     }
 
