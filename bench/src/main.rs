@@ -1760,8 +1760,36 @@ fn run() -> Result<()> {
                 peak_info =
                     peak_info.max(free_before.saturating_sub(device.memory_info()?.free_bytes));
             }
-            // The engine's forecast of a staged step, from its own fill rate.
-            let inputs = forecast_inputs.borrow().get(&tokens).cloned();
+            // A file row's block bytes read since its enable: the shares
+            // read with `pread` and released after their read.
+            let file_shares = || {
+                spec.file
+                    .then(|| {
+                        let ((d0, m0, r0), (d1, m1, r1)) =
+                            (reads_before?, file_masters.as_ref()?.0.reads());
+                        let (direct, read) = (d1 - d0, (d1 - d0) + (m1 - m0));
+                        (read > 0)
+                            .then(|| (direct as f64 / read as f64, (r1 - r0) as f64 / read as f64))
+                    })
+                    .flatten()
+            };
+            // The engine's forecast of a staged step, from its own fill
+            // rate, its staged copies at the staged stream the row's fills
+            // ran beside (the heap's, or a file row's by its reader).
+            let row_stream = match (&file_masters, file_shares()) {
+                (Some((_, rates)), Some(shares)) => Some(file_reader_rates(rates, shares).1),
+                _ if spec.file => None,
+                _ => stream_gbps,
+            };
+            let inputs =
+                forecast_inputs
+                    .borrow()
+                    .get(&tokens)
+                    .cloned()
+                    .map(|i| budget::PlannerInputs {
+                        staged_stream_bytes_per_s: row_stream.map(|g| g * 1e9),
+                        ..i
+                    });
             let (forecast, chooser) = match (rt.backend(), inputs, staged_bytes > 0) {
                 (Some(b), Some(inputs), true) => (
                     b.staged_forecast(Some(&inputs))?,
@@ -1833,18 +1861,7 @@ fn run() -> Result<()> {
                 format!("{}-{tokens}", slug(&spec.name)),
                 timeline::to_trace(&spans),
             );
-            // A file row's block bytes read since its enable: the shares
-            // read with `pread` and released after their read.
-            let file_shares = spec
-                .file
-                .then(|| {
-                    let ((d0, m0, r0), (d1, m1, r1)) =
-                        (reads_before?, file_masters.as_ref()?.0.reads());
-                    let (direct, read) = (d1 - d0, (d1 - d0) + (m1 - m0));
-                    (read > 0)
-                        .then(|| (direct as f64 / read as f64, (r1 - r0) as f64 / read as f64))
-                })
-                .flatten();
+            let file_shares = file_shares();
             rows.push(Row {
                 run: spec.name.clone(),
                 tokens,
@@ -2241,13 +2258,8 @@ fn run() -> Result<()> {
         // after their read): the file read alone, and the file's staged
         // stream (its read beside the DMA, sharing the host's memory).
         if let (Some((_, rates)), Some(share)) = (&file_masters, r.file_pread_share) {
-            let (read, stream) = if share >= 0.5 {
-                (rates.pread, rates.pread_stream)
-            } else if r.file_released_share.unwrap_or(0.0) >= 0.5 {
-                (rates.mapped_released, rates.mapped_released_stream)
-            } else {
-                (rates.mapped, rates.mapped_stream)
-            };
+            let (read, stream) =
+                file_reader_rates(rates, (share, r.file_released_share.unwrap_or(0.0)));
             let pinned = streamed - r.staged_bytes as f64;
             let limit_at =
                 |g: f64| resident_step.max(pinned / (bw * 1e9) + r.staged_bytes as f64 / (g * 1e9));
@@ -2608,6 +2620,19 @@ fn print_compression_summary(rows: &[Row]) {
 }
 
 /// A file-name-safe form of a run's name.
+/// A file row's read rate alone and its staged stream beside the DMA,
+/// GB/s, by the reader most of its block bytes went through (`shares`:
+/// read with `pread`, released after their read).
+fn file_reader_rates(rates: &staged::FileRates, (pread, released): (f64, f64)) -> (f64, f64) {
+    if pread >= 0.5 {
+        (rates.pread, rates.pread_stream)
+    } else if released >= 0.5 {
+        (rates.mapped_released, rates.mapped_released_stream)
+    } else {
+        (rates.mapped, rates.mapped_stream)
+    }
+}
+
 fn slug(name: &str) -> String {
     name.chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })

@@ -45,6 +45,18 @@ pub struct PlannerInputs {
     /// its footprint stages blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_fill_bytes_per_s: Option<f64>,
+    /// The host→device rate of a staged stream (CONTRACT §7c), bytes per
+    /// second: pageable bytes filled into pinned staging buffers and
+    /// copied, the fills beside the copies. Both cross the host's memory,
+    /// so a running fill slows the DMA (on the lent H100s of 2026-12-07
+    /// and 08 it ran at 0.75–0.88 of the link). Where given, the
+    /// recurrence prices each staged block's copy at it (never faster
+    /// than at the link), so a plan or staged forecast whose host's
+    /// memory binds says so, not "the link". `None` (unmeasured): staged
+    /// copies at the link. A caller measures it (offload-bench does, as
+    /// its "staged stream"); the warm-up does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged_stream_bytes_per_s: Option<f64>,
     /// The device's decoder of coded blocks (CONTRACT §7b), bf16 bytes it
     /// writes per second: under a `device_budget` with `weight_compression`
     /// `"lossless"` or `"auto"`, each coded block's decode is priced at
@@ -178,6 +190,7 @@ impl PlannerInputs {
             copy_latency_s: latency(),
             copy_interference: 0.0,
             host_fill_bytes_per_s: None,
+            staged_stream_bytes_per_s: None,
             decode_bytes_per_s: None,
             decode_interference: None,
             max_depth: depth(),

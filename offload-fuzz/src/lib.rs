@@ -424,6 +424,11 @@ pub fn measurements(data: &[u8]) {
         "the host fill rate survives the saved form: {json}"
     );
     assert_eq!(
+        back.staged_stream_bytes_per_s.is_some(),
+        m.staged_stream_bytes_per_s.is_some(),
+        "the staged stream's rate survives the saved form: {json}"
+    );
+    assert_eq!(
         back.components.keys().collect::<Vec<_>>(),
         m.components.keys().collect::<Vec<_>>()
     );

@@ -231,6 +231,8 @@ pub fn staged_lookahead(
         fill_bytes_per_s: profile.host_fill_gbps * 1e9,
         buffers: usize::try_from(ring.buffers).unwrap_or(usize::MAX).max(1),
         part_bytes: ring.part_bytes.max(1),
+        // The simulated DMA runs at the link beside the host's fills.
+        stream_bytes_per_s: None,
     };
     budget::choose_staged_lookahead(&shape, host, slot_bytes, max_depth, None).map_err(chooser)
 }

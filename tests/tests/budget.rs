@@ -1337,6 +1337,92 @@ fn a_host_budget_leaves_room_for_the_block_a_phase_must_hold() {
 /// at a quarter of the link costs the request time; without the rate (or
 /// without a host budget) nothing changes. Red with the search pricing
 /// every block at the link (the slow host costs nothing).
+/// The staged stream's rate (`staged_stream_bytes_per_s`): a transfer-bound
+/// DiT under a host budget that stages about half of what streams, its
+/// fills fast (4× the link, so they never bind), its staged copies priced
+/// beside them. Below the link the plan's predicted time grows (its
+/// evaluator agrees with it), the DiT's reason names the staged copies'
+/// rate and what it costs; at or above the link nothing changes; a rate
+/// that is not a finite number above 0 is a typed error naming the key.
+/// Red with the recurrence's staged copies at the link.
+#[test]
+fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
+    use offload_core::budget::{HostLimits, plan_within};
+    let p = pipeline((10, 300, 10, 200, 4096), (4, 150), 300_000, 0);
+    let link = 1e9;
+    let base = PlannerInputs {
+        host_fill_bytes_per_s: Some(4.0 * link),
+        ..inputs(&p, link, 4, &[2e-4, 1e-4], &[50_000])
+    };
+    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
+    let device = total / 2;
+    let config = |host: u64| OffloadConfig {
+        host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
+        ..budget_config(device)
+    };
+    let limits = |host: u64| HostLimits {
+        budget: host,
+        source: format!("{host} B"),
+        readings: None,
+    };
+    let unbound = plan_within(
+        &p,
+        &config(u64::MAX / 8),
+        &base,
+        big(),
+        Some(limits(u64::MAX / 8)),
+    )
+    .unwrap();
+    let side = unbound.host.as_ref().unwrap();
+    let streamed = side.pinned_streamed_bytes + side.staged_bytes;
+    let host = side.peak_bytes - streamed / 2;
+    let plan_at = |stream: Option<f64>| {
+        let inp = PlannerInputs {
+            staged_stream_bytes_per_s: stream,
+            ..base.clone()
+        };
+        plan_within(&p, &config(host), &inp, big(), Some(limits(host))).map(|plan| (inp, plan))
+    };
+    let (_, plain) = plan_at(None).unwrap();
+    assert!(
+        !plain.host.as_ref().unwrap().staged_blocks.is_empty(),
+        "the host budget stages: {plain}"
+    );
+    let (_, fast) = plan_at(Some(2.0 * link)).unwrap();
+    assert_eq!(fast.predicted_request_s, plain.predicted_request_s);
+    let dit = fast.component("transformer").unwrap();
+    assert!(!dit.reason.contains("beside those fills"), "{}", dit.reason);
+    let (inp, slow) = plan_at(Some(0.5 * link)).unwrap();
+    let own = Evaluator::new(&p, &config(host), &inp)
+        .unwrap()
+        .with_host(limits(host))
+        .evaluate(&slow.choices())
+        .unwrap()
+        .request_s;
+    assert!(
+        (own - slow.predicted_request_s).abs() <= 1e-9 * own,
+        "predicted {} against its evaluator's {own}",
+        slow.predicted_request_s
+    );
+    assert!(
+        slow.predicted_request_s > plain.predicted_request_s * 1.05,
+        "staged copies at half the link cost time: {} against {}",
+        slow.predicted_request_s,
+        plain.predicted_request_s
+    );
+    let dit = slow.component("transformer").unwrap();
+    assert!(
+        dit.reason
+            .contains("its staged copies run at 0.5 GB/s beside those fills"),
+        "{}",
+        dit.reason
+    );
+    for bad in [0.0, -1.0, f64::NAN] {
+        let e = plan_at(Some(bad)).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("staged_stream_bytes_per_s"), "{bad}: {e}");
+    }
+}
+
 #[test]
 fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
     use offload_core::budget::{HostLimits, plan_within};

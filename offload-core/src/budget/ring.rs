@@ -114,9 +114,27 @@ pub struct HostStage<'a> {
     /// than it is filled and copied in parts of it, in order, each part's
     /// copy after its own fill (the last part the rest).
     pub part_bytes: u64,
+    /// The host→device rate of a staged stream, bytes per second, where
+    /// measured ([`crate::budget::PlannerInputs::staged_stream_bytes_per_s`]):
+    /// a fill and the DMA beside it share the host's memory, so a staged
+    /// block's copy runs at it (never faster than its copy at the link).
+    /// `None`: at the link.
+    pub stream_bytes_per_s: Option<f64>,
 }
 
 impl HostStage<'_> {
+    /// Staged block `block`'s whole copy, seconds: `copy_s` (at the link),
+    /// or its staged bytes at the staged stream's rate where that is
+    /// slower (the DMA beside the fills).
+    fn staged_copy_s(&self, block: usize, copy_s: f64) -> f64 {
+        match self.stream_bytes_per_s {
+            Some(rate) if rate > 0.0 => {
+                copy_s.max(self.bytes.get(block).copied().unwrap_or(0) as f64 / rate)
+            }
+            _ => copy_s,
+        }
+    }
+
     /// The share of block `block`'s bytes each of its parts holds, in
     /// order (one part of 1.0 for a block within a staging buffer).
     fn part_fractions(&self, block: usize) -> impl Iterator<Item = f64> + use<> {
@@ -205,6 +223,7 @@ impl Fills {
             let hosted = match host {
                 Some(h) if staged => {
                     let buffers = h.buffers.max(1);
+                    let whole = h.staged_copy_s(block, copy_s[block]);
                     for frac in h.part_fractions(block) {
                         let q = self.staged_copies.len();
                         let buffer_free = if q >= buffers {
@@ -214,7 +233,7 @@ impl Fills {
                         };
                         self.t_host = self.t_host.max(buffer_free) + h.fill_s[block] * frac;
                         let start = self.t_copy.max(gate).max(self.t_host);
-                        self.t_copy = start + copy_s[block] * frac;
+                        self.t_copy = start + whole * frac;
                         self.staged_copies.push((start, self.t_copy));
                         // Each part's own window: between parts the copy
                         // engine waits for the host, slowing no kernel.
@@ -622,8 +641,9 @@ fn knee(predicted: &[f64], slot_bytes: u64, limit_s: f64) -> Lookahead {
 }
 
 /// What the recurrence forecasts of one ring whose masters are partly
-/// staged (CONTRACT §7c), at the host fill rate its own fills ran at: the
-/// steady-state forward with the host stage ([`HostStage`]) and the three
+/// staged (CONTRACT §7c), at the host fill rate its own fills ran at (and
+/// its staged copies at the staged stream's rate, where measured): the
+/// steady-state forward with the host stage ([`HostStage`]) and the
 /// bounds beside it.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct StagedForecast {
@@ -648,16 +668,35 @@ pub struct StagedForecast {
     pub link_s: f64,
     /// The host's fills of one forward, seconds.
     pub fills_s: f64,
+    /// The staged stream's rate the forecast priced staged copies at,
+    /// bytes per second (`None`: at the link).
+    pub stream_bytes_per_s: Option<f64>,
+    /// Every streamed block's copy as the forecast priced it, seconds: a
+    /// staged block's at the staged stream's rate where that is given and
+    /// slower than the link (its DMA beside the fills, sharing the host's
+    /// memory), the rest at the link. `link_s` where no rate is given.
+    pub copies_s: f64,
 }
 
 impl StagedForecast {
-    /// The bound the forecast sits on: the largest of compute, the link
-    /// and the host's fills.
+    /// The staged path's own limit, seconds: the largest of compute, its
+    /// copies as priced (`copies_s`) and the host's fills.
+    pub fn limit_s(&self) -> f64 {
+        self.compute_s.max(self.copies_s).max(self.fills_s)
+    }
+
+    /// The bound the forecast sits on: the largest of compute, the copies
+    /// and the host's fills; the copies are "the host's memory" where the
+    /// staged stream's rate made them longer than the link's.
     pub fn bound(&self) -> &'static str {
-        if self.fills_s >= self.link_s && self.fills_s >= self.compute_s {
+        if self.fills_s >= self.copies_s && self.fills_s >= self.compute_s {
             "the host's fills"
-        } else if self.link_s >= self.compute_s {
-            "the link"
+        } else if self.copies_s >= self.compute_s {
+            if self.copies_s > self.link_s * (1.0 + TIE) {
+                "the host's memory (the DMA beside the fills)"
+            } else {
+                "the link"
+            }
         } else {
             "compute"
         }
@@ -666,13 +705,34 @@ impl StagedForecast {
 
 /// [`StagedForecast`] of `shape` with `host`'s staged blocks, each filled
 /// at `fill_bytes_per_s` (`staged_bytes[i]` bytes for block i), at
-/// `depth`. Typed errors on unusable input, as [`choose_lookahead`]'s, and
-/// on a fill rate that is not a finite number above 0.
+/// `depth`, their copies at the link. Typed errors on unusable input, as
+/// [`choose_lookahead`]'s, and on a fill rate that is not a finite number
+/// above 0. [`StagedRing::forecast`] prices the copies beside the fills
+/// where the staged stream's rate is given.
 pub fn forecast_staged(
     shape: &RingShape<'_>,
     staged: &[bool],
     staged_bytes: &[u64],
     fill_bytes_per_s: f64,
+    (depth, buffers, part_bytes): (usize, usize, u64),
+) -> Result<StagedForecast, BudgetError> {
+    forecast_beside(
+        shape,
+        staged,
+        staged_bytes,
+        (fill_bytes_per_s, None),
+        (depth, buffers, part_bytes),
+    )
+}
+
+/// [`forecast_staged`] with each staged block's copy at
+/// `stream_bytes_per_s` where given ([`HostStage::stream_bytes_per_s`]); a
+/// typed error where that is not a finite number above 0.
+fn forecast_beside(
+    shape: &RingShape<'_>,
+    staged: &[bool],
+    staged_bytes: &[u64],
+    (fill_bytes_per_s, stream_bytes_per_s): (f64, Option<f64>),
     (depth, buffers, part_bytes): (usize, usize, u64),
 ) -> Result<StagedForecast, BudgetError> {
     let n = shape.compute_s.len();
@@ -692,6 +752,17 @@ pub fn forecast_staged(
             input: "host fill rate".to_owned(),
             value: fill_bytes_per_s.to_string(),
             allowed: "a finite number of bytes per second above 0".to_owned(),
+        });
+    }
+    if let Some(rate) = stream_bytes_per_s
+        && !(rate.is_finite() && rate > 0.0)
+    {
+        return Err(BudgetError::Input {
+            input: "staged stream rate".to_owned(),
+            value: rate.to_string(),
+            allowed:
+                "a finite number of bytes per second above 0, or none (staged copies at the link)"
+                    .to_owned(),
         });
     }
     if buffers == 0 || part_bytes == 0 {
@@ -720,6 +791,7 @@ pub fn forecast_staged(
         buffers,
         bytes: staged_bytes,
         part_bytes,
+        stream_bytes_per_s,
     };
     let ends = hosted_ends(
         shape.compute_s,
@@ -747,6 +819,17 @@ pub fn forecast_staged(
             .filter(|&i| streamed(i))
             .map(|i| shape.copy_s[i])
             .sum(),
+        stream_bytes_per_s,
+        copies_s: (0..n)
+            .filter(|&i| streamed(i))
+            .map(|i| {
+                if staged[i] {
+                    host.staged_copy_s(i, shape.copy_s[i])
+                } else {
+                    shape.copy_s[i]
+                }
+            })
+            .sum(),
         // The fills of the streamed staged blocks (a resident block is
         // never filled, whatever its flag).
         fills_s: (0..n)
@@ -772,20 +855,25 @@ pub struct StagedRing<'a> {
     pub buffers: usize,
     /// Bytes of each staging buffer (a larger block goes in parts).
     pub part_bytes: u64,
+    /// The staged stream's host→device rate, bytes per second, where
+    /// measured ([`HostStage::stream_bytes_per_s`]); `None`: staged
+    /// copies at the link.
+    pub stream_bytes_per_s: Option<f64>,
 }
 
 impl StagedRing<'_> {
-    /// [`forecast_staged`] of `shape` with this host stage at `depth`.
+    /// [`forecast_staged`] of `shape` with this host stage at `depth`, its
+    /// staged copies at the staged stream's rate where given.
     pub fn forecast(
         &self,
         shape: &RingShape<'_>,
         depth: usize,
     ) -> Result<StagedForecast, BudgetError> {
-        forecast_staged(
+        forecast_beside(
             shape,
             self.staged,
             self.staged_bytes,
-            self.fill_bytes_per_s,
+            (self.fill_bytes_per_s, self.stream_bytes_per_s),
             (depth, self.buffers, self.part_bytes),
         )
     }
@@ -802,8 +890,9 @@ impl StagedRing<'_> {
 /// every master staged filling at 35 GB/s, the pinned chooser's depth ran
 /// 1.08–1.12 of the limit at 14,336–16,384 tokens; an H100 at 10,752
 /// tokens under an 8 GiB host budget ran 1.108 at depth 2 and 1.010–1.017
-/// at depth 8). The `limit_s` it returns is the staged path's:
-/// `max(compute, streamed copies, the host's fills)`. Typed errors as
+/// at depth 8). The `limit_s` it returns is the staged path's
+/// ([`StagedForecast::limit_s`]: `max(compute, streamed copies as priced,
+/// the host's fills)`). Typed errors as
 /// [`choose_lookahead`]'s and [`forecast_staged`]'s.
 pub fn choose_staged_lookahead(
     shape: &RingShape<'_>,
@@ -814,7 +903,7 @@ pub fn choose_staged_lookahead(
 ) -> Result<Lookahead, BudgetError> {
     let depths = allowed_depths(slot_bytes, max_depth, max_slot_memory_bytes)?;
     let first = host.forecast(shape, 1)?;
-    let limit_s = first.compute_s.max(first.link_s).max(first.fills_s);
+    let limit_s = first.limit_s();
     let mut predicted = vec![first.forward_s];
     for d in 2..=depths {
         predicted.push(host.forecast(shape, d)?.forward_s);
@@ -1026,6 +1115,7 @@ mod tests {
                 buffers,
                 bytes: &sizes,
                 part_bytes,
+                stream_bytes_per_s: None,
             };
             let mut f = Fills::new(1, 4);
             let ready = f.fill(0, &[], &[0, 1], &[copy, copy], (None, Some(host)));
@@ -1069,6 +1159,7 @@ mod tests {
             buffers: 2,
             bytes: &bytes,
             part_bytes: 1,
+            stream_bytes_per_s: None,
         };
         for depth in [1, 2, 3] {
             let ends = hosted_ends(
@@ -1113,6 +1204,7 @@ mod tests {
                             buffers,
                             bytes: &bytes,
                             part_bytes: 1,
+                            stream_bytes_per_s: None,
                         }),
                     ),
                     &resident,
@@ -1300,6 +1392,7 @@ mod tests {
                 buffers: 2,
                 bytes: &[],
                 part_bytes: 1,
+                stream_bytes_per_s: None,
             };
             let by_fills = hosted_copies_exposed(&compute, &free, Some(host), &resident, 2, 0.0);
             assert_eq!((by_link, by_fills), (want, want), "over by {over}");
@@ -1489,6 +1582,98 @@ mod tests {
         assert_eq!((capped.depth, capped.slot_memory_bytes), (2, 300));
     }
 
+    /// A ring bound by its copies at 4,608 tokens (Flux's blocks, compute
+    /// well under the copies), two blocks in three staged (an 8 GiB host
+    /// budget's share): with the staged stream's rate given below the link
+    /// (38 of 46.4 GB/s, an H100's of 2026-12-08), each staged block's copy
+    /// is priced at it, the copies sum to the pinned bytes at the link and
+    /// the staged ones at the stream, the forecast sits on them ("the
+    /// host's memory", about 1.15 of the link) where without it it sits on
+    /// the link; a rate at or above the link changes nothing, and one that
+    /// is not a finite number above 0 is a typed error. Red with the stream
+    /// ignored (copies at the link).
+    #[test]
+    fn staged_copies_beside_the_fills_are_priced_at_the_staged_stream() {
+        let link = 46.4e9;
+        let mut bytes = vec![680_000_000u64; 19];
+        bytes.extend([283_000_000u64; 38]);
+        let n = bytes.len();
+        let compute: Vec<f64> = bytes.iter().map(|b| *b as f64 / 200e9).collect();
+        let copy: Vec<f64> = bytes.iter().map(|b| *b as f64 / link).collect();
+        let resident = vec![false; n];
+        let shape = RingShape {
+            compute_s: &compute,
+            copy_s: &copy,
+            resident: &resident,
+            other_s: 0.0,
+            interference: 0.0,
+        };
+        let staged: Vec<bool> = (0..n).map(|i| i % 3 != 2).collect();
+        let at = |stream: Option<f64>| {
+            StagedRing {
+                staged: &staged,
+                staged_bytes: &bytes,
+                fill_bytes_per_s: 45e9,
+                buffers: 8,
+                part_bytes: 64 << 20,
+                stream_bytes_per_s: stream,
+            }
+            .forecast(&shape, 2)
+        };
+        let plain = at(None).unwrap();
+        assert_eq!(plain.bound(), "the link", "{plain:?}");
+        assert_eq!(plain.copies_s, plain.link_s);
+        let beside = at(Some(38e9)).unwrap();
+        let want: f64 = (0..n)
+            .map(|i| {
+                if staged[i] {
+                    bytes[i] as f64 / 38e9
+                } else {
+                    copy[i]
+                }
+            })
+            .sum();
+        assert!(
+            (beside.copies_s - want).abs() < 1e-9,
+            "{} against {want}",
+            beside.copies_s
+        );
+        assert_eq!(beside.link_s, plain.link_s);
+        assert_eq!(
+            beside.bound(),
+            "the host's memory (the DMA beside the fills)",
+            "{beside:?}"
+        );
+        assert!(beside.forward_s >= beside.copies_s, "{beside:?}");
+        let ratio = beside.forward_s / plain.forward_s;
+        assert!(
+            (1.10..1.20).contains(&ratio),
+            "{ratio}: {beside:?} {plain:?}"
+        );
+        assert!((beside.limit_s() - want).abs() < 1e-9, "{beside:?}");
+        // A stream no slower than the link: the plain forecast.
+        let fast = at(Some(2.0 * link)).unwrap();
+        assert_eq!(
+            (fast.forward_s, fast.copies_s, fast.bound()),
+            (plain.forward_s, plain.copies_s, plain.bound())
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = at(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("staged stream rate"), "{bad}: {e}");
+        }
+        // The chooser's limit is the forecast's.
+        let host = StagedRing {
+            staged: &staged,
+            staged_bytes: &bytes,
+            fill_bytes_per_s: 45e9,
+            buffers: 8,
+            part_bytes: 64 << 20,
+            stream_bytes_per_s: Some(38e9),
+        };
+        let l = choose_staged_lookahead(&shape, host, 700_000_000, 16, None).unwrap();
+        assert!((l.limit_s - want).abs() < 1e-9, "{l:?}");
+    }
+
     /// A ring whose pinned copies hide behind compute from depth 3 (Flux's
     /// blocks a little past the crossover, ms: double blocks of 13 ms
     /// compute and 12.4 ms copy, single blocks of 10 and 5.2) but whose
@@ -1523,6 +1708,7 @@ mod tests {
             fill_bytes_per_s: 45e9,
             buffers: 8,
             part_bytes: 64 << 20,
+            stream_bytes_per_s: None,
         };
         let pinned = choose_lookahead(&shape, 700_000_000, 16, None).unwrap();
         assert!(pinned.depth <= 3, "{pinned:?}");
@@ -1611,6 +1797,7 @@ mod tests {
             fill_bytes_per_s: 1.0,
             buffers: 2,
             part_bytes: 1,
+            stream_bytes_per_s: None,
         };
         let input = |r: Result<Lookahead, BudgetError>| match r {
             Err(BudgetError::Input { input, .. }) => input,

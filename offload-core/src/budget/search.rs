@@ -403,8 +403,14 @@ impl PComp {
         };
         let bytes: Vec<u64> = stack.iter().map(|b| b.bytes).collect();
         let largest = self.largest_staged(l, staged);
-        let host =
-            (!fill.is_empty()).then(|| host_stage(&mask, &fill, &bytes, (largest, self.budgeted)));
+        let host = (!fill.is_empty()).then(|| {
+            host_stage(
+                &mask,
+                &fill,
+                &bytes,
+                (largest, self.budgeted, inp.staged_stream_bytes_per_s),
+            )
+        });
         hosted_copies_exposed(&compute, &copy, host, r, l.depth, other)
     }
 
@@ -713,8 +719,14 @@ impl PComp {
                         }
                         _ => Vec::new(),
                     };
-                    let host = (!fill.is_empty())
-                        .then(|| host_stage(&mask, &fill, &staged_bytes, (largest, self.budgeted)));
+                    let host = (!fill.is_empty()).then(|| {
+                        host_stage(
+                            &mask,
+                            &fill,
+                            &staged_bytes,
+                            (largest, self.budgeted, inp.staged_stream_bytes_per_s),
+                        )
+                    });
                     let ends = hosted_ends(
                         &compute,
                         &copy,
@@ -2499,6 +2511,15 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             "a finite number > 0, or absent (staged blocks priced at the link)",
         );
     }
+    if let Some(rate) = inputs.staged_stream_bytes_per_s
+        && !positive(rate)
+    {
+        return bad(
+            "staged_stream_bytes_per_s",
+            rate.to_string(),
+            "a finite number > 0 (host→device bytes per second of a staged stream, its fills beside its copies), or absent (staged copies priced at the link)",
+        );
+    }
     if let Some(rate) = inputs.decode_bytes_per_s
         && !positive(rate)
     {
@@ -2812,7 +2833,6 @@ fn describe(
     let bring_in_s = c.bring_in_s(l, kept, inp);
     // The forwards' bytes over the link, per request.
     let link_s = c.forwards * on_link as f64 / link;
-    let transfer_s = bring_in_s + link_s;
     let coded: Vec<String> = c.coded_blocks(l).map(|b| b.path.clone()).collect();
     let decoded: u64 = c.coded_blocks(l).map(|b| b.bytes).sum();
     let decode_s = inp
@@ -2830,6 +2850,17 @@ fn describe(
     let fills_s = inp
         .host_fill_bytes_per_s
         .map_or(0.0, |rate| c.forwards * staged_bytes as f64 / rate);
+    // Staged copies at the staged stream's rate where it is slower than
+    // the link (the DMA beside the fills, as the recurrence prices them).
+    let beside = inp
+        .staged_stream_bytes_per_s
+        .filter(|g| *g < link && staged_bytes > 0 && inp.host_fill_bytes_per_s.is_some());
+    let beside_s = beside.map_or(0.0, |g| {
+        c.forwards * staged_bytes as f64 * (1.0 / g - 1.0 / link)
+    });
+    // Its copies as priced: at the link, staged ones beside the fills.
+    let copies_s = link_s + beside_s;
+    let transfer_s = bring_in_s + copies_s;
     let host_bound = streams && fills_s > compute_s && fills_s > transfer_s;
     let limit =
         if host_bound || streams && transfer_s > compute_s || !streams && bring_in_s > compute_s {
@@ -2985,6 +3016,13 @@ fn describe(
                 ""
             }
         ));
+        if let Some(g) = beside {
+            reason.push_str(&format!(
+                "; its staged copies run at {:.1} GB/s beside those fills (the staged stream: fills and the DMA share the host's memory), {} more than at the link",
+                g / 1e9,
+                secs(beside_s)
+            ));
+        }
     }
     if memory_binds {
         reason.push_str(&format!(
@@ -3006,7 +3044,7 @@ fn describe(
         kept,
         ph.time_s,
         &staged,
-        bring_in_s + link_s.max(compute_s).max(fills_s).max(decode_s),
+        bring_in_s + copies_s.max(compute_s).max(fills_s).max(decode_s),
     );
     if let Some(p) = &past_limit {
         reason.push_str(&format!(
@@ -3256,7 +3294,7 @@ fn host_stage<'a>(
     staged: &'a [bool],
     fill_s: &'a [f64],
     bytes: &'a [u64],
-    (largest, budgeted): (u64, bool),
+    (largest, budgeted, stream_bytes_per_s): (u64, bool, Option<f64>),
 ) -> HostStage<'a> {
     let layout = super::host::staging_layout(largest, budgeted);
     HostStage {
@@ -3265,6 +3303,7 @@ fn host_stage<'a>(
         buffers: layout.buffers as usize,
         bytes,
         part_bytes: layout.part_bytes,
+        stream_bytes_per_s,
     }
 }
 

@@ -3026,6 +3026,7 @@ impl<A: Api> LayerwiseBackend<A> {
                 fill_bytes_per_s: rate,
                 buffers,
                 part_bytes,
+                stream_bytes_per_s: inputs.staged_stream_bytes_per_s,
             };
             let slot_bytes = ring.blocks.iter().map(|m| m.unit.bytes).max().unwrap_or(0);
             let value = f(&shape, host, st.depth, slot_bytes)
