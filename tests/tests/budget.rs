@@ -1421,6 +1421,44 @@ fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
         let e = plan_at(Some(bad)).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("staged_stream_bytes_per_s"), "{bad}: {e}");
     }
+    // A rate so small its copies would take forever (NaN plans, before
+    // the floor): a typed error, for each rate the planner reads.
+    for tiny in [1e-300, f64::MIN_POSITIVE, 0.5] {
+        let e = plan_at(Some(tiny)).map(|_| ()).unwrap_err().to_string();
+        assert!(
+            e.contains("staged_stream_bytes_per_s") && e.contains("≥ 1"),
+            "{tiny}: {e}"
+        );
+        for (key, inp) in [
+            (
+                "host_fill_bytes_per_s",
+                PlannerInputs {
+                    host_fill_bytes_per_s: Some(tiny),
+                    ..base.clone()
+                },
+            ),
+            (
+                "link_bytes_per_s",
+                PlannerInputs {
+                    link_bytes_per_s: tiny,
+                    ..base.clone()
+                },
+            ),
+            (
+                "decode_bytes_per_s",
+                PlannerInputs {
+                    decode_bytes_per_s: Some(tiny),
+                    ..base.clone()
+                },
+            ),
+        ] {
+            let e = plan_within(&p, &config(host), &inp, big(), Some(limits(host)))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{key} {tiny}: {e}");
+        }
+    }
 }
 
 #[test]

@@ -2476,7 +2476,9 @@ fn component_list(resolved: &crate::plan::ResolvedPlan) -> String {
 }
 
 fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), BudgetError> {
-    let positive = |x: f64| x.is_finite() && x > 0.0;
+    // A rate of at least a byte a second: every block's time stays
+    // finite (2^64 bytes at 1 B/s is 1.8e19 s), so no plan is NaN.
+    let rate_ok = |x: f64| x.is_finite() && x >= 1.0;
     let non_negative = |x: f64| x.is_finite() && x >= 0.0;
     let bad = |input: &str, value: String, allowed: &str| {
         Err(BudgetError::Input {
@@ -2495,38 +2497,38 @@ fn check_inputs(pipeline: &Pipeline, inputs: &PlannerInputs) -> Result<(), Budge
             ),
         );
     }
-    if !positive(inputs.link_bytes_per_s) {
+    if !rate_ok(inputs.link_bytes_per_s) {
         return bad(
             "link_bytes_per_s",
             inputs.link_bytes_per_s.to_string(),
-            "a finite number > 0",
+            "a finite number ≥ 1 (bytes per second)",
         );
     }
     if let Some(rate) = inputs.host_fill_bytes_per_s
-        && !positive(rate)
+        && !rate_ok(rate)
     {
         return bad(
             "host_fill_bytes_per_s",
             rate.to_string(),
-            "a finite number > 0, or absent (staged blocks priced at the link)",
+            "a finite number ≥ 1 (bytes per second), or absent (staged blocks priced at the link)",
         );
     }
     if let Some(rate) = inputs.staged_stream_bytes_per_s
-        && !positive(rate)
+        && !rate_ok(rate)
     {
         return bad(
             "staged_stream_bytes_per_s",
             rate.to_string(),
-            "a finite number > 0 (host→device bytes per second of a staged stream, its fills beside its copies), or absent (staged copies priced at the link)",
+            "a finite number ≥ 1 (host→device bytes per second of a staged stream, its fills beside its copies), or absent (staged copies priced at the link)",
         );
     }
     if let Some(rate) = inputs.decode_bytes_per_s
-        && !positive(rate)
+        && !rate_ok(rate)
     {
         return bad(
             "decode_bytes_per_s",
             rate.to_string(),
-            "a finite number > 0 (bf16 bytes the decoder writes per second), or absent",
+            "a finite number ≥ 1 (bf16 bytes the decoder writes per second), or absent",
         );
     }
     checked_decode_interference(inputs)?;
