@@ -475,8 +475,10 @@ pub fn small_pipeline() -> &'static Pipeline {
 /// encoder) from `PlannerInputs` parsed from the input (measurements a
 /// second start reloads, or a caller writes: untrusted), for a budget of a
 /// size and of `"auto"`, with `weight_compression` `"none"`, `"lossless"`
-/// or `"auto"` by the input's first byte: a plan or a typed error, never
-/// a panic, a hang or an unbounded allocation.
+/// or `"auto"` by the input's first byte, and the host side by its length
+/// (every master pinned, a host budget of a size, or every master staged:
+/// the inputs' fill and staged stream rates priced, CONTRACT §7c): a plan
+/// or a typed error, never a panic, a hang or an unbounded allocation.
 pub fn planner(data: &[u8]) {
     let Ok(inputs) = PlannerInputs::from_json_str(&text(data)) else {
         return;
@@ -490,6 +492,11 @@ pub fn planner(data: &[u8]) {
         Some(2) => "\nweight_compression = \"auto\"",
         _ => "",
     };
+    let host = match data.len() % 3 {
+        1 => "\nhost_budget = \"24KiB\"",
+        2 => "\npin_cpu_memory = false",
+        _ => "",
+    };
     for (budget, memory) in [
         (r#"device_budget = "40KiB""#, DeviceMemory::of(1 << 30)),
         (
@@ -500,7 +507,7 @@ pub fn planner(data: &[u8]) {
             },
         ),
     ] {
-        let config = OffloadConfig::from_toml_str(&format!("{budget}{compression}"))
+        let config = OffloadConfig::from_toml_str(&format!("{budget}{compression}{host}"))
             .expect("a fixed budget parses");
         match budget::plan(pipeline, &config, &inputs, memory) {
             Ok(plan) => {
