@@ -2619,7 +2619,6 @@ fn print_compression_summary(rows: &[Row]) {
     }
 }
 
-/// A file-name-safe form of a run's name.
 /// A file row's read rate alone and its staged stream beside the DMA,
 /// GB/s, by the reader most of its block bytes went through (`shares`:
 /// read with `pread`, released after their read).
@@ -2633,6 +2632,7 @@ fn file_reader_rates(rates: &staged::FileRates, (pread, released): (f64, f64)) -
     }
 }
 
+/// A file-name-safe form of a run's name.
 fn slug(name: &str) -> String {
     name.chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })

@@ -1328,23 +1328,19 @@ fn a_host_budget_leaves_room_for_the_block_a_phase_must_hold() {
     );
 }
 
-/// Under a host budget the planner prices a staged block's fill at the
-/// host's fill rate where its inputs carry one (CONTRACT §7c): the
-/// recurrence's host stage, two staging buffers, one fill at a time beside
-/// the copies. Its prediction is its own evaluator's under the host
-/// budget; the plan it picks at each rate is no slower, priced at that
-/// rate, than the plan it picks with the fills unpriced; a host that fills
-/// at a quarter of the link costs the request time; without the rate (or
-/// without a host budget) nothing changes. Red with the search pricing
-/// every block at the link (the slow host costs nothing).
 /// The staged stream's rate (`staged_stream_bytes_per_s`): a transfer-bound
 /// DiT under a host budget that stages about half of what streams, its
 /// fills fast (4× the link, so they never bind), its staged copies priced
 /// beside them. Below the link the plan's predicted time grows (its
 /// evaluator agrees with it), the DiT's reason names the staged copies'
-/// rate and what it costs; at or above the link nothing changes; a rate
-/// that is not a finite number above 0 is a typed error naming the key.
-/// Red with the recurrence's staged copies at the link.
+/// rate and what it costs (four times the fills' time, less latencies, at
+/// half the link with fills at 4×), the copies it prints add up, the step
+/// sits within 5 % of its bound, and where compute lies between the copies
+/// at the link and beside the fills the link binds; at or above the link
+/// nothing changes; a rate under a byte a second is a typed error naming
+/// the key (as for the other rates). Red with the recurrence's staged
+/// copies at the link, and with `describe`'s transfer, bound or cost left
+/// at the link.
 #[test]
 fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
     use offload_core::budget::{HostLimits, plan_within};
@@ -1421,6 +1417,59 @@ fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
         let e = plan_at(Some(bad)).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("staged_stream_bytes_per_s"), "{bad}: {e}");
     }
+    // The reason's figures: the copies beside the fills cost what the
+    // recurrence charges, each staged block's bytes at the stream less its
+    // copy at the link (at half the link, its bytes at the link again, less
+    // a latency: four times the fills at 4× the link, less the latencies),
+    // and the copies it prints with them are the link's and that cost.
+    let figure = |text: &str, before: &str| -> f64 {
+        let at = text
+            .find(before)
+            .unwrap_or_else(|| panic!("{before:?} in {text}"));
+        let words: Vec<&str> = text[..at].split_whitespace().collect();
+        let (n, unit) = (words[words.len() - 2], words[words.len() - 1]);
+        let n: f64 = n.trim_start_matches(',').parse().unwrap();
+        if unit.starts_with("ms") { n / 1e3 } else { n }
+    };
+    // Its bound is the copies beside the fills: the step sits on it.
+    let bound: f64 = {
+        let at = dit.reason.find("× its bound").expect("past its bound");
+        let word = dit.reason[..at].rsplit(' ').next().unwrap();
+        word.parse().unwrap()
+    };
+    assert!(bound < 1.05, "{bound}× its bound: {}", dit.reason);
+    let more = figure(&dit.reason, "more than at the link");
+    let fills = figure(&dit.reason, "in all; its staged copies");
+    assert!(
+        (3.8 * fills..=4.0 * fills + 1e-4).contains(&more),
+        "{more} s more against fills of {fills} s: {}",
+        dit.reason
+    );
+    let over = figure(&dit.reason, "over the link at");
+    let with = figure(&dit.reason, "with its staged copies beside");
+    assert!(
+        (with - (over + more)).abs() <= 2e-4,
+        "{with} against {over} + {more}: {}",
+        dit.reason
+    );
+    // Where compute lies between the copies at the link and beside the
+    // fills, the stream decides what binds.
+    // Compute (45.0 ms) between the copies at the link (43.0 ms) and
+    // beside the fills (74.3 ms): the link binds, as the reason says.
+    let inp = PlannerInputs {
+        staged_stream_bytes_per_s: Some(0.5 * link),
+        host_fill_bytes_per_s: Some(4.0 * link),
+        ..inputs(&p, link, 4, &[1.0e-3, 1e-4], &[50_000])
+    };
+    let plan = plan_within(&p, &config(host), &inp, big(), Some(limits(host))).unwrap();
+    let dit = plan.component("transformer").unwrap();
+    let (over, with) = (
+        figure(&dit.reason, "over the link at"),
+        figure(&dit.reason, "with its staged copies beside"),
+    );
+    let compute = figure(&dit.reason, "of compute, so the");
+    assert!(over < compute && compute < with, "{}", dit.reason);
+    assert!(dit.reason.contains("so the link binds"), "{}", dit.reason);
     // A rate so small its copies would take forever (NaN plans, before
     // the floor): a typed error, for each rate the planner reads.
     for tiny in [1e-300, f64::MIN_POSITIVE, 0.5] {
@@ -1461,6 +1510,15 @@ fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
     }
 }
 
+/// Under a host budget the planner prices a staged block's fill at the
+/// host's fill rate where its inputs carry one (CONTRACT §7c): the
+/// recurrence's host stage, two staging buffers, one fill at a time beside
+/// the copies. Its prediction is its own evaluator's under the host
+/// budget; the plan it picks at each rate is no slower, priced at that
+/// rate, than the plan it picks with the fills unpriced; a host that fills
+/// at a quarter of the link costs the request time; without the rate (or
+/// without a host budget) nothing changes. Red with the search pricing
+/// every block at the link (the slow host costs nothing).
 #[test]
 fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
     use offload_core::budget::{HostLimits, plan_within};

@@ -2852,14 +2852,20 @@ fn describe(
     let fills_s = inp
         .host_fill_bytes_per_s
         .map_or(0.0, |rate| c.forwards * staged_bytes as f64 / rate);
-    // Staged copies at the staged stream's rate where it is slower than
-    // the link (the DMA beside the fills, as the recurrence prices them).
-    let beside = inp
-        .staged_stream_bytes_per_s
-        .filter(|g| *g < link && staged_bytes > 0 && inp.host_fill_bytes_per_s.is_some());
-    let beside_s = beside.map_or(0.0, |g| {
-        c.forwards * staged_bytes as f64 * (1.0 / g - 1.0 / link)
-    });
+    // Staged copies at the staged stream's rate where that is longer than
+    // the copy at the link (the DMA beside the fills), block by block as
+    // the recurrence prices them (`HostStage::staged_copy_s`).
+    let beside_s = match (inp.staged_stream_bytes_per_s, inp.host_fill_bytes_per_s) {
+        (Some(g), Some(_)) => {
+            c.forwards
+                * c.streamed_host(l)
+                    .filter(|(b, _)| staged.contains(&b.path))
+                    .map(|(_, n)| (n as f64 / g - (n as f64 / link + inp.copy_latency_s)).max(0.0))
+                    .sum::<f64>()
+        }
+        _ => 0.0,
+    };
+    let beside = inp.staged_stream_bytes_per_s.filter(|_| beside_s > 0.0);
     // Its copies as priced: at the link, staged ones beside the fills.
     let copies_s = link_s + beside_s;
     let transfer_s = bring_in_s + copies_s;
@@ -2910,13 +2916,21 @@ fn describe(
         ComponentMode::Streamed => {
             let resident = c.blocks() - l.resident.iter().flatten().filter(|x| !**x).count();
             format!(
-                "{} of its {} blocks stream ({} per forward, {} forward(s): {} over the link at {:.0} GB/s against {} of compute, so the {} binds); {} resident and its weights outside blocks are held ({}{})",
+                "{} of its {} blocks stream ({} per forward, {} forward(s): {} over the link at {:.0} GB/s{} against {} of compute, so the {} binds); {} resident and its weights outside blocks are held ({}{})",
                 c.blocks() - resident,
                 c.blocks(),
                 gb(streamed),
                 fwd(c.forwards),
                 secs(link_s),
                 link / 1e9,
+                if beside_s > 0.0 {
+                    format!(
+                        ", {} with its staged copies beside the host's fills",
+                        secs(copies_s)
+                    )
+                } else {
+                    String::new()
+                },
                 secs(compute_s),
                 limit,
                 resident,

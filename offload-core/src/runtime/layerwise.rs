@@ -1643,11 +1643,12 @@ fn in_place_window<A: Api>(
         .filter(|w| w.read_only() && w.bytes().len() as u64 == unit.bytes)
 }
 
-/// The window the host plan took for a block it stages under
-/// `staged_reads = "in_place"` (CONTRACT §7c): `Some` holds its answer
-/// (`None` inside where the source lent no window), so the weight source
-/// is asked once per block at `enable`; `None` where the plan did not ask
-/// (a block staged after it: refused, restaged, or coded first).
+/// The window the host plan took for a block under `staged_reads =
+/// "in_place"` (CONTRACT §7c): `Some` holds its answer (`None` inside
+/// where the source lent no window), so the weight source is asked once
+/// for a block the plan stages; `None` where the plan's answer is not
+/// carried (a block it coded first, and a block staged only after the
+/// plan, refused or restaged, which asks again).
 type PlannedWindow = Option<Option<std::sync::Arc<dyn crate::device::HostRegion>>>;
 
 /// A staged master of `unit` (counted, logged with `why`), read in place
