@@ -1328,6 +1328,36 @@ fn a_host_budget_leaves_room_for_the_block_a_phase_must_hold() {
     );
 }
 
+/// A device budget of half `p`'s bytes with a host budget of `host`
+/// bytes, and the host limits that budget resolves to.
+fn host_budgeted(p: &Pipeline, host: u64) -> (OffloadConfig, offload_core::budget::HostLimits) {
+    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
+    (
+        OffloadConfig {
+            host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
+            ..budget_config(total / 2)
+        },
+        offload_core::budget::HostLimits {
+            budget: host,
+            source: format!("{host} B"),
+            readings: None,
+        },
+    )
+}
+
+/// The host budget that stages about half of what streams under `inputs`
+/// (the unbounded plan's page-locked peak less half its streamed bytes),
+/// and that unbounded plan.
+fn half_staged(p: &Pipeline, inputs: &PlannerInputs) -> (u64, RequestPlan) {
+    let (config, limits) = host_budgeted(p, u64::MAX / 8);
+    let unbound =
+        offload_core::budget::plan_within(p, &config, inputs, big(), Some(limits)).unwrap();
+    let side = unbound.host.as_ref().unwrap();
+    let streamed = side.pinned_streamed_bytes + side.staged_bytes;
+    assert!(streamed > 0, "{unbound}");
+    (side.peak_bytes - streamed / 2, unbound)
+}
+
 /// The staged stream's rate (`staged_stream_bytes_per_s`): a transfer-bound
 /// DiT under a host budget that stages about half of what streams, its
 /// fills fast (4× the link, so they never bind), its staged copies priced
@@ -1343,35 +1373,15 @@ fn a_host_budget_leaves_room_for_the_block_a_phase_must_hold() {
 /// at the link.
 #[test]
 fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
-    use offload_core::budget::{HostLimits, plan_within};
+    use offload_core::budget::plan_within;
     let p = pipeline((10, 300, 10, 200, 4096), (4, 150), 300_000, 0);
     let link = 1e9;
     let base = PlannerInputs {
         host_fill_bytes_per_s: Some(4.0 * link),
         ..inputs(&p, link, 4, &[2e-4, 1e-4], &[50_000])
     };
-    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
-    let device = total / 2;
-    let config = |host: u64| OffloadConfig {
-        host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
-        ..budget_config(device)
-    };
-    let limits = |host: u64| HostLimits {
-        budget: host,
-        source: format!("{host} B"),
-        readings: None,
-    };
-    let unbound = plan_within(
-        &p,
-        &config(u64::MAX / 8),
-        &base,
-        big(),
-        Some(limits(u64::MAX / 8)),
-    )
-    .unwrap();
-    let side = unbound.host.as_ref().unwrap();
-    let streamed = side.pinned_streamed_bytes + side.staged_bytes;
-    let host = side.peak_bytes - streamed / 2;
+    let (config, limits) = (|h| host_budgeted(&p, h).0, |h| host_budgeted(&p, h).1);
+    let (host, _) = half_staged(&p, &base);
     let plan_at = |stream: Option<f64>| {
         let inp = PlannerInputs {
             staged_stream_bytes_per_s: stream,
@@ -1521,39 +1531,16 @@ fn staged_copies_are_priced_at_the_staged_stream_in_the_plan() {
 /// every block at the link (the slow host costs nothing).
 #[test]
 fn staged_blocks_are_priced_at_the_hosts_fill_rate() {
-    use offload_core::budget::{HostLimits, plan_within};
+    use offload_core::budget::plan_within;
     // A transfer-bound DiT (a double block, 14 h² = 1.26 MB, copies in
     // 1.26 ms at 1 GB/s and computes in 0.2 ms), an encoder and a VAE.
     let p = pipeline((10, 300, 10, 200, 4096), (4, 150), 300_000, 0);
     let link = 1e9;
     let base = inputs(&p, link, 4, &[2e-4, 1e-4], &[50_000]);
-    let total: u64 = p.storages().map(|(_, s)| s.bytes).sum();
-    let device = total / 2;
-    let config = |host: u64| OffloadConfig {
-        host_budget: Some(offload_core::bytes::HostBudget::Bytes(ByteSize::new(host))),
-        ..budget_config(device)
-    };
-    let limits = |host: u64| HostLimits {
-        budget: host,
-        source: format!("{host} B"),
-        readings: None,
-    };
+    let (config, limits) = (|h| host_budgeted(&p, h).0, |h| host_budgeted(&p, h).1);
     // A host budget that stages about half of what streams.
-    let unbound = plan_within(
-        &p,
-        &config(u64::MAX / 8),
-        &base,
-        big(),
-        Some(limits(u64::MAX / 8)),
-    )
-    .unwrap();
-    let streamed: u64 = unbound
-        .host
-        .as_ref()
-        .map(|h| h.pinned_streamed_bytes + h.staged_bytes)
-        .unwrap();
-    assert!(streamed > 0, "{unbound}");
-    let host = unbound.host.as_ref().unwrap().peak_bytes - streamed / 2;
+    let (host, unbound) = half_staged(&p, &base);
+    let device = p.storages().map(|(_, s)| s.bytes).sum::<u64>() / 2;
     let plan_at = |rate: Option<f64>| {
         let inp = PlannerInputs {
             host_fill_bytes_per_s: rate,

@@ -1913,6 +1913,28 @@ fn in_place_reads_are_bit_identical_and_pin_no_staging_ring() {
     assert!(host_peak(&o) <= below, "{} over {below}", host_peak(&o));
 }
 
+/// `w`'s requests served under `choice` from `weights` on a rig of `o`.
+fn serve_in_place(
+    w: &Workload,
+    o: &RunOptions,
+    weights: std::sync::Arc<dyn offload_core::runtime::WeightSource>,
+    choice: &StrategyChoice,
+) -> RunOutcome {
+    let mut rig =
+        offload_sim::harness::Rig::with_weights(w.preset.pipeline.clone(), o, weights).unwrap();
+    rig.serve_workload(w);
+    offload_sim::harness::drive(
+        rig,
+        choice,
+        &choice.config(),
+        o,
+        w.requests,
+        |rig| rig.request(w),
+        |_| {},
+    )
+    .unwrap()
+}
+
 /// Under `"in_place"` the weight source is asked for each block's window
 /// once at `enable` (the host plan's answer is the one the staged master
 /// reads): every master staged and under a budget, the windows the
@@ -1937,26 +1959,8 @@ fn in_place_windows_are_asked_for_once_at_enable() {
             )),
             o.payload_divisor,
         ));
-        let (done, log) = capture_logs(|| {
-            let mut rig = offload_sim::harness::Rig::with_weights(
-                w.preset.pipeline.clone(),
-                &o,
-                windows.clone(),
-            )
-            .unwrap();
-            rig.serve_workload(&w);
-            let choice = in_place(pin, budget);
-            offload_sim::harness::drive(
-                rig,
-                &choice,
-                &choice.config(),
-                &o,
-                w.requests,
-                |rig| rig.request(&w),
-                |_| {},
-            )
-            .unwrap()
-        });
+        let (done, log) =
+            capture_logs(|| serve_in_place(&w, &o, windows.clone(), &in_place(pin, budget)));
         assert_eq!(outputs(&done), want, "{at}");
         assert!(all_violations(&done).is_empty(), "{at}");
         let in_place = log.matches("streams staged, read in place").count() as u64;
@@ -1998,24 +2002,11 @@ fn in_place_reads_without_a_device_that_reads_pageable_memory_are_typed() {
     let w = workload();
     let o = reading_pageable(&[], 2, None);
     let (done, log) = capture_logs(|| {
-        let weights: std::sync::Arc<dyn offload_core::runtime::WeightSource> = std::sync::Arc::new(
-            offload_sim::presets::TrainedWeights::new(o.seed, &w.preset.pipeline),
-        );
-        let mut rig =
-            offload_sim::harness::Rig::with_weights(w.preset.pipeline.clone(), &o, weights)
-                .unwrap();
-        rig.serve_workload(&w);
-        let choice = in_place(Some(false), None);
-        offload_sim::harness::drive(
-            rig,
-            &choice,
-            &choice.config(),
-            &o,
-            w.requests,
-            |rig| rig.request(&w),
-            |_| {},
-        )
-        .unwrap()
+        let weights = std::sync::Arc::new(offload_sim::presets::TrainedWeights::new(
+            o.seed,
+            &w.preset.pipeline,
+        ));
+        serve_in_place(&w, &o, weights, &in_place(Some(false), None))
     });
     assert_eq!(outputs(&done), want);
     assert!(
