@@ -122,17 +122,28 @@ pub struct HostStage<'a> {
     pub stream_bytes_per_s: Option<f64>,
 }
 
+/// A staged block's whole copy beside the host's fills, seconds: `copy_s`
+/// (its copy at the link), or its staged `bytes` at the staged stream's
+/// rate where one is given and that is longer. The one pricing of a copy
+/// beside the fills: the recurrence's host stage and the request
+/// planner's reasons both take it.
+pub(crate) fn copy_beside_fills(copy_s: f64, bytes: u64, stream_bytes_per_s: Option<f64>) -> f64 {
+    match stream_bytes_per_s {
+        Some(rate) if rate > 0.0 => copy_s.max(bytes as f64 / rate),
+        _ => copy_s,
+    }
+}
+
 impl HostStage<'_> {
     /// Staged block `block`'s whole copy, seconds: `copy_s` (at the link),
     /// or its staged bytes at the staged stream's rate where that is
     /// slower (the DMA beside the fills).
     fn staged_copy_s(&self, block: usize, copy_s: f64) -> f64 {
-        match self.stream_bytes_per_s {
-            Some(rate) if rate > 0.0 => {
-                copy_s.max(self.bytes.get(block).copied().unwrap_or(0) as f64 / rate)
-            }
-            _ => copy_s,
-        }
+        copy_beside_fills(
+            copy_s,
+            self.bytes.get(block).copied().unwrap_or(0),
+            self.stream_bytes_per_s,
+        )
     }
 
     /// The share of block `block`'s bytes each of its parts holds, in
@@ -1609,17 +1620,15 @@ mod tests {
             interference: 0.0,
         };
         let staged: Vec<bool> = (0..n).map(|i| i % 3 != 2).collect();
-        let at = |stream: Option<f64>| {
-            StagedRing {
-                staged: &staged,
-                staged_bytes: &bytes,
-                fill_bytes_per_s: 45e9,
-                buffers: 8,
-                part_bytes: 64 << 20,
-                stream_bytes_per_s: stream,
-            }
-            .forecast(&shape, 2)
+        let ring = |stream: Option<f64>| StagedRing {
+            staged: &staged,
+            staged_bytes: &bytes,
+            fill_bytes_per_s: 45e9,
+            buffers: 8,
+            part_bytes: 64 << 20,
+            stream_bytes_per_s: stream,
         };
+        let at = |stream: Option<f64>| ring(stream).forecast(&shape, 2);
         let plain = at(None).unwrap();
         assert_eq!(plain.bound(), "the link", "{plain:?}");
         assert_eq!(plain.copies_s, plain.link_s);
@@ -1662,15 +1671,7 @@ mod tests {
             assert!(e.contains("staged stream rate"), "{bad}: {e}");
         }
         // The chooser's limit is the forecast's.
-        let host = StagedRing {
-            staged: &staged,
-            staged_bytes: &bytes,
-            fill_bytes_per_s: 45e9,
-            buffers: 8,
-            part_bytes: 64 << 20,
-            stream_bytes_per_s: Some(38e9),
-        };
-        let l = choose_staged_lookahead(&shape, host, 700_000_000, 16, None).unwrap();
+        let l = choose_staged_lookahead(&shape, ring(Some(38e9)), 700_000_000, 16, None).unwrap();
         assert!((l.limit_s - want).abs() < 1e-9, "{l:?}");
     }
 

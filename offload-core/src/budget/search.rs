@@ -2854,16 +2854,19 @@ fn describe(
         .map_or(0.0, |rate| c.forwards * staged_bytes as f64 / rate);
     // Staged copies at the staged stream's rate where that is longer than
     // the copy at the link (the DMA beside the fills), block by block as
-    // the recurrence prices them (`HostStage::staged_copy_s`).
-    let beside_s = match (inp.staged_stream_bytes_per_s, inp.host_fill_bytes_per_s) {
-        (Some(g), Some(_)) => {
-            c.forwards
-                * c.streamed_host(l)
-                    .filter(|(b, _)| staged.contains(&b.path))
-                    .map(|(_, n)| (n as f64 / g - (n as f64 / link + inp.copy_latency_s)).max(0.0))
-                    .sum::<f64>()
-        }
-        _ => 0.0,
+    // the recurrence prices them (its host stage, where fills are priced).
+    let beside_s = if inp.host_fill_bytes_per_s.is_some() {
+        c.forwards
+            * c.streamed_host(l)
+                .filter(|(b, _)| staged.contains(&b.path))
+                .map(|(_, n)| {
+                    let at_link = n as f64 / link + inp.copy_latency_s;
+                    super::ring::copy_beside_fills(at_link, n, inp.staged_stream_bytes_per_s)
+                        - at_link
+                })
+                .sum::<f64>()
+    } else {
+        0.0
     };
     let beside = inp.staged_stream_bytes_per_s.filter(|_| beside_s > 0.0);
     // Its copies as priced: at the link, staged ones beside the fills.
